@@ -1,0 +1,24 @@
+//! quota-core: the pure model of quotad.
+//!
+//! Everything here is deterministic: no I/O, no clock, no async, no global randomness. Time
+//! (`now_ms`) and random sources come in as arguments, so the daemon, the Raft state machine and
+//! the simulator all run this same code and a seed replays any run.
+//!
+//! # Layout
+//! - [`ids`]: validated tenant, policy and region ids; one-way hashing of raw identities.
+//! - [`policy`]: policies and their validation (every problem reported at once).
+//! - [`bucket`]: the reference token bucket, bit-exact with `lua/token_bucket.lua`.
+//! - [`window`]: the reference sliding window, exact with `lua/sliding_window.lua`.
+//! - [`keys`]: the Redis key schema.
+//! - [`coordinator`]: the replicated state machine `apply(state, command)`.
+
+pub mod bucket;
+pub mod coordinator;
+pub mod ids;
+pub mod keys;
+pub mod policy;
+pub mod window;
+
+pub use bucket::{BucketParams, BucketState, Decision};
+pub use ids::{hashed_id, IdError, PolicyName, RegionId, TenantId};
+pub use policy::{Algorithm, FailMode, Policy, PolicySpec, Tier, PPM};

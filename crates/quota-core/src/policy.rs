@@ -1,0 +1,279 @@
+//! Policies: what a tenant bought. A [`PolicySpec`] is untrusted input (from the admin API or a
+//! config file); [`PolicySpec::validate`] turns it into a [`Policy`] or reports every problem at
+//! once, so an operator fixes a request in one go.
+
+use serde::{Deserialize, Serialize};
+
+use crate::bucket::{MAX_CAPACITY_UT, MAX_RATE_UT_PER_S, UT};
+
+/// Parts per million: shares and floors are fractions of a budget in these units, so every
+/// replica and the Lua script compute with integers.
+pub const PPM: u32 = 1_000_000;
+
+/// The largest accepted window: 31 days.
+pub const MAX_WINDOW_MS: u64 = 31 * 24 * 3600 * 1000;
+
+/// The largest accepted burst: its capacity in micro-tokens must stay exact in Lua's doubles.
+pub const MAX_BURST: u64 = MAX_CAPACITY_UT / UT;
+
+/// The longest an empty bucket may take to fill: beyond this a policy is a typo.
+pub const MAX_FILL_MS: u64 = 10 * 365 * 24 * 3600 * 1000;
+
+/// Service tier. `critical` tenants are pinned to the region carrying most of their demand.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Tier {
+    #[default]
+    Standard,
+    Critical,
+}
+
+/// What a region does when its Redis is unavailable.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum FailMode {
+    /// Decide in process with a bucket at this region's share (the default).
+    #[default]
+    Local,
+    /// Admit everything, count it and alert.
+    Open,
+    /// Deny everything with 503.
+    Closed,
+}
+
+/// The decision algorithm.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Algorithm {
+    #[default]
+    TokenBucket,
+    SlidingWindow,
+}
+
+/// A validated policy: `limit` tokens per `window_ms`, bursting to `burst`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Policy {
+    pub limit: u64,
+    pub window_ms: u64,
+    /// Bucket capacity in whole tokens (default = limit).
+    pub burst: u64,
+    /// Bumped by the coordinator on every change; part of the Redis key.
+    pub version: u64,
+    pub tier: Tier,
+    pub fail_mode: FailMode,
+    /// The share reserved for each region even while it is cut off, in [`PPM`].
+    pub floor_ppm: u32,
+    pub algorithm: Algorithm,
+}
+
+/// Untrusted policy input. Numbers are `f64` so that negative, fractional, NaN and huge values
+/// reach validation and get a precise message instead of a generic parse error.
+#[derive(Debug, Clone, PartialEq, Default, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct PolicySpec {
+    pub limit: f64,
+    pub window_ms: f64,
+    #[serde(default)]
+    pub burst: Option<f64>,
+    #[serde(default)]
+    pub tier: Option<Tier>,
+    #[serde(default)]
+    pub fail_mode: Option<FailMode>,
+    /// Fraction of the budget reserved for each region, in [0, 1].
+    #[serde(default)]
+    pub floor: Option<f64>,
+    #[serde(default)]
+    pub algorithm: Option<Algorithm>,
+}
+
+/// One problem with a policy spec, naming the field.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, thiserror::Error)]
+#[error("{field}: {message}")]
+pub struct FieldError {
+    pub field: &'static str,
+    pub message: String,
+}
+
+/// Every problem found in a policy spec.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("invalid policy: {}", .0.iter().map(ToString::to_string).collect::<Vec<_>>().join("; "))]
+pub struct PolicyErrors(pub Vec<FieldError>);
+
+fn whole(
+    errors: &mut Vec<FieldError>,
+    field: &'static str,
+    v: f64,
+    min: u64,
+    max: u64,
+) -> Option<u64> {
+    let msg = if v.is_nan() {
+        "must be a number, not NaN".to_string()
+    } else if v.fract() != 0.0 || v.is_infinite() {
+        format!("must be a whole number (got {v})")
+    } else if v < min as f64 {
+        format!("must be at least {min} (got {v})")
+    } else if v > max as f64 {
+        format!("must be at most {max} (got {v})")
+    } else {
+        return Some(v as u64);
+    };
+    errors.push(FieldError { field, message: msg });
+    None
+}
+
+impl PolicySpec {
+    /// Validates the spec, reporting every problem at once. The version starts at 0; the
+    /// coordinator assigns the real one.
+    pub fn validate(&self) -> Result<Policy, PolicyErrors> {
+        let mut errors = Vec::new();
+        let limit = whole(&mut errors, "limit", self.limit, 1, MAX_BURST);
+        let window_ms = whole(&mut errors, "window_ms", self.window_ms, 1, MAX_WINDOW_MS);
+        let burst = match self.burst {
+            Some(b) => whole(&mut errors, "burst", b, 1, MAX_BURST),
+            None => limit,
+        };
+        let floor_ppm = match self.floor {
+            None => Some(0),
+            Some(f) if f.is_nan() || !(0.0..=1.0).contains(&f) => {
+                errors.push(FieldError {
+                    field: "floor",
+                    message: format!("must be a fraction between 0 and 1 (got {f})"),
+                });
+                None
+            }
+            Some(f) => Some((f * f64::from(PPM)).round() as u32),
+        };
+        if let (Some(limit), Some(window_ms)) = (limit, window_ms) {
+            // Whole-budget refill in micro-tokens per second must stay exact in Lua.
+            let rate = u128::from(limit) * u128::from(UT) * 1000 / u128::from(window_ms);
+            if rate > u128::from(MAX_RATE_UT_PER_S) {
+                errors.push(FieldError {
+                    field: "limit",
+                    message: format!(
+                        "refills faster than {} tokens per second; use a larger unit",
+                        MAX_RATE_UT_PER_S / UT
+                    ),
+                });
+            }
+            if let Some(burst) = burst {
+                let fill = u128::from(burst) * u128::from(window_ms) / u128::from(limit);
+                if fill > u128::from(MAX_FILL_MS) {
+                    errors.push(FieldError {
+                        field: "burst",
+                        message: "an empty bucket would take more than 10 years to refill"
+                            .to_string(),
+                    });
+                }
+            }
+        }
+        match (limit, window_ms, burst, floor_ppm) {
+            (Some(limit), Some(window_ms), Some(burst), Some(floor_ppm)) if errors.is_empty() => {
+                Ok(Policy {
+                    limit,
+                    window_ms,
+                    burst,
+                    version: 0,
+                    tier: self.tier.unwrap_or_default(),
+                    fail_mode: self.fail_mode.unwrap_or_default(),
+                    floor_ppm,
+                    algorithm: self.algorithm.unwrap_or_default(),
+                })
+            }
+            _ => Err(PolicyErrors(errors)),
+        }
+    }
+}
+
+/// Why a check is refused before any bucket is touched.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum CostError {
+    #[error("cost must be at least 1")]
+    Zero,
+    #[error("cost {cost} exceeds the policy's burst of {burst}: it can never succeed")]
+    ExceedsBurst { cost: u64, burst: u64 },
+}
+
+impl Policy {
+    /// Checks a request's cost against the policy. A cost above the burst could never be admitted
+    /// and is refused outright rather than left waiting for ever.
+    pub fn check_cost(&self, cost: u64) -> Result<(), CostError> {
+        if cost == 0 {
+            Err(CostError::Zero)
+        } else if cost > self.burst {
+            Err(CostError::ExceedsBurst { cost, burst: self.burst })
+        } else {
+            Ok(())
+        }
+    }
+
+    /// Whole-budget refill rate in micro-tokens per second.
+    pub fn rate_ut_per_s(&self) -> u64 {
+        (u128::from(self.limit) * u128::from(UT) * 1000 / u128::from(self.window_ms)) as u64
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn spec(limit: f64, window_ms: f64) -> PolicySpec {
+        PolicySpec { limit, window_ms, ..PolicySpec::default() }
+    }
+
+    #[test]
+    fn defaults_burst_to_limit() {
+        let p = spec(100.0, 60_000.0).validate().unwrap();
+        assert_eq!((p.limit, p.window_ms, p.burst), (100, 60_000, 100));
+        assert_eq!(p.tier, Tier::Standard);
+        assert_eq!(p.fail_mode, FailMode::Local);
+        assert_eq!(p.algorithm, Algorithm::TokenBucket);
+    }
+
+    #[test]
+    fn reports_every_problem_at_once() {
+        let s = PolicySpec {
+            limit: -1.0,
+            window_ms: 0.0,
+            burst: Some(0.5),
+            floor: Some(f64::NAN),
+            ..PolicySpec::default()
+        };
+        let errs = s.validate().unwrap_err().0;
+        let fields: Vec<_> = errs.iter().map(|e| e.field).collect();
+        assert_eq!(fields, ["limit", "window_ms", "burst", "floor"]);
+    }
+
+    #[test]
+    fn rejects_nan_infinite_and_overflowing_numbers() {
+        for bad in [f64::NAN, f64::INFINITY, 1e300, 2.5, 0.0] {
+            assert!(spec(bad, 1000.0).validate().is_err(), "limit {bad}");
+            assert!(spec(10.0, bad).validate().is_err(), "window {bad}");
+        }
+        assert!(spec(10.0, (MAX_WINDOW_MS + 1) as f64).validate().is_err());
+        assert!(spec((MAX_BURST + 1) as f64, 1e9).validate().is_err());
+    }
+
+    #[test]
+    fn rejects_absurd_rates_and_fill_times() {
+        // 10^7 tokens per ms is beyond exact Lua arithmetic.
+        assert!(spec(1e9, 100.0).validate().is_err());
+        // One token per 31 days with a burst of a billion: never refills in practice.
+        let s = PolicySpec { burst: Some(1e9), ..spec(1.0, MAX_WINDOW_MS as f64) };
+        assert_eq!(s.validate().unwrap_err().0[0].field, "burst");
+    }
+
+    #[test]
+    fn cost_checks() {
+        let p = spec(10.0, 1000.0).validate().unwrap();
+        assert_eq!(p.check_cost(0), Err(CostError::Zero));
+        assert_eq!(p.check_cost(10), Ok(()));
+        assert_eq!(p.check_cost(11), Err(CostError::ExceedsBurst { cost: 11, burst: 10 }));
+    }
+
+    #[test]
+    fn unknown_fields_are_rejected() {
+        let r: Result<PolicySpec, _> =
+            serde_json::from_str(r#"{"limit": 1, "window_ms": 1, "bogus": 2}"#);
+        assert!(r.is_err());
+    }
+}
