@@ -1,1 +1,307 @@
-//! Placeholder.
+//! Harness for quotad's system tests: real `quotad` processes (and real `redis-server`s through
+//! `redis-harness`) on loopback ports, with helpers to call their HTTP API and poll with
+//! deadlines instead of sleeping.
+//!
+//! The `quotad` binary is found next to the test executable (`target/<profile>/quotad`);
+//! `cargo nextest run --workspace` and `cargo test --workspace` build it. Run
+//! `cargo build -p quotad` first when testing this package alone.
+
+use std::net::TcpListener;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, ExitStatus, Stdio};
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Context as _};
+use serde_json::Value;
+
+/// The admin token every test daemon runs with.
+pub const TOKEN: &str = "system-test-token";
+
+/// The `quotad` binary built beside this test executable.
+pub fn quotad_binary() -> anyhow::Result<PathBuf> {
+    let exe = std::env::current_exe().context("locating the test executable")?;
+    // target/<profile>/deps/<test> → target/<profile>/quotad
+    let profile_dir = exe
+        .parent()
+        .and_then(Path::parent)
+        .context("the test executable has no target/<profile> directory")?;
+    let bin = profile_dir.join(format!("quotad{}", std::env::consts::EXE_SUFFIX));
+    if !bin.exists() {
+        bail!(
+            "{} is missing: build it first with `cargo build -p quotad` (cargo nextest run --workspace builds it)",
+            bin.display()
+        );
+    }
+    Ok(bin)
+}
+
+/// A free loopback port (bound, read, released).
+pub fn free_port() -> anyhow::Result<u16> {
+    let l = TcpListener::bind("127.0.0.1:0").context("binding an ephemeral port")?;
+    Ok(l.local_addr()?.port())
+}
+
+/// The path of the repository's `config/` directory.
+pub fn config_dir() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../config")
+}
+
+/// A running `quotad` process; killed on drop.
+#[derive(Debug)]
+pub struct Daemon {
+    child: Option<Child>,
+    pub api_port: u16,
+    pub dir: tempfile::TempDir,
+    log: PathBuf,
+    http: reqwest::Client,
+}
+
+/// A response: status and JSON body (`Null` when the body is not JSON).
+#[derive(Debug, Clone)]
+pub struct Reply {
+    pub status: u16,
+    pub headers: reqwest::header::HeaderMap,
+    pub body: Value,
+}
+
+impl Daemon {
+    /// Starts quotad with `config` (TOML; `{api}` is replaced by a free API port) and waits
+    /// until /readyz answers 200.
+    pub async fn start(config: &str) -> anyhow::Result<Self> {
+        let mut dir = tempfile::tempdir().context("creating a temp dir")?;
+        let mut last = None;
+        for _ in 0..3 {
+            let api_port = free_port()?;
+            let text = config.replace("{api}", &format!("127.0.0.1:{api_port}"));
+            let path = dir.path().join("quotad.toml");
+            std::fs::write(&path, text).context("writing the config")?;
+            let log = dir.path().join("quotad.log");
+            let logfile = std::fs::File::create(&log).context("creating the log file")?;
+            let child = Command::new(quotad_binary()?)
+                .arg("run")
+                .arg("--config")
+                .arg(&path)
+                .env("QUOTAD_ADMIN_TOKEN", TOKEN)
+                .env("QUOTAD_DATA_DIR", dir.path().join("data"))
+                .stdin(Stdio::null())
+                .stdout(Stdio::null())
+                .stderr(logfile)
+                .spawn()
+                .context("spawning quotad")?;
+            let mut d = Daemon {
+                child: Some(child),
+                api_port,
+                dir,
+                log,
+                http: reqwest::Client::builder()
+                    .timeout(Duration::from_secs(10))
+                    .build()?,
+            };
+            match d.wait_ready(Duration::from_secs(20)).await {
+                Ok(()) => return Ok(d),
+                Err(e) => {
+                    last = Some(e.context(d.log_text()));
+                    d.kill();
+                    dir = tempfile::tempdir()?;
+                }
+            }
+        }
+        Err(last.unwrap_or_else(|| anyhow::anyhow!("quotad did not start")))
+    }
+
+    /// Polls /readyz until 200 or the deadline; fails early if the process exits.
+    async fn wait_ready(&mut self, within: Duration) -> anyhow::Result<()> {
+        let deadline = Instant::now() + within;
+        loop {
+            if let Some(child) = self.child.as_mut() {
+                if let Some(status) = child.try_wait()? {
+                    bail!("quotad exited during start-up with {status}");
+                }
+            }
+            if let Ok(r) = self.get("/readyz").await {
+                if r.status == 200 {
+                    return Ok(());
+                }
+            }
+            if Instant::now() > deadline {
+                bail!("quotad not ready within {within:?}");
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+
+    /// The daemon's stderr so far.
+    pub fn log_text(&self) -> String {
+        std::fs::read_to_string(&self.log).unwrap_or_default()
+    }
+
+    /// `http://127.0.0.1:<port>`.
+    pub fn base(&self) -> String {
+        format!("http://127.0.0.1:{}", self.api_port)
+    }
+
+    /// True while the process runs.
+    pub fn is_running(&mut self) -> bool {
+        self.child
+            .as_mut()
+            .is_some_and(|c| matches!(c.try_wait(), Ok(None)))
+    }
+
+    /// Sends a request; `body` is sent as-is with `Content-Type: application/json`.
+    pub async fn request(
+        &self,
+        method: &str,
+        path: &str,
+        token: Option<&str>,
+        body: Option<String>,
+    ) -> anyhow::Result<Reply> {
+        let method = reqwest::Method::from_bytes(method.as_bytes())?;
+        let mut req = self.http.request(method, format!("{}{path}", self.base()));
+        if let Some(t) = token {
+            req = req.bearer_auth(t);
+        }
+        if let Some(b) = body {
+            req = req.header("content-type", "application/json").body(b);
+        }
+        let resp = req
+            .send()
+            .await
+            .with_context(|| format!("calling {path}"))?;
+        let status = resp.status().as_u16();
+        let headers = resp.headers().clone();
+        let bytes = resp.bytes().await?;
+        let body = serde_json::from_slice(&bytes).unwrap_or(Value::Null);
+        Ok(Reply {
+            status,
+            headers,
+            body,
+        })
+    }
+
+    pub async fn get(&self, path: &str) -> anyhow::Result<Reply> {
+        self.request("GET", path, None, None).await
+    }
+
+    /// Creates or replaces a policy with the admin token; fails unless 200.
+    pub async fn put_policy(
+        &self,
+        tenant: &str,
+        policy: &str,
+        spec: Value,
+    ) -> anyhow::Result<Value> {
+        let r = self
+            .request(
+                "PUT",
+                &format!("/v1/tenants/{tenant}/policies/{policy}"),
+                Some(TOKEN),
+                Some(spec.to_string()),
+            )
+            .await?;
+        if r.status != 200 {
+            bail!("PUT policy answered {}: {}", r.status, r.body);
+        }
+        Ok(r.body)
+    }
+
+    /// One check.
+    pub async fn check(&self, tenant: &str, policy: &str, cost: u64) -> anyhow::Result<Reply> {
+        let body = serde_json::json!({"tenant": tenant, "policy": policy, "cost": cost});
+        self.request("POST", "/v1/check", None, Some(body.to_string()))
+            .await
+    }
+
+    /// Sends SIGTERM and waits for the exit status.
+    pub async fn terminate(&mut self, within: Duration) -> anyhow::Result<ExitStatus> {
+        let Some(child) = self.child.as_mut() else {
+            bail!("not running")
+        };
+        let pid = child.id().to_string();
+        let status = Command::new("kill")
+            .args(["-TERM", &pid])
+            .status()
+            .context("running kill")?;
+        if !status.success() {
+            bail!("kill -TERM {pid} failed");
+        }
+        let deadline = Instant::now() + within;
+        loop {
+            if let Some(s) = child.try_wait()? {
+                self.child = None;
+                return Ok(s);
+            }
+            if Instant::now() > deadline {
+                bail!("quotad did not exit within {within:?} of SIGTERM");
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+
+    fn kill(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+}
+
+impl Drop for Daemon {
+    fn drop(&mut self) {
+        self.kill();
+    }
+}
+
+/// Polls `f` until it returns `Some` or `within` passes.
+pub async fn eventually<T, F, Fut>(within: Duration, every: Duration, mut f: F) -> Option<T>
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = Option<T>>,
+{
+    let deadline = Instant::now() + within;
+    loop {
+        if let Some(v) = f().await {
+            return Some(v);
+        }
+        if Instant::now() > deadline {
+            return None;
+        }
+        tokio::time::sleep(every).await;
+    }
+}
+
+/// A single-region config on the embedded store.
+pub fn embedded_config() -> String {
+    r#"
+region = "solo"
+[api]
+listen = "{api}"
+body_limit_bytes = 16384
+[telemetry]
+log_level = "info"
+"#
+    .to_string()
+}
+
+/// A single-region config on a Redis at `redis_url`, with short breaker and agent intervals.
+pub fn redis_config(redis_url: &str) -> String {
+    format!(
+        r#"
+region = "b"
+[api]
+listen = "{{api}}"
+[redis]
+url = "{redis_url}"
+timeout_ms = 100
+[breaker]
+failure_threshold = 2
+slow_call_ms = 100
+open_ms = 200
+[coordination]
+report_interval_ms = 200
+rebalance_interval_ms = 1000
+lease_ms = 5000
+drift_margin_ms = 200
+[telemetry]
+log_level = "info"
+"#
+    )
+}

@@ -3,14 +3,46 @@
 //! one script can touch them atomically.
 //!
 //! ```text
-//! qd:v1:{<tenant>}:<policy>:<version>:b   bucket state (hash), expires when idle
-//! qd:v1:{<tenant>}:<policy>:<version>:p   this region's bucket parameters (hash), no TTL
+//! qd:v1:{<tenant>}:<policy>:<version>:b   token-bucket state (hash), expires when idle
+//! qd:v1:{<tenant>}:<policy>:<version>:w   sliding-window state (hash), expires when idle
+//! qd:v1:{<tenant>}:<policy>:<version>:p   this region's parameters (hash), no TTL
+//! qd:v1:active                            activity index (set of state keys), standalone Redis
+//! qd:v1:{<slot tag>}:active               activity index of one cluster slot
 //! ```
+//!
+//! The activity index lists the state keys that decided anything since the last usage
+//! collection, so a collection costs O(active buckets). On Redis Cluster a script may only touch
+//! keys of one slot, so there is one index per slot, named with a short tag hashing to that slot
+//! ([`slot_tag`]).
 
 use crate::ids::{PolicyName, TenantId};
 
 /// The schema version in every key.
 pub const PREFIX: &str = "qd:v1:";
+
+/// The activity index on a standalone Redis.
+pub const ACTIVE_INDEX: &str = "qd:v1:active";
+
+/// Number of Redis Cluster hash slots.
+pub const SLOTS: u16 = 16384;
+
+/// What a state key holds.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum StateKind {
+    /// A token bucket (`:b`).
+    Bucket,
+    /// A sliding window (`:w`).
+    Window,
+}
+
+impl StateKind {
+    fn suffix(self) -> &'static str {
+        match self {
+            Self::Bucket => "b",
+            Self::Window => "w",
+        }
+    }
+}
 
 fn key(tenant: &TenantId, policy: &PolicyName, version: u64, kind: &str) -> String {
     format!("{PREFIX}{{{}}}:{}:{version}:{kind}", tenant.as_str(), policy.as_str())
@@ -21,9 +53,115 @@ pub fn bucket_key(tenant: &TenantId, policy: &PolicyName, version: u64) -> Strin
     key(tenant, policy, version, "b")
 }
 
+/// The sliding-window state key of a tenant's policy.
+pub fn window_key(tenant: &TenantId, policy: &PolicyName, version: u64) -> String {
+    key(tenant, policy, version, "w")
+}
+
+/// The state key of either kind.
+pub fn state_key(kind: StateKind, tenant: &TenantId, policy: &PolicyName, version: u64) -> String {
+    key(tenant, policy, version, kind.suffix())
+}
+
 /// The bucket-parameters key of a tenant's policy, beside its bucket.
 pub fn params_key(tenant: &TenantId, policy: &PolicyName, version: u64) -> String {
     key(tenant, policy, version, "p")
+}
+
+/// Parses a state key back into its parts; `None` for anything this schema did not write.
+pub fn parse_state_key(k: &str) -> Option<(StateKind, TenantId, PolicyName, u64)> {
+    let rest = k.strip_prefix(PREFIX)?.strip_prefix('{')?;
+    let (tenant, rest) = rest.split_once("}:")?;
+    let (policy, rest) = rest.split_once(':')?;
+    let (version, kind) = rest.split_once(':')?;
+    let kind = match kind {
+        "b" => StateKind::Bucket,
+        "w" => StateKind::Window,
+        _ => return None,
+    };
+    // Reject leading zeros or signs so parsing is the exact inverse of formatting.
+    let version_num: u64 = version.parse().ok()?;
+    if version_num.to_string() != version {
+        return None;
+    }
+    Some((kind, TenantId::new(tenant).ok()?, PolicyName::new(policy).ok()?, version_num))
+}
+
+/// The Redis Cluster slot of a key (CRC16/XMODEM of its hash tag, modulo 16384).
+pub fn key_slot(key: &str) -> u16 {
+    let bytes = key.as_bytes();
+    let tagged = bytes.iter().position(|&b| b == b'{').and_then(|open| {
+        let close = bytes[open + 1..].iter().position(|&b| b == b'}')?;
+        (close > 0).then(|| &bytes[open + 1..open + 1 + close])
+    });
+    crc16_xmodem(tagged.unwrap_or(bytes)) % SLOTS
+}
+
+/// A short hash tag whose slot is `slot`: the first of `0, 1, 2, …` (in base 36) that lands
+/// there. Every slot has one within a few hundred thousand candidates.
+pub fn slot_tag(slot: u16) -> String {
+    let slot = slot % SLOTS;
+    let mut n: u64 = 0;
+    loop {
+        let tag = base36(n);
+        if crc16_xmodem(tag.as_bytes()) % SLOTS == slot {
+            return tag;
+        }
+        n += 1;
+    }
+}
+
+/// The tags of every slot at once (index = slot), in one pass over the candidates.
+pub fn slot_tags() -> Vec<String> {
+    let mut tags = vec![String::new(); usize::from(SLOTS)];
+    let mut missing = usize::from(SLOTS);
+    let mut n: u64 = 0;
+    while missing > 0 {
+        let tag = base36(n);
+        let slot = usize::from(crc16_xmodem(tag.as_bytes()) % SLOTS);
+        if tags[slot].is_empty() {
+            tags[slot] = tag;
+            missing -= 1;
+        }
+        n += 1;
+    }
+    tags
+}
+
+/// The activity index of one cluster slot, given its tag from [`slot_tag`] or [`slot_tags`].
+pub fn slot_index_key_for_tag(tag: &str) -> String {
+    format!("{PREFIX}{{{tag}}}:active")
+}
+
+/// The activity index of one cluster slot.
+pub fn slot_index_key(slot: u16) -> String {
+    slot_index_key_for_tag(&slot_tag(slot))
+}
+
+fn base36(mut n: u64) -> String {
+    const DIGITS: &[u8; 36] = b"0123456789abcdefghijklmnopqrstuvwxyz";
+    let mut out = Vec::new();
+    loop {
+        out.push(DIGITS[(n % 36) as usize]);
+        n /= 36;
+        if n == 0 {
+            break;
+        }
+    }
+    out.reverse();
+    String::from_utf8(out).unwrap_or_default()
+}
+
+/// CRC16/XMODEM (poly 0x1021, init 0), the checksum Redis Cluster uses for slots.
+fn crc16_xmodem(data: &[u8]) -> u16 {
+    let mut crc: u16 = 0;
+    for &b in data {
+        crc ^= u16::from(b) << 8;
+        for _ in 0..8 {
+            crc = if crc & 0x8000 != 0 { (crc << 1) ^ 0x1021 } else { crc << 1 };
+        }
+    }
+    crc
 }
 
 #[cfg(test)]
@@ -35,6 +173,52 @@ mod tests {
         let t = TenantId::new("acme").unwrap();
         let p = PolicyName::new("writes").unwrap();
         assert_eq!(bucket_key(&t, &p, 3), "qd:v1:{acme}:writes:3:b");
+        assert_eq!(window_key(&t, &p, 3), "qd:v1:{acme}:writes:3:w");
         assert_eq!(params_key(&t, &p, 3), "qd:v1:{acme}:writes:3:p");
+    }
+
+    #[test]
+    fn state_keys_parse_back() {
+        let t = TenantId::new("a-b_c").unwrap();
+        let p = PolicyName::new("login").unwrap();
+        for kind in [StateKind::Bucket, StateKind::Window] {
+            let k = state_key(kind, &t, &p, 42);
+            assert_eq!(parse_state_key(&k), Some((kind, t.clone(), p.clone(), 42)));
+        }
+        for bad in [
+            "qd:v1:{acme}:writes:3:p",
+            "qd:v1:{acme}:writes:03:b",
+            "qd:v1:{ac me}:writes:3:b",
+            "qd:v2:{acme}:writes:3:b",
+            "qd:v1:active",
+            "",
+        ] {
+            assert_eq!(parse_state_key(bad), None, "{bad}");
+        }
+    }
+
+    #[test]
+    fn slots_match_redis_cluster() {
+        // Values from the Redis Cluster specification and `CLUSTER KEYSLOT`.
+        assert_eq!(crc16_xmodem(b"123456789"), 0x31C3);
+        assert_eq!(key_slot("foo"), 12182);
+        assert_eq!(key_slot("{user1000}.following"), key_slot("user1000"));
+        assert_eq!(key_slot("foo{}{bar}"), key_slot("foo{}{bar}")); // empty tag: whole key
+        assert_eq!(key_slot("foo{{bar}}zap"), key_slot("{bar"));
+    }
+
+    #[test]
+    fn slot_tags_land_on_their_slot() {
+        for slot in [0, 1, 5000, 12182, SLOTS - 1] {
+            let k = slot_index_key(slot);
+            assert_eq!(key_slot(&k), slot, "{k}");
+        }
+        let t = TenantId::new("acme").unwrap();
+        let p = PolicyName::new("writes").unwrap();
+        let b = bucket_key(&t, &p, 1);
+        assert_eq!(key_slot(&slot_index_key(key_slot(&b))), key_slot(&b));
+        let all = slot_tags();
+        assert_eq!(all[5000], slot_tag(5000));
+        assert!(all.iter().enumerate().all(|(i, t)| key_slot(&slot_index_key_for_tag(t)) as usize == i));
     }
 }

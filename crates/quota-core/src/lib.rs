@@ -10,15 +10,25 @@
 //! - [`bucket`]: the reference token bucket, bit-exact with `lua/token_bucket.lua`.
 //! - [`window`]: the reference sliding window, exact with `lua/sliding_window.lua`.
 //! - [`keys`]: the Redis key schema.
-//! - [`coordinator`]: the replicated state machine `apply(state, command)`.
+//! - [`coordinator`]: the replicated state machine `apply(state, command)` and its safety rules.
+//! - [`allocator`]: one rebalance round: demand → max-min fair, damped, revoke-before-grant shares.
+//! - [`demand`]: the leader's smoothed demand estimates (soft state, never replicated).
+//! - [`lease`]: lease timing and revocations (what a region may still enforce).
+//! - [`region`]: what a region enforces given its grant, its lease and its own clock.
 
+pub mod allocator;
 pub mod bucket;
 pub mod coordinator;
+pub mod demand;
 pub mod ids;
 pub mod keys;
+pub mod lease;
 pub mod policy;
+pub mod region;
 pub mod window;
 
 pub use bucket::{BucketParams, BucketState, Decision};
+pub use window::{WindowParams, WindowState};
 pub use ids::{hashed_id, IdError, PolicyName, RegionId, TenantId};
 pub use policy::{Algorithm, FailMode, Policy, PolicySpec, Tier, PPM};
+pub use coordinator::{Command, CoordinatorState, Operation, PolicyKey, RequestId, Response};

@@ -1,11 +1,43 @@
 //! quota-store: where regional decisions are made.
 //!
-//! SKELETON written by the lead to fix the public API; the store work fills it in.
-//! The names below are a contract other crates (quotad) code against:
-//! `BucketRef`, `Limit`, `CheckRequest`, `UsageRecord`, `StoreError`, the `Store` trait,
-//! `EmbeddedStore`, `RedisStore`, `AnyStore`.
+//! A [`Store`] decides one request atomically against a token bucket or a sliding window, holds
+//! this region's parameters for each bucket (written by the region agent), and hands out the
+//! usage (admitted and denied tokens per bucket) recorded since the previous collection.
+//!
+//! Two implementations give the same decisions:
+//!
+//! - [`RedisStore`]: one EVALSHA of `lua/token_bucket.lua` or `lua/sliding_window.lua` per
+//!   decision on the region's Redis (standalone or Cluster), reloading scripts on NOSCRIPT,
+//!   reconnecting on its own, with a timeout on every call.
+//! - [`EmbeddedStore`]: the same arithmetic from `quota-core` in process, for running without
+//!   Redis (one region, development, higher-layer tests); sharded, with idle buckets evicted.
+//!
+//! [`AnyStore`] is either, chosen at start-up from configuration.
+//!
+//! # Layout
+//! - [`script`]: the Lua sources, their argument encoding and reply decoding.
+//! - [`embedded`]: the in-process store.
+//! - [`redis_store`]: the Redis store.
 
-use quota_core::{BucketParams, Decision, PolicyName, TenantId};
+pub mod embedded;
+pub mod redis_store;
+pub mod script;
+
+use quota_core::bucket::{MAX_CAPACITY_UT, UT};
+use quota_core::keys::{self, StateKind};
+use quota_core::{BucketParams, Decision, PolicyName, TenantId, WindowParams};
+
+pub use embedded::EmbeddedStore;
+pub use redis_store::{RedisStore, RedisStoreConfig, Topology};
+
+/// The largest cost of one request in whole tokens: `cost · UT` stays exact in a double.
+pub const MAX_COST: u64 = MAX_CAPACITY_UT / UT;
+
+/// The minimum idle lifetime of a state key, in ms. Usage counters live in the state, so a
+/// bucket that goes idle keeps them at least this long: collect usage more often than this or
+/// the usage of buckets idle for longer is lost. Larger means more memory for one-shot
+/// identities; `lua/*.lua` holds the same constant.
+pub const MIN_TTL_MS: u64 = 1000;
 
 /// Which bucket: a tenant's policy at a policy version (the version is part of the key).
 #[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -15,12 +47,47 @@ pub struct BucketRef {
     pub version: u64,
 }
 
+impl BucketRef {
+    /// The Redis key of this bucket's parameters.
+    pub fn params_key(&self) -> String {
+        keys::params_key(&self.tenant, &self.policy, self.version)
+    }
+
+    /// The Redis key of this bucket's state of the given kind.
+    pub fn state_key(&self, kind: StateKind) -> String {
+        keys::state_key(kind, &self.tenant, &self.policy, self.version)
+    }
+}
+
 /// What limit a check enforces when the store holds no parameters of its own for the bucket.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Limit {
     TokenBucket(BucketParams),
     /// At most `limit` tokens in any `window_ms`.
     SlidingWindow { limit: u64, window_ms: u64 },
+}
+
+impl Limit {
+    /// The kind of state this limit keeps.
+    pub fn kind(&self) -> StateKind {
+        match self {
+            Self::TokenBucket(_) => StateKind::Bucket,
+            Self::SlidingWindow { .. } => StateKind::Window,
+        }
+    }
+
+    /// Checks the bounds that keep the scripts' arithmetic exact (the fields are public, so a
+    /// caller can build an out-of-range value).
+    pub fn validate(&self) -> Result<(), StoreError> {
+        match *self {
+            Self::TokenBucket(p) => BucketParams::new(p.capacity_ut, p.rate_ut_per_s)
+                .map(|_| ())
+                .map_err(|e| StoreError::Invalid { reason: e.to_string() }),
+            Self::SlidingWindow { limit, window_ms } => WindowParams::new(limit, window_ms)
+                .map(|_| ())
+                .map_err(|e| StoreError::Invalid { reason: e.to_string() }),
+        }
+    }
 }
 
 /// One decision request.
@@ -32,6 +99,23 @@ pub struct CheckRequest {
     pub cost: u64,
     /// Explicit time for tests and the simulator; `None` uses the store's clock (Redis `TIME`).
     pub now_ms: Option<u64>,
+}
+
+impl CheckRequest {
+    /// Rejects what the scripts would reject, before any I/O.
+    pub fn validate(&self) -> Result<(), StoreError> {
+        if self.cost == 0 || self.cost > MAX_COST {
+            return Err(StoreError::Invalid {
+                reason: format!("cost {} is outside 1..={MAX_COST}", self.cost),
+            });
+        }
+        if let Some(now) = self.now_ms {
+            if now > MAX_CAPACITY_UT {
+                return Err(StoreError::Invalid { reason: format!("now {now} ms is too large") });
+            }
+        }
+        self.limit.validate()
+    }
 }
 
 /// Tokens admitted and denied for one bucket since the previous collection.
@@ -51,6 +135,12 @@ pub enum StoreError {
     Timeout { ms: u64 },
     #[error("store unavailable: {reason}")]
     Unavailable { reason: String },
+    /// Redis answered with an error, e.g. a script's `ERR quotad: …` reply.
+    #[error("script error: {message}")]
+    Script { message: String },
+    /// Redis answered something the scripts never return.
+    #[error("unexpected reply: {reason}")]
+    Protocol { reason: String },
 }
 
 /// A decision store. Implemented by the embedded store and the Redis store alike.
@@ -61,14 +151,58 @@ pub trait Store: Send + Sync {
         req: &CheckRequest,
     ) -> impl std::future::Future<Output = Result<Decision, StoreError>> + Send;
     /// Writes this region's parameters for a bucket (the region agent does this on allocation).
+    /// They replace any written before and take precedence over a check's fallback.
     fn set_params(
         &self,
         bucket: &BucketRef,
         limit: Limit,
     ) -> impl std::future::Future<Output = Result<(), StoreError>> + Send;
-    /// Drains usage recorded since the last call: O(buckets active since then).
+    /// Drains usage recorded since the last call: O(buckets active since then). Returns at
+    /// most `max` records; the rest stay for the next call.
     fn collect_usage(
         &self,
         max: usize,
     ) -> impl std::future::Future<Output = Result<Vec<UsageRecord>, StoreError>> + Send;
+}
+
+/// Either store, chosen from configuration at start-up.
+#[derive(Debug, Clone)]
+pub enum AnyStore {
+    Embedded(EmbeddedStore),
+    Redis(RedisStore),
+}
+
+impl AnyStore {
+    /// An embedded store on the system clock (no Redis configured).
+    pub fn embedded() -> Self {
+        Self::Embedded(EmbeddedStore::new())
+    }
+
+    /// A Redis store for `config` (connects before returning).
+    pub async fn redis(config: RedisStoreConfig) -> Result<Self, StoreError> {
+        Ok(Self::Redis(RedisStore::connect(config).await?))
+    }
+}
+
+impl Store for AnyStore {
+    async fn check(&self, req: &CheckRequest) -> Result<Decision, StoreError> {
+        match self {
+            Self::Embedded(s) => s.check(req).await,
+            Self::Redis(s) => s.check(req).await,
+        }
+    }
+
+    async fn set_params(&self, bucket: &BucketRef, limit: Limit) -> Result<(), StoreError> {
+        match self {
+            Self::Embedded(s) => s.set_params(bucket, limit).await,
+            Self::Redis(s) => s.set_params(bucket, limit).await,
+        }
+    }
+
+    async fn collect_usage(&self, max: usize) -> Result<Vec<UsageRecord>, StoreError> {
+        match self {
+            Self::Embedded(s) => s.collect_usage(max).await,
+            Self::Redis(s) => s.collect_usage(max).await,
+        }
+    }
 }

@@ -1,2 +1,52 @@
-//! Placeholder.
-fn main() {}
+//! quotad's entry point: parse the command line, load the config, run until SIGTERM.
+
+use std::process::ExitCode;
+
+use anyhow::Context as _;
+use clap::Parser as _;
+use quotad::cli::{Cli, Command};
+use quotad::config::Config;
+use quotad::{server, telemetry};
+
+fn env(name: &str) -> Option<String> {
+    std::env::var(name).ok()
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    match cli.command {
+        Some(Command::CheckConfig { file }) => match Config::load(Some(&file), &env) {
+            Ok(settings) => {
+                println!("{}", settings.redacted());
+                eprintln!("{}: OK", file.display());
+                ExitCode::SUCCESS
+            }
+            Err(e) => {
+                eprintln!("{}: {e}", file.display());
+                ExitCode::from(2)
+            }
+        },
+        Some(Command::Run { config }) => report(run(config.as_deref())),
+        None => report(run(None)),
+    }
+}
+
+fn report(r: anyhow::Result<()>) -> ExitCode {
+    match r {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("quotad: {e:#}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+fn run(config: Option<&std::path::Path>) -> anyhow::Result<()> {
+    let settings = Config::load(config, &env).map_err(anyhow::Error::new)?;
+    telemetry::init_tracing(&settings.config.telemetry)?;
+    let runtime = tokio::runtime::Runtime::new().context("starting the tokio runtime")?;
+    runtime.block_on(async {
+        let metrics = telemetry::install_metrics()?;
+        server::run(settings, Some(metrics), server::shutdown_signal()).await
+    })
+}

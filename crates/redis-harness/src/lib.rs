@@ -1,1 +1,317 @@
-//! Placeholder.
+//! redis-harness: real `redis-server` processes for tests and benchmarks.
+//!
+//! Tests that claim Redis behaviour run against a real server, never a mock and never the
+//! shared Redis on port 6379. [`RedisServer::start`] picks a free loopback port, starts
+//! `redis-server` with persistence off in its own temporary directory, waits until it answers
+//! `PING`, and kills it when dropped. [`RedisServer::restart`] brings it back on the same port
+//! (empty: nothing is persisted), which is how the NOSCRIPT-after-restart tests work.
+//!
+//! The binary is `$QUOTAD_REDIS_SERVER` or `redis-server` on `PATH`; when neither exists the
+//! error names the Debian package to install.
+//!
+//! # Layout
+//! - [`RedisServer`]: one standalone server.
+//! - [`RedisCluster`]: three masters with `--cluster-enabled yes`, joined by `redis-cli`.
+
+use std::io::{Read, Write};
+use std::net::{Ipv4Addr, TcpListener, TcpStream};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+/// How long a server may take to answer its first PING.
+const START_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// Why a server could not be started.
+#[derive(Debug, thiserror::Error)]
+pub enum HarnessError {
+    #[error(
+        "redis-server not found (looked for {looked_for}); install the Debian package \
+         `redis-server` (apt-get install redis-server) or set QUOTAD_REDIS_SERVER"
+    )]
+    NotInstalled { looked_for: String },
+    #[error("could not {action}: {source}")]
+    Io { action: &'static str, source: std::io::Error },
+    #[error("redis-server on port {port} did not answer PING within {waited_ms} ms")]
+    NotReady { port: u16, waited_ms: u64 },
+    #[error("`{command}` failed: {output}")]
+    Command { command: String, output: String },
+}
+
+fn io(action: &'static str) -> impl FnOnce(std::io::Error) -> HarnessError {
+    move |source| HarnessError::Io { action, source }
+}
+
+/// The `redis-server` binary to run: `$QUOTAD_REDIS_SERVER`, else `redis-server` on `PATH`.
+pub fn redis_server_binary() -> Result<PathBuf, HarnessError> {
+    if let Some(p) = std::env::var_os("QUOTAD_REDIS_SERVER") {
+        let p = PathBuf::from(p);
+        return if p.is_file() {
+            Ok(p)
+        } else {
+            Err(HarnessError::NotInstalled { looked_for: format!("{}", p.display()) })
+        };
+    }
+    find_on_path("redis-server")
+        .ok_or_else(|| HarnessError::NotInstalled { looked_for: "redis-server on PATH".into() })
+}
+
+fn find_on_path(name: &str) -> Option<PathBuf> {
+    let path = std::env::var_os("PATH")?;
+    std::env::split_paths(&path).map(|d| d.join(name)).find(|p| p.is_file())
+}
+
+/// A port nobody listens on right now (the OS picks it; a race with another process is
+/// possible, and `start` retries on a different port when the server fails to bind).
+fn free_port() -> Result<u16, HarnessError> {
+    let l = TcpListener::bind((Ipv4Addr::LOCALHOST, 0)).map_err(io("bind a free port"))?;
+    Ok(l.local_addr().map_err(io("read the bound port"))?.port())
+}
+
+/// Sends one inline command and returns the first reply line, e.g. `+PONG`.
+pub fn inline_command(port: u16, command: &str) -> std::io::Result<String> {
+    let mut s = TcpStream::connect((Ipv4Addr::LOCALHOST, port))?;
+    s.set_read_timeout(Some(Duration::from_secs(5)))?;
+    s.write_all(format!("{command}\r\n").as_bytes())?;
+    let mut buf = Vec::new();
+    let mut byte = [0u8; 1];
+    while !buf.ends_with(b"\r\n") {
+        if s.read(&mut byte)? == 0 {
+            break;
+        }
+        buf.push(byte[0]);
+    }
+    Ok(String::from_utf8_lossy(&buf).trim_end().to_string())
+}
+
+fn wait_ready(port: u16, child: &mut Child) -> Result<(), HarnessError> {
+    let started = Instant::now();
+    while started.elapsed() < START_TIMEOUT {
+        if let Ok(reply) = inline_command(port, "PING") {
+            if reply == "+PONG" {
+                return Ok(());
+            }
+        }
+        if let Ok(Some(_)) = child.try_wait() {
+            break; // exited: most likely the port was taken
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    Err(HarnessError::NotReady { port, waited_ms: started.elapsed().as_millis() as u64 })
+}
+
+fn spawn(bin: &Path, dir: &Path, port: u16, extra: &[&str]) -> Result<Child, HarnessError> {
+    let mut cmd = Command::new(bin);
+    cmd.args(["--port", &port.to_string(), "--bind", "127.0.0.1"])
+        .args(["--save", "", "--appendonly", "no"])
+        .arg("--dir")
+        .arg(dir)
+        .args(["--daemonize", "no", "--loglevel", "warning", "--protected-mode", "no"])
+        .args(extra)
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::null());
+    cmd.spawn().map_err(io("spawn redis-server"))
+}
+
+/// A `redis-server` process owned by the test; killed (and waited for) on drop.
+#[derive(Debug)]
+pub struct RedisServer {
+    child: Child,
+    port: u16,
+    bin: PathBuf,
+    dir: tempfile::TempDir,
+    extra: Vec<String>,
+}
+
+impl RedisServer {
+    /// Starts a standalone server on a free loopback port and waits until it answers PING.
+    pub fn start() -> Result<Self, HarnessError> {
+        Self::start_with(&[])
+    }
+
+    /// Like [`start`](Self::start), with extra `redis-server` arguments.
+    pub fn start_with(extra: &[&str]) -> Result<Self, HarnessError> {
+        let bin = redis_server_binary()?;
+        let dir = tempfile::tempdir().map_err(io("create a temp dir"))?;
+        let extra: Vec<String> = extra.iter().map(|s| s.to_string()).collect();
+        let mut last = None;
+        for _ in 0..5 {
+            let port = free_port()?;
+            let mut child = spawn(&bin, dir.path(), port, &as_strs(&extra))?;
+            match wait_ready(port, &mut child) {
+                Ok(()) => return Ok(Self { child, port, bin, dir, extra }),
+                Err(e) => {
+                    let _ = child.kill();
+                    let _ = child.wait();
+                    last = Some(e);
+                }
+            }
+        }
+        Err(last.unwrap_or(HarnessError::NotReady { port: 0, waited_ms: 0 }))
+    }
+
+    /// The port it listens on (127.0.0.1).
+    pub fn port(&self) -> u16 {
+        self.port
+    }
+
+    /// `redis://127.0.0.1:<port>/`.
+    pub fn url(&self) -> String {
+        format!("redis://127.0.0.1:{}/", self.port)
+    }
+
+    /// A client for this server.
+    pub fn client(&self) -> redis::Client {
+        // The URL is well-formed by construction.
+        redis::Client::open(self.url()).expect("a loopback redis URL parses")
+    }
+
+    /// The OS process id.
+    pub fn pid(&self) -> u32 {
+        self.child.id()
+    }
+
+    /// Kills the server and starts a new, empty one on the same port.
+    pub fn restart(&mut self) -> Result<(), HarnessError> {
+        self.stop();
+        let started = Instant::now();
+        // The old socket may linger for a moment; retry until the port is free again.
+        loop {
+            let mut child = spawn(&self.bin, self.dir.path(), self.port, &as_strs(&self.extra))?;
+            match wait_ready(self.port, &mut child) {
+                Ok(()) => {
+                    self.child = child;
+                    return Ok(());
+                }
+                Err(e) => {
+                    let _ = child.kill();
+                    let _ = child.wait();
+                    if started.elapsed() > START_TIMEOUT {
+                        return Err(e);
+                    }
+                }
+            }
+        }
+    }
+
+    /// Kills the server now (it stays down until `restart`).
+    pub fn stop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+impl Drop for RedisServer {
+    fn drop(&mut self) {
+        self.stop();
+    }
+}
+
+fn as_strs(v: &[String]) -> Vec<&str> {
+    v.iter().map(String::as_str).collect()
+}
+
+/// A three-master Redis Cluster on loopback, each master a [`RedisServer`].
+#[derive(Debug)]
+pub struct RedisCluster {
+    nodes: Vec<RedisServer>,
+}
+
+impl RedisCluster {
+    /// Starts three masters with `--cluster-enabled yes` and joins them with
+    /// `redis-cli --cluster create … --cluster-yes`, waiting until the cluster state is ok.
+    pub fn start() -> Result<Self, HarnessError> {
+        let mut nodes = Vec::new();
+        for _ in 0..3 {
+            nodes.push(RedisServer::start_with(&[
+                "--cluster-enabled",
+                "yes",
+                "--cluster-config-file",
+                "nodes.conf",
+                "--cluster-node-timeout",
+                "5000",
+            ])?);
+        }
+        let cli = find_on_path("redis-cli").ok_or_else(|| HarnessError::NotInstalled {
+            looked_for: "redis-cli on PATH (Debian package `redis-tools`)".into(),
+        })?;
+        let addrs: Vec<String> = nodes.iter().map(|n| format!("127.0.0.1:{}", n.port())).collect();
+        let out = Command::new(&cli)
+            .arg("--cluster")
+            .arg("create")
+            .args(&addrs)
+            .args(["--cluster-replicas", "0", "--cluster-yes"])
+            .output()
+            .map_err(io("run redis-cli --cluster create"))?;
+        if !out.status.success() {
+            return Err(HarnessError::Command {
+                command: "redis-cli --cluster create".into(),
+                output: String::from_utf8_lossy(&out.stdout).into_owned(),
+            });
+        }
+        let started = Instant::now();
+        loop {
+            let ok = nodes.iter().all(|n| {
+                cluster_info(n.port()).is_ok_and(|info| info.contains("cluster_state:ok"))
+            });
+            if ok {
+                return Ok(Self { nodes });
+            }
+            if started.elapsed() > START_TIMEOUT {
+                return Err(HarnessError::NotReady {
+                    port: nodes[0].port(),
+                    waited_ms: started.elapsed().as_millis() as u64,
+                });
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+
+    /// The nodes' URLs, for `redis::cluster::ClusterClient`.
+    pub fn urls(&self) -> Vec<String> {
+        self.nodes.iter().map(RedisServer::url).collect()
+    }
+
+    /// The nodes.
+    pub fn nodes(&self) -> &[RedisServer] {
+        &self.nodes
+    }
+}
+
+/// The text of `CLUSTER INFO` (a bulk reply), read raw.
+fn cluster_info(port: u16) -> std::io::Result<String> {
+    let mut s = TcpStream::connect((Ipv4Addr::LOCALHOST, port))?;
+    s.set_read_timeout(Some(Duration::from_secs(2)))?;
+    s.write_all(b"CLUSTER INFO\r\n")?;
+    let mut buf = vec![0u8; 4096];
+    let n = s.read(&mut buf)?;
+    Ok(String::from_utf8_lossy(&buf[..n]).into_owned())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn starts_answers_restarts_and_stops() {
+        let mut s = RedisServer::start().unwrap();
+        let port = s.port();
+        assert_ne!(port, 6379);
+        assert_eq!(inline_command(port, "PING").unwrap(), "+PONG");
+        assert_eq!(inline_command(port, "SET k v").unwrap(), "+OK");
+        s.restart().unwrap();
+        assert_eq!(s.port(), port);
+        // Nothing persists across a restart.
+        assert_eq!(inline_command(port, "GET k").unwrap(), "$-1");
+        drop(s);
+        assert!(inline_command(port, "PING").is_err());
+    }
+
+    #[test]
+    fn missing_binary_names_the_package() {
+        let e = HarnessError::NotInstalled { looked_for: "x".into() };
+        assert!(e.to_string().contains("redis-server"));
+        assert!(e.to_string().contains("apt-get install redis-server"));
+    }
+}

@@ -1,0 +1,560 @@
+//! The allocator: demand estimates + current shares + floors → the share changes to commit.
+//!
+//! One round, per policy:
+//! 1. **Target**: floors first; then a max-min fair (water-filling) split of the rest of the
+//!    budget over each region's demand; budget left once every demand is met is spread evenly
+//!    (again water-filled), so an idle policy ends at an even split. A pinned policy's home gets
+//!    everything but the other regions' floors. `critical` policies are pinned automatically to
+//!    the region with most demand, with hysteresis, unless an operator pinned them.
+//! 2. **Damping**: each share moves at most `max_step_ppm` towards its target per round.
+//! 3. **Revoke before grant**: decreases are emitted at once; increases only fit into the room
+//!    left by what regions may still enforce ([`CoordinatorState::enforceable`]), so share taken
+//!    from A reaches B a round after A acknowledged the decrease (or its lease ran out).
+//!    Regions below their floor are served first.
+//! 4. **Threshold**: a policy is emitted only if its shares are at least
+//!    `change_threshold_ppm` (Σ |target − share| over regions) from the target (or a floor is
+//!    repaired, or its home changes), so the log grows with real changes, not with noise.
+//!
+//! Driving loop (leader): collect usage reports into a [`DemandTracker`], call [`plan`] with
+//! the applied state and the time the leader will stamp, turn the plan into commands with
+//! [`Plan::into_commands`], propose them, and repeat every rebalance interval. `apply` checks
+//! every entry again, so a plan made on a slightly stale state is still safe.
+
+use serde::{Deserialize, Serialize};
+
+use crate::coordinator::{
+    auto_pins, Command, CoordinatorState, Entry, HomeChange, Operation, PinSource, PolicyKey,
+    RequestId, ShareEntry, MAX_REGIONS,
+};
+use crate::demand::DemandTracker;
+use crate::lease::Revocation;
+use crate::policy::PPM;
+
+/// Allocator tuning. Units are last in every name.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct AllocatorConfig {
+    /// Weight of a new demand sample in the moving average, in ppm (1..=PPM).
+    pub ewma_alpha_ppm: u32,
+    /// The most one region's share moves in one round, in ppm.
+    pub max_step_ppm: u32,
+    /// The least distance from the target (Σ |target − share| over regions) worth a log entry.
+    pub change_threshold_ppm: u32,
+    /// How much more demand (relative, in ppm) a region needs to take a critical tenant's home.
+    pub pin_hysteresis_ppm: u32,
+    /// The most share entries in one `SetShares` command, so log entries stay bounded.
+    pub max_entries_per_command: u32,
+}
+
+impl Default for AllocatorConfig {
+    fn default() -> Self {
+        Self {
+            ewma_alpha_ppm: 300_000,
+            max_step_ppm: 100_000,
+            change_threshold_ppm: 10_000,
+            pin_hysteresis_ppm: 250_000,
+            max_entries_per_command: 4096,
+        }
+    }
+}
+
+/// Why an allocator configuration is unusable.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum AllocatorConfigError {
+    #[error("{field} must be between {min} and {max} (got {value})")]
+    OutOfRange { field: &'static str, value: u64, min: u64, max: u64 },
+}
+
+impl AllocatorConfig {
+    /// Checks every field, reporting all problems at once.
+    pub fn validate(&self) -> Result<(), Vec<AllocatorConfigError>> {
+        let ppm = u64::from(PPM);
+        let checks: [(&'static str, u64, u64, u64); 5] = [
+            ("ewma_alpha_ppm", u64::from(self.ewma_alpha_ppm), 1, ppm),
+            ("max_step_ppm", u64::from(self.max_step_ppm), 1, ppm),
+            ("change_threshold_ppm", u64::from(self.change_threshold_ppm), 0, ppm),
+            ("pin_hysteresis_ppm", u64::from(self.pin_hysteresis_ppm), 0, 10 * ppm),
+            ("max_entries_per_command", u64::from(self.max_entries_per_command), 1, 1 << 20),
+        ];
+        let errors: Vec<_> = checks
+            .iter()
+            .filter(|(_, v, min, max)| v < min || v > max)
+            .map(|&(field, value, min, max)| AllocatorConfigError::OutOfRange {
+                field,
+                value,
+                min,
+                max,
+            })
+            .collect();
+        if errors.is_empty() {
+            Ok(())
+        } else {
+            Err(errors)
+        }
+    }
+}
+
+/// What one round decided.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Plan {
+    /// The membership version the plan was made against.
+    pub membership: u64,
+    pub entries: Vec<ShareEntry>,
+    /// Deleted policies no region may enforce any more.
+    pub forget: Vec<PolicyKey>,
+    /// Policies looked at.
+    pub policies: u64,
+}
+
+impl Plan {
+    /// Turns the plan into commands of bounded size, stamped with `now_ms`; `next_id` supplies
+    /// request ids (e.g. from a seeded RNG or a counter).
+    pub fn into_commands(
+        self,
+        now_ms: u64,
+        max_entries_per_command: u32,
+        mut next_id: impl FnMut() -> RequestId,
+    ) -> Vec<Command> {
+        let chunk = (max_entries_per_command as usize).max(1);
+        let mut commands = Vec::new();
+        let mut entries = self.entries;
+        while !entries.is_empty() {
+            let rest = entries.split_off(chunk.min(entries.len()));
+            commands.push(Command {
+                request: next_id(),
+                now_ms,
+                op: Operation::SetShares { membership: self.membership, entries },
+            });
+            entries = rest;
+        }
+        if !self.forget.is_empty() {
+            commands.push(Command {
+                request: next_id(),
+                now_ms,
+                op: Operation::Forget { keys: self.forget },
+            });
+        }
+        commands
+    }
+}
+
+/// Max-min fair fill: `a_r = max(lower_r, min(cap_r, L))` with the largest level `L` such that
+/// `Σ a ≤ budget`; the few ppm of rounding left go to the regions still below their cap, lowest
+/// slot first. If `Σ max(lower, cap) ≤ budget` every region simply gets that. Requires
+/// `Σ lower ≤ budget` (a smaller budget returns `lower` unchanged).
+pub fn water_fill(lower: &[u32], cap: &[u64], budget: u32) -> Vec<u32> {
+    let mut out = vec![0; lower.len()];
+    water_fill_into(lower, cap, budget, &mut out);
+    out
+}
+
+fn fill_at(lower: &[u32], cap: &[u64], level: u64) -> u64 {
+    lower.iter().zip(cap).map(|(&lo, &c)| u64::from(lo).max(c.min(level))).sum()
+}
+
+fn water_fill_into(lower: &[u32], cap: &[u64], budget: u32, out: &mut [u32]) {
+    debug_assert_eq!(lower.len(), cap.len());
+    let budget64 = u64::from(budget);
+    // A cap above the budget is as good as infinite; clamping keeps the sums from overflowing.
+    let full: u64 =
+        lower.iter().zip(cap).map(|(&lo, &c)| u64::from(lo).max(c.min(budget64))).sum();
+    if full <= budget64 || lower.iter().map(|&l| u64::from(l)).sum::<u64>() >= budget64 {
+        for (o, (&lo, &c)) in out.iter_mut().zip(lower.iter().zip(cap)) {
+            *o = if full <= budget64 { u64::from(lo).max(c.min(budget64)) as u32 } else { lo };
+        }
+        return;
+    }
+    // fill_at(0) = Σ lower < budget < full = fill_at(budget): find the largest level that fits.
+    let (mut lo_level, mut hi_level) = (0u64, budget64);
+    while lo_level < hi_level {
+        let mid = (lo_level + hi_level).div_ceil(2);
+        if fill_at(lower, cap, mid) <= budget64 {
+            lo_level = mid;
+        } else {
+            hi_level = mid - 1;
+        }
+    }
+    let level = lo_level;
+    let mut left = budget64 - fill_at(lower, cap, level);
+    for (o, (&lo, &c)) in out.iter_mut().zip(lower.iter().zip(cap)) {
+        let mut a = u64::from(lo).max(c.min(level));
+        if left > 0 && c > level && u64::from(lo) <= level {
+            a += 1;
+            left -= 1;
+        }
+        *o = a as u32;
+    }
+}
+
+/// The target split of one policy: floors, then demand water-filled, then the rest evenly over
+/// `eligible` regions. `demand_ppm` is each region's demand in ppm of the budget.
+pub fn target_split(floors: &[u32], demand_ppm: &[u64], eligible: &[bool]) -> Vec<u32> {
+    let mut out = vec![0; floors.len()];
+    target_into(floors, demand_ppm, eligible, &mut out);
+    out
+}
+
+fn target_into(floors: &[u32], demand_ppm: &[u64], eligible: &[bool], out: &mut [u32]) {
+    let n = floors.len();
+    let mut cap = [0u64; MAX_REGIONS];
+    for r in 0..n {
+        cap[r] = if eligible[r] { demand_ppm[r] } else { 0 };
+    }
+    water_fill_into(floors, &cap[..n], PPM, out);
+    // Every demand is met: the spare budget is slack, split evenly so each region gets the
+    // same headroom above its demand.
+    let sum: u64 = out.iter().map(|&a| u64::from(a)).sum();
+    let takers = eligible.iter().filter(|&&e| e).count() as u64;
+    if sum < u64::from(PPM) && takers > 0 {
+        let spare = u64::from(PPM) - sum;
+        let (each, mut extra) = (spare / takers, spare % takers);
+        for (o, _) in out.iter_mut().zip(eligible).filter(|(_, &e)| e) {
+            *o += each as u32 + u32::from(extra > 0);
+            extra = extra.saturating_sub(1);
+        }
+    }
+}
+
+/// A new policy's split with no demand known: floors, the rest evenly over live regions.
+pub fn even_split(floors: &[u32], live: &[bool]) -> Vec<u32> {
+    target_split(floors, &vec![0; floors.len()], live)
+}
+
+/// The region a `critical` policy should call home, keeping `current` unless another region's
+/// demand beats it by the hysteresis. `None` when there is no demand to judge by.
+pub fn choose_home(
+    current: Option<u8>,
+    demand_ppm: &[u64],
+    eligible: &[bool],
+    hysteresis_ppm: u32,
+) -> Option<u8> {
+    let best = (0..demand_ppm.len())
+        .filter(|&r| eligible[r] && demand_ppm[r] > 0)
+        .max_by_key(|&r| (demand_ppm[r], std::cmp::Reverse(r)))?;
+    let Some(home) = current.map(usize::from).filter(|&h| h < eligible.len() && eligible[h])
+    else {
+        return Some(best as u8);
+    };
+    let needed = u128::from(demand_ppm[home]) * u128::from(PPM + hysteresis_ppm);
+    if best != home && u128::from(demand_ppm[best]) * u128::from(PPM) > needed {
+        Some(best as u8)
+    } else {
+        Some(home as u8)
+    }
+}
+
+/// Moves `current` towards `target` for one round: damped, floors kept, and increases limited
+/// to the room left by what regions may still enforce after this round's decreases
+/// (`enforceable_after_decrease[r]`, which is `≥ current[r]`). Returns the new shares.
+pub fn step_towards(
+    current: &[u32],
+    target: &[u32],
+    floors: &[u32],
+    enforceable_after_decrease: &[u32],
+    max_step_ppm: u32,
+) -> Vec<u32> {
+    let mut out = vec![0; current.len()];
+    step_into(current, target, floors, enforceable_after_decrease, max_step_ppm, &mut out);
+    out
+}
+
+fn step_into(
+    current: &[u32],
+    target: &[u32],
+    floors: &[u32],
+    enforceable: &[u32],
+    max_step_ppm: u32,
+    out: &mut [u32],
+) {
+    let n = current.len();
+    let mut desired = [0u32; MAX_REGIONS];
+    for r in 0..n {
+        let (c, t) = (current[r], target[r]);
+        desired[r] = if t >= c {
+            t.min(c.saturating_add(max_step_ppm))
+        } else {
+            t.max(c.saturating_sub(max_step_ppm)).max(floors[r].min(c))
+        };
+        out[r] = desired[r].min(c);
+    }
+    // Room: what is left after every region's enforceable share (decreases still count in full).
+    let used: u64 = (0..n).map(|r| u64::from(enforceable[r].max(out[r]))).sum();
+    let mut room = u64::from(PPM).saturating_sub(used);
+    // Raising a region up to what it may already enforce is free.
+    for r in 0..n {
+        if desired[r] > current[r] {
+            out[r] = desired[r].min(enforceable[r].max(current[r]));
+        }
+    }
+    // Floors first, then the rest in proportion to what each region still wants.
+    for r in 0..n {
+        let floor_goal = desired[r].min(floors[r]);
+        if out[r] < floor_goal {
+            let add = u64::from(floor_goal - out[r]).min(room);
+            out[r] += add as u32;
+            room -= add;
+        }
+    }
+    let want: u64 = (0..n).map(|r| u64::from(desired[r] - out[r].min(desired[r]))).sum();
+    if want == 0 || room == 0 {
+        return;
+    }
+    for r in 0..n {
+        let w = u64::from(desired[r] - out[r].min(desired[r]));
+        let add = if want <= room { w } else { w * room / want };
+        out[r] += add as u32;
+    }
+}
+
+/// The share a region may enforce after this round lowers it from `old` to `new`, exactly as
+/// `apply` will count it.
+fn enforceable_after(
+    state: &CoordinatorState,
+    entry: &Entry,
+    region: usize,
+    old: u32,
+    new: u32,
+    now_ms: u64,
+) -> u32 {
+    let now_enforceable = state.enforceable(entry, region, now_ms);
+    let Some(r) = state.region(region) else { return now_enforceable };
+    if new >= old {
+        return now_enforceable;
+    }
+    let rev = Revocation {
+        region: region as u8,
+        share_ppm: old,
+        floor_ppm: state.floor_of(&entry.policy, region).min(old),
+        epoch: state.epoch + 1,
+        deadline_ms: r.lease_expires_at_ms.saturating_add(state.lease.drift_margin_ms),
+    };
+    now_enforceable.max(rev.contribution(r.acked_epoch, now_ms))
+}
+
+/// One rebalance round over every policy: the share changes worth committing.
+///
+/// `now_ms` is the time the leader will stamp on the resulting commands.
+pub fn plan(
+    state: &CoordinatorState,
+    demand: &DemandTracker,
+    config: &AllocatorConfig,
+    now_ms: u64,
+) -> Plan {
+    let n = state.regions.len().min(MAX_REGIONS);
+    let now = now_ms.max(state.last_now_ms);
+    let mut live = [false; MAX_REGIONS];
+    let mut eligible = [false; MAX_REGIONS];
+    for r in 0..n {
+        if let Some(region) = state.region(r) {
+            live[r] = true;
+            eligible[r] = !region.draining;
+        }
+    }
+    let mut plan = Plan { membership: state.membership, ..Plan::default() };
+    let mut demand_iter = demand.iter().peekable();
+    let zero = [0u64; MAX_REGIONS];
+    for (key, entry) in &state.entries {
+        plan.policies += 1;
+        if entry.deleted {
+            let gone = (0..n).all(|r| state.enforceable(entry, r, now) == 0);
+            if gone {
+                plan.forget.push(key.clone());
+            }
+            continue;
+        }
+        // Merge-join with the demand map: both are sorted by key.
+        while demand_iter.peek().is_some_and(|(k, _)| *k < key) {
+            demand_iter.next();
+        }
+        let rates = match demand_iter.peek() {
+            Some((k, rates)) if *k == key => &rates[..],
+            _ => &zero[..],
+        };
+        let rate = entry.policy.rate_ut_per_s().max(1);
+        let mut demand_ppm = [0u64; MAX_REGIONS];
+        for (slot, &d) in demand_ppm.iter_mut().zip(rates).take(n) {
+            *slot = (u128::from(d) * u128::from(PPM) / u128::from(rate))
+                .min(u128::from(u64::MAX / 4)) as u64;
+        }
+        let demand_ppm = &demand_ppm[..n];
+        let mut floors = [0u32; MAX_REGIONS];
+        let mut current = [0u32; MAX_REGIONS];
+        for r in 0..n {
+            floors[r] = state.floor_of(&entry.policy, r);
+            current[r] = entry.share(r);
+        }
+        let (floors, current) = (&floors[..n], &current[..n]);
+
+        // Home: operator pins stay; critical policies follow their demand.
+        let mut home_change = HomeChange::Keep;
+        let home = match entry.pin {
+            Some(p) if p.source == PinSource::Operator => Some(p.home),
+            pin => {
+                let auto = pin.map(|p| p.home);
+                if auto_pins(entry.policy.tier) {
+                    let chosen =
+                        choose_home(auto, demand_ppm, &eligible[..n], config.pin_hysteresis_ppm)
+                            .or(auto);
+                    if chosen != auto {
+                        if let Some(h) = chosen {
+                            home_change = HomeChange::Auto(h);
+                        }
+                    }
+                    chosen
+                } else {
+                    if auto.is_some() {
+                        home_change = HomeChange::ClearAuto;
+                    }
+                    None
+                }
+            }
+        };
+        let home = home.map(usize::from).filter(|&h| h < n && live[h]);
+
+        let mut target = [0u32; MAX_REGIONS];
+        match home {
+            Some(h) => {
+                let others: u32 = (0..n).filter(|&r| r != h).map(|r| floors[r]).sum();
+                for r in 0..n {
+                    target[r] = if r == h { PPM - others.min(PPM) } else { floors[r] };
+                }
+            }
+            None => target_into(floors, demand_ppm, &eligible[..n], &mut target[..n]),
+        }
+
+        // Pass 1 decides the decreases; their revocations shape the room for increases.
+        let mut enforceable = [0u32; MAX_REGIONS];
+        let mut new = [0u32; MAX_REGIONS];
+        step_into(current, &target[..n], floors, current, config.max_step_ppm, &mut new[..n]);
+        for r in 0..n {
+            enforceable[r] = enforceable_after(state, entry, r, current[r], new[r], now);
+        }
+        step_into(
+            current,
+            &target[..n],
+            floors,
+            &enforceable[..n],
+            config.max_step_ppm,
+            &mut new[..n],
+        );
+
+        // Judge by the distance to the target, not by this round's move: a move that is only
+        // the revoking half of a transfer is small but must still happen.
+        let moved = (0..n).any(|r| current[r] != new[r]);
+        let distance: u64 = (0..n).map(|r| u64::from(current[r].abs_diff(target[r]))).sum();
+        let floor_repair = (0..n).any(|r| new[r] > current[r] && current[r] < floors[r]);
+        let wrong_length = entry.shares_ppm.len() != n;
+        if (moved && (distance >= u64::from(config.change_threshold_ppm.max(1)) || floor_repair))
+            || home_change != HomeChange::Keep
+            || wrong_length
+        {
+            plan.entries.push(ShareEntry {
+                key: key.clone(),
+                shares_ppm: new[..n].to_vec(),
+                home: home_change,
+            });
+        }
+    }
+    plan
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// (lower, cap, budget, expected).
+    type FillCase<'a> = (&'a [u32], &'a [u64], u32, &'a [u32]);
+    /// (floors, demand, eligible, expected).
+    type TargetCase<'a> = (&'a [u32], &'a [u64], &'a [bool], &'a [u32]);
+
+    #[test]
+    fn water_fill_table() {
+        let cases: &[FillCase] = &[
+            // Everyone fits: each gets its demand.
+            (&[0, 0, 0], &[100, 200, 300], 1000, &[100, 200, 300]),
+            // Max-min: the small demand is met, the rest split evenly.
+            (&[0, 0, 0], &[100, 1000, 1000], 1000, &[100, 450, 450]),
+            // Floors are kept even without demand.
+            (&[100, 100, 100], &[0, 1000, 1000], 1000, &[100, 450, 450]),
+            // Floor above the level stays at the floor.
+            (&[300, 0, 0], &[0, 1000, 1000], 1000, &[300, 350, 350]),
+            // Rounding remainder goes to the lowest slots still below their cap.
+            (&[0, 0, 0], &[1000, 1000, 1000], 1000, &[334, 333, 333]),
+            // Budget smaller than the floors: floors come back unchanged.
+            (&[600, 600], &[0, 0], 1000, &[600, 600]),
+            // A single region takes all it asks for, bounded by the budget.
+            (&[0], &[5000], 1000, &[1000]),
+            (&[], &[], 1000, &[]),
+        ];
+        for (i, &(lower, cap, budget, expected)) in cases.iter().enumerate() {
+            assert_eq!(water_fill(lower, cap, budget), expected, "case {i}");
+        }
+    }
+
+    #[test]
+    fn target_split_table() {
+        let p = PPM;
+        let cases: &[TargetCase] = &[
+            // No demand: even split.
+            (&[0, 0], &[0, 0], &[true, true], &[p / 2, p / 2]),
+            // Demand 3:1 with spare budget: demand met, spare split evenly.
+            (&[0, 0], &[300_000, 100_000], &[true, true], &[600_000, 400_000]),
+            // Over-subscribed: max-min fair.
+            (&[0, 0, 0], &[100_000, p as u64, p as u64], &[true; 3], &[100_000, 450_000, 450_000]),
+            // Floors of 10% and one region holding all demand.
+            (&[100_000; 3], &[0, 0, 2 * p as u64], &[true; 3], &[100_000, 100_000, 800_000]),
+            // A draining region keeps only its floor.
+            (&[50_000, 50_000], &[p as u64, p as u64], &[false, true], &[50_000, 950_000]),
+        ];
+        for (i, &(floors, demand, eligible, expected)) in cases.iter().enumerate() {
+            assert_eq!(target_split(floors, demand, eligible), expected, "case {i}");
+        }
+    }
+
+    #[test]
+    fn step_is_damped_and_grants_only_into_room() {
+        // Moving 300k from region 0 to region 1 with a step of 100k.
+        let cur = [600_000, 400_000];
+        let tgt = [300_000, 700_000];
+        // Region 0 has not acknowledged: it may still enforce 600k, so nothing can be granted.
+        let out = step_towards(&cur, &tgt, &[0, 0], &cur, 100_000);
+        assert_eq!(out, [500_000, 400_000]);
+        // Next round, once acknowledged, the freed 100k goes to region 1 (and 0 drops again).
+        let cur = [500_000, 400_000];
+        let out = step_towards(&cur, &tgt, &[0, 0], &[500_000, 400_000], 100_000);
+        assert_eq!(out, [400_000, 500_000]);
+    }
+
+    #[test]
+    fn step_serves_floors_first() {
+        // Region 2 was added below its floor; only 50k of room.
+        let cur = [500_000, 450_000, 0];
+        let tgt = [400_000, 400_000, 200_000];
+        let out = step_towards(&cur, &tgt, &[100_000; 3], &cur, 100_000);
+        assert_eq!(out, [400_000, 400_000, 50_000]);
+    }
+
+    #[test]
+    fn home_has_hysteresis() {
+        let e = [true; 3];
+        assert_eq!(choose_home(None, &[0, 0, 0], &e, 250_000), None);
+        assert_eq!(choose_home(None, &[10, 30, 20], &e, 250_000), Some(1));
+        // 30 vs 25: not enough to move from 2.
+        assert_eq!(choose_home(Some(2), &[10, 30, 25], &e, 250_000), Some(2));
+        // 40 > 25 · 1.25: moves.
+        assert_eq!(choose_home(Some(2), &[10, 40, 25], &e, 250_000), Some(1));
+        // A home that is no longer eligible is replaced.
+        assert_eq!(choose_home(Some(2), &[10, 40, 25], &[true, true, false], 250_000), Some(1));
+    }
+
+    #[test]
+    fn config_validation_reports_every_field() {
+        assert_eq!(AllocatorConfig::default().validate(), Ok(()));
+        let bad = AllocatorConfig {
+            ewma_alpha_ppm: 0,
+            max_step_ppm: 0,
+            ..AllocatorConfig::default()
+        };
+        assert_eq!(bad.validate().unwrap_err().len(), 2);
+    }
+}

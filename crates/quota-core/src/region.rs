@@ -1,0 +1,142 @@
+//! The region side: what a region enforces, given its last grant, its own clock and the drift
+//! margin.
+//!
+//! A region enforces its granted share while it holds a usable lease, then falls back to its
+//! floor (never more than the share it was granted). A lease comes from a
+//! [`Response::LeaseRenewed`](crate::coordinator::Response::LeaseRenewed) and is counted by the
+//! region's own clock from when it *sent* the renewal (a time before the commit, so its window
+//! ends before the coordinator's), minus the drift margin. A lease renewed at epoch `E` is usable
+//! only once the region has applied an allocation of epoch `≥ E`: the coordinator bounded the
+//! revocations of older epochs by the leases that were in force then.
+//!
+//! Driving loop (region agent): every round send `RenewLease { acked_epoch:
+//! view.applied_epoch() }` noting the local send time; on `LeaseRenewed` call
+//! [`RegionView::on_renewal`]; whenever the local replica applied a new epoch and the bucket
+//! parameters were written, call [`RegionView::on_applied`]; before enforcing, ask
+//! [`RegionView::enforced_share`].
+
+use serde::{Deserialize, Serialize};
+
+use crate::coordinator::RegionShare;
+
+/// A lease as the region counts it, by its own clock.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct RegionLease {
+    /// The coordinator's epoch when the renewal committed.
+    pub epoch: u64,
+    /// Local time the renewal request was sent (or, with a larger margin, received).
+    pub start_local_ms: u64,
+    pub lease_ms: u64,
+}
+
+impl RegionLease {
+    /// Local time at which the region must stop enforcing more than its floor.
+    pub fn end_local_ms(&self, drift_margin_ms: u64) -> u64 {
+        self.start_local_ms.saturating_add(self.lease_ms).saturating_sub(drift_margin_ms)
+    }
+}
+
+/// The share a region enforces: its grant while the lease holds, afterwards its floor (never
+/// above the grant). `lease` must be usable for the grant's epoch (see [`RegionView`]).
+pub fn enforced_share(
+    grant: &RegionShare,
+    lease: Option<&RegionLease>,
+    local_now_ms: u64,
+    drift_margin_ms: u64,
+) -> u32 {
+    match lease {
+        Some(l) if local_now_ms < l.end_local_ms(drift_margin_ms) => grant.share_ppm,
+        _ => grant.floor_ppm.min(grant.share_ppm),
+    }
+}
+
+/// A region's lease clock: which allocation epoch it applied and which lease it may use.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default, Serialize, Deserialize)]
+pub struct RegionView {
+    applied_epoch: u64,
+    usable: Option<RegionLease>,
+    /// The newest renewal not usable yet (its epoch is ahead of what was applied).
+    pending: Option<RegionLease>,
+}
+
+impl RegionView {
+    /// A region that has applied nothing and holds no lease.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// The epoch whose allocation this region enforces (what it acknowledges).
+    pub fn applied_epoch(&self) -> u64 {
+        self.applied_epoch
+    }
+
+    /// The lease the region may enforce under, if any.
+    pub fn lease(&self) -> Option<&RegionLease> {
+        self.usable.as_ref()
+    }
+
+    /// Records a renewal. It replaces the current lease only if it ends later.
+    pub fn on_renewal(&mut self, lease: RegionLease) {
+        if lease.epoch <= self.applied_epoch {
+            self.adopt(lease);
+        } else if self.pending.is_none_or(|p| p.epoch <= lease.epoch) {
+            self.pending = Some(lease);
+        }
+    }
+
+    /// Records that the allocation of `epoch` is now what the region enforces.
+    pub fn on_applied(&mut self, epoch: u64) {
+        self.applied_epoch = self.applied_epoch.max(epoch);
+        if let Some(p) = self.pending.filter(|p| p.epoch <= self.applied_epoch) {
+            self.pending = None;
+            self.adopt(p);
+        }
+    }
+
+    fn adopt(&mut self, lease: RegionLease) {
+        let later = |l: &RegionLease| {
+            l.start_local_ms.saturating_add(l.lease_ms)
+                > lease.start_local_ms.saturating_add(lease.lease_ms)
+        };
+        if !self.usable.as_ref().is_some_and(later) {
+            self.usable = Some(lease);
+        }
+    }
+
+    /// What the region enforces now for a grant read at its applied epoch.
+    pub fn enforced_share(&self, grant: &RegionShare, local_now_ms: u64, margin_ms: u64) -> u32 {
+        enforced_share(grant, self.usable.as_ref(), local_now_ms, margin_ms)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const GRANT: RegionShare = RegionShare { share_ppm: 400_000, floor_ppm: 50_000 };
+
+    #[test]
+    fn share_until_lease_end_minus_margin_then_floor() {
+        let lease = RegionLease { epoch: 3, start_local_ms: 1_000, lease_ms: 30_000 };
+        assert_eq!(enforced_share(&GRANT, Some(&lease), 28_999, 2_000), 400_000);
+        assert_eq!(enforced_share(&GRANT, Some(&lease), 29_000, 2_000), 50_000);
+        assert_eq!(enforced_share(&GRANT, None, 0, 2_000), 50_000);
+        let tiny = RegionShare { share_ppm: 10, floor_ppm: 50_000 };
+        assert_eq!(enforced_share(&tiny, None, 0, 2_000), 10);
+    }
+
+    #[test]
+    fn renewal_from_a_later_epoch_waits_until_applied() {
+        let mut v = RegionView::new();
+        v.on_applied(4);
+        v.on_renewal(RegionLease { epoch: 4, start_local_ms: 0, lease_ms: 30_000 });
+        // Renewed at epoch 6, but only epoch 4 applied: the old lease still governs.
+        v.on_renewal(RegionLease { epoch: 6, start_local_ms: 20_000, lease_ms: 30_000 });
+        assert_eq!(v.lease().unwrap().start_local_ms, 0);
+        assert_eq!(v.enforced_share(&GRANT, 29_000, 1_000), 50_000);
+        v.on_applied(6);
+        assert_eq!(v.lease().unwrap().start_local_ms, 20_000);
+        assert_eq!(v.enforced_share(&GRANT, 29_000, 1_000), 400_000);
+        assert_eq!(v.applied_epoch(), 6);
+    }
+}

@@ -1,0 +1,148 @@
+//! The server side of the peer protocol: an axum router for the peer listener (never the admin
+//! listener), authenticated by the shared cluster secret.
+//!
+//! Requests without the secret get 401 before their body is read; bodies over the limit get 413;
+//! bodies that do not decode get 400. None of these reach Raft.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use axum::body::Bytes;
+use axum::extract::{DefaultBodyLimit, Request, State};
+use axum::http::{header, StatusCode};
+use axum::middleware::{self, Next};
+use axum::response::{IntoResponse, Response};
+use axum::routing::post;
+use axum::Router;
+use openraft::raft::{AppendEntriesRequest, VoteRequest};
+use subtle::ConstantTimeEq;
+
+use crate::codec::{decode, encode, CodecError};
+use crate::coordinator::local_write;
+use crate::protocol::{
+    unframe_snapshot, ForwardRequest, FrameError, PATH_APPEND, PATH_FORWARD, PATH_SNAPSHOT,
+    PATH_VOTE,
+};
+use crate::types::alias::{Raft, Snapshot};
+use crate::types::{NodeId, TypeConfig};
+
+/// Limits and secrets of the peer API.
+#[derive(Clone)]
+pub struct PeerApiConfig {
+    /// Shared by all members.
+    pub cluster_secret: String,
+    pub max_rpc_body_bytes: usize,
+    pub max_snapshot_body_bytes: usize,
+    /// Upper bound on how long a forwarded write may wait for its commit.
+    pub write_timeout: Duration,
+}
+
+impl std::fmt::Debug for PeerApiConfig {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PeerApiConfig")
+            .field("cluster_secret", &"<redacted>")
+            .field("max_rpc_body_bytes", &self.max_rpc_body_bytes)
+            .field("max_snapshot_body_bytes", &self.max_snapshot_body_bytes)
+            .field("write_timeout", &self.write_timeout)
+            .finish()
+    }
+}
+
+#[derive(Clone)]
+struct PeerState {
+    raft: Raft,
+    authorization: Arc<[u8]>,
+    write_timeout: Duration,
+}
+
+/// A peer request that was refused before reaching Raft.
+#[derive(Debug, thiserror::Error)]
+enum PeerApiError {
+    #[error("malformed body: {source}")]
+    BadBody { source: CodecError },
+    #[error("malformed snapshot: {source}")]
+    BadSnapshot { source: FrameError },
+    #[error("cannot encode the answer: {source}")]
+    Encode { source: CodecError },
+}
+
+impl IntoResponse for PeerApiError {
+    fn into_response(self) -> Response {
+        match self {
+            PeerApiError::BadBody { .. } | PeerApiError::BadSnapshot { .. } => {
+                (StatusCode::BAD_REQUEST, self.to_string()).into_response()
+            }
+            PeerApiError::Encode { .. } => {
+                tracing::error!(error = %self, "Peer answer not encodable.");
+                StatusCode::INTERNAL_SERVER_ERROR.into_response()
+            }
+        }
+    }
+}
+
+type PeerResult = Result<Vec<u8>, PeerApiError>;
+
+fn answer<T: serde::Serialize>(value: &T) -> PeerResult {
+    encode(value).map_err(|source| PeerApiError::Encode { source })
+}
+
+fn body<T: serde::de::DeserializeOwned>(bytes: &[u8]) -> Result<T, PeerApiError> {
+    decode(bytes).map_err(|source| PeerApiError::BadBody { source })
+}
+
+/// The peer router for `raft`.
+pub fn router(raft: Raft, config: &PeerApiConfig) -> Router {
+    let state = PeerState {
+        raft,
+        authorization: format!("Bearer {}", config.cluster_secret).into_bytes().into(),
+        write_timeout: config.write_timeout,
+    };
+    let rpc = Router::new()
+        .route(PATH_APPEND, post(append))
+        .route(PATH_VOTE, post(vote))
+        .route(PATH_FORWARD, post(forward))
+        .layer(DefaultBodyLimit::max(config.max_rpc_body_bytes));
+    let snapshot = Router::new()
+        .route(PATH_SNAPSHOT, post(snapshot))
+        .layer(DefaultBodyLimit::max(config.max_snapshot_body_bytes));
+    rpc.merge(snapshot)
+        .layer(middleware::from_fn_with_state(state.clone(), authenticate))
+        .with_state(state)
+}
+
+/// Rejects requests without the cluster secret; constant-time, so timing reveals nothing of it.
+async fn authenticate(State(state): State<PeerState>, req: Request, next: Next) -> Response {
+    let presented = req
+        .headers()
+        .get(header::AUTHORIZATION)
+        .map(|v| v.as_bytes())
+        .unwrap_or_default();
+    if bool::from(presented.ct_eq(&state.authorization)) {
+        next.run(req).await
+    } else {
+        (StatusCode::UNAUTHORIZED, "missing or wrong cluster secret").into_response()
+    }
+}
+
+async fn append(State(s): State<PeerState>, bytes: Bytes) -> PeerResult {
+    let req: AppendEntriesRequest<TypeConfig> = body(&bytes)?;
+    answer(&s.raft.append_entries(req).await)
+}
+
+async fn vote(State(s): State<PeerState>, bytes: Bytes) -> PeerResult {
+    let req: VoteRequest<NodeId> = body(&bytes)?;
+    answer(&s.raft.vote(req).await)
+}
+
+async fn snapshot(State(s): State<PeerState>, bytes: Bytes) -> PeerResult {
+    let (header, data) =
+        unframe_snapshot(&bytes).map_err(|source| PeerApiError::BadSnapshot { source })?;
+    let snapshot = Snapshot { meta: header.meta, snapshot: Box::new(data.to_vec()) };
+    answer(&s.raft.install_full_snapshot(header.vote, snapshot).await)
+}
+
+async fn forward(State(s): State<PeerState>, bytes: Bytes) -> PeerResult {
+    let req: ForwardRequest = body(&bytes)?;
+    let timeout = Duration::from_millis(req.timeout_ms).min(s.write_timeout);
+    answer(&local_write(&s.raft, req.command, timeout).await)
+}

@@ -1,0 +1,198 @@
+//! Coordinators in one process talking real HTTP on loopback: forwarding, membership changes,
+//! a single-node cluster, and bad peer input (401, 400, 413) leaving the cluster undisturbed.
+
+mod common;
+
+use std::collections::BTreeMap;
+use std::time::Duration;
+
+use common::commands::{limit_of, put_policy};
+use quota_core::coordinator::Response;
+use quota_raft::protocol::{PATH_APPEND, PATH_SNAPSHOT, PATH_VOTE};
+use quota_raft::{Coordinator, Member, MembershipError, NodeId, RaftConfig, Role};
+use tempfile::TempDir;
+use tokio::net::TcpListener;
+use tokio::task::JoinHandle;
+
+const SECRET: &str = "http-cluster-secret-0123456789";
+
+struct Node {
+    coordinator: Coordinator,
+    server: JoinHandle<()>,
+}
+
+async fn listeners(n: usize) -> Vec<TcpListener> {
+    let mut out = Vec::new();
+    for _ in 0..n {
+        out.push(TcpListener::bind("127.0.0.1:0").await.unwrap());
+    }
+    out
+}
+
+fn member(id: NodeId, l: &TcpListener) -> Member {
+    let addr = l.local_addr().unwrap().to_string();
+    Member { region: format!("r{id}"), peer_addr: addr.clone(), admin_addr: addr }
+}
+
+fn config(id: NodeId, members: &BTreeMap<NodeId, Member>, dir: &TempDir) -> RaftConfig {
+    let mut c = RaftConfig::new(id, members.clone(), dir.path().join(format!("n{id}")), SECRET)
+        .with_loopback_timeouts();
+    // Small limits, so oversized test bodies still fit in loopback socket buffers and the client
+    // reads the 413 instead of a broken pipe.
+    c.max_rpc_body_bytes = 4 * 1024;
+    c.max_snapshot_body_bytes = 16 * 1024;
+    c
+}
+
+async fn serve(config: RaftConfig, listener: TcpListener) -> Node {
+    let coordinator = Coordinator::start(config).await.unwrap();
+    let router = coordinator.peer_router();
+    let server = tokio::spawn(async move {
+        axum::serve(listener, router).await.unwrap();
+    });
+    Node { coordinator, server }
+}
+
+async fn leader_of(nodes: &[&Coordinator]) -> NodeId {
+    for _ in 0..200 {
+        let leaders: Vec<_> = nodes.iter().map(|c| c.status().leader_id).collect();
+        if let Some(Some(l)) = leaders.first() {
+            if leaders.iter().all(|x| *x == Some(*l)) {
+                return *l;
+            }
+        }
+        tokio::time::sleep(Duration::from_millis(25)).await;
+    }
+    panic!("no leader");
+}
+
+async fn eventually(mut f: impl FnMut() -> bool) {
+    for _ in 0..200 {
+        if f() {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(25)).await;
+    }
+    panic!("condition not reached");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn single_node_cluster_writes_and_recovers() {
+    let dir = TempDir::new().unwrap();
+    let [l] = <[TcpListener; 1]>::try_from(listeners(1).await).unwrap();
+    let members = BTreeMap::from([(1, member(1, &l))]);
+    let cfg = config(1, &members, &dir);
+    let node = serve(cfg.clone(), l).await;
+    let c = &node.coordinator;
+    eventually(|| c.is_leader()).await;
+    let r = c.write(put_policy(1, 7, 8)).await.unwrap();
+    assert!(matches!(r, Response::PolicyStored { .. }));
+    // The same request id again: quota-core answers with the original response.
+    assert_eq!(c.write(put_policy(1, 7, 8)).await.unwrap(), r);
+    assert_eq!(c.read(|s| limit_of(s, 7)), Some(8));
+    let status = c.status();
+    assert_eq!((status.role, status.leader_id), (Role::Leader, Some(1)));
+
+    let Node { coordinator, server } = node;
+    server.abort();
+    let _ = server.await;
+    coordinator.shutdown().await.unwrap();
+    drop(coordinator);
+
+    let l = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let node = serve(cfg, l).await;
+    eventually(|| node.coordinator.is_leader()).await;
+    assert_eq!(node.coordinator.read(|s| limit_of(s, 7)), Some(8), "state survives a restart");
+    node.coordinator.write(put_policy(2, 9, 10)).await.unwrap();
+}
+
+async fn three_nodes(dir: &TempDir) -> (BTreeMap<NodeId, Member>, Vec<Node>) {
+    let ls = listeners(3).await;
+    let members: BTreeMap<NodeId, Member> =
+        ls.iter().enumerate().map(|(i, l)| (i as u64 + 1, member(i as u64 + 1, l))).collect();
+    let mut nodes = Vec::new();
+    for (i, l) in ls.into_iter().enumerate() {
+        nodes.push(serve(config(i as u64 + 1, &members, dir), l).await);
+    }
+    (members, nodes)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn follower_writes_are_forwarded_and_bad_peer_input_is_refused() {
+    let dir = TempDir::new().unwrap();
+    let (members, nodes) = three_nodes(&dir).await;
+    let cs: Vec<&Coordinator> = nodes.iter().map(|n| &n.coordinator).collect();
+    let leader = leader_of(&cs).await;
+    let follower = cs.iter().find(|c| c.status().node_id != leader).unwrap();
+    let r = follower.write(put_policy(1, 1, 2)).await.unwrap();
+    assert!(matches!(r, Response::PolicyStored { .. }));
+    for c in &cs {
+        eventually(|| c.read(|s| limit_of(s, 1)) == Some(2)).await;
+    }
+    let term = cs[0].status().term;
+
+    let http = reqwest::Client::new();
+    for target in members.values() {
+        let url = |path: &str| format!("http://{}{path}", target.peer_addr);
+        let send = |path: &str, auth: Option<&str>, body: Vec<u8>| {
+            let mut req = http.post(url(path)).body(body);
+            if let Some(a) = auth {
+                req = req.header("authorization", a);
+            }
+            req.send()
+        };
+        let good = format!("Bearer {SECRET}");
+        let status = |r: reqwest::Response| r.status().as_u16();
+        assert_eq!(status(send(PATH_APPEND, None, vec![1, 2, 3]).await.unwrap()), 401);
+        assert_eq!(status(send(PATH_VOTE, Some("Bearer wrong"), vec![1]).await.unwrap()), 401);
+        assert_eq!(status(send(PATH_APPEND, None, vec![0; 8 * 1024]).await.unwrap()), 401);
+        assert_eq!(status(send(PATH_APPEND, Some(&good), vec![1, 0xff, 0xff]).await.unwrap()), 400);
+        assert_eq!(status(send(PATH_VOTE, Some(&good), vec![]).await.unwrap()), 400);
+        assert_eq!(status(send(PATH_VOTE, Some(&good), vec![9, 9, 9]).await.unwrap()), 400);
+        assert_eq!(status(send(PATH_SNAPSHOT, Some(&good), vec![1, 2]).await.unwrap()), 400);
+        assert_eq!(status(send(PATH_APPEND, Some(&good), vec![1; 8 * 1024]).await.unwrap()), 413);
+        assert_eq!(status(send(PATH_SNAPSHOT, Some(&good), vec![1; 32 * 1024]).await.unwrap()), 413);
+    }
+    // Undisturbed: same leader, same term, writes from any node still commit.
+    assert_eq!(leader_of(&cs).await, leader);
+    assert_eq!(cs[0].status().term, term);
+    for (i, c) in cs.iter().enumerate() {
+        let n = 10 + i as u64;
+        c.write(put_policy(10 + i as u128, n, n + 1)).await.unwrap();
+    }
+    for c in &cs {
+        eventually(|| c.read(|s| (10..13).all(|n| limit_of(s, n) == Some(n + 1)))).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn learner_is_added_promoted_and_removed() {
+    let dir = TempDir::new().unwrap();
+    let (mut members, nodes) = three_nodes(&dir).await;
+    let cs: Vec<&Coordinator> = nodes.iter().map(|n| &n.coordinator).collect();
+    let leader_id = leader_of(&cs).await;
+    let leader = cs.iter().find(|c| c.status().node_id == leader_id).unwrap();
+    let follower = cs.iter().find(|c| c.status().node_id != leader_id).unwrap();
+    leader.write(put_policy(1, 1, 2)).await.unwrap();
+
+    let [l4] = <[TcpListener; 1]>::try_from(listeners(1).await).unwrap();
+    let m4 = member(4, &l4);
+    members.insert(4, m4.clone());
+    let n4 = serve(config(4, &members, &dir), l4).await;
+
+    assert!(matches!(
+        follower.add_learner(4, m4.clone()).await,
+        Err(MembershipError::NotLeader { leader_id: Some(l) }) if l == leader_id
+    ));
+    leader.add_learner(4, m4).await.unwrap();
+    eventually(|| n4.coordinator.read(|s| limit_of(s, 1)) == Some(2)).await;
+    assert!(!leader.status().voters.contains(&4));
+    leader.promote(4).await.unwrap();
+    assert!(leader.status().voters.contains(&4));
+    leader.write(put_policy(2, 2, 3)).await.unwrap();
+    eventually(|| n4.coordinator.read(|s| limit_of(s, 2)) == Some(3)).await;
+    leader.remove(4).await.unwrap();
+    let status = leader.status();
+    assert!(!status.voters.contains(&4) && !status.members.contains_key(&4));
+    assert_eq!(leader.remove(99).await, Err(MembershipError::UnknownNode { node_id: 99 }));
+}

@@ -1,0 +1,280 @@
+//! Store benchmark: decisions per second and latency through the `Store` API (embedded and
+//! Redis side by side, concurrency 1 and 64, hot key and random keys), and Redis server CPU per
+//! decision for `token_bucket.lua` against a seed-article-style baseline script.
+//!
+//! `cargo bench -p quota-store --bench store` (release; starts its own redis-server through
+//! redis-harness; ~1 min). `QUOTAD_BENCH_SCALE=0.2` shortens it.
+//!
+//! Server CPU comes from `INFO commandstats` (`cmdstat_evalsha` `usec_per_call`) after
+//! `CONFIG RESETSTAT`: time Redis spent inside the script, excluding network and client work.
+
+use std::future::Future;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use hdrhistogram::Histogram;
+use quota_core::bucket::UT;
+use quota_core::{BucketParams, PolicyName, TenantId};
+use quota_store::{
+    BucketRef, CheckRequest, EmbeddedStore, Limit, RedisStore, RedisStoreConfig, Store,
+};
+use rand::{Rng, SeedableRng};
+use redis_harness::RedisServer;
+
+/// Tenants in the random-keys runs.
+const KEYSPACE: u64 = 100_000;
+
+/// Shaped like the seed articles' token bucket: HMGET, refill in floats, HSET, EXPIRE, float
+/// arguments (capacity, tokens per second, now in seconds, cost). No usage counters, no
+/// validation, no retry-after or reset.
+const SEED_BASELINE_LUA: &str = r#"
+local bucket = redis.call('HMGET', KEYS[1], 'tokens', 'ts')
+local capacity = tonumber(ARGV[1])
+local refill = tonumber(ARGV[2])
+local now = tonumber(ARGV[3])
+local cost = tonumber(ARGV[4])
+local tokens = tonumber(bucket[1]) or capacity
+local last_ts = tonumber(bucket[2]) or now
+local elapsed = math.max(0, now - last_ts)
+tokens = math.min(capacity, tokens + elapsed * refill)
+local allowed = 0
+if tokens >= cost then
+  tokens = tokens - cost
+  allowed = 1
+end
+redis.call('HSET', KEYS[1], 'tokens', tokens, 'ts', now)
+redis.call('EXPIRE', KEYS[1], math.ceil(capacity / refill) * 2)
+return allowed
+"#;
+
+/// The floor: read Redis time, read a key, write it with an expiry.
+const BARE_LUA: &str = r#"
+local t = redis.call('TIME')
+local v = redis.call('GET', KEYS[1])
+redis.call('SET', KEYS[1], t[1], 'PX', 60000)
+return 1
+"#;
+
+fn scale() -> f64 {
+    std::env::var("QUOTAD_BENCH_SCALE").ok().and_then(|v| v.parse().ok()).unwrap_or(1.0)
+}
+
+fn scaled(n: usize) -> usize {
+    ((n as f64 * scale()) as usize).max(100)
+}
+
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Keys {
+    Hot,
+    Random,
+}
+
+impl Keys {
+    fn name(self) -> &'static str {
+        match self {
+            Self::Hot => "hot key",
+            Self::Random => "random keys",
+        }
+    }
+}
+
+fn bucket(tenant: u64) -> BucketRef {
+    BucketRef {
+        tenant: TenantId::new(format!("bench-{tenant}")).unwrap(),
+        policy: PolicyName::new("writes").unwrap(),
+        version: 1,
+    }
+}
+
+/// Mostly admitted: capacity 1000 tokens refilling at 100 000 per second.
+fn limit() -> Limit {
+    Limit::TokenBucket(BucketParams::new(1000 * UT, 100_000 * UT).unwrap())
+}
+
+struct Outcome {
+    per_s: f64,
+    hist: Histogram<u64>,
+}
+
+/// Runs `total` calls of `op(i)` from `concurrency` tasks; latency per call in µs.
+async fn load<F, Fut>(concurrency: usize, total: usize, op: F) -> Outcome
+where
+    F: Fn(usize) -> Fut + Send + Sync + 'static,
+    Fut: Future<Output = ()> + Send,
+{
+    let op = Arc::new(op);
+    let started = Instant::now();
+    let mut tasks = tokio::task::JoinSet::new();
+    for w in 0..concurrency {
+        let op = op.clone();
+        tasks.spawn(async move {
+            let mut h = Histogram::<u64>::new_with_bounds(1, 60_000_000, 3).unwrap();
+            let mut i = w;
+            while i < total {
+                let t = Instant::now();
+                op(i).await;
+                h.saturating_record(t.elapsed().as_micros() as u64);
+                i += concurrency;
+            }
+            h
+        });
+    }
+    let mut hist = Histogram::<u64>::new_with_bounds(1, 60_000_000, 3).unwrap();
+    while let Some(h) = tasks.join_next().await {
+        hist.add(h.unwrap()).unwrap();
+    }
+    Outcome { per_s: total as f64 / started.elapsed().as_secs_f64(), hist }
+}
+
+/// Key index for call `i`: one hot tenant, or a seeded pseudo-random one.
+fn key_of(keys: Keys, i: usize) -> u64 {
+    match keys {
+        Keys::Hot => 0,
+        Keys::Random => {
+            let mut r = rand_chacha::ChaCha8Rng::seed_from_u64(i as u64);
+            r.random_range(0..KEYSPACE)
+        }
+    }
+}
+
+async fn store_run<S: Store + Clone + 'static>(
+    s: &S,
+    concurrency: usize,
+    total: usize,
+    keys: Keys,
+) -> Outcome {
+    let s = s.clone();
+    let hot = bucket(0);
+    load(concurrency, total, move |i| {
+        let s = s.clone();
+        let b = if keys == Keys::Hot { hot.clone() } else { bucket(key_of(keys, i)) };
+        async move {
+            let r = CheckRequest { bucket: b, limit: limit(), cost: 1, now_ms: None };
+            s.check(&r).await.unwrap();
+        }
+    })
+    .await
+}
+
+async fn reset_stats(c: &mut redis::aio::MultiplexedConnection) {
+    let _: () = redis::cmd("CONFIG").arg("RESETSTAT").query_async(c).await.unwrap();
+}
+
+async fn usec_per_evalsha(c: &mut redis::aio::MultiplexedConnection) -> f64 {
+    let stats: String = redis::cmd("INFO").arg("commandstats").query_async(c).await.unwrap();
+    stats
+        .lines()
+        .find_map(|l| l.strip_prefix("cmdstat_evalsha:"))
+        .and_then(|rest| rest.split(',').find_map(|kv| kv.strip_prefix("usec_per_call=")))
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(f64::NAN)
+}
+
+/// Server µs per EVALSHA of `script` under `concurrency` callers on one multiplexed connection.
+async fn server_cpu(
+    server: &RedisServer,
+    script: &'static str,
+    keys: Keys,
+    total: usize,
+    args: fn(usize) -> Vec<String>,
+    key: fn(u64) -> Vec<String>,
+) -> f64 {
+    let client = server.client();
+    let mut admin = client.get_multiplexed_async_connection().await.unwrap();
+    let conn = client.get_multiplexed_async_connection().await.unwrap();
+    let s = Arc::new(redis::Script::new(script));
+    let _: String = s.prepare_invoke().load_async(&mut admin.clone()).await.unwrap();
+    let _: () = redis::cmd("FLUSHDB").query_async(&mut admin).await.unwrap();
+    reset_stats(&mut admin).await;
+    load(64, total, move |i| {
+        let mut c = conn.clone();
+        let s = s.clone();
+        let k = key(key_of(keys, i));
+        let a = args(i);
+        async move {
+            let mut inv = s.prepare_invoke();
+            for k in &k {
+                inv.key(k);
+            }
+            for a in &a {
+                inv.arg(a);
+            }
+            let _: redis::Value = inv.invoke_async(&mut c).await.unwrap();
+        }
+    })
+    .await;
+    usec_per_evalsha(&mut admin).await
+}
+
+fn quotad_keys(t: u64) -> Vec<String> {
+    let b = bucket(t);
+    vec![
+        b.state_key(quota_core::keys::StateKind::Bucket),
+        b.params_key(),
+        quota_core::keys::ACTIVE_INDEX.to_string(),
+    ]
+}
+
+fn quotad_args(_: usize) -> Vec<String> {
+    // Production path: Redis TIME, fallback parameters (none stored).
+    vec!["1".into(), (1000 * UT).to_string(), (100_000 * UT).to_string(), String::new()]
+}
+
+fn plain_key(t: u64) -> Vec<String> {
+    vec![format!("seed:{{bench-{t}}}")]
+}
+
+fn seed_args(i: usize) -> Vec<String> {
+    // The seed style passes floats: capacity, tokens per second, now in seconds, cost.
+    let now = 1_700_000_000.0 + i as f64 * 0.000_013;
+    vec!["1000.0".into(), "100000.5".into(), format!("{now:.6}"), "1".into()]
+}
+
+fn no_args(_: usize) -> Vec<String> {
+    Vec::new()
+}
+
+fn row(name: &str, o: &Outcome) {
+    println!(
+        "  {name:<38} {:>10.0} /s   p50 {:>6} µs   p99 {:>6} µs",
+        o.per_s,
+        o.hist.value_at_quantile(0.50),
+        o.hist.value_at_quantile(0.99)
+    );
+}
+
+#[tokio::main(flavor = "multi_thread")]
+async fn main() {
+    // `cargo bench` passes `--bench`; nothing else is accepted.
+    let server = RedisServer::start().expect("redis-server for the benchmark");
+    let cfg = RedisStoreConfig::standalone(server.url()).with_timeout(Duration::from_secs(5));
+    let redis_store = RedisStore::connect(cfg).await.unwrap();
+    let embedded = EmbeddedStore::new();
+
+    println!("== decisions through the Store API (token bucket, cost 1, Redis TIME) ==");
+    for keys in [Keys::Hot, Keys::Random] {
+        for concurrency in [1, 64] {
+            let n_redis = scaled(if concurrency == 1 { 20_000 } else { 200_000 });
+            let n_embedded = scaled(if concurrency == 1 { 300_000 } else { 1_000_000 });
+            let e = store_run(&embedded, concurrency, n_embedded, keys).await;
+            let r = store_run(&redis_store, concurrency, n_redis, keys).await;
+            println!("{}, concurrency {concurrency}:", keys.name());
+            row("embedded", &e);
+            row("redis (1 connection, pipelined)", &r);
+        }
+    }
+
+    println!();
+    println!("== Redis server CPU per decision (cmdstat_evalsha usec_per_call, 64 callers) ==");
+    let n = scaled(200_000);
+    for keys in [Keys::Hot, Keys::Random] {
+        let ours = server_cpu(&server, quota_store::script::TOKEN_BUCKET_LUA, keys, n, quotad_args, quotad_keys).await;
+        let seed = server_cpu(&server, SEED_BASELINE_LUA, keys, n, seed_args, plain_key).await;
+        let bare = server_cpu(&server, BARE_LUA, keys, n, no_args, plain_key).await;
+        println!("{}:", keys.name());
+        println!("  token_bucket.lua (full contract)        {ours:>6.2} µs");
+        println!("  seed-style baseline (HMGET/HSET/EXPIRE)  {seed:>6.2} µs");
+        println!("  bare TIME+GET+SET PX                     {bare:>6.2} µs");
+        println!("  ratio token_bucket / seed baseline       {:>6.2}", ours / seed);
+    }
+}

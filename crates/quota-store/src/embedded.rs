@@ -1,0 +1,327 @@
+//! The embedded store: the decisions of `quota-core`'s reference bucket and window, in process.
+//!
+//! A product feature for running without Redis (one region, development, higher-layer tests),
+//! not a mock: it gives exactly the decisions the Lua scripts give, keeps the same usage
+//! counters, and bounds its memory the same way — a bucket idle past its TTL (time to refill
+//! fully, at least [`MIN_TTL_MS`]) reads as missing, i.e. full, and is evicted by an amortised
+//! sweep. State is split over shards, each behind its own `std::sync::Mutex`: critical sections
+//! are short and never await, so a blocking mutex is cheaper than an async one and contention
+//! is spread by bucket hash.
+
+use std::collections::HashMap;
+use std::fmt;
+use std::hash::{BuildHasher, RandomState};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::{SystemTime, UNIX_EPOCH};
+
+use quota_core::keys::StateKind;
+use quota_core::{bucket, window, BucketState, Decision, WindowParams, WindowState};
+
+use crate::{BucketRef, CheckRequest, Limit, Store, StoreError, UsageRecord, MIN_TTL_MS};
+
+/// Shards by default: a power of two well above the core count.
+const DEFAULT_SHARDS: usize = 64;
+
+/// A source of "now" in ms since the epoch.
+pub type Clock = Arc<dyn Fn() -> u64 + Send + Sync>;
+
+/// The system clock in ms since the epoch (0 if the clock is before 1970).
+pub fn system_clock() -> Clock {
+    Arc::new(|| {
+        SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_millis() as u64)
+    })
+}
+
+#[derive(Debug, Clone)]
+enum State {
+    Bucket(BucketState),
+    Window(WindowState),
+}
+
+#[derive(Debug)]
+struct Entry {
+    state: State,
+    /// When the entry may be forgotten (ms); `None`: never (a dry bucket that is not full).
+    expires_at_ms: Option<u64>,
+    admitted: u64,
+    denied: u64,
+    /// Listed in the shard's activity list since the last collection.
+    listed: bool,
+}
+
+impl Entry {
+    fn live_at(&self, now_ms: u64) -> bool {
+        self.expires_at_ms.is_none_or(|t| now_ms < t)
+    }
+}
+
+type StateKey = (BucketRef, StateKind);
+
+#[derive(Debug, Default)]
+struct Shard {
+    states: HashMap<StateKey, Entry>,
+    params: HashMap<BucketRef, Limit>,
+    /// State keys decided since the last collection (each at most once while it lives).
+    active: Vec<StateKey>,
+    /// Decisions since the last sweep; a sweep runs once this reaches the map's size, so its
+    /// cost is amortised O(1) per decision.
+    since_sweep: usize,
+    /// The latest time a decision in this shard used.
+    latest_ms: u64,
+}
+
+impl Shard {
+    fn sweep(&mut self) {
+        let now = self.latest_ms;
+        self.states.retain(|_, e| e.live_at(now));
+        let states = &self.states;
+        self.active.retain(|k| states.get(k).is_some_and(|e| e.listed));
+        self.since_sweep = 0;
+    }
+}
+
+/// The in-process store. Cheap to clone (the state is shared).
+#[derive(Clone)]
+pub struct EmbeddedStore {
+    shards: Arc<[Mutex<Shard>]>,
+    hasher: RandomState,
+    clock: Clock,
+}
+
+impl fmt::Debug for EmbeddedStore {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("EmbeddedStore").field("shards", &self.shards.len()).finish()
+    }
+}
+
+impl Default for EmbeddedStore {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl EmbeddedStore {
+    /// A store on the system clock with the default number of shards.
+    pub fn new() -> Self {
+        Self::with_clock(system_clock())
+    }
+
+    /// A store whose "now" (when a request has no explicit `now_ms`) comes from `clock`, so
+    /// tests and the simulator control time.
+    pub fn with_clock(clock: Clock) -> Self {
+        Self::with_shards(clock, DEFAULT_SHARDS)
+    }
+
+    /// A store with `shards` independent locks (at least one).
+    pub fn with_shards(clock: Clock, shards: usize) -> Self {
+        let shards: Vec<Mutex<Shard>> = (0..shards.max(1)).map(|_| Mutex::default()).collect();
+        Self { shards: shards.into(), hasher: RandomState::new(), clock }
+    }
+
+    /// Number of live state entries (for memory checks and metrics).
+    pub fn len(&self) -> usize {
+        self.shards.iter().map(|s| lock(s).states.len()).sum()
+    }
+
+    /// Whether no state is held.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Drops every entry idle past its TTL as of `now_ms` (normally done incrementally).
+    pub fn evict_expired(&self, now_ms: u64) {
+        for s in self.shards.iter() {
+            let mut s = lock(s);
+            s.latest_ms = s.latest_ms.max(now_ms);
+            s.sweep();
+        }
+    }
+
+    fn shard(&self, b: &BucketRef) -> MutexGuard<'_, Shard> {
+        let i = self.hasher.hash_one(b) as usize % self.shards.len();
+        lock(&self.shards[i])
+    }
+
+    fn decide(&self, req: &CheckRequest) -> Result<Decision, StoreError> {
+        req.validate()?;
+        let now = req.now_ms.unwrap_or_else(|| (self.clock)());
+        let kind = req.limit.kind();
+        let mut shard = self.shard(&req.bucket);
+        let shard = &mut *shard;
+        // Stored parameters of the same kind win over the fallback, as in the scripts.
+        let limit = match (shard.params.get(&req.bucket), req.limit) {
+            (Some(p @ Limit::TokenBucket(_)), Limit::TokenBucket(_)) => *p,
+            (Some(p @ Limit::SlidingWindow { .. }), Limit::SlidingWindow { .. }) => *p,
+            (_, fallback) => fallback,
+        };
+        shard.latest_ms = shard.latest_ms.max(now);
+        shard.since_sweep += 1;
+        if shard.since_sweep > shard.states.len().max(1024) {
+            shard.sweep();
+        }
+        let key = (req.bucket.clone(), kind);
+        let entry = shard.states.get(&key).filter(|e| e.live_at(now));
+        let (decision, state, ttl) = match limit {
+            Limit::TokenBucket(p) => {
+                let prev = match entry.as_ref().map(|e| &e.state) {
+                    Some(State::Bucket(s)) => Some(s),
+                    _ => None,
+                };
+                let (d, s) = bucket::decide(now, &p, prev, req.cost);
+                let ttl = bucket::idle_ttl_ms(&p, &s);
+                (d, State::Bucket(s), (ttl != u64::MAX).then_some(ttl))
+            }
+            Limit::SlidingWindow { limit, window_ms } => {
+                let prev = match entry.as_ref().map(|e| &e.state) {
+                    Some(State::Window(s)) => Some(s),
+                    _ => None,
+                };
+                let p = WindowParams { limit, window_ms };
+                let (d, s) = window::decide(now, &p, prev, req.cost);
+                let ttl = window::idle_ttl_ms(&p, &s);
+                (d, State::Window(s), Some(ttl))
+            }
+        };
+        // Idle time counts from the latest time the state has seen: a request with a clock
+        // stepping back must not bring the expiry forward.
+        let latest = match &state {
+            State::Bucket(s) => s.ts_ms,
+            State::Window(s) => s.ts_ms,
+        };
+        let expires_at_ms = ttl.map(|t| latest.saturating_add(t.max(MIN_TTL_MS)));
+        let (admitted, denied) = if decision.allowed { (req.cost, 0) } else { (0, req.cost) };
+        match shard.states.get_mut(&key).filter(|e| e.live_at(now)) {
+            Some(e) => {
+                e.state = state;
+                e.expires_at_ms = expires_at_ms;
+                e.admitted += admitted;
+                e.denied += denied;
+                if !e.listed {
+                    e.listed = true;
+                    shard.active.push(key);
+                }
+            }
+            None => {
+                let e = Entry { state, expires_at_ms, admitted, denied, listed: true };
+                shard.states.insert(key.clone(), e);
+                shard.active.push(key);
+            }
+        }
+        Ok(decision)
+    }
+}
+
+fn lock(m: &Mutex<Shard>) -> MutexGuard<'_, Shard> {
+    // A panic while holding a shard cannot leave it half-updated (each update is a few plain
+    // assignments), so a poisoned lock is still consistent.
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+impl Store for EmbeddedStore {
+    async fn check(&self, req: &CheckRequest) -> Result<Decision, StoreError> {
+        self.decide(req)
+    }
+
+    async fn set_params(&self, bucket: &BucketRef, limit: Limit) -> Result<(), StoreError> {
+        limit.validate()?;
+        self.shard(bucket).params.insert(bucket.clone(), limit);
+        Ok(())
+    }
+
+    async fn collect_usage(&self, max: usize) -> Result<Vec<UsageRecord>, StoreError> {
+        let mut out = Vec::new();
+        for s in self.shards.iter() {
+            if out.len() >= max {
+                break;
+            }
+            let mut s = lock(s);
+            let s = &mut *s;
+            let take = (max - out.len()).min(s.active.len());
+            let keys: Vec<StateKey> = s.active.drain(..take).collect();
+            for key in keys {
+                if let Some(e) = s.states.get_mut(&key) {
+                    if e.listed && e.live_at(s.latest_ms) {
+                        out.push(UsageRecord {
+                            bucket: key.0.clone(),
+                            admitted: e.admitted,
+                            denied: e.denied,
+                        });
+                    }
+                    e.admitted = 0;
+                    e.denied = 0;
+                    e.listed = false;
+                }
+            }
+        }
+        Ok(out)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::atomic::{AtomicU64, Ordering};
+
+    use quota_core::bucket::UT;
+    use quota_core::{BucketParams, PolicyName, TenantId};
+
+    use super::*;
+
+    fn bucket(t: &str) -> BucketRef {
+        BucketRef {
+            tenant: TenantId::new(t).unwrap(),
+            policy: PolicyName::new("writes").unwrap(),
+            version: 1,
+        }
+    }
+
+    fn req(b: &BucketRef, cap: u64, rate: u64, now: Option<u64>) -> CheckRequest {
+        CheckRequest {
+            bucket: b.clone(),
+            limit: Limit::TokenBucket(BucketParams::new(cap * UT, rate * UT).unwrap()),
+            cost: 1,
+            now_ms: now,
+        }
+    }
+
+    #[tokio::test]
+    async fn idle_buckets_are_evicted_and_come_back_full() {
+        let now = Arc::new(AtomicU64::new(0));
+        let n = now.clone();
+        let s = EmbeddedStore::with_shards(Arc::new(move || n.load(Ordering::SeqCst)), 4);
+        for i in 0..5000 {
+            let d = s.check(&req(&bucket(&format!("t{i}")), 2, 1, None)).await.unwrap();
+            assert!(d.allowed);
+        }
+        assert_eq!(s.len(), 5000);
+        // Time to refill one token is 1 s; with the 1 s minimum TTL all are gone after it.
+        now.store(1000, Ordering::SeqCst);
+        s.evict_expired(1000);
+        assert_eq!(s.len(), 0);
+        let d = s.check(&req(&bucket("t1"), 2, 1, None)).await.unwrap();
+        assert_eq!(d.remaining, 1);
+    }
+
+    #[tokio::test]
+    async fn sweeps_keep_memory_bounded_without_explicit_eviction() {
+        let s = EmbeddedStore::with_shards(system_clock(), 1);
+        for i in 0..20_000u64 {
+            // Each one-shot identity arrives 1 s after the previous: all earlier ones expired.
+            s.check(&req(&bucket(&format!("t{i}")), 1, 1, Some(i * 1000))).await.unwrap();
+        }
+        assert!(s.len() <= 2 * 1024 + 1, "{}", s.len());
+        let usage = s.collect_usage(usize::MAX).await.unwrap();
+        assert!(usage.len() <= s.len());
+    }
+
+    #[tokio::test]
+    async fn a_dry_bucket_is_never_evicted() {
+        let s = EmbeddedStore::with_shards(system_clock(), 1);
+        let b = bucket("dry");
+        s.check(&req(&b, 1, 0, Some(0))).await.unwrap();
+        s.evict_expired(u64::MAX / 2);
+        let d = s.check(&req(&b, 1, 0, Some(u64::MAX / 4))).await;
+        assert!(d.is_err()); // now beyond 2^53 is invalid
+        let d = s.check(&req(&b, 1, 0, Some(1 << 52))).await.unwrap();
+        assert!(!d.allowed);
+    }
+}

@@ -1,0 +1,76 @@
+//! The Lua scripts (compiled in with `include_str!`), the arguments they take and the replies
+//! they give. Each script opens with its KEYS / ARGV / return contract.
+
+use quota_core::Decision;
+
+use crate::{CheckRequest, Limit, StoreError};
+
+/// One token-bucket decision (`lua/token_bucket.lua`).
+pub const TOKEN_BUCKET_LUA: &str = include_str!("../../../lua/token_bucket.lua");
+
+/// One sliding-window decision (`lua/sliding_window.lua`).
+pub const SLIDING_WINDOW_LUA: &str = include_str!("../../../lua/sliding_window.lua");
+
+/// Drains an activity index (`lua/collect_usage.lua`).
+pub const COLLECT_USAGE_LUA: &str = include_str!("../../../lua/collect_usage.lua");
+
+/// The largest `max` `collect_usage.lua` accepts in one call.
+pub const COLLECT_BATCH_MAX: usize = 100_000;
+
+/// The ARGV of a decision script for `req`: cost, fallback pair, explicit now (or `""`).
+pub fn decision_args(req: &CheckRequest) -> [String; 4] {
+    let (a, b) = match req.limit {
+        Limit::TokenBucket(p) => (p.capacity_ut, p.rate_ut_per_s),
+        Limit::SlidingWindow { limit, window_ms } => (limit, window_ms),
+    };
+    [
+        req.cost.to_string(),
+        a.to_string(),
+        b.to_string(),
+        req.now_ms.map(|n| n.to_string()).unwrap_or_default(),
+    ]
+}
+
+/// Decodes `{allowed, remaining, retry_after_ms, reset_ms}`; `-1` means "never".
+pub fn decision_from_reply(reply: &[i64]) -> Result<Decision, StoreError> {
+    let &[allowed, remaining, retry, reset] = reply else {
+        return Err(StoreError::Protocol {
+            reason: format!("a decision has 4 fields, got {}", reply.len()),
+        });
+    };
+    let never = |v: i64| if v < 0 { None } else { Some(v as u64) };
+    if !(0..=1).contains(&allowed) || remaining < 0 {
+        return Err(StoreError::Protocol {
+            reason: format!("bad decision fields {allowed} / {remaining}"),
+        });
+    }
+    Ok(Decision {
+        allowed: allowed == 1,
+        remaining: remaining as u64,
+        retry_after_ms: never(retry),
+        reset_ms: never(reset),
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn replies_decode_with_never_as_none() {
+        let d = decision_from_reply(&[0, 3, -1, 250]).unwrap();
+        assert_eq!(
+            d,
+            Decision { allowed: false, remaining: 3, retry_after_ms: None, reset_ms: Some(250) }
+        );
+        assert!(decision_from_reply(&[1, 2, 3]).is_err());
+        assert!(decision_from_reply(&[2, 0, 0, 0]).is_err());
+    }
+
+    #[test]
+    fn every_script_states_its_contract() {
+        for s in [TOKEN_BUCKET_LUA, SLIDING_WINDOW_LUA, COLLECT_USAGE_LUA] {
+            assert!(s.contains("KEYS[1]") && s.contains("ARGV[1]") && s.contains("returns"));
+        }
+    }
+}

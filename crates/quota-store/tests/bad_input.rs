@@ -1,0 +1,146 @@
+//! Bad input: every invalid script argument gets a Redis error reply `ERR quotad: …` (never a
+//! Lua runtime error, never a silent default), checked by calling EVAL directly; and invalid
+//! requests are rejected in Rust before any Redis call.
+
+mod common;
+
+use common::{fresh_bucket, req, tokens};
+use quota_core::BucketParams;
+use quota_store::script::{COLLECT_USAGE_LUA, SLIDING_WINDOW_LUA, TOKEN_BUCKET_LUA};
+use quota_store::{Limit, Store, StoreError};
+use redis_harness::RedisServer;
+
+const B: &str = "qd:v1:{bad}:x:1:b";
+const P: &str = "qd:v1:{bad}:x:1:p";
+const IX: &str = "qd:v1:active";
+
+fn eval(conn: &mut redis::Connection, src: &str, keys: &[&str], args: &[&str]) -> redis::RedisResult<redis::Value> {
+    let mut c = redis::cmd("EVAL");
+    c.arg(src).arg(keys.len());
+    for k in keys {
+        c.arg(*k);
+    }
+    for a in args {
+        c.arg(*a);
+    }
+    c.query(conn)
+}
+
+/// Asserts that the call is answered with the script's own error reply.
+fn assert_quotad_error(r: redis::RedisResult<redis::Value>, case: &str) {
+    let e = match r {
+        Err(e) => e,
+        Ok(v) => panic!("{case}: expected an error reply, got {v:?}"),
+    };
+    assert_eq!(e.code(), Some("ERR"), "{case}: {e}");
+    let detail = e.detail().unwrap_or_default();
+    assert!(detail.starts_with("quotad: "), "{case}: {e}");
+    // A Lua runtime error would mention the script and a line.
+    assert!(!e.to_string().contains("user_script"), "{case}: {e}");
+}
+
+#[test]
+fn token_bucket_rejects_every_bad_argument() {
+    let server = RedisServer::start().unwrap();
+    let mut c = common::sync_conn(&server);
+    let cases: &[(&str, &[&str])] = &[
+        ("empty cost", &["", "1000000", "1000", ""]),
+        ("zero cost", &["0", "1000000", "1000", ""]),
+        ("negative cost", &["-1", "1000000", "1000", ""]),
+        ("float cost", &["1.5", "1000000", "1000", ""]),
+        ("exponent cost", &["1e3", "1000000", "1000", ""]),
+        ("hex cost", &["0x10", "1000000", "1000", ""]),
+        ("spaced cost", &[" 1", "1000000", "1000", ""]),
+        ("cost above max", &["9007199255", "1000000", "1000", ""]),
+        ("huge cost", &["99999999999999999999", "1000000", "1000", ""]),
+        ("float capacity", &["1", "1.5", "1000", ""]),
+        ("negative capacity", &["1", "-1", "1000", ""]),
+        ("capacity above 2^53", &["1", "9007199254740992", "1000", ""]),
+        ("float rate", &["1", "1000000", "0.5", ""]),
+        ("rate above max", &["1", "1000000", "9007199254741", ""]),
+        ("fill time too long", &["1", "9007199254740991", "1", ""]),
+        ("capacity without rate", &["1", "1000000", "", ""]),
+        ("rate without capacity", &["1", "", "1000", ""]),
+        ("no params at all", &["1", "", "", ""]),
+        ("float now", &["1", "1000000", "1000", "1.5"]),
+        ("negative now", &["1", "1000000", "1000", "-5"]),
+        ("text now", &["1", "1000000", "1000", "soon"]),
+        ("now above 2^53", &["1", "1000000", "1000", "9007199254740992"]),
+        ("too few arguments", &["1", "1000000"]),
+        ("too many arguments", &["1", "1000000", "1000", "5", "6"]),
+    ];
+    for (case, args) in cases {
+        assert_quotad_error(eval(&mut c, TOKEN_BUCKET_LUA, &[B, P, IX], args), case);
+    }
+    assert_quotad_error(eval(&mut c, TOKEN_BUCKET_LUA, &[B, P], &["1", "1", "1", ""]), "two keys");
+    // Nothing was written by any rejected call.
+    let n: u64 = redis::cmd("DBSIZE").query(&mut c).unwrap();
+    assert_eq!(n, 0);
+    // Stored parameters are validated too.
+    for (cap, rate) in [("abc", "1"), ("1", "1.5"), ("9007199254740992", "1"), ("", "")] {
+        let _: () = redis::cmd("HSET").arg(P).arg("cap").arg(cap).arg("rate").arg(rate).query(&mut c).unwrap();
+        let r = eval(&mut c, TOKEN_BUCKET_LUA, &[B, P, IX], &["1", "1000000", "1000", ""]);
+        assert_quotad_error(r, &format!("stored {cap:?}/{rate:?}"));
+    }
+}
+
+#[test]
+fn sliding_window_rejects_every_bad_argument() {
+    let server = RedisServer::start().unwrap();
+    let mut c = common::sync_conn(&server);
+    let w = "qd:v1:{bad}:x:1:w";
+    let cases: &[(&str, &[&str])] = &[
+        ("zero cost", &["0", "5", "1000", ""]),
+        ("float cost", &["2.0", "5", "1000", ""]),
+        ("float limit", &["1", "5.5", "1000", ""]),
+        ("limit above max", &["1", "1000000001", "1000", ""]),
+        ("zero window", &["1", "5", "0", ""]),
+        ("window above max", &["1", "5", "604800001", ""]),
+        ("product too large", &["1", "1000000000", "604800000", ""]),
+        ("limit without window", &["1", "5", "", ""]),
+        ("no params", &["1", "", "", ""]),
+        ("float now", &["1", "5", "1000", "1e3"]),
+        ("too many", &["1", "5", "1000", "1", "2"]),
+    ];
+    for (case, args) in cases {
+        assert_quotad_error(eval(&mut c, SLIDING_WINDOW_LUA, &[w, P, IX], args), case);
+    }
+    let _: () = redis::cmd("HSET").arg(P).arg("limit").arg("-3").arg("window").arg("10").query(&mut c).unwrap();
+    let r = eval(&mut c, SLIDING_WINDOW_LUA, &[w, P, IX], &["1", "5", "1000", ""]);
+    assert_quotad_error(r, "stored negative limit");
+}
+
+#[test]
+fn collect_usage_rejects_bad_max() {
+    let server = RedisServer::start().unwrap();
+    let mut c = common::sync_conn(&server);
+    for max in ["", "0", "-1", "1.5", "100001", "abc"] {
+        assert_quotad_error(eval(&mut c, COLLECT_USAGE_LUA, &[IX], &[max]), max);
+    }
+    assert_quotad_error(eval(&mut c, COLLECT_USAGE_LUA, &[IX], &[]), "no max");
+}
+
+#[tokio::test]
+async fn invalid_requests_never_reach_redis() {
+    let mut server = RedisServer::start().unwrap();
+    let store = common::store(&server).await;
+    // With the server gone, anything that reached Redis would fail as Unavailable.
+    server.stop();
+    let b = fresh_bucket("never");
+    let out_of_range = BucketParams { capacity_ut: 1 << 53, rate_ut_per_s: 0 };
+    let bad = [
+        req(&b, tokens(1, 1), 0, None),
+        req(&b, tokens(1, 1), u64::MAX, None),
+        req(&b, tokens(1, 1), 1, Some(u64::MAX)),
+        req(&b, Limit::TokenBucket(out_of_range), 1, None),
+        req(&b, Limit::SlidingWindow { limit: 10, window_ms: 0 }, 1, None),
+    ];
+    for r in &bad {
+        assert!(matches!(store.check(r).await, Err(StoreError::Invalid { .. })), "{r:?}");
+    }
+    let r = store.set_params(&b, Limit::TokenBucket(out_of_range)).await;
+    assert!(matches!(r, Err(StoreError::Invalid { .. })));
+    // And a valid one does reach it, and fails as unavailable, not as invalid.
+    let r = store.check(&req(&b, tokens(1, 1), 1, None)).await;
+    assert!(matches!(r, Err(StoreError::Unavailable { .. } | StoreError::Timeout { .. })), "{r:?}");
+}

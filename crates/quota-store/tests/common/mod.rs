@@ -1,0 +1,46 @@
+//! Helpers shared by the integration tests: servers, buckets, direct script calls.
+#![allow(dead_code)] // each test binary uses a different subset
+
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use quota_core::bucket::UT;
+use quota_core::{BucketParams, PolicyName, TenantId};
+use quota_store::{BucketRef, CheckRequest, Limit, RedisStore, RedisStoreConfig};
+use redis_harness::RedisServer;
+
+/// A bucket ref unique within this process (tenant `<prefix>-<n>`).
+pub fn fresh_bucket(prefix: &str) -> BucketRef {
+    static N: AtomicU64 = AtomicU64::new(0);
+    let n = N.fetch_add(1, Ordering::Relaxed);
+    BucketRef {
+        tenant: TenantId::new(format!("{prefix}-{n}")).unwrap(),
+        policy: PolicyName::new("writes").unwrap(),
+        version: 1,
+    }
+}
+
+/// Token-bucket parameters in whole tokens and tokens per second.
+pub fn tokens(cap: u64, per_s: u64) -> Limit {
+    Limit::TokenBucket(BucketParams::new(cap * UT, per_s * UT).unwrap())
+}
+
+pub fn req(bucket: &BucketRef, limit: Limit, cost: u64, now_ms: Option<u64>) -> CheckRequest {
+    CheckRequest { bucket: bucket.clone(), limit, cost, now_ms }
+}
+
+/// A store on `server` with a generous timeout (debug builds on a busy CI machine).
+pub async fn store(server: &RedisServer) -> RedisStore {
+    let cfg = RedisStoreConfig::standalone(server.url())
+        .with_timeout(std::time::Duration::from_secs(5));
+    RedisStore::connect(cfg).await.unwrap()
+}
+
+/// A plain synchronous connection for direct EVAL / HMGET calls.
+pub fn sync_conn(server: &RedisServer) -> redis::Connection {
+    server.client().get_connection().unwrap()
+}
+
+/// Loads a script and returns its SHA.
+pub fn load(conn: &mut redis::Connection, src: &str) -> String {
+    redis::cmd("SCRIPT").arg("LOAD").arg(src).query(conn).unwrap()
+}

@@ -1,0 +1,301 @@
+//! POST /v1/check and /v1/check/batch: the decision endpoints.
+//!
+//! Responses carry the IETF httpapi ratelimit-headers fields (`RateLimit-Policy`, `RateLimit`),
+//! `Retry-After` in whole seconds rounded up, and on 429 an RFC 9457 problem body with code
+//! `RATE_LIMITED`. Nothing internal (key names, other tenants) appears in any of them.
+
+use axum::extract::State;
+use axum::http::{header, HeaderMap, HeaderName, HeaderValue, StatusCode};
+use axum::response::{IntoResponse, Response};
+use quota_core::{PolicyName, TenantId};
+use serde::{Deserialize, Serialize};
+
+use crate::api::problem::{problem_response, ApiError, ApiJson, Problem, QUOTA_EXCEEDED_TYPE};
+use crate::api::AppState;
+use crate::decision::{CheckError, Mode, Verdict, FORWARDED_HEADER};
+
+/// Most checks in one batch: bounds the work one request can ask for.
+pub const MAX_BATCH: usize = 100;
+
+static RATELIMIT_POLICY: HeaderName = HeaderName::from_static("ratelimit-policy");
+static RATELIMIT: HeaderName = HeaderName::from_static("ratelimit");
+
+/// One check request.
+#[derive(Debug, Clone, Deserialize, utoipa::ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct CheckBody {
+    /// The tenant id (1–96 characters of `[A-Za-z0-9_-]`).
+    pub tenant: String,
+    /// The policy name.
+    pub policy: String,
+    /// Tokens to spend; a whole number ≥ 1, at most the policy's burst. Defaults to 1.
+    #[serde(default)]
+    #[schema(value_type = Option<u64>)]
+    pub cost: Option<f64>,
+}
+
+/// A decision.
+#[derive(Debug, Clone, Serialize, utoipa::ToSchema)]
+pub struct CheckResponse {
+    pub allowed: bool,
+    /// Whole tokens left in this region's bucket.
+    pub remaining: u64,
+    /// Milliseconds until `cost` tokens are available (0 when allowed).
+    pub retry_after_ms: u64,
+    /// Milliseconds until the bucket is full.
+    pub reset_ms: u64,
+    /// The region that answered.
+    pub region: String,
+    /// The region whose bucket decided (the home region for a pinned tenant).
+    pub decided_by: String,
+    #[schema(value_type = String)]
+    pub mode: Mode,
+}
+
+/// A denial: the problem body plus the decision fields.
+#[derive(Debug, Serialize, utoipa::ToSchema)]
+pub struct RateLimitedProblem {
+    #[serde(flatten)]
+    pub problem: Problem,
+    #[serde(flatten)]
+    pub decision: CheckResponse,
+}
+
+/// A batch of checks, decided independently (not atomically) in order.
+#[derive(Debug, Deserialize, utoipa::ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct BatchBody {
+    pub checks: Vec<CheckBody>,
+}
+
+/// One batch result: a decision with its HTTP status, or a problem.
+#[derive(Debug, Serialize, utoipa::ToSchema)]
+pub struct BatchItem {
+    pub status: u16,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub decision: Option<CheckResponse>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub problem: Option<Problem>,
+}
+
+/// Batch results, in request order.
+#[derive(Debug, Serialize, utoipa::ToSchema)]
+pub struct BatchResponse {
+    pub results: Vec<BatchItem>,
+}
+
+/// Validates a check body into typed ids and a cost.
+fn parse(body: &CheckBody) -> Result<(TenantId, PolicyName, u64), ApiError> {
+    let tenant = TenantId::new(body.tenant.as_str()).map_err(|e| ApiError::field("tenant", &e))?;
+    let policy =
+        PolicyName::new(body.policy.as_str()).map_err(|e| ApiError::field("policy", &e))?;
+    let cost = match body.cost {
+        None => 1,
+        Some(c) if c.fract() == 0.0 && (1.0..=9.0e15).contains(&c) => c as u64,
+        Some(c) => {
+            return Err(ApiError::field(
+                "cost",
+                &format!("must be a whole number of at least 1 (got {c})"),
+            ))
+        }
+    };
+    Ok((tenant, policy, cost))
+}
+
+fn check_error(e: CheckError) -> ApiError {
+    match e {
+        CheckError::UnknownPolicy => ApiError::NotFound {
+            what: "policy for this tenant",
+        },
+        CheckError::Cost(e) => ApiError::field("cost", &e),
+        CheckError::ReducedCapacity { policy, reason } => ApiError::ReducedCapacity {
+            policy: policy.as_str().to_string(),
+            reason: reason.to_string(),
+        },
+    }
+}
+
+fn secs_ceil(ms: u64) -> u64 {
+    ms.div_ceil(1000)
+}
+
+impl CheckResponse {
+    fn from_verdict(v: &Verdict, region: &str) -> Self {
+        let d = &v.decision;
+        // "Never" (cost above this region's share, or no refill) is reported as one window:
+        // a share change may make the request possible again.
+        let never = v.policy.window_ms;
+        Self {
+            allowed: d.allowed,
+            remaining: d.remaining,
+            retry_after_ms: if d.allowed {
+                0
+            } else {
+                d.retry_after_ms.unwrap_or(never)
+            },
+            reset_ms: d.reset_ms.unwrap_or(never),
+            region: region.to_string(),
+            decided_by: v.decided_by.as_str().to_string(),
+            mode: v.mode,
+        }
+    }
+}
+
+/// The RateLimit-Policy, RateLimit and (on denial) Retry-After fields.
+fn rate_limit_headers(
+    headers: &mut HeaderMap,
+    policy: &PolicyName,
+    v: &Verdict,
+    r: &CheckResponse,
+) {
+    let name = policy.as_str();
+    let window_s = secs_ceil(v.policy.window_ms).max(1);
+    // Policy names are validated to [A-Za-z0-9_-], so they are valid sf-strings as they are.
+    let p = format!("\"{name}\";q={};w={window_s}", v.policy.limit);
+    let t = if r.allowed {
+        secs_ceil(r.reset_ms)
+    } else {
+        secs_ceil(r.retry_after_ms)
+    };
+    let l = format!("\"{name}\";r={};t={t}", r.remaining);
+    if let Ok(p) = HeaderValue::from_str(&p) {
+        headers.insert(RATELIMIT_POLICY.clone(), p);
+    }
+    if let Ok(l) = HeaderValue::from_str(&l) {
+        headers.insert(RATELIMIT.clone(), l);
+    }
+    if !r.allowed {
+        headers.insert(
+            header::RETRY_AFTER,
+            HeaderValue::from(secs_ceil(r.retry_after_ms).max(1)),
+        );
+        metrics::histogram!(crate::telemetry::RETRY_AFTER_SECONDS, "policy" => name.to_string())
+            .record(r.retry_after_ms as f64 / 1000.0);
+    }
+}
+
+fn rate_limited_problem(policy: &PolicyName, decision: CheckResponse) -> RateLimitedProblem {
+    RateLimitedProblem {
+        problem: Problem {
+            type_: QUOTA_EXCEEDED_TYPE.to_string(),
+            title: "Quota exceeded".to_string(),
+            status: 429,
+            detail: format!(
+                "policy {:?} has no tokens left for this request",
+                policy.as_str()
+            ),
+            code: "RATE_LIMITED".to_string(),
+            errors: Vec::new(),
+            violated_policies: vec![policy.as_str().to_string()],
+        },
+        decision,
+    }
+}
+
+async fn decide(
+    state: &AppState,
+    body: &CheckBody,
+    forwarded: bool,
+) -> Result<(Verdict, PolicyName), ApiError> {
+    let (tenant, policy, cost) = parse(body)?;
+    let v = state
+        .decider
+        .check(tenant, policy.clone(), cost, forwarded)
+        .await
+        .map_err(check_error)?;
+    Ok((v, policy))
+}
+
+/// Decides one check.
+#[utoipa::path(
+    post,
+    path = "/v1/check",
+    request_body = CheckBody,
+    responses(
+        (status = 200, description = "Allowed", body = CheckResponse),
+        (status = 429, description = "Quota exceeded", body = RateLimitedProblem, content_type = "application/problem+json"),
+        (status = 400, description = "Invalid request", body = Problem, content_type = "application/problem+json"),
+        (status = 404, description = "Unknown tenant policy", body = Problem, content_type = "application/problem+json"),
+        (status = 503, description = "Temporarily reduced capacity", body = Problem, content_type = "application/problem+json"),
+    ),
+    tag = "decisions"
+)]
+pub async fn check(
+    State(state): State<AppState>,
+    headers: HeaderMap,
+    ApiJson(body): ApiJson<CheckBody>,
+) -> Result<Response, ApiError> {
+    let forwarded = headers.contains_key(FORWARDED_HEADER);
+    let (v, policy) = decide(&state, &body, forwarded).await?;
+    let r = CheckResponse::from_verdict(&v, state.decider.region().as_str());
+    let mut resp = if r.allowed {
+        axum::Json(&r).into_response()
+    } else {
+        problem_response(
+            StatusCode::TOO_MANY_REQUESTS,
+            &rate_limited_problem(&policy, r.clone()),
+        )
+    };
+    rate_limit_headers(resp.headers_mut(), &policy, &v, &r);
+    Ok(resp)
+}
+
+/// Decides up to 100 checks, independently and in order.
+#[utoipa::path(
+    post,
+    path = "/v1/check/batch",
+    request_body = BatchBody,
+    responses(
+        (status = 200, description = "One result per check", body = BatchResponse),
+        (status = 400, description = "Invalid request", body = Problem, content_type = "application/problem+json"),
+    ),
+    tag = "decisions"
+)]
+pub async fn check_batch(
+    State(state): State<AppState>,
+    headers: HeaderMap,
+    ApiJson(body): ApiJson<BatchBody>,
+) -> Result<axum::Json<BatchResponse>, ApiError> {
+    if body.checks.is_empty() || body.checks.len() > MAX_BATCH {
+        return Err(ApiError::field(
+            "checks",
+            &format!("must hold 1 to {MAX_BATCH} checks"),
+        ));
+    }
+    let forwarded = headers.contains_key(FORWARDED_HEADER);
+    let mut results = Vec::with_capacity(body.checks.len());
+    for (i, c) in body.checks.iter().enumerate() {
+        let item = match decide(&state, c, forwarded).await {
+            Ok((v, policy)) => {
+                let r = CheckResponse::from_verdict(&v, state.decider.region().as_str());
+                if r.allowed {
+                    BatchItem {
+                        status: 200,
+                        decision: Some(r),
+                        problem: None,
+                    }
+                } else {
+                    let p = rate_limited_problem(&policy, r);
+                    BatchItem {
+                        status: 429,
+                        decision: Some(p.decision),
+                        problem: Some(p.problem),
+                    }
+                }
+            }
+            Err(e) => {
+                let mut problem = e.problem();
+                for f in &mut problem.errors {
+                    f.field = format!("checks[{i}].{}", f.field);
+                }
+                BatchItem {
+                    status: problem.status,
+                    decision: None,
+                    problem: Some(problem),
+                }
+            }
+        };
+        results.push(item);
+    }
+    Ok(axum::Json(BatchResponse { results }))
+}

@@ -1,0 +1,248 @@
+//! Cluster-wide endpoints: status, membership, the policy listing, health and metrics.
+
+use std::sync::atomic::Ordering;
+
+use axum::extract::{Query, State};
+use axum::http::{header, HeaderValue, StatusCode};
+use axum::response::{IntoResponse, Response};
+use quota_core::{PolicyName, TenantId};
+use serde::{Deserialize, Serialize};
+
+use crate::api::problem::{ApiError, Problem};
+use crate::api::tenants::PolicyView;
+use crate::api::AppState;
+use crate::clock;
+use crate::coordination::MemberStatus;
+
+/// Raft state as seen by this node.
+#[derive(Debug, Serialize, utoipa::ToSchema)]
+pub struct RaftView {
+    pub role: String,
+    pub leader: Option<String>,
+    pub term: u64,
+    pub applied_index: u64,
+    pub peers: Vec<MemberView>,
+}
+
+/// A cluster member.
+#[derive(Debug, Serialize, utoipa::ToSchema)]
+pub struct MemberView {
+    pub region: String,
+    pub node_id: u64,
+    pub voter: bool,
+}
+
+impl From<&MemberStatus> for MemberView {
+    fn from(m: &MemberStatus) -> Self {
+        Self {
+            region: m.region.as_str().to_string(),
+            node_id: m.node_id,
+            voter: m.voter,
+        }
+    }
+}
+
+/// The regional store's state.
+#[derive(Debug, Serialize, utoipa::ToSchema)]
+pub struct StoreView {
+    /// `embedded` or `redis`.
+    pub kind: String,
+    /// `ok` or `degraded` (circuit breaker open: fail modes decide).
+    pub state: String,
+}
+
+/// This region's leases.
+#[derive(Debug, Serialize, utoipa::ToSchema)]
+pub struct LeaseView {
+    /// Grants this region holds.
+    pub grants: usize,
+    /// The soonest lease expiry among them (wall-clock ms); `null` when none expires.
+    pub earliest_expiry_ms: Option<u64>,
+    pub remaining_ms: Option<u64>,
+}
+
+/// GET /v1/status.
+#[derive(Debug, Serialize, utoipa::ToSchema)]
+pub struct StatusView {
+    pub region: String,
+    pub version: String,
+    pub ready: bool,
+    pub raft: RaftView,
+    pub store: StoreView,
+    pub lease: LeaseView,
+    pub policies: usize,
+    pub pins: usize,
+}
+
+/// The daemon's state: region, Raft role and progress, store health, leases.
+#[utoipa::path(get, path = "/v1/status", responses((status = 200, body = StatusView)), tag = "cluster")]
+pub async fn status(State(state): State<AppState>) -> axum::Json<StatusView> {
+    let s = state.coordinator.status();
+    let view = state.coordinator.view();
+    let region = state.decider.region();
+    let expiries: Vec<u64> = view
+        .policies
+        .values()
+        .filter_map(|e| e.grants.get(region))
+        .map(|g| g.lease_expires_ms)
+        .collect();
+    let earliest = expiries.iter().copied().filter(|e| *e != u64::MAX).min();
+    let now = clock::wall_ms();
+    axum::Json(StatusView {
+        region: region.as_str().to_string(),
+        version: env!("CARGO_PKG_VERSION").to_string(),
+        ready: state.ready.load(Ordering::Relaxed),
+        raft: RaftView {
+            role: s.role.to_string(),
+            leader: s.leader.map(|r| r.as_str().to_string()),
+            term: s.term,
+            applied_index: s.applied_index,
+            peers: s.members.iter().map(MemberView::from).collect(),
+        },
+        store: StoreView {
+            kind: if crate::decision::is_embedded(state.decider.store()) {
+                "embedded"
+            } else {
+                "redis"
+            }
+            .to_string(),
+            state: if state.decider.store_degraded() {
+                "degraded"
+            } else {
+                "ok"
+            }
+            .to_string(),
+        },
+        lease: LeaseView {
+            grants: expiries.len(),
+            earliest_expiry_ms: earliest,
+            remaining_ms: earliest.map(|e| e.saturating_sub(now)),
+        },
+        policies: view.policies.len(),
+        pins: view.pins.len(),
+    })
+}
+
+/// Cluster members.
+#[derive(Debug, Serialize, utoipa::ToSchema)]
+pub struct MembersView {
+    pub members: Vec<MemberView>,
+    pub leader: Option<String>,
+}
+
+/// The cluster's members and its leader.
+#[utoipa::path(get, path = "/v1/cluster/members", responses((status = 200, body = MembersView)), tag = "cluster")]
+pub async fn members(State(state): State<AppState>) -> axum::Json<MembersView> {
+    let s = state.coordinator.status();
+    axum::Json(MembersView {
+        members: s.members.iter().map(MemberView::from).collect(),
+        leader: s.leader.map(|r| r.as_str().to_string()),
+    })
+}
+
+/// Paging of GET /v1/policies.
+#[derive(Debug, Deserialize, utoipa::IntoParams)]
+#[serde(deny_unknown_fields)]
+pub struct PageQuery {
+    /// Page size, 1–1000 (default 100).
+    pub limit: Option<usize>,
+    /// The `next` cursor of the previous page.
+    pub after: Option<String>,
+}
+
+/// One page of policies.
+#[derive(Debug, Serialize, utoipa::ToSchema)]
+pub struct PolicyPage {
+    pub policies: Vec<PolicyView>,
+    /// Pass as `after` for the next page; absent on the last page.
+    pub next: Option<String>,
+}
+
+/// Every policy, paged in (tenant, policy) order.
+#[utoipa::path(
+    get,
+    path = "/v1/policies",
+    params(PageQuery),
+    responses(
+        (status = 200, body = PolicyPage),
+        (status = 400, body = Problem, content_type = "application/problem+json"),
+        (status = 401, body = Problem, content_type = "application/problem+json"),
+    ),
+    security(("bearer" = [])),
+    tag = "policies"
+)]
+pub async fn list_policies(
+    State(state): State<AppState>,
+    query: Result<Query<PageQuery>, axum::extract::rejection::QueryRejection>,
+) -> Result<axum::Json<PolicyPage>, ApiError> {
+    let Query(q) = query.map_err(|e| ApiError::BadBody {
+        detail: e.body_text(),
+    })?;
+    let limit = q.limit.unwrap_or(100);
+    if !(1..=1000).contains(&limit) {
+        return Err(ApiError::field("limit", &"must be between 1 and 1000"));
+    }
+    let after = match &q.after {
+        None => None,
+        Some(c) => {
+            let (t, p) = c
+                .split_once(':')
+                .ok_or_else(|| ApiError::field("after", &"not a cursor"))?;
+            let t = TenantId::new(t).map_err(|_| ApiError::field("after", &"not a cursor"))?;
+            let p = PolicyName::new(p).map_err(|_| ApiError::field("after", &"not a cursor"))?;
+            Some((t, p))
+        }
+    };
+    let view = state.coordinator.view();
+    let iter: Box<dyn Iterator<Item = _>> = match &after {
+        None => Box::new(view.policies.iter()),
+        Some(k) => Box::new(view.policies.range((
+            std::ops::Bound::Excluded(k.clone()),
+            std::ops::Bound::Unbounded,
+        ))),
+    };
+    let mut policies = Vec::new();
+    let mut next = None;
+    for ((t, p), e) in iter {
+        if policies.len() == limit {
+            next = policies
+                .last()
+                .map(|v: &PolicyView| format!("{}:{}", v.tenant, v.policy));
+            break;
+        }
+        policies.push(PolicyView::new(t, p, &e.policy));
+    }
+    Ok(axum::Json(PolicyPage { policies, next }))
+}
+
+/// Liveness: the process answers.
+#[utoipa::path(get, path = "/livez", responses((status = 200)), tag = "health")]
+pub async fn livez() -> &'static str {
+    "ok\n"
+}
+
+/// Readiness: 503 while starting or draining for shutdown.
+#[utoipa::path(get, path = "/readyz", responses((status = 200), (status = 503)), tag = "health")]
+pub async fn readyz(State(state): State<AppState>) -> (StatusCode, &'static str) {
+    if state.ready.load(Ordering::Relaxed) {
+        (StatusCode::OK, "ready\n")
+    } else {
+        (StatusCode::SERVICE_UNAVAILABLE, "not ready\n")
+    }
+}
+
+/// Prometheus metrics.
+#[utoipa::path(get, path = "/metrics", responses((status = 200, content_type = "text/plain")), tag = "health")]
+pub async fn metrics(State(state): State<AppState>) -> Response {
+    let body = state
+        .metrics
+        .as_ref()
+        .map(|h| h.render())
+        .unwrap_or_default();
+    let mut resp = body.into_response();
+    resp.headers_mut().insert(
+        header::CONTENT_TYPE,
+        HeaderValue::from_static("text/plain; version=0.0.4; charset=utf-8"),
+    );
+    resp
+}

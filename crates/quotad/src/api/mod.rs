@@ -1,0 +1,147 @@
+//! The admin and decision API (axum). `app(state)` builds the whole router, so tests drive it
+//! with `oneshot` and no socket.
+//!
+//! Layout: [`check`] (decisions), [`tenants`] (policies, pins, allowance), [`cluster`] (status,
+//! membership, listing, health, metrics), [`problem`] (the one `ApiError`), [`auth`] (bearer
+//! token on mutations).
+
+pub mod auth;
+pub mod check;
+pub mod cluster;
+pub mod problem;
+pub mod tenants;
+
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use axum::extract::DefaultBodyLimit;
+use axum::http::{HeaderName, Request, StatusCode};
+use axum::middleware;
+use axum::routing::{get, post, put};
+use axum::Router;
+use metrics_exporter_prometheus::PrometheusHandle;
+use tower_http::request_id::{
+    MakeRequestId, PropagateRequestIdLayer, RequestId, SetRequestIdLayer,
+};
+use tower_http::timeout::TimeoutLayer;
+use utoipa::OpenApi;
+
+use crate::api::auth::BearerScheme;
+use crate::config::Secret;
+use crate::coordination::Coordinator;
+use crate::decision::Decider;
+
+/// Everything handlers share. Cheap to clone.
+#[derive(Debug, Clone)]
+pub struct AppState {
+    pub decider: Arc<Decider>,
+    pub coordinator: Arc<Coordinator>,
+    pub admin_token: Arc<Secret>,
+    pub metrics: Option<PrometheusHandle>,
+    /// False while starting and once shutdown began: /readyz answers 503.
+    pub ready: Arc<AtomicBool>,
+    pub drift_margin_ms: u64,
+    pub body_limit_bytes: usize,
+    pub request_timeout: Duration,
+}
+
+/// The request id header, set when the client sent none and echoed in the response.
+pub const REQUEST_ID: &str = "x-request-id";
+
+/// Request ids: a random per-process prefix and a counter; no allocation-heavy UUID work.
+#[derive(Debug, Clone)]
+struct RequestIds {
+    prefix: u32,
+    next: Arc<AtomicU64>,
+}
+
+impl MakeRequestId for RequestIds {
+    fn make_request_id<B>(&mut self, _: &Request<B>) -> Option<RequestId> {
+        let n = self.next.fetch_add(1, Ordering::Relaxed);
+        format!("{:08x}-{n:x}", self.prefix)
+            .parse()
+            .ok()
+            .map(RequestId::new)
+    }
+}
+
+/// The OpenAPI document, generated from the handlers' annotations.
+#[derive(Debug, OpenApi)]
+#[openapi(
+    info(title = "quotad", description = "Multi-region quota coordinator: decisions, policies, pins and cluster state."),
+    paths(
+        check::check,
+        check::check_batch,
+        tenants::put_policy,
+        tenants::get_policy,
+        tenants::delete_policy,
+        tenants::put_pin,
+        tenants::delete_pin,
+        tenants::allowance,
+        cluster::status,
+        cluster::members,
+        cluster::list_policies,
+        cluster::livez,
+        cluster::readyz,
+        cluster::metrics,
+    ),
+    modifiers(&BearerScheme)
+)]
+pub struct ApiDoc;
+
+async fn openapi() -> axum::Json<utoipa::openapi::OpenApi> {
+    axum::Json(ApiDoc::openapi())
+}
+
+/// The router: routes, auth on mutations, body limit, timeout, request ids.
+pub fn app(state: AppState) -> Router {
+    let guarded = Router::new()
+        .route(
+            "/v1/tenants/{tenant}/policies/{policy}",
+            put(tenants::put_policy).delete(tenants::delete_policy),
+        )
+        .route(
+            "/v1/tenants/{tenant}/pin",
+            put(tenants::put_pin).delete(tenants::delete_pin),
+        )
+        .route("/v1/policies", get(cluster::list_policies))
+        .route_layer(middleware::from_fn_with_state(
+            state.clone(),
+            auth::require_token,
+        ));
+    let open = Router::new()
+        .route("/v1/check", post(check::check))
+        .route("/v1/check/batch", post(check::check_batch))
+        .route(
+            "/v1/tenants/{tenant}/policies/{policy}",
+            get(tenants::get_policy),
+        )
+        .route("/v1/tenants/{tenant}/allowance", get(tenants::allowance))
+        .route("/v1/status", get(cluster::status))
+        .route("/v1/cluster/members", get(cluster::members))
+        .route("/livez", get(cluster::livez))
+        .route("/readyz", get(cluster::readyz))
+        .route("/metrics", get(cluster::metrics))
+        .route("/openapi.json", get(openapi));
+    let ids = RequestIds {
+        prefix: rand::random(),
+        next: Arc::new(AtomicU64::new(1)),
+    };
+    let header = HeaderName::from_static(REQUEST_ID);
+    let body_limit = state.body_limit_bytes;
+    let timeout = state.request_timeout;
+    open.merge(guarded)
+        .fallback(|| async { problem::ApiError::NotFound { what: "route" } })
+        .with_state(state)
+        .layer(DefaultBodyLimit::max(body_limit))
+        .layer(TimeoutLayer::with_status_code(
+            StatusCode::REQUEST_TIMEOUT,
+            timeout,
+        ))
+        .layer(PropagateRequestIdLayer::new(header.clone()))
+        .layer(SetRequestIdLayer::new(header, ids))
+}
+
+#[cfg(test)]
+mod tests;

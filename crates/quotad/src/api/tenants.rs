@@ -1,0 +1,388 @@
+//! Per-tenant endpoints: policies, pins and the allowance (where a tenant's budget is and what
+//! this region may spend of it).
+
+use axum::extract::{Path, State};
+use axum::http::StatusCode;
+use axum::response::{IntoResponse, Response};
+use quota_core::bucket::UT;
+use quota_core::{
+    Algorithm, FailMode, Policy, PolicyName, PolicySpec, RegionId, TenantId, Tier, PPM,
+};
+use serde::{Deserialize, Serialize};
+
+use crate::api::problem::{ApiError, ApiJson, FieldProblem, Problem};
+use crate::api::AppState;
+use quota_store::Limit;
+
+use crate::clock;
+use crate::coordination::CoordError;
+
+pub(crate) fn tenant_id(s: &str) -> Result<TenantId, ApiError> {
+    TenantId::new(s).map_err(|e| ApiError::field("tenant", &e))
+}
+
+pub(crate) fn policy_name(s: &str) -> Result<PolicyName, ApiError> {
+    PolicyName::new(s).map_err(|e| ApiError::field("policy", &e))
+}
+
+pub(crate) fn coord_error(e: CoordError) -> ApiError {
+    match e {
+        CoordError::UnknownRegion { .. } => ApiError::field("region", &e),
+        CoordError::Unavailable { reason } => ApiError::CoordinatorUnavailable { reason },
+    }
+}
+
+/// The policy body of PUT (documentation mirror of `quota_core::PolicySpec`).
+#[derive(Debug, utoipa::ToSchema)]
+#[allow(dead_code)]
+pub struct PolicyBody {
+    /// Tokens per window.
+    limit: u64,
+    window_ms: u64,
+    /// Bucket capacity; defaults to `limit`.
+    burst: Option<u64>,
+    /// `standard` or `critical`.
+    tier: Option<String>,
+    /// `local` (default), `open` or `closed`.
+    fail_mode: Option<String>,
+    /// Fraction of the budget reserved for each region even when it is cut off.
+    floor: Option<f64>,
+    /// `token_bucket` (default) or `sliding_window`.
+    algorithm: Option<String>,
+}
+
+/// A policy as stored.
+#[derive(Debug, Serialize, utoipa::ToSchema)]
+pub struct PolicyView {
+    pub tenant: String,
+    pub policy: String,
+    pub limit: u64,
+    pub window_ms: u64,
+    pub burst: u64,
+    pub version: u64,
+    #[schema(value_type = String)]
+    pub tier: Tier,
+    #[schema(value_type = String)]
+    pub fail_mode: FailMode,
+    pub floor: f64,
+    #[schema(value_type = String)]
+    pub algorithm: Algorithm,
+}
+
+impl PolicyView {
+    pub fn new(tenant: &TenantId, name: &PolicyName, p: &Policy) -> Self {
+        Self {
+            tenant: tenant.as_str().to_string(),
+            policy: name.as_str().to_string(),
+            limit: p.limit,
+            window_ms: p.window_ms,
+            burst: p.burst,
+            version: p.version,
+            tier: p.tier,
+            fail_mode: p.fail_mode,
+            floor: f64::from(p.floor_ppm) / f64::from(PPM),
+            algorithm: p.algorithm,
+        }
+    }
+}
+
+/// Creates or replaces a tenant's policy.
+#[utoipa::path(
+    put,
+    path = "/v1/tenants/{tenant}/policies/{policy}",
+    params(("tenant" = String, Path), ("policy" = String, Path)),
+    request_body = PolicyBody,
+    responses(
+        (status = 200, description = "Stored", body = PolicyView),
+        (status = 400, description = "Invalid policy: every field problem listed", body = Problem, content_type = "application/problem+json"),
+        (status = 401, description = "Missing or wrong token", body = Problem, content_type = "application/problem+json"),
+    ),
+    security(("bearer" = [])),
+    tag = "policies"
+)]
+pub async fn put_policy(
+    State(state): State<AppState>,
+    Path((tenant, policy)): Path<(String, String)>,
+    ApiJson(spec): ApiJson<PolicySpec>,
+) -> Result<axum::Json<PolicyView>, ApiError> {
+    let tenant = tenant_id(&tenant)?;
+    let name = policy_name(&policy)?;
+    let p = spec.validate().map_err(|e| ApiError::InvalidPolicy {
+        errors: e.0.iter().map(FieldProblem::from).collect(),
+    })?;
+    let stored = state
+        .coordinator
+        .put_policy(tenant.clone(), name.clone(), p)
+        .await
+        .map_err(coord_error)?;
+    tracing::info!(tenant = %tenant, policy = %name, version = stored.version, "Policy stored.");
+    Ok(axum::Json(PolicyView::new(&tenant, &name, &stored)))
+}
+
+/// Reads a tenant's policy.
+#[utoipa::path(
+    get,
+    path = "/v1/tenants/{tenant}/policies/{policy}",
+    params(("tenant" = String, Path), ("policy" = String, Path)),
+    responses(
+        (status = 200, description = "The policy", body = PolicyView),
+        (status = 404, description = "No such policy", body = Problem, content_type = "application/problem+json"),
+    ),
+    tag = "policies"
+)]
+pub async fn get_policy(
+    State(state): State<AppState>,
+    Path((tenant, policy)): Path<(String, String)>,
+) -> Result<axum::Json<PolicyView>, ApiError> {
+    let tenant = tenant_id(&tenant)?;
+    let name = policy_name(&policy)?;
+    let view = state.coordinator.view();
+    let entry = view
+        .policy(&tenant, &name)
+        .ok_or(ApiError::NotFound { what: "policy" })?;
+    Ok(axum::Json(PolicyView::new(&tenant, &name, &entry.policy)))
+}
+
+/// Deletes a tenant's policy.
+#[utoipa::path(
+    delete,
+    path = "/v1/tenants/{tenant}/policies/{policy}",
+    params(("tenant" = String, Path), ("policy" = String, Path)),
+    responses(
+        (status = 204, description = "Deleted"),
+        (status = 404, description = "No such policy", body = Problem, content_type = "application/problem+json"),
+        (status = 401, description = "Missing or wrong token", body = Problem, content_type = "application/problem+json"),
+    ),
+    security(("bearer" = [])),
+    tag = "policies"
+)]
+pub async fn delete_policy(
+    State(state): State<AppState>,
+    Path((tenant, policy)): Path<(String, String)>,
+) -> Result<StatusCode, ApiError> {
+    let tenant = tenant_id(&tenant)?;
+    let name = policy_name(&policy)?;
+    if state
+        .coordinator
+        .delete_policy(tenant.clone(), name.clone())
+        .await
+        .map_err(coord_error)?
+    {
+        tracing::info!(tenant = %tenant, policy = %name, "Policy deleted.");
+        Ok(StatusCode::NO_CONTENT)
+    } else {
+        Err(ApiError::NotFound { what: "policy" })
+    }
+}
+
+/// The body of PUT /v1/tenants/{tenant}/pin.
+#[derive(Debug, Deserialize, utoipa::ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct PinBody {
+    /// The home region.
+    pub region: String,
+}
+
+/// Pins a tenant to a home region: other regions forward its checks there.
+#[utoipa::path(
+    put,
+    path = "/v1/tenants/{tenant}/pin",
+    params(("tenant" = String, Path)),
+    request_body = PinBody,
+    responses(
+        (status = 204, description = "Pinned"),
+        (status = 400, description = "Invalid or unknown region", body = Problem, content_type = "application/problem+json"),
+        (status = 401, description = "Missing or wrong token", body = Problem, content_type = "application/problem+json"),
+    ),
+    security(("bearer" = [])),
+    tag = "pins"
+)]
+pub async fn put_pin(
+    State(state): State<AppState>,
+    Path(tenant): Path<String>,
+    ApiJson(body): ApiJson<PinBody>,
+) -> Result<StatusCode, ApiError> {
+    let tenant = tenant_id(&tenant)?;
+    let region = RegionId::new(body.region).map_err(|e| ApiError::field("region", &e))?;
+    state
+        .coordinator
+        .pin(tenant.clone(), region.clone())
+        .await
+        .map_err(coord_error)?;
+    tracing::info!(tenant = %tenant, home = %region, "Tenant pinned.");
+    Ok(StatusCode::NO_CONTENT)
+}
+
+/// Removes a tenant's pin.
+#[utoipa::path(
+    delete,
+    path = "/v1/tenants/{tenant}/pin",
+    params(("tenant" = String, Path)),
+    responses(
+        (status = 204, description = "Unpinned"),
+        (status = 404, description = "Not pinned", body = Problem, content_type = "application/problem+json"),
+        (status = 401, description = "Missing or wrong token", body = Problem, content_type = "application/problem+json"),
+    ),
+    security(("bearer" = [])),
+    tag = "pins"
+)]
+pub async fn delete_pin(
+    State(state): State<AppState>,
+    Path(tenant): Path<String>,
+) -> Result<StatusCode, ApiError> {
+    let tenant = tenant_id(&tenant)?;
+    if state.coordinator.unpin(tenant).await.map_err(coord_error)? {
+        Ok(StatusCode::NO_CONTENT)
+    } else {
+        Err(ApiError::NotFound { what: "pin" })
+    }
+}
+
+/// One region's grant.
+#[derive(Debug, Serialize, utoipa::ToSchema)]
+pub struct RegionShareView {
+    pub region: String,
+    pub share: f64,
+    /// Wall-clock ms; `null` for a lease that never expires (single region).
+    pub lease_expires_ms: Option<u64>,
+}
+
+/// What this region enforces for a policy.
+#[derive(Debug, Serialize, utoipa::ToSchema)]
+pub struct ThisRegionView {
+    pub region: String,
+    /// The granted share.
+    pub share: f64,
+    /// The share enforced now: the granted one under a live lease, the floor after.
+    pub enforced_share: f64,
+    pub capacity: f64,
+    pub refill_per_s: f64,
+    /// Tokens left now; always `null` for now: neither store can be read without spending.
+    pub tokens_left: Option<u64>,
+    pub lease_remaining_ms: Option<u64>,
+}
+
+/// One policy's allowance.
+#[derive(Debug, Serialize, utoipa::ToSchema)]
+pub struct PolicyAllowance {
+    pub policy: String,
+    /// The global budget.
+    pub limit: u64,
+    pub window_ms: u64,
+    pub burst: u64,
+    pub floor: f64,
+    pub this_region: ThisRegionView,
+    pub regions: Vec<RegionShareView>,
+    /// If this region were cut off now: tokens it could admit beyond what the global bucket
+    /// allows, in the worst case (see the handler's docs).
+    pub worst_case_overshoot_tokens: f64,
+}
+
+/// A tenant's allowance over all its policies.
+#[derive(Debug, Serialize, utoipa::ToSchema)]
+pub struct AllowanceView {
+    pub tenant: String,
+    pub pin: Option<String>,
+    pub policies: Vec<PolicyAllowance>,
+}
+
+/// A tenant's global budgets and where they are.
+///
+/// The worst-case overshoot if this region were cut off now: the region keeps enforcing its
+/// share until its lease ends (drift margin early by its clock) and the coordinator reuses the
+/// non-floor part only after the lease ends (drift margin late by its clock), so by design no
+/// token is granted twice. What can still be spent twice is the refill of the non-floor share
+/// over the two drift margins if clocks drift beyond the bound, plus tokens the cut-off bucket
+/// holds at that moment: `(share − floor) · (C + r · 2 · margin)`.
+#[utoipa::path(
+    get,
+    path = "/v1/tenants/{tenant}/allowance",
+    params(("tenant" = String, Path)),
+    responses(
+        (status = 200, description = "The allowance", body = AllowanceView),
+        (status = 404, description = "The tenant has no policies", body = Problem, content_type = "application/problem+json"),
+    ),
+    tag = "policies"
+)]
+pub async fn allowance(
+    State(state): State<AppState>,
+    Path(tenant): Path<String>,
+) -> Result<Response, ApiError> {
+    let tenant = tenant_id(&tenant)?;
+    let view = state.coordinator.view();
+    let region = state.decider.region().clone();
+    let now_ms = clock::wall_ms();
+    let margin_ms = state.drift_margin_ms;
+    let mut policies = Vec::new();
+    for ((t, name), entry) in view.policies.range(
+        (
+            tenant.clone(),
+            PolicyName::new("-").map_err(|e| ApiError::Internal {
+                context: "policy name",
+                source: e.into(),
+            })?,
+        )..,
+    ) {
+        if *t != tenant {
+            break;
+        }
+        let p = &entry.policy;
+        let Some((_, enforced, limit)) = state.decider.params_for(&view, t, name) else {
+            continue;
+        };
+        let grant = entry.grants.get(&region);
+        let share = grant.map_or(0, |g| g.share_ppm);
+        let lease = |exp: u64| (exp != u64::MAX).then_some(exp);
+        let frac = |ppm: u32| f64::from(ppm) / f64::from(PPM);
+        let (capacity, refill_per_s) = match limit {
+            Limit::TokenBucket(b) => (
+                b.capacity_ut as f64 / UT as f64,
+                b.rate_ut_per_s as f64 / UT as f64,
+            ),
+            Limit::SlidingWindow { limit, window_ms } => {
+                (limit as f64, limit as f64 * 1000.0 / window_ms as f64)
+            }
+        };
+        let rate_tokens_per_s = p.rate_ut_per_s() as f64 / UT as f64;
+        let non_floor = frac(enforced.saturating_sub(p.floor_ppm));
+        let overshoot =
+            non_floor * (p.burst as f64 + rate_tokens_per_s * 2.0 * margin_ms as f64 / 1000.0);
+        policies.push(PolicyAllowance {
+            policy: name.as_str().to_string(),
+            limit: p.limit,
+            window_ms: p.window_ms,
+            burst: p.burst,
+            floor: frac(p.floor_ppm),
+            this_region: ThisRegionView {
+                region: region.as_str().to_string(),
+                share: frac(share),
+                enforced_share: frac(enforced),
+                capacity,
+                refill_per_s,
+                tokens_left: None,
+                lease_remaining_ms: grant
+                    .and_then(|g| lease(g.lease_expires_ms))
+                    .map(|exp| exp.saturating_sub(now_ms)),
+            },
+            regions: entry
+                .grants
+                .iter()
+                .map(|(r, g)| RegionShareView {
+                    region: r.as_str().to_string(),
+                    share: frac(g.share_ppm),
+                    lease_expires_ms: lease(g.lease_expires_ms),
+                })
+                .collect(),
+            worst_case_overshoot_tokens: overshoot,
+        });
+    }
+    if policies.is_empty() {
+        return Err(ApiError::NotFound { what: "tenant" });
+    }
+    let body = AllowanceView {
+        tenant: tenant.as_str().to_string(),
+        pin: view.pins.get(&tenant).map(|r| r.as_str().to_string()),
+        policies,
+    };
+    Ok(axum::Json(body).into_response())
+}

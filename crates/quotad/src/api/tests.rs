@@ -1,0 +1,482 @@
+//! Handler tests through `oneshot`: no socket, a one-node coordinator, the embedded store.
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use axum::body::Body;
+use axum::http::{header, Request, StatusCode};
+use axum::Router;
+use http_body_util::BodyExt as _;
+use quota_core::RegionId;
+use serde_json::{json, Value};
+use tower::ServiceExt as _;
+
+use super::{app, AppState};
+use crate::breaker::Breaker;
+use crate::config::{BreakerConfig, Secret};
+use crate::coordination::{Coordinator, LocalCoordinator};
+use crate::decision::{Decider, DeciderParts};
+
+const TOKEN: &str = "test-token";
+
+fn state() -> AppState {
+    let region = RegionId::new("eu").unwrap();
+    let coordinator = Arc::new(Coordinator::Local(LocalCoordinator::new(region.clone())));
+    let decider = Arc::new(Decider::new(DeciderParts {
+        region: region.clone(),
+        store: quota_store::AnyStore::embedded(),
+        breaker: Breaker::new(&BreakerConfig::default(), "eu"),
+        view: coordinator.subscribe(),
+        drift_margin_ms: 1000,
+        store_timeout: Duration::from_millis(50),
+        homes: HashMap::new(),
+        forward_timeout: Duration::from_millis(100),
+    }));
+    AppState {
+        decider,
+        coordinator,
+        admin_token: Arc::new(Secret::new(TOKEN)),
+        metrics: None,
+        ready: Arc::new(AtomicBool::new(true)),
+        drift_margin_ms: 1000,
+        body_limit_bytes: 4096,
+        request_timeout: Duration::from_secs(5),
+    }
+}
+
+struct Reply {
+    status: StatusCode,
+    headers: axum::http::HeaderMap,
+    body: Value,
+}
+
+async fn send(
+    router: &Router,
+    method: &str,
+    uri: &str,
+    token: Option<&str>,
+    body: Option<&str>,
+) -> Reply {
+    let mut req = Request::builder().method(method).uri(uri);
+    if let Some(t) = token {
+        req = req.header(header::AUTHORIZATION, format!("Bearer {t}"));
+    }
+    if body.is_some() {
+        req = req.header(header::CONTENT_TYPE, "application/json");
+    }
+    let req = req
+        .body(Body::from(body.unwrap_or("").to_string()))
+        .unwrap();
+    let resp = router.clone().oneshot(req).await.unwrap();
+    let status = resp.status();
+    let headers = resp.headers().clone();
+    let bytes = resp.into_body().collect().await.unwrap().to_bytes();
+    let body = serde_json::from_slice(&bytes).unwrap_or(Value::Null);
+    Reply {
+        status,
+        headers,
+        body,
+    }
+}
+
+async fn with_policy(spec: Value) -> Router {
+    let router = app(state());
+    let r = send(
+        &router,
+        "PUT",
+        "/v1/tenants/acme/policies/writes",
+        Some(TOKEN),
+        Some(&spec.to_string()),
+    )
+    .await;
+    assert_eq!(r.status, StatusCode::OK, "{}", r.body);
+    router
+}
+
+fn is_problem(r: &Reply) -> bool {
+    r.headers
+        .get(header::CONTENT_TYPE)
+        .is_some_and(|v| v == "application/problem+json")
+}
+
+#[tokio::test]
+async fn allowed_and_denied_checks_carry_ratelimit_fields() {
+    let router = with_policy(json!({"limit": 3, "window_ms": 60000})).await;
+    let check = json!({"tenant": "acme", "policy": "writes", "cost": 2}).to_string();
+    let r = send(&router, "POST", "/v1/check", None, Some(&check)).await;
+    assert_eq!(r.status, StatusCode::OK);
+    assert_eq!(r.body["allowed"], true);
+    assert_eq!(r.body["remaining"], 1);
+    assert_eq!(r.body["region"], "eu");
+    assert_eq!(r.headers["ratelimit-policy"], "\"writes\";q=3;w=60");
+    assert_eq!(r.headers["ratelimit"], "\"writes\";r=1;t=40");
+    assert!(r.headers.get(header::RETRY_AFTER).is_none());
+    assert!(r.headers.contains_key("x-request-id"));
+
+    let r = send(&router, "POST", "/v1/check", None, Some(&check)).await;
+    assert_eq!(r.status, StatusCode::TOO_MANY_REQUESTS);
+    assert!(is_problem(&r));
+    assert_eq!(r.body["code"], "RATE_LIMITED");
+    assert_eq!(r.body["allowed"], false);
+    assert_eq!(r.body["violated-policies"], json!(["writes"]));
+    // One token short at 3 tokens a minute: 20 s.
+    assert_eq!(r.body["retry_after_ms"], 20000);
+    assert_eq!(r.headers[header::RETRY_AFTER], "20");
+    assert_eq!(r.headers["ratelimit"], "\"writes\";r=1;t=20");
+    let text = r.body.to_string();
+    assert!(!text.contains("qd:v1"), "no key names in responses: {text}");
+}
+
+#[tokio::test]
+async fn retry_after_rounds_up_to_whole_seconds() {
+    // 7 tokens per 10 s: one token every 1428.57 ms.
+    let router = with_policy(json!({"limit": 7, "window_ms": 10000})).await;
+    let check = json!({"tenant": "acme", "policy": "writes", "cost": 7}).to_string();
+    assert_eq!(
+        send(&router, "POST", "/v1/check", None, Some(&check))
+            .await
+            .status,
+        StatusCode::OK
+    );
+    let one = json!({"tenant": "acme", "policy": "writes"}).to_string();
+    let r = send(&router, "POST", "/v1/check", None, Some(&one)).await;
+    assert_eq!(r.status, StatusCode::TOO_MANY_REQUESTS);
+    let ms = r.body["retry_after_ms"].as_u64().unwrap();
+    assert!((1400..=1429).contains(&ms), "{ms}");
+    assert_eq!(r.headers[header::RETRY_AFTER], "2");
+}
+
+#[tokio::test]
+async fn unknown_policy_is_a_404_problem_not_an_allow() {
+    let router = app(state());
+    let check = json!({"tenant": "acme", "policy": "writes"}).to_string();
+    let r = send(&router, "POST", "/v1/check", None, Some(&check)).await;
+    assert_eq!(r.status, StatusCode::NOT_FOUND);
+    assert!(is_problem(&r));
+    assert_eq!(r.body["code"], "NOT_FOUND");
+}
+
+#[tokio::test]
+async fn bad_checks_are_400_problems_naming_the_field() {
+    let router = with_policy(json!({"limit": 10, "window_ms": 1000})).await;
+    let cases = [
+        (
+            json!({"tenant": "ac me", "policy": "writes"}).to_string(),
+            "tenant",
+        ),
+        (
+            json!({"tenant": "acme", "policy": "wr{ites"}).to_string(),
+            "policy",
+        ),
+        (
+            json!({"tenant": "acme", "policy": "writes", "cost": 0}).to_string(),
+            "cost",
+        ),
+        (
+            json!({"tenant": "acme", "policy": "writes", "cost": -3}).to_string(),
+            "cost",
+        ),
+        (
+            json!({"tenant": "acme", "policy": "writes", "cost": 1.5}).to_string(),
+            "cost",
+        ),
+        (
+            json!({"tenant": "acme", "policy": "writes", "cost": 11}).to_string(),
+            "cost",
+        ),
+    ];
+    for (body, field) in cases {
+        let r = send(&router, "POST", "/v1/check", None, Some(&body)).await;
+        assert_eq!(r.status, StatusCode::BAD_REQUEST, "{body}");
+        assert!(is_problem(&r));
+        assert_eq!(r.body["errors"][0]["field"], field, "{body}: {}", r.body);
+    }
+    for body in [
+        "{not json",
+        r#"{"tenant": "acme", "policy": "writes", "extra": 1}"#,
+        r#"{"tenant": 5, "policy": "writes"}"#,
+        "[]",
+    ] {
+        let r = send(&router, "POST", "/v1/check", None, Some(body)).await;
+        assert_eq!(r.status, StatusCode::BAD_REQUEST, "{body}");
+        assert_eq!(r.body["code"], "INVALID_REQUEST");
+    }
+    // None of these spent a token.
+    let full = json!({"tenant": "acme", "policy": "writes", "cost": 10}).to_string();
+    assert_eq!(
+        send(&router, "POST", "/v1/check", None, Some(&full))
+            .await
+            .status,
+        StatusCode::OK
+    );
+}
+
+#[tokio::test]
+async fn huge_bodies_and_wrong_media_types_are_refused() {
+    let router = app(state());
+    let huge = format!(
+        r#"{{"tenant": "{}", "policy": "writes"}}"#,
+        "a".repeat(10_000)
+    );
+    let r = send(&router, "POST", "/v1/check", None, Some(&huge)).await;
+    assert_eq!(r.status, StatusCode::PAYLOAD_TOO_LARGE);
+    assert!(is_problem(&r));
+    let req = Request::post("/v1/check").body(Body::from("{}")).unwrap();
+    let resp = router.clone().oneshot(req).await.unwrap();
+    assert_eq!(resp.status(), StatusCode::UNSUPPORTED_MEDIA_TYPE);
+}
+
+#[tokio::test]
+async fn mutations_need_the_token_and_change_nothing_without_it() {
+    let router = app(state());
+    let spec = json!({"limit": 10, "window_ms": 1000}).to_string();
+    for token in [None, Some("wrong"), Some("")] {
+        let r = send(
+            &router,
+            "PUT",
+            "/v1/tenants/acme/policies/writes",
+            token,
+            Some(&spec),
+        )
+        .await;
+        assert_eq!(r.status, StatusCode::UNAUTHORIZED);
+        assert_eq!(r.headers[header::WWW_AUTHENTICATE], "Bearer");
+        assert!(is_problem(&r));
+    }
+    let r = send(
+        &router,
+        "GET",
+        "/v1/tenants/acme/policies/writes",
+        None,
+        None,
+    )
+    .await;
+    assert_eq!(r.status, StatusCode::NOT_FOUND);
+    let r = send(
+        &router,
+        "DELETE",
+        "/v1/tenants/acme/pin",
+        Some("nope"),
+        None,
+    )
+    .await;
+    assert_eq!(r.status, StatusCode::UNAUTHORIZED);
+    let r = send(&router, "GET", "/v1/policies", None, None).await;
+    assert_eq!(r.status, StatusCode::UNAUTHORIZED);
+}
+
+#[tokio::test]
+async fn invalid_policies_list_every_problem() {
+    let router = app(state());
+    let spec = json!({"limit": -1, "window_ms": 0, "floor": 2}).to_string();
+    let r = send(
+        &router,
+        "PUT",
+        "/v1/tenants/acme/policies/writes",
+        Some(TOKEN),
+        Some(&spec),
+    )
+    .await;
+    assert_eq!(r.status, StatusCode::BAD_REQUEST);
+    assert_eq!(r.body["code"], "INVALID_POLICY");
+    let fields: Vec<_> = r.body["errors"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|e| e["field"].clone())
+        .collect();
+    assert_eq!(fields, [json!("limit"), json!("window_ms"), json!("floor")]);
+    let unknown = json!({"limit": 1, "window_ms": 1, "colour": "red"}).to_string();
+    let r = send(
+        &router,
+        "PUT",
+        "/v1/tenants/acme/policies/writes",
+        Some(TOKEN),
+        Some(&unknown),
+    )
+    .await;
+    assert_eq!(r.status, StatusCode::BAD_REQUEST);
+    assert!(r.body["detail"].as_str().unwrap().contains("colour"));
+    let r = send(
+        &router,
+        "PUT",
+        "/v1/tenants/ac%20me/policies/writes",
+        Some(TOKEN),
+        Some(&spec),
+    )
+    .await;
+    assert_eq!(r.status, StatusCode::BAD_REQUEST);
+    assert_eq!(r.body["errors"][0]["field"], "tenant");
+}
+
+#[tokio::test]
+async fn policy_crud_pin_and_listing() {
+    let router = with_policy(json!({"limit": 100, "window_ms": 60000, "burst": 150, "fail_mode": "closed", "floor": 0.1})).await;
+    let r = send(
+        &router,
+        "GET",
+        "/v1/tenants/acme/policies/writes",
+        None,
+        None,
+    )
+    .await;
+    assert_eq!(r.body["burst"], 150);
+    assert_eq!(r.body["fail_mode"], "closed");
+    assert_eq!(r.body["version"], 1);
+    for i in 0..5 {
+        let spec = json!({"limit": 1, "window_ms": 1000}).to_string();
+        let r = send(
+            &router,
+            "PUT",
+            &format!("/v1/tenants/t{i}/policies/p"),
+            Some(TOKEN),
+            Some(&spec),
+        )
+        .await;
+        assert_eq!(r.status, StatusCode::OK);
+    }
+    let page = send(&router, "GET", "/v1/policies?limit=4", Some(TOKEN), None).await;
+    assert_eq!(page.body["policies"].as_array().unwrap().len(), 4);
+    let next = page.body["next"].as_str().unwrap().to_string();
+    let page2 = send(
+        &router,
+        "GET",
+        &format!("/v1/policies?limit=4&after={next}"),
+        Some(TOKEN),
+        None,
+    )
+    .await;
+    assert_eq!(page2.body["policies"].as_array().unwrap().len(), 2);
+    assert!(page2.body["next"].is_null());
+    let bad = send(&router, "GET", "/v1/policies?limit=0", Some(TOKEN), None).await;
+    assert_eq!(bad.status, StatusCode::BAD_REQUEST);
+
+    let r = send(
+        &router,
+        "PUT",
+        "/v1/tenants/acme/pin",
+        Some(TOKEN),
+        Some(r#"{"region": "us"}"#),
+    )
+    .await;
+    assert_eq!(r.status, StatusCode::BAD_REQUEST, "unknown region");
+    let r = send(
+        &router,
+        "PUT",
+        "/v1/tenants/acme/pin",
+        Some(TOKEN),
+        Some(r#"{"region": "eu"}"#),
+    )
+    .await;
+    assert_eq!(r.status, StatusCode::NO_CONTENT);
+    let r = send(&router, "GET", "/v1/tenants/acme/allowance", None, None).await;
+    assert_eq!(r.status, StatusCode::OK);
+    assert_eq!(r.body["pin"], "eu");
+    let p = &r.body["policies"][0];
+    assert_eq!(p["limit"], 100);
+    assert_eq!(p["this_region"]["share"], 1.0);
+    assert_eq!(p["this_region"]["capacity"], 150.0);
+    assert!(p["this_region"]["tokens_left"].is_null());
+    assert_eq!(p["regions"][0]["region"], "eu");
+    let r = send(&router, "DELETE", "/v1/tenants/acme/pin", Some(TOKEN), None).await;
+    assert_eq!(r.status, StatusCode::NO_CONTENT);
+    let r = send(
+        &router,
+        "DELETE",
+        "/v1/tenants/acme/policies/writes",
+        Some(TOKEN),
+        None,
+    )
+    .await;
+    assert_eq!(r.status, StatusCode::NO_CONTENT);
+    let r = send(
+        &router,
+        "DELETE",
+        "/v1/tenants/acme/policies/writes",
+        Some(TOKEN),
+        None,
+    )
+    .await;
+    assert_eq!(r.status, StatusCode::NOT_FOUND);
+    let r = send(&router, "GET", "/v1/tenants/acme/allowance", None, None).await;
+    assert_eq!(r.status, StatusCode::NOT_FOUND);
+}
+
+#[tokio::test]
+async fn batch_decides_each_check_in_order() {
+    let router = with_policy(json!({"limit": 2, "window_ms": 60000})).await;
+    let body = json!({"checks": [
+        {"tenant": "acme", "policy": "writes"},
+        {"tenant": "acme", "policy": "writes"},
+        {"tenant": "acme", "policy": "writes"},
+        {"tenant": "acme", "policy": "nope"},
+        {"tenant": "acme", "policy": "writes", "cost": 0},
+    ]})
+    .to_string();
+    let r = send(&router, "POST", "/v1/check/batch", None, Some(&body)).await;
+    assert_eq!(r.status, StatusCode::OK);
+    let statuses: Vec<_> = r.body["results"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|i| i["status"].as_u64().unwrap())
+        .collect();
+    assert_eq!(statuses, [200, 200, 429, 404, 400]);
+    assert_eq!(
+        r.body["results"][4]["problem"]["errors"][0]["field"],
+        "checks[4].cost"
+    );
+    let empty = send(
+        &router,
+        "POST",
+        "/v1/check/batch",
+        None,
+        Some(r#"{"checks": []}"#),
+    )
+    .await;
+    assert_eq!(empty.status, StatusCode::BAD_REQUEST);
+}
+
+#[tokio::test]
+async fn status_health_and_openapi() {
+    let st = state();
+    let ready = st.ready.clone();
+    let router = app(st);
+    let r = send(&router, "GET", "/v1/status", None, None).await;
+    assert_eq!(r.body["region"], "eu");
+    assert_eq!(r.body["raft"]["role"], "single");
+    assert_eq!(r.body["store"]["kind"], "embedded");
+    assert_eq!(
+        send(&router, "GET", "/livez", None, None).await.status,
+        StatusCode::OK
+    );
+    assert_eq!(
+        send(&router, "GET", "/readyz", None, None).await.status,
+        StatusCode::OK
+    );
+    ready.store(false, Ordering::Relaxed);
+    assert_eq!(
+        send(&router, "GET", "/readyz", None, None).await.status,
+        StatusCode::SERVICE_UNAVAILABLE
+    );
+    let doc = send(&router, "GET", "/openapi.json", None, None).await;
+    let paths = doc.body["paths"].as_object().unwrap();
+    for p in [
+        "/v1/check",
+        "/v1/check/batch",
+        "/v1/tenants/{tenant}/policies/{policy}",
+        "/v1/tenants/{tenant}/allowance",
+        "/v1/status",
+        "/v1/policies",
+    ] {
+        assert!(
+            paths.contains_key(p),
+            "{p} missing from the OpenAPI document"
+        );
+    }
+    let r = send(&router, "GET", "/no/such/route", None, None).await;
+    assert_eq!(r.status, StatusCode::NOT_FOUND);
+    assert!(is_problem(&r));
+}

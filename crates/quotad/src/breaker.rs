@@ -1,0 +1,167 @@
+//! A circuit breaker around the regional store: after `failure_threshold` consecutive failures
+//! (errors, or calls slower than `slow_call_ms`) it opens and decisions go to each policy's fail
+//! mode without waiting on a sick Redis; after `open_ms` one probe call is let through, and a
+//! success closes it again. Recovery is automatic.
+//!
+//! The state sits under a `std::sync::Mutex` touched for a few instructions per call and never
+//! across an await.
+
+use std::sync::Mutex;
+use std::time::Duration;
+
+use tokio::time::Instant;
+
+use crate::clock;
+use crate::config::BreakerConfig;
+use crate::telemetry;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum State {
+    Closed {
+        failures: u32,
+    },
+    Open {
+        until: Instant,
+    },
+    /// One probe is in flight; everyone else keeps using the fail mode.
+    HalfOpen,
+}
+
+/// Whether a call may go to the store.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Admission {
+    /// Call the store, then report with [`Breaker::record`].
+    Call,
+    /// The store is considered down: use the fail mode.
+    Reject,
+}
+
+/// The breaker itself.
+#[derive(Debug)]
+pub struct Breaker {
+    state: Mutex<State>,
+    threshold: u32,
+    slow: Duration,
+    open_for: Duration,
+    region: String,
+}
+
+impl Breaker {
+    pub fn new(cfg: &BreakerConfig, region: &str) -> Self {
+        Self {
+            state: Mutex::new(State::Closed { failures: 0 }),
+            threshold: cfg.failure_threshold.max(1),
+            slow: Duration::from_millis(cfg.slow_call_ms),
+            open_for: Duration::from_millis(cfg.open_ms),
+            region: region.to_string(),
+        }
+    }
+
+    /// Asks whether to call the store now.
+    pub fn admit(&self) -> Admission {
+        let mut s = self.state.lock().unwrap_or_else(|e| e.into_inner());
+        match *s {
+            State::Closed { .. } => Admission::Call,
+            State::Open { until } if clock::monotonic() >= until => {
+                *s = State::HalfOpen;
+                Admission::Call
+            }
+            State::Open { .. } | State::HalfOpen => Admission::Reject,
+        }
+    }
+
+    /// Reports a call's outcome: `ok` is false for an error; a slow success also counts against
+    /// the store.
+    pub fn record(&self, ok: bool, took: Duration) {
+        let failed = !ok || took > self.slow;
+        let mut s = self.state.lock().unwrap_or_else(|e| e.into_inner());
+        let before_open = !matches!(*s, State::Closed { .. });
+        *s = match (*s, failed) {
+            (_, false) => State::Closed { failures: 0 },
+            (State::Closed { failures }, true) if failures + 1 < self.threshold => State::Closed {
+                failures: failures + 1,
+            },
+            (_, true) => State::Open {
+                until: clock::monotonic() + self.open_for,
+            },
+        };
+        let now_open = !matches!(*s, State::Closed { .. });
+        drop(s);
+        if before_open != now_open {
+            metrics::gauge!(telemetry::DEGRADED, "region" => self.region.clone())
+                .set(if now_open { 1.0 } else { 0.0 });
+            if now_open {
+                tracing::warn!(region = %self.region, "Regional store failing: circuit breaker open, using fail modes.");
+            } else {
+                tracing::info!(region = %self.region, "Regional store recovered: circuit breaker closed.");
+            }
+        }
+    }
+
+    /// True while decisions bypass the store.
+    pub fn is_open(&self) -> bool {
+        !matches!(
+            *self.state.lock().unwrap_or_else(|e| e.into_inner()),
+            State::Closed { .. }
+        )
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn breaker() -> Breaker {
+        Breaker::new(
+            &BreakerConfig {
+                failure_threshold: 3,
+                slow_call_ms: 10,
+                open_ms: 100,
+            },
+            "eu",
+        )
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn opens_after_consecutive_failures_and_recovers_through_one_probe() {
+        let b = breaker();
+        let fast = Duration::from_millis(1);
+        b.record(false, fast);
+        b.record(false, fast);
+        assert_eq!(b.admit(), Admission::Call);
+        b.record(false, fast);
+        assert!(b.is_open());
+        assert_eq!(b.admit(), Admission::Reject);
+        tokio::time::advance(Duration::from_millis(101)).await;
+        assert_eq!(b.admit(), Admission::Call, "one probe");
+        assert_eq!(b.admit(), Admission::Reject, "only one probe at a time");
+        b.record(true, fast);
+        assert!(!b.is_open());
+        assert_eq!(b.admit(), Admission::Call);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn slow_calls_count_as_failures_and_a_failed_probe_reopens() {
+        let b = breaker();
+        let slow = Duration::from_millis(50);
+        for _ in 0..3 {
+            b.record(true, slow);
+        }
+        assert!(b.is_open());
+        tokio::time::advance(Duration::from_millis(101)).await;
+        assert_eq!(b.admit(), Admission::Call);
+        b.record(false, Duration::ZERO);
+        assert_eq!(b.admit(), Admission::Reject);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_success_resets_the_failure_count() {
+        let b = breaker();
+        b.record(false, Duration::ZERO);
+        b.record(false, Duration::ZERO);
+        b.record(true, Duration::ZERO);
+        b.record(false, Duration::ZERO);
+        b.record(false, Duration::ZERO);
+        assert!(!b.is_open());
+    }
+}

@@ -1,0 +1,761 @@
+//! The daemon's configuration: a TOML file (unknown fields rejected), then `QUOTAD_…`
+//! environment overrides, then one validation pass that reports every problem at once.
+//!
+//! Secrets (the admin token, the peer token, the Redis password) never live in the file itself:
+//! they come from the environment or from a file the config names, so a config can be printed,
+//! committed and diffed without leaking anything.
+
+use std::collections::BTreeSet;
+use std::fmt;
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+
+use quota_core::RegionId;
+use serde::{Deserialize, Serialize};
+
+/// Environment variable holding the admin bearer token.
+pub const ENV_ADMIN_TOKEN: &str = "QUOTAD_ADMIN_TOKEN";
+/// Environment variable holding the token peers present to each other.
+pub const ENV_PEER_TOKEN: &str = "QUOTAD_PEER_TOKEN";
+/// Environment variable holding the Redis password.
+pub const ENV_REDIS_PASSWORD: &str = "QUOTAD_REDIS_PASSWORD";
+
+/// The whole configuration file.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct Config {
+    /// This daemon's region.
+    pub region: String,
+    /// Where durable coordinator state lives (Raft log and snapshots).
+    pub data_dir: PathBuf,
+    pub api: ApiConfig,
+    pub peer: PeerConfig,
+    /// The regional Redis; absent means the embedded in-process store.
+    pub redis: Option<RedisConfig>,
+    pub breaker: BreakerConfig,
+    pub coordination: CoordinationConfig,
+    /// Every region of the cluster, this one included; empty means a single region.
+    pub regions: Vec<RegionConfig>,
+    pub telemetry: TelemetryConfig,
+}
+
+/// The admin and decision API listener.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct ApiConfig {
+    pub listen: String,
+    /// A file holding the admin token (used when `QUOTAD_ADMIN_TOKEN` is unset).
+    pub admin_token_file: Option<PathBuf>,
+    pub body_limit_bytes: usize,
+    pub request_timeout_ms: u64,
+    /// How long in-flight requests may take to drain on shutdown.
+    pub drain_timeout_ms: u64,
+    /// How long to wait for a pinned tenant's home region before the policy decides.
+    pub forward_timeout_ms: u64,
+}
+
+/// The peer (Raft) listener.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct PeerConfig {
+    pub listen: String,
+    /// A file holding the peer token (used when `QUOTAD_PEER_TOKEN` is unset).
+    pub token_file: Option<PathBuf>,
+}
+
+/// The regional Redis.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct RedisConfig {
+    /// `redis://host:port/db`, without a password.
+    pub url: String,
+    /// A file holding the Redis password (used when `QUOTAD_REDIS_PASSWORD` is unset).
+    pub password_file: Option<PathBuf>,
+    /// Per-call timeout; a slower answer counts against the circuit breaker.
+    pub timeout_ms: u64,
+}
+
+/// When the circuit breaker around the regional Redis trips and how it recovers.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct BreakerConfig {
+    /// Consecutive failures (errors or slow calls) that open the breaker.
+    pub failure_threshold: u32,
+    /// A call slower than this counts as a failure.
+    pub slow_call_ms: u64,
+    /// How long the breaker stays open before one probe call is let through.
+    pub open_ms: u64,
+}
+
+/// The coordination loop timings.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct CoordinationConfig {
+    pub report_interval_ms: u64,
+    pub rebalance_interval_ms: u64,
+    pub lease_ms: u64,
+    /// Bound on clock-rate drift over one lease: the region stops this much early and the
+    /// coordinator reuses a share this much late.
+    pub drift_margin_ms: u64,
+}
+
+/// One region of the cluster.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RegionConfig {
+    pub id: String,
+    /// Raft node id; unique and non-zero.
+    pub node_id: u64,
+    /// The region's admin API address (pinned checks are forwarded here).
+    pub api: String,
+    /// The region's peer (Raft) address.
+    pub peer: String,
+}
+
+/// Logging.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct TelemetryConfig {
+    pub log_format: LogFormat,
+    /// A `tracing` filter, e.g. `info` or `quotad=debug,info`.
+    pub log_level: String,
+}
+
+/// Log line format.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum LogFormat {
+    #[default]
+    Text,
+    Json,
+}
+
+impl Default for Config {
+    fn default() -> Self {
+        Self {
+            region: "local".into(),
+            data_dir: PathBuf::from("quotad-data"),
+            api: ApiConfig::default(),
+            peer: PeerConfig::default(),
+            redis: None,
+            breaker: BreakerConfig::default(),
+            coordination: CoordinationConfig::default(),
+            regions: Vec::new(),
+            telemetry: TelemetryConfig::default(),
+        }
+    }
+}
+
+impl Default for ApiConfig {
+    fn default() -> Self {
+        Self {
+            listen: "127.0.0.1:7450".into(),
+            admin_token_file: None,
+            body_limit_bytes: 64 * 1024,
+            request_timeout_ms: 5_000,
+            drain_timeout_ms: 10_000,
+            forward_timeout_ms: 500,
+        }
+    }
+}
+
+impl Default for PeerConfig {
+    fn default() -> Self {
+        Self {
+            listen: "127.0.0.1:7451".into(),
+            token_file: None,
+        }
+    }
+}
+
+impl Default for RedisConfig {
+    fn default() -> Self {
+        Self {
+            url: "redis://127.0.0.1:6379".into(),
+            password_file: None,
+            timeout_ms: 50,
+        }
+    }
+}
+
+impl Default for BreakerConfig {
+    fn default() -> Self {
+        Self {
+            failure_threshold: 5,
+            slow_call_ms: 100,
+            open_ms: 500,
+        }
+    }
+}
+
+impl Default for CoordinationConfig {
+    fn default() -> Self {
+        Self {
+            report_interval_ms: 1_000,
+            rebalance_interval_ms: 5_000,
+            lease_ms: 30_000,
+            drift_margin_ms: 1_000,
+        }
+    }
+}
+
+impl Default for TelemetryConfig {
+    fn default() -> Self {
+        Self {
+            log_format: LogFormat::Text,
+            log_level: "info".into(),
+        }
+    }
+}
+
+/// One problem with a configuration, naming where it is.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ConfigProblem {
+    pub field: String,
+    pub message: String,
+}
+
+impl fmt::Display for ConfigProblem {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}: {}", self.field, self.message)
+    }
+}
+
+/// Every problem found while loading a configuration.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("invalid configuration:\n{}", .0.iter().map(|p| format!("  - {p}")).collect::<Vec<_>>().join("\n"))]
+pub struct ConfigErrors(pub Vec<ConfigProblem>);
+
+/// A secret value: never printed, compared in constant time by its users.
+#[derive(Clone, PartialEq, Eq)]
+pub struct Secret(String);
+
+impl Secret {
+    pub fn new(s: impl Into<String>) -> Self {
+        Self(s.into())
+    }
+
+    /// The secret itself; call only where it is used, never to log.
+    pub fn expose(&self) -> &str {
+        &self.0
+    }
+}
+
+impl fmt::Debug for Secret {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("Secret(<redacted>)")
+    }
+}
+
+/// Where a secret came from, for the effective-config printout.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum SecretSource {
+    Environment,
+    File,
+    Generated,
+    Unset,
+}
+
+/// The secrets, resolved from the environment or files.
+#[derive(Debug, Clone)]
+pub struct Secrets {
+    /// `None` means "generate one at start-up".
+    pub admin_token: Option<Secret>,
+    pub admin_token_source: SecretSource,
+    pub peer_token: Option<Secret>,
+    pub peer_token_source: SecretSource,
+    pub redis_password: Option<Secret>,
+    pub redis_password_source: SecretSource,
+}
+
+/// A configuration checked and resolved: addresses parsed, ids validated, secrets loaded.
+#[derive(Debug, Clone)]
+pub struct Settings {
+    pub config: Config,
+    pub region: RegionId,
+    pub api_listen: SocketAddr,
+    pub peer_listen: SocketAddr,
+    pub regions: Vec<RegionSettings>,
+    pub secrets: Secrets,
+}
+
+/// A cluster member, validated.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RegionSettings {
+    pub id: RegionId,
+    pub node_id: u64,
+    pub api: SocketAddr,
+    pub peer: SocketAddr,
+}
+
+/// Environment overrides: variable name → what it sets.
+pub const ENV_OVERRIDES: &[(&str, &str)] = &[
+    ("QUOTAD_REGION", "region"),
+    ("QUOTAD_DATA_DIR", "data_dir"),
+    ("QUOTAD_API_LISTEN", "api.listen"),
+    ("QUOTAD_PEER_LISTEN", "peer.listen"),
+    ("QUOTAD_REDIS_URL", "redis.url"),
+    ("QUOTAD_LOG_FORMAT", "telemetry.log_format"),
+    ("QUOTAD_LOG_LEVEL", "telemetry.log_level"),
+];
+
+fn problem(field: impl Into<String>, message: impl Into<String>) -> ConfigProblem {
+    ConfigProblem {
+        field: field.into(),
+        message: message.into(),
+    }
+}
+
+impl Config {
+    /// Parses TOML text (unknown fields are errors).
+    pub fn from_toml(text: &str) -> Result<Self, ConfigErrors> {
+        toml::from_str(text).map_err(|e| ConfigErrors(vec![problem("(file)", e.to_string())]))
+    }
+
+    /// Reads and parses a config file.
+    pub fn from_file(path: &Path) -> Result<Self, ConfigErrors> {
+        let text = std::fs::read_to_string(path).map_err(|e| {
+            ConfigErrors(vec![problem(
+                "(file)",
+                format!("cannot read {}: {e}", path.display()),
+            )])
+        })?;
+        Self::from_toml(&text)
+    }
+
+    /// Applies `QUOTAD_…` overrides from `env`, noting values that do not parse.
+    pub fn apply_env(
+        &mut self,
+        env: &dyn Fn(&str) -> Option<String>,
+        problems: &mut Vec<ConfigProblem>,
+    ) {
+        for (var, _) in ENV_OVERRIDES {
+            let Some(value) = env(var) else { continue };
+            match *var {
+                "QUOTAD_REGION" => self.region = value,
+                "QUOTAD_DATA_DIR" => self.data_dir = PathBuf::from(value),
+                "QUOTAD_API_LISTEN" => self.api.listen = value,
+                "QUOTAD_PEER_LISTEN" => self.peer.listen = value,
+                "QUOTAD_REDIS_URL" => {
+                    self.redis.get_or_insert_with(RedisConfig::default).url = value;
+                }
+                "QUOTAD_LOG_FORMAT" => match value.as_str() {
+                    "text" => self.telemetry.log_format = LogFormat::Text,
+                    "json" => self.telemetry.log_format = LogFormat::Json,
+                    other => problems.push(problem(
+                        *var,
+                        format!("must be \"text\" or \"json\" (got {other:?})"),
+                    )),
+                },
+                "QUOTAD_LOG_LEVEL" => self.telemetry.log_level = value,
+                _ => {}
+            }
+        }
+    }
+
+    /// Validates everything and resolves secrets, reporting every problem at once.
+    pub fn resolve(
+        self,
+        env: &dyn Fn(&str) -> Option<String>,
+        mut problems: Vec<ConfigProblem>,
+    ) -> Result<Settings, ConfigErrors> {
+        let p = &mut problems;
+        let region = RegionId::new(self.region.clone())
+            .map_err(|e| p.push(problem("region", e.to_string())))
+            .ok();
+        let api_listen = parse_addr(p, "api.listen", &self.api.listen);
+        let peer_listen = parse_addr(p, "peer.listen", &self.peer.listen);
+        if api_listen.is_some() && api_listen == peer_listen {
+            p.push(problem("peer.listen", "must differ from api.listen"));
+        }
+        if self.api.body_limit_bytes < 256 || self.api.body_limit_bytes > 16 * 1024 * 1024 {
+            p.push(problem(
+                "api.body_limit_bytes",
+                "must be between 256 and 16777216",
+            ));
+        }
+        positive(p, "api.request_timeout_ms", self.api.request_timeout_ms);
+        positive(p, "api.forward_timeout_ms", self.api.forward_timeout_ms);
+        if let Some(redis) = &self.redis {
+            check_redis_url(p, &redis.url);
+            positive(p, "redis.timeout_ms", redis.timeout_ms);
+        }
+        if self.breaker.failure_threshold == 0 {
+            p.push(problem("breaker.failure_threshold", "must be at least 1"));
+        }
+        positive(p, "breaker.slow_call_ms", self.breaker.slow_call_ms);
+        positive(p, "breaker.open_ms", self.breaker.open_ms);
+        let c = &self.coordination;
+        positive(p, "coordination.report_interval_ms", c.report_interval_ms);
+        positive(
+            p,
+            "coordination.rebalance_interval_ms",
+            c.rebalance_interval_ms,
+        );
+        positive(p, "coordination.lease_ms", c.lease_ms);
+        if c.lease_ms <= 2 * c.drift_margin_ms {
+            p.push(problem(
+                "coordination.lease_ms",
+                "must exceed twice coordination.drift_margin_ms, or a lease is over before it starts",
+            ));
+        }
+        if c.lease_ms <= c.rebalance_interval_ms {
+            p.push(problem(
+                "coordination.lease_ms",
+                "must exceed coordination.rebalance_interval_ms so leases are renewed in time",
+            ));
+        }
+        let regions = check_regions(p, &self.regions, region.as_ref());
+        if tracing_subscriber::EnvFilter::try_new(&self.telemetry.log_level).is_err() {
+            p.push(problem(
+                "telemetry.log_level",
+                "is not a valid tracing filter",
+            ));
+        }
+        let (admin_token, admin_token_source) = secret(
+            p,
+            env,
+            ENV_ADMIN_TOKEN,
+            "api.admin_token_file",
+            self.api.admin_token_file.as_deref(),
+        );
+        let (peer_token, peer_token_source) = secret(
+            p,
+            env,
+            ENV_PEER_TOKEN,
+            "peer.token_file",
+            self.peer.token_file.as_deref(),
+        );
+        let (redis_password, redis_password_source) = secret(
+            p,
+            env,
+            ENV_REDIS_PASSWORD,
+            "redis.password_file",
+            self.redis.as_ref().and_then(|r| r.password_file.as_deref()),
+        );
+        if self.regions.len() > 1 && peer_token.is_none() {
+            p.push(problem(
+                "peer.token_file",
+                format!("a multi-region cluster needs a peer token (set {ENV_PEER_TOKEN} or peer.token_file)"),
+            ));
+        }
+        match (region, api_listen, peer_listen) {
+            (Some(region), Some(api_listen), Some(peer_listen)) if problems.is_empty() => {
+                Ok(Settings {
+                    config: self,
+                    region,
+                    api_listen,
+                    peer_listen,
+                    regions,
+                    secrets: Secrets {
+                        admin_token,
+                        admin_token_source,
+                        peer_token,
+                        peer_token_source,
+                        redis_password,
+                        redis_password_source,
+                    },
+                })
+            }
+            _ => Err(ConfigErrors(problems)),
+        }
+    }
+
+    /// Loads a config file (or the built-in default), applies the environment and validates.
+    pub fn load(
+        path: Option<&Path>,
+        env: &dyn Fn(&str) -> Option<String>,
+    ) -> Result<Settings, ConfigErrors> {
+        let mut config = match path {
+            Some(path) => Self::from_file(path)?,
+            None => Self::default(),
+        };
+        let mut problems = Vec::new();
+        config.apply_env(env, &mut problems);
+        config.resolve(env, problems)
+    }
+}
+
+impl Settings {
+    /// The multi-region peers, or `None` for a single region run.
+    pub fn is_single_region(&self) -> bool {
+        self.regions.len() <= 1
+    }
+
+    /// The effective configuration as TOML plus where each secret came from; no secret values.
+    pub fn redacted(&self) -> String {
+        let mut out = toml::to_string_pretty(&self.config)
+            .unwrap_or_else(|e| format!("# cannot render: {e}\n"));
+        let s = &self.secrets;
+        out.push_str("\n# secrets (values redacted)\n");
+        for (name, source) in [
+            ("admin_token", s.admin_token_source),
+            ("peer_token", s.peer_token_source),
+            ("redis_password", s.redis_password_source),
+        ] {
+            let source = match source {
+                SecretSource::Environment => "from the environment",
+                SecretSource::File => "from a file",
+                SecretSource::Generated => "generated at start-up",
+                SecretSource::Unset if name == "admin_token" => "unset: generated at start-up",
+                SecretSource::Unset => "unset",
+            };
+            out.push_str(&format!("# {name} = <redacted> ({source})\n"));
+        }
+        out
+    }
+}
+
+fn positive(p: &mut Vec<ConfigProblem>, field: &str, v: u64) {
+    if v == 0 {
+        p.push(problem(field, "must be greater than 0"));
+    }
+}
+
+fn parse_addr(p: &mut Vec<ConfigProblem>, field: &str, s: &str) -> Option<SocketAddr> {
+    s.parse()
+        .map_err(|_| {
+            p.push(problem(
+                field,
+                format!("must be an IP:port address (got {s:?})"),
+            ))
+        })
+        .ok()
+}
+
+fn check_redis_url(p: &mut Vec<ConfigProblem>, url: &str) {
+    let Some(rest) = url.strip_prefix("redis://") else {
+        p.push(problem("redis.url", "must start with redis://"));
+        return;
+    };
+    let authority = rest.split('/').next().unwrap_or_default();
+    if authority.contains('@') {
+        p.push(problem(
+            "redis.url",
+            format!("must not carry credentials; set {ENV_REDIS_PASSWORD} or redis.password_file"),
+        ));
+    } else if authority.is_empty() {
+        p.push(problem("redis.url", "names no host"));
+    }
+}
+
+fn check_regions(
+    p: &mut Vec<ConfigProblem>,
+    regions: &[RegionConfig],
+    me: Option<&RegionId>,
+) -> Vec<RegionSettings> {
+    let mut out = Vec::new();
+    let mut ids = BTreeSet::new();
+    let mut nodes = BTreeSet::new();
+    for (i, r) in regions.iter().enumerate() {
+        let field = |f: &str| format!("regions[{i}].{f}");
+        let id = RegionId::new(r.id.clone())
+            .map_err(|e| p.push(problem(field("id"), e.to_string())))
+            .ok();
+        if !ids.insert(r.id.clone()) {
+            p.push(problem(field("id"), format!("duplicate region {:?}", r.id)));
+        }
+        if r.node_id == 0 {
+            p.push(problem(field("node_id"), "must be at least 1"));
+        } else if !nodes.insert(r.node_id) {
+            p.push(problem(
+                field("node_id"),
+                format!("duplicate node id {}", r.node_id),
+            ));
+        }
+        let api = parse_addr(p, &field("api"), &r.api);
+        let peer = parse_addr(p, &field("peer"), &r.peer);
+        if let (Some(id), Some(api), Some(peer)) = (id, api, peer) {
+            out.push(RegionSettings {
+                id,
+                node_id: r.node_id,
+                api,
+                peer,
+            });
+        }
+    }
+    if let Some(me) = me {
+        if !regions.is_empty() && !regions.iter().any(|r| r.id == me.as_str()) {
+            p.push(problem(
+                "regions",
+                format!("does not list this daemon's region {:?}", me.as_str()),
+            ));
+        }
+    }
+    out
+}
+
+fn secret(
+    p: &mut Vec<ConfigProblem>,
+    env: &dyn Fn(&str) -> Option<String>,
+    var: &str,
+    field: &str,
+    file: Option<&Path>,
+) -> (Option<Secret>, SecretSource) {
+    if let Some(v) = env(var).filter(|v| !v.is_empty()) {
+        return (Some(Secret::new(v)), SecretSource::Environment);
+    }
+    let Some(path) = file else {
+        return (None, SecretSource::Unset);
+    };
+    match std::fs::read_to_string(path) {
+        Ok(s) if !s.trim().is_empty() => {
+            (Some(Secret::new(s.trim().to_string())), SecretSource::File)
+        }
+        Ok(_) => {
+            p.push(problem(field, format!("{} is empty", path.display())));
+            (None, SecretSource::Unset)
+        }
+        Err(e) => {
+            p.push(problem(
+                field,
+                format!("cannot read {}: {e}", path.display()),
+            ));
+            (None, SecretSource::Unset)
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn no_env(_: &str) -> Option<String> {
+        None
+    }
+
+    #[test]
+    fn the_default_config_is_valid_and_single_region() {
+        let s = Config::load(None, &no_env).unwrap();
+        assert_eq!(s.api_listen.to_string(), "127.0.0.1:7450");
+        assert_eq!(s.peer_listen.to_string(), "127.0.0.1:7451");
+        assert!(s.is_single_region());
+        assert!(s.config.redis.is_none());
+        assert_eq!(s.secrets.admin_token_source, SecretSource::Unset);
+    }
+
+    #[test]
+    fn unknown_fields_are_rejected() {
+        let e = Config::from_toml("region = \"a\"\n[api]\nlisten = \"127.0.0.1:1\"\nbogus = 1\n")
+            .unwrap_err();
+        assert!(e.to_string().contains("bogus"), "{e}");
+    }
+
+    #[test]
+    fn every_problem_is_reported_at_once() {
+        let text = r#"
+region = "bad region"
+[api]
+listen = "nowhere"
+body_limit_bytes = 1
+[redis]
+url = "redis://user:hunter2@127.0.0.1:6379"
+[coordination]
+lease_ms = 100
+drift_margin_ms = 100
+[[regions]]
+id = "a"
+node_id = 0
+api = "127.0.0.1:1"
+peer = "x"
+[[regions]]
+id = "a"
+node_id = 2
+api = "127.0.0.1:2"
+peer = "127.0.0.1:3"
+"#;
+        let config = Config::from_toml(text).unwrap();
+        let errs = config.resolve(&no_env, Vec::new()).unwrap_err();
+        let fields: Vec<_> = errs.0.iter().map(|p| p.field.as_str()).collect();
+        for f in [
+            "region",
+            "api.listen",
+            "api.body_limit_bytes",
+            "redis.url",
+            "coordination.lease_ms",
+            "regions[0].node_id",
+            "regions[0].peer",
+            "regions[1].id",
+            "peer.token_file",
+        ] {
+            assert!(fields.contains(&f), "{f} missing from {fields:?}");
+        }
+        // The password in the URL is named as a problem but never echoed.
+        assert!(!errs.to_string().contains("hunter2"));
+    }
+
+    #[test]
+    fn environment_overrides_and_secrets() {
+        let env = |k: &str| match k {
+            "QUOTAD_API_LISTEN" => Some("127.0.0.1:9000".to_string()),
+            "QUOTAD_LOG_FORMAT" => Some("json".to_string()),
+            "QUOTAD_REDIS_URL" => Some("redis://127.0.0.1:7000".to_string()),
+            ENV_ADMIN_TOKEN => Some("s3cret-token".to_string()),
+            _ => None,
+        };
+        let s = Config::load(None, &env).unwrap();
+        assert_eq!(s.api_listen.port(), 9000);
+        assert_eq!(s.config.telemetry.log_format, LogFormat::Json);
+        assert_eq!(
+            s.config.redis.as_ref().unwrap().url,
+            "redis://127.0.0.1:7000"
+        );
+        assert_eq!(
+            s.secrets.admin_token.as_ref().unwrap().expose(),
+            "s3cret-token"
+        );
+        let printed = s.redacted();
+        assert!(!printed.contains("s3cret-token"));
+        assert!(printed.contains("admin_token = <redacted> (from the environment)"));
+        assert!(!format!("{s:?}").contains("s3cret-token"));
+    }
+
+    #[test]
+    fn a_bad_environment_value_is_reported() {
+        let env = |k: &str| (k == "QUOTAD_LOG_FORMAT").then(|| "xml".to_string());
+        let errs = Config::load(None, &env).unwrap_err();
+        assert_eq!(errs.0[0].field, "QUOTAD_LOG_FORMAT");
+    }
+
+    #[test]
+    fn secrets_come_from_files() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("token");
+        std::fs::write(&path, "from-file\n").unwrap();
+        let mut c = Config::default();
+        c.api.admin_token_file = Some(path);
+        c.peer.token_file = Some(dir.path().join("missing"));
+        let errs = c.clone().resolve(&no_env, Vec::new()).unwrap_err();
+        assert_eq!(errs.0.len(), 1);
+        assert_eq!(errs.0[0].field, "peer.token_file");
+        c.peer.token_file = None;
+        let s = c.resolve(&no_env, Vec::new()).unwrap();
+        assert_eq!(s.secrets.admin_token.unwrap().expose(), "from-file");
+    }
+
+    #[test]
+    fn every_example_config_parses_and_validates() {
+        let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../config");
+        let env = |k: &str| (k == ENV_PEER_TOKEN).then(|| "peer-secret".to_string());
+        let mut seen = 0;
+        for entry in std::fs::read_dir(&dir).unwrap() {
+            let path = entry.unwrap().path();
+            if path.extension().is_some_and(|e| e == "toml") {
+                let result = Config::load(Some(&path), &env);
+                assert!(
+                    result.is_ok(),
+                    "{}: {}",
+                    path.display(),
+                    result.unwrap_err()
+                );
+                seen += 1;
+            }
+        }
+        assert!(
+            seen >= 4,
+            "expected the example configs in {}",
+            dir.display()
+        );
+    }
+}

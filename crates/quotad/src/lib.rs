@@ -1,0 +1,29 @@
+//! quotad: the per-region quota daemon.
+//!
+//! One daemon runs in each region next to that region's Redis (or, with no Redis configured,
+//! with an in-process store). It answers decision checks from the regional store at this
+//! region's share of each tenant's budget, serves the admin API, runs the region agent that
+//! applies shares and collects usage, and takes part in the coordinator.
+//!
+//! # Layout
+//! - [`cli`]: the command line (`run`, `check-config`, `--version`).
+//! - [`config`]: TOML config, `QUOTAD_…` overrides, one-pass validation, secrets.
+//! - [`server`]: start-up, serving, graceful shutdown.
+//! - [`api`]: the axum router (`app(state)`), handlers and the one `ApiError`.
+//! - [`decision`]: the decision path: pins, shares, breaker, fail modes.
+//! - [`breaker`]: the circuit breaker around the regional store.
+//! - [`coordination`]: the coordinator behind the daemon and its view snapshots.
+//! - [`agent`]: the region agent (applies shares, collects usage).
+//! - [`telemetry`]: metric names, the Prometheus exporter, log set-up.
+//! - [`clock`]: the only place that reads real time.
+
+pub mod agent;
+pub mod api;
+pub mod breaker;
+pub mod cli;
+pub mod clock;
+pub mod config;
+pub mod coordination;
+pub mod decision;
+pub mod server;
+pub mod telemetry;

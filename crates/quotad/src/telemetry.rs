@@ -1,0 +1,214 @@
+//! Metrics and logs. Every metric name is a constant here so dashboards and alerts have one
+//! place to look. Labels are policy name, region and outcome only: never a tenant (unbounded
+//! cardinality, and identifiers must not leak).
+
+use std::collections::HashMap;
+use std::sync::RwLock;
+
+use anyhow::Context as _;
+use metrics::{Counter, Histogram};
+use metrics_exporter_prometheus::{Matcher, PrometheusBuilder, PrometheusHandle};
+use quota_core::PolicyName;
+
+use crate::config::{LogFormat, TelemetryConfig};
+
+/// Decisions made, by policy, region and outcome.
+pub const DECISIONS_TOTAL: &str = "quotad_decisions_total";
+/// Latency of one regional store call, in seconds.
+pub const STORE_LATENCY_SECONDS: &str = "quotad_store_latency_seconds";
+/// Store calls that failed (errors, timeouts, script errors), by kind.
+pub const STORE_ERRORS_TOTAL: &str = "quotad_store_errors_total";
+/// 1 while the circuit breaker around the regional store is open (degraded mode).
+pub const DEGRADED: &str = "quotad_degraded";
+/// Decisions made in degraded mode, by policy, region and fail mode.
+pub const DEGRADED_DECISIONS_TOTAL: &str = "quotad_degraded_decisions_total";
+/// Retry-After handed out on denials, in seconds.
+pub const RETRY_AFTER_SECONDS: &str = "quotad_retry_after_seconds";
+/// Milliseconds left on this region's lease.
+pub const LEASE_REMAINING_MS: &str = "quotad_lease_remaining_ms";
+/// Time one rebalance round took, in seconds.
+pub const REBALANCE_DURATION_SECONDS: &str = "quotad_rebalance_duration_seconds";
+/// Raft term as seen by this node.
+pub const RAFT_TERM: &str = "quotad_raft_term";
+/// 1 when this node is the Raft leader.
+pub const RAFT_IS_LEADER: &str = "quotad_raft_is_leader";
+/// The last applied Raft log index.
+pub const RAFT_APPLIED_INDEX: &str = "quotad_raft_applied_index";
+/// Checks forwarded to a pinned tenant's home region, by outcome.
+pub const FORWARDED_TOTAL: &str = "quotad_forwarded_checks_total";
+/// HTTP requests rejected before a decision (bad input, auth), by reason.
+pub const REJECTED_REQUESTS_TOTAL: &str = "quotad_rejected_requests_total";
+/// Time to decide one check in the HTTP handler, in seconds.
+pub const CHECK_DURATION_SECONDS: &str = "quotad_check_duration_seconds";
+
+/// Latency buckets in seconds, set explicitly so Prometheus gets histograms, not summaries.
+const LATENCY_BUCKETS: &[f64] = &[
+    0.000_05, 0.000_1, 0.000_25, 0.000_5, 0.001, 0.002_5, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5,
+    1.0, 2.5,
+];
+const RETRY_AFTER_BUCKETS: &[f64] = &[0.1, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0, 300.0, 3600.0];
+
+/// Installs the global Prometheus recorder and returns the handle `/metrics` renders.
+pub fn install_metrics() -> anyhow::Result<PrometheusHandle> {
+    let handle = metrics_builder()?
+        .install_recorder()
+        .context("installing the Prometheus metrics recorder")?;
+    Ok(handle)
+}
+
+/// The exporter configuration: explicit buckets for every histogram.
+pub fn metrics_builder() -> anyhow::Result<PrometheusBuilder> {
+    let b = PrometheusBuilder::new()
+        .set_buckets_for_metric(Matcher::Full(STORE_LATENCY_SECONDS.into()), LATENCY_BUCKETS)?
+        .set_buckets_for_metric(
+            Matcher::Full(CHECK_DURATION_SECONDS.into()),
+            LATENCY_BUCKETS,
+        )?
+        .set_buckets_for_metric(
+            Matcher::Full(REBALANCE_DURATION_SECONDS.into()),
+            LATENCY_BUCKETS,
+        )?
+        .set_buckets_for_metric(
+            Matcher::Full(RETRY_AFTER_SECONDS.into()),
+            RETRY_AFTER_BUCKETS,
+        )?;
+    Ok(b)
+}
+
+/// Sets up `tracing` with text or JSON lines on stderr.
+pub fn init_tracing(cfg: &TelemetryConfig) -> anyhow::Result<()> {
+    let filter = tracing_subscriber::EnvFilter::try_new(&cfg.log_level)
+        .with_context(|| format!("parsing log level {:?}", cfg.log_level))?;
+    let builder = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr);
+    let result = match cfg.log_format {
+        LogFormat::Json => builder.json().flatten_event(true).try_init(),
+        LogFormat::Text => builder.try_init(),
+    };
+    result.map_err(|e| anyhow::anyhow!("installing the log subscriber: {e}"))
+}
+
+/// How a decision came out, as a metric label.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Outcome {
+    Allowed,
+    Denied,
+    /// Admitted without a store because the policy fails open.
+    DegradedOpen,
+    /// Decided by the in-process bucket because the regional store is down.
+    DegradedLocal,
+    /// Refused with 503 because the policy fails closed.
+    DegradedClosed,
+    Forwarded,
+}
+
+impl Outcome {
+    const ALL: [Outcome; 6] = [
+        Outcome::Allowed,
+        Outcome::Denied,
+        Outcome::DegradedOpen,
+        Outcome::DegradedLocal,
+        Outcome::DegradedClosed,
+        Outcome::Forwarded,
+    ];
+
+    fn label(self) -> &'static str {
+        match self {
+            Outcome::Allowed => "allowed",
+            Outcome::Denied => "denied",
+            Outcome::DegradedOpen => "degraded_open",
+            Outcome::DegradedLocal => "degraded_local",
+            Outcome::DegradedClosed => "degraded_closed",
+            Outcome::Forwarded => "forwarded",
+        }
+    }
+
+    fn index(self) -> usize {
+        Outcome::ALL.iter().position(|o| *o == self).unwrap_or(0)
+    }
+}
+
+/// Metric handles cached per policy name, so the hot path does one read-locked lookup instead of
+/// building label sets per request.
+#[derive(Debug)]
+pub struct DecisionMetrics {
+    region: String,
+    by_policy: RwLock<HashMap<PolicyName, PolicyHandles>>,
+}
+
+#[derive(Debug, Clone)]
+struct PolicyHandles {
+    decisions: [Counter; 6],
+    check_duration: Histogram,
+}
+
+impl DecisionMetrics {
+    pub fn new(region: &str) -> Self {
+        Self {
+            region: region.to_string(),
+            by_policy: RwLock::new(HashMap::new()),
+        }
+    }
+
+    fn handles(&self, policy: &PolicyName) -> PolicyHandles {
+        if let Some(h) = self
+            .by_policy
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+            .get(policy)
+        {
+            return h.clone();
+        }
+        let name = policy.as_str().to_string();
+        let h = PolicyHandles {
+            decisions: Outcome::ALL.map(|o| {
+                metrics::counter!(DECISIONS_TOTAL, "policy" => name.clone(), "region" => self.region.clone(), "outcome" => o.label())
+            }),
+            check_duration: metrics::histogram!(CHECK_DURATION_SECONDS, "policy" => name.clone(), "region" => self.region.clone()),
+        };
+        self.by_policy
+            .write()
+            .unwrap_or_else(|e| e.into_inner())
+            .insert(policy.clone(), h.clone());
+        h
+    }
+
+    /// Counts one decision and its duration.
+    pub fn record(&self, policy: &PolicyName, outcome: Outcome, seconds: f64) {
+        let h = self.handles(policy);
+        h.decisions[outcome.index()].increment(1);
+        h.check_duration.record(seconds);
+    }
+
+    /// The region label value.
+    pub fn region(&self) -> &str {
+        &self.region
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn histograms_render_as_histograms_without_tenants() {
+        let recorder = metrics_builder().unwrap().build_recorder();
+        let handle = recorder.handle();
+        metrics::with_local_recorder(&recorder, || {
+            let m = DecisionMetrics::new("eu");
+            let p = PolicyName::new("writes").unwrap();
+            m.record(&p, Outcome::Allowed, 0.0002);
+            m.record(&p, Outcome::Denied, 0.0003);
+        });
+        let text = handle.render();
+        assert!(
+            text.contains("quotad_check_duration_seconds_bucket"),
+            "{text}"
+        );
+        assert!(text.contains(
+            "quotad_decisions_total{policy=\"writes\",region=\"eu\",outcome=\"allowed\"} 1"
+        ));
+        assert!(!text.contains("quantile"), "{text}");
+    }
+}

@@ -1,0 +1,42 @@
+-- collect_usage.lua: drains the usage recorded since the last collection, for quotad's region
+-- agent. Costs O(buckets taken), never a scan of the keyspace.
+--
+-- KEYS[1]  activity index (set of state keys; qd:v1:active, or one cluster slot's index)
+-- ARGV[1]  how many keys to take at most, integer 1..100000
+-- returns  flat array {key, admitted tokens, denied tokens, key, admitted, denied, ...}
+-- errors   'ERR quotad: <what>' for an invalid argument.
+--
+-- SPOP takes each key at most once and the counters are reset in the same atomic step, so usage
+-- is never counted twice; a decision after the collection re-lists its key (ix = 0), so none is
+-- lost while the key lives. Keys that expired in between are skipped: their usage is lost, which
+-- the minimum TTL in the decision scripts bounds (collect more often than it). On Redis Cluster
+-- the state keys share the index's slot, so touching them here stays within one slot.
+
+local function err(what)
+  return redis.error_reply('ERR quotad: ' .. what)
+end
+
+if #KEYS ~= 1 or #ARGV ~= 1 then
+  return err('expected 1 key and 1 argument')
+end
+local max = ARGV[1]
+if type(max) ~= 'string' or #max > 6 or not string.find(max, '^%d+$') then
+  return err('max must be an integer in 1..100000')
+end
+max = tonumber(max)
+if max < 1 or max > 100000 then
+  return err('max must be an integer in 1..100000')
+end
+
+local out = {}
+local keys = redis.call('SPOP', KEYS[1], max)
+for _, k in ipairs(keys) do
+  local v = redis.call('HMGET', k, 'ad', 'dn', 'ix')
+  if v[3] then
+    out[#out + 1] = k
+    out[#out + 1] = tonumber(v[1]) or 0
+    out[#out + 1] = tonumber(v[2]) or 0
+    redis.call('HSET', k, 'ad', '0', 'dn', '0', 'ix', '0')
+  end
+end
+return out

@@ -1,0 +1,205 @@
+-- token_bucket.lua: one atomic token-bucket decision for quotad.
+--
+-- KEYS[1]  bucket state (hash, expires when idle)  qd:v1:{tenant}:<policy>:<version>:b
+-- KEYS[2]  bucket parameters (hash, no TTL)        qd:v1:{tenant}:<policy>:<version>:p
+--          fields: cap (capacity, micro-tokens), rate (refill, micro-tokens per second)
+-- KEYS[3]  activity index (set of state keys decided since the last usage collection)
+-- ARGV[1]  cost in whole tokens, integer 1..9007199254
+-- ARGV[2]  fallback capacity in micro-tokens, used when KEYS[2] holds no parameters ('' = none)
+-- ARGV[3]  fallback refill in micro-tokens per second ('' = none; given together with ARGV[2])
+-- ARGV[4]  optional explicit now in ms since the epoch ('' or absent: Redis TIME)
+-- returns  {allowed 0|1, remaining whole tokens, retry_after_ms (-1 = never at these
+--           parameters), reset_ms (ms until full, -1 = never)}
+-- errors   'ERR quotad: <what>' for every invalid argument or stored parameter.
+--
+-- The arithmetic is quota-core/src/bucket.rs exactly (a differential test holds them equal):
+-- integer micro-tokens, a carry in thousandths of a micro-token, whole milliseconds. Lua numbers
+-- are doubles, so every intermediate is kept below 2^53: products that could exceed it are
+-- split, and divisions use math.fmod, which is exact.
+--
+-- State fields: t tokens (µt), c carry, ts latest time seen (ms), ad / dn tokens admitted /
+-- denied since the last collection, ix '1' while listed in the activity index, x the expiry
+-- deadline last set (ms, or 'inf' when the key must not expire).
+
+local MAX_CAP = 9007199254740991 -- 2^53 - 1
+local MAX_RATE = 9007199254740 -- MAX_CAP / 1000
+local MAX_FILL_RATIO = 9000000000
+local MAX_COST = 9007199254 -- MAX_CAP / UT
+local UT = 1000000
+local MIN_TTL_MS = 1000 -- keeps usage counters until the next collection
+local MAX_SLACK_MS = 3600000
+
+local fmod = math.fmod
+local find = string.find
+local fmt = string.format
+
+local function err(what)
+  return redis.error_reply('ERR quotad: ' .. what)
+end
+
+-- A decimal integer string in 0..max, or nil.
+local function int(s, max)
+  if type(s) ~= 'string' or #s == 0 or #s > 16 or not find(s, '^%d+$') then
+    return nil
+  end
+  local n = tonumber(s)
+  if n > max then
+    return nil
+  end
+  return n
+end
+
+-- quota-core BucketParams::new bounds.
+local function params_ok(cap, rate)
+  if cap == nil or rate == nil then
+    return false
+  end
+  if rate > 0 and (cap - fmod(cap, rate)) / rate >= MAX_FILL_RATIO then
+    return false
+  end
+  return true
+end
+
+-- ceil((need * 1000 - carry) / rate) without forming need * 1000.
+local function time_to(need, carry, rate)
+  local r = fmod(need, rate)
+  local q = (need - r) / rate
+  local n = r * 1000 - carry
+  local m = fmod(n, rate)
+  local d = (n - m) / rate
+  if m > 0 then
+    d = d + 1
+  end
+  return q * 1000 + d
+end
+
+if #KEYS ~= 3 then
+  return err('expected 3 keys')
+end
+if #ARGV < 3 or #ARGV > 4 then
+  return err('expected 3 or 4 arguments')
+end
+local cost = int(ARGV[1], MAX_COST)
+if cost == nil or cost < 1 then
+  return err('cost must be an integer in 1..' .. MAX_COST)
+end
+local fb_cap, fb_rate
+if ARGV[2] ~= '' or ARGV[3] ~= '' then
+  fb_cap = int(ARGV[2], MAX_CAP)
+  fb_rate = int(ARGV[3], MAX_RATE)
+  if not params_ok(fb_cap, fb_rate) then
+    return err('fallback capacity and rate must be integers within the bucket bounds')
+  end
+end
+local now
+if ARGV[4] == nil or ARGV[4] == '' then
+  local t = redis.call('TIME')
+  now = tonumber(t[1]) * 1000 + (t[2] - fmod(t[2], 1000)) / 1000
+else
+  now = int(ARGV[4], MAX_CAP)
+  if now == nil then
+    return err('now must be an integer number of ms')
+  end
+end
+
+local cap, rate
+local p = redis.call('HMGET', KEYS[2], 'cap', 'rate')
+if p[1] or p[2] then
+  cap = int(p[1], MAX_CAP)
+  rate = int(p[2], MAX_RATE)
+  if not params_ok(cap, rate) then
+    return err('stored parameters are invalid')
+  end
+elseif fb_cap then
+  cap, rate = fb_cap, fb_rate
+else
+  return err('no parameters stored and no fallback given')
+end
+
+local h = redis.call('HMGET', KEYS[1], 't', 'c', 'ts', 'ad', 'dn', 'ix', 'x')
+local tokens, carry, ts
+if h[1] then
+  tokens, carry, ts = tonumber(h[1]), tonumber(h[2]), tonumber(h[3])
+  if tokens >= cap then
+    tokens, carry = cap, 0
+  end
+  if now > ts then
+    local elapsed = now - ts
+    if tokens < cap and rate > 0 then
+      if elapsed >= time_to(cap - tokens, carry, rate) then
+        tokens, carry = cap, 0
+      else
+        -- elapsed = e1 * 1000 + e0, so elapsed * rate never has to be formed.
+        local e0 = fmod(elapsed, 1000)
+        local part = e0 * rate + carry
+        local c0 = fmod(part, 1000)
+        tokens = tokens + (elapsed - e0) / 1000 * rate + (part - c0) / 1000
+        carry = c0
+      end
+    end
+    ts = now
+  end
+else
+  tokens, carry, ts = cap, 0, now
+end
+
+local cost_ut = cost * UT
+local allowed, retry
+if cost_ut <= tokens then
+  tokens = tokens - cost_ut
+  allowed, retry = 1, 0
+elseif cost_ut > cap or rate == 0 then
+  allowed, retry = 0, -1
+else
+  allowed, retry = 0, time_to(cost_ut - tokens, carry, rate)
+end
+local reset
+if tokens >= cap then
+  reset = 0
+elseif rate == 0 then
+  reset = -1
+else
+  reset = time_to(cap - tokens, carry, rate)
+end
+
+local w = { 'HSET', KEYS[1], 't', fmt('%d', tokens), 'c', fmt('%d', carry), 'ts', fmt('%d', ts) }
+if allowed == 1 then
+  w[9], w[10] = 'ad', fmt('%d', (tonumber(h[4]) or 0) + cost)
+else
+  w[9], w[10] = 'dn', fmt('%d', (tonumber(h[5]) or 0) + cost)
+end
+if h[6] ~= '1' then
+  redis.call('SADD', KEYS[3], KEYS[1])
+  w[#w + 1], w[#w + 2] = 'ix', '1'
+end
+-- Expiry: at least the time to refill completely (an expired bucket reads as full), moved only
+-- when the needed deadline passes the one set, with slack so a hot key rarely pays PEXPIRE.
+local set_ttl
+if reset == -1 then
+  -- No refill and not full: expiring would hand out a full bucket, so the key must stay.
+  if h[7] ~= 'inf' then
+    w[#w + 1], w[#w + 2] = 'x', 'inf'
+    set_ttl = -1
+  end
+else
+  local ttl = reset
+  if ttl < MIN_TTL_MS then
+    ttl = MIN_TTL_MS
+  end
+  local x = tonumber(h[7])
+  if x == nil or now + ttl > x then
+    local slack = (ttl - fmod(ttl, 4)) / 4
+    if slack > MAX_SLACK_MS then
+      slack = MAX_SLACK_MS
+    end
+    set_ttl = ttl + slack
+    w[#w + 1], w[#w + 2] = 'x', fmt('%d', now + set_ttl)
+  end
+end
+redis.call(unpack(w))
+if set_ttl == -1 then
+  redis.call('PERSIST', KEYS[1])
+elseif set_ttl then
+  redis.call('PEXPIRE', KEYS[1], fmt('%d', set_ttl))
+end
+return { allowed, (tokens - fmod(tokens, UT)) / UT, retry, reset }

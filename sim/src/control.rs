@@ -1,0 +1,509 @@
+//! The control plane of the rebalancing strategies, driving quota-core's real coordinator.
+//!
+//! ```text
+//!  region r, every report interval:   usage + RenewLease{acked epoch} ──WAN──▶ leader
+//!  leader, on a report:               DemandTracker::record; propose RenewLease
+//!  leader, every rebalance interval:  allocator::plan(committed, demand) ─▶ SetShares commands
+//!  proposal ──(quorum round trip)──▶ commit: CoordinatorState::apply on the log's state
+//!  commit ──WAN──▶ each region's replica applies the log; LeaseRenewed ──WAN──▶ RegionView
+//!  region decision: RegionView::enforced_share(grant, own drifted clock) ─▶ bucket params
+//! ```
+//!
+//! Replication is modelled, not run: a command commits one quorum round trip after the leader
+//! proposed it (the k-th fastest reachable follower), if the leader is up and reaches a
+//! majority, and is then applied to the committed [`CoordinatorState`]. Each region holds its
+//! own replica and applies the committed log once it can hear the leader. A leader that is
+//! down or cut off from the majority is replaced after the election timeout by the lowest
+//! region that reaches a majority; the new leader starts with empty demand estimates (they are
+//! soft state) and relearns them. Proposals not committed when leadership changes are lost.
+//!
+//! The leader treats a region it has not heard from for three report intervals as having no
+//! demand (it records empty reports for it), so the allocator moves that region's share to the
+//! others — after its lease ran out, since `apply` enforces revoke before grant. In
+//! [`LeaseMode::NoLease`] every share decrease is acknowledged on the region's behalf as soon
+//! as it commits (the coordinator does not wait), and regions ignore leases and keep enforcing
+//! their last grant.
+
+use std::cmp::Reverse;
+use std::collections::BinaryHeap;
+
+use quota_core::allocator::{plan, AllocatorConfig};
+use quota_core::coordinator::RegionShare;
+use quota_core::demand::{DemandTracker, Usage};
+use quota_core::lease::LeaseConfig;
+use quota_core::region::{RegionLease, RegionView};
+use quota_core::{
+    Command, CoordinatorState, Operation, Policy, PolicyKey, PolicyName, RegionId, RequestId,
+    Response, TenantId,
+};
+use serde::Serialize;
+
+use crate::traffic::Tenant;
+use crate::world::{RegionIx, World};
+
+/// Control-plane timing.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+pub struct ControlConfig {
+    /// Regions send usage reports (and lease renewals) this often.
+    pub report_ms: u64,
+    /// The leader runs the allocator this often.
+    pub rebalance_ms: u64,
+    /// How long a renewal lets a region enforce its share.
+    pub lease_ms: u64,
+    /// Subtracted by regions, added by the coordinator (see `quota_core::lease`).
+    pub drift_margin_ms: u64,
+    /// How long the survivors take to elect a new leader after losing the old one.
+    pub election_ms: u64,
+}
+
+impl Default for ControlConfig {
+    fn default() -> Self {
+        Self {
+            report_ms: 1_000,
+            rebalance_ms: 2_000,
+            lease_ms: 10_000,
+            drift_margin_ms: 1_000,
+            election_ms: 4_500,
+        }
+    }
+}
+
+/// Whether regions honour leases (quotad) or keep their last grant for ever.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum LeaseMode {
+    Leased,
+    NoLease,
+}
+
+/// Reports missed before the leader counts a region's demand as zero.
+const SILENT_REPORTS: u64 = 3;
+
+#[derive(Debug)]
+enum Event {
+    /// A usage report with a lease renewal reaches the leader.
+    Report {
+        from: RegionIx,
+        to: RegionIx,
+        usage: Vec<(PolicyKey, Usage)>,
+        acked_epoch: u64,
+        sent_local_ms: u64,
+    },
+    /// A proposal reaches its quorum.
+    Commit { term: u64, cmd: Command, renewal: Option<(RegionIx, u64)> },
+    /// A lease renewal's answer reaches its region.
+    Lease { region: RegionIx, lease: RegionLease },
+}
+
+#[derive(Debug)]
+struct Timed {
+    at_ms: u64,
+    seq: u64,
+    event: Event,
+}
+
+impl PartialEq for Timed {
+    fn eq(&self, other: &Self) -> bool {
+        (self.at_ms, self.seq) == (other.at_ms, other.seq)
+    }
+}
+impl Eq for Timed {}
+impl PartialOrd for Timed {
+    fn partial_cmp(&self, other: &Self) -> Option<std::cmp::Ordering> {
+        Some(self.cmp(other))
+    }
+}
+impl Ord for Timed {
+    fn cmp(&self, other: &Self) -> std::cmp::Ordering {
+        (self.at_ms, self.seq).cmp(&(other.at_ms, other.seq))
+    }
+}
+
+/// One region's daemon: its replica of the coordinator state, its lease clock, and what it
+/// enforces per tenant.
+#[derive(Debug)]
+pub struct RegionAgent {
+    replica: CoordinatorState,
+    /// How much of the committed log the replica applied.
+    applied: usize,
+    pub view: RegionView,
+    /// Per tenant: the grant at the applied epoch.
+    pub grants: Vec<RegionShare>,
+    /// Per tenant: the home region when pinned.
+    pub homes: Vec<Option<RegionIx>>,
+    /// Per tenant: tokens admitted and denied since the last report.
+    usage: Vec<Usage>,
+}
+
+/// The coordinator cluster and the region agents, driven in virtual time.
+#[derive(Debug)]
+pub struct Control {
+    cfg: ControlConfig,
+    mode: LeaseMode,
+    alloc: AllocatorConfig,
+    keys: Vec<PolicyKey>,
+    region_ids: Vec<RegionId>,
+    committed: CoordinatorState,
+    /// Committed commands with their commit times.
+    log: Vec<(u64, Command)>,
+    events: BinaryHeap<Reverse<Timed>>,
+    seq: u64,
+    next_request: u128,
+    leader: Option<RegionIx>,
+    term: u64,
+    leader_lost_at_ms: Option<u64>,
+    demand: DemandTracker,
+    last_report_ms: Vec<u64>,
+    next_report_ms: u64,
+    next_rebalance_ms: u64,
+    pub agents: Vec<RegionAgent>,
+    /// Commands `apply` answered with something other than success (should stay 0).
+    pub rejected_commands: u64,
+}
+
+/// The policy key of tenant `i` in the simulated cluster.
+fn key_of(i: usize) -> PolicyKey {
+    let tenant = TenantId::new(format!("t{i}")).expect("t<digits> is a valid tenant id");
+    PolicyKey::new(tenant, PolicyName::new("requests").expect("a valid policy name"))
+}
+
+impl Control {
+    /// Boots a cluster of `world.regions` regions with every tenant's policy registered and
+    /// every region holding a fresh lease at time 0. `policies` are what gets registered (the
+    /// caller decides, e.g., whether critical tiers stay critical).
+    pub fn new(
+        world: &World,
+        tenants: &[Tenant],
+        policies: impl Fn(&Tenant) -> Policy,
+        cfg: ControlConfig,
+        mode: LeaseMode,
+    ) -> Self {
+        let n = world.regions;
+        let alloc = AllocatorConfig::default();
+        let region_ids: Vec<RegionId> =
+            (0..n).map(|r| RegionId::new(format!("r{r}")).expect("valid region id")).collect();
+        let keys: Vec<PolicyKey> = (0..tenants.len()).map(key_of).collect();
+        let mut c = Self {
+            cfg,
+            mode,
+            alloc,
+            keys,
+            region_ids,
+            committed: CoordinatorState::default(),
+            log: Vec::new(),
+            events: BinaryHeap::new(),
+            seq: 0,
+            next_request: 0,
+            leader: Some(0),
+            term: 1,
+            leader_lost_at_ms: None,
+            demand: DemandTracker::new(alloc.ewma_alpha_ppm),
+            last_report_ms: vec![0; n],
+            next_report_ms: cfg.report_ms,
+            next_rebalance_ms: cfg.rebalance_ms,
+            agents: Vec::new(),
+            rejected_commands: 0,
+        };
+        let lease = LeaseConfig { lease_ms: cfg.lease_ms, drift_margin_ms: cfg.drift_margin_ms };
+        let mut boot = vec![Operation::SetLeaseConfig { config: lease }];
+        for id in &c.region_ids {
+            boot.push(Operation::PutRegion { region: id.clone(), reserves_floor: true, draining: false });
+        }
+        for (key, t) in c.keys.iter().zip(tenants) {
+            boot.push(Operation::PutPolicy { key: key.clone(), policy: policies(t) });
+        }
+        for op in boot {
+            c.commit_now(0, op);
+        }
+        for r in 0..n {
+            let acked_epoch = c.committed.epoch;
+            c.commit_now(0, Operation::RenewLease { region: c.region_ids[r].clone(), acked_epoch });
+        }
+        for r in 0..n {
+            let mut agent = RegionAgent {
+                replica: c.committed.clone(),
+                applied: c.log.len(),
+                view: RegionView::new(),
+                grants: Vec::new(),
+                homes: Vec::new(),
+                usage: vec![Usage::default(); tenants.len()],
+            };
+            agent.view.on_applied(c.committed.epoch);
+            agent.view.on_renewal(RegionLease {
+                epoch: c.committed.epoch,
+                start_local_ms: world.local_ms(r, 0),
+                lease_ms: cfg.lease_ms,
+            });
+            c.agents.push(agent);
+            c.refresh_grants(r);
+        }
+        c
+    }
+
+    fn request_id(&mut self) -> RequestId {
+        self.next_request += 1;
+        RequestId(self.next_request)
+    }
+
+    /// Applies an operation to the committed state at once (bootstrap only).
+    fn commit_now(&mut self, now_ms: u64, op: Operation) -> Response {
+        let cmd = Command { request: self.request_id(), now_ms, op };
+        let resp = self.committed.apply(&cmd);
+        self.log.push((now_ms, cmd));
+        resp
+    }
+
+    fn push(&mut self, at_ms: u64, event: Event) {
+        self.seq += 1;
+        self.events.push(Reverse(Timed { at_ms, seq: self.seq, event }));
+    }
+
+    /// Whether `l` is up and reaches a majority of the cluster at `t_ms`.
+    fn has_quorum(&self, world: &World, l: RegionIx, t_ms: u64) -> bool {
+        self.quorum_rtt_ms(world, l, t_ms).is_some()
+    }
+
+    /// The round trip after which a proposal by `l` at `t_ms` reaches a majority.
+    fn quorum_rtt_ms(&self, world: &World, l: RegionIx, t_ms: u64) -> Option<u64> {
+        if !world.daemon_up(l, t_ms) {
+            return None;
+        }
+        let n = world.regions;
+        let needed = n / 2; // followers needed besides the leader
+        if needed == 0 {
+            return Some(0);
+        }
+        let mut rtts: Vec<u64> = (0..n)
+            .filter(|&p| p != l && world.daemon_up(p, t_ms) && world.link_up(l, p, t_ms))
+            .map(|p| world.rtt_ms(l, p))
+            .collect();
+        rtts.sort_unstable();
+        rtts.get(needed - 1).copied()
+    }
+
+    /// The current leader, if one is serving.
+    pub fn leader(&self) -> Option<RegionIx> {
+        self.leader
+    }
+
+    fn propose(&mut self, world: &World, t_ms: u64, op: Operation, renewal: Option<(RegionIx, u64)>) {
+        let Some(l) = self.leader else { return };
+        let Some(rtt) = self.quorum_rtt_ms(world, l, t_ms) else { return };
+        let cmd = Command { request: self.request_id(), now_ms: world.local_ms(l, t_ms), op };
+        let term = self.term;
+        self.push(t_ms + rtt, Event::Commit { term, cmd, renewal });
+    }
+
+    fn elect(&mut self, world: &World, t_ms: u64) {
+        if let Some(l) = self.leader {
+            if self.has_quorum(world, l, t_ms) {
+                self.leader_lost_at_ms = None;
+                return;
+            }
+        }
+        let lost = *self.leader_lost_at_ms.get_or_insert(t_ms);
+        if t_ms < lost + self.cfg.election_ms {
+            return;
+        }
+        let candidate = (0..world.regions).find(|&r| self.has_quorum(world, r, t_ms));
+        if let Some(c) = candidate {
+            if self.leader != Some(c) {
+                // Soft state does not survive a change of leader.
+                self.demand = DemandTracker::new(self.alloc.ewma_alpha_ppm);
+                self.last_report_ms.fill(t_ms);
+            }
+            self.leader = Some(c);
+            self.term += 1;
+            self.leader_lost_at_ms = None;
+        } else {
+            self.leader = None;
+        }
+    }
+
+    fn send_reports(&mut self, world: &World, at_ms: u64) {
+        for r in 0..world.regions {
+            if !world.daemon_up(r, at_ms) {
+                continue;
+            }
+            let agent = &mut self.agents[r];
+            let usage: Vec<(PolicyKey, Usage)> = agent
+                .usage
+                .iter_mut()
+                .enumerate()
+                .filter(|(_, u)| u.admitted + u.denied > 0)
+                .map(|(i, u)| (self.keys[i].clone(), std::mem::take(u)))
+                .collect();
+            let acked_epoch = agent.view.applied_epoch();
+            let Some(l) = self.leader else { continue };
+            if world.link_up(r, l, at_ms) && world.daemon_up(l, at_ms) {
+                let sent_local_ms = world.local_ms(r, at_ms);
+                let arrive = at_ms + world.owd_ms(r, l);
+                self.push(arrive, Event::Report { from: r, to: l, usage, acked_epoch, sent_local_ms });
+            }
+        }
+    }
+
+    fn rebalance(&mut self, world: &World, at_ms: u64) {
+        let Some(l) = self.leader else { return };
+        if !self.has_quorum(world, l, at_ms) {
+            return;
+        }
+        for r in 0..world.regions {
+            if at_ms > self.last_report_ms[r] + SILENT_REPORTS * self.cfg.report_ms {
+                self.demand.record(r as u8, self.cfg.rebalance_ms, &[]);
+            }
+        }
+        let stamp = world.local_ms(l, at_ms);
+        let p = plan(&self.committed, &self.demand, &self.alloc, stamp);
+        let mut next = self.next_request;
+        let cmds = p.into_commands(stamp, self.alloc.max_entries_per_command, || {
+            next += 1;
+            RequestId(next)
+        });
+        self.next_request = next;
+        for cmd in cmds {
+            self.propose(world, at_ms, cmd.op, None);
+        }
+    }
+
+    fn on_commit(&mut self, world: &World, at_ms: u64, cmd: Command, renewal: Option<(RegionIx, u64)>) {
+        let resp = self.committed.apply(&cmd);
+        let is_shares = matches!(cmd.op, Operation::SetShares { .. });
+        self.log.push((at_ms, cmd));
+        match (&resp, renewal) {
+            (Response::LeaseRenewed { epoch, lease_ms, .. }, Some((r, sent_local_ms))) => {
+                if let Some(l) = self.leader {
+                    if world.link_up(l, r, at_ms) {
+                        let lease = RegionLease { epoch: *epoch, start_local_ms: sent_local_ms, lease_ms: *lease_ms };
+                        self.push(at_ms + world.owd_ms(l, r), Event::Lease { region: r, lease });
+                    }
+                }
+            }
+            (Response::SharesSet { rejected_total, .. }, _) => {
+                self.rejected_commands += u64::from(*rejected_total);
+            }
+            (Response::LeaseRenewed { .. }, None) => {}
+            _ => self.rejected_commands += 1,
+        }
+        if is_shares && self.mode == LeaseMode::NoLease {
+            // No revoke-before-grant: every decrease counts as acknowledged at once.
+            let epoch = self.committed.epoch;
+            for r in 0..world.regions {
+                let op = Operation::RenewLease { region: self.region_ids[r].clone(), acked_epoch: epoch };
+                let cmd = Command { request: self.request_id(), now_ms: self.committed.last_now_ms, op };
+                self.committed.apply(&cmd);
+                self.log.push((at_ms, cmd));
+            }
+        }
+    }
+
+    /// Re-reads every tenant's grant and home from region `r`'s replica.
+    fn refresh_grants(&mut self, r: RegionIx) {
+        let agent = &mut self.agents[r];
+        agent.grants = self
+            .keys
+            .iter()
+            .map(|k| {
+                agent.replica.region_share(k, r).unwrap_or(RegionShare { share_ppm: 0, floor_ppm: 0 })
+            })
+            .collect();
+        agent.homes = self
+            .keys
+            .iter()
+            .map(|k| {
+                agent.replica.entries.get(k).and_then(|e| e.pin).map(|p| usize::from(p.home))
+            })
+            .collect();
+    }
+
+    fn replicate(&mut self, world: &World, t_ms: u64) {
+        let Some(l) = self.leader else { return };
+        if !world.daemon_up(l, t_ms) {
+            return;
+        }
+        for r in 0..world.regions {
+            if !world.daemon_up(r, t_ms) || !world.link_up(l, r, t_ms) {
+                continue;
+            }
+            let owd = world.owd_ms(l, r);
+            let before = self.agents[r].replica.epoch;
+            let agent = &mut self.agents[r];
+            while agent.applied < self.log.len() && self.log[agent.applied].0 + owd <= t_ms {
+                agent.replica.apply(&self.log[agent.applied].1);
+                agent.applied += 1;
+            }
+            let epoch = agent.replica.epoch;
+            if epoch != before {
+                // The agent writes the new parameters to its Redis, then counts the epoch as
+                // applied (what it acknowledges in its next report).
+                self.refresh_grants(r);
+                self.agents[r].view.on_applied(epoch);
+            }
+        }
+    }
+
+    /// Runs the control plane up to true time `t_ms`.
+    pub fn advance(&mut self, world: &World, t_ms: u64) {
+        self.elect(world, t_ms);
+        while self.next_report_ms <= t_ms {
+            let at = self.next_report_ms;
+            self.send_reports(world, at);
+            self.next_report_ms += self.cfg.report_ms;
+        }
+        while self.next_rebalance_ms <= t_ms {
+            let at = self.next_rebalance_ms;
+            self.rebalance(world, at);
+            self.next_rebalance_ms += self.cfg.rebalance_ms;
+        }
+        while self.events.peek().is_some_and(|e| e.0.at_ms <= t_ms) {
+            let Reverse(Timed { at_ms, event, .. }) = self.events.pop().expect("peeked");
+            match event {
+                Event::Report { from, to, usage, acked_epoch, sent_local_ms } => {
+                    if self.leader != Some(to) || !world.daemon_up(to, at_ms) {
+                        continue;
+                    }
+                    self.demand.record(from as u8, self.cfg.report_ms, &usage);
+                    self.last_report_ms[from] = at_ms;
+                    let op = Operation::RenewLease { region: self.region_ids[from].clone(), acked_epoch };
+                    self.propose(world, at_ms, op, Some((from, sent_local_ms)));
+                }
+                Event::Commit { term, cmd, renewal } => {
+                    let alive = self.leader.is_some_and(|l| self.has_quorum(world, l, at_ms));
+                    if term == self.term && alive {
+                        self.on_commit(world, at_ms, cmd, renewal);
+                    }
+                }
+                Event::Lease { region, lease } => {
+                    if world.daemon_up(region, at_ms) {
+                        self.agents[region].view.on_renewal(lease);
+                    }
+                }
+            }
+        }
+        self.replicate(world, t_ms);
+    }
+
+    /// The share region `r` enforces for `tenant` at its local time `local_ms`.
+    pub fn enforced_ppm(&self, r: RegionIx, tenant: usize, local_ms: u64) -> u32 {
+        let agent = &self.agents[r];
+        let grant = &agent.grants[tenant];
+        match self.mode {
+            LeaseMode::Leased => agent.view.enforced_share(grant, local_ms, self.cfg.drift_margin_ms),
+            LeaseMode::NoLease => grant.share_ppm,
+        }
+    }
+
+    /// Counts a decision in region `r`'s next usage report.
+    pub fn count(&mut self, r: RegionIx, tenant: usize, cost: u32, allowed: bool) {
+        let u = &mut self.agents[r].usage[tenant];
+        if allowed {
+            u.admitted += u64::from(cost);
+        } else {
+            u.denied += u64::from(cost);
+        }
+    }
+
+    /// Checks the coordinator's own invariant (Σ enforceable ≤ 1) on the committed state.
+    pub fn invariant_holds(&self) -> bool {
+        self.committed.check_invariant().is_ok()
+    }
+}

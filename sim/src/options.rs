@@ -1,0 +1,244 @@
+//! Command-line options, parsed by clap and then validated in one pass that reports every
+//! problem at once.
+
+use std::path::PathBuf;
+
+use clap::{Parser, ValueEnum};
+
+use crate::control::ControlConfig;
+use crate::scenario::ScenarioKind;
+use crate::simulation::RunConfig;
+use crate::strategy::StrategyKind;
+
+/// The most regions a run may have (the coordinator's region slots).
+pub const MAX_REGIONS: usize = 16;
+
+/// How results are printed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum Format {
+    Table,
+    Csv,
+    Json,
+}
+
+/// What `global_store` does when a region cannot reach the store.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum GlobalFail {
+    Open,
+    Closed,
+}
+
+/// quotad's deterministic simulator: every strategy on the same seeded arrivals, measured
+/// against an ideal global token bucket.
+#[derive(Debug, Clone, Parser)]
+#[command(name = "sim", version)]
+pub struct Options {
+    /// The one seed every random choice derives from.
+    #[arg(long, default_value_t = 1)]
+    pub seed: u64,
+    /// Scenarios to run (repeatable); default: the whole suite.
+    #[arg(long = "scenario", value_enum)]
+    pub scenarios: Vec<ScenarioKind>,
+    /// Strategies to compare (repeatable); default: all of them.
+    #[arg(long = "strategy", value_enum)]
+    pub strategies: Vec<StrategyKind>,
+    /// Number of regions.
+    #[arg(long, default_value_t = 3)]
+    pub regions: usize,
+    /// Simulated seconds per scenario.
+    #[arg(long, default_value_t = 360.0)]
+    pub duration: f64,
+    /// Lease length in seconds.
+    #[arg(long, default_value_t = 10.0)]
+    pub lease: f64,
+    /// Drift margin of leases in seconds.
+    #[arg(long, default_value_t = 1.0)]
+    pub drift_margin: f64,
+    /// Fraction of each tenant's budget reserved for every region, in [0, 1/regions].
+    #[arg(long, default_value_t = 0.05)]
+    pub floor: f64,
+    /// Seconds at the start not counted in goodput, false denials and latency (overshoot
+    /// always counts); default: one policy window.
+    #[arg(long, default_value_t = 60.0)]
+    pub warmup: f64,
+    /// Seconds between rebalance rounds.
+    #[arg(long, default_value_t = 2.0)]
+    pub rebalance_interval: f64,
+    /// Seconds between usage reports (and hit broadcasts of `async_broadcast`).
+    #[arg(long, default_value_t = 1.0)]
+    pub report_interval: f64,
+    /// Tenants per scenario (besides one-shot identities and the hot tenant).
+    #[arg(long, default_value_t = 40)]
+    pub tenants: usize,
+    /// Milliseconds per arrival tick; must divide 1000.
+    #[arg(long, default_value_t = 10)]
+    pub tick_ms: u64,
+    /// `global_store` behaviour when cut off from the store.
+    #[arg(long, value_enum, default_value_t = GlobalFail::Closed)]
+    pub global_fail: GlobalFail,
+    /// Output format on stdout.
+    #[arg(long, value_enum, default_value_t = Format::Table)]
+    pub format: Format,
+    /// Also write results.csv, per-second series and SVG plots into this directory.
+    #[arg(long)]
+    pub out: Option<PathBuf>,
+    /// Worker threads (scenarios run in parallel; output does not depend on this).
+    #[arg(long)]
+    pub jobs: Option<usize>,
+}
+
+/// Every problem with the options.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("invalid options:\n  {}", .0.join("\n  "))]
+pub struct OptionsError(pub Vec<String>);
+
+fn seconds_to_ms(errors: &mut Vec<String>, name: &str, s: f64, min_ms: u64, max_ms: u64) -> u64 {
+    let ms = s * 1000.0;
+    if !ms.is_finite() || ms < min_ms as f64 || ms > max_ms as f64 {
+        errors.push(format!(
+            "--{name} must be between {} and {} seconds (got {s})",
+            min_ms as f64 / 1000.0,
+            max_ms as f64 / 1000.0
+        ));
+        return min_ms;
+    }
+    ms.round() as u64
+}
+
+impl Options {
+    /// The scenarios to run, in suite order.
+    pub fn scenarios(&self) -> Vec<ScenarioKind> {
+        let mut v =
+            if self.scenarios.is_empty() { ScenarioKind::ALL.to_vec() } else { self.scenarios.clone() };
+        v.sort();
+        v.dedup();
+        v
+    }
+
+    /// The strategies to run, in table order.
+    pub fn strategies(&self) -> Vec<StrategyKind> {
+        let mut v = if self.strategies.is_empty() {
+            StrategyKind::ALL.to_vec()
+        } else {
+            self.strategies.clone()
+        };
+        v.sort();
+        v.dedup();
+        v
+    }
+
+    /// Validates everything and builds the run configuration.
+    pub fn run_config(&self) -> Result<RunConfig, OptionsError> {
+        let mut e = Vec::new();
+        if !(1..=MAX_REGIONS).contains(&self.regions) {
+            e.push(format!("--regions must be between 1 and {MAX_REGIONS} (got {})", self.regions));
+        }
+        let duration_ms = seconds_to_ms(&mut e, "duration", self.duration, 1_000, 86_400_000);
+        if duration_ms % 1000 != 0 {
+            e.push(format!("--duration must be whole seconds (got {})", self.duration));
+        }
+        let warmup_ms = seconds_to_ms(&mut e, "warmup", self.warmup, 0, 86_400_000);
+        if warmup_ms >= duration_ms {
+            e.push("--warmup must be shorter than --duration".to_string());
+        }
+        let lease_ms = seconds_to_ms(&mut e, "lease", self.lease, 100, 600_000);
+        let drift_margin_ms = seconds_to_ms(&mut e, "drift-margin", self.drift_margin, 0, 300_000);
+        if 2 * drift_margin_ms >= lease_ms {
+            e.push("--drift-margin must be less than half of --lease".to_string());
+        }
+        let rebalance_ms =
+            seconds_to_ms(&mut e, "rebalance-interval", self.rebalance_interval, 10, 3_600_000);
+        let report_ms = seconds_to_ms(&mut e, "report-interval", self.report_interval, 10, 3_600_000);
+        if !(1..=100).contains(&self.tick_ms) || 1000 % self.tick_ms != 0 {
+            e.push(format!("--tick-ms must divide 1000 and be at most 100 (got {})", self.tick_ms));
+        }
+        if self.regions >= 1
+            && (!self.floor.is_finite()
+                || self.floor < 0.0
+                || self.floor * self.regions as f64 > 1.0)
+        {
+            e.push(format!(
+                "--floor must be between 0 and 1/regions = {:.4} (got {})",
+                1.0 / self.regions.max(1) as f64,
+                self.floor
+            ));
+        }
+        if self.tenants == 0 || self.tenants > 100_000 {
+            e.push(format!("--tenants must be between 1 and 100000 (got {})", self.tenants));
+        }
+        if self.jobs == Some(0) {
+            e.push("--jobs must be at least 1".to_string());
+        }
+        if !e.is_empty() {
+            return Err(OptionsError(e));
+        }
+        Ok(RunConfig {
+            seed: self.seed,
+            regions: self.regions,
+            duration_ms,
+            tick_ms: self.tick_ms,
+            tenants: self.tenants,
+            floor: self.floor,
+            control: ControlConfig {
+                report_ms,
+                rebalance_ms,
+                lease_ms,
+                drift_margin_ms,
+                ..ControlConfig::default()
+            },
+            global_fail_open: self.global_fail == GlobalFail::Open,
+            warmup_ms,
+        })
+    }
+
+    /// The command line that reproduces a run of one scenario and strategy with these options.
+    pub fn repro(&self, scenario: ScenarioKind, strategy: StrategyKind) -> String {
+        format!(
+            "cargo run --release -p sim -- --seed {} --scenario {} --strategy {} --regions {} \
+             --duration {} --warmup {} --lease {} --floor {} --rebalance-interval {} --tenants {}",
+            self.seed,
+            scenario,
+            strategy,
+            self.regions,
+            self.duration,
+            self.warmup,
+            self.lease,
+            self.floor,
+            self.rebalance_interval,
+            self.tenants
+        )
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn defaults_are_valid() {
+        let o = Options::parse_from(["sim"]);
+        let c = o.run_config().unwrap();
+        assert_eq!((c.regions, c.duration_ms, c.control.lease_ms), (3, 360_000, 10_000));
+        assert_eq!(o.scenarios().len(), ScenarioKind::ALL.len());
+    }
+
+    #[test]
+    fn every_problem_is_reported() {
+        let o = Options::try_parse_from([
+            "sim", "--regions", "0", "--duration=-1", "--lease", "nan", "--tick-ms", "7",
+            "--floor", "2",
+        ])
+        .unwrap();
+        let e = o.run_config().unwrap_err().0;
+        assert!(e.len() >= 5, "{e:?}");
+        assert!(e.iter().any(|m| m.contains("--regions")));
+        assert!(e.iter().any(|m| m.contains("--lease")));
+        assert!(e.iter().any(|m| m.contains("--tick-ms")));
+    }
+
+    #[test]
+    fn unknown_names_are_refused_by_clap() {
+        assert!(Options::try_parse_from(["sim", "--scenario", "nope"]).is_err());
+        assert!(Options::try_parse_from(["sim", "--strategy", "quotad"]).is_ok());
+    }
+}

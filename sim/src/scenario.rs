@@ -1,0 +1,365 @@
+//! Scenarios: a named world of tenants, traffic and faults. Each is built from the seed and the
+//! run options only, so every strategy in a run meets the same one.
+
+use std::fmt;
+
+use quota_core::{Policy, PolicySpec, Tier};
+use rand::seq::IndexedRandom;
+use rand::Rng;
+use rand_chacha::ChaCha8Rng;
+use serde::Serialize;
+
+use crate::faults::{Fault, Faults};
+use crate::traffic::{Cost, Shape, Source, Tenant};
+use crate::world::RegionIx;
+
+/// Every tenant's policy window (one minute, the common case).
+pub const WINDOW_MS: u64 = 60_000;
+/// Limits, per window, that tenants are drawn from.
+const LIMITS: [u64; 5] = [600, 1_200, 3_000, 6_000, 12_000];
+/// Demand moves to the next region this often in `follow_the_sun`.
+const SUN_PERIOD_MS: u64 = 120_000;
+
+/// The scenarios the simulator knows, in the order tables list them.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, clap::ValueEnum)]
+#[serde(rename_all = "snake_case")]
+#[value(rename_all = "snake_case")]
+pub enum ScenarioKind {
+    /// Demand spread evenly over the regions.
+    Steady,
+    /// 80% of every tenant's demand in one region.
+    Skewed,
+    /// The busy region moves every two minutes.
+    FollowTheSun,
+    /// One tenant sends ten times its limit, mostly in one region.
+    HotTenant,
+    /// Thousands of identities with tiny budgets, each active for two seconds.
+    OneShot,
+    /// Every tenant's clients fire during the first second of each minute, in every region.
+    MinuteBursts,
+    /// 2% of requests cost 50 tokens.
+    HeavyCost,
+    /// Over-limit clients ignore Retry-After and hammer at 20× their limit.
+    RetryStorm,
+    /// The last region is cut off from the others for 90 s; 40 s in, every tenant surges to
+    /// 3× its limit in every region.
+    Partition,
+    /// The leader's daemon crashes for 30 s, and demand moves while it is down.
+    LeaderCrash,
+    /// Region 1's Redis is unreachable for 30 s (fail mode `local`).
+    RedisOutage,
+    /// Clocks run up to 0.2% fast or slow while demand is skewed.
+    ClockDrift,
+}
+
+impl ScenarioKind {
+    pub const ALL: [ScenarioKind; 12] = [
+        Self::Steady,
+        Self::Skewed,
+        Self::FollowTheSun,
+        Self::HotTenant,
+        Self::OneShot,
+        Self::MinuteBursts,
+        Self::HeavyCost,
+        Self::RetryStorm,
+        Self::Partition,
+        Self::LeaderCrash,
+        Self::RedisOutage,
+        Self::ClockDrift,
+    ];
+
+    /// The snake_case name used on the command line and in output.
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Steady => "steady",
+            Self::Skewed => "skewed",
+            Self::FollowTheSun => "follow_the_sun",
+            Self::HotTenant => "hot_tenant",
+            Self::OneShot => "one_shot",
+            Self::MinuteBursts => "minute_bursts",
+            Self::HeavyCost => "heavy_cost",
+            Self::RetryStorm => "retry_storm",
+            Self::Partition => "partition",
+            Self::LeaderCrash => "leader_crash",
+            Self::RedisOutage => "redis_outage",
+            Self::ClockDrift => "clock_drift",
+        }
+    }
+}
+
+impl fmt::Display for ScenarioKind {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+/// The knobs a scenario is built with.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct ScenarioOptions {
+    pub regions: usize,
+    pub duration_ms: u64,
+    pub tenants: usize,
+    /// Fraction of each tenant's budget reserved per region.
+    pub floor: f64,
+}
+
+/// A built scenario.
+#[derive(Debug, Clone)]
+pub struct Scenario {
+    pub kind: ScenarioKind,
+    pub tenants: Vec<Tenant>,
+    pub sources: Vec<Source>,
+    pub faults: Faults,
+    /// Times demand moved (or a fault healed): convergence is measured from each.
+    pub shifts_ms: Vec<u64>,
+    /// Clock drift per region overriding the world's, in ppm.
+    pub drift_ppm: Option<Vec<i64>>,
+}
+
+/// Why a scenario cannot be built from the options.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+pub enum ScenarioError {
+    #[error("{scenario} needs at least {min} regions (got {regions})")]
+    TooFewRegions { scenario: ScenarioKind, min: usize, regions: usize },
+    #[error("{scenario} needs a duration of at least {min_ms} ms (got {duration_ms} ms)")]
+    TooShort { scenario: ScenarioKind, min_ms: u64, duration_ms: u64 },
+    #[error("invalid policy: {0}")]
+    Policy(String),
+}
+
+fn policy(limit: u64, floor: f64, tier: Tier) -> Result<Policy, ScenarioError> {
+    PolicySpec {
+        limit: limit as f64,
+        window_ms: WINDOW_MS as f64,
+        floor: Some(floor),
+        tier: Some(tier),
+        ..PolicySpec::default()
+    }
+    .validate()
+    .map_err(|e| ScenarioError::Policy(e.to_string()))
+}
+
+/// Demand weights with `share` in `hot` and the rest spread evenly.
+fn weights(regions: usize, hot: Option<RegionIx>, share: f64) -> Vec<f64> {
+    match hot {
+        Some(h) if regions > 1 => (0..regions)
+            .map(|r| if r == h { share } else { (1.0 - share) / (regions - 1) as f64 })
+            .collect(),
+        _ => vec![1.0 / regions as f64; regions],
+    }
+}
+
+/// Adds one source per region for `tenant`, splitting `rate_per_s` by `w`.
+#[allow(clippy::too_many_arguments)]
+fn spread(
+    out: &mut Vec<Source>,
+    tenant: u32,
+    rate_per_s: f64,
+    w: &[f64],
+    from_ms: u64,
+    until_ms: u64,
+    shape: Shape,
+    cost: Cost,
+) {
+    for (region, &wr) in w.iter().enumerate() {
+        if wr > 0.0 {
+            out.push(Source { tenant, region, rate_per_s: rate_per_s * wr, from_ms, until_ms, shape, cost });
+        }
+    }
+}
+
+impl Scenario {
+    /// Builds `kind` with `opts`, drawing every random choice from `rng`.
+    pub fn build(
+        kind: ScenarioKind,
+        opts: &ScenarioOptions,
+        rng: &mut ChaCha8Rng,
+    ) -> Result<Self, ScenarioError> {
+        use ScenarioKind as K;
+        let n = opts.regions;
+        let d = opts.duration_ms;
+        let min_regions = match kind {
+            K::Partition | K::LeaderCrash | K::RedisOutage => 3,
+            _ => 1,
+        };
+        if n < min_regions {
+            return Err(ScenarioError::TooFewRegions { scenario: kind, min: min_regions, regions: n });
+        }
+        let min_ms = match kind {
+            K::Partition | K::LeaderCrash | K::RedisOutage => 20_000,
+            _ => 1_000,
+        };
+        if d < min_ms {
+            return Err(ScenarioError::TooShort { scenario: kind, min_ms, duration_ms: d });
+        }
+        // Fault windows: start at 30% of the run, last a minute (partition) or 30 s, or less in
+        // short runs.
+        let fault_from = d * 3 / 10;
+        let fault_len = |full: u64| full.min(d * 3 / 10);
+        let hot_region = (n > 1).then_some(1 % n);
+        let base_weights = match kind {
+            K::Skewed | K::ClockDrift => weights(n, hot_region, 0.8),
+            K::LeaderCrash => weights(n, hot_region, 0.8),
+            _ => weights(n, None, 0.0),
+        };
+
+        let mut tenants = Vec::new();
+        let mut sources = Vec::new();
+        let mut faults = Faults::default();
+        let mut shifts_ms = Vec::new();
+        let mut drift_ppm = None;
+        for k in 0..opts.tenants {
+            let limit = LIMITS[k % LIMITS.len()];
+            // One tenant in eight is critical (half of them greedy): `quotad_pinned` pins it to
+            // its busiest region.
+            let critical = k % 8 == 6 || k % 16 == 7;
+            let tier = if critical { Tier::Critical } else { Tier::Standard };
+            let mut p = policy(limit, opts.floor, tier)?;
+            if kind == K::RedisOutage {
+                p.fail_mode = quota_core::FailMode::Local;
+            }
+            let greedy = k % 4 == 3;
+            let per_s = limit as f64 * 1000.0 / WINDOW_MS as f64;
+            let demand = match (kind, greedy) {
+                (K::MinuteBursts, _) => 0.0,
+                (K::Partition, _) => rng.random_range(0.3..0.8),
+                (K::RetryStorm, true) => 20.0,
+                (_, true) => 2.0,
+                (_, false) => rng.random_range(0.3..0.8),
+            };
+            let tenant = tenants.len() as u32;
+            let (cost, mean_cost) = match kind {
+                K::HeavyCost => (Cost { base: 1, heavy: 50, p_heavy: 0.02 }, 0.98 + 50.0 * 0.02),
+                _ => (Cost::UNIT, 1.0),
+            };
+            let rate = demand * per_s / mean_cost;
+            tenants.push(Tenant { policy: p });
+            match kind {
+                K::FollowTheSun => {
+                    let mut from = 0;
+                    let mut period = 0;
+                    while from < d {
+                        let until = (from + SUN_PERIOD_MS).min(d);
+                        let w = weights(n, Some(period % n), 0.8);
+                        spread(&mut sources, tenant, rate, &w, from, until, Shape::Constant, cost);
+                        from = until;
+                        period += 1;
+                    }
+                }
+                K::LeaderCrash => {
+                    let shift = fault_from + 5_000;
+                    let later = weights(n, Some(2 % n), 0.8);
+                    spread(&mut sources, tenant, rate, &base_weights, 0, shift, Shape::Constant, cost);
+                    spread(&mut sources, tenant, rate, &later, shift, d, Shape::Constant, cost);
+                }
+                K::MinuteBursts => {
+                    // Each region's clients try 1.5× the whole burst within the first second.
+                    let burst = vec![1.5 * limit as f64; n];
+                    let shape = Shape::MinuteBurst { burst_ms: 1_000 };
+                    spread(&mut sources, tenant, 1.0, &burst, 0, d, shape, cost);
+                }
+                _ => spread(&mut sources, tenant, rate, &base_weights, 0, d, Shape::Constant, cost),
+            }
+        }
+        match kind {
+            K::FollowTheSun => {
+                shifts_ms = (SUN_PERIOD_MS..d).step_by(SUN_PERIOD_MS as usize).collect();
+            }
+            K::HotTenant => {
+                let tenant = tenants.len() as u32;
+                let limit = 60_000;
+                tenants.push(Tenant { policy: policy(limit, opts.floor, Tier::Standard)? });
+                let w = weights(n, Some(0), 0.6);
+                let rate = 10.0 * limit as f64 * 1000.0 / WINDOW_MS as f64;
+                spread(&mut sources, tenant, rate, &w, 0, d, Shape::Constant, Cost::UNIT);
+            }
+            K::OneShot => {
+                let p = policy(10, opts.floor, Tier::Standard)?;
+                let regions: Vec<RegionIx> = (0..n).collect();
+                for k in 0..2_000u32 {
+                    let tenant = tenants.len() as u32;
+                    tenants.push(Tenant { policy: p.clone() });
+                    let from = rng.random_range(0..d.saturating_sub(2_000).max(1));
+                    let until = from + 2_000;
+                    if k % 2 == 0 {
+                        let region = *regions.choose(rng).expect("at least one region");
+                        let mut w = vec![0.0; n];
+                        w[region] = 1.0;
+                        spread(&mut sources, tenant, 5.0, &w, from, until, Shape::Constant, Cost::UNIT);
+                    } else {
+                        let w = weights(n, None, 0.0);
+                        spread(&mut sources, tenant, 5.0, &w, from, until, Shape::Constant, Cost::UNIT);
+                    }
+                }
+            }
+            K::Partition => {
+                let len = fault_len(90_000);
+                let until_ms = fault_from + len;
+                faults.list.push(Fault::Isolate { region: n - 1, from_ms: fault_from, until_ms });
+                // The surge comes once the majority has had time to reassign the silent
+                // region's share, with every bucket refilled: what the cut-off region still
+                // enforces then is spent twice unless it stopped at its lease.
+                let surge_from = fault_from + len * 4 / 9;
+                let w = weights(n, None, 0.0);
+                for (tenant, t) in tenants.iter().enumerate() {
+                    let rate = 3.0 * t.policy.limit as f64 * 1000.0 / WINDOW_MS as f64;
+                    let (shape, cost) = (Shape::Constant, Cost::UNIT);
+                    spread(&mut sources, tenant as u32, rate, &w, surge_from, until_ms, shape, cost);
+                }
+                shifts_ms.push(until_ms);
+            }
+            K::LeaderCrash => {
+                let until_ms = fault_from + fault_len(30_000);
+                faults.list.push(Fault::Crash { region: 0, from_ms: fault_from, until_ms });
+                shifts_ms.push(fault_from + 5_000);
+            }
+            K::RedisOutage => {
+                let until_ms = fault_from + fault_len(30_000);
+                faults.list.push(Fault::RedisOutage { region: 1, from_ms: fault_from, until_ms });
+            }
+            K::ClockDrift => {
+                drift_ppm = Some((0..n).map(|r| [2_000, -2_000, 1_000][r % 3]).collect());
+            }
+            _ => {}
+        }
+        Ok(Self { kind, tenants, sources, faults, shifts_ms, drift_ppm })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use rand::SeedableRng;
+
+    use super::*;
+
+    fn opts() -> ScenarioOptions {
+        ScenarioOptions { regions: 3, duration_ms: 60_000, tenants: 8, floor: 0.05 }
+    }
+
+    #[test]
+    fn every_scenario_builds_and_shares_one_window() {
+        for kind in ScenarioKind::ALL {
+            let s = Scenario::build(kind, &opts(), &mut ChaCha8Rng::seed_from_u64(1)).unwrap();
+            assert!(!s.sources.is_empty(), "{kind}");
+            assert!(s.tenants.iter().all(|t| t.policy.window_ms == WINDOW_MS));
+            assert!(s.sources.iter().all(|src| (src.tenant as usize) < s.tenants.len()));
+            assert!(s.sources.iter().all(|src| src.region < 3 && src.until_ms <= 60_000));
+        }
+    }
+
+    #[test]
+    fn skewed_demand_lands_mostly_in_one_region() {
+        let s = Scenario::build(ScenarioKind::Skewed, &opts(), &mut ChaCha8Rng::seed_from_u64(1))
+            .unwrap();
+        let rate = |r| s.sources.iter().filter(|x| x.region == r).map(|x| x.rate_per_s).sum::<f64>();
+        let total: f64 = (0..3).map(rate).sum();
+        assert!((rate(1) / total - 0.8).abs() < 1e-9);
+    }
+
+    #[test]
+    fn fault_scenarios_refuse_too_few_regions() {
+        let o = ScenarioOptions { regions: 2, ..opts() };
+        let e = Scenario::build(ScenarioKind::Partition, &o, &mut ChaCha8Rng::seed_from_u64(1));
+        assert!(matches!(e, Err(ScenarioError::TooFewRegions { min: 3, .. })));
+    }
+}

@@ -1,0 +1,114 @@
+//! Strategies: the ways a multi-region limiter can decide, each fed the same arrivals.
+//!
+//! Every tick the engine first calls [`Strategy::advance`] (the strategy's control plane: its
+//! messages, rebalances and leases up to that instant), then [`Strategy::decide`] for each
+//! request of the tick in a fixed order. A strategy sees the world (latencies, clocks, faults)
+//! but never the shadow bucket.
+
+mod async_broadcast;
+mod global_store;
+mod independent;
+mod quotad;
+mod quotad_pinned;
+mod rebalance_no_lease;
+mod static_split;
+
+use std::fmt;
+
+use serde::Serialize;
+
+use crate::control::ControlConfig;
+use crate::traffic::{Request, Tenant};
+use crate::world::World;
+
+/// A strategy's answer to one request and how long the caller waited for it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Verdict {
+    pub allowed: bool,
+    pub latency_us: u64,
+}
+
+/// A way of deciding requests across regions.
+pub trait Strategy {
+    /// Runs the control plane up to true time `t_ms`. Called once per tick before decisions.
+    fn advance(&mut self, world: &World, t_ms: u64);
+    /// Decides one request arriving at true time `t_ms` in `req.region`.
+    fn decide(&mut self, world: &World, t_ms: u64, req: &Request) -> Verdict;
+}
+
+/// The strategies the simulator knows, in the order tables list them.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, clap::ValueEnum)]
+#[serde(rename_all = "snake_case")]
+#[value(rename_all = "snake_case")]
+pub enum StrategyKind {
+    /// Every region enforces the full budget.
+    Independent,
+    /// Every region enforces budget / N, for ever.
+    StaticSplit,
+    /// One bucket in region 0; every decision crosses the WAN.
+    GlobalStore,
+    /// Regions admit against a full local bucket and broadcast hits every report interval.
+    AsyncBroadcast,
+    /// quotad's allocator, but regions keep their last grant for ever and nothing is revoked.
+    RebalanceNoLease,
+    /// quotad: leased shares, rebalanced, revoke before grant.
+    Quotad,
+    /// quotad with critical tenants pinned to their home region.
+    QuotadPinned,
+}
+
+impl StrategyKind {
+    pub const ALL: [StrategyKind; 7] = [
+        Self::Independent,
+        Self::StaticSplit,
+        Self::GlobalStore,
+        Self::AsyncBroadcast,
+        Self::RebalanceNoLease,
+        Self::Quotad,
+        Self::QuotadPinned,
+    ];
+
+    /// The snake_case name used on the command line and in output.
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Independent => "independent",
+            Self::StaticSplit => "static_split",
+            Self::GlobalStore => "global_store",
+            Self::AsyncBroadcast => "async_broadcast",
+            Self::RebalanceNoLease => "rebalance_no_lease",
+            Self::Quotad => "quotad",
+            Self::QuotadPinned => "quotad_pinned",
+        }
+    }
+}
+
+impl fmt::Display for StrategyKind {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+/// What every strategy is built from.
+#[derive(Debug, Clone, Copy)]
+pub struct Setup<'a> {
+    pub tenants: &'a [Tenant],
+    pub world: &'a World,
+    pub control: &'a ControlConfig,
+    /// `global_store`: admit (true) or deny (false) when the store is unreachable.
+    pub global_fail_open: bool,
+}
+
+/// Builds a strategy.
+pub fn build(kind: StrategyKind, setup: &Setup<'_>) -> Box<dyn Strategy> {
+    match kind {
+        StrategyKind::Independent => Box::new(independent::Independent::new(setup)),
+        StrategyKind::StaticSplit => Box::new(static_split::StaticSplit::new(setup)),
+        StrategyKind::GlobalStore => Box::new(global_store::GlobalStore::new(setup)),
+        StrategyKind::AsyncBroadcast => Box::new(async_broadcast::AsyncBroadcast::new(setup)),
+        StrategyKind::RebalanceNoLease => {
+            Box::new(rebalance_no_lease::new(setup))
+        }
+        StrategyKind::Quotad => Box::new(quotad::Quotad::new(setup)),
+        StrategyKind::QuotadPinned => Box::new(quotad_pinned::new(setup)),
+    }
+}

@@ -1,0 +1,153 @@
+//! The regional Redis killed under a running daemon: each policy's fail mode decides while it
+//! is down (`local`: in-process bucket at this region's share, `open`: admit, `closed`: 503
+//! temporary-reduced-capacity), and when Redis returns normal decisions resume within 2 s and
+//! the shares are re-applied to the new, empty Redis.
+
+use std::time::{Duration, Instant};
+
+use quota_core::{keys, PolicyName, TenantId};
+use quotad_system_tests::{eventually, redis_config, Daemon};
+use redis_harness::RedisServer;
+use serde_json::json;
+
+async fn params_present(redis: &RedisServer, tenant: &str, policy: &str, version: u64) -> bool {
+    let key = keys::params_key(
+        &TenantId::new(tenant).unwrap(),
+        &PolicyName::new(policy).unwrap(),
+        version,
+    );
+    let Ok(mut conn) = redis.client().get_multiplexed_async_connection().await else {
+        return false;
+    };
+    redis::cmd("EXISTS")
+        .arg(&key)
+        .query_async::<i64>(&mut conn)
+        .await
+        .unwrap_or(0)
+        == 1
+}
+
+#[tokio::test]
+async fn fail_modes_while_redis_is_down_and_recovery_after() -> anyhow::Result<()> {
+    let mut redis = RedisServer::start()?;
+    let d = Daemon::start(&redis_config(&redis.url())).await?;
+    for (policy, mode) in [
+        ("p-local", "local"),
+        ("p-open", "open"),
+        ("p-closed", "closed"),
+    ] {
+        d.put_policy(
+            "acme",
+            policy,
+            json!({"limit": 5, "window_ms": 60000, "fail_mode": mode}),
+        )
+        .await?;
+    }
+    for policy in ["p-local", "p-open", "p-closed"] {
+        let r = d.check("acme", policy, 1).await?;
+        assert_eq!(
+            (r.status, r.body["mode"].as_str()),
+            (200, Some("normal")),
+            "{policy}: {}",
+            r.body
+        );
+    }
+    // The agent wrote this region's parameters next to the buckets.
+    assert!(
+        eventually(
+            Duration::from_secs(5),
+            Duration::from_millis(50),
+            || async {
+                params_present(&redis, "acme", "p-local", 1)
+                    .await
+                    .then_some(())
+            }
+        )
+        .await
+        .is_some(),
+        "shares applied to Redis"
+    );
+
+    redis.stop();
+    // Until the breaker opens, a check may still wait for Redis to time out; after it opens the
+    // fail modes answer immediately.
+    let degraded = eventually(
+        Duration::from_secs(5),
+        Duration::from_millis(20),
+        || async {
+            let r = d.check("acme", "p-open", 1).await.ok()?;
+            (r.body["mode"] == "degraded_open").then_some(r)
+        },
+    )
+    .await;
+    let r = degraded.expect("fail-open policy admits while Redis is down");
+    assert_eq!(r.status, 200);
+
+    let r = d.check("acme", "p-closed", 1).await?;
+    assert_eq!(r.status, 503, "{}", r.body);
+    assert_eq!(r.body["code"], "TEMPORARY_REDUCED_CAPACITY");
+    assert_eq!(
+        r.body["type"],
+        "https://iana.org/assignments/http-problem-types#temporary-reduced-capacity"
+    );
+
+    // Fail local: an in-process bucket at this region's share (5 tokens) admits 5 then denies.
+    let mut admitted = 0;
+    for _ in 0..8 {
+        let r = d.check("acme", "p-local", 1).await?;
+        assert_eq!(r.body["mode"], "degraded_local", "{}", r.body);
+        if r.status == 200 {
+            admitted += 1;
+        } else {
+            assert_eq!(r.status, 429);
+        }
+    }
+    assert_eq!(admitted, 5, "the local bucket enforces this region's share");
+    let status = d.get("/v1/status").await?;
+    assert_eq!(status.body["store"]["state"], "degraded");
+    let metrics = d.get("/metrics").await?;
+    assert_eq!(metrics.status, 200);
+
+    redis.restart()?;
+    let back = Instant::now();
+    let resumed = eventually(
+        Duration::from_secs(2),
+        Duration::from_millis(20),
+        || async {
+            let r = d.check("acme", "p-open", 1).await.ok()?;
+            (r.body["mode"] == "normal").then_some(())
+        },
+    )
+    .await;
+    assert!(
+        resumed.is_some(),
+        "normal decisions resume within 2 s of Redis returning"
+    );
+    eprintln!(
+        "normal decisions resumed {:?} after Redis returned",
+        back.elapsed()
+    );
+    // The restarted Redis is empty: the agent re-applies every share.
+    let reapplied = eventually(
+        Duration::from_secs(3),
+        Duration::from_millis(50),
+        || async {
+            let all = params_present(&redis, "acme", "p-local", 1).await
+                && params_present(&redis, "acme", "p-closed", 1).await;
+            all.then_some(())
+        },
+    )
+    .await;
+    assert!(
+        reapplied.is_some(),
+        "shares re-applied after the Redis restart"
+    );
+    let r = d.check("acme", "p-closed", 1).await?;
+    assert_eq!(
+        (r.status, r.body["mode"].as_str()),
+        (200, Some("normal")),
+        "{}",
+        r.body
+    );
+    Ok(())
+}
