@@ -7,7 +7,8 @@
 -- errors   'ERR quotad: <what>' for an invalid argument.
 --
 -- SPOP takes each key at most once and the counters are reset in the same atomic step, so usage
--- is never counted twice; a decision after the collection re-lists its key (ix = 0), so none is
+-- is never counted twice; a decision after the collection re-lists its key (the decision
+-- scripts list a key whenever ad + dn = 0), so none is
 -- lost while the key lives. Keys that expired in between are skipped: their usage is lost, which
 -- the minimum TTL in the decision scripts bounds (collect more often than it). On Redis Cluster
 -- the state keys share the index's slot, so touching them here stays within one slot.
@@ -31,12 +32,14 @@ end
 local out = {}
 local keys = redis.call('SPOP', KEYS[1], max)
 for _, k in ipairs(keys) do
-  local v = redis.call('HMGET', k, 'ad', 'dn', 'ix')
-  if v[3] then
+  local v = redis.call('HMGET', k, 'ad', 'dn')
+  local ad, dn = tonumber(v[1]) or 0, tonumber(v[2]) or 0
+  -- A key that expired (or was never decided) has nothing to report and must not be recreated.
+  if ad + dn > 0 then
     out[#out + 1] = k
-    out[#out + 1] = tonumber(v[1]) or 0
-    out[#out + 1] = tonumber(v[2]) or 0
-    redis.call('HSET', k, 'ad', '0', 'dn', '0', 'ix', '0')
+    out[#out + 1] = ad
+    out[#out + 1] = dn
+    redis.call('HSET', k, 'ad', 0, 'dn', 0)
   end
 end
 return out

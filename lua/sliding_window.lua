@@ -18,7 +18,8 @@
 -- `limit` entries. limit > 128: two fixed-window counters (ws start, cu current, pv previous),
 -- the previous weighted by its overlap with the sliding window: an approximation.
 -- Denied requests are not recorded. A clock stepping back is clamped to ts, the latest time seen.
--- Usage fields ad / dn / ix / x as in token_bucket.lua.
+-- Usage fields ad / dn and expiry deadline x as in token_bucket.lua (listed in the index while
+-- ad + dn > 0).
 
 local MAX_CAP = 9007199254740991
 local MAX_COST = 9007199254
@@ -94,7 +95,7 @@ else
   return err('no parameters stored and no fallback given')
 end
 
-local h = redis.call('HMGET', KEYS[1], 'l', 'ws', 'cu', 'pv', 'ts', 'ad', 'dn', 'ix', 'x')
+local h = redis.call('HMGET', KEYS[1], 'l', 'ws', 'cu', 'pv', 'ts', 'ad', 'dn', 'x')
 local seen = tonumber(h[5])
 if seen and seen > now then
   now = seen
@@ -201,21 +202,21 @@ else
   end
 end
 
-if allowed == 1 then
-  out[#out + 1], out[#out + 2] = 'ad', fmt('%d', (tonumber(h[6]) or 0) + cost)
-else
-  out[#out + 1], out[#out + 2] = 'dn', fmt('%d', (tonumber(h[7]) or 0) + cost)
-end
-if h[8] ~= '1' then
+local ad, dn = tonumber(h[6]) or 0, tonumber(h[7]) or 0
+if ad + dn == 0 then
   redis.call('SADD', KEYS[3], KEYS[1])
-  out[#out + 1], out[#out + 2] = 'ix', '1'
+end
+if allowed == 1 then
+  out[#out + 1], out[#out + 2] = 'ad', ad + cost
+else
+  out[#out + 1], out[#out + 2] = 'dn', dn + cost
 end
 -- Expiry: once the window is empty the key is not needed (a missing window is an empty one).
 local ttl = reset
 if ttl < MIN_TTL_MS then
   ttl = MIN_TTL_MS
 end
-local x = tonumber(h[9])
+local x = tonumber(h[8])
 local set_ttl
 if x == nil or now + ttl > x then
   set_ttl = ttl + (ttl - fmod(ttl, 4)) / 4

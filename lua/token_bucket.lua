@@ -18,8 +18,15 @@
 -- split, and divisions use math.fmod, which is exact.
 --
 -- State fields: t tokens (µt), c carry, ts latest time seen (ms), ad / dn tokens admitted /
--- denied since the last collection, ix '1' while listed in the activity index, x the expiry
--- deadline last set (ms, or 'inf' when the key must not expire).
+-- denied since the last collection, x the expiry deadline last set (ms, or 'inf' when the key
+-- must not expire). The key is listed in the activity index exactly while ad + dn > 0: every
+-- decision adds at least 1 and a collection zeroes both, so only the first decision of each
+-- report interval pays the SADD.
+--
+-- Cost: TIME (unless now is given), two HMGETs and one HSET per decision; SADD once per bucket
+-- per report interval; PEXPIRE only when the needed deadline passes the one set (slack: a
+-- quarter of the TTL). Numbers go to redis.call as Lua numbers: Redis formats them with %.17g,
+-- exact for integers below 2^53.
 
 local MAX_CAP = 9007199254740991 -- 2^53 - 1
 local MAX_RATE = 9007199254740 -- MAX_CAP / 1000
@@ -31,7 +38,6 @@ local MAX_SLACK_MS = 3600000
 
 local fmod = math.fmod
 local find = string.find
-local fmt = string.format
 
 local function err(what)
   return redis.error_reply('ERR quotad: ' .. what)
@@ -116,7 +122,7 @@ else
   return err('no parameters stored and no fallback given')
 end
 
-local h = redis.call('HMGET', KEYS[1], 't', 'c', 'ts', 'ad', 'dn', 'ix', 'x')
+local h = redis.call('HMGET', KEYS[1], 't', 'c', 'ts', 'ad', 'dn', 'x')
 local tokens, carry, ts
 if h[1] then
   tokens, carry, ts = tonumber(h[1]), tonumber(h[2]), tonumber(h[3])
@@ -162,23 +168,23 @@ else
   reset = time_to(cap - tokens, carry, rate)
 end
 
-local w = { 'HSET', KEYS[1], 't', fmt('%d', tokens), 'c', fmt('%d', carry), 'ts', fmt('%d', ts) }
-if allowed == 1 then
-  w[9], w[10] = 'ad', fmt('%d', (tonumber(h[4]) or 0) + cost)
-else
-  w[9], w[10] = 'dn', fmt('%d', (tonumber(h[5]) or 0) + cost)
-end
-if h[6] ~= '1' then
+local ad, dn = tonumber(h[4]) or 0, tonumber(h[5]) or 0
+if ad + dn == 0 then
   redis.call('SADD', KEYS[3], KEYS[1])
-  w[#w + 1], w[#w + 2] = 'ix', '1'
+end
+local w
+if allowed == 1 then
+  w = { 'HSET', KEYS[1], 't', tokens, 'c', carry, 'ts', ts, 'ad', ad + cost }
+else
+  w = { 'HSET', KEYS[1], 't', tokens, 'c', carry, 'ts', ts, 'dn', dn + cost }
 end
 -- Expiry: at least the time to refill completely (an expired bucket reads as full), moved only
 -- when the needed deadline passes the one set, with slack so a hot key rarely pays PEXPIRE.
 local set_ttl
 if reset == -1 then
   -- No refill and not full: expiring would hand out a full bucket, so the key must stay.
-  if h[7] ~= 'inf' then
-    w[#w + 1], w[#w + 2] = 'x', 'inf'
+  if h[6] ~= 'inf' then
+    w[11], w[12] = 'x', 'inf'
     set_ttl = -1
   end
 else
@@ -186,20 +192,20 @@ else
   if ttl < MIN_TTL_MS then
     ttl = MIN_TTL_MS
   end
-  local x = tonumber(h[7])
+  local x = tonumber(h[6])
   if x == nil or now + ttl > x then
     local slack = (ttl - fmod(ttl, 4)) / 4
     if slack > MAX_SLACK_MS then
       slack = MAX_SLACK_MS
     end
     set_ttl = ttl + slack
-    w[#w + 1], w[#w + 2] = 'x', fmt('%d', now + set_ttl)
+    w[11], w[12] = 'x', now + set_ttl
   end
 end
 redis.call(unpack(w))
 if set_ttl == -1 then
   redis.call('PERSIST', KEYS[1])
 elseif set_ttl then
-  redis.call('PEXPIRE', KEYS[1], fmt('%d', set_ttl))
+  redis.call('PEXPIRE', KEYS[1], set_ttl)
 end
 return { allowed, (tokens - fmod(tokens, UT)) / UT, retry, reset }

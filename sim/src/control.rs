@@ -89,9 +89,16 @@ enum Event {
         sent_local_ms: u64,
     },
     /// A proposal reaches its quorum.
-    Commit { term: u64, cmd: Command, renewal: Option<(RegionIx, u64)> },
+    Commit {
+        term: u64,
+        cmd: Command,
+        renewal: Option<(RegionIx, u64)>,
+    },
     /// A lease renewal's answer reaches its region.
-    Lease { region: RegionIx, lease: RegionLease },
+    Lease {
+        region: RegionIx,
+        lease: RegionLease,
+    },
 }
 
 #[derive(Debug)]
@@ -163,7 +170,10 @@ pub struct Control {
 /// The policy key of tenant `i` in the simulated cluster.
 fn key_of(i: usize) -> PolicyKey {
     let tenant = TenantId::new(format!("t{i}")).expect("t<digits> is a valid tenant id");
-    PolicyKey::new(tenant, PolicyName::new("requests").expect("a valid policy name"))
+    PolicyKey::new(
+        tenant,
+        PolicyName::new("requests").expect("a valid policy name"),
+    )
 }
 
 impl Control {
@@ -179,8 +189,9 @@ impl Control {
     ) -> Self {
         let n = world.regions;
         let alloc = AllocatorConfig::default();
-        let region_ids: Vec<RegionId> =
-            (0..n).map(|r| RegionId::new(format!("r{r}")).expect("valid region id")).collect();
+        let region_ids: Vec<RegionId> = (0..n)
+            .map(|r| RegionId::new(format!("r{r}")).expect("valid region id"))
+            .collect();
         let keys: Vec<PolicyKey> = (0..tenants.len()).map(key_of).collect();
         let mut c = Self {
             cfg,
@@ -203,20 +214,36 @@ impl Control {
             agents: Vec::new(),
             rejected_commands: 0,
         };
-        let lease = LeaseConfig { lease_ms: cfg.lease_ms, drift_margin_ms: cfg.drift_margin_ms };
+        let lease = LeaseConfig {
+            lease_ms: cfg.lease_ms,
+            drift_margin_ms: cfg.drift_margin_ms,
+        };
         let mut boot = vec![Operation::SetLeaseConfig { config: lease }];
         for id in &c.region_ids {
-            boot.push(Operation::PutRegion { region: id.clone(), reserves_floor: true, draining: false });
+            boot.push(Operation::PutRegion {
+                region: id.clone(),
+                reserves_floor: true,
+                draining: false,
+            });
         }
         for (key, t) in c.keys.iter().zip(tenants) {
-            boot.push(Operation::PutPolicy { key: key.clone(), policy: policies(t) });
+            boot.push(Operation::PutPolicy {
+                key: key.clone(),
+                policy: policies(t),
+            });
         }
         for op in boot {
             c.commit_now(0, op);
         }
         for r in 0..n {
             let acked_epoch = c.committed.epoch;
-            c.commit_now(0, Operation::RenewLease { region: c.region_ids[r].clone(), acked_epoch });
+            c.commit_now(
+                0,
+                Operation::RenewLease {
+                    region: c.region_ids[r].clone(),
+                    acked_epoch,
+                },
+            );
         }
         for r in 0..n {
             let mut agent = RegionAgent {
@@ -246,7 +273,11 @@ impl Control {
 
     /// Applies an operation to the committed state at once (bootstrap only).
     fn commit_now(&mut self, now_ms: u64, op: Operation) -> Response {
-        let cmd = Command { request: self.request_id(), now_ms, op };
+        let cmd = Command {
+            request: self.request_id(),
+            now_ms,
+            op,
+        };
         let resp = self.committed.apply(&cmd);
         self.log.push((now_ms, cmd));
         resp
@@ -254,7 +285,11 @@ impl Control {
 
     fn push(&mut self, at_ms: u64, event: Event) {
         self.seq += 1;
-        self.events.push(Reverse(Timed { at_ms, seq: self.seq, event }));
+        self.events.push(Reverse(Timed {
+            at_ms,
+            seq: self.seq,
+            event,
+        }));
     }
 
     /// Whether `l` is up and reaches a majority of the cluster at `t_ms`.
@@ -285,10 +320,22 @@ impl Control {
         self.leader
     }
 
-    fn propose(&mut self, world: &World, t_ms: u64, op: Operation, renewal: Option<(RegionIx, u64)>) {
+    fn propose(
+        &mut self,
+        world: &World,
+        t_ms: u64,
+        op: Operation,
+        renewal: Option<(RegionIx, u64)>,
+    ) {
         let Some(l) = self.leader else { return };
-        let Some(rtt) = self.quorum_rtt_ms(world, l, t_ms) else { return };
-        let cmd = Command { request: self.request_id(), now_ms: world.local_ms(l, t_ms), op };
+        let Some(rtt) = self.quorum_rtt_ms(world, l, t_ms) else {
+            return;
+        };
+        let cmd = Command {
+            request: self.request_id(),
+            now_ms: world.local_ms(l, t_ms),
+            op,
+        };
         let term = self.term;
         self.push(t_ms + rtt, Event::Commit { term, cmd, renewal });
     }
@@ -337,7 +384,16 @@ impl Control {
             if world.link_up(r, l, at_ms) && world.daemon_up(l, at_ms) {
                 let sent_local_ms = world.local_ms(r, at_ms);
                 let arrive = at_ms + world.owd_ms(r, l);
-                self.push(arrive, Event::Report { from: r, to: l, usage, acked_epoch, sent_local_ms });
+                self.push(
+                    arrive,
+                    Event::Report {
+                        from: r,
+                        to: l,
+                        usage,
+                        acked_epoch,
+                        sent_local_ms,
+                    },
+                );
             }
         }
     }
@@ -365,16 +421,34 @@ impl Control {
         }
     }
 
-    fn on_commit(&mut self, world: &World, at_ms: u64, cmd: Command, renewal: Option<(RegionIx, u64)>) {
+    fn on_commit(
+        &mut self,
+        world: &World,
+        at_ms: u64,
+        cmd: Command,
+        renewal: Option<(RegionIx, u64)>,
+    ) {
         let resp = self.committed.apply(&cmd);
         let is_shares = matches!(cmd.op, Operation::SetShares { .. });
         self.log.push((at_ms, cmd));
         match (&resp, renewal) {
-            (Response::LeaseRenewed { epoch, lease_ms, .. }, Some((r, sent_local_ms))) => {
+            (
+                Response::LeaseRenewed {
+                    epoch, lease_ms, ..
+                },
+                Some((r, sent_local_ms)),
+            ) => {
                 if let Some(l) = self.leader {
                     if world.link_up(l, r, at_ms) {
-                        let lease = RegionLease { epoch: *epoch, start_local_ms: sent_local_ms, lease_ms: *lease_ms };
-                        self.push(at_ms + world.owd_ms(l, r), Event::Lease { region: r, lease });
+                        let lease = RegionLease {
+                            epoch: *epoch,
+                            start_local_ms: sent_local_ms,
+                            lease_ms: *lease_ms,
+                        };
+                        self.push(
+                            at_ms + world.owd_ms(l, r),
+                            Event::Lease { region: r, lease },
+                        );
                     }
                 }
             }
@@ -388,8 +462,15 @@ impl Control {
             // No revoke-before-grant: every decrease counts as acknowledged at once.
             let epoch = self.committed.epoch;
             for r in 0..world.regions {
-                let op = Operation::RenewLease { region: self.region_ids[r].clone(), acked_epoch: epoch };
-                let cmd = Command { request: self.request_id(), now_ms: self.committed.last_now_ms, op };
+                let op = Operation::RenewLease {
+                    region: self.region_ids[r].clone(),
+                    acked_epoch: epoch,
+                };
+                let cmd = Command {
+                    request: self.request_id(),
+                    now_ms: self.committed.last_now_ms,
+                    op,
+                };
                 self.committed.apply(&cmd);
                 self.log.push((at_ms, cmd));
             }
@@ -403,14 +484,22 @@ impl Control {
             .keys
             .iter()
             .map(|k| {
-                agent.replica.region_share(k, r).unwrap_or(RegionShare { share_ppm: 0, floor_ppm: 0 })
+                agent.replica.region_share(k, r).unwrap_or(RegionShare {
+                    share_ppm: 0,
+                    floor_ppm: 0,
+                })
             })
             .collect();
         agent.homes = self
             .keys
             .iter()
             .map(|k| {
-                agent.replica.entries.get(k).and_then(|e| e.pin).map(|p| usize::from(p.home))
+                agent
+                    .replica
+                    .entries
+                    .get(k)
+                    .and_then(|e| e.pin)
+                    .map(|p| usize::from(p.home))
             })
             .collect();
     }
@@ -457,17 +546,28 @@ impl Control {
         while self.events.peek().is_some_and(|e| e.0.at_ms <= t_ms) {
             let Reverse(Timed { at_ms, event, .. }) = self.events.pop().expect("peeked");
             match event {
-                Event::Report { from, to, usage, acked_epoch, sent_local_ms } => {
+                Event::Report {
+                    from,
+                    to,
+                    usage,
+                    acked_epoch,
+                    sent_local_ms,
+                } => {
                     if self.leader != Some(to) || !world.daemon_up(to, at_ms) {
                         continue;
                     }
                     self.demand.record(from as u8, self.cfg.report_ms, &usage);
                     self.last_report_ms[from] = at_ms;
-                    let op = Operation::RenewLease { region: self.region_ids[from].clone(), acked_epoch };
+                    let op = Operation::RenewLease {
+                        region: self.region_ids[from].clone(),
+                        acked_epoch,
+                    };
                     self.propose(world, at_ms, op, Some((from, sent_local_ms)));
                 }
                 Event::Commit { term, cmd, renewal } => {
-                    let alive = self.leader.is_some_and(|l| self.has_quorum(world, l, at_ms));
+                    let alive = self
+                        .leader
+                        .is_some_and(|l| self.has_quorum(world, l, at_ms));
                     if term == self.term && alive {
                         self.on_commit(world, at_ms, cmd, renewal);
                     }
@@ -487,7 +587,11 @@ impl Control {
         let agent = &self.agents[r];
         let grant = &agent.grants[tenant];
         match self.mode {
-            LeaseMode::Leased => agent.view.enforced_share(grant, local_ms, self.cfg.drift_margin_ms),
+            LeaseMode::Leased => {
+                agent
+                    .view
+                    .enforced_share(grant, local_ms, self.cfg.drift_margin_ms)
+            }
             LeaseMode::NoLease => grant.share_ppm,
         }
     }
@@ -505,5 +609,140 @@ impl Control {
     /// Checks the coordinator's own invariant (Σ enforceable ≤ 1) on the committed state.
     pub fn invariant_holds(&self) -> bool {
         self.committed.check_invariant().is_ok()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use quota_core::{PolicySpec, PPM};
+    use rand::SeedableRng;
+    use rand_chacha::ChaCha8Rng;
+
+    use super::*;
+    use crate::faults::{Fault, Faults};
+    use crate::world::WorldSpec;
+
+    const FLOOR: u32 = 50_000;
+
+    fn tenants() -> Vec<Tenant> {
+        let spec = PolicySpec {
+            limit: 6000.0,
+            window_ms: 60_000.0,
+            floor: Some(0.05),
+            ..Default::default()
+        };
+        vec![Tenant {
+            policy: spec.validate().unwrap(),
+        }]
+    }
+
+    fn world(faults: Vec<Fault>) -> World {
+        World::new(
+            &WorldSpec::default(),
+            Faults { list: faults },
+            &mut ChaCha8Rng::seed_from_u64(5),
+        )
+    }
+
+    /// Runs the control plane to `until_ms`, reporting `per_s` tokens of demand a second in each
+    /// region of `demand`, and checking the coordinator's invariant at every tick.
+    fn drive(c: &mut Control, w: &World, from_ms: u64, until_ms: u64, demand: &[u32]) {
+        for t in (from_ms..until_ms).step_by(10) {
+            if t % 1000 == 0 {
+                for (r, &d) in demand.iter().enumerate() {
+                    c.count(r, 0, d, true);
+                }
+            }
+            c.advance(w, t);
+            assert!(c.invariant_holds(), "Σ enforceable > 1 at {t} ms");
+        }
+    }
+
+    fn shares(c: &Control, w: &World, t_ms: u64) -> Vec<u32> {
+        (0..3)
+            .map(|r| c.enforced_ppm(r, 0, w.local_ms(r, t_ms)))
+            .collect()
+    }
+
+    #[test]
+    fn shares_follow_demand_without_exceeding_the_budget() {
+        let w = world(vec![]);
+        let mut c = Control::new(
+            &w,
+            &tenants(),
+            |t| t.policy.clone(),
+            ControlConfig::default(),
+            LeaseMode::Leased,
+        );
+        drive(&mut c, &w, 0, 40_000, &[10, 80, 10]);
+        let s = shares(&c, &w, 40_000);
+        assert!(s[1] > 700_000, "the busy region got {s:?}");
+        assert!(s.iter().map(|&x| u64::from(x)).sum::<u64>() <= u64::from(PPM));
+        assert_eq!(c.rejected_commands, 0);
+    }
+
+    #[test]
+    fn a_cut_off_region_falls_to_its_floor_and_the_others_take_its_share() {
+        let w = world(vec![Fault::Isolate {
+            region: 2,
+            from_ms: 10_000,
+            until_ms: 60_000,
+        }]);
+        let cfg = ControlConfig::default();
+        let mut c = Control::new(&w, &tenants(), |t| t.policy.clone(), cfg, LeaseMode::Leased);
+        drive(&mut c, &w, 0, 10_000, &[40, 40, 40]);
+        assert!(shares(&c, &w, 10_000)[2] > 300_000);
+        // Its last renewal left before the cut: the lease ends within one lease length.
+        drive(&mut c, &w, 10_000, 10_000 + cfg.lease_ms, &[40, 40, 40]);
+        assert_eq!(shares(&c, &w, 10_000 + cfg.lease_ms)[2], FLOOR);
+        drive(&mut c, &w, 10_000 + cfg.lease_ms, 55_000, &[40, 40, 40]);
+        let s = shares(&c, &w, 55_000);
+        assert!(
+            s[0] + s[1] > 850_000,
+            "the majority did not get the share back: {s:?}"
+        );
+        // After the partition heals, the region renews and gets share again.
+        drive(&mut c, &w, 55_000, 90_000, &[40, 40, 40]);
+        assert!(shares(&c, &w, 90_000)[2] > 200_000);
+    }
+
+    #[test]
+    fn a_crashed_leader_is_replaced_and_rebalancing_resumes() {
+        let w = world(vec![Fault::Crash {
+            region: 0,
+            from_ms: 5_000,
+            until_ms: 200_000,
+        }]);
+        let cfg = ControlConfig::default();
+        let mut c = Control::new(&w, &tenants(), |t| t.policy.clone(), cfg, LeaseMode::Leased);
+        drive(&mut c, &w, 0, 5_000 + cfg.election_ms + 100, &[10, 10, 10]);
+        assert_eq!(c.leader(), Some(1));
+        drive(&mut c, &w, 10_000, 60_000, &[0, 10, 90]);
+        let s = shares(&c, &w, 60_000);
+        assert!(s[2] > 600_000, "no rebalancing under the new leader: {s:?}");
+    }
+
+    #[test]
+    fn without_leases_a_cut_off_region_keeps_a_share_granted_again_elsewhere() {
+        let w = world(vec![Fault::Isolate {
+            region: 2,
+            from_ms: 10_000,
+            until_ms: 60_000,
+        }]);
+        let cfg = ControlConfig::default();
+        let mut c = Control::new(
+            &w,
+            &tenants(),
+            |t| t.policy.clone(),
+            cfg,
+            LeaseMode::NoLease,
+        );
+        drive(&mut c, &w, 0, 50_000, &[40, 40, 40]);
+        let s = shares(&c, &w, 50_000);
+        let total: u64 = s.iter().map(|&x| u64::from(x)).sum();
+        assert!(
+            total > u64::from(PPM) + 200_000,
+            "enforced shares sum to only {total}: {s:?}"
+        );
     }
 }

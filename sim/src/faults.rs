@@ -11,12 +11,24 @@ use crate::world::RegionIx;
 pub enum Fault {
     /// Every WAN link of `region` is down: it is cut off from the majority (its own Redis and
     /// clients still work).
-    Isolate { region: RegionIx, from_ms: u64, until_ms: u64 },
+    Isolate {
+        region: RegionIx,
+        from_ms: u64,
+        until_ms: u64,
+    },
     /// The daemon of `region` is down (a crashed leader when `region` leads): no reports, no
     /// grants, no votes. Its Redis keeps enforcing what was last written.
-    Crash { region: RegionIx, from_ms: u64, until_ms: u64 },
+    Crash {
+        region: RegionIx,
+        from_ms: u64,
+        until_ms: u64,
+    },
     /// The regional Redis of `region` is unreachable; each policy's fail mode applies.
-    RedisOutage { region: RegionIx, from_ms: u64, until_ms: u64 },
+    RedisOutage {
+        region: RegionIx,
+        from_ms: u64,
+        until_ms: u64,
+    },
 }
 
 impl Fault {
@@ -35,9 +47,11 @@ impl Faults {
     /// Whether `region` is cut off from every other region at `t_ms`.
     pub fn isolated(&self, region: RegionIx, t_ms: u64) -> bool {
         self.list.iter().any(|f| match *f {
-            Fault::Isolate { region: r, from_ms, until_ms } => {
-                r == region && Fault::covers(from_ms, until_ms, t_ms)
-            }
+            Fault::Isolate {
+                region: r,
+                from_ms,
+                until_ms,
+            } => r == region && Fault::covers(from_ms, until_ms, t_ms),
             _ => false,
         })
     }
@@ -45,9 +59,11 @@ impl Faults {
     /// Whether the daemon of `region` is running at `t_ms`.
     pub fn daemon_up(&self, region: RegionIx, t_ms: u64) -> bool {
         !self.list.iter().any(|f| match *f {
-            Fault::Crash { region: r, from_ms, until_ms } => {
-                r == region && Fault::covers(from_ms, until_ms, t_ms)
-            }
+            Fault::Crash {
+                region: r,
+                from_ms,
+                until_ms,
+            } => r == region && Fault::covers(from_ms, until_ms, t_ms),
             _ => false,
         })
     }
@@ -55,9 +71,11 @@ impl Faults {
     /// Whether the Redis of `region` answers at `t_ms`.
     pub fn redis_up(&self, region: RegionIx, t_ms: u64) -> bool {
         !self.list.iter().any(|f| match *f {
-            Fault::RedisOutage { region: r, from_ms, until_ms } => {
-                r == region && Fault::covers(from_ms, until_ms, t_ms)
-            }
+            Fault::RedisOutage {
+                region: r,
+                from_ms,
+                until_ms,
+            } => r == region && Fault::covers(from_ms, until_ms, t_ms),
             _ => false,
         })
     }
@@ -71,9 +89,21 @@ mod tests {
     fn intervals_are_half_open_and_per_region() {
         let f = Faults {
             list: vec![
-                Fault::Isolate { region: 1, from_ms: 100, until_ms: 200 },
-                Fault::Crash { region: 0, from_ms: 50, until_ms: 60 },
-                Fault::RedisOutage { region: 2, from_ms: 0, until_ms: 10 },
+                Fault::Isolate {
+                    region: 1,
+                    from_ms: 100,
+                    until_ms: 200,
+                },
+                Fault::Crash {
+                    region: 0,
+                    from_ms: 50,
+                    until_ms: 60,
+                },
+                Fault::RedisOutage {
+                    region: 2,
+                    from_ms: 0,
+                    until_ms: 10,
+                },
             ],
         };
         assert!(!f.isolated(1, 99) && f.isolated(1, 100) && f.isolated(1, 199));

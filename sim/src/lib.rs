@@ -58,7 +58,9 @@ pub fn run_suite(
                 let i = next.fetch_add(1, Ordering::Relaxed);
                 let Some(&kind) = scenarios.get(i) else { break };
                 let r = simulation::run_scenario(kind, strategies, cfg, &mut |n| progress(n));
-                results.lock().expect("no worker panics while holding the lock")[i] = Some(r);
+                results
+                    .lock()
+                    .expect("no worker panics while holding the lock")[i] = Some(r);
             });
         }
     });

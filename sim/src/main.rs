@@ -64,7 +64,10 @@ fn main() -> anyhow::Result<()> {
                 .with_context(|| format!("writing {}", path.display()))?;
             plot::plot_scenario(dir, run)?;
         }
-        eprintln!("wrote results.csv, per-scenario series and SVG plots to {}", dir.display());
+        eprintln!(
+            "wrote results.csv, per-scenario series and SVG plots to {}",
+            dir.display()
+        );
     }
     Ok(())
 }

@@ -108,8 +108,11 @@ fn seconds_to_ms(errors: &mut Vec<String>, name: &str, s: f64, min_ms: u64, max_
 impl Options {
     /// The scenarios to run, in suite order.
     pub fn scenarios(&self) -> Vec<ScenarioKind> {
-        let mut v =
-            if self.scenarios.is_empty() { ScenarioKind::ALL.to_vec() } else { self.scenarios.clone() };
+        let mut v = if self.scenarios.is_empty() {
+            ScenarioKind::ALL.to_vec()
+        } else {
+            self.scenarios.clone()
+        };
         v.sort();
         v.dedup();
         v
@@ -131,11 +134,17 @@ impl Options {
     pub fn run_config(&self) -> Result<RunConfig, OptionsError> {
         let mut e = Vec::new();
         if !(1..=MAX_REGIONS).contains(&self.regions) {
-            e.push(format!("--regions must be between 1 and {MAX_REGIONS} (got {})", self.regions));
+            e.push(format!(
+                "--regions must be between 1 and {MAX_REGIONS} (got {})",
+                self.regions
+            ));
         }
         let duration_ms = seconds_to_ms(&mut e, "duration", self.duration, 1_000, 86_400_000);
-        if duration_ms % 1000 != 0 {
-            e.push(format!("--duration must be whole seconds (got {})", self.duration));
+        if !duration_ms.is_multiple_of(1000) {
+            e.push(format!(
+                "--duration must be whole seconds (got {})",
+                self.duration
+            ));
         }
         let warmup_ms = seconds_to_ms(&mut e, "warmup", self.warmup, 0, 86_400_000);
         if warmup_ms >= duration_ms {
@@ -146,16 +155,29 @@ impl Options {
         if 2 * drift_margin_ms >= lease_ms {
             e.push("--drift-margin must be less than half of --lease".to_string());
         }
-        let rebalance_ms =
-            seconds_to_ms(&mut e, "rebalance-interval", self.rebalance_interval, 10, 3_600_000);
-        let report_ms = seconds_to_ms(&mut e, "report-interval", self.report_interval, 10, 3_600_000);
-        if !(1..=100).contains(&self.tick_ms) || 1000 % self.tick_ms != 0 {
-            e.push(format!("--tick-ms must divide 1000 and be at most 100 (got {})", self.tick_ms));
+        let rebalance_ms = seconds_to_ms(
+            &mut e,
+            "rebalance-interval",
+            self.rebalance_interval,
+            10,
+            3_600_000,
+        );
+        let report_ms = seconds_to_ms(
+            &mut e,
+            "report-interval",
+            self.report_interval,
+            10,
+            3_600_000,
+        );
+        if !(1..=100).contains(&self.tick_ms) || !1000u64.is_multiple_of(self.tick_ms) {
+            e.push(format!(
+                "--tick-ms must divide 1000 and be at most 100 (got {})",
+                self.tick_ms
+            ));
         }
-        if self.regions >= 1
-            && (!self.floor.is_finite()
-                || self.floor < 0.0
-                || self.floor * self.regions as f64 > 1.0)
+        if !self.floor.is_finite()
+            || self.floor < 0.0
+            || self.floor * self.regions.max(1) as f64 > 1.0
         {
             e.push(format!(
                 "--floor must be between 0 and 1/regions = {:.4} (got {})",
@@ -164,7 +186,10 @@ impl Options {
             ));
         }
         if self.tenants == 0 || self.tenants > 100_000 {
-            e.push(format!("--tenants must be between 1 and 100000 (got {})", self.tenants));
+            e.push(format!(
+                "--tenants must be between 1 and 100000 (got {})",
+                self.tenants
+            ));
         }
         if self.jobs == Some(0) {
             e.push("--jobs must be at least 1".to_string());
@@ -218,15 +243,26 @@ mod tests {
     fn defaults_are_valid() {
         let o = Options::parse_from(["sim"]);
         let c = o.run_config().unwrap();
-        assert_eq!((c.regions, c.duration_ms, c.control.lease_ms), (3, 360_000, 10_000));
+        assert_eq!(
+            (c.regions, c.duration_ms, c.control.lease_ms),
+            (3, 360_000, 10_000)
+        );
         assert_eq!(o.scenarios().len(), ScenarioKind::ALL.len());
     }
 
     #[test]
     fn every_problem_is_reported() {
         let o = Options::try_parse_from([
-            "sim", "--regions", "0", "--duration=-1", "--lease", "nan", "--tick-ms", "7",
-            "--floor", "2",
+            "sim",
+            "--regions",
+            "0",
+            "--duration=-1",
+            "--lease",
+            "nan",
+            "--tick-ms",
+            "7",
+            "--floor",
+            "2",
         ])
         .unwrap();
         let e = o.run_config().unwrap_err().0;

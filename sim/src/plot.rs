@@ -33,8 +33,14 @@ fn draw(path: &Path, title: &str, y_label: &str, series: &[Series<'_>]) -> Resul
         path: path.display().to_string(),
         message: e.to_string(),
     };
-    let x_max = series.iter().flat_map(|s| s.1.iter().map(|p| p.0)).fold(1.0, f64::max);
-    let y_max = series.iter().flat_map(|s| s.1.iter().map(|p| p.1)).fold(0.0, f64::max);
+    let x_max = series
+        .iter()
+        .flat_map(|s| s.1.iter().map(|p| p.0))
+        .fold(1.0, f64::max);
+    let y_max = series
+        .iter()
+        .flat_map(|s| s.1.iter().map(|p| p.1))
+        .fold(0.0, f64::max);
     let y_max = if y_max > 0.0 { y_max * 1.1 } else { 1.0 };
     let root = SVGBackend::new(path, (1000, 600)).into_drawing_area();
     root.fill(&WHITE).map_err(|e| err(&e))?;
@@ -54,7 +60,10 @@ fn draw(path: &Path, title: &str, y_label: &str, series: &[Series<'_>]) -> Resul
     for (i, (name, points)) in series.iter().enumerate() {
         let color = COLORS[i % COLORS.len()];
         chart
-            .draw_series(LineSeries::new(points.iter().copied(), color.stroke_width(2)))
+            .draw_series(LineSeries::new(
+                points.iter().copied(),
+                color.stroke_width(2),
+            ))
             .map_err(|e| err(&e))?
             .label(*name)
             .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], color));
@@ -72,20 +81,34 @@ fn draw(path: &Path, title: &str, y_label: &str, series: &[Series<'_>]) -> Resul
 pub fn plot_scenario(dir: &Path, run: &ScenarioRun) -> Result<(), PlotError> {
     let name = run.scenario.name();
     let secs = run.ideal_per_s.len();
-    let budget: Vec<(f64, f64)> = (0..secs).map(|s| (s as f64, run.budget_tokens_per_s)).collect();
-    let ideal: Vec<(f64, f64)> =
-        run.ideal_per_s.iter().enumerate().map(|(s, &v)| (s as f64, v as f64)).collect();
+    let budget: Vec<(f64, f64)> = (0..secs)
+        .map(|s| (s as f64, run.budget_tokens_per_s))
+        .collect();
+    let ideal: Vec<(f64, f64)> = run
+        .ideal_per_s
+        .iter()
+        .enumerate()
+        .map(|(s, &v)| (s as f64, v as f64))
+        .collect();
     let mut admitted: Vec<Series<'_>> = vec![("global budget", budget), ("ideal", ideal)];
     let mut overshoot: Vec<Series<'_>> = Vec::new();
     for s in &run.strategies {
         let label = s.summary.strategy.as_str();
         admitted.push((
             label,
-            s.seconds.iter().enumerate().map(|(i, x)| (i as f64, x.admitted_tokens as f64)).collect(),
+            s.seconds
+                .iter()
+                .enumerate()
+                .map(|(i, x)| (i as f64, x.admitted_tokens as f64))
+                .collect(),
         ));
         overshoot.push((
             label,
-            s.seconds.iter().enumerate().map(|(i, x)| (i as f64, x.overshoot_w)).collect(),
+            s.seconds
+                .iter()
+                .enumerate()
+                .map(|(i, x)| (i as f64, x.overshoot_w))
+                .collect(),
         ));
     }
     draw(

@@ -86,7 +86,11 @@ impl RegionalStores {
         tokens_ut: u64,
     ) -> u64 {
         let i = tenant as usize * self.regions + region;
-        let slot = if self.down[region] { &mut self.fallback[i] } else { &mut self.states[i] };
+        let slot = if self.down[region] {
+            &mut self.fallback[i]
+        } else {
+            &mut self.states[i]
+        };
         let mut s = quota_core::bucket::refill(local_ms, params, slot.as_ref());
         let paid = s.tokens_ut.min(tokens_ut);
         s.tokens_ut -= paid;
@@ -106,20 +110,35 @@ mod tests {
 
     #[test]
     fn local_fail_mode_carries_the_bucket_through_an_outage() {
-        let faults =
-            Faults { list: vec![Fault::RedisOutage { region: 0, from_ms: 100, until_ms: 200 }] };
-        let world = World::new(&WorldSpec::default(), faults, &mut ChaCha8Rng::seed_from_u64(0));
+        let faults = Faults {
+            list: vec![Fault::RedisOutage {
+                region: 0,
+                from_ms: 100,
+                until_ms: 200,
+            }],
+        };
+        let world = World::new(
+            &WorldSpec::default(),
+            faults,
+            &mut ChaCha8Rng::seed_from_u64(0),
+        );
         let p = BucketParams::new(3 * quota_core::bucket::UT, 0).unwrap();
         let mut st = RegionalStores::new(3, 1);
         st.advance(&world, 0);
         assert!(st.decide(0, 0, FailMode::Local, 0, &p, 1));
         st.advance(&world, 100);
         assert!(st.decide(0, 0, FailMode::Local, 100, &p, 1));
-        assert!(st.decide(0, 0, FailMode::Open, 100, &p, 100), "open admits anything");
+        assert!(
+            st.decide(0, 0, FailMode::Open, 100, &p, 100),
+            "open admits anything"
+        );
         assert!(!st.decide(0, 0, FailMode::Closed, 100, &p, 1));
         st.advance(&world, 200);
         assert!(st.decide(0, 0, FailMode::Local, 200, &p, 1));
-        assert!(!st.decide(0, 0, FailMode::Local, 200, &p, 1), "three tokens in all, no more");
+        assert!(
+            !st.decide(0, 0, FailMode::Local, 200, &p, 1),
+            "three tokens in all, no more"
+        );
     }
 
     #[test]

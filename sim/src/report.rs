@@ -29,8 +29,16 @@ pub fn table(runs: &[ScenarioRun]) -> String {
     let _ = writeln!(
         out,
         "{:<15} {:<19} {:>8} {:>8} {:>8} {:>8} {:>8} {:>7} {:>7} {:>6}",
-        "scenario", "strategy", "over(W)", "over(1s)", "goodput", "false_dn", "fd_conv", "p50_ms",
-        "p99_ms", "conv_s"
+        "scenario",
+        "strategy",
+        "over(W)",
+        "over(1s)",
+        "goodput",
+        "false_dn",
+        "fd_conv",
+        "p50_ms",
+        "p99_ms",
+        "conv_s"
     );
     for run in runs {
         for s in run.strategies.iter().map(|r| &r.summary) {
@@ -83,7 +91,10 @@ fn csv_row(s: &Summary) -> String {
 pub fn csv(runs: &[ScenarioRun]) -> String {
     let mut out = String::from(CSV_HEADER);
     out.push('\n');
-    for s in runs.iter().flat_map(|r| r.strategies.iter().map(|x| &x.summary)) {
+    for s in runs
+        .iter()
+        .flat_map(|r| r.strategies.iter().map(|x| &x.summary))
+    {
         out.push_str(&csv_row(s));
         out.push('\n');
     }
@@ -92,8 +103,10 @@ pub fn csv(runs: &[ScenarioRun]) -> String {
 
 /// JSON: an array of summaries (null where undefined).
 pub fn json(runs: &[ScenarioRun]) -> String {
-    let rows: Vec<&Summary> =
-        runs.iter().flat_map(|r| r.strategies.iter().map(|x| &x.summary)).collect();
+    let rows: Vec<&Summary> = runs
+        .iter()
+        .flat_map(|r| r.strategies.iter().map(|x| &x.summary))
+        .collect();
     serde_json::to_string_pretty(&rows).expect("summaries serialise") + "\n"
 }
 
@@ -102,15 +115,26 @@ pub fn json(runs: &[ScenarioRun]) -> String {
 pub fn series_csv(run: &ScenarioRun) -> String {
     let mut out = String::from("second,budget_tokens,ideal_tokens,ideal_requests");
     for s in &run.strategies {
-        let _ = write!(out, ",{0}_tokens,{0}_overshoot_w,{0}_false_denials", s.summary.strategy);
+        let _ = write!(
+            out,
+            ",{0}_tokens,{0}_overshoot_w,{0}_false_denials",
+            s.summary.strategy
+        );
     }
     out.push('\n');
     for (i, ideal) in run.ideal_per_s.iter().enumerate() {
-        let requests = run.strategies.first().map_or(0, |s| s.seconds[i].shadow_requests);
+        let requests = run
+            .strategies
+            .first()
+            .map_or(0, |s| s.seconds[i].shadow_requests);
         let _ = write!(out, "{i},{:.3},{ideal},{requests}", run.budget_tokens_per_s);
         for s in &run.strategies {
             let sec = &s.seconds[i];
-            let _ = write!(out, ",{},{:.6},{}", sec.admitted_tokens, sec.overshoot_w, sec.false_denials);
+            let _ = write!(
+                out,
+                ",{},{:.6},{}",
+                sec.admitted_tokens, sec.overshoot_w, sec.false_denials
+            );
         }
         out.push('\n');
     }

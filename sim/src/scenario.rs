@@ -120,9 +120,17 @@ pub struct Scenario {
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]
 pub enum ScenarioError {
     #[error("{scenario} needs at least {min} regions (got {regions})")]
-    TooFewRegions { scenario: ScenarioKind, min: usize, regions: usize },
+    TooFewRegions {
+        scenario: ScenarioKind,
+        min: usize,
+        regions: usize,
+    },
     #[error("{scenario} needs a duration of at least {min_ms} ms (got {duration_ms} ms)")]
-    TooShort { scenario: ScenarioKind, min_ms: u64, duration_ms: u64 },
+    TooShort {
+        scenario: ScenarioKind,
+        min_ms: u64,
+        duration_ms: u64,
+    },
     #[error("invalid policy: {0}")]
     Policy(String),
 }
@@ -143,7 +151,13 @@ fn policy(limit: u64, floor: f64, tier: Tier) -> Result<Policy, ScenarioError> {
 fn weights(regions: usize, hot: Option<RegionIx>, share: f64) -> Vec<f64> {
     match hot {
         Some(h) if regions > 1 => (0..regions)
-            .map(|r| if r == h { share } else { (1.0 - share) / (regions - 1) as f64 })
+            .map(|r| {
+                if r == h {
+                    share
+                } else {
+                    (1.0 - share) / (regions - 1) as f64
+                }
+            })
             .collect(),
         _ => vec![1.0 / regions as f64; regions],
     }
@@ -163,7 +177,15 @@ fn spread(
 ) {
     for (region, &wr) in w.iter().enumerate() {
         if wr > 0.0 {
-            out.push(Source { tenant, region, rate_per_s: rate_per_s * wr, from_ms, until_ms, shape, cost });
+            out.push(Source {
+                tenant,
+                region,
+                rate_per_s: rate_per_s * wr,
+                from_ms,
+                until_ms,
+                shape,
+                cost,
+            });
         }
     }
 }
@@ -183,14 +205,22 @@ impl Scenario {
             _ => 1,
         };
         if n < min_regions {
-            return Err(ScenarioError::TooFewRegions { scenario: kind, min: min_regions, regions: n });
+            return Err(ScenarioError::TooFewRegions {
+                scenario: kind,
+                min: min_regions,
+                regions: n,
+            });
         }
         let min_ms = match kind {
             K::Partition | K::LeaderCrash | K::RedisOutage => 20_000,
             _ => 1_000,
         };
         if d < min_ms {
-            return Err(ScenarioError::TooShort { scenario: kind, min_ms, duration_ms: d });
+            return Err(ScenarioError::TooShort {
+                scenario: kind,
+                min_ms,
+                duration_ms: d,
+            });
         }
         // Fault windows: start at 30% of the run, last a minute (partition) or 30 s, or less in
         // short runs.
@@ -213,7 +243,11 @@ impl Scenario {
             // One tenant in eight is critical (half of them greedy): `quotad_pinned` pins it to
             // its busiest region.
             let critical = k % 8 == 6 || k % 16 == 7;
-            let tier = if critical { Tier::Critical } else { Tier::Standard };
+            let tier = if critical {
+                Tier::Critical
+            } else {
+                Tier::Standard
+            };
             let mut p = policy(limit, opts.floor, tier)?;
             if kind == K::RedisOutage {
                 p.fail_mode = quota_core::FailMode::Local;
@@ -229,7 +263,14 @@ impl Scenario {
             };
             let tenant = tenants.len() as u32;
             let (cost, mean_cost) = match kind {
-                K::HeavyCost => (Cost { base: 1, heavy: 50, p_heavy: 0.02 }, 0.98 + 50.0 * 0.02),
+                K::HeavyCost => (
+                    Cost {
+                        base: 1,
+                        heavy: 50,
+                        p_heavy: 0.02,
+                    },
+                    0.98 + 50.0 * 0.02,
+                ),
                 _ => (Cost::UNIT, 1.0),
             };
             let rate = demand * per_s / mean_cost;
@@ -241,7 +282,16 @@ impl Scenario {
                     while from < d {
                         let until = (from + SUN_PERIOD_MS).min(d);
                         let w = weights(n, Some(period % n), 0.8);
-                        spread(&mut sources, tenant, rate, &w, from, until, Shape::Constant, cost);
+                        spread(
+                            &mut sources,
+                            tenant,
+                            rate,
+                            &w,
+                            from,
+                            until,
+                            Shape::Constant,
+                            cost,
+                        );
                         from = until;
                         period += 1;
                     }
@@ -249,8 +299,26 @@ impl Scenario {
                 K::LeaderCrash => {
                     let shift = fault_from + 5_000;
                     let later = weights(n, Some(2 % n), 0.8);
-                    spread(&mut sources, tenant, rate, &base_weights, 0, shift, Shape::Constant, cost);
-                    spread(&mut sources, tenant, rate, &later, shift, d, Shape::Constant, cost);
+                    spread(
+                        &mut sources,
+                        tenant,
+                        rate,
+                        &base_weights,
+                        0,
+                        shift,
+                        Shape::Constant,
+                        cost,
+                    );
+                    spread(
+                        &mut sources,
+                        tenant,
+                        rate,
+                        &later,
+                        shift,
+                        d,
+                        Shape::Constant,
+                        cost,
+                    );
                 }
                 K::MinuteBursts => {
                     // Each region's clients try 1.5× the whole burst within the first second.
@@ -258,7 +326,16 @@ impl Scenario {
                     let shape = Shape::MinuteBurst { burst_ms: 1_000 };
                     spread(&mut sources, tenant, 1.0, &burst, 0, d, shape, cost);
                 }
-                _ => spread(&mut sources, tenant, rate, &base_weights, 0, d, Shape::Constant, cost),
+                _ => spread(
+                    &mut sources,
+                    tenant,
+                    rate,
+                    &base_weights,
+                    0,
+                    d,
+                    Shape::Constant,
+                    cost,
+                ),
             }
         }
         match kind {
@@ -268,10 +345,21 @@ impl Scenario {
             K::HotTenant => {
                 let tenant = tenants.len() as u32;
                 let limit = 60_000;
-                tenants.push(Tenant { policy: policy(limit, opts.floor, Tier::Standard)? });
+                tenants.push(Tenant {
+                    policy: policy(limit, opts.floor, Tier::Standard)?,
+                });
                 let w = weights(n, Some(0), 0.6);
                 let rate = 10.0 * limit as f64 * 1000.0 / WINDOW_MS as f64;
-                spread(&mut sources, tenant, rate, &w, 0, d, Shape::Constant, Cost::UNIT);
+                spread(
+                    &mut sources,
+                    tenant,
+                    rate,
+                    &w,
+                    0,
+                    d,
+                    Shape::Constant,
+                    Cost::UNIT,
+                );
             }
             K::OneShot => {
                 let p = policy(10, opts.floor, Tier::Standard)?;
@@ -285,17 +373,39 @@ impl Scenario {
                         let region = *regions.choose(rng).expect("at least one region");
                         let mut w = vec![0.0; n];
                         w[region] = 1.0;
-                        spread(&mut sources, tenant, 5.0, &w, from, until, Shape::Constant, Cost::UNIT);
+                        spread(
+                            &mut sources,
+                            tenant,
+                            5.0,
+                            &w,
+                            from,
+                            until,
+                            Shape::Constant,
+                            Cost::UNIT,
+                        );
                     } else {
                         let w = weights(n, None, 0.0);
-                        spread(&mut sources, tenant, 5.0, &w, from, until, Shape::Constant, Cost::UNIT);
+                        spread(
+                            &mut sources,
+                            tenant,
+                            5.0,
+                            &w,
+                            from,
+                            until,
+                            Shape::Constant,
+                            Cost::UNIT,
+                        );
                     }
                 }
             }
             K::Partition => {
                 let len = fault_len(90_000);
                 let until_ms = fault_from + len;
-                faults.list.push(Fault::Isolate { region: n - 1, from_ms: fault_from, until_ms });
+                faults.list.push(Fault::Isolate {
+                    region: n - 1,
+                    from_ms: fault_from,
+                    until_ms,
+                });
                 // The surge comes once the majority has had time to reassign the silent
                 // region's share, with every bucket refilled: what the cut-off region still
                 // enforces then is spent twice unless it stopped at its lease.
@@ -304,25 +414,49 @@ impl Scenario {
                 for (tenant, t) in tenants.iter().enumerate() {
                     let rate = 3.0 * t.policy.limit as f64 * 1000.0 / WINDOW_MS as f64;
                     let (shape, cost) = (Shape::Constant, Cost::UNIT);
-                    spread(&mut sources, tenant as u32, rate, &w, surge_from, until_ms, shape, cost);
+                    spread(
+                        &mut sources,
+                        tenant as u32,
+                        rate,
+                        &w,
+                        surge_from,
+                        until_ms,
+                        shape,
+                        cost,
+                    );
                 }
                 shifts_ms.push(until_ms);
             }
             K::LeaderCrash => {
                 let until_ms = fault_from + fault_len(30_000);
-                faults.list.push(Fault::Crash { region: 0, from_ms: fault_from, until_ms });
+                faults.list.push(Fault::Crash {
+                    region: 0,
+                    from_ms: fault_from,
+                    until_ms,
+                });
                 shifts_ms.push(fault_from + 5_000);
             }
             K::RedisOutage => {
                 let until_ms = fault_from + fault_len(30_000);
-                faults.list.push(Fault::RedisOutage { region: 1, from_ms: fault_from, until_ms });
+                faults.list.push(Fault::RedisOutage {
+                    region: 1,
+                    from_ms: fault_from,
+                    until_ms,
+                });
             }
             K::ClockDrift => {
                 drift_ppm = Some((0..n).map(|r| [2_000, -2_000, 1_000][r % 3]).collect());
             }
             _ => {}
         }
-        Ok(Self { kind, tenants, sources, faults, shifts_ms, drift_ppm })
+        Ok(Self {
+            kind,
+            tenants,
+            sources,
+            faults,
+            shifts_ms,
+            drift_ppm,
+        })
     }
 }
 
@@ -333,7 +467,12 @@ mod tests {
     use super::*;
 
     fn opts() -> ScenarioOptions {
-        ScenarioOptions { regions: 3, duration_ms: 60_000, tenants: 8, floor: 0.05 }
+        ScenarioOptions {
+            regions: 3,
+            duration_ms: 60_000,
+            tenants: 8,
+            floor: 0.05,
+        }
     }
 
     #[test]
@@ -342,24 +481,50 @@ mod tests {
             let s = Scenario::build(kind, &opts(), &mut ChaCha8Rng::seed_from_u64(1)).unwrap();
             assert!(!s.sources.is_empty(), "{kind}");
             assert!(s.tenants.iter().all(|t| t.policy.window_ms == WINDOW_MS));
-            assert!(s.sources.iter().all(|src| (src.tenant as usize) < s.tenants.len()));
-            assert!(s.sources.iter().all(|src| src.region < 3 && src.until_ms <= 60_000));
+            assert!(s
+                .sources
+                .iter()
+                .all(|src| (src.tenant as usize) < s.tenants.len()));
+            assert!(s
+                .sources
+                .iter()
+                .all(|src| src.region < 3 && src.until_ms <= 60_000));
         }
     }
 
     #[test]
     fn skewed_demand_lands_mostly_in_one_region() {
-        let s = Scenario::build(ScenarioKind::Skewed, &opts(), &mut ChaCha8Rng::seed_from_u64(1))
-            .unwrap();
-        let rate = |r| s.sources.iter().filter(|x| x.region == r).map(|x| x.rate_per_s).sum::<f64>();
+        let s = Scenario::build(
+            ScenarioKind::Skewed,
+            &opts(),
+            &mut ChaCha8Rng::seed_from_u64(1),
+        )
+        .unwrap();
+        let rate = |r| {
+            s.sources
+                .iter()
+                .filter(|x| x.region == r)
+                .map(|x| x.rate_per_s)
+                .sum::<f64>()
+        };
         let total: f64 = (0..3).map(rate).sum();
         assert!((rate(1) / total - 0.8).abs() < 1e-9);
     }
 
     #[test]
     fn fault_scenarios_refuse_too_few_regions() {
-        let o = ScenarioOptions { regions: 2, ..opts() };
-        let e = Scenario::build(ScenarioKind::Partition, &o, &mut ChaCha8Rng::seed_from_u64(1));
-        assert!(matches!(e, Err(ScenarioError::TooFewRegions { min: 3, .. })));
+        let o = ScenarioOptions {
+            regions: 2,
+            ..opts()
+        };
+        let e = Scenario::build(
+            ScenarioKind::Partition,
+            &o,
+            &mut ChaCha8Rng::seed_from_u64(1),
+        );
+        assert!(matches!(
+            e,
+            Err(ScenarioError::TooFewRegions { min: 3, .. })
+        ));
     }
 }

@@ -78,8 +78,15 @@ pub fn run_scenario(
         floor: cfg.floor,
     };
     let scenario = Scenario::build(kind, &opts, &mut rng_for(cfg.seed, kind.name()))?;
-    let spec = WorldSpec { regions: cfg.regions, ..WorldSpec::default() };
-    let mut world = World::new(&spec, scenario.faults.clone(), &mut rng_for(cfg.seed, "world"));
+    let spec = WorldSpec {
+        regions: cfg.regions,
+        ..WorldSpec::default()
+    };
+    let mut world = World::new(
+        &spec,
+        scenario.faults.clone(),
+        &mut rng_for(cfg.seed, "world"),
+    );
     if let Some(drift) = &scenario.drift_ppm {
         for (clock, &ppm) in world.clocks.iter_mut().zip(drift) {
             clock.drift_ppm = ppm;
@@ -92,10 +99,21 @@ pub fn run_scenario(
         control: &cfg.control,
         global_fail_open: cfg.global_fail_open,
     };
-    let mut strats: Vec<_> = strategies.iter().map(|&k| strategy::build(k, &setup)).collect();
+    let mut strats: Vec<_> = strategies
+        .iter()
+        .map(|&k| strategy::build(k, &setup))
+        .collect();
     let mut recorders: Vec<_> = strategies
         .iter()
-        .map(|_| Recorder::new(tenants, WINDOW_MS, cfg.tick_ms, cfg.duration_ms, cfg.warmup_ms))
+        .map(|_| {
+            Recorder::new(
+                tenants,
+                WINDOW_MS,
+                cfg.tick_ms,
+                cfg.duration_ms,
+                cfg.warmup_ms,
+            )
+        })
         .collect();
     let mut shadow = Shadow::new(tenants);
     let mut arrivals = Arrivals::new(scenario.sources.clone(), rng_for(cfg.seed, "arrivals"));
@@ -144,5 +162,12 @@ pub fn run_scenario(
             seconds: rec.seconds().to_vec(),
         })
         .collect();
-    Ok(ScenarioRun { scenario: kind, strategies, budget_tokens_per_s, ideal_per_s, decisions, wall_s })
+    Ok(ScenarioRun {
+        scenario: kind,
+        strategies,
+        budget_tokens_per_s,
+        ideal_per_s,
+        decisions,
+        wall_s,
+    })
 }

@@ -25,7 +25,9 @@ pub enum Shape {
     Constant,
     /// Sends only during the first `burst_ms` of every minute (cron jobs on synchronised
     /// clocks), at its full rate.
-    MinuteBurst { burst_ms: u64 },
+    MinuteBurst {
+        burst_ms: u64,
+    },
 }
 
 /// The cost of each request: `base`, or `heavy` with probability `p_heavy`.
@@ -38,7 +40,11 @@ pub struct Cost {
 
 impl Cost {
     /// Every request costs one token.
-    pub const UNIT: Cost = Cost { base: 1, heavy: 1, p_heavy: 0.0 };
+    pub const UNIT: Cost = Cost {
+        base: 1,
+        heavy: 1,
+        p_heavy: 0.0,
+    };
 }
 
 /// One stream of requests: `rate_per_s` requests a second on average over `[from_ms, until_ms)`.
@@ -98,7 +104,13 @@ pub struct Arrivals {
 impl Arrivals {
     pub fn new(mut sources: Vec<Source>, rng: ChaCha8Rng) -> Self {
         sources.sort_by_key(|s| (s.from_ms, s.tenant, s.region));
-        Self { sources, next: 0, active: Vec::new(), counts: Vec::new(), rng }
+        Self {
+            sources,
+            next: 0,
+            active: Vec::new(),
+            counts: Vec::new(),
+            rng,
+        }
     }
 
     /// Fills `out` with the requests arriving in the tick `[t_ms, t_ms + dt_ms)`.
@@ -114,7 +126,8 @@ impl Arrivals {
         let sources = &self.sources;
         self.active.retain(|&i| sources[i].until_ms > t_ms);
         if changed || self.active.len() != before {
-            self.active.sort_by_key(|&i| (sources[i].tenant, sources[i].region));
+            self.active
+                .sort_by_key(|&i| (sources[i].tenant, sources[i].region));
         }
         self.counts.clear();
         for &i in &self.active {
@@ -123,7 +136,11 @@ impl Arrivals {
                 Shape::Constant => true,
                 Shape::MinuteBurst { burst_ms } => t_ms % 60_000 < burst_ms,
             };
-            let mean = if on { s.rate_per_s * dt_ms as f64 / 1000.0 } else { 0.0 };
+            let mean = if on {
+                s.rate_per_s * dt_ms as f64 / 1000.0
+            } else {
+                0.0
+            };
             self.counts.push(poisson(&mut self.rng, mean));
         }
         // Interleave each tenant's requests round-robin across its sources.
@@ -148,7 +165,11 @@ impl Arrivals {
                     } else {
                         s.cost.base
                     };
-                    out.push(Request { tenant, region: s.region, cost });
+                    out.push(Request {
+                        tenant,
+                        region: s.region,
+                        cost,
+                    });
                 }
                 if !any {
                     break;
@@ -190,8 +211,10 @@ mod tests {
 
     #[test]
     fn a_tenants_requests_alternate_between_regions() {
-        let mut a =
-            Arrivals::new(vec![source(0, 0, 1000.0), source(0, 1, 1000.0)], ChaCha8Rng::seed_from_u64(1));
+        let mut a = Arrivals::new(
+            vec![source(0, 0, 1000.0), source(0, 1, 1000.0)],
+            ChaCha8Rng::seed_from_u64(1),
+        );
         let mut out = Vec::new();
         a.tick(0, 10, &mut out);
         assert!(out.len() > 10);
@@ -215,7 +238,10 @@ mod tests {
         a.tick(150, 10, &mut out);
         assert!(out.iter().any(|r| r.tenant == 1));
         a.tick(2000, 10, &mut out);
-        assert!(out.is_empty(), "past the burst and the span nothing arrives");
+        assert!(
+            out.is_empty(),
+            "past the burst and the span nothing arrives"
+        );
         a.tick(60_000, 10, &mut out);
         assert!(!out.is_empty() && out.iter().all(|r| r.tenant == 2));
     }

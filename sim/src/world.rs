@@ -42,7 +42,12 @@ pub struct WorldSpec {
 
 impl Default for WorldSpec {
     fn default() -> Self {
-        Self { regions: 3, rtt_min_ms: 50, rtt_max_ms: 150, drift_ppm_max: 100 }
+        Self {
+            regions: 3,
+            rtt_min_ms: 50,
+            rtt_max_ms: 150,
+            drift_ppm_max: 100,
+        }
     }
 }
 
@@ -73,7 +78,12 @@ impl World {
                 drift_ppm: rng.random_range(-spec.drift_ppm_max..=spec.drift_ppm_max),
             })
             .collect();
-        Self { regions: n, rtt_ms, clocks, faults }
+        Self {
+            regions: n,
+            rtt_ms,
+            clocks,
+            faults,
+        }
     }
 
     /// The WAN round trip between two regions (0 within one).
@@ -108,7 +118,11 @@ impl World {
 
     /// The largest clock-rate error of any region, in ppm (what a lease margin must cover).
     pub fn max_drift_ppm(&self) -> u64 {
-        self.clocks.iter().map(|c| c.drift_ppm.unsigned_abs()).max().unwrap_or(0)
+        self.clocks
+            .iter()
+            .map(|c| c.drift_ppm.unsigned_abs())
+            .max()
+            .unwrap_or(0)
     }
 }
 
@@ -122,7 +136,10 @@ mod tests {
     #[test]
     fn latencies_are_symmetric_and_in_range() {
         let mut rng = ChaCha8Rng::seed_from_u64(7);
-        let spec = WorldSpec { regions: 5, ..WorldSpec::default() };
+        let spec = WorldSpec {
+            regions: 5,
+            ..WorldSpec::default()
+        };
         let w = World::new(&spec, Faults::default(), &mut rng);
         for a in 0..5 {
             assert_eq!(w.rtt_ms(a, a), 0);
@@ -137,8 +154,14 @@ mod tests {
 
     #[test]
     fn drifting_clocks_run_fast_or_slow() {
-        let fast = Clock { offset_ms: 0, drift_ppm: 10_000 };
-        let slow = Clock { offset_ms: 5, drift_ppm: -10_000 };
+        let fast = Clock {
+            offset_ms: 0,
+            drift_ppm: 10_000,
+        };
+        let slow = Clock {
+            offset_ms: 5,
+            drift_ppm: -10_000,
+        };
         assert_eq!(fast.local_ms(100_000), 101_000);
         assert_eq!(slow.local_ms(100_000), 99_005);
     }
@@ -146,8 +169,13 @@ mod tests {
     #[test]
     fn isolation_cuts_every_link_of_the_region() {
         let mut rng = ChaCha8Rng::seed_from_u64(1);
-        let faults =
-            Faults { list: vec![Fault::Isolate { region: 2, from_ms: 10, until_ms: 20 }] };
+        let faults = Faults {
+            list: vec![Fault::Isolate {
+                region: 2,
+                from_ms: 10,
+                until_ms: 20,
+            }],
+        };
         let w = World::new(&WorldSpec::default(), faults, &mut rng);
         assert!(w.link_up(0, 1, 15));
         assert!(!w.link_up(0, 2, 15) && !w.link_up(2, 1, 15));

@@ -49,22 +49,36 @@ impl Bench {
         };
         for r in 0..REGIONS {
             let region = RegionId::new(format!("region-{r}")).unwrap();
-            b.apply(Operation::PutRegion { region, reserves_floor: true, draining: false });
+            b.apply(Operation::PutRegion {
+                region,
+                reserves_floor: true,
+                draining: false,
+            });
         }
         let writes = PolicyName::new("writes").unwrap();
         for i in 0..tenants {
-            let key = PolicyKey::new(TenantId::new(format!("tenant-{i:07}")).unwrap(), writes.clone());
+            let key = PolicyKey::new(
+                TenantId::new(format!("tenant-{i:07}")).unwrap(),
+                writes.clone(),
+            );
             let policy = Policy {
                 limit: 60_000,
                 window_ms: 60_000,
                 burst: 60_000,
                 version: 0,
-                tier: if i % 100 == 0 { Tier::Critical } else { Tier::Standard },
+                tier: if i % 100 == 0 {
+                    Tier::Critical
+                } else {
+                    Tier::Standard
+                },
                 fail_mode: FailMode::Local,
                 floor_ppm: 20_000,
                 algorithm: Algorithm::TokenBucket,
             };
-            b.apply(Operation::PutPolicy { key: key.clone(), policy });
+            b.apply(Operation::PutPolicy {
+                key: key.clone(),
+                policy,
+            });
             b.keys.push(key);
         }
         b.renew_all();
@@ -73,7 +87,11 @@ impl Bench {
 
     fn apply(&mut self, op: Operation) {
         self.next_id += 1;
-        let cmd = Command { request: RequestId(self.next_id), now_ms: self.now_ms, op };
+        let cmd = Command {
+            request: RequestId(self.next_id),
+            now_ms: self.now_ms,
+            op,
+        };
         self.state.apply(&cmd);
     }
 
@@ -81,7 +99,10 @@ impl Bench {
         let epoch = self.state.epoch;
         for r in 0..REGIONS {
             let region = RegionId::new(format!("region-{r}")).unwrap();
-            self.apply(Operation::RenewLease { region, acked_epoch: epoch });
+            self.apply(Operation::RenewLease {
+                region,
+                acked_epoch: epoch,
+            });
         }
     }
 
@@ -94,7 +115,13 @@ impl Bench {
             let main = (i + shift) % REGIONS;
             let total = rng.random_range(RATE_UT_PER_S / 10..RATE_UT_PER_S * 2);
             let rates = (0..REGIONS)
-                .map(|r| if r == main { total * 6 / 10 } else { total / 10 })
+                .map(|r| {
+                    if r == main {
+                        total * 6 / 10
+                    } else {
+                        total / 10
+                    }
+                })
                 .collect();
             self.demand.set(key.clone(), rates);
         }
@@ -177,9 +204,17 @@ fn run(tenants: usize) {
     println!(
         "snapshot after rebalancing: {:.1} bytes/policy; Σ check: {}",
         bytes.len() as f64 / tenants as f64,
-        if b.state.check_invariant().is_ok() { "ok" } else { "VIOLATED" }
+        if b.state.check_invariant().is_ok() {
+            "ok"
+        } else {
+            "VIOLATED"
+        }
     );
-    let sum_ok = b.state.entries.values().all(|e| e.shares_ppm.iter().sum::<u32>() <= PPM);
+    let sum_ok = b
+        .state
+        .entries
+        .values()
+        .all(|e| e.shares_ppm.iter().sum::<u32>() <= PPM);
     assert!(sum_ok);
 }
 

@@ -31,6 +31,9 @@ use crate::lease::Revocation;
 use crate::policy::PPM;
 
 /// Allocator tuning. Units are last in every name.
+///
+/// Lease timing is not here: it is replicated in the state ([`crate::lease::LeaseConfig`],
+/// set with `Operation::SetLeaseConfig`) because `apply` needs it on every replica.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct AllocatorConfig {
@@ -62,7 +65,12 @@ impl Default for AllocatorConfig {
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum AllocatorConfigError {
     #[error("{field} must be between {min} and {max} (got {value})")]
-    OutOfRange { field: &'static str, value: u64, min: u64, max: u64 },
+    OutOfRange {
+        field: &'static str,
+        value: u64,
+        min: u64,
+        max: u64,
+    },
 }
 
 impl AllocatorConfig {
@@ -72,19 +80,36 @@ impl AllocatorConfig {
         let checks: [(&'static str, u64, u64, u64); 5] = [
             ("ewma_alpha_ppm", u64::from(self.ewma_alpha_ppm), 1, ppm),
             ("max_step_ppm", u64::from(self.max_step_ppm), 1, ppm),
-            ("change_threshold_ppm", u64::from(self.change_threshold_ppm), 0, ppm),
-            ("pin_hysteresis_ppm", u64::from(self.pin_hysteresis_ppm), 0, 10 * ppm),
-            ("max_entries_per_command", u64::from(self.max_entries_per_command), 1, 1 << 20),
+            (
+                "change_threshold_ppm",
+                u64::from(self.change_threshold_ppm),
+                0,
+                ppm,
+            ),
+            (
+                "pin_hysteresis_ppm",
+                u64::from(self.pin_hysteresis_ppm),
+                0,
+                10 * ppm,
+            ),
+            (
+                "max_entries_per_command",
+                u64::from(self.max_entries_per_command),
+                1,
+                1 << 20,
+            ),
         ];
         let errors: Vec<_> = checks
             .iter()
             .filter(|(_, v, min, max)| v < min || v > max)
-            .map(|&(field, value, min, max)| AllocatorConfigError::OutOfRange {
-                field,
-                value,
-                min,
-                max,
-            })
+            .map(
+                |&(field, value, min, max)| AllocatorConfigError::OutOfRange {
+                    field,
+                    value,
+                    min,
+                    max,
+                },
+            )
             .collect();
         if errors.is_empty() {
             Ok(())
@@ -123,7 +148,10 @@ impl Plan {
             commands.push(Command {
                 request: next_id(),
                 now_ms,
-                op: Operation::SetShares { membership: self.membership, entries },
+                op: Operation::SetShares {
+                    membership: self.membership,
+                    entries,
+                },
             });
             entries = rest;
         }
@@ -149,18 +177,29 @@ pub fn water_fill(lower: &[u32], cap: &[u64], budget: u32) -> Vec<u32> {
 }
 
 fn fill_at(lower: &[u32], cap: &[u64], level: u64) -> u64 {
-    lower.iter().zip(cap).map(|(&lo, &c)| u64::from(lo).max(c.min(level))).sum()
+    lower
+        .iter()
+        .zip(cap)
+        .map(|(&lo, &c)| u64::from(lo).max(c.min(level)))
+        .sum()
 }
 
 fn water_fill_into(lower: &[u32], cap: &[u64], budget: u32, out: &mut [u32]) {
     debug_assert_eq!(lower.len(), cap.len());
     let budget64 = u64::from(budget);
     // A cap above the budget is as good as infinite; clamping keeps the sums from overflowing.
-    let full: u64 =
-        lower.iter().zip(cap).map(|(&lo, &c)| u64::from(lo).max(c.min(budget64))).sum();
+    let full: u64 = lower
+        .iter()
+        .zip(cap)
+        .map(|(&lo, &c)| u64::from(lo).max(c.min(budget64)))
+        .sum();
     if full <= budget64 || lower.iter().map(|&l| u64::from(l)).sum::<u64>() >= budget64 {
         for (o, (&lo, &c)) in out.iter_mut().zip(lower.iter().zip(cap)) {
-            *o = if full <= budget64 { u64::from(lo).max(c.min(budget64)) as u32 } else { lo };
+            *o = if full <= budget64 {
+                u64::from(lo).max(c.min(budget64)) as u32
+            } else {
+                lo
+            };
         }
         return;
     }
@@ -231,7 +270,9 @@ pub fn choose_home(
     let best = (0..demand_ppm.len())
         .filter(|&r| eligible[r] && demand_ppm[r] > 0)
         .max_by_key(|&r| (demand_ppm[r], std::cmp::Reverse(r)))?;
-    let Some(home) = current.map(usize::from).filter(|&h| h < eligible.len() && eligible[h])
+    let Some(home) = current
+        .map(usize::from)
+        .filter(|&h| h < eligible.len() && eligible[h])
     else {
         return Some(best as u8);
     };
@@ -254,7 +295,14 @@ pub fn step_towards(
     max_step_ppm: u32,
 ) -> Vec<u32> {
     let mut out = vec![0; current.len()];
-    step_into(current, target, floors, enforceable_after_decrease, max_step_ppm, &mut out);
+    step_into(
+        current,
+        target,
+        floors,
+        enforceable_after_decrease,
+        max_step_ppm,
+        &mut out,
+    );
     out
 }
 
@@ -295,7 +343,9 @@ fn step_into(
             room -= add;
         }
     }
-    let want: u64 = (0..n).map(|r| u64::from(desired[r] - out[r].min(desired[r]))).sum();
+    let want: u64 = (0..n)
+        .map(|r| u64::from(desired[r] - out[r].min(desired[r])))
+        .sum();
     if want == 0 || room == 0 {
         return;
     }
@@ -317,7 +367,9 @@ fn enforceable_after(
     now_ms: u64,
 ) -> u32 {
     let now_enforceable = state.enforceable(entry, region, now_ms);
-    let Some(r) = state.region(region) else { return now_enforceable };
+    let Some(r) = state.region(region) else {
+        return now_enforceable;
+    };
     if new >= old {
         return now_enforceable;
     }
@@ -326,7 +378,9 @@ fn enforceable_after(
         share_ppm: old,
         floor_ppm: state.floor_of(&entry.policy, region).min(old),
         epoch: state.epoch + 1,
-        deadline_ms: r.lease_expires_at_ms.saturating_add(state.lease.drift_margin_ms),
+        deadline_ms: r
+            .lease_expires_at_ms
+            .saturating_add(state.lease.drift_margin_ms),
     };
     now_enforceable.max(rev.contribution(r.acked_epoch, now_ms))
 }
@@ -350,7 +404,10 @@ pub fn plan(
             eligible[r] = !region.draining;
         }
     }
-    let mut plan = Plan { membership: state.membership, ..Plan::default() };
+    let mut plan = Plan {
+        membership: state.membership,
+        ..Plan::default()
+    };
     let mut demand_iter = demand.iter().peekable();
     let zero = [0u64; MAX_REGIONS];
     for (key, entry) in &state.entries {
@@ -380,7 +437,7 @@ pub fn plan(
         let mut floors = [0u32; MAX_REGIONS];
         let mut current = [0u32; MAX_REGIONS];
         for r in 0..n {
-            floors[r] = state.floor_of(&entry.policy, r);
+            floors[r] = state.guaranteed_floor(&entry.policy, r);
             current[r] = entry.share(r);
         }
         let (floors, current) = (&floors[..n], &current[..n]);
@@ -416,7 +473,11 @@ pub fn plan(
             Some(h) => {
                 let others: u32 = (0..n).filter(|&r| r != h).map(|r| floors[r]).sum();
                 for r in 0..n {
-                    target[r] = if r == h { PPM - others.min(PPM) } else { floors[r] };
+                    target[r] = if r == h {
+                        PPM - others.min(PPM)
+                    } else {
+                        floors[r]
+                    };
                 }
             }
             None => target_into(floors, demand_ppm, &eligible[..n], &mut target[..n]),
@@ -425,7 +486,14 @@ pub fn plan(
         // Pass 1 decides the decreases; their revocations shape the room for increases.
         let mut enforceable = [0u32; MAX_REGIONS];
         let mut new = [0u32; MAX_REGIONS];
-        step_into(current, &target[..n], floors, current, config.max_step_ppm, &mut new[..n]);
+        step_into(
+            current,
+            &target[..n],
+            floors,
+            current,
+            config.max_step_ppm,
+            &mut new[..n],
+        );
         for r in 0..n {
             enforceable[r] = enforceable_after(state, entry, r, current[r], new[r], now);
         }
@@ -441,7 +509,9 @@ pub fn plan(
         // Judge by the distance to the target, not by this round's move: a move that is only
         // the revoking half of a transfer is small but must still happen.
         let moved = (0..n).any(|r| current[r] != new[r]);
-        let distance: u64 = (0..n).map(|r| u64::from(current[r].abs_diff(target[r]))).sum();
+        let distance: u64 = (0..n)
+            .map(|r| u64::from(current[r].abs_diff(target[r])))
+            .sum();
         let floor_repair = (0..n).any(|r| new[r] > current[r] && current[r] < floors[r]);
         let wrong_length = entry.shares_ppm.len() != n;
         if (moved && (distance >= u64::from(config.change_threshold_ppm.max(1)) || floor_repair))
@@ -498,13 +568,33 @@ mod tests {
             // No demand: even split.
             (&[0, 0], &[0, 0], &[true, true], &[p / 2, p / 2]),
             // Demand 3:1 with spare budget: demand met, spare split evenly.
-            (&[0, 0], &[300_000, 100_000], &[true, true], &[600_000, 400_000]),
+            (
+                &[0, 0],
+                &[300_000, 100_000],
+                &[true, true],
+                &[600_000, 400_000],
+            ),
             // Over-subscribed: max-min fair.
-            (&[0, 0, 0], &[100_000, p as u64, p as u64], &[true; 3], &[100_000, 450_000, 450_000]),
+            (
+                &[0, 0, 0],
+                &[100_000, p as u64, p as u64],
+                &[true; 3],
+                &[100_000, 450_000, 450_000],
+            ),
             // Floors of 10% and one region holding all demand.
-            (&[100_000; 3], &[0, 0, 2 * p as u64], &[true; 3], &[100_000, 100_000, 800_000]),
+            (
+                &[100_000; 3],
+                &[0, 0, 2 * p as u64],
+                &[true; 3],
+                &[100_000, 100_000, 800_000],
+            ),
             // A draining region keeps only its floor.
-            (&[50_000, 50_000], &[p as u64, p as u64], &[false, true], &[50_000, 950_000]),
+            (
+                &[50_000, 50_000],
+                &[p as u64, p as u64],
+                &[false, true],
+                &[50_000, 950_000],
+            ),
         ];
         for (i, &(floors, demand, eligible, expected)) in cases.iter().enumerate() {
             assert_eq!(target_split(floors, demand, eligible), expected, "case {i}");
@@ -544,7 +634,10 @@ mod tests {
         // 40 > 25 · 1.25: moves.
         assert_eq!(choose_home(Some(2), &[10, 40, 25], &e, 250_000), Some(1));
         // A home that is no longer eligible is replaced.
-        assert_eq!(choose_home(Some(2), &[10, 40, 25], &[true, true, false], 250_000), Some(1));
+        assert_eq!(
+            choose_home(Some(2), &[10, 40, 25], &[true, true, false], 250_000),
+            Some(1)
+        );
     }
 
     #[test]

@@ -49,7 +49,10 @@ pub enum ParamsError {
     #[error("refill rate {rate_ut_per_s} µt/s exceeds the maximum {MAX_RATE_UT_PER_S}")]
     Rate { rate_ut_per_s: u64 },
     #[error("capacity {capacity_ut} µt at {rate_ut_per_s} µt/s takes too long to fill")]
-    FillTime { capacity_ut: u64, rate_ut_per_s: u64 },
+    FillTime {
+        capacity_ut: u64,
+        rate_ut_per_s: u64,
+    },
 }
 
 impl BucketParams {
@@ -62,9 +65,15 @@ impl BucketParams {
             return Err(ParamsError::Rate { rate_ut_per_s });
         }
         if rate_ut_per_s > 0 && capacity_ut / rate_ut_per_s >= MAX_FILL_RATIO {
-            return Err(ParamsError::FillTime { capacity_ut, rate_ut_per_s });
+            return Err(ParamsError::FillTime {
+                capacity_ut,
+                rate_ut_per_s,
+            });
         }
-        Ok(Self { capacity_ut, rate_ut_per_s })
+        Ok(Self {
+            capacity_ut,
+            rate_ut_per_s,
+        })
     }
 
     /// The bucket for `share_ppm` of a policy's global budget (capacity `s·C`, refill `s·r`).
@@ -72,14 +81,18 @@ impl BucketParams {
         let share = u64::from(share_ppm.min(PPM));
         // burst ≤ MAX_BURST so burst · share ≤ MAX_CAPACITY_UT.
         let capacity_ut = policy.burst * share;
-        let rate = (u128::from(policy.rate_ut_per_s()) * u128::from(share) / u128::from(PPM)) as u64;
+        let rate =
+            (u128::from(policy.rate_ut_per_s()) * u128::from(share) / u128::from(PPM)) as u64;
         // Rounding a tiny share's rate down can make the fill time absurd; nudge it up instead.
         let rate_ut_per_s = if rate > 0 && capacity_ut / rate >= MAX_FILL_RATIO {
             capacity_ut / MAX_FILL_RATIO + 1
         } else {
             rate
         };
-        Self { capacity_ut, rate_ut_per_s }
+        Self {
+            capacity_ut,
+            rate_ut_per_s,
+        }
     }
 
     /// The whole-budget bucket of a policy (the global bucket of DESIGN.md).
@@ -124,7 +137,11 @@ pub fn refill(now_ms: u64, params: &BucketParams, state: Option<&BucketState>) -
     let cap = params.capacity_ut;
     let rate = params.rate_ut_per_s;
     let Some(s) = state else {
-        return BucketState { tokens_ut: cap, carry: 0, ts_ms: now_ms };
+        return BucketState {
+            tokens_ut: cap,
+            carry: 0,
+            ts_ms: now_ms,
+        };
     };
     let mut s = *s;
     if s.tokens_ut >= cap {
@@ -177,7 +194,12 @@ pub fn decide(
     } else {
         Some(time_to(cap - s.tokens_ut, s.carry, rate))
     };
-    let decision = Decision { allowed, remaining: s.tokens_ut / UT, retry_after_ms, reset_ms };
+    let decision = Decision {
+        allowed,
+        remaining: s.tokens_ut / UT,
+        retry_after_ms,
+        reset_ms,
+    };
     (decision, s)
 }
 
@@ -189,7 +211,11 @@ pub fn idle_ttl_ms(params: &BucketParams, state: &BucketState) -> u64 {
     } else if params.rate_ut_per_s == 0 {
         u64::MAX
     } else {
-        time_to(params.capacity_ut - state.tokens_ut, state.carry, params.rate_ut_per_s)
+        time_to(
+            params.capacity_ut - state.tokens_ut,
+            state.carry,
+            params.rate_ut_per_s,
+        )
     }
 }
 
@@ -210,7 +236,14 @@ mod tests {
         assert_eq!(d.remaining, 7);
         assert_eq!(d.retry_after_ms, Some(0));
         assert_eq!(d.reset_ms, Some(3000));
-        assert_eq!(s, BucketState { tokens_ut: 7 * UT, carry: 0, ts_ms: 1000 });
+        assert_eq!(
+            s,
+            BucketState {
+                tokens_ut: 7 * UT,
+                carry: 0,
+                ts_ms: 1000
+            }
+        );
     }
 
     #[test]
@@ -265,18 +298,37 @@ mod tests {
         let dry = params(5, 0);
         let (_, s) = decide(0, &dry, None, 5);
         let (d, _) = decide(1_000_000, &dry, Some(&s), 1);
-        assert_eq!((d.allowed, d.retry_after_ms, d.reset_ms), (false, None, None));
+        assert_eq!(
+            (d.allowed, d.retry_after_ms, d.reset_ms),
+            (false, None, None)
+        );
     }
 
     #[test]
     fn shares_scale_capacity_and_rate() {
-        let policy = PolicySpec { limit: 600.0, window_ms: 60_000.0, ..Default::default() }
-            .validate()
-            .unwrap();
+        let policy = PolicySpec {
+            limit: 600.0,
+            window_ms: 60_000.0,
+            ..Default::default()
+        }
+        .validate()
+        .unwrap();
         let g = BucketParams::global(&policy);
-        assert_eq!(g, BucketParams { capacity_ut: 600 * UT, rate_ut_per_s: 10 * UT });
+        assert_eq!(
+            g,
+            BucketParams {
+                capacity_ut: 600 * UT,
+                rate_ut_per_s: 10 * UT
+            }
+        );
         let third = BucketParams::for_share(&policy, PPM / 4);
-        assert_eq!(third, BucketParams { capacity_ut: 150 * UT, rate_ut_per_s: 10 * UT / 4 });
+        assert_eq!(
+            third,
+            BucketParams {
+                capacity_ut: 150 * UT,
+                rate_ut_per_s: 10 * UT / 4
+            }
+        );
         assert!(BucketParams::new(third.capacity_ut, third.rate_ut_per_s).is_ok());
     }
 

@@ -35,7 +35,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::ids::{PolicyName, RegionId, TenantId};
 use crate::lease::{LeaseConfig, LeaseConfigError, Revocation};
-use crate::policy::{Policy, Tier, PPM};
+use crate::policy::{Policy, PolicySpec, Tier, PPM};
 
 /// The most region slots a cluster may have; slots are addressed by `u8`.
 pub const MAX_REGIONS: usize = 32;
@@ -115,7 +115,9 @@ impl Entry {
 
     /// The live revocation of a region, if any.
     pub fn revocation(&self, region: usize) -> Option<&Revocation> {
-        self.revocations.iter().find(|r| usize::from(r.region) == region)
+        self.revocations
+            .iter()
+            .find(|r| usize::from(r.region) == region)
     }
 }
 
@@ -141,7 +143,8 @@ pub struct ShareEntry {
 /// A replicated command, stamped by the leader.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Command {
-    /// Answers a duplicate with the original response.
+    /// Answers a duplicate with the original response: draw a fresh id per logical request
+    /// (e.g. `RequestId(rng.random())`) and reuse it on retries.
     pub request: RequestId,
     /// The leader's clock when it proposed the command; clamped to be monotonic.
     pub now_ms: u64,
@@ -151,7 +154,8 @@ pub struct Command {
 /// What a command does.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub enum Operation {
-    /// Creates or replaces a policy; the state assigns its version.
+    /// Creates or replaces a policy; the state assigns its version from a counter that never
+    /// repeats (so a Redis key of a deleted policy is never reused).
     PutPolicy { key: PolicyKey, policy: Policy },
     /// Deletes a policy: its shares drop to zero, tracked until no region may enforce them.
     DeletePolicy { key: PolicyKey },
@@ -167,8 +171,13 @@ pub enum Operation {
     },
     /// Renews a region's lease and records the epoch it has applied.
     RenewLease { region: RegionId, acked_epoch: u64 },
-    /// Adds a region, or changes whether it is draining.
-    PutRegion { region: RegionId, reserves_floor: bool, draining: bool },
+    /// Adds a region, or changes whether it is draining. A draining region loses its floor
+    /// guarantee, so the allocator can empty it and it can then be removed.
+    PutRegion {
+        region: RegionId,
+        reserves_floor: bool,
+        draining: bool,
+    },
     /// Removes a region that holds no share any more.
     RemoveRegion { region: RegionId },
     /// Forgets deleted policies no region may enforce any more.
@@ -182,15 +191,28 @@ pub enum Operation {
 pub enum EntryRejection {
     UnknownPolicy,
     /// The share vector does not have one share per region slot.
-    WrongLength { expected: u32, found: u32 },
+    WrongLength {
+        expected: u32,
+        found: u32,
+    },
     /// A share above PPM, or a share for an empty slot.
-    BadShare { region: u8, share_ppm: u32 },
+    BadShare {
+        region: u8,
+        share_ppm: u32,
+    },
     /// The change would cut a region below its floor.
-    CutsFloor { region: u8, floor_ppm: u32 },
+    CutsFloor {
+        region: u8,
+        floor_ppm: u32,
+    },
     /// The change would let regions enforce more than the whole budget.
-    BudgetExceeded { enforceable_ppm: u64 },
+    BudgetExceeded {
+        enforceable_ppm: u64,
+    },
     /// An automatic home for a policy an operator pinned, or for an empty slot.
-    BadHome { region: u8 },
+    BadHome {
+        region: u8,
+    },
     /// A deleted policy gets no share.
     Deleted,
 }
@@ -205,9 +227,16 @@ pub struct RejectedEntry {
 /// The answer to a command. Business rejections are responses, never errors or panics.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub enum Response {
-    PolicyStored { version: u64, epoch: u64 },
-    PolicyDeleted { epoch: u64 },
-    Pinned { home: u8 },
+    PolicyStored {
+        version: u64,
+        epoch: u64,
+    },
+    PolicyDeleted {
+        epoch: u64,
+    },
+    Pinned {
+        home: u8,
+    },
     Unpinned,
     SharesSet {
         /// The epoch of this allocation (unchanged when nothing was accepted).
@@ -226,24 +255,54 @@ pub enum Response {
         /// Coordinator time the lease ends (for display; regions count `lease_ms` locally).
         expires_at_ms: u64,
     },
-    RegionStored { index: u8, membership: u64 },
-    RegionRemoved { membership: u64 },
-    Forgotten { count: u32 },
+    RegionStored {
+        index: u8,
+        membership: u64,
+    },
+    RegionRemoved {
+        membership: u64,
+    },
+    Forgotten {
+        count: u32,
+    },
     LeaseConfigSet,
     UnknownPolicy,
-    UnknownRegion { region: RegionId },
+    /// The policy breaks the rules of `PolicySpec::validate`; the offending fields are named.
+    InvalidPolicy {
+        fields: Vec<String>,
+    },
+    UnknownRegion {
+        region: RegionId,
+    },
     /// Floors of every floor-reserving region would exceed the budget.
-    FloorsExceedBudget { floor_ppm: u32, floor_regions: u32 },
-    TooManyRegions { max: u32 },
+    FloorsExceedBudget {
+        floor_ppm: u32,
+        floor_regions: u32,
+    },
+    TooManyRegions {
+        max: u32,
+    },
     /// Floor reservation is fixed for an existing region.
-    RegionRulesImmutable { region: RegionId },
+    RegionRulesImmutable {
+        region: RegionId,
+    },
     /// The region still holds (or may still enforce) share, or is some policy's home.
-    RegionInUse { region: RegionId },
+    RegionInUse {
+        region: RegionId,
+    },
     /// The allocator planned against another membership.
-    StaleMembership { planned: u64, current: u64 },
+    StaleMembership {
+        planned: u64,
+        current: u64,
+    },
     /// A region acknowledged an epoch that does not exist yet.
-    AckFromFuture { acked_epoch: u64, epoch: u64 },
-    InvalidLeaseConfig { error: LeaseConfigError },
+    AckFromFuture {
+        acked_epoch: u64,
+        epoch: u64,
+    },
+    InvalidLeaseConfig {
+        error: LeaseConfigError,
+    },
 }
 
 /// A broken safety invariant, found by [`CoordinatorState::check_invariant`].
@@ -294,15 +353,19 @@ impl CoordinatorState {
             Operation::DeletePolicy { key } => self.delete_policy(key, now),
             Operation::Pin { key, home } => self.pin(key, home),
             Operation::Unpin { key } => self.unpin(key),
-            Operation::SetShares { membership, entries } => {
-                self.set_shares(*membership, entries, now)
-            }
-            Operation::RenewLease { region, acked_epoch } => {
-                self.renew_lease(region, *acked_epoch, now)
-            }
-            Operation::PutRegion { region, reserves_floor, draining } => {
-                self.put_region(region, *reserves_floor, *draining)
-            }
+            Operation::SetShares {
+                membership,
+                entries,
+            } => self.set_shares(*membership, entries, now),
+            Operation::RenewLease {
+                region,
+                acked_epoch,
+            } => self.renew_lease(region, *acked_epoch, now),
+            Operation::PutRegion {
+                region,
+                reserves_floor,
+                draining,
+            } => self.put_region(region, *reserves_floor, *draining),
             Operation::RemoveRegion { region } => self.remove_region(region, now),
             Operation::Forget { keys } => self.forget(keys, now),
             Operation::SetLeaseConfig { config } => match config.validate() {
@@ -335,10 +398,24 @@ impl CoordinatorState {
 
     /// How many live regions reserve floors.
     pub fn floor_regions(&self) -> u32 {
-        self.regions.iter().flatten().filter(|r| r.reserves_floor).count() as u32
+        self.regions
+            .iter()
+            .flatten()
+            .filter(|r| r.reserves_floor)
+            .count() as u32
     }
 
-    /// The floor reserved for a region slot under a policy.
+    /// The floor a region keeps even while draining is not: the share the allocator must not
+    /// take from it. (What a cut-off region may fall back to is [`Self::floor_of`].)
+    pub fn guaranteed_floor(&self, policy: &Policy, region: usize) -> u32 {
+        match self.region(region) {
+            Some(r) if r.reserves_floor && !r.draining => policy.floor_ppm,
+            _ => 0,
+        }
+    }
+
+    /// The floor a region slot reserves under a policy: what it falls back to once its lease
+    /// ends (never above its share).
     pub fn floor_of(&self, policy: &Policy, region: usize) -> u32 {
         match self.region(region) {
             Some(r) if r.reserves_floor => policy.floor_ppm,
@@ -350,24 +427,57 @@ impl CoordinatorState {
     pub fn region_share(&self, key: &PolicyKey, region: usize) -> Option<RegionShare> {
         let entry = self.entries.get(key)?;
         if entry.deleted {
-            return Some(RegionShare { share_ppm: 0, floor_ppm: 0 });
+            return Some(RegionShare {
+                share_ppm: 0,
+                floor_ppm: 0,
+            });
         }
         let share_ppm = entry.share(region);
         let floor_ppm = self.floor_of(&entry.policy, region).min(share_ppm);
-        Some(RegionShare { share_ppm, floor_ppm })
+        Some(RegionShare {
+            share_ppm,
+            floor_ppm,
+        })
+    }
+
+    /// Every live policy's grant for one region slot, for a region agent writing its bucket
+    /// parameters (`BucketParams::for_share(policy, grant.share_ppm)`).
+    pub fn grants_for_region(
+        &self,
+        region: usize,
+    ) -> impl Iterator<Item = (&PolicyKey, &Policy, RegionShare)> + '_ {
+        self.entries
+            .iter()
+            .filter(|(_, e)| !e.deleted)
+            .map(move |(k, e)| {
+                let share_ppm = e.share(region);
+                let floor_ppm = self.floor_of(&e.policy, region).min(share_ppm);
+                (
+                    k,
+                    &e.policy,
+                    RegionShare {
+                        share_ppm,
+                        floor_ppm,
+                    },
+                )
+            })
     }
 
     /// The share a region may still be enforcing: its grant or a live revocation, whichever
     /// is larger.
     pub fn enforceable(&self, entry: &Entry, region: usize, now_ms: u64) -> u32 {
         let acked = self.region(region).map_or(u64::MAX, |r| r.acked_epoch);
-        let revoked = entry.revocation(region).map_or(0, |v| v.contribution(acked, now_ms));
+        let revoked = entry
+            .revocation(region)
+            .map_or(0, |v| v.contribution(acked, now_ms));
         entry.share(region).max(revoked)
     }
 
     /// Σ enforceable over all regions for one policy.
     pub fn enforceable_total(&self, entry: &Entry, now_ms: u64) -> u64 {
-        (0..self.regions.len()).map(|r| u64::from(self.enforceable(entry, r, now_ms))).sum()
+        (0..self.regions.len())
+            .map(|r| u64::from(self.enforceable(entry, r, now_ms)))
+            .sum()
     }
 
     /// Checks `Σ enforceable ≤ PPM` for every policy at the state's own time.
@@ -375,7 +485,10 @@ impl CoordinatorState {
         for (key, entry) in &self.entries {
             let enforceable_ppm = self.enforceable_total(entry, self.last_now_ms);
             if enforceable_ppm > u64::from(PPM) {
-                return Err(InvariantViolation { key: key.clone(), enforceable_ppm });
+                return Err(InvariantViolation {
+                    key: key.clone(),
+                    enforceable_ppm,
+                });
             }
         }
         Ok(())
@@ -383,13 +496,22 @@ impl CoordinatorState {
 
     fn check_floors(&self, floor_ppm: u32, floor_regions: u32) -> Result<(), Response> {
         if u64::from(floor_ppm) * u64::from(floor_regions) > u64::from(PPM) {
-            Err(Response::FloorsExceedBudget { floor_ppm, floor_regions })
+            Err(Response::FloorsExceedBudget {
+                floor_ppm,
+                floor_regions,
+            })
         } else {
             Ok(())
         }
     }
 
     fn put_policy(&mut self, key: &PolicyKey, policy: &Policy, now: u64) -> Response {
+        // The command may come from any client: hold it to the same rules as admin input, so
+        // no later arithmetic (rates, shares) meets a zero window or an absurd floor.
+        if let Err(errors) = policy_spec(policy).validate() {
+            let fields = errors.0.iter().map(|e| e.field.to_string()).collect();
+            return Response::InvalidPolicy { fields };
+        }
         if let Err(r) = self.check_floors(policy.floor_ppm, self.floor_regions()) {
             return r;
         }
@@ -442,7 +564,10 @@ impl CoordinatorState {
     }
 
     fn floor_flags(&self) -> Vec<bool> {
-        self.regions.iter().map(|r| r.as_ref().is_some_and(|r| r.reserves_floor)).collect()
+        self.regions
+            .iter()
+            .map(|r| r.as_ref().is_some_and(|r| r.reserves_floor))
+            .collect()
     }
 
     fn delete_policy(&mut self, key: &PolicyKey, now: u64) -> Response {
@@ -463,7 +588,11 @@ impl CoordinatorState {
             if share == 0 {
                 continue;
             }
-            let floor = if floor_flags[r] { entry.policy.floor_ppm.min(share) } else { 0 };
+            let floor = if floor_flags[r] {
+                entry.policy.floor_ppm.min(share)
+            } else {
+                0
+            };
             add_revocation(
                 entry,
                 Revocation {
@@ -486,11 +615,16 @@ impl CoordinatorState {
 
     fn pin(&mut self, key: &PolicyKey, home: &RegionId) -> Response {
         let Some(index) = self.region_index(home) else {
-            return Response::UnknownRegion { region: home.clone() };
+            return Response::UnknownRegion {
+                region: home.clone(),
+            };
         };
         match self.entries.get_mut(key) {
             Some(entry) if !entry.deleted => {
-                entry.pin = Some(Pin { home: index, source: PinSource::Operator });
+                entry.pin = Some(Pin {
+                    home: index,
+                    source: PinSource::Operator,
+                });
                 Response::Pinned { home: index }
             }
             _ => Response::UnknownPolicy,
@@ -511,7 +645,10 @@ impl CoordinatorState {
 
     fn set_shares(&mut self, membership: u64, entries: &[ShareEntry], now: u64) -> Response {
         if membership != self.membership {
-            return Response::StaleMembership { planned: membership, current: self.membership };
+            return Response::StaleMembership {
+                planned: membership,
+                current: self.membership,
+            };
         }
         let epoch = self.epoch + 1;
         let mut accepted = 0u32;
@@ -521,7 +658,9 @@ impl CoordinatorState {
             match self.check_entry(update, epoch, now) {
                 Ok(revocations) => {
                     let regions = &self.regions;
-                    let Some(entry) = self.entries.get_mut(&update.key) else { continue };
+                    let Some(entry) = self.entries.get_mut(&update.key) else {
+                        continue;
+                    };
                     for rev in revocations {
                         add_revocation(entry, rev, acked_of(regions, rev.region.into()), now);
                     }
@@ -529,7 +668,10 @@ impl CoordinatorState {
                     match update.home {
                         HomeChange::Keep => {}
                         HomeChange::Auto(home) => {
-                            entry.pin = Some(Pin { home, source: PinSource::Auto });
+                            entry.pin = Some(Pin {
+                                home,
+                                source: PinSource::Auto,
+                            });
                         }
                         HomeChange::ClearAuto => {
                             if entry.pin.is_some_and(|p| p.source == PinSource::Auto) {
@@ -543,7 +685,10 @@ impl CoordinatorState {
                 Err(reason) => {
                     rejected_total += 1;
                     if rejected.len() < MAX_LISTED_REJECTIONS {
-                        rejected.push(RejectedEntry { key: update.key.clone(), reason });
+                        rejected.push(RejectedEntry {
+                            key: update.key.clone(),
+                            reason,
+                        });
                     }
                 }
             }
@@ -551,7 +696,12 @@ impl CoordinatorState {
         if accepted > 0 {
             self.epoch = epoch;
         }
-        Response::SharesSet { epoch: self.epoch, accepted, rejected_total, rejected }
+        Response::SharesSet {
+            epoch: self.epoch,
+            accepted,
+            rejected_total,
+            rejected,
+        }
     }
 
     /// Validates one share update and returns the revocations it creates.
@@ -561,7 +711,10 @@ impl CoordinatorState {
         epoch: u64,
         now: u64,
     ) -> Result<Vec<Revocation>, EntryRejection> {
-        let entry = self.entries.get(&update.key).ok_or(EntryRejection::UnknownPolicy)?;
+        let entry = self
+            .entries
+            .get(&update.key)
+            .ok_or(EntryRejection::UnknownPolicy)?;
         if entry.deleted {
             return Err(EntryRejection::Deleted);
         }
@@ -586,17 +739,27 @@ impl CoordinatorState {
         for (r, &new) in update.shares_ppm.iter().enumerate() {
             let Some(region) = self.region(r) else {
                 if new > 0 {
-                    return Err(EntryRejection::BadShare { region: r as u8, share_ppm: new });
+                    return Err(EntryRejection::BadShare {
+                        region: r as u8,
+                        share_ppm: new,
+                    });
                 }
                 continue;
             };
             if new > PPM {
-                return Err(EntryRejection::BadShare { region: r as u8, share_ppm: new });
+                return Err(EntryRejection::BadShare {
+                    region: r as u8,
+                    share_ppm: new,
+                });
             }
             let old = entry.share(r);
             let floor = self.floor_of(&entry.policy, r);
-            if new < old && new < floor {
-                return Err(EntryRejection::CutsFloor { region: r as u8, floor_ppm: floor });
+            let guaranteed = self.guaranteed_floor(&entry.policy, r);
+            if new < old && new < guaranteed {
+                return Err(EntryRejection::CutsFloor {
+                    region: r as u8,
+                    floor_ppm: guaranteed,
+                });
             }
             let mut after = new.max(self.enforceable(entry, r, now));
             if new < old {
@@ -618,7 +781,9 @@ impl CoordinatorState {
             total += u64::from(after);
         }
         if total > u64::from(PPM) {
-            return Err(EntryRejection::BudgetExceeded { enforceable_ppm: total });
+            return Err(EntryRejection::BudgetExceeded {
+                enforceable_ppm: total,
+            });
         }
         Ok(revocations)
     }
@@ -628,11 +793,17 @@ impl CoordinatorState {
             return Response::UnknownRegion { region: id.clone() };
         };
         if acked_epoch > self.epoch {
-            return Response::AckFromFuture { acked_epoch, epoch: self.epoch };
+            return Response::AckFromFuture {
+                acked_epoch,
+                epoch: self.epoch,
+            };
         }
         let lease_ms = self.lease.lease_ms;
         let epoch = self.epoch;
-        let Some(region) = self.regions.get_mut(usize::from(index)).and_then(Option::as_mut)
+        let Some(region) = self
+            .regions
+            .get_mut(usize::from(index))
+            .and_then(Option::as_mut)
         else {
             return Response::UnknownRegion { region: id.clone() };
         };
@@ -648,7 +819,10 @@ impl CoordinatorState {
 
     fn put_region(&mut self, id: &RegionId, reserves_floor: bool, draining: bool) -> Response {
         if let Some(index) = self.region_index(id) {
-            let Some(region) = self.regions.get_mut(usize::from(index)).and_then(Option::as_mut)
+            let Some(region) = self
+                .regions
+                .get_mut(usize::from(index))
+                .and_then(Option::as_mut)
             else {
                 return Response::UnknownRegion { region: id.clone() };
             };
@@ -656,15 +830,25 @@ impl CoordinatorState {
                 return Response::RegionRulesImmutable { region: id.clone() };
             }
             region.draining = draining;
-            return Response::RegionStored { index, membership: self.membership };
+            return Response::RegionStored {
+                index,
+                membership: self.membership,
+            };
         }
         let free = self.regions.iter().position(Option::is_none);
         if free.is_none() && self.regions.len() >= MAX_REGIONS {
-            return Response::TooManyRegions { max: MAX_REGIONS as u32 };
+            return Response::TooManyRegions {
+                max: MAX_REGIONS as u32,
+            };
         }
         if reserves_floor {
             let regions = self.floor_regions() + 1;
-            let max_floor = self.entries.values().map(|e| e.policy.floor_ppm).max().unwrap_or(0);
+            let max_floor = self
+                .entries
+                .values()
+                .map(|e| e.policy.floor_ppm)
+                .max()
+                .unwrap_or(0);
             if let Err(r) = self.check_floors(max_floor, regions) {
                 return r;
             }
@@ -687,7 +871,10 @@ impl CoordinatorState {
             }
         };
         self.membership += 1;
-        Response::RegionStored { index: index as u8, membership: self.membership }
+        Response::RegionStored {
+            index: index as u8,
+            membership: self.membership,
+        }
     }
 
     fn remove_region(&mut self, id: &RegionId, now: u64) -> Response {
@@ -695,9 +882,10 @@ impl CoordinatorState {
             return Response::UnknownRegion { region: id.clone() };
         };
         let r = usize::from(index);
-        let in_use = self.entries.values().any(|e| {
-            self.enforceable(e, r, now) > 0 || e.pin.is_some_and(|p| p.home == index)
-        });
+        let in_use = self
+            .entries
+            .values()
+            .any(|e| self.enforceable(e, r, now) > 0 || e.pin.is_some_and(|p| p.home == index));
         if in_use {
             return Response::RegionInUse { region: id.clone() };
         }
@@ -714,7 +902,9 @@ impl CoordinatorState {
             entry.shares_ppm.truncate(slots);
         }
         self.membership += 1;
-        Response::RegionRemoved { membership: self.membership }
+        Response::RegionRemoved {
+            membership: self.membership,
+        }
     }
 
     fn forget(&mut self, keys: &[PolicyKey], now: u64) -> Response {
@@ -732,17 +922,36 @@ impl CoordinatorState {
     }
 }
 
+/// The spec a policy would have come from, to validate it with the admin API's rules.
+fn policy_spec(policy: &Policy) -> PolicySpec {
+    PolicySpec {
+        limit: policy.limit as f64,
+        window_ms: policy.window_ms as f64,
+        burst: Some(policy.burst as f64),
+        tier: Some(policy.tier),
+        fail_mode: Some(policy.fail_mode),
+        floor: Some(f64::from(policy.floor_ppm) / f64::from(PPM)),
+        algorithm: Some(policy.algorithm),
+    }
+}
+
 /// A new policy's first split: floors, then the rest evenly (water-filled with no demand).
 fn initial_split(state: &CoordinatorState, policy: &Policy) -> Vec<u32> {
     let slots = state.regions.len();
-    let floors: Vec<u32> = (0..slots).map(|r| state.floor_of(policy, r)).collect();
+    let floors: Vec<u32> = (0..slots)
+        .map(|r| state.guaranteed_floor(policy, r))
+        .collect();
     let live: Vec<bool> = (0..slots).map(|r| state.region(r).is_some()).collect();
     crate::allocator::even_split(&floors, &live)
 }
 
 /// Adds a revocation, merging with the region's existing one.
 fn add_revocation(entry: &mut Entry, rev: Revocation, acked_epoch: u64, now_ms: u64) {
-    match entry.revocations.iter_mut().find(|v| v.region == rev.region) {
+    match entry
+        .revocations
+        .iter_mut()
+        .find(|v| v.region == rev.region)
+    {
         Some(existing) => existing.merge(&rev, acked_epoch, now_ms),
         None => {
             entry.revocations.push(rev);
@@ -753,7 +962,10 @@ fn add_revocation(entry: &mut Entry, rev: Revocation, acked_epoch: u64, now_ms: 
 
 /// The epoch a region slot acknowledged; an empty slot enforces nothing.
 fn acked_of(regions: &[Option<RegionState>], region: usize) -> u64 {
-    regions.get(region).and_then(Option::as_ref).map_or(u64::MAX, |r| r.acked_epoch)
+    regions
+        .get(region)
+        .and_then(Option::as_ref)
+        .map_or(u64::MAX, |r| r.acked_epoch)
 }
 
 /// Drops revocations that can never matter again.

@@ -32,7 +32,10 @@ pub struct DemandTracker {
 impl DemandTracker {
     /// A tracker whose moving average weighs a new sample by `alpha_ppm` (clamped to 1..=PPM).
     pub fn new(alpha_ppm: u32) -> Self {
-        Self { alpha_ppm: alpha_ppm.clamp(1, PPM), estimates: BTreeMap::new() }
+        Self {
+            alpha_ppm: alpha_ppm.clamp(1, PPM),
+            estimates: BTreeMap::new(),
+        }
     }
 
     /// Folds in one region's report for an interval. Policies the report leaves out count as
@@ -88,12 +91,14 @@ impl DemandTracker {
                 self.estimates.insert(key.clone(), rates);
             }
         }
-        self.estimates.retain(|_, rates| rates.iter().any(|&d| d > 0));
+        self.estimates
+            .retain(|_, rates| rates.iter().any(|&d| d > 0));
     }
 
     /// Drops estimates of policies the state no longer has.
     pub fn retain_known(&mut self, state: &CoordinatorState) {
-        self.estimates.retain(|k, _| state.entries.get(k).is_some_and(|e| !e.deleted));
+        self.estimates
+            .retain(|k, _| state.entries.get(k).is_some_and(|e| !e.deleted));
     }
 
     /// The estimate for one policy: micro-tokens per second per region slot.
@@ -135,15 +140,45 @@ mod tests {
     fn first_sample_is_taken_then_smoothed_and_missing_decays() {
         let mut d = DemandTracker::new(500_000);
         // 10 tokens in 1 s = 10 tokens/s.
-        d.record(1, 1000, &[(key("a"), Usage { admitted: 6, denied: 4 })]);
+        d.record(
+            1,
+            1000,
+            &[(
+                key("a"),
+                Usage {
+                    admitted: 6,
+                    denied: 4,
+                },
+            )],
+        );
         assert_eq!(d.get(&key("a")), Some(&[0, 10 * UT][..]));
-        d.record(1, 1000, &[(key("a"), Usage { admitted: 20, denied: 10 })]);
+        d.record(
+            1,
+            1000,
+            &[(
+                key("a"),
+                Usage {
+                    admitted: 20,
+                    denied: 10,
+                },
+            )],
+        );
         assert_eq!(d.get(&key("a")).unwrap()[1], 20 * UT);
         // Absent from the next reports: halves each time and is finally dropped.
         d.record(1, 1000, &[]);
         assert_eq!(d.get(&key("a")).unwrap()[1], 10 * UT);
         for _ in 0..60 {
-            d.record(1, 1000, &[(key("b"), Usage { admitted: 1, denied: 0 })]);
+            d.record(
+                1,
+                1000,
+                &[(
+                    key("b"),
+                    Usage {
+                        admitted: 1,
+                        denied: 0,
+                    },
+                )],
+            );
         }
         assert_eq!(d.get(&key("a")), None);
         assert_eq!(d.len(), 1);
@@ -152,11 +187,51 @@ mod tests {
     #[test]
     fn regions_are_independent_and_bad_reports_ignored() {
         let mut d = DemandTracker::new(PPM);
-        d.record(0, 1000, &[(key("a"), Usage { admitted: 1, denied: 0 })]);
-        d.record(2, 500, &[(key("a"), Usage { admitted: 1, denied: 0 })]);
+        d.record(
+            0,
+            1000,
+            &[(
+                key("a"),
+                Usage {
+                    admitted: 1,
+                    denied: 0,
+                },
+            )],
+        );
+        d.record(
+            2,
+            500,
+            &[(
+                key("a"),
+                Usage {
+                    admitted: 1,
+                    denied: 0,
+                },
+            )],
+        );
         assert_eq!(d.get(&key("a")), Some(&[UT, 0, 2 * UT][..]));
-        d.record(200, 1000, &[(key("a"), Usage { admitted: 1, denied: 0 })]);
-        d.record(0, 0, &[(key("a"), Usage { admitted: 1, denied: 0 })]);
+        d.record(
+            200,
+            1000,
+            &[(
+                key("a"),
+                Usage {
+                    admitted: 1,
+                    denied: 0,
+                },
+            )],
+        );
+        d.record(
+            0,
+            0,
+            &[(
+                key("a"),
+                Usage {
+                    admitted: 1,
+                    denied: 0,
+                },
+            )],
+        );
         assert_eq!(d.get(&key("a")), Some(&[UT, 0, 2 * UT][..]));
     }
 }

@@ -14,9 +14,17 @@ pub enum IdError {
     #[error("{kind} must not be empty")]
     Empty { kind: &'static str },
     #[error("{kind} is {len} characters long; at most {max} are allowed")]
-    TooLong { kind: &'static str, len: usize, max: usize },
+    TooLong {
+        kind: &'static str,
+        len: usize,
+        max: usize,
+    },
     #[error("{kind} may contain only A-Z, a-z, 0-9, '_' and '-' (found {found:?} at position {position})")]
-    BadChar { kind: &'static str, found: char, position: usize },
+    BadChar {
+        kind: &'static str,
+        found: char,
+        position: usize,
+    },
 }
 
 fn validate(kind: &'static str, s: &str, max: usize) -> Result<(), IdError> {
@@ -32,7 +40,11 @@ fn validate(kind: &'static str, s: &str, max: usize) -> Result<(), IdError> {
         .enumerate()
         .find(|(_, c)| !(c.is_ascii_alphanumeric() || *c == '_' || *c == '-'))
     {
-        return Err(IdError::BadChar { kind, found, position });
+        return Err(IdError::BadChar {
+            kind,
+            found,
+            position,
+        });
     }
     Ok(())
 }
@@ -190,7 +202,10 @@ mod tests {
     #[test]
     fn rejects_empty_long_and_foreign_characters() {
         assert_eq!(TenantId::new(""), Err(IdError::Empty { kind: "tenant id" }));
-        assert!(matches!(TenantId::new("a".repeat(97)), Err(IdError::TooLong { len: 97, .. })));
+        assert!(matches!(
+            TenantId::new("a".repeat(97)),
+            Err(IdError::TooLong { len: 97, .. })
+        ));
         for bad in ["a b", "a:b", "a{b}", "é", "a/b", "a\nb", "a*"] {
             assert!(
                 matches!(TenantId::new(bad), Err(IdError::BadChar { .. })),
@@ -199,7 +214,11 @@ mod tests {
         }
         assert!(matches!(
             TenantId::new("ab{c"),
-            Err(IdError::BadChar { found: '{', position: 2, .. })
+            Err(IdError::BadChar {
+                found: '{',
+                position: 2,
+                ..
+            })
         ));
     }
 
@@ -225,6 +244,9 @@ mod tests {
         let t = TenantId::new("acme-secret-customer").unwrap();
         assert!(!format!("{t:?}").contains("acme"));
         assert!(!format!("{t}").contains("acme"));
-        assert_eq!(t.log_tag(), TenantId::new("acme-secret-customer").unwrap().log_tag());
+        assert_eq!(
+            t.log_tag(),
+            TenantId::new("acme-secret-customer").unwrap().log_tag()
+        );
     }
 }

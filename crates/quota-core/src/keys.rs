@@ -45,7 +45,11 @@ impl StateKind {
 }
 
 fn key(tenant: &TenantId, policy: &PolicyName, version: u64, kind: &str) -> String {
-    format!("{PREFIX}{{{}}}:{}:{version}:{kind}", tenant.as_str(), policy.as_str())
+    format!(
+        "{PREFIX}{{{}}}:{}:{version}:{kind}",
+        tenant.as_str(),
+        policy.as_str()
+    )
 }
 
 /// The bucket-state key of a tenant's policy.
@@ -84,7 +88,12 @@ pub fn parse_state_key(k: &str) -> Option<(StateKind, TenantId, PolicyName, u64)
     if version_num.to_string() != version {
         return None;
     }
-    Some((kind, TenantId::new(tenant).ok()?, PolicyName::new(policy).ok()?, version_num))
+    Some((
+        kind,
+        TenantId::new(tenant).ok()?,
+        PolicyName::new(policy).ok()?,
+        version_num,
+    ))
 }
 
 /// The Redis Cluster slot of a key (CRC16/XMODEM of its hash tag, modulo 16384).
@@ -158,7 +167,11 @@ fn crc16_xmodem(data: &[u8]) -> u16 {
     for &b in data {
         crc ^= u16::from(b) << 8;
         for _ in 0..8 {
-            crc = if crc & 0x8000 != 0 { (crc << 1) ^ 0x1021 } else { crc << 1 };
+            crc = if crc & 0x8000 != 0 {
+                (crc << 1) ^ 0x1021
+            } else {
+                crc << 1
+            };
         }
     }
     crc
@@ -219,6 +232,9 @@ mod tests {
         assert_eq!(key_slot(&slot_index_key(key_slot(&b))), key_slot(&b));
         let all = slot_tags();
         assert_eq!(all[5000], slot_tag(5000));
-        assert!(all.iter().enumerate().all(|(i, t)| key_slot(&slot_index_key_for_tag(t)) as usize == i));
+        assert!(all
+            .iter()
+            .enumerate()
+            .all(|(i, t)| key_slot(&slot_index_key_for_tag(t)) as usize == i));
     }
 }

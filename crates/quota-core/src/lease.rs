@@ -31,7 +31,10 @@ pub struct LeaseConfig {
 
 impl Default for LeaseConfig {
     fn default() -> Self {
-        Self { lease_ms: 30_000, drift_margin_ms: 2_000 }
+        Self {
+            lease_ms: 30_000,
+            drift_margin_ms: 2_000,
+        }
     }
 }
 
@@ -51,7 +54,9 @@ impl LeaseConfig {
     /// Checks the bounds: a region must have a usable window after subtracting the margin.
     pub fn validate(&self) -> Result<(), LeaseConfigError> {
         if self.lease_ms == 0 || self.lease_ms > MAX_LEASE_MS {
-            return Err(LeaseConfigError::LeaseOutOfRange { lease_ms: self.lease_ms });
+            return Err(LeaseConfigError::LeaseOutOfRange {
+                lease_ms: self.lease_ms,
+            });
         }
         if self.drift_margin_ms.saturating_mul(2) >= self.lease_ms {
             return Err(LeaseConfigError::MarginTooLarge {
@@ -122,18 +127,35 @@ mod tests {
     fn default_config_is_valid_and_bad_ones_are_named() {
         assert_eq!(LeaseConfig::default().validate(), Ok(()));
         assert_eq!(
-            LeaseConfig { lease_ms: 0, drift_margin_ms: 0 }.validate(),
+            LeaseConfig {
+                lease_ms: 0,
+                drift_margin_ms: 0
+            }
+            .validate(),
             Err(LeaseConfigError::LeaseOutOfRange { lease_ms: 0 })
         );
         assert_eq!(
-            LeaseConfig { lease_ms: 1000, drift_margin_ms: 500 }.validate(),
-            Err(LeaseConfigError::MarginTooLarge { lease_ms: 1000, drift_margin_ms: 500 })
+            LeaseConfig {
+                lease_ms: 1000,
+                drift_margin_ms: 500
+            }
+            .validate(),
+            Err(LeaseConfigError::MarginTooLarge {
+                lease_ms: 1000,
+                drift_margin_ms: 500
+            })
         );
     }
 
     #[test]
     fn revocation_lives_until_ack_or_deadline_but_floor_until_ack() {
-        let r = Revocation { region: 1, share_ppm: 500, floor_ppm: 100, epoch: 7, deadline_ms: 50 };
+        let r = Revocation {
+            region: 1,
+            share_ppm: 500,
+            floor_ppm: 100,
+            epoch: 7,
+            deadline_ms: 50,
+        };
         assert_eq!(r.contribution(6, 50), 500);
         assert_eq!(r.contribution(6, 51), 100);
         assert_eq!(r.contribution(7, 10), 0);
@@ -146,9 +168,20 @@ mod tests {
 
     #[test]
     fn merging_never_revives_an_expired_share() {
-        let mut old =
-            Revocation { region: 0, share_ppm: 900, floor_ppm: 10, epoch: 3, deadline_ms: 100 };
-        let newer = Revocation { region: 0, share_ppm: 200, floor_ppm: 0, epoch: 5, deadline_ms: 500 };
+        let mut old = Revocation {
+            region: 0,
+            share_ppm: 900,
+            floor_ppm: 10,
+            epoch: 3,
+            deadline_ms: 100,
+        };
+        let newer = Revocation {
+            region: 0,
+            share_ppm: 200,
+            floor_ppm: 0,
+            epoch: 5,
+            deadline_ms: 500,
+        };
         old.merge(&newer, 0, 200);
         assert_eq!(old.contribution(0, 200), 200);
         assert_eq!(old.contribution(0, 501), 10);

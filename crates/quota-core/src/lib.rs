@@ -28,7 +28,7 @@ pub mod region;
 pub mod window;
 
 pub use bucket::{BucketParams, BucketState, Decision};
-pub use window::{WindowParams, WindowState};
+pub use coordinator::{Command, CoordinatorState, Operation, PolicyKey, RequestId, Response};
 pub use ids::{hashed_id, IdError, PolicyName, RegionId, TenantId};
 pub use policy::{Algorithm, FailMode, Policy, PolicySpec, Tier, PPM};
-pub use coordinator::{Command, CoordinatorState, Operation, PolicyKey, RequestId, Response};
+pub use window::{WindowParams, WindowState};

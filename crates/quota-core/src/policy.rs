@@ -117,7 +117,10 @@ fn whole(
     } else {
         return Some(v as u64);
     };
-    errors.push(FieldError { field, message: msg });
+    errors.push(FieldError {
+        field,
+        message: msg,
+    });
     None
 }
 
@@ -200,7 +203,10 @@ impl Policy {
         if cost == 0 {
             Err(CostError::Zero)
         } else if cost > self.burst {
-            Err(CostError::ExceedsBurst { cost, burst: self.burst })
+            Err(CostError::ExceedsBurst {
+                cost,
+                burst: self.burst,
+            })
         } else {
             Ok(())
         }
@@ -217,7 +223,11 @@ mod tests {
     use super::*;
 
     fn spec(limit: f64, window_ms: f64) -> PolicySpec {
-        PolicySpec { limit, window_ms, ..PolicySpec::default() }
+        PolicySpec {
+            limit,
+            window_ms,
+            ..PolicySpec::default()
+        }
     }
 
     #[test]
@@ -258,7 +268,10 @@ mod tests {
         // 10^7 tokens per ms is beyond exact Lua arithmetic.
         assert!(spec(1e9, 100.0).validate().is_err());
         // One token per 31 days with a burst of a billion: never refills in practice.
-        let s = PolicySpec { burst: Some(1e9), ..spec(1.0, MAX_WINDOW_MS as f64) };
+        let s = PolicySpec {
+            burst: Some(1e9),
+            ..spec(1.0, MAX_WINDOW_MS as f64)
+        };
         assert_eq!(s.validate().unwrap_err().0[0].field, "burst");
     }
 
@@ -267,7 +280,13 @@ mod tests {
         let p = spec(10.0, 1000.0).validate().unwrap();
         assert_eq!(p.check_cost(0), Err(CostError::Zero));
         assert_eq!(p.check_cost(10), Ok(()));
-        assert_eq!(p.check_cost(11), Err(CostError::ExceedsBurst { cost: 11, burst: 10 }));
+        assert_eq!(
+            p.check_cost(11),
+            Err(CostError::ExceedsBurst {
+                cost: 11,
+                burst: 10
+            })
+        );
     }
 
     #[test]

@@ -3,7 +3,7 @@
 //!
 //! A region enforces its granted share while it holds a usable lease, then falls back to its
 //! floor (never more than the share it was granted). A lease comes from a
-//! [`Response::LeaseRenewed`](crate::coordinator::Response::LeaseRenewed) and is counted by the
+//! [`Response::LeaseRenewed`] and is counted by the
 //! region's own clock from when it *sent* the renewal (a time before the commit, so its window
 //! ends before the coordinator's), minus the drift margin. A lease renewed at epoch `E` is usable
 //! only once the region has applied an allocation of epoch `≥ E`: the coordinator bounded the
@@ -17,7 +17,7 @@
 
 use serde::{Deserialize, Serialize};
 
-use crate::coordinator::RegionShare;
+use crate::coordinator::{RegionShare, Response};
 
 /// A lease as the region counts it, by its own clock.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
@@ -30,9 +30,26 @@ pub struct RegionLease {
 }
 
 impl RegionLease {
+    /// The lease a [`Response::LeaseRenewed`] grants, counted from `start_local_ms` (the local
+    /// time the renewal was sent). `None` for any other response.
+    pub fn from_response(response: &Response, start_local_ms: u64) -> Option<Self> {
+        match *response {
+            Response::LeaseRenewed {
+                epoch, lease_ms, ..
+            } => Some(Self {
+                epoch,
+                start_local_ms,
+                lease_ms,
+            }),
+            _ => None,
+        }
+    }
+
     /// Local time at which the region must stop enforcing more than its floor.
     pub fn end_local_ms(&self, drift_margin_ms: u64) -> u64 {
-        self.start_local_ms.saturating_add(self.lease_ms).saturating_sub(drift_margin_ms)
+        self.start_local_ms
+            .saturating_add(self.lease_ms)
+            .saturating_sub(drift_margin_ms)
     }
 }
 
@@ -113,25 +130,65 @@ impl RegionView {
 mod tests {
     use super::*;
 
-    const GRANT: RegionShare = RegionShare { share_ppm: 400_000, floor_ppm: 50_000 };
+    const GRANT: RegionShare = RegionShare {
+        share_ppm: 400_000,
+        floor_ppm: 50_000,
+    };
 
     #[test]
     fn share_until_lease_end_minus_margin_then_floor() {
-        let lease = RegionLease { epoch: 3, start_local_ms: 1_000, lease_ms: 30_000 };
+        let lease = RegionLease {
+            epoch: 3,
+            start_local_ms: 1_000,
+            lease_ms: 30_000,
+        };
         assert_eq!(enforced_share(&GRANT, Some(&lease), 28_999, 2_000), 400_000);
         assert_eq!(enforced_share(&GRANT, Some(&lease), 29_000, 2_000), 50_000);
         assert_eq!(enforced_share(&GRANT, None, 0, 2_000), 50_000);
-        let tiny = RegionShare { share_ppm: 10, floor_ppm: 50_000 };
+        let tiny = RegionShare {
+            share_ppm: 10,
+            floor_ppm: 50_000,
+        };
         assert_eq!(enforced_share(&tiny, None, 0, 2_000), 10);
+    }
+
+    #[test]
+    fn leases_come_only_from_renewals() {
+        let r = Response::LeaseRenewed {
+            region: 0,
+            epoch: 9,
+            lease_ms: 30_000,
+            expires_at_ms: 1,
+        };
+        assert_eq!(
+            RegionLease::from_response(&r, 5),
+            Some(RegionLease {
+                epoch: 9,
+                start_local_ms: 5,
+                lease_ms: 30_000
+            })
+        );
+        assert_eq!(
+            RegionLease::from_response(&Response::UnknownPolicy, 5),
+            None
+        );
     }
 
     #[test]
     fn renewal_from_a_later_epoch_waits_until_applied() {
         let mut v = RegionView::new();
         v.on_applied(4);
-        v.on_renewal(RegionLease { epoch: 4, start_local_ms: 0, lease_ms: 30_000 });
+        v.on_renewal(RegionLease {
+            epoch: 4,
+            start_local_ms: 0,
+            lease_ms: 30_000,
+        });
         // Renewed at epoch 6, but only epoch 4 applied: the old lease still governs.
-        v.on_renewal(RegionLease { epoch: 6, start_local_ms: 20_000, lease_ms: 30_000 });
+        v.on_renewal(RegionLease {
+            epoch: 6,
+            start_local_ms: 20_000,
+            lease_ms: 30_000,
+        });
         assert_eq!(v.lease().unwrap().start_local_ms, 0);
         assert_eq!(v.enforced_share(&GRANT, 29_000, 1_000), 50_000);
         v.on_applied(6);

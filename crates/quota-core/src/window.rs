@@ -218,7 +218,10 @@ pub fn idle_ttl_ms(params: &WindowParams, state: &WindowState) -> u64 {
     let w = params.window_ms;
     let now = state.ts_ms;
     if params.is_exact() {
-        state.log.last().map_or(0, |&(ts, _)| (ts + w).saturating_sub(now))
+        state
+            .log
+            .last()
+            .map_or(0, |&(ts, _)| (ts + w).saturating_sub(now))
     } else if state.cur > 0 {
         (state.win_start_ms + 2 * w).saturating_sub(now)
     } else if state.prev > 0 {
@@ -247,7 +250,18 @@ mod tests {
     #[test]
     fn exact_log_allows_n_in_any_window() {
         let p = WindowParams::new(3, 1000).unwrap();
-        let d = run(&p, &[(0, 1), (0, 1), (500, 1), (999, 1), (1000, 1), (1001, 1), (1500, 1)]);
+        let d = run(
+            &p,
+            &[
+                (0, 1),
+                (0, 1),
+                (500, 1),
+                (999, 1),
+                (1000, 1),
+                (1001, 1),
+                (1500, 1),
+            ],
+        );
         let allowed: Vec<bool> = d.iter().map(|d| d.allowed).collect();
         // Two at 0 leave the window at 1000; the one at 500 at 1500.
         assert_eq!(allowed, [true, true, true, false, true, true, true]);
@@ -273,7 +287,10 @@ mod tests {
         // Regression for the seed script that returned inverted flags.
         let p = WindowParams::new(1, 1000).unwrap();
         let d = run(&p, &[(0, 1), (10, 1), (20, 1), (1000, 1)]);
-        assert_eq!(d.iter().map(|d| d.allowed).collect::<Vec<_>>(), [true, false, false, true]);
+        assert_eq!(
+            d.iter().map(|d| d.allowed).collect::<Vec<_>>(),
+            [true, false, false, true]
+        );
         assert_eq!(d[2].retry_after_ms, Some(980));
     }
 
@@ -313,7 +330,10 @@ mod tests {
         let p = WindowParams::new(1000, 1000).unwrap();
         // 1000 admitted in [0, 1000); at 1250 the estimate is 750 so 250 more fit.
         let d = run(&p, &[(0, 1000), (1250, 250), (1250, 1)]);
-        assert_eq!(d.iter().map(|d| d.allowed).collect::<Vec<_>>(), [true, true, false]);
+        assert_eq!(
+            d.iter().map(|d| d.allowed).collect::<Vec<_>>(),
+            [true, true, false]
+        );
         // Waiting 1 ms frees one more (1000·(1000−251)/1000 + 250 = 999).
         assert_eq!(d[2].retry_after_ms, Some(1));
         assert_eq!(d[2].reset_ms, Some(750 + 1000));

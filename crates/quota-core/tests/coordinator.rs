@@ -14,7 +14,11 @@ fn set(d: &mut Driver, t: &str, shares: &[u32]) -> Response {
     let membership = d.state.membership;
     d.op(Operation::SetShares {
         membership,
-        entries: vec![ShareEntry { key: key(t), shares_ppm: shares.to_vec(), home: HomeChange::Keep }],
+        entries: vec![ShareEntry {
+            key: key(t),
+            shares_ppm: shares.to_vec(),
+            home: HomeChange::Keep,
+        }],
     })
 }
 
@@ -28,32 +32,70 @@ fn accepted(r: &Response) -> u32 {
 #[test]
 fn new_policy_starts_with_an_even_split_and_versions_never_repeat() {
     let mut d = Driver::with_regions(3);
-    let r = d.op(Operation::PutPolicy { key: key("a"), policy: policy(0, Tier::Standard) });
+    let r = d.op(Operation::PutPolicy {
+        key: key("a"),
+        policy: policy(0, Tier::Standard),
+    });
     assert!(matches!(r, Response::PolicyStored { version: 1, .. }));
-    assert_eq!(d.state.entries[&key("a")].shares_ppm, [333_334, 333_333, 333_333]);
+    assert_eq!(
+        d.state.entries[&key("a")].shares_ppm,
+        [333_334, 333_333, 333_333]
+    );
     d.op(Operation::DeletePolicy { key: key("a") });
-    let r = d.op(Operation::PutPolicy { key: key("a"), policy: policy(0, Tier::Standard) });
+    let r = d.op(Operation::PutPolicy {
+        key: key("a"),
+        policy: policy(0, Tier::Standard),
+    });
     assert!(matches!(r, Response::PolicyStored { version: 2, .. }));
 }
 
 #[test]
 fn floors_times_regions_above_the_budget_are_rejected() {
     let mut d = Driver::with_regions(3);
-    let r = d.op(Operation::PutPolicy { key: key("a"), policy: policy(400_000, Tier::Standard) });
-    assert_eq!(r, Response::FloorsExceedBudget { floor_ppm: 400_000, floor_regions: 3 });
-    d.op(Operation::PutPolicy { key: key("a"), policy: policy(300_000, Tier::Standard) });
+    let r = d.op(Operation::PutPolicy {
+        key: key("a"),
+        policy: policy(400_000, Tier::Standard),
+    });
+    assert_eq!(
+        r,
+        Response::FloorsExceedBudget {
+            floor_ppm: 400_000,
+            floor_regions: 3
+        }
+    );
+    d.op(Operation::PutPolicy {
+        key: key("a"),
+        policy: policy(300_000, Tier::Standard),
+    });
     // A fourth floor region would need 4 × 300k.
-    let r = d.op(Operation::PutRegion { region: region(9), reserves_floor: true, draining: false });
-    assert_eq!(r, Response::FloorsExceedBudget { floor_ppm: 300_000, floor_regions: 4 });
+    let r = d.op(Operation::PutRegion {
+        region: region(9),
+        reserves_floor: true,
+        draining: false,
+    });
+    assert_eq!(
+        r,
+        Response::FloorsExceedBudget {
+            floor_ppm: 300_000,
+            floor_regions: 4
+        }
+    );
     // Without a floor it may join.
-    let r = d.op(Operation::PutRegion { region: region(9), reserves_floor: false, draining: false });
+    let r = d.op(Operation::PutRegion {
+        region: region(9),
+        reserves_floor: false,
+        draining: false,
+    });
     assert!(matches!(r, Response::RegionStored { index: 3, .. }));
 }
 
 #[test]
 fn a_decrease_frees_share_only_after_ack_or_lease_expiry() {
     let mut d = Driver::with_regions(2);
-    d.op(Operation::PutPolicy { key: key("a"), policy: policy(0, Tier::Standard) });
+    d.op(Operation::PutPolicy {
+        key: key("a"),
+        policy: policy(0, Tier::Standard),
+    });
     d.renew_all();
     // Move 100k from r0 to r1 in one go: the increase cannot be granted yet.
     let r = set(&mut d, "a", &[400_000, 600_000]);
@@ -68,13 +110,20 @@ fn a_decrease_frees_share_only_after_ack_or_lease_expiry() {
     assert_eq!(accepted(&set(&mut d, "a", &[400_000, 600_000])), 0);
     // r0 acknowledges: granted.
     let epoch = d.state.epoch;
-    d.op(Operation::RenewLease { region: region(0), acked_epoch: epoch });
+    d.op(Operation::RenewLease {
+        region: region(0),
+        acked_epoch: epoch,
+    });
     assert_eq!(accepted(&set(&mut d, "a", &[400_000, 600_000])), 1);
 
     // Again without an ack, but r0's lease runs out (30 s + 2 s margin).
     assert_eq!(accepted(&set(&mut d, "a", &[300_000, 600_000])), 1);
     d.now_ms += 32_000;
-    assert_eq!(accepted(&set(&mut d, "a", &[300_000, 700_000])), 0, "margin not yet over");
+    assert_eq!(
+        accepted(&set(&mut d, "a", &[300_000, 700_000])),
+        0,
+        "margin not yet over"
+    );
     d.now_ms += 1;
     assert_eq!(accepted(&set(&mut d, "a", &[300_000, 700_000])), 1);
 }
@@ -82,7 +131,10 @@ fn a_decrease_frees_share_only_after_ack_or_lease_expiry() {
 #[test]
 fn floors_are_never_given_away_and_outlive_leases() {
     let mut d = Driver::with_regions(2);
-    d.op(Operation::PutPolicy { key: key("a"), policy: policy(200_000, Tier::Standard) });
+    d.op(Operation::PutPolicy {
+        key: key("a"),
+        policy: policy(200_000, Tier::Standard),
+    });
     d.renew_all();
     let r = set(&mut d, "a", &[100_000, 500_000]);
     assert!(matches!(
@@ -92,7 +144,10 @@ fn floors_are_never_given_away_and_outlive_leases() {
     ));
     // Lower the floor to 0: r0 may still fall back to 200k until it acknowledges, even long
     // after its lease.
-    d.op(Operation::PutPolicy { key: key("a"), policy: policy(0, Tier::Standard) });
+    d.op(Operation::PutPolicy {
+        key: key("a"),
+        policy: policy(0, Tier::Standard),
+    });
     assert_eq!(accepted(&set(&mut d, "a", &[100_000, 500_000])), 1);
     d.now_ms += 10 * 60_000;
     assert_eq!(accepted(&set(&mut d, "a", &[100_000, 900_000])), 0);
@@ -101,14 +156,20 @@ fn floors_are_never_given_away_and_outlive_leases() {
     assert_eq!(accepted(&set(&mut d, "a", &[100_000, 900_000])), 1);
     assert_eq!(
         d.state.region_share(&key("a"), 0),
-        Some(RegionShare { share_ppm: 100_000, floor_ppm: 0 })
+        Some(RegionShare {
+            share_ppm: 100_000,
+            floor_ppm: 0
+        })
     );
 }
 
 #[test]
 fn duplicates_get_the_original_response_and_change_nothing() {
     let mut d = Driver::with_regions(2);
-    let cmd = d.command(Operation::PutPolicy { key: key("a"), policy: policy(0, Tier::Standard) });
+    let cmd = d.command(Operation::PutPolicy {
+        key: key("a"),
+        policy: policy(0, Tier::Standard),
+    });
     let first = d.state.apply(&cmd);
     let snapshot = d.state.clone();
     assert_eq!(d.state.apply(&cmd), first);
@@ -118,24 +179,57 @@ fn duplicates_get_the_original_response_and_change_nothing() {
 #[test]
 fn business_rejections_are_responses() {
     let mut d = Driver::with_regions(2);
-    assert_eq!(d.op(Operation::DeletePolicy { key: key("x") }), Response::UnknownPolicy);
     assert_eq!(
-        d.op(Operation::RenewLease { region: region(7), acked_epoch: 0 }),
+        d.op(Operation::DeletePolicy { key: key("x") }),
+        Response::UnknownPolicy
+    );
+    assert_eq!(
+        d.op(Operation::RenewLease {
+            region: region(7),
+            acked_epoch: 0
+        }),
         Response::UnknownRegion { region: region(7) }
     );
     let epoch = d.state.epoch;
     assert_eq!(
-        d.op(Operation::RenewLease { region: region(0), acked_epoch: epoch + 5 }),
-        Response::AckFromFuture { acked_epoch: epoch + 5, epoch }
+        d.op(Operation::RenewLease {
+            region: region(0),
+            acked_epoch: epoch + 5
+        }),
+        Response::AckFromFuture {
+            acked_epoch: epoch + 5,
+            epoch
+        }
     );
     assert_eq!(
-        d.op(Operation::SetShares { membership: 99, entries: vec![] }),
-        Response::StaleMembership { planned: 99, current: 2 }
+        d.op(Operation::SetShares {
+            membership: 99,
+            entries: vec![]
+        }),
+        Response::StaleMembership {
+            planned: 99,
+            current: 2
+        }
     );
-    d.op(Operation::PutPolicy { key: key("a"), policy: policy(0, Tier::Standard) });
+    d.op(Operation::PutPolicy {
+        key: key("a"),
+        policy: policy(0, Tier::Standard),
+    });
     for (shares, reason) in [
-        (vec![1], EntryRejection::WrongLength { expected: 2, found: 1 }),
-        (vec![PPM + 1, 0], EntryRejection::BadShare { region: 0, share_ppm: PPM + 1 }),
+        (
+            vec![1],
+            EntryRejection::WrongLength {
+                expected: 2,
+                found: 1,
+            },
+        ),
+        (
+            vec![PPM + 1, 0],
+            EntryRejection::BadShare {
+                region: 0,
+                share_ppm: PPM + 1,
+            },
+        ),
     ] {
         let r = set(&mut d, "a", &shares);
         assert!(
@@ -145,16 +239,45 @@ fn business_rejections_are_responses() {
     }
     assert_eq!(
         d.op(Operation::SetLeaseConfig {
-            config: LeaseConfig { lease_ms: 1000, drift_margin_ms: 600 }
+            config: LeaseConfig {
+                lease_ms: 1000,
+                drift_margin_ms: 600
+            }
         }),
         Response::InvalidLeaseConfig {
-            error: LeaseConfigError::MarginTooLarge { lease_ms: 1000, drift_margin_ms: 600 }
+            error: LeaseConfigError::MarginTooLarge {
+                lease_ms: 1000,
+                drift_margin_ms: 600
+            }
         }
     );
     assert_eq!(
-        d.op(Operation::PutRegion { region: region(0), reserves_floor: false, draining: false }),
+        d.op(Operation::PutRegion {
+            region: region(0),
+            reserves_floor: false,
+            draining: false
+        }),
         Response::RegionRulesImmutable { region: region(0) }
     );
+}
+
+#[test]
+fn policies_that_would_break_the_arithmetic_are_refused() {
+    let mut d = Driver::with_regions(2);
+    let mut bad = policy(0, Tier::Standard);
+    bad.window_ms = 0;
+    bad.floor_ppm = PPM + 1;
+    let r = d.op(Operation::PutPolicy {
+        key: key("a"),
+        policy: bad,
+    });
+    assert_eq!(
+        r,
+        Response::InvalidPolicy {
+            fields: vec!["window_ms".into(), "floor".into()]
+        }
+    );
+    assert!(d.state.entries.is_empty());
 }
 
 #[test]
@@ -163,31 +286,62 @@ fn clock_is_clamped_monotonic() {
     d.now_ms = 50_000;
     d.renew_all();
     d.now_ms = 10_000;
-    let r = d.op(Operation::RenewLease { region: region(0), acked_epoch: 0 });
-    assert!(matches!(r, Response::LeaseRenewed { expires_at_ms: 80_000, .. }), "{r:?}");
+    let r = d.op(Operation::RenewLease {
+        region: region(0),
+        acked_epoch: 0,
+    });
+    assert!(
+        matches!(
+            r,
+            Response::LeaseRenewed {
+                expires_at_ms: 80_000,
+                ..
+            }
+        ),
+        "{r:?}"
+    );
     assert_eq!(d.state.last_now_ms, 50_000);
 }
 
 #[test]
 fn deleted_policies_are_forgotten_only_once_no_region_may_enforce_them() {
     let mut d = Driver::with_regions(2);
-    d.op(Operation::PutPolicy { key: key("a"), policy: policy(100_000, Tier::Standard) });
+    d.op(Operation::PutPolicy {
+        key: key("a"),
+        policy: policy(100_000, Tier::Standard),
+    });
     d.renew_all();
     d.op(Operation::DeletePolicy { key: key("a") });
-    assert_eq!(d.op(Operation::Forget { keys: vec![key("a")] }), Response::Forgotten { count: 0 });
+    assert_eq!(
+        d.op(Operation::Forget {
+            keys: vec![key("a")]
+        }),
+        Response::Forgotten { count: 0 }
+    );
     // A re-put while revocations are live starts from zero shares, not an even split.
-    d.op(Operation::PutPolicy { key: key("a"), policy: policy(100_000, Tier::Standard) });
+    d.op(Operation::PutPolicy {
+        key: key("a"),
+        policy: policy(100_000, Tier::Standard),
+    });
     assert_eq!(d.state.entries[&key("a")].shares_ppm, [0, 0]);
     d.op(Operation::DeletePolicy { key: key("a") });
     d.renew_all();
-    assert_eq!(d.op(Operation::Forget { keys: vec![key("a")] }), Response::Forgotten { count: 1 });
+    assert_eq!(
+        d.op(Operation::Forget {
+            keys: vec![key("a")]
+        }),
+        Response::Forgotten { count: 1 }
+    );
     assert!(d.state.entries.is_empty());
 }
 
 #[test]
 fn regions_leave_only_when_they_hold_nothing() {
     let mut d = Driver::with_regions(3);
-    d.op(Operation::PutPolicy { key: key("a"), policy: policy(0, Tier::Standard) });
+    d.op(Operation::PutPolicy {
+        key: key("a"),
+        policy: policy(0, Tier::Standard),
+    });
     d.renew_all();
     assert_eq!(
         d.op(Operation::RemoveRegion { region: region(2) }),
@@ -205,8 +359,14 @@ fn regions_leave_only_when_they_hold_nothing() {
 #[test]
 fn operator_pins_win_over_automatic_ones() {
     let mut d = Driver::with_regions(2);
-    d.op(Operation::PutPolicy { key: key("a"), policy: policy(0, Tier::Critical) });
-    let r = d.op(Operation::Pin { key: key("a"), home: region(1) });
+    d.op(Operation::PutPolicy {
+        key: key("a"),
+        policy: policy(0, Tier::Critical),
+    });
+    let r = d.op(Operation::Pin {
+        key: key("a"),
+        home: region(1),
+    });
     assert_eq!(r, Response::Pinned { home: 1 });
     let membership = d.state.membership;
     let r = d.op(Operation::SetShares {
@@ -221,7 +381,10 @@ fn operator_pins_win_over_automatic_ones() {
         &r,
         Response::SharesSet { rejected, .. } if rejected[0].reason == EntryRejection::BadHome { region: 0 }
     ));
-    assert_eq!(d.state.entries[&key("a")].pin.unwrap().source, PinSource::Operator);
+    assert_eq!(
+        d.state.entries[&key("a")].pin.unwrap().source,
+        PinSource::Operator
+    );
     d.op(Operation::Unpin { key: key("a") });
     assert_eq!(d.state.entries[&key("a")].pin, None);
 }
@@ -230,7 +393,10 @@ fn operator_pins_win_over_automatic_ones() {
 fn state_round_trips_through_postcard() {
     let mut d = Driver::with_regions(3);
     for t in ["a", "b", "c"] {
-        d.op(Operation::PutPolicy { key: key(t), policy: policy(10_000, Tier::Standard) });
+        d.op(Operation::PutPolicy {
+            key: key(t),
+            policy: policy(10_000, Tier::Standard),
+        });
     }
     d.renew_all();
     set(&mut d, "b", &[300_000, 300_000, 333_333]);
@@ -239,5 +405,50 @@ fn state_round_trips_through_postcard() {
     assert_eq!(back, d.state);
     let cmd = d.command(Operation::Unpin { key: key("a") });
     let bytes = postcard::to_stdvec(&cmd).unwrap();
-    assert_eq!(postcard::from_bytes::<quota_core::Command>(&bytes).unwrap(), cmd);
+    assert_eq!(
+        postcard::from_bytes::<quota_core::Command>(&bytes).unwrap(),
+        cmd
+    );
+}
+
+#[test]
+fn a_draining_region_loses_its_floor_is_emptied_and_can_leave() {
+    use quota_core::allocator::{plan, AllocatorConfig};
+    use quota_core::demand::DemandTracker;
+    let mut d = Driver::with_regions(3);
+    d.op(Operation::PutPolicy {
+        key: key("a"),
+        policy: policy(100_000, Tier::Standard),
+    });
+    d.renew_all();
+    d.op(Operation::PutRegion {
+        region: region(2),
+        reserves_floor: true,
+        draining: true,
+    });
+    let config = AllocatorConfig::default();
+    let demand = DemandTracker::new(config.ewma_alpha_ppm);
+    for _ in 0..30 {
+        d.now_ms += 1_000;
+        let p = plan(&d.state, &demand, &config, d.now_ms);
+        for e in p.entries {
+            let membership = d.state.membership;
+            d.op(Operation::SetShares {
+                membership,
+                entries: vec![e],
+            });
+        }
+        d.renew_all();
+    }
+    assert_eq!(d.state.entries[&key("a")].shares_ppm, [500_000, 500_000, 0]);
+    let grants: Vec<_> = d.state.grants_for_region(2).map(|(_, _, g)| g).collect();
+    assert_eq!(
+        grants,
+        [RegionShare {
+            share_ppm: 0,
+            floor_ppm: 0
+        }]
+    );
+    let r = d.op(Operation::RemoveRegion { region: region(2) });
+    assert!(matches!(r, Response::RegionRemoved { .. }), "{r:?}");
 }

@@ -17,7 +17,10 @@ use quota_core::policy::Tier;
 use quota_core::PPM;
 
 fn cases() -> u32 {
-    std::env::var("QUOTA_PROPTEST_CASES").ok().and_then(|s| s.parse().ok()).unwrap_or(64)
+    std::env::var("QUOTA_PROPTEST_CASES")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(64)
 }
 
 fn home() -> impl Strategy<Value = HomeChange> {

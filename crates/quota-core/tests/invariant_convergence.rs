@@ -15,7 +15,10 @@ use quota_core::policy::Tier;
 use quota_core::PPM;
 
 fn cases() -> u32 {
-    std::env::var("QUOTA_PROPTEST_CASES").ok().and_then(|s| s.parse().ok()).unwrap_or(64)
+    std::env::var("QUOTA_PROPTEST_CASES")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(64)
 }
 
 /// Budget of the test policy: 1000 tokens/s = 10^9 µt/s.
@@ -82,7 +85,10 @@ proptest! {
 fn demand_learned_from_reports_moves_share_to_where_it_is_used() {
     let config = AllocatorConfig::default();
     let mut d = Driver::with_regions(3);
-    d.op(Operation::PutPolicy { key: key("a"), policy: policy(50_000, Tier::Standard) });
+    d.op(Operation::PutPolicy {
+        key: key("a"),
+        policy: policy(50_000, Tier::Standard),
+    });
     d.renew_all();
     let mut demand = DemandTracker::new(config.ewma_alpha_ppm);
     // Region 2 sees 900 tokens/s (half of it denied), the others 20.
@@ -107,18 +113,27 @@ fn demand_learned_from_reports_moves_share_to_where_it_is_used() {
 fn critical_tenants_are_pinned_home_with_hysteresis() {
     let config = AllocatorConfig::default();
     let mut d = Driver::with_regions(3);
-    d.op(Operation::PutPolicy { key: key("a"), policy: policy(10_000, Tier::Critical) });
+    d.op(Operation::PutPolicy {
+        key: key("a"),
+        policy: policy(10_000, Tier::Critical),
+    });
     d.renew_all();
     let mut demand = DemandTracker::new(config.ewma_alpha_ppm);
     let set = |demand: &mut DemandTracker, tokens_per_s: [u64; 3]| {
-        demand.set(key("a"), tokens_per_s.iter().map(|t| t * 1_000_000).collect());
+        demand.set(
+            key("a"),
+            tokens_per_s.iter().map(|t| t * 1_000_000).collect(),
+        );
     };
     set(&mut demand, [100, 500, 200]);
     for _ in 0..round_bound(&config) {
         round(&mut d, &demand, &config);
     }
     let e = &d.state.entries[&key("a")];
-    assert_eq!(e.pin.map(|p| (p.home, p.source)), Some((1, PinSource::Auto)));
+    assert_eq!(
+        e.pin.map(|p| (p.home, p.source)),
+        Some((1, PinSource::Auto))
+    );
     assert_eq!(e.shares_ppm, [10_000, 980_000, 10_000]);
     // Region 2 gets a little ahead: within the hysteresis, the home stays.
     set(&mut demand, [100, 500, 600]);
@@ -133,7 +148,10 @@ fn critical_tenants_are_pinned_home_with_hysteresis() {
     assert_eq!(e.pin.unwrap().home, 2);
     assert_eq!(e.shares_ppm, [10_000, 10_000, 980_000]);
     // Not critical any more: the automatic pin goes.
-    d.op(Operation::PutPolicy { key: key("a"), policy: policy(10_000, Tier::Standard) });
+    d.op(Operation::PutPolicy {
+        key: key("a"),
+        policy: policy(10_000, Tier::Standard),
+    });
     round(&mut d, &demand, &config);
     assert_eq!(d.state.entries[&key("a")].pin, None);
 }
@@ -142,7 +160,10 @@ fn critical_tenants_are_pinned_home_with_hysteresis() {
 fn a_joining_region_is_raised_to_its_floor_first() {
     let config = AllocatorConfig::default();
     let mut d = Driver::with_regions(2);
-    d.op(Operation::PutPolicy { key: key("a"), policy: policy(100_000, Tier::Standard) });
+    d.op(Operation::PutPolicy {
+        key: key("a"),
+        policy: policy(100_000, Tier::Standard),
+    });
     d.renew_all();
     d.op(Operation::PutRegion {
         region: common::region(2),
@@ -156,5 +177,8 @@ fn a_joining_region_is_raised_to_its_floor_first() {
     }
     let shares = &d.state.entries[&key("a")].shares_ppm;
     assert_eq!(shares.iter().sum::<u32>(), PPM);
-    assert!(shares.iter().all(|s| s.abs_diff(PPM / 3) <= 10_000), "{shares:?}");
+    assert!(
+        shares.iter().all(|s| s.abs_diff(PPM / 3) <= 10_000),
+        "{shares:?}"
+    );
 }

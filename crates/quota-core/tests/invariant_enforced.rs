@@ -35,26 +35,64 @@ const DRIFT_PPM: i64 = 1_000;
 const OFFSET_MS: i64 = 500;
 
 fn cases() -> u32 {
-    std::env::var("QUOTA_PROPTEST_CASES").ok().and_then(|s| s.parse().ok()).unwrap_or(64)
+    std::env::var("QUOTA_PROPTEST_CASES")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(64)
 }
 
 #[derive(Debug, Clone)]
 enum Action {
     Advance(u64),
-    Renew { region: usize, lost_request: bool, lost_response: bool },
-    Replicate { region: usize, entries: usize },
-    Rebalance { seed: u64 },
-    RawShares { key: usize, shares: [u32; REGIONS] },
-    PutPolicy { key: usize, floor_ppm: u32, critical: bool },
-    Delete { key: usize },
+    Renew {
+        region: usize,
+        lost_request: bool,
+        lost_response: bool,
+    },
+    Replicate {
+        region: usize,
+        entries: usize,
+    },
+    Rebalance {
+        seed: u64,
+    },
+    RawShares {
+        key: usize,
+        shares: [u32; REGIONS],
+    },
+    PutPolicy {
+        key: usize,
+        floor_ppm: u32,
+        critical: bool,
+    },
+    Delete {
+        key: usize,
+    },
     Forget,
-    Pin { key: usize, region: usize },
-    Unpin { key: usize },
-    Partition { region: usize, cut: bool },
-    LeaderChange { offset_ms: i64 },
-    AddRegion { floor: bool },
-    Drain { region: usize, draining: bool },
-    Remove { region: usize },
+    Pin {
+        key: usize,
+        region: usize,
+    },
+    Unpin {
+        key: usize,
+    },
+    Partition {
+        region: usize,
+        cut: bool,
+    },
+    LeaderChange {
+        offset_ms: i64,
+    },
+    AddRegion {
+        floor: bool,
+    },
+    Drain {
+        region: usize,
+        draining: bool,
+    },
+    Remove {
+        region: usize,
+    },
     RetryLast,
 }
 
@@ -67,7 +105,9 @@ fn action() -> impl Strategy<Value = Action> {
         8 => (r.clone(), prop::bool::weighted(0.2), prop::bool::weighted(0.2)).prop_map(
             |(region, lost_request, lost_response)| Action::Renew { region, lost_request, lost_response }
         ),
-        8 => (r.clone(), 0usize..6).prop_map(|(region, entries)| Action::Replicate { region, entries }),
+        // Half the time a region catches up completely, else it applies a few entries.
+        8 => (r.clone(), prop_oneof![0usize..6, Just(usize::MAX)])
+            .prop_map(|(region, entries)| Action::Replicate { region, entries }),
         6 => any::<u64>().prop_map(|seed| Action::Rebalance { seed }),
         3 => (k.clone(), prop::array::uniform4(0u32..=PPM / 2))
             .prop_map(|(key, shares)| Action::RawShares { key, shares }),
@@ -159,7 +199,11 @@ impl World {
 
     fn propose(&mut self, op: Operation) -> Response {
         self.next_id += 1;
-        let cmd = Command { request: RequestId(self.next_id), now_ms: self.leader_now(), op };
+        let cmd = Command {
+            request: RequestId(self.next_id),
+            now_ms: self.leader_now(),
+            op,
+        };
         let r = self.leader.apply(&cmd);
         self.log.push(cmd);
         r
@@ -178,15 +222,25 @@ impl World {
     fn step(&mut self, a: &Action) {
         match a {
             Action::Advance(ms) => self.t += ms,
-            Action::Renew { region: i, lost_request, lost_response } => {
+            Action::Renew {
+                region: i,
+                lost_request,
+                lost_response,
+            } => {
                 let reg = &self.regions[*i];
                 if reg.partitioned || *lost_request {
                     return;
                 }
                 let start_local_ms = reg.local(self.t);
                 let acked_epoch = reg.view.applied_epoch();
-                let r = self.propose(Operation::RenewLease { region: region(*i), acked_epoch });
-                if let Response::LeaseRenewed { epoch, lease_ms, .. } = r {
+                let r = self.propose(Operation::RenewLease {
+                    region: region(*i),
+                    acked_epoch,
+                });
+                if let Response::LeaseRenewed {
+                    epoch, lease_ms, ..
+                } = r
+                {
                     if !lost_response {
                         self.regions[*i].view.on_renewal(RegionLease {
                             epoch,
@@ -205,7 +259,9 @@ impl World {
                 let mut rng = ChaCha8Rng::seed_from_u64(*seed);
                 for k in 0..KEYS {
                     // Up to twice the budget (1000 tokens/s = 10^9 µt/s) per region.
-                    let rates = (0..REGIONS).map(|_| rng.random_range(0..2_000_000_000)).collect();
+                    let rates = (0..REGIONS)
+                        .map(|_| rng.random_range(0..2_000_000_000))
+                        .collect();
                     self.demand.set(key(&format!("t{k}")), rates);
                 }
                 let config = AllocatorConfig {
@@ -238,25 +294,40 @@ impl World {
                     }],
                 });
             }
-            Action::PutPolicy { key: k, floor_ppm, critical } => {
-                let tier = if *critical { Tier::Critical } else { Tier::Standard };
+            Action::PutPolicy {
+                key: k,
+                floor_ppm,
+                critical,
+            } => {
+                let tier = if *critical {
+                    Tier::Critical
+                } else {
+                    Tier::Standard
+                };
                 self.propose(Operation::PutPolicy {
                     key: key(&format!("t{k}")),
                     policy: policy(*floor_ppm, tier),
                 });
             }
             Action::Delete { key: k } => {
-                self.propose(Operation::DeletePolicy { key: key(&format!("t{k}")) });
+                self.propose(Operation::DeletePolicy {
+                    key: key(&format!("t{k}")),
+                });
             }
             Action::Forget => {
                 let keys = (0..KEYS).map(|k| key(&format!("t{k}"))).collect();
                 self.propose(Operation::Forget { keys });
             }
             Action::Pin { key: k, region: i } => {
-                self.propose(Operation::Pin { key: key(&format!("t{k}")), home: region(*i) });
+                self.propose(Operation::Pin {
+                    key: key(&format!("t{k}")),
+                    home: region(*i),
+                });
             }
             Action::Unpin { key: k } => {
-                self.propose(Operation::Unpin { key: key(&format!("t{k}")) });
+                self.propose(Operation::Unpin {
+                    key: key(&format!("t{k}")),
+                });
             }
             Action::Partition { region: i, cut } => self.regions[*i].partitioned = *cut,
             Action::LeaderChange { offset_ms } => self.offset_ms = *offset_ms,
@@ -272,7 +343,10 @@ impl World {
                     }
                 }
             }
-            Action::Drain { region: i, draining } => {
+            Action::Drain {
+                region: i,
+                draining,
+            } => {
                 let reserves_floor = self
                     .leader
                     .region_index(&region(*i))
@@ -306,14 +380,21 @@ impl World {
     /// Σ of what regions enforce, per policy, right now.
     fn check(&self) -> Result<(), String> {
         self.leader.check_invariant().map_err(|e| e.to_string())?;
-        let keys: BTreeSet<&PolicyKey> =
-            self.regions.iter().flat_map(|r| r.replica.entries.keys()).collect();
+        let keys: BTreeSet<&PolicyKey> = self
+            .regions
+            .iter()
+            .flat_map(|r| r.replica.entries.keys())
+            .collect();
         for k in keys {
             let mut total = 0u64;
             let mut parts = Vec::new();
             for (i, reg) in self.regions.iter().enumerate() {
-                let Some(idx) = reg.replica.region_index(&region(i)) else { continue };
-                let Some(grant) = reg.replica.region_share(k, usize::from(idx)) else { continue };
+                let Some(idx) = reg.replica.region_index(&region(i)) else {
+                    continue;
+                };
+                let Some(grant) = reg.replica.region_share(k, usize::from(idx)) else {
+                    continue;
+                };
                 let margin = reg.replica.lease.drift_margin_ms;
                 let e = reg.view.enforced_share(&grant, reg.local(self.t), margin);
                 parts.push(e);
@@ -350,9 +431,15 @@ proptest! {
 fn leader_clock_going_back_is_clamped() {
     let mut w = World::new([DRIFT_PPM, -DRIFT_PPM, 0, 0], [0, 5, 10, 0]);
     for i in 0..3 {
-        w.step(&Action::Renew { region: i, lost_request: false, lost_response: false });
+        w.step(&Action::Renew {
+            region: i,
+            lost_request: false,
+            lost_response: false,
+        });
     }
-    w.step(&Action::LeaderChange { offset_ms: -OFFSET_MS });
+    w.step(&Action::LeaderChange {
+        offset_ms: -OFFSET_MS,
+    });
     w.step(&Action::Rebalance { seed: 7 });
     w.step(&Action::Advance(31_000));
     w.step(&Action::Rebalance { seed: 8 });

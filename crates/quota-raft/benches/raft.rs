@@ -29,7 +29,10 @@ use tokio::net::TcpListener;
 const REGIONS: [&str; 5] = ["eu", "us", "ap", "sa", "af"];
 
 fn main() {
-    let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build().unwrap();
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+        .unwrap();
     rt.block_on(commit_latency());
     let sizes: Vec<u64> = std::env::var("QUOTA_RAFT_BENCH_TENANTS")
         .ok()
@@ -51,14 +54,26 @@ async fn commit_latency() {
         .enumerate()
         .map(|(i, l)| {
             let addr = l.local_addr().unwrap().to_string();
-            (i as u64 + 1, Member { region: REGIONS[i].into(), peer_addr: addr.clone(), admin_addr: addr })
+            (
+                i as u64 + 1,
+                Member {
+                    region: REGIONS[i].into(),
+                    peer_addr: addr.clone(),
+                    admin_addr: addr,
+                },
+            )
         })
         .collect();
     let mut nodes = Vec::new();
     for (i, l) in listeners.into_iter().enumerate() {
         let id = i as u64 + 1;
-        let cfg = RaftConfig::new(id, members.clone(), dir.path().join(format!("n{id}")), "bench-secret-0123456789")
-            .with_loopback_timeouts();
+        let cfg = RaftConfig::new(
+            id,
+            members.clone(),
+            dir.path().join(format!("n{id}")),
+            "bench-secret-0123456789",
+        )
+        .with_loopback_timeouts();
         let c = Coordinator::start(cfg).await.unwrap();
         let router = c.peer_router();
         tokio::spawn(async move { axum::serve(l, router).await.unwrap() });
@@ -72,7 +87,10 @@ async fn commit_latency() {
     };
     let follower = nodes.iter().find(|c| !c.is_leader()).unwrap().clone();
     let mut request = 1u128;
-    for (label, node, writes) in [("leader", &leader, 2_000u64), ("follower (forwarded)", &follower, 1_000)] {
+    for (label, node, writes) in [
+        ("leader", &leader, 2_000u64),
+        ("follower (forwarded)", &follower, 1_000),
+    ] {
         let mut h = Histogram::<u64>::new(3).unwrap();
         let start = Instant::now();
         for n in 0..writes {
@@ -97,7 +115,10 @@ async fn commit_latency() {
 }
 
 fn entry(index: u64, cmd: Command) -> Entry<TypeConfig> {
-    Entry { log_id: LogId::new(CommittedLeaderId::new(1, 1), index), payload: EntryPayload::Normal(cmd) }
+    Entry {
+        log_id: LogId::new(CommittedLeaderId::new(1, 1), index),
+        payload: EntryPayload::Normal(cmd),
+    }
 }
 
 async fn snapshot(tenants: u64) {
@@ -135,9 +156,12 @@ async fn snapshot(tenants: u64) {
     let membership = sm.handle().read(|s| s.membership);
     let mut shares_accepted = 0u64;
     let mut epoch = 0;
-    for (round, shares) in [[200_000, 150_000, 150_000, 150_000, 150_000], [400_000, 150_000, 150_000, 150_000, 150_000]]
-        .iter()
-        .enumerate()
+    for (round, shares) in [
+        [200_000, 150_000, 150_000, 150_000, 150_000],
+        [400_000, 150_000, 150_000, 150_000, 150_000],
+    ]
+    .iter()
+    .enumerate()
     {
         if round == 1 {
             let acks: Vec<_> = REGIONS
@@ -146,7 +170,10 @@ async fn snapshot(tenants: u64) {
                     let cmd = Command {
                         request: RequestId(request),
                         now_ms: 3_000_000,
-                        op: Operation::RenewLease { region: RegionId::new(*r).unwrap(), acked_epoch: epoch },
+                        op: Operation::RenewLease {
+                            region: RegionId::new(*r).unwrap(),
+                            acked_epoch: epoch,
+                        },
                     };
                     request += 1;
                     next(cmd)
@@ -160,7 +187,10 @@ async fn snapshot(tenants: u64) {
             let cmd = set_shares(request, membership, from, to, shares);
             request += 1;
             for reply in sm.apply([next(cmd)]).await.unwrap().into_iter().flatten() {
-                if let Response::SharesSet { accepted, epoch: e, .. } = reply {
+                if let Response::SharesSet {
+                    accepted, epoch: e, ..
+                } = reply
+                {
                     shares_accepted += u64::from(accepted);
                     epoch = e;
                 }
@@ -171,13 +201,21 @@ async fn snapshot(tenants: u64) {
     let fill = t.elapsed();
 
     let t = Instant::now();
-    let snap = sm.get_snapshot_builder().await.build_snapshot().await.unwrap();
+    let snap = sm
+        .get_snapshot_builder()
+        .await
+        .build_snapshot()
+        .await
+        .unwrap();
     let build = t.elapsed();
     let bytes = snap.snapshot.len();
 
     let (_log2, mut target) = storage::open(&dir.path().join("target")).unwrap();
     let t = Instant::now();
-    target.install_snapshot(&snap.meta, snap.snapshot).await.unwrap();
+    target
+        .install_snapshot(&snap.meta, snap.snapshot)
+        .await
+        .unwrap();
     let install = t.elapsed();
     let same = target.handle().read(|a| sm.handle().read(|b| a == b));
     assert!(same, "installed state differs from the source");

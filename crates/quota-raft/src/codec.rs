@@ -33,11 +33,16 @@ pub fn encode<T: Serialize + ?Sized>(value: &T) -> Result<Vec<u8>, CodecError> {
 pub fn decode<T: DeserializeOwned>(bytes: &[u8]) -> Result<T, CodecError> {
     let (&version, body) = bytes.split_first().ok_or(CodecError::Empty)?;
     if version != FORMAT_VERSION {
-        return Err(CodecError::UnknownVersion { found: version, expected: FORMAT_VERSION });
+        return Err(CodecError::UnknownVersion {
+            found: version,
+            expected: FORMAT_VERSION,
+        });
     }
     let (value, rest) = postcard::take_from_bytes(body)?;
     if !rest.is_empty() {
-        return Err(CodecError::Postcard { source: postcard::Error::DeserializeBadEncoding });
+        return Err(CodecError::Postcard {
+            source: postcard::Error::DeserializeBadEncoding,
+        });
     }
     Ok(value)
 }
@@ -66,9 +71,19 @@ mod tests {
     }
 
     proptest::proptest! {
+        /// Peer input is untrusted: decoding garbage into any wire type is an error, never a
+        /// panic or a huge allocation.
         #[test]
-        fn arbitrary_bytes_never_panic(bytes in proptest::collection::vec(proptest::num::u8::ANY, 0..64)) {
-            let _ = decode::<(u64, Option<String>, Vec<u32>)>(&bytes);
+        fn arbitrary_bytes_never_panic(
+            tail in proptest::collection::vec(proptest::num::u8::ANY, 0..256)
+        ) {
+            let mut bytes = vec![FORMAT_VERSION];
+            bytes.extend_from_slice(&tail);
+            let _ = decode::<quota_core::coordinator::Command>(&bytes);
+            let _ = decode::<openraft::raft::AppendEntriesRequest<crate::TypeConfig>>(&bytes);
+            let _ = decode::<openraft::raft::VoteRequest<u64>>(&bytes);
+            let _ = decode::<crate::protocol::ForwardRequest>(&bytes);
+            let _ = decode::<crate::protocol::SnapshotHeader>(&bytes);
         }
     }
 }

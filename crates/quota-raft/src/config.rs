@@ -44,7 +44,12 @@ pub struct RaftConfig {
     /// Log entries kept after a snapshot, so briefly lagging followers catch up by log.
     #[serde(default = "defaults::log_entries_kept")]
     pub log_entries_kept: u64,
-    /// The largest accepted body of a vote, append or forward request.
+    /// Log entries per AppendEntries request.
+    #[serde(default = "defaults::max_payload_entries")]
+    pub max_payload_entries: u64,
+    /// The largest accepted body of a vote, append or forward request. A command larger than
+    /// `max_rpc_body_bytes / max_payload_entries` is refused before it enters the log, so a full
+    /// AppendEntries batch always fits and replication cannot wedge on an oversized entry.
     #[serde(default = "defaults::max_rpc_body_bytes")]
     pub max_rpc_body_bytes: usize,
     /// The largest accepted snapshot body.
@@ -74,8 +79,11 @@ mod defaults {
     pub fn log_entries_kept() -> u64 {
         1_000
     }
+    pub fn max_payload_entries() -> u64 {
+        64
+    }
     pub fn max_rpc_body_bytes() -> usize {
-        16 << 20
+        64 << 20
     }
     pub fn max_snapshot_body_bytes() -> usize {
         1 << 30
@@ -93,10 +101,14 @@ impl std::fmt::Debug for RaftConfig {
             .field("heartbeat_interval_ms", &self.heartbeat_interval_ms)
             .field("election_timeout_min_ms", &self.election_timeout_min_ms)
             .field("election_timeout_max_ms", &self.election_timeout_max_ms)
-            .field("install_snapshot_timeout_ms", &self.install_snapshot_timeout_ms)
+            .field(
+                "install_snapshot_timeout_ms",
+                &self.install_snapshot_timeout_ms,
+            )
             .field("write_timeout_ms", &self.write_timeout_ms)
             .field("snapshot_every_entries", &self.snapshot_every_entries)
             .field("log_entries_kept", &self.log_entries_kept)
+            .field("max_payload_entries", &self.max_payload_entries)
             .field("max_rpc_body_bytes", &self.max_rpc_body_bytes)
             .field("max_snapshot_body_bytes", &self.max_snapshot_body_bytes)
             .finish()
@@ -149,6 +161,7 @@ impl RaftConfig {
             write_timeout_ms: defaults::write_timeout_ms(),
             snapshot_every_entries: defaults::snapshot_every_entries(),
             log_entries_kept: defaults::log_entries_kept(),
+            max_payload_entries: defaults::max_payload_entries(),
             max_rpc_body_bytes: defaults::max_rpc_body_bytes(),
             max_snapshot_body_bytes: defaults::max_snapshot_body_bytes(),
         }
@@ -170,7 +183,10 @@ impl RaftConfig {
         if self.members.is_empty() {
             err("members".into(), "at least one member is required".into());
         } else if !self.members.contains_key(&self.node_id) {
-            err("node_id".into(), format!("{} is not one of the members", self.node_id));
+            err(
+                "node_id".into(),
+                format!("{} is not one of the members", self.node_id),
+            );
         }
         let mut peer_addrs = BTreeSet::new();
         for (id, m) in &self.members {
@@ -180,7 +196,10 @@ impl RaftConfig {
             if let Err(e) = valid_addr(&m.peer_addr) {
                 err(format!("members.{id}.peer_addr"), e);
             } else if !peer_addrs.insert(m.peer_addr.as_str()) {
-                err(format!("members.{id}.peer_addr"), format!("{} is used twice", m.peer_addr));
+                err(
+                    format!("members.{id}.peer_addr"),
+                    format!("{} is used twice", m.peer_addr),
+                );
             }
             if let Err(e) = valid_addr(&m.admin_addr) {
                 err(format!("members.{id}.admin_addr"), e);
@@ -192,7 +211,10 @@ impl RaftConfig {
         if self.cluster_secret.len() < MIN_SECRET_LEN {
             err(
                 "cluster_secret".into(),
-                format!("must be at least {MIN_SECRET_LEN} bytes (got {})", self.cluster_secret.len()),
+                format!(
+                    "must be at least {MIN_SECRET_LEN} bytes (got {})",
+                    self.cluster_secret.len()
+                ),
             );
         }
         if self.heartbeat_interval_ms == 0 {
@@ -205,10 +227,16 @@ impl RaftConfig {
             );
         }
         if self.election_timeout_max_ms <= self.election_timeout_min_ms {
-            err("election_timeout_max_ms".into(), "must exceed election_timeout_min_ms".into());
+            err(
+                "election_timeout_max_ms".into(),
+                "must exceed election_timeout_min_ms".into(),
+            );
         }
         if self.install_snapshot_timeout_ms == 0 {
-            err("install_snapshot_timeout_ms".into(), "must be positive".into());
+            err(
+                "install_snapshot_timeout_ms".into(),
+                "must be positive".into(),
+            );
         }
         if self.write_timeout_ms == 0 {
             err("write_timeout_ms".into(), "must be positive".into());
@@ -216,11 +244,19 @@ impl RaftConfig {
         if self.snapshot_every_entries == 0 {
             err("snapshot_every_entries".into(), "must be positive".into());
         }
-        if self.max_rpc_body_bytes < 1024 {
-            err("max_rpc_body_bytes".into(), "must be at least 1024".into());
+        if self.max_payload_entries == 0 {
+            err("max_payload_entries".into(), "must be positive".into());
+        } else if self.max_command_bytes() < 512 {
+            err(
+                "max_rpc_body_bytes".into(),
+                "must allow at least 512 bytes per entry of a full AppendEntries batch".into(),
+            );
         }
         if self.max_snapshot_body_bytes < self.max_rpc_body_bytes {
-            err("max_snapshot_body_bytes".into(), "must be at least max_rpc_body_bytes".into());
+            err(
+                "max_snapshot_body_bytes".into(),
+                "must be at least max_rpc_body_bytes".into(),
+            );
         }
         if errors.is_empty() {
             Ok(())
@@ -239,8 +275,16 @@ impl RaftConfig {
             install_snapshot_timeout: self.install_snapshot_timeout_ms,
             snapshot_policy: openraft::SnapshotPolicy::LogsSinceLast(self.snapshot_every_entries),
             max_in_snapshot_log_to_keep: self.log_entries_kept,
+            max_payload_entries: self.max_payload_entries,
             ..Default::default()
         }
+    }
+
+    /// The largest encoded command accepted into the log (see `max_rpc_body_bytes`).
+    pub fn max_command_bytes(&self) -> usize {
+        let entries = usize::try_from(self.max_payload_entries.max(1)).unwrap_or(usize::MAX);
+        // Leave a quarter for the entry and request framing around each command.
+        self.max_rpc_body_bytes / entries / 4 * 3
     }
 
     /// The write deadline as a duration.
@@ -284,7 +328,14 @@ mod tests {
         c.node_id = 9;
         c.cluster_secret = "short".into();
         c.election_timeout_max_ms = c.election_timeout_min_ms;
-        c.members.insert(3, Member { region: "bad region".into(), peer_addr: "127.0.0.1:7001".into(), admin_addr: "nope".into() });
+        c.members.insert(
+            3,
+            Member {
+                region: "bad region".into(),
+                peer_addr: "127.0.0.1:7001".into(),
+                admin_addr: "nope".into(),
+            },
+        );
         let errs = c.validate().unwrap_err().0;
         let fields: Vec<&str> = errs.iter().map(|e| e.field.as_str()).collect();
         assert_eq!(

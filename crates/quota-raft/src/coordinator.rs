@@ -5,7 +5,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use axum::Router;
-use openraft::error::{ClientWriteError, InitializeError, RaftError};
+use openraft::error::{CheckIsLeaderError, ClientWriteError, InitializeError, RaftError};
 use openraft::ServerState;
 use quota_core::coordinator::{Command, CoordinatorState, Response};
 use serde::Serialize;
@@ -58,8 +58,23 @@ pub enum WriteError {
     Fatal { message: String },
     #[error("write refused: {message}")]
     Rejected { message: String },
+    #[error("the command encodes to {bytes} bytes; at most {max_bytes} are accepted")]
+    TooLarge { bytes: usize, max_bytes: usize },
     #[error("the log entry carried no command response")]
     NoResponse,
+}
+
+/// Why a linearizable read failed.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum ReadError {
+    #[error("this node is not the leader (leader: {leader_id:?})")]
+    NotLeader { leader_id: Option<NodeId> },
+    #[error("leadership not confirmed by a quorum: {message}")]
+    NoQuorum { message: String },
+    #[error("leadership not confirmed within {timeout_ms} ms")]
+    Timeout { timeout_ms: u64 },
+    #[error("raft stopped: {message}")]
+    Fatal { message: String },
 }
 
 /// Why a membership change failed.
@@ -130,7 +145,9 @@ pub struct Coordinator {
 
 impl std::fmt::Debug for Coordinator {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Coordinator").field("node_id", &self.inner.config.node_id).finish()
+        f.debug_struct("Coordinator")
+            .field("node_id", &self.inner.config.node_id)
+            .finish()
     }
 }
 
@@ -152,24 +169,45 @@ impl Coordinator {
             .map_err(|source| StartError::HttpClient { source })?;
         let raft = Raft::new(config.node_id, Arc::new(raft_config), net.clone(), log, sm)
             .await
-            .map_err(|e| StartError::Raft { message: e.to_string() })?;
+            .map_err(|e| StartError::Raft {
+                message: e.to_string(),
+            })?;
 
         if config.bootstrapper() == Some(config.node_id) {
             let initialized = raft
                 .is_initialized()
                 .await
-                .map_err(|e| StartError::Bootstrap { message: e.to_string() })?;
+                .map_err(|e| StartError::Bootstrap {
+                    message: e.to_string(),
+                })?;
             if !initialized {
                 match raft.initialize(config.members.clone()).await {
                     Ok(()) => tracing::info!(node = config.node_id, "Cluster initialized."),
                     Err(RaftError::APIError(InitializeError::NotAllowed(_))) => {}
-                    Err(e) => return Err(StartError::Bootstrap { message: e.to_string() }),
+                    Err(e) => {
+                        return Err(StartError::Bootstrap {
+                            message: e.to_string(),
+                        })
+                    }
                 }
             }
         }
-        let region = config.members.get(&config.node_id).map(|m| m.region.clone()).unwrap_or_default();
+        let region = config
+            .members
+            .get(&config.node_id)
+            .map(|m| m.region.clone())
+            .unwrap_or_default();
         let exporter = telemetry::spawn_exporter(&raft, config.node_id, region);
-        Ok(Self { inner: Arc::new(Inner { raft, db, config, state, net, exporter }) })
+        Ok(Self {
+            inner: Arc::new(Inner {
+                raft,
+                db,
+                config,
+                state,
+                net,
+                exporter,
+            }),
+        })
     }
 
     /// The router to mount on the peer listener (not the admin listener).
@@ -181,6 +219,7 @@ impl Coordinator {
                 cluster_secret: c.cluster_secret.clone(),
                 max_rpc_body_bytes: c.max_rpc_body_bytes,
                 max_snapshot_body_bytes: c.max_snapshot_body_bytes,
+                max_command_bytes: c.max_command_bytes(),
                 write_timeout: c.write_timeout(),
             },
         )
@@ -201,14 +240,16 @@ impl Coordinator {
             if remaining.is_zero() {
                 return Err(WriteError::Timeout { timeout_ms });
             }
-            let refusal = match local_write(&self.inner.raft, command.clone(), remaining).await {
+            let max = self.inner.config.max_command_bytes();
+            let refusal = match local_write(&self.inner.raft, command.clone(), remaining, max).await
+            {
                 Ok(reply) => return reply.ok_or(WriteError::NoResponse),
                 Err(r) => r,
             };
             match refusal {
-                ForwardRefusal::NotLeader { leader_id: Some(leader) }
-                    if leader != self.inner.config.node_id =>
-                {
+                ForwardRefusal::NotLeader {
+                    leader_id: Some(leader),
+                } if leader != self.inner.config.node_id => {
                     if let Some(reply) = self.forward(leader, &command, deadline).await? {
                         return reply.ok_or(WriteError::NoResponse);
                     }
@@ -218,6 +259,9 @@ impl Coordinator {
                 ForwardRefusal::Fatal { message } => return Err(WriteError::Fatal { message }),
                 ForwardRefusal::Rejected { message } => {
                     return Err(WriteError::Rejected { message })
+                }
+                ForwardRefusal::TooLarge { bytes, max_bytes } => {
+                    return Err(WriteError::TooLarge { bytes, max_bytes })
                 }
             }
             let remaining = deadline.saturating_duration_since(Instant::now());
@@ -238,13 +282,19 @@ impl Coordinator {
             return Ok(None);
         };
         let remaining = deadline.saturating_duration_since(Instant::now());
-        let req = ForwardRequest { command: command.clone(), timeout_ms: remaining.as_millis() as u64 };
+        let req = ForwardRequest {
+            command: command.clone(),
+            timeout_ms: remaining.as_millis() as u64,
+        };
         match self.inner.net.forward(&member, &req, remaining).await {
             Ok(Ok(reply)) => Ok(Some(reply)),
             Ok(Err(ForwardRefusal::NotLeader { .. })) => Ok(None),
             Ok(Err(ForwardRefusal::Timeout { .. })) => Err(WriteError::Timeout { timeout_ms }),
             Ok(Err(ForwardRefusal::Fatal { .. })) => Ok(None), // that leader is gone; find the next
             Ok(Err(ForwardRefusal::Rejected { message })) => Err(WriteError::Rejected { message }),
+            Ok(Err(ForwardRefusal::TooLarge { bytes, max_bytes })) => {
+                Err(WriteError::TooLarge { bytes, max_bytes })
+            }
             Err(e) => {
                 tracing::debug!(leader, error = %e, "Forwarding failed; retrying.");
                 Ok(None)
@@ -261,6 +311,34 @@ impl Coordinator {
     /// Runs `f` on the applied state (which may trail the leader's commits by a moment).
     pub fn read<R>(&self, f: impl FnOnce(&CoordinatorState) -> R) -> R {
         self.inner.state.read(f)
+    }
+
+    /// Runs `f` on a state that includes every write committed before this call (a ReadIndex
+    /// round: one quorum round trip). Leader only; bounded by `write_timeout_ms`.
+    pub async fn read_linearizable<R>(
+        &self,
+        f: impl FnOnce(&CoordinatorState) -> R,
+    ) -> Result<R, ReadError> {
+        let timeout = self.inner.config.write_timeout();
+        match tokio::time::timeout(timeout, self.inner.raft.ensure_linearizable()).await {
+            Err(_) => Err(ReadError::Timeout {
+                timeout_ms: timeout.as_millis() as u64,
+            }),
+            Ok(Ok(_)) => Ok(self.inner.state.read(f)),
+            Ok(Err(RaftError::APIError(CheckIsLeaderError::ForwardToLeader(f)))) => {
+                Err(ReadError::NotLeader {
+                    leader_id: f.leader_id,
+                })
+            }
+            Ok(Err(RaftError::APIError(CheckIsLeaderError::QuorumNotEnough(e)))) => {
+                Err(ReadError::NoQuorum {
+                    message: e.to_string(),
+                })
+            }
+            Ok(Err(RaftError::Fatal(f))) => Err(ReadError::Fatal {
+                message: f.to_string(),
+            }),
+        }
     }
 
     /// A read handle on the applied state, to hand to other tasks.
@@ -310,7 +388,8 @@ impl Coordinator {
 
     /// Adds `member` as a learner and waits until it has caught up. Leader only.
     pub async fn add_learner(&self, id: NodeId, member: Member) -> Result<(), MembershipError> {
-        self.membership_op(self.inner.raft.add_learner(id, member, true)).await
+        self.membership_op(self.inner.raft.add_learner(id, member, true))
+            .await
     }
 
     /// Makes learner `id` a voter. Leader only.
@@ -321,7 +400,8 @@ impl Coordinator {
         }
         let mut voters = status.voters;
         voters.insert(id);
-        self.membership_op(self.inner.raft.change_membership(voters, false)).await
+        self.membership_op(self.inner.raft.change_membership(voters, false))
+            .await
     }
 
     /// Removes `id` from the group entirely. Leader only.
@@ -332,7 +412,8 @@ impl Coordinator {
         }
         let mut voters = status.voters;
         voters.remove(&id);
-        self.membership_op(self.inner.raft.change_membership(voters, false)).await
+        self.membership_op(self.inner.raft.change_membership(voters, false))
+            .await
     }
 
     async fn membership_op<T>(
@@ -343,15 +424,23 @@ impl Coordinator {
     ) -> Result<(), MembershipError> {
         let timeout = self.inner.config.write_timeout();
         match tokio::time::timeout(timeout, op).await {
-            Err(_) => Err(MembershipError::Timeout { timeout_ms: timeout.as_millis() as u64 }),
+            Err(_) => Err(MembershipError::Timeout {
+                timeout_ms: timeout.as_millis() as u64,
+            }),
             Ok(Ok(_)) => Ok(()),
             Ok(Err(RaftError::APIError(ClientWriteError::ForwardToLeader(f)))) => {
-                Err(MembershipError::NotLeader { leader_id: f.leader_id })
+                Err(MembershipError::NotLeader {
+                    leader_id: f.leader_id,
+                })
             }
             Ok(Err(RaftError::APIError(ClientWriteError::ChangeMembershipError(e)))) => {
-                Err(MembershipError::Rejected { message: e.to_string() })
+                Err(MembershipError::Rejected {
+                    message: e.to_string(),
+                })
             }
-            Ok(Err(RaftError::Fatal(f))) => Err(MembershipError::Fatal { message: f.to_string() }),
+            Ok(Err(RaftError::Fatal(f))) => Err(MembershipError::Fatal {
+                message: f.to_string(),
+            }),
         }
     }
 
@@ -383,13 +472,21 @@ impl Coordinator {
     /// closed the database, so the same data directory can be opened again.
     pub async fn shutdown(&self) -> Result<(), ShutdownError> {
         self.inner.exporter.abort();
-        self.inner.raft.shutdown().await.map_err(|e| ShutdownError { message: e.to_string() })?;
+        self.inner
+            .raft
+            .shutdown()
+            .await
+            .map_err(|e| ShutdownError {
+                message: e.to_string(),
+            })?;
         let deadline = Instant::now() + STORAGE_CLOSE_TIMEOUT;
         // redb may finish closing a moment after the last handle is dropped (a transaction
         // ending on another thread), so check by opening the file ourselves.
         while self.inner.db.strong_count() > 0 || !storage::is_closed(&self.inner.config.data_dir) {
             if Instant::now() >= deadline {
-                return Err(ShutdownError { message: "storage still in use after shutdown".into() });
+                return Err(ShutdownError {
+                    message: "storage still in use after shutdown".into(),
+                });
             }
             tokio::time::sleep(Duration::from_millis(5)).await;
         }
@@ -397,18 +494,38 @@ impl Coordinator {
     }
 }
 
-/// Proposes `command` on this node's Raft, bounded by `timeout`; never forwards.
-pub(crate) async fn local_write(raft: &Raft, command: Command, timeout: Duration) -> ForwardReply {
+/// Proposes `command` on this node's Raft, bounded by `timeout`; never forwards. Commands over
+/// `max_bytes` are refused: followers could never receive them.
+pub(crate) async fn local_write(
+    raft: &Raft,
+    command: Command,
+    timeout: Duration,
+    max_bytes: usize,
+) -> ForwardReply {
+    let bytes = crate::codec::encode(&command)
+        .map_err(|e| ForwardRefusal::Rejected {
+            message: e.to_string(),
+        })?
+        .len();
+    if bytes > max_bytes {
+        return Err(ForwardRefusal::TooLarge { bytes, max_bytes });
+    }
     let timeout_ms = timeout.as_millis() as u64;
     match tokio::time::timeout(timeout, raft.client_write(command)).await {
         Err(_) => Err(ForwardRefusal::Timeout { timeout_ms }),
         Ok(Ok(resp)) => Ok(resp.data),
         Ok(Err(RaftError::APIError(ClientWriteError::ForwardToLeader(f)))) => {
-            Err(ForwardRefusal::NotLeader { leader_id: f.leader_id })
+            Err(ForwardRefusal::NotLeader {
+                leader_id: f.leader_id,
+            })
         }
         Ok(Err(RaftError::APIError(ClientWriteError::ChangeMembershipError(e)))) => {
-            Err(ForwardRefusal::Rejected { message: e.to_string() })
+            Err(ForwardRefusal::Rejected {
+                message: e.to_string(),
+            })
         }
-        Ok(Err(RaftError::Fatal(f))) => Err(ForwardRefusal::Fatal { message: f.to_string() }),
+        Ok(Err(RaftError::Fatal(f))) => Err(ForwardRefusal::Fatal {
+            message: f.to_string(),
+        }),
     }
 }

@@ -32,11 +32,17 @@ const CONNECT_TIMEOUT: Duration = Duration::from_secs(1);
 #[derive(Debug, thiserror::Error)]
 pub enum PeerError {
     #[error("cannot connect to {addr}: {source}")]
-    Connect { addr: String, source: reqwest::Error },
+    Connect {
+        addr: String,
+        source: reqwest::Error,
+    },
     #[error("no answer from {addr} within {timeout:?}")]
     Timeout { addr: String, timeout: Duration },
     #[error("request to {addr} failed: {source}")]
-    Http { addr: String, source: reqwest::Error },
+    Http {
+        addr: String,
+        source: reqwest::Error,
+    },
     #[error("{addr} answered HTTP {status}")]
     Status { addr: String, status: u16 },
     #[error("cannot encode or decode a peer message: {source}")]
@@ -64,7 +70,11 @@ impl HttpNetwork {
             .tcp_nodelay(true)
             .pool_idle_timeout(Duration::from_secs(60))
             .build()?;
-        Ok(Self { node_id, client, authorization: format!("Bearer {cluster_secret}").into() })
+        Ok(Self {
+            node_id,
+            client,
+            authorization: format!("Bearer {cluster_secret}").into(),
+        })
     }
 
     /// POSTs an encoded body and returns the raw answer body of a 2xx response.
@@ -78,11 +88,20 @@ impl HttpNetwork {
         let url = format!("http://{addr}{path}");
         let classify = |source: reqwest::Error| {
             if source.is_timeout() {
-                PeerError::Timeout { addr: addr.to_string(), timeout }
+                PeerError::Timeout {
+                    addr: addr.to_string(),
+                    timeout,
+                }
             } else if source.is_connect() {
-                PeerError::Connect { addr: addr.to_string(), source }
+                PeerError::Connect {
+                    addr: addr.to_string(),
+                    source,
+                }
             } else {
-                PeerError::Http { addr: addr.to_string(), source }
+                PeerError::Http {
+                    addr: addr.to_string(),
+                    source,
+                }
             }
         };
         let resp = self
@@ -97,7 +116,10 @@ impl HttpNetwork {
             .map_err(classify)?;
         let status = resp.status();
         if !status.is_success() {
-            return Err(PeerError::Status { addr: addr.to_string(), status: status.as_u16() });
+            return Err(PeerError::Status {
+                addr: addr.to_string(),
+                status: status.as_u16(),
+            });
         }
         resp.bytes().await.map_err(classify)
     }
@@ -121,7 +143,8 @@ impl HttpNetwork {
         req: &ForwardRequest,
         timeout: Duration,
     ) -> Result<ForwardReply, PeerError> {
-        self.post(&member.peer_addr, PATH_FORWARD, req, timeout).await
+        self.post(&member.peer_addr, PATH_FORWARD, req, timeout)
+            .await
     }
 }
 
@@ -129,7 +152,11 @@ impl RaftNetworkFactory<TypeConfig> for HttpNetwork {
     type Network = PeerClient;
 
     async fn new_client(&mut self, target: NodeId, node: &Member) -> PeerClient {
-        PeerClient { net: self.clone(), target, member: node.clone() }
+        PeerClient {
+            net: self.clone(),
+            target,
+            member: node.clone(),
+        }
     }
 }
 
@@ -144,7 +171,11 @@ pub struct PeerClient {
 type RpcResult<T> = Result<T, RPCError<NodeId, Member, RaftError<NodeId>>>;
 
 impl PeerClient {
-    fn rpc_error(&self, action: RPCTypes, e: PeerError) -> RPCError<NodeId, Member, RaftError<NodeId>> {
+    fn rpc_error(
+        &self,
+        action: RPCTypes,
+        e: PeerError,
+    ) -> RPCError<NodeId, Member, RaftError<NodeId>> {
         match e {
             PeerError::Connect { .. } => RPCError::Unreachable(Unreachable::new(&e)),
             PeerError::Timeout { timeout, .. } => RPCError::Timeout(Timeout {
@@ -170,7 +201,11 @@ impl PeerClient {
             .await
             .map_err(|e| self.rpc_error(action, e))?;
         answer.map_err(|e| {
-            RPCError::RemoteError(RemoteError::new_with_node(self.target, self.member.clone(), e))
+            RPCError::RemoteError(RemoteError::new_with_node(
+                self.target,
+                self.member.clone(),
+                e,
+            ))
         })
     }
 }
@@ -181,7 +216,8 @@ impl RaftNetwork<TypeConfig> for PeerClient {
         rpc: AppendEntriesRequest<TypeConfig>,
         option: RPCOption,
     ) -> RpcResult<AppendEntriesResponse<NodeId>> {
-        self.call(RPCTypes::AppendEntries, PATH_APPEND, &rpc, &option).await
+        self.call(RPCTypes::AppendEntries, PATH_APPEND, &rpc, &option)
+            .await
     }
 
     async fn vote(
@@ -199,11 +235,16 @@ impl RaftNetwork<TypeConfig> for PeerClient {
         cancel: impl Future<Output = ReplicationClosed> + OptionalSend + 'static,
         option: RPCOption,
     ) -> Result<SnapshotResponse<NodeId>, StreamingError<TypeConfig, Fatal<NodeId>>> {
-        let header = SnapshotHeader { vote, meta: snapshot.meta };
+        let header = SnapshotHeader {
+            vote,
+            meta: snapshot.meta,
+        };
         let body = frame_snapshot(&header, &snapshot.snapshot)
             .map_err(|e| StreamingError::Network(NetworkError::new(&e)))?;
         let timeout = option.hard_ttl();
-        let send = self.net.post_bytes(&self.member.peer_addr, PATH_SNAPSHOT, body, timeout);
+        let send = self
+            .net
+            .post_bytes(&self.member.peer_addr, PATH_SNAPSHOT, body, timeout);
         let bytes = tokio::select! {
             closed = cancel => return Err(StreamingError::Closed(closed)),
             r = send => r,
@@ -221,7 +262,11 @@ impl RaftNetwork<TypeConfig> for PeerClient {
         let answer: Result<SnapshotResponse<NodeId>, Fatal<NodeId>> =
             decode(&bytes).map_err(|e| StreamingError::Network(NetworkError::new(&e)))?;
         answer.map_err(|e| {
-            StreamingError::RemoteError(RemoteError::new_with_node(self.target, self.member.clone(), e))
+            StreamingError::RemoteError(RemoteError::new_with_node(
+                self.target,
+                self.member.clone(),
+                e,
+            ))
         })
     }
 }

@@ -33,6 +33,8 @@ pub struct PeerApiConfig {
     pub cluster_secret: String,
     pub max_rpc_body_bytes: usize,
     pub max_snapshot_body_bytes: usize,
+    /// The largest encoded command accepted into the log.
+    pub max_command_bytes: usize,
     /// Upper bound on how long a forwarded write may wait for its commit.
     pub write_timeout: Duration,
 }
@@ -43,6 +45,7 @@ impl std::fmt::Debug for PeerApiConfig {
             .field("cluster_secret", &"<redacted>")
             .field("max_rpc_body_bytes", &self.max_rpc_body_bytes)
             .field("max_snapshot_body_bytes", &self.max_snapshot_body_bytes)
+            .field("max_command_bytes", &self.max_command_bytes)
             .field("write_timeout", &self.write_timeout)
             .finish()
     }
@@ -53,6 +56,7 @@ struct PeerState {
     raft: Raft,
     authorization: Arc<[u8]>,
     write_timeout: Duration,
+    max_command_bytes: usize,
 }
 
 /// A peer request that was refused before reaching Raft.
@@ -94,8 +98,11 @@ fn body<T: serde::de::DeserializeOwned>(bytes: &[u8]) -> Result<T, PeerApiError>
 pub fn router(raft: Raft, config: &PeerApiConfig) -> Router {
     let state = PeerState {
         raft,
-        authorization: format!("Bearer {}", config.cluster_secret).into_bytes().into(),
+        authorization: format!("Bearer {}", config.cluster_secret)
+            .into_bytes()
+            .into(),
         write_timeout: config.write_timeout,
+        max_command_bytes: config.max_command_bytes,
     };
     let rpc = Router::new()
         .route(PATH_APPEND, post(append))
@@ -137,12 +144,15 @@ async fn vote(State(s): State<PeerState>, bytes: Bytes) -> PeerResult {
 async fn snapshot(State(s): State<PeerState>, bytes: Bytes) -> PeerResult {
     let (header, data) =
         unframe_snapshot(&bytes).map_err(|source| PeerApiError::BadSnapshot { source })?;
-    let snapshot = Snapshot { meta: header.meta, snapshot: Box::new(data.to_vec()) };
+    let snapshot = Snapshot {
+        meta: header.meta,
+        snapshot: Box::new(data.to_vec()),
+    };
     answer(&s.raft.install_full_snapshot(header.vote, snapshot).await)
 }
 
 async fn forward(State(s): State<PeerState>, bytes: Bytes) -> PeerResult {
     let req: ForwardRequest = body(&bytes)?;
     let timeout = Duration::from_millis(req.timeout_ms).min(s.write_timeout);
-    answer(&local_write(&s.raft, req.command, timeout).await)
+    answer(&local_write(&s.raft, req.command, timeout, s.max_command_bytes).await)
 }

@@ -44,6 +44,8 @@ pub enum ForwardRefusal {
     Fatal { message: String },
     #[error("rejected: {message}")]
     Rejected { message: String },
+    #[error("command of {bytes} bytes exceeds the limit of {max_bytes}")]
+    TooLarge { bytes: usize, max_bytes: usize },
 }
 
 /// What precedes the snapshot data in a snapshot message.
@@ -94,7 +96,10 @@ mod tests {
 
     #[test]
     fn snapshot_frame_round_trip_and_truncation() {
-        let header = SnapshotHeader { vote: Vote::new(3, 1), meta: SnapshotMeta::default() };
+        let header = SnapshotHeader {
+            vote: Vote::new(3, 1),
+            meta: SnapshotMeta::default(),
+        };
         let framed = frame_snapshot(&header, b"data").unwrap();
         let (h, d) = unframe_snapshot(&framed).unwrap();
         assert_eq!(h.vote, header.vote);

@@ -67,3 +67,114 @@ fn export(m: &RaftMetrics, node: &str, region: &str) {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use std::sync::{Arc, Mutex};
+
+    use metrics::{
+        Counter, Gauge, GaugeFn, Histogram, Key, KeyName, Metadata, Recorder, SharedString, Unit,
+    };
+
+    use super::*;
+
+    type Seen = Arc<Mutex<Vec<(String, Vec<(String, String)>, f64)>>>;
+
+    #[derive(Default)]
+    struct Capture(Seen);
+
+    struct Cell(Seen, String, Vec<(String, String)>);
+
+    impl GaugeFn for Cell {
+        fn increment(&self, _: f64) {}
+        fn decrement(&self, _: f64) {}
+        fn set(&self, value: f64) {
+            self.0
+                .lock()
+                .unwrap()
+                .push((self.1.clone(), self.2.clone(), value));
+        }
+    }
+
+    impl Recorder for Capture {
+        fn describe_counter(&self, _: KeyName, _: Option<Unit>, _: SharedString) {}
+        fn describe_gauge(&self, _: KeyName, _: Option<Unit>, _: SharedString) {}
+        fn describe_histogram(&self, _: KeyName, _: Option<Unit>, _: SharedString) {}
+        fn register_counter(&self, _: &Key, _: &Metadata<'_>) -> Counter {
+            Counter::noop()
+        }
+        fn register_gauge(&self, key: &Key, _: &Metadata<'_>) -> Gauge {
+            let labels = key
+                .labels()
+                .map(|l| (l.key().to_string(), l.value().to_string()))
+                .collect();
+            Gauge::from_arc(Arc::new(Cell(
+                self.0.clone(),
+                key.name().to_string(),
+                labels,
+            )))
+        }
+        fn register_histogram(&self, _: &Key, _: &Metadata<'_>) -> Histogram {
+            Histogram::noop()
+        }
+    }
+
+    #[test]
+    fn exports_term_leader_applied_and_lag_with_node_and_region_labels_only() {
+        let mut m = RaftMetrics::new_initial(2);
+        m.current_term = 7;
+        m.current_leader = Some(2);
+        m.state = ServerState::Leader;
+        m.last_log_index = Some(10);
+        m.last_applied = Some(openraft::LogId::new(
+            openraft::CommittedLeaderId::new(7, 2),
+            9,
+        ));
+        m.replication = Some(
+            [
+                (1, None),
+                (
+                    3,
+                    Some(openraft::LogId::new(
+                        openraft::CommittedLeaderId::new(7, 2),
+                        8,
+                    )),
+                ),
+            ]
+            .into(),
+        );
+        let capture = Capture::default();
+        metrics::with_local_recorder(&capture, || export(&m, "2", "eu"));
+        let seen = capture.0.lock().unwrap().clone();
+        let value = |name: &str, peer: Option<&str>| {
+            seen.iter()
+                .find(|(n, l, _)| {
+                    n == name
+                        && l.iter()
+                            .any(|(k, v)| k == "peer" && Some(v.as_str()) == peer)
+                            == peer.is_some()
+                })
+                .map(|(_, _, v)| *v)
+        };
+        assert_eq!(value(names::RAFT_TERM, None), Some(7.0));
+        assert_eq!(value(names::RAFT_LEADER_ID, None), Some(2.0));
+        assert_eq!(value(names::RAFT_IS_LEADER, None), Some(1.0));
+        assert_eq!(value(names::RAFT_LAST_APPLIED_INDEX, None), Some(9.0));
+        assert_eq!(
+            value(names::RAFT_REPLICATION_LAG_ENTRIES, Some("1")),
+            Some(10.0)
+        );
+        assert_eq!(
+            value(names::RAFT_REPLICATION_LAG_ENTRIES, Some("3")),
+            Some(2.0)
+        );
+        for (_, labels, _) in &seen {
+            for (k, _) in labels {
+                assert!(
+                    ["node", "region", "peer"].contains(&k.as_str()),
+                    "unexpected label {k}"
+                );
+            }
+        }
+    }
+}

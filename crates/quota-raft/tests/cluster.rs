@@ -41,7 +41,7 @@ struct RouterInner {
     delay: Duration,
 }
 
-#[derive(Debug, thiserror::Error)]
+#[derive(Debug, Clone, Copy, thiserror::Error)]
 #[error("link {from} -> {to} is cut or the node is down")]
 struct LinkDown {
     from: NodeId,
@@ -112,7 +112,11 @@ impl RaftNetworkFactory<TypeConfig> for NodeNet {
     type Network = Conn;
 
     async fn new_client(&mut self, target: NodeId, _node: &Member) -> Conn {
-        Conn { router: self.router.clone(), source: self.source, target }
+        Conn {
+            router: self.router.clone(),
+            source: self.source,
+            target,
+        }
     }
 }
 
@@ -139,9 +143,15 @@ impl RaftNetwork<TypeConfig> for Conn {
         rpc: AppendEntriesRequest<TypeConfig>,
         _option: RPCOption,
     ) -> Result<AppendEntriesResponse<NodeId>, RpcErr> {
-        let raft = self.router.reach(self.source, self.target).await.map_err(Self::down)?;
+        let raft = self
+            .router
+            .reach(self.source, self.target)
+            .await
+            .map_err(Self::down)?;
         let resp = raft.append_entries(rpc).await.map_err(|e| self.remote(e))?;
-        self.router.back(self.source, self.target).map_err(Self::down)?;
+        self.router
+            .back(self.source, self.target)
+            .map_err(Self::down)?;
         Ok(resp)
     }
 
@@ -150,9 +160,15 @@ impl RaftNetwork<TypeConfig> for Conn {
         rpc: VoteRequest<NodeId>,
         _option: RPCOption,
     ) -> Result<VoteResponse<NodeId>, RpcErr> {
-        let raft = self.router.reach(self.source, self.target).await.map_err(Self::down)?;
+        let raft = self
+            .router
+            .reach(self.source, self.target)
+            .await
+            .map_err(Self::down)?;
         let resp = raft.vote(rpc).await.map_err(|e| self.remote(e))?;
-        self.router.back(self.source, self.target).map_err(Self::down)?;
+        self.router
+            .back(self.source, self.target)
+            .map_err(Self::down)?;
         Ok(resp)
     }
 
@@ -189,7 +205,11 @@ struct Cluster {
 }
 
 fn member(id: NodeId) -> Member {
-    Member { region: format!("r{id}"), peer_addr: format!("mem:{id}"), admin_addr: format!("mem:{id}") }
+    Member {
+        region: format!("r{id}"),
+        peer_addr: format!("mem:{id}"),
+        admin_addr: format!("mem:{id}"),
+    }
 }
 
 impl Cluster {
@@ -222,8 +242,13 @@ impl Cluster {
     async fn start(&mut self, id: NodeId) {
         let (log, sm) = storage::open(&self.dir.path().join(format!("n{id}"))).unwrap();
         self.states.insert(id, sm.handle());
-        let net = NodeNet { router: self.router.clone(), source: id };
-        let raft = Raft::new(id, self.config.clone(), net, log, sm).await.unwrap();
+        let net = NodeNet {
+            router: self.router.clone(),
+            source: id,
+        };
+        let raft = Raft::new(id, self.config.clone(), net, log, sm)
+            .await
+            .unwrap();
         self.router.add(id, raft);
     }
 
@@ -240,8 +265,10 @@ impl Cluster {
     /// Waits until a node in `among` leads with the agreement of every node in `among`.
     async fn leader(&self, among: &[NodeId]) -> NodeId {
         for _ in 0..200 {
-            let views: Vec<Option<NodeId>> =
-                among.iter().map(|&id| self.raft(id).metrics().borrow().current_leader).collect();
+            let views: Vec<Option<NodeId>> = among
+                .iter()
+                .map(|&id| self.raft(id).metrics().borrow().current_leader)
+                .collect();
             if let Some(Some(l)) = views.first() {
                 let leads = self.raft(*l).metrics().borrow().state == ServerState::Leader;
                 if among.contains(l) && leads && views.iter().all(|v| *v == Some(*l)) {
@@ -257,7 +284,8 @@ impl Cluster {
     async fn write(&mut self, via: NodeId, n: u64) -> Option<Response> {
         let cmd = put_policy(self.next_request, n, n + 1);
         self.next_request += 1;
-        let w = tokio::time::timeout(Duration::from_secs(2), self.raft(via).client_write(cmd)).await;
+        let w =
+            tokio::time::timeout(Duration::from_secs(2), self.raft(via).client_write(cmd)).await;
         match w {
             Ok(Ok(resp)) => resp.data,
             _ => None,
@@ -280,7 +308,9 @@ impl Cluster {
 }
 
 fn stored(state: &CoordinatorState, tenants: impl IntoIterator<Item = u64>) -> bool {
-    tenants.into_iter().all(|n| limit_of(state, n) == Some(n + 1))
+    tenants
+        .into_iter()
+        .all(|n| limit_of(state, n) == Some(n + 1))
 }
 
 /// Leader isolated: a new leader is elected by the others, nothing committed is lost, the
@@ -290,25 +320,45 @@ async fn leader_loss_scenario(seed: u64) -> Vec<String> {
     let mut c = Cluster::new(3, 10_000).await;
     let mut trace = Vec::new();
     let l1 = c.leader(&[1, 2, 3]).await;
-    trace.push(format!("leader {l1} term {}", c.raft(l1).metrics().borrow().current_term));
+    trace.push(format!(
+        "leader {l1} term {}",
+        c.raft(l1).metrics().borrow().current_term
+    ));
     for n in 0..20 {
-        assert!(matches!(c.write(l1, n).await, Some(Response::PolicyStored { .. })));
+        assert!(matches!(
+            c.write(l1, n).await,
+            Some(Response::PolicyStored { .. })
+        ));
     }
     let others: Vec<NodeId> = c.ids.iter().copied().filter(|&id| id != l1).collect();
     c.router.partition(&[&[l1], &others]);
     let l2 = c.leader(&others).await;
     assert_ne!(l1, l2);
-    trace.push(format!("leader {l2} term {}", c.raft(l2).metrics().borrow().current_term));
-    assert_eq!(c.write(l1, 999).await, None, "a cut-off leader must not commit");
+    trace.push(format!(
+        "leader {l2} term {}",
+        c.raft(l2).metrics().borrow().current_term
+    ));
+    assert_eq!(
+        c.write(l1, 999).await,
+        None,
+        "a cut-off leader must not commit"
+    );
     for n in 20..40 {
-        assert!(matches!(c.write(l2, n).await, Some(Response::PolicyStored { .. })));
+        assert!(matches!(
+            c.write(l2, n).await,
+            Some(Response::PolicyStored { .. })
+        ));
     }
     c.router.heal();
     let last = c.last_log(l2);
     for id in c.ids.clone() {
         let s = c.caught_up(id, last).await;
         assert!(stored(&s, 0..40), "node {id} misses a committed write");
-        assert_eq!(limit_of(&s, 999), None, "node {id} kept an uncommitted write");
+        assert_eq!(
+            limit_of(&s, 999),
+            None,
+            "node {id} kept an uncommitted write"
+        );
         trace.push(format!("node {id} applied {last} epoch {}", s.epoch));
     }
     trace
@@ -345,17 +395,28 @@ async fn minority_cannot_commit_while_majority_continues() {
     }
     let follower = c.ids.iter().copied().find(|&id| id != l1).unwrap();
     let minority = [l1, follower];
-    let majority: Vec<NodeId> = c.ids.iter().copied().filter(|id| !minority.contains(id)).collect();
+    let majority: Vec<NodeId> = c
+        .ids
+        .iter()
+        .copied()
+        .filter(|id| !minority.contains(id))
+        .collect();
     c.router.partition(&[&minority, &majority]);
     // The minority holds the old leader: its writes cannot reach a quorum.
     assert_eq!(c.write(l1, 500).await, None);
     assert_eq!(c.write(l1, 501).await, None);
     let l2 = c.leader(&majority).await;
     for n in 10..30 {
-        assert!(c.write(l2, n).await.is_some(), "the majority must keep committing");
+        assert!(
+            c.write(l2, n).await.is_some(),
+            "the majority must keep committing"
+        );
     }
     let minority_state = c.states[&follower].read(Clone::clone);
-    assert!(!stored(&minority_state, 10..11), "the minority saw a majority write while cut off");
+    assert!(
+        !stored(&minority_state, 10..11),
+        "the minority saw a majority write while cut off"
+    );
     c.router.heal();
     let last = c.last_log(l2);
     for id in c.ids.clone() {
@@ -381,7 +442,11 @@ async fn cut_off_follower_catches_up_by_log() {
     c.router.heal();
     let s = c.caught_up(f, c.last_log(l)).await;
     assert!(stored(&s, 0..50));
-    assert_eq!(c.raft(f).metrics().borrow().snapshot, None, "log alone sufficed");
+    assert_eq!(
+        c.raft(f).metrics().borrow().snapshot,
+        None,
+        "log alone sufficed"
+    );
     assert_eq!(s, c.states[&l].read(Clone::clone));
 }
 
@@ -409,7 +474,10 @@ async fn cut_off_follower_catches_up_by_snapshot() {
     let s = c.caught_up(f, c.last_log(l)).await;
     assert!(stored(&s, 0..100));
     let fm = c.raft(f).metrics().borrow().clone();
-    assert!(fm.snapshot.is_some_and(|s| s.index > f_last), "follower installed a snapshot");
+    assert!(
+        fm.snapshot.is_some_and(|s| s.index > f_last),
+        "follower installed a snapshot"
+    );
     assert_eq!(s, c.states[&l].read(Clone::clone));
 }
 
@@ -439,5 +507,8 @@ async fn restart_of_every_node_recovers_identical_state() {
         assert_eq!(s, before[&id], "node {id} recovered a different state");
         assert!(stored(&s, 0..40));
     }
-    assert!(c.write(l2, 40).await.is_some(), "the restarted cluster accepts writes");
+    assert!(
+        c.write(l2, 40).await.is_some(),
+        "the restarted cluster accepts writes"
+    );
 }

@@ -6,10 +6,12 @@ mod common;
 use std::collections::BTreeMap;
 use std::time::Duration;
 
-use common::commands::{limit_of, put_policy};
+use common::commands::{limit_of, put_policy, set_shares};
 use quota_core::coordinator::Response;
 use quota_raft::protocol::{PATH_APPEND, PATH_SNAPSHOT, PATH_VOTE};
-use quota_raft::{Coordinator, Member, MembershipError, NodeId, RaftConfig, Role};
+use quota_raft::{
+    Coordinator, Member, MembershipError, NodeId, RaftConfig, ReadError, Role, WriteError,
+};
 use tempfile::TempDir;
 use tokio::net::TcpListener;
 use tokio::task::JoinHandle;
@@ -31,15 +33,25 @@ async fn listeners(n: usize) -> Vec<TcpListener> {
 
 fn member(id: NodeId, l: &TcpListener) -> Member {
     let addr = l.local_addr().unwrap().to_string();
-    Member { region: format!("r{id}"), peer_addr: addr.clone(), admin_addr: addr }
+    Member {
+        region: format!("r{id}"),
+        peer_addr: addr.clone(),
+        admin_addr: addr,
+    }
 }
 
 fn config(id: NodeId, members: &BTreeMap<NodeId, Member>, dir: &TempDir) -> RaftConfig {
-    let mut c = RaftConfig::new(id, members.clone(), dir.path().join(format!("n{id}")), SECRET)
-        .with_loopback_timeouts();
+    let mut c = RaftConfig::new(
+        id,
+        members.clone(),
+        dir.path().join(format!("n{id}")),
+        SECRET,
+    )
+    .with_loopback_timeouts();
     // Small limits, so oversized test bodies still fit in loopback socket buffers and the client
     // reads the 413 instead of a broken pipe.
     c.max_rpc_body_bytes = 4 * 1024;
+    c.max_payload_entries = 4;
     c.max_snapshot_body_bytes = 16 * 1024;
     c
 }
@@ -50,11 +62,14 @@ async fn serve(config: RaftConfig, listener: TcpListener) -> Node {
     let server = tokio::spawn(async move {
         axum::serve(listener, router).await.unwrap();
     });
-    Node { coordinator, server }
+    Node {
+        coordinator,
+        server,
+    }
 }
 
 async fn leader_of(nodes: &[&Coordinator]) -> NodeId {
-    for _ in 0..200 {
+    for _ in 0..800 {
         let leaders: Vec<_> = nodes.iter().map(|c| c.status().leader_id).collect();
         if let Some(Some(l)) = leaders.first() {
             if leaders.iter().all(|x| *x == Some(*l)) {
@@ -67,7 +82,7 @@ async fn leader_of(nodes: &[&Coordinator]) -> NodeId {
 }
 
 async fn eventually(mut f: impl FnMut() -> bool) {
-    for _ in 0..200 {
+    for _ in 0..800 {
         if f() {
             return;
         }
@@ -93,7 +108,10 @@ async fn single_node_cluster_writes_and_recovers() {
     let status = c.status();
     assert_eq!((status.role, status.leader_id), (Role::Leader, Some(1)));
 
-    let Node { coordinator, server } = node;
+    let Node {
+        coordinator,
+        server,
+    } = node;
     server.abort();
     let _ = server.await;
     coordinator.shutdown().await.unwrap();
@@ -102,14 +120,21 @@ async fn single_node_cluster_writes_and_recovers() {
     let l = TcpListener::bind("127.0.0.1:0").await.unwrap();
     let node = serve(cfg, l).await;
     eventually(|| node.coordinator.is_leader()).await;
-    assert_eq!(node.coordinator.read(|s| limit_of(s, 7)), Some(8), "state survives a restart");
+    assert_eq!(
+        node.coordinator.read(|s| limit_of(s, 7)),
+        Some(8),
+        "state survives a restart"
+    );
     node.coordinator.write(put_policy(2, 9, 10)).await.unwrap();
 }
 
 async fn three_nodes(dir: &TempDir) -> (BTreeMap<NodeId, Member>, Vec<Node>) {
     let ls = listeners(3).await;
-    let members: BTreeMap<NodeId, Member> =
-        ls.iter().enumerate().map(|(i, l)| (i as u64 + 1, member(i as u64 + 1, l))).collect();
+    let members: BTreeMap<NodeId, Member> = ls
+        .iter()
+        .enumerate()
+        .map(|(i, l)| (i as u64 + 1, member(i as u64 + 1, l)))
+        .collect();
     let mut nodes = Vec::new();
     for (i, l) in ls.into_iter().enumerate() {
         nodes.push(serve(config(i as u64 + 1, &members, dir), l).await);
@@ -126,10 +151,33 @@ async fn follower_writes_are_forwarded_and_bad_peer_input_is_refused() {
     let follower = cs.iter().find(|c| c.status().node_id != leader).unwrap();
     let r = follower.write(put_policy(1, 1, 2)).await.unwrap();
     assert!(matches!(r, Response::PolicyStored { .. }));
+    let leader_c = cs.iter().find(|c| c.status().node_id == leader).unwrap();
+    assert_eq!(
+        leader_c
+            .read_linearizable(|s| limit_of(s, 1))
+            .await
+            .unwrap(),
+        Some(2)
+    );
+    assert_eq!(
+        follower.read_linearizable(|_| ()).await,
+        Err(ReadError::NotLeader {
+            leader_id: Some(leader)
+        })
+    );
     for c in &cs {
         eventually(|| c.read(|s| limit_of(s, 1)) == Some(2)).await;
     }
     let term = cs[0].status().term;
+
+    // A command too large for an AppendEntries batch never enters the log.
+    let huge = set_shares(99, 0, 0, 1_000, &[200_000; 5]);
+    for c in &cs {
+        assert!(matches!(
+            c.write(huge.clone()).await,
+            Err(WriteError::TooLarge { .. })
+        ));
+    }
 
     let http = reqwest::Client::new();
     for target in members.values() {
@@ -143,15 +191,58 @@ async fn follower_writes_are_forwarded_and_bad_peer_input_is_refused() {
         };
         let good = format!("Bearer {SECRET}");
         let status = |r: reqwest::Response| r.status().as_u16();
-        assert_eq!(status(send(PATH_APPEND, None, vec![1, 2, 3]).await.unwrap()), 401);
-        assert_eq!(status(send(PATH_VOTE, Some("Bearer wrong"), vec![1]).await.unwrap()), 401);
-        assert_eq!(status(send(PATH_APPEND, None, vec![0; 8 * 1024]).await.unwrap()), 401);
-        assert_eq!(status(send(PATH_APPEND, Some(&good), vec![1, 0xff, 0xff]).await.unwrap()), 400);
-        assert_eq!(status(send(PATH_VOTE, Some(&good), vec![]).await.unwrap()), 400);
-        assert_eq!(status(send(PATH_VOTE, Some(&good), vec![9, 9, 9]).await.unwrap()), 400);
-        assert_eq!(status(send(PATH_SNAPSHOT, Some(&good), vec![1, 2]).await.unwrap()), 400);
-        assert_eq!(status(send(PATH_APPEND, Some(&good), vec![1; 8 * 1024]).await.unwrap()), 413);
-        assert_eq!(status(send(PATH_SNAPSHOT, Some(&good), vec![1; 32 * 1024]).await.unwrap()), 413);
+        assert_eq!(
+            status(send(PATH_APPEND, None, vec![1, 2, 3]).await.unwrap()),
+            401
+        );
+        assert_eq!(
+            status(
+                send(PATH_VOTE, Some("Bearer wrong"), vec![1])
+                    .await
+                    .unwrap()
+            ),
+            401
+        );
+        assert_eq!(
+            status(send(PATH_APPEND, None, vec![0; 8 * 1024]).await.unwrap()),
+            401
+        );
+        assert_eq!(
+            status(
+                send(PATH_APPEND, Some(&good), vec![1, 0xff, 0xff])
+                    .await
+                    .unwrap()
+            ),
+            400
+        );
+        assert_eq!(
+            status(send(PATH_VOTE, Some(&good), vec![]).await.unwrap()),
+            400
+        );
+        assert_eq!(
+            status(send(PATH_VOTE, Some(&good), vec![9, 9, 9]).await.unwrap()),
+            400
+        );
+        assert_eq!(
+            status(send(PATH_SNAPSHOT, Some(&good), vec![1, 2]).await.unwrap()),
+            400
+        );
+        assert_eq!(
+            status(
+                send(PATH_APPEND, Some(&good), vec![1; 8 * 1024])
+                    .await
+                    .unwrap()
+            ),
+            413
+        );
+        assert_eq!(
+            status(
+                send(PATH_SNAPSHOT, Some(&good), vec![1; 32 * 1024])
+                    .await
+                    .unwrap()
+            ),
+            413
+        );
     }
     // Undisturbed: same leader, same term, writes from any node still commit.
     assert_eq!(leader_of(&cs).await, leader);
@@ -194,5 +285,8 @@ async fn learner_is_added_promoted_and_removed() {
     leader.remove(4).await.unwrap();
     let status = leader.status();
     assert!(!status.voters.contains(&4) && !status.members.contains_key(&4));
-    assert_eq!(leader.remove(99).await, Err(MembershipError::UnknownNode { node_id: 99 }));
+    assert_eq!(
+        leader.remove(99).await,
+        Err(MembershipError::UnknownNode { node_id: 99 })
+    );
 }

@@ -33,7 +33,11 @@ struct Node {
 }
 
 fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
 }
 
 async fn spawn(node: &mut Node, members: &str) {
@@ -49,17 +53,29 @@ async fn spawn(node: &mut Node, members: &str) {
     let stdout = child.stdout.take().unwrap();
     let mut line = String::new();
     BufReader::new(stdout).read_line(&mut line).await.unwrap();
-    assert!(line.starts_with("ready"), "node {} did not start: {line:?}", node.id);
+    assert!(
+        line.starts_with("ready"),
+        "node {} did not start: {line:?}",
+        node.id
+    );
     node.child = Some(child);
 }
 
 async fn status(client: &reqwest::Client, addr: &str) -> Option<serde_json::Value> {
-    let resp = client.get(format!("http://{addr}/client/status")).send().await.ok()?;
+    let resp = client
+        .get(format!("http://{addr}/client/status"))
+        .send()
+        .await
+        .ok()?;
     resp.json().await.ok()
 }
 
 async fn state(client: &reqwest::Client, addr: &str) -> Option<CoordinatorState> {
-    let resp = client.get(format!("http://{addr}/client/state")).send().await.ok()?;
+    let resp = client
+        .get(format!("http://{addr}/client/state"))
+        .send()
+        .await
+        .ok()?;
     decode(&resp.bytes().await.ok()?).ok()
 }
 
@@ -77,7 +93,10 @@ async fn wait_leader(client: &reqwest::Client, nodes: &[Node]) -> u64 {
                 return *l;
             }
         }
-        assert!(tokio::time::Instant::now() < deadline, "no agreed leader: {leaders:?}");
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "no agreed leader: {leaders:?}"
+        );
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
 }
@@ -87,7 +106,10 @@ async fn wait_found(client: &reqwest::Client, addr: &str, acked: &BTreeMap<u64, 
     let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
     loop {
         let found = match state(client, addr).await {
-            Some(s) => acked.iter().filter(|(n, l)| limit_of(&s, **n) == Some(**l)).count(),
+            Some(s) => acked
+                .iter()
+                .filter(|(n, l)| limit_of(&s, **n) == Some(**l))
+                .count(),
             None => 0,
         };
         if found == acked.len() || tokio::time::Instant::now() >= deadline {
@@ -99,10 +121,14 @@ async fn wait_found(client: &reqwest::Client, addr: &str, acked: &BTreeMap<u64, 
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn acknowledged_writes_survive_leader_kill() {
-    let rounds: usize =
-        std::env::var("QUOTA_RAFT_KILL_ROUNDS").ok().and_then(|v| v.parse().ok()).unwrap_or(5);
-    let seed: u64 =
-        std::env::var("QUOTA_RAFT_KILL_SEED").ok().and_then(|v| v.parse().ok()).unwrap_or(4);
+    let rounds: usize = std::env::var("QUOTA_RAFT_KILL_ROUNDS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(5);
+    let seed: u64 = std::env::var("QUOTA_RAFT_KILL_SEED")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(4);
     println!("kill_leader: rounds={rounds} seed={seed}");
     let mut rng = StdRng::seed_from_u64(seed);
     let dir = tempfile::TempDir::new().unwrap();
@@ -114,11 +140,18 @@ async fn acknowledged_writes_survive_leader_kill() {
             child: None,
         })
         .collect();
-    let members = nodes.iter().map(|n| format!("{}={}", n.id, n.addr)).collect::<Vec<_>>().join(",");
+    let members = nodes
+        .iter()
+        .map(|n| format!("{}={}", n.id, n.addr))
+        .collect::<Vec<_>>()
+        .join(",");
     for n in &mut nodes {
         spawn(n, &members).await;
     }
-    let client = reqwest::Client::builder().timeout(Duration::from_secs(5)).build().unwrap();
+    let client = reqwest::Client::builder()
+        .timeout(Duration::from_secs(5))
+        .build()
+        .unwrap();
 
     let next = Arc::new(AtomicU64::new(0));
     let sent = Arc::new(AtomicU64::new(0));
@@ -130,8 +163,14 @@ async fn acknowledged_writes_survive_leader_kill() {
         let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
         let mut writers = Vec::new();
         for w in 0..WRITERS {
-            let (client, addrs, next, sent, acked, stop) =
-                (client.clone(), addrs.clone(), next.clone(), sent.clone(), acked.clone(), stop.clone());
+            let (client, addrs, next, sent, acked, stop) = (
+                client.clone(),
+                addrs.clone(),
+                next.clone(),
+                sent.clone(),
+                acked.clone(),
+                stop.clone(),
+            );
             writers.push(tokio::spawn(async move {
                 while !stop.load(Ordering::Relaxed) {
                     let n = next.fetch_add(1, Ordering::Relaxed);
@@ -139,13 +178,21 @@ async fn acknowledged_writes_survive_leader_kill() {
                     let body = encode(&put_policy(u128::from(n) + 1, n, limit)).unwrap();
                     let addr = &addrs[(n as usize + w) % addrs.len()];
                     sent.fetch_add(1, Ordering::Relaxed);
-                    let answer = client.post(format!("http://{addr}/client/write")).body(body).send().await;
+                    let answer = client
+                        .post(format!("http://{addr}/client/write"))
+                        .body(body)
+                        .send()
+                        .await;
                     let Ok(resp) = answer else {
                         tokio::time::sleep(Duration::from_millis(20)).await;
                         continue;
                     };
-                    let Ok(bytes) = resp.bytes().await else { continue };
-                    if let Ok(Ok(Response::PolicyStored { .. })) = decode::<Result<Response, String>>(&bytes) {
+                    let Ok(bytes) = resp.bytes().await else {
+                        continue;
+                    };
+                    if let Ok(Ok(Response::PolicyStored { .. })) =
+                        decode::<Result<Response, String>>(&bytes)
+                    {
                         acked.lock().unwrap().insert(n, limit);
                     }
                 }
@@ -168,16 +215,28 @@ async fn acknowledged_writes_survive_leader_kill() {
             w.await.unwrap();
         }
         let snapshot = acked.lock().unwrap().clone();
-        assert!(snapshot.len() >= at_kill + 20, "round {round}: survivors stopped committing");
+        assert!(
+            snapshot.len() >= at_kill + 20,
+            "round {round}: survivors stopped committing"
+        );
         writes_per_round.push(snapshot.len() - before);
         for n in nodes.iter().filter(|n| n.child.is_some()) {
             let found = wait_found(&client, &n.addr, &snapshot).await;
-            assert_eq!(found, snapshot.len(), "round {round}: node {} lost acknowledged writes", n.id);
+            assert_eq!(
+                found,
+                snapshot.len(),
+                "round {round}: node {} lost acknowledged writes",
+                n.id
+            );
         }
         let victim = nodes.iter_mut().find(|n| n.id == leader).unwrap();
         spawn(victim, &members).await;
         let found = wait_found(&client, &victim.addr, &snapshot).await;
-        assert_eq!(found, snapshot.len(), "round {round}: restarted node {leader} lost writes");
+        assert_eq!(
+            found,
+            snapshot.len(),
+            "round {round}: restarted node {leader} lost writes"
+        );
     }
     let acked = acked.lock().unwrap().clone();
     let mut found_min = usize::MAX;

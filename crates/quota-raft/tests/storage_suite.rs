@@ -39,8 +39,14 @@ async fn vote_committed_and_purge_survive_reopen() {
     assert_eq!(log.read_committed().await.unwrap(), Some(log_id(2)));
     let state = log.get_log_state().await.unwrap();
     assert_eq!(state.last_purged_log_id, Some(log_id(2)));
-    assert_eq!(state.last_log_id, Some(log_id(2)), "an empty log reports the purge point");
+    assert_eq!(
+        state.last_log_id,
+        Some(log_id(2)),
+        "an empty log reports the purge point"
+    );
     let (applied, _) = sm.applied_state().await.unwrap();
-    assert_eq!(applied, None, "the state machine is durable only through snapshots");
+    assert_eq!(
+        applied, None,
+        "the state machine is durable only through snapshots"
+    );
 }
-

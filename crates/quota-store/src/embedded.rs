@@ -28,7 +28,9 @@ pub type Clock = Arc<dyn Fn() -> u64 + Send + Sync>;
 /// The system clock in ms since the epoch (0 if the clock is before 1970).
 pub fn system_clock() -> Clock {
     Arc::new(|| {
-        SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_millis() as u64)
+        SystemTime::now()
+            .duration_since(UNIX_EPOCH)
+            .map_or(0, |d| d.as_millis() as u64)
     })
 }
 
@@ -63,9 +65,11 @@ struct Shard {
     params: HashMap<BucketRef, Limit>,
     /// State keys decided since the last collection (each at most once while it lives).
     active: Vec<StateKey>,
-    /// Decisions since the last sweep; a sweep runs once this reaches the map's size, so its
-    /// cost is amortised O(1) per decision.
+    /// Decisions since the last sweep; a sweep runs once this exceeds the map's size right
+    /// after the previous sweep (at least 1024), so its cost is amortised O(1) per decision.
     since_sweep: usize,
+    /// Entries left by the previous sweep.
+    len_after_sweep: usize,
     /// The latest time a decision in this shard used.
     latest_ms: u64,
 }
@@ -75,8 +79,10 @@ impl Shard {
         let now = self.latest_ms;
         self.states.retain(|_, e| e.live_at(now));
         let states = &self.states;
-        self.active.retain(|k| states.get(k).is_some_and(|e| e.listed));
+        self.active
+            .retain(|k| states.get(k).is_some_and(|e| e.listed));
         self.since_sweep = 0;
+        self.len_after_sweep = self.states.len();
     }
 }
 
@@ -90,7 +96,9 @@ pub struct EmbeddedStore {
 
 impl fmt::Debug for EmbeddedStore {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("EmbeddedStore").field("shards", &self.shards.len()).finish()
+        f.debug_struct("EmbeddedStore")
+            .field("shards", &self.shards.len())
+            .finish()
     }
 }
 
@@ -115,7 +123,11 @@ impl EmbeddedStore {
     /// A store with `shards` independent locks (at least one).
     pub fn with_shards(clock: Clock, shards: usize) -> Self {
         let shards: Vec<Mutex<Shard>> = (0..shards.max(1)).map(|_| Mutex::default()).collect();
-        Self { shards: shards.into(), hasher: RandomState::new(), clock }
+        Self {
+            shards: shards.into(),
+            hasher: RandomState::new(),
+            clock,
+        }
     }
 
     /// Number of live state entries (for memory checks and metrics).
@@ -156,7 +168,7 @@ impl EmbeddedStore {
         };
         shard.latest_ms = shard.latest_ms.max(now);
         shard.since_sweep += 1;
-        if shard.since_sweep > shard.states.len().max(1024) {
+        if shard.since_sweep > shard.len_after_sweep.max(1024) {
             shard.sweep();
         }
         let key = (req.bucket.clone(), kind);
@@ -189,7 +201,11 @@ impl EmbeddedStore {
             State::Window(s) => s.ts_ms,
         };
         let expires_at_ms = ttl.map(|t| latest.saturating_add(t.max(MIN_TTL_MS)));
-        let (admitted, denied) = if decision.allowed { (req.cost, 0) } else { (0, req.cost) };
+        let (admitted, denied) = if decision.allowed {
+            (req.cost, 0)
+        } else {
+            (0, req.cost)
+        };
         match shard.states.get_mut(&key).filter(|e| e.live_at(now)) {
             Some(e) => {
                 e.state = state;
@@ -202,7 +218,13 @@ impl EmbeddedStore {
                 }
             }
             None => {
-                let e = Entry { state, expires_at_ms, admitted, denied, listed: true };
+                let e = Entry {
+                    state,
+                    expires_at_ms,
+                    admitted,
+                    denied,
+                    listed: true,
+                };
                 shard.states.insert(key.clone(), e);
                 shard.active.push(key);
             }
@@ -289,7 +311,10 @@ mod tests {
         let n = now.clone();
         let s = EmbeddedStore::with_shards(Arc::new(move || n.load(Ordering::SeqCst)), 4);
         for i in 0..5000 {
-            let d = s.check(&req(&bucket(&format!("t{i}")), 2, 1, None)).await.unwrap();
+            let d = s
+                .check(&req(&bucket(&format!("t{i}")), 2, 1, None))
+                .await
+                .unwrap();
             assert!(d.allowed);
         }
         assert_eq!(s.len(), 5000);
@@ -306,7 +331,9 @@ mod tests {
         let s = EmbeddedStore::with_shards(system_clock(), 1);
         for i in 0..20_000u64 {
             // Each one-shot identity arrives 1 s after the previous: all earlier ones expired.
-            s.check(&req(&bucket(&format!("t{i}")), 1, 1, Some(i * 1000))).await.unwrap();
+            s.check(&req(&bucket(&format!("t{i}")), 1, 1, Some(i * 1000)))
+                .await
+                .unwrap();
         }
         assert!(s.len() <= 2 * 1024 + 1, "{}", s.len());
         let usage = s.collect_usage(usize::MAX).await.unwrap();

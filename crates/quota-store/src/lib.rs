@@ -64,7 +64,10 @@ impl BucketRef {
 pub enum Limit {
     TokenBucket(BucketParams),
     /// At most `limit` tokens in any `window_ms`.
-    SlidingWindow { limit: u64, window_ms: u64 },
+    SlidingWindow {
+        limit: u64,
+        window_ms: u64,
+    },
 }
 
 impl Limit {
@@ -82,10 +85,14 @@ impl Limit {
         match *self {
             Self::TokenBucket(p) => BucketParams::new(p.capacity_ut, p.rate_ut_per_s)
                 .map(|_| ())
-                .map_err(|e| StoreError::Invalid { reason: e.to_string() }),
+                .map_err(|e| StoreError::Invalid {
+                    reason: e.to_string(),
+                }),
             Self::SlidingWindow { limit, window_ms } => WindowParams::new(limit, window_ms)
                 .map(|_| ())
-                .map_err(|e| StoreError::Invalid { reason: e.to_string() }),
+                .map_err(|e| StoreError::Invalid {
+                    reason: e.to_string(),
+                }),
         }
     }
 }
@@ -111,7 +118,9 @@ impl CheckRequest {
         }
         if let Some(now) = self.now_ms {
             if now > MAX_CAPACITY_UT {
-                return Err(StoreError::Invalid { reason: format!("now {now} ms is too large") });
+                return Err(StoreError::Invalid {
+                    reason: format!("now {now} ms is too large"),
+                });
             }
         }
         self.limit.validate()

@@ -47,12 +47,18 @@ pub struct RedisStoreConfig {
 impl RedisStoreConfig {
     /// Standalone Redis at `url` with the default 250 ms timeout.
     pub fn standalone(url: impl Into<String>) -> Self {
-        Self { topology: Topology::Standalone { url: url.into() }, timeout: DEFAULT_TIMEOUT }
+        Self {
+            topology: Topology::Standalone { url: url.into() },
+            timeout: DEFAULT_TIMEOUT,
+        }
     }
 
     /// Redis Cluster through `urls` with the default 250 ms timeout.
     pub fn cluster(urls: Vec<String>) -> Self {
-        Self { topology: Topology::Cluster { urls }, timeout: DEFAULT_TIMEOUT }
+        Self {
+            topology: Topology::Cluster { urls },
+            timeout: DEFAULT_TIMEOUT,
+        }
     }
 
     /// The same with another timeout.
@@ -95,12 +101,17 @@ impl fmt::Debug for RedisStore {
             Conn::Single(_) => "standalone",
             Conn::Cluster(_) => "cluster",
         };
-        f.debug_struct("RedisStore").field("topology", &kind).field("timeout", &self.timeout).finish()
+        f.debug_struct("RedisStore")
+            .field("topology", &kind)
+            .field("timeout", &self.timeout)
+            .finish()
     }
 }
 
 fn unavailable(e: &RedisError) -> StoreError {
-    StoreError::Unavailable { reason: e.to_string() }
+    StoreError::Unavailable {
+        reason: e.to_string(),
+    }
 }
 
 /// Maps a Redis error: server replies (script errors) vs. transport problems.
@@ -112,9 +123,9 @@ fn from_redis(e: &RedisError) -> StoreError {
                 _ => e.to_string(),
             },
         },
-        redis::ErrorKind::Parse | redis::ErrorKind::UnexpectedReturnType => {
-            StoreError::Protocol { reason: e.to_string() }
-        }
+        redis::ErrorKind::Parse | redis::ErrorKind::UnexpectedReturnType => StoreError::Protocol {
+            reason: e.to_string(),
+        },
         _ => unavailable(e),
     }
 }
@@ -127,9 +138,10 @@ impl RedisStore {
         let connect = async {
             match &config.topology {
                 Topology::Standalone { url } => {
-                    let client = redis::Client::open(url.as_str()).map_err(|e| {
-                        StoreError::Invalid { reason: format!("redis url: {e}") }
-                    })?;
+                    let client =
+                        redis::Client::open(url.as_str()).map_err(|e| StoreError::Invalid {
+                            reason: format!("redis url: {e}"),
+                        })?;
                     let cfg = ConnectionManagerConfig::new()
                         .set_connection_timeout(Some(config.timeout))
                         .set_response_timeout(Some(config.timeout))
@@ -142,25 +154,37 @@ impl RedisStore {
                     Ok::<_, StoreError>((Conn::Single(m), None))
                 }
                 Topology::Cluster { urls } => {
-                    let client = redis::cluster::ClusterClient::builder(urls.iter().map(String::as_str))
-                        .connection_timeout(config.timeout)
-                        .response_timeout(config.timeout)
-                        .build()
-                        .map_err(|e| StoreError::Invalid { reason: format!("cluster urls: {e}") })?;
-                    let c = client.get_async_connection().await.map_err(|e| unavailable(&e))?;
+                    let client =
+                        redis::cluster::ClusterClient::builder(urls.iter().map(String::as_str))
+                            .connection_timeout(config.timeout)
+                            .response_timeout(config.timeout)
+                            .build()
+                            .map_err(|e| StoreError::Invalid {
+                                reason: format!("cluster urls: {e}"),
+                            })?;
+                    let c = client
+                        .get_async_connection()
+                        .await
+                        .map_err(|e| unavailable(&e))?;
                     Ok((Conn::Cluster(c), Some(Arc::new(keys::slot_tags()))))
                 }
             }
         };
-        let (conn, slot_tags) = tokio::time::timeout(config.timeout.max(Duration::from_secs(1)), connect)
-            .await
-            .map_err(|_| StoreError::Timeout { ms })??;
+        let (conn, slot_tags) =
+            tokio::time::timeout(config.timeout.max(Duration::from_secs(1)), connect)
+                .await
+                .map_err(|_| StoreError::Timeout { ms })??;
         let scripts = Arc::new(Scripts {
             token_bucket: Script::new(script::TOKEN_BUCKET_LUA),
             sliding_window: Script::new(script::SLIDING_WINDOW_LUA),
             collect_usage: Script::new(script::COLLECT_USAGE_LUA),
         });
-        Ok(Self { conn, scripts, timeout: config.timeout, slot_tags })
+        Ok(Self {
+            conn,
+            scripts,
+            timeout: config.timeout,
+            slot_tags,
+        })
     }
 
     /// The activity index a state key is listed in.
@@ -199,7 +223,11 @@ impl RedisStore {
                 // one retry on the new connection hides that from the caller. If the script did
                 // run before the connection broke, the retry counts the cost twice: that errs
                 // towards denying, never towards over-admitting.
-                Err(e) if e.is_connection_dropped() || e.is_connection_refusal() || e.is_io_error() => {
+                Err(e)
+                    if e.is_connection_dropped()
+                        || e.is_connection_refusal()
+                        || e.is_io_error() =>
+                {
                     once().await
                 }
                 r => r,
@@ -207,7 +235,9 @@ impl RedisStore {
         };
         match tokio::time::timeout(self.timeout, call).await {
             Ok(r) => r.map_err(|e| from_redis(&e)),
-            Err(_) => Err(StoreError::Timeout { ms: self.timeout.as_millis() as u64 }),
+            Err(_) => Err(StoreError::Timeout {
+                ms: self.timeout.as_millis() as u64,
+            }),
         }
     }
 
@@ -221,7 +251,9 @@ impl RedisStore {
         };
         match tokio::time::timeout(self.timeout, call).await {
             Ok(r) => r.map_err(|e| from_redis(&e)),
-            Err(_) => Err(StoreError::Timeout { ms: self.timeout.as_millis() as u64 }),
+            Err(_) => Err(StoreError::Timeout {
+                ms: self.timeout.as_millis() as u64,
+            }),
         }
     }
 
@@ -235,40 +267,63 @@ impl RedisStore {
         };
         match tokio::time::timeout(self.timeout, call).await {
             Ok(r) => r.map_err(|e| from_redis(&e)),
-            Err(_) => Err(StoreError::Timeout { ms: self.timeout.as_millis() as u64 }),
+            Err(_) => Err(StoreError::Timeout {
+                ms: self.timeout.as_millis() as u64,
+            }),
         }
     }
 
     /// Drains up to `max` records from one activity index.
     async fn collect_index(&self, index: &str, max: usize) -> Result<Vec<UsageRecord>, StoreError> {
         let n = max.clamp(1, COLLECT_BATCH_MAX).to_string();
-        let reply: Vec<Value> = self.invoke(&self.scripts.collect_usage, &[index], &[&n]).await?;
+        let reply: Vec<Value> = self
+            .invoke(&self.scripts.collect_usage, &[index], &[&n])
+            .await?;
         parse_usage(reply)
     }
 
     /// Reads one field of `INFO` (e.g. `used_memory`) from a standalone server.
-    pub async fn info_field(&self, section: &str, field: &str) -> Result<Option<String>, StoreError> {
+    pub async fn info_field(
+        &self,
+        section: &str,
+        field: &str,
+    ) -> Result<Option<String>, StoreError> {
         let info: String = self.command(redis::cmd("INFO").arg(section)).await?;
         let prefix = format!("{field}:");
-        Ok(info.lines().find_map(|l| l.strip_prefix(&prefix)).map(|v| v.trim().to_string()))
+        Ok(info
+            .lines()
+            .find_map(|l| l.strip_prefix(&prefix))
+            .map(|v| v.trim().to_string()))
     }
 }
 
 /// Decodes `{key, admitted, denied, …}`; keys this schema did not write are skipped.
 fn parse_usage(reply: Vec<Value>) -> Result<Vec<UsageRecord>, StoreError> {
-    if reply.len() % 3 != 0 {
-        return Err(StoreError::Protocol { reason: format!("usage reply of {} items", reply.len()) });
+    if !reply.len().is_multiple_of(3) {
+        return Err(StoreError::Protocol {
+            reason: format!("usage reply of {} items", reply.len()),
+        });
     }
     let mut out = Vec::with_capacity(reply.len() / 3);
     let mut it = reply.into_iter();
     while let (Some(k), Some(a), Some(d)) = (it.next(), it.next(), it.next()) {
-        let parse = |e: redis::ParsingError| StoreError::Protocol { reason: e.to_string() };
+        let parse = |e: redis::ParsingError| StoreError::Protocol {
+            reason: e.to_string(),
+        };
         let key: String = redis::from_redis_value(k).map_err(parse)?;
         let admitted: u64 = redis::from_redis_value(a).map_err(parse)?;
         let denied: u64 = redis::from_redis_value(d).map_err(parse)?;
         match keys::parse_state_key(&key) {
             Some((_, tenant, policy, version)) => {
-                out.push(UsageRecord { bucket: BucketRef { tenant, policy, version }, admitted, denied });
+                out.push(UsageRecord {
+                    bucket: BucketRef {
+                        tenant,
+                        policy,
+                        version,
+                    },
+                    admitted,
+                    denied,
+                });
             }
             None => tracing::warn!("Skipped a foreign key in the activity index."),
         }
@@ -284,7 +339,12 @@ impl Store for RedisStore {
         let params = req.bucket.params_key();
         let index = self.index_key(&state);
         let args = script::decision_args(req);
-        let args = [args[0].as_str(), args[1].as_str(), args[2].as_str(), args[3].as_str()];
+        let args = [
+            args[0].as_str(),
+            args[1].as_str(),
+            args[2].as_str(),
+            args[3].as_str(),
+        ];
         let s = match kind {
             StateKind::Bucket => &self.scripts.token_bucket,
             StateKind::Window => &self.scripts.sliding_window,
@@ -304,7 +364,8 @@ impl Store for RedisStore {
                     .ignore();
             }
             Limit::SlidingWindow { limit, window_ms } => {
-                pipe.hset_multiple(&key, &[("limit", limit), ("window", window_ms)]).ignore();
+                pipe.hset_multiple(&key, &[("limit", limit), ("window", window_ms)])
+                    .ignore();
             }
         }
         self.atomic(&pipe).await
@@ -332,7 +393,9 @@ impl Store for RedisStore {
                 let mut next = 0;
                 while next < tags.len() && out.len() < max {
                     let remaining = max - out.len();
-                    let chunk = CLUSTER_COLLECT_CONCURRENCY.min(remaining).min(tags.len() - next);
+                    let chunk = CLUSTER_COLLECT_CONCURRENCY
+                        .min(remaining)
+                        .min(tags.len() - next);
                     let ask = (remaining / chunk).min(COLLECT_BATCH_MAX);
                     let calls = tags[next..next + chunk].iter().map(|tag| {
                         let index = keys::slot_index_key_for_tag(tag);

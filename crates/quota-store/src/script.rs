@@ -61,7 +61,12 @@ mod tests {
         let d = decision_from_reply(&[0, 3, -1, 250]).unwrap();
         assert_eq!(
             d,
-            Decision { allowed: false, remaining: 3, retry_after_ms: None, reset_ms: Some(250) }
+            Decision {
+                allowed: false,
+                remaining: 3,
+                retry_after_ms: None,
+                reset_ms: Some(250)
+            }
         );
         assert!(decision_from_reply(&[1, 2, 3]).is_err());
         assert!(decision_from_reply(&[2, 0, 0, 0]).is_err());

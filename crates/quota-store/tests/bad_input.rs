@@ -14,7 +14,12 @@ const B: &str = "qd:v1:{bad}:x:1:b";
 const P: &str = "qd:v1:{bad}:x:1:p";
 const IX: &str = "qd:v1:active";
 
-fn eval(conn: &mut redis::Connection, src: &str, keys: &[&str], args: &[&str]) -> redis::RedisResult<redis::Value> {
+fn eval(
+    conn: &mut redis::Connection,
+    src: &str,
+    keys: &[&str],
+    args: &[&str],
+) -> redis::RedisResult<redis::Value> {
     let mut c = redis::cmd("EVAL");
     c.arg(src).arg(keys.len());
     for k in keys {
@@ -52,10 +57,16 @@ fn token_bucket_rejects_every_bad_argument() {
         ("hex cost", &["0x10", "1000000", "1000", ""]),
         ("spaced cost", &[" 1", "1000000", "1000", ""]),
         ("cost above max", &["9007199255", "1000000", "1000", ""]),
-        ("huge cost", &["99999999999999999999", "1000000", "1000", ""]),
+        (
+            "huge cost",
+            &["99999999999999999999", "1000000", "1000", ""],
+        ),
         ("float capacity", &["1", "1.5", "1000", ""]),
         ("negative capacity", &["1", "-1", "1000", ""]),
-        ("capacity above 2^53", &["1", "9007199254740992", "1000", ""]),
+        (
+            "capacity above 2^53",
+            &["1", "9007199254740992", "1000", ""],
+        ),
         ("float rate", &["1", "1000000", "0.5", ""]),
         ("rate above max", &["1", "1000000", "9007199254741", ""]),
         ("fill time too long", &["1", "9007199254740991", "1", ""]),
@@ -65,21 +76,44 @@ fn token_bucket_rejects_every_bad_argument() {
         ("float now", &["1", "1000000", "1000", "1.5"]),
         ("negative now", &["1", "1000000", "1000", "-5"]),
         ("text now", &["1", "1000000", "1000", "soon"]),
-        ("now above 2^53", &["1", "1000000", "1000", "9007199254740992"]),
+        (
+            "now above 2^53",
+            &["1", "1000000", "1000", "9007199254740992"],
+        ),
         ("too few arguments", &["1", "1000000"]),
         ("too many arguments", &["1", "1000000", "1000", "5", "6"]),
     ];
     for (case, args) in cases {
         assert_quotad_error(eval(&mut c, TOKEN_BUCKET_LUA, &[B, P, IX], args), case);
     }
-    assert_quotad_error(eval(&mut c, TOKEN_BUCKET_LUA, &[B, P], &["1", "1", "1", ""]), "two keys");
+    assert_quotad_error(
+        eval(&mut c, TOKEN_BUCKET_LUA, &[B, P], &["1", "1", "1", ""]),
+        "two keys",
+    );
     // Nothing was written by any rejected call.
     let n: u64 = redis::cmd("DBSIZE").query(&mut c).unwrap();
     assert_eq!(n, 0);
     // Stored parameters are validated too.
-    for (cap, rate) in [("abc", "1"), ("1", "1.5"), ("9007199254740992", "1"), ("", "")] {
-        let _: () = redis::cmd("HSET").arg(P).arg("cap").arg(cap).arg("rate").arg(rate).query(&mut c).unwrap();
-        let r = eval(&mut c, TOKEN_BUCKET_LUA, &[B, P, IX], &["1", "1000000", "1000", ""]);
+    for (cap, rate) in [
+        ("abc", "1"),
+        ("1", "1.5"),
+        ("9007199254740992", "1"),
+        ("", ""),
+    ] {
+        let _: () = redis::cmd("HSET")
+            .arg(P)
+            .arg("cap")
+            .arg(cap)
+            .arg("rate")
+            .arg(rate)
+            .query(&mut c)
+            .unwrap();
+        let r = eval(
+            &mut c,
+            TOKEN_BUCKET_LUA,
+            &[B, P, IX],
+            &["1", "1000000", "1000", ""],
+        );
         assert_quotad_error(r, &format!("stored {cap:?}/{rate:?}"));
     }
 }
@@ -105,8 +139,20 @@ fn sliding_window_rejects_every_bad_argument() {
     for (case, args) in cases {
         assert_quotad_error(eval(&mut c, SLIDING_WINDOW_LUA, &[w, P, IX], args), case);
     }
-    let _: () = redis::cmd("HSET").arg(P).arg("limit").arg("-3").arg("window").arg("10").query(&mut c).unwrap();
-    let r = eval(&mut c, SLIDING_WINDOW_LUA, &[w, P, IX], &["1", "5", "1000", ""]);
+    let _: () = redis::cmd("HSET")
+        .arg(P)
+        .arg("limit")
+        .arg("-3")
+        .arg("window")
+        .arg("10")
+        .query(&mut c)
+        .unwrap();
+    let r = eval(
+        &mut c,
+        SLIDING_WINDOW_LUA,
+        &[w, P, IX],
+        &["1", "5", "1000", ""],
+    );
     assert_quotad_error(r, "stored negative limit");
 }
 
@@ -127,20 +173,40 @@ async fn invalid_requests_never_reach_redis() {
     // With the server gone, anything that reached Redis would fail as Unavailable.
     server.stop();
     let b = fresh_bucket("never");
-    let out_of_range = BucketParams { capacity_ut: 1 << 53, rate_ut_per_s: 0 };
+    let out_of_range = BucketParams {
+        capacity_ut: 1 << 53,
+        rate_ut_per_s: 0,
+    };
     let bad = [
         req(&b, tokens(1, 1), 0, None),
         req(&b, tokens(1, 1), u64::MAX, None),
         req(&b, tokens(1, 1), 1, Some(u64::MAX)),
         req(&b, Limit::TokenBucket(out_of_range), 1, None),
-        req(&b, Limit::SlidingWindow { limit: 10, window_ms: 0 }, 1, None),
+        req(
+            &b,
+            Limit::SlidingWindow {
+                limit: 10,
+                window_ms: 0,
+            },
+            1,
+            None,
+        ),
     ];
     for r in &bad {
-        assert!(matches!(store.check(r).await, Err(StoreError::Invalid { .. })), "{r:?}");
+        assert!(
+            matches!(store.check(r).await, Err(StoreError::Invalid { .. })),
+            "{r:?}"
+        );
     }
     let r = store.set_params(&b, Limit::TokenBucket(out_of_range)).await;
     assert!(matches!(r, Err(StoreError::Invalid { .. })));
     // And a valid one does reach it, and fails as unavailable, not as invalid.
     let r = store.check(&req(&b, tokens(1, 1), 1, None)).await;
-    assert!(matches!(r, Err(StoreError::Unavailable { .. } | StoreError::Timeout { .. })), "{r:?}");
+    assert!(
+        matches!(
+            r,
+            Err(StoreError::Unavailable { .. } | StoreError::Timeout { .. })
+        ),
+        "{r:?}"
+    );
 }

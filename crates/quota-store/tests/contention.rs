@@ -60,7 +60,9 @@ async fn two_hundred_clients_admit_exactly_the_capacity() {
     }
     let usage = stores[0].collect_usage(usize::MAX).await.unwrap();
     assert_eq!(usage.len(), RUNS);
-    assert!(usage.iter().all(|u| u.admitted == CAPACITY && u.denied == CLIENTS as u64 - CAPACITY));
+    assert!(usage
+        .iter()
+        .all(|u| u.admitted == CAPACITY && u.denied == CLIENTS as u64 - CAPACITY));
 }
 
 #[test]
@@ -72,7 +74,13 @@ fn three_processes_admit_exactly_the_capacity() {
         .iter()
         .map(|clients| {
             Command::new(&exe)
-                .args(["--exact", "contention_child", "--ignored", "--nocapture", "--test-threads=1"])
+                .args([
+                    "--exact",
+                    "contention_child",
+                    "--ignored",
+                    "--nocapture",
+                    "--test-threads=1",
+                ])
                 .env("QUOTAD_CONTENTION_URL", server.url())
                 .env("QUOTAD_CONTENTION_CLIENTS", clients.to_string())
                 .stdout(Stdio::piped())
@@ -85,14 +93,24 @@ fn three_processes_admit_exactly_the_capacity() {
     let mut c = common::sync_conn(&server);
     let ready = std::time::Instant::now();
     loop {
-        let n: u64 = redis::cmd("SCARD").arg("contention:ready").query(&mut c).unwrap();
+        let n: u64 = redis::cmd("SCARD")
+            .arg("contention:ready")
+            .query(&mut c)
+            .unwrap();
         if n == 3 {
             break;
         }
-        assert!(ready.elapsed() < Duration::from_secs(60), "children did not start");
+        assert!(
+            ready.elapsed() < Duration::from_secs(60),
+            "children did not start"
+        );
         std::thread::sleep(Duration::from_millis(10));
     }
-    let _: () = redis::cmd("SET").arg("contention:go").arg(1).query(&mut c).unwrap();
+    let _: () = redis::cmd("SET")
+        .arg("contention:go")
+        .arg(1)
+        .query(&mut c)
+        .unwrap();
     let mut per_run: BTreeMap<usize, u64> = BTreeMap::new();
     for child in children {
         let out = child.wait_with_output().unwrap();
@@ -115,13 +133,31 @@ fn three_processes_admit_exactly_the_capacity() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 #[ignore = "run by three_processes_admit_exactly_the_capacity"]
 async fn contention_child() {
-    let Ok(url) = std::env::var("QUOTAD_CONTENTION_URL") else { return };
-    let clients: usize = std::env::var("QUOTAD_CONTENTION_CLIENTS").unwrap().parse().unwrap();
+    let Ok(url) = std::env::var("QUOTAD_CONTENTION_URL") else {
+        return;
+    };
+    let clients: usize = std::env::var("QUOTAD_CONTENTION_CLIENTS")
+        .unwrap()
+        .parse()
+        .unwrap();
     let stores = stores(&url).await;
-    let mut c = redis::Client::open(url.as_str()).unwrap().get_multiplexed_async_connection().await.unwrap();
-    let _: () = redis::cmd("SADD").arg("contention:ready").arg(std::process::id()).query_async(&mut c).await.unwrap();
+    let mut c = redis::Client::open(url.as_str())
+        .unwrap()
+        .get_multiplexed_async_connection()
+        .await
+        .unwrap();
+    let _: () = redis::cmd("SADD")
+        .arg("contention:ready")
+        .arg(std::process::id())
+        .query_async(&mut c)
+        .await
+        .unwrap();
     loop {
-        let go: Option<String> = redis::cmd("GET").arg("contention:go").query_async(&mut c).await.unwrap();
+        let go: Option<String> = redis::cmd("GET")
+            .arg("contention:go")
+            .query_async(&mut c)
+            .await
+            .unwrap();
         if go.is_some() {
             break;
         }

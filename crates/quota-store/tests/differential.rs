@@ -39,7 +39,13 @@ fn with_fixture<T>(f: impl FnOnce(&mut Fixture) -> T) -> T {
             let mut conn = common::sync_conn(&server);
             let bucket_sha = common::load(&mut conn, TOKEN_BUCKET_LUA);
             let window_sha = common::load(&mut conn, SLIDING_WINDOW_LUA);
-            Fixture { conn, bucket_sha, window_sha, next: 0, _server: server }
+            Fixture {
+                conn,
+                bucket_sha,
+                window_sha,
+                next: 0,
+                _server: server,
+            }
         });
         f(fix)
     })
@@ -63,7 +69,11 @@ fn bucket_params() -> impl Strategy<Value = BucketParams> {
     ];
     (cap, rate).prop_map(|(cap, rate)| {
         // Nudge the rate up (as for_share does) where the fill time would be out of bounds.
-        let rate = if rate > 0 && cap / rate >= MAX_FILL_RATIO { cap / MAX_FILL_RATIO + 1 } else { rate };
+        let rate = if rate > 0 && cap / rate >= MAX_FILL_RATIO {
+            cap / MAX_FILL_RATIO + 1
+        } else {
+            rate
+        };
         BucketParams::new(cap, rate).unwrap()
     })
 }
@@ -72,7 +82,11 @@ fn window_params() -> impl Strategy<Value = WindowParams> {
     let limit = prop_oneof![4 => 0u64..=10, 3 => 0u64..=200, 2 => 100u64..=100_000, 1 => Just(MAX_WINDOW_LIMIT)];
     let w = prop_oneof![4 => 1u64..=100, 3 => 1u64..=100_000, 1 => Just(MAX_WINDOW_MS)];
     (limit, w).prop_map(|(limit, w)| {
-        let w = if limit * w > MAX_WINDOW_PRODUCT { MAX_WINDOW_PRODUCT / limit.max(1) } else { w };
+        let w = if limit * w > MAX_WINDOW_PRODUCT {
+            MAX_WINDOW_PRODUCT / limit.max(1)
+        } else {
+            w
+        };
         WindowParams::new(limit, w.max(1)).unwrap()
     })
 }
@@ -90,9 +104,15 @@ fn dt() -> impl Strategy<Value = i64> {
 
 #[derive(Debug, Clone)]
 enum Step<P> {
-    Check { dt: i64, cost: u64 },
+    Check {
+        dt: i64,
+        cost: u64,
+    },
     /// New parameters: written to the params hash (`stored`) or passed as the fallback.
-    Params { p: P, stored: bool },
+    Params {
+        p: P,
+        stored: bool,
+    },
 }
 
 fn steps<P: std::fmt::Debug + Clone + 'static>(
@@ -120,17 +140,32 @@ fn field(v: &Option<String>) -> u64 {
     v.as_deref().map_or(0, |s| s.parse().unwrap())
 }
 
-fn run_bucket(start: u64, p0: BucketParams, steps: &[Step<BucketParams>]) -> Result<(), TestCaseError> {
+fn run_bucket(
+    start: u64,
+    p0: BucketParams,
+    steps: &[Step<BucketParams>],
+) -> Result<(), TestCaseError> {
     with_fixture(|f| {
         f.next += 1;
-        let (b, pk, ix) = (format!("qd:v1:{{d{}}}:x:1:b", f.next), format!("qd:v1:{{d{}}}:x:1:p", f.next), "qd:v1:active");
+        let (b, pk, ix) = (
+            format!("qd:v1:{{d{}}}:x:1:b", f.next),
+            format!("qd:v1:{{d{}}}:x:1:p", f.next),
+            "qd:v1:active",
+        );
         let (mut fallback, mut stored) = (p0, None::<BucketParams>);
         let mut now = start;
         let mut state: Option<BucketState> = None;
         for (i, step) in steps.iter().enumerate() {
             match *step {
                 Step::Params { p, stored: true } => {
-                    redis::cmd("HSET").arg(&pk).arg("cap").arg(p.capacity_ut).arg("rate").arg(p.rate_ut_per_s).query::<()>(&mut f.conn).unwrap();
+                    redis::cmd("HSET")
+                        .arg(&pk)
+                        .arg("cap")
+                        .arg(p.capacity_ut)
+                        .arg("rate")
+                        .arg(p.rate_ut_per_s)
+                        .query::<()>(&mut f.conn)
+                        .unwrap();
                     stored = Some(p);
                 }
                 Step::Params { p, stored: false } => fallback = p,
@@ -139,13 +174,38 @@ fn run_bucket(start: u64, p0: BucketParams, steps: &[Step<BucketParams>]) -> Res
                     now = now.saturating_add_signed(dt).min(MAX_CAPACITY_UT);
                     let p = stored.unwrap_or(fallback);
                     let (want, next) = bucket::decide(now, &p, state.as_ref(), cost);
-                    let reply: Vec<i64> = redis::cmd("EVALSHA").arg(&f.bucket_sha).arg(3).arg(&b).arg(&pk).arg(ix)
-                        .arg(cost).arg(fallback.capacity_ut).arg(fallback.rate_ut_per_s).arg(now)
-                        .query(&mut f.conn).map_err(|e| TestCaseError::fail(format!("step {i}: {e}")))?;
-                    prop_assert_eq!(decision(&reply), want, "decision at step {} (now {}, params {:?})", i, now, p);
-                    let got: (Option<String>, Option<String>, Option<String>) =
-                        redis::cmd("HMGET").arg(&b).arg("t").arg("c").arg("ts").query(&mut f.conn).unwrap();
-                    let got = BucketState { tokens_ut: field(&got.0), carry: field(&got.1), ts_ms: field(&got.2) };
+                    let reply: Vec<i64> = redis::cmd("EVALSHA")
+                        .arg(&f.bucket_sha)
+                        .arg(3)
+                        .arg(&b)
+                        .arg(&pk)
+                        .arg(ix)
+                        .arg(cost)
+                        .arg(fallback.capacity_ut)
+                        .arg(fallback.rate_ut_per_s)
+                        .arg(now)
+                        .query(&mut f.conn)
+                        .map_err(|e| TestCaseError::fail(format!("step {i}: {e}")))?;
+                    prop_assert_eq!(
+                        decision(&reply),
+                        want,
+                        "decision at step {} (now {}, params {:?})",
+                        i,
+                        now,
+                        p
+                    );
+                    let got: (Option<String>, Option<String>, Option<String>) = redis::cmd("HMGET")
+                        .arg(&b)
+                        .arg("t")
+                        .arg("c")
+                        .arg("ts")
+                        .query(&mut f.conn)
+                        .unwrap();
+                    let got = BucketState {
+                        tokens_ut: field(&got.0),
+                        carry: field(&got.1),
+                        ts_ms: field(&got.2),
+                    };
                     prop_assert_eq!(got, next, "state at step {}", i);
                     state = Some(next);
                 }
@@ -156,43 +216,82 @@ fn run_bucket(start: u64, p0: BucketParams, steps: &[Step<BucketParams>]) -> Res
 }
 
 fn parse_log(s: &str) -> Vec<(u64, u64)> {
-    s.split(',').filter(|e| !e.is_empty()).map(|e| {
-        let (t, c) = e.split_once(':').unwrap();
-        (t.parse().unwrap(), c.parse().unwrap())
-    }).collect()
+    s.split(',')
+        .filter(|e| !e.is_empty())
+        .map(|e| {
+            let (t, c) = e.split_once(':').unwrap();
+            (t.parse().unwrap(), c.parse().unwrap())
+        })
+        .collect()
 }
 
-fn run_window(start: u64, p0: WindowParams, steps: &[Step<WindowParams>]) -> Result<(), TestCaseError> {
+fn run_window(
+    start: u64,
+    p0: WindowParams,
+    steps: &[Step<WindowParams>],
+) -> Result<(), TestCaseError> {
     with_fixture(|f| {
         f.next += 1;
-        let (k, pk, ix) = (format!("qd:v1:{{w{}}}:x:1:w", f.next), format!("qd:v1:{{w{}}}:x:1:p", f.next), "qd:v1:active");
+        let (k, pk, ix) = (
+            format!("qd:v1:{{w{}}}:x:1:w", f.next),
+            format!("qd:v1:{{w{}}}:x:1:p", f.next),
+            "qd:v1:active",
+        );
         let (mut fallback, mut stored) = (p0, None::<WindowParams>);
         let mut now = start;
         let mut state: Option<WindowState> = None;
         for (i, step) in steps.iter().enumerate() {
             match *step {
                 Step::Params { p, stored: true } => {
-                    redis::cmd("HSET").arg(&pk).arg("limit").arg(p.limit).arg("window").arg(p.window_ms).query::<()>(&mut f.conn).unwrap();
+                    redis::cmd("HSET")
+                        .arg(&pk)
+                        .arg("limit")
+                        .arg(p.limit)
+                        .arg("window")
+                        .arg(p.window_ms)
+                        .query::<()>(&mut f.conn)
+                        .unwrap();
                     stored = Some(p);
                 }
                 Step::Params { p, stored: false } => fallback = p,
                 Step::Check { dt, cost } => {
                     CHECKS.set(CHECKS.get() + 1);
-                    now = now.saturating_add_signed(dt).min(MAX_CAPACITY_UT - 2 * MAX_WINDOW_MS);
+                    now = now
+                        .saturating_add_signed(dt)
+                        .min(MAX_CAPACITY_UT - 2 * MAX_WINDOW_MS);
                     let p = stored.unwrap_or(fallback);
                     let (want, next) = window::decide(now, &p, state.as_ref(), cost);
-                    let reply: Vec<i64> = redis::cmd("EVALSHA").arg(&f.window_sha).arg(3).arg(&k).arg(&pk).arg(ix)
-                        .arg(cost).arg(fallback.limit).arg(fallback.window_ms).arg(now)
-                        .query(&mut f.conn).map_err(|e| TestCaseError::fail(format!("step {i}: {e}")))?;
-                    prop_assert_eq!(decision(&reply), want, "decision at step {} (now {}, params {:?})", i, now, p);
-                    let got: (Option<String>, Option<String>, Option<String>, Option<String>, Option<String>) =
-                        redis::cmd("HMGET").arg(&k).arg("l").arg("ws").arg("cu").arg("pv").arg("ts").query(&mut f.conn).unwrap();
+                    let reply: Vec<i64> = redis::cmd("EVALSHA")
+                        .arg(&f.window_sha)
+                        .arg(3)
+                        .arg(&k)
+                        .arg(&pk)
+                        .arg(ix)
+                        .arg(cost)
+                        .arg(fallback.limit)
+                        .arg(fallback.window_ms)
+                        .arg(now)
+                        .query(&mut f.conn)
+                        .map_err(|e| TestCaseError::fail(format!("step {i}: {e}")))?;
+                    prop_assert_eq!(
+                        decision(&reply),
+                        want,
+                        "decision at step {} (now {}, params {:?})",
+                        i,
+                        now,
+                        p
+                    );
+                    let got: Vec<Option<String>> = redis::cmd("HMGET")
+                        .arg(&k)
+                        .arg(&["l", "ws", "cu", "pv", "ts"][..])
+                        .query(&mut f.conn)
+                        .unwrap();
                     let got = WindowState {
-                        log: parse_log(got.0.as_deref().unwrap_or("")),
-                        win_start_ms: field(&got.1),
-                        cur: field(&got.2),
-                        prev: field(&got.3),
-                        ts_ms: field(&got.4),
+                        log: parse_log(got[0].as_deref().unwrap_or("")),
+                        win_start_ms: field(&got[1]),
+                        cur: field(&got[2]),
+                        prev: field(&got[3]),
+                        ts_ms: field(&got[4]),
                     };
                     prop_assert_eq!(&got, &next, "state at step {}", i);
                     state = Some(next);
@@ -211,8 +310,14 @@ thread_local! {
 fn config() -> ProptestConfig {
     // 250 cases of ~45 checks ≈ 11 000 checks per algorithm. `PROPTEST_CASES` scales it;
     // `PROPTEST_RNG_SEED` changes the (otherwise fixed) seed.
-    let cases = std::env::var("PROPTEST_CASES").ok().and_then(|v| v.parse().ok()).unwrap_or(250);
-    let seed = std::env::var("PROPTEST_RNG_SEED").ok().and_then(|v| v.parse().ok()).unwrap_or(0x5EED);
+    let cases = std::env::var("PROPTEST_CASES")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(250);
+    let seed = std::env::var("PROPTEST_RNG_SEED")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(0x5EED);
     ProptestConfig {
         cases,
         rng_seed: RngSeed::Fixed(seed),
@@ -231,7 +336,10 @@ fn start_ms() -> impl Strategy<Value = u64> {
 
 fn report(name: &str, before: u64, cfg: &ProptestConfig) {
     let checks = CHECKS.get() - before;
-    println!("{name}: {checks} checks over {} cases, seed {:?}", cfg.cases, cfg.rng_seed);
+    println!(
+        "{name}: {checks} checks over {} cases, seed {:?}",
+        cfg.cases, cfg.rng_seed
+    );
     if cfg.cases >= 250 {
         assert!(checks >= 10_000, "only {checks} checks");
     }
@@ -242,10 +350,19 @@ fn token_bucket_lua_matches_the_reference() {
     let cfg = config();
     let before = CHECKS.get();
     let mut runner = TestRunner::new(cfg.clone());
-    let strategy = (start_ms(), bucket_params(), steps(bucket_params(), bucket_cost()));
-    let result = runner.run(&strategy, |(start, p0, steps)| run_bucket(start, p0, &steps));
+    let strategy = (
+        start_ms(),
+        bucket_params(),
+        steps(bucket_params(), bucket_cost()),
+    );
+    let result = runner.run(&strategy, |(start, p0, steps)| {
+        run_bucket(start, p0, &steps)
+    });
     if let Err(e) = result {
-        panic!("{e}\nreproduce: PROPTEST_RNG_SEED={:?} cargo test -p quota-store --test differential", cfg.rng_seed);
+        panic!(
+            "{e}\nreproduce: PROPTEST_RNG_SEED={:?} cargo test -p quota-store --test differential",
+            cfg.rng_seed
+        );
     }
     report("token bucket", before, &cfg);
 }
@@ -255,10 +372,19 @@ fn sliding_window_lua_matches_the_reference() {
     let cfg = config();
     let before = CHECKS.get();
     let mut runner = TestRunner::new(cfg.clone());
-    let strategy = (start_ms(), window_params(), steps(window_params(), window_cost()));
-    let result = runner.run(&strategy, |(start, p0, steps)| run_window(start, p0, &steps));
+    let strategy = (
+        start_ms(),
+        window_params(),
+        steps(window_params(), window_cost()),
+    );
+    let result = runner.run(&strategy, |(start, p0, steps)| {
+        run_window(start, p0, &steps)
+    });
     if let Err(e) = result {
-        panic!("{e}\nreproduce: PROPTEST_RNG_SEED={:?} cargo test -p quota-store --test differential", cfg.rng_seed);
+        panic!(
+            "{e}\nreproduce: PROPTEST_RNG_SEED={:?} cargo test -p quota-store --test differential",
+            cfg.rng_seed
+        );
     }
     report("sliding window", before, &cfg);
 }
@@ -271,8 +397,15 @@ fn extremes_match_the_reference() {
     let tiny = BucketParams::new(UT, 1).unwrap();
     for p in [huge, slow, tiny] {
         let steps: Vec<Step<BucketParams>> = [
-            (0, MAX_COST), (0, 1), (1, 1), (999, 3), (1001, MAX_COST), (-10_000, 1),
-            (86_400_000, 1), (400_000_000_000, 2), (1, MAX_COST),
+            (0, MAX_COST),
+            (0, 1),
+            (1, 1),
+            (999, 3),
+            (1001, MAX_COST),
+            (-10_000, 1),
+            (86_400_000, 1),
+            (400_000_000_000, 2),
+            (1, MAX_COST),
         ]
         .into_iter()
         .map(|(dt, cost)| Step::Check { dt, cost })
@@ -280,9 +413,15 @@ fn extremes_match_the_reference() {
         run_bucket(1_700_000_000_000, p, &steps).unwrap();
     }
     let w = WindowParams::new(MAX_WINDOW_PRODUCT / MAX_WINDOW_MS, MAX_WINDOW_MS).unwrap();
-    let steps: Vec<Step<WindowParams>> = [(0, 1), (0, w.limit), (MAX_WINDOW_MS as i64 - 1, 5), (1, 5), (MAX_WINDOW_MS as i64, 1)]
-        .into_iter()
-        .map(|(dt, cost)| Step::Check { dt, cost })
-        .collect();
+    let steps: Vec<Step<WindowParams>> = [
+        (0, 1),
+        (0, w.limit),
+        (MAX_WINDOW_MS as i64 - 1, 5),
+        (1, 5),
+        (MAX_WINDOW_MS as i64, 1),
+    ]
+    .into_iter()
+    .map(|(dt, cost)| Step::Check { dt, cost })
+    .collect();
     run_window(1_700_000_000_000, w, &steps).unwrap();
 }

@@ -43,12 +43,23 @@ async fn decisions_follow_the_reference<S: Store>(s: &S) {
     let b = fresh_bucket("ref");
     let p = BucketParams::new(10 * UT, 2 * UT).unwrap();
     let mut state = None;
-    let steps = [(0, 3), (0, 7), (0, 1), (250, 1), (750, 1), (3750, 10), (3751, 2)];
+    let steps = [
+        (0, 3),
+        (0, 7),
+        (0, 1),
+        (250, 1),
+        (750, 1),
+        (3750, 10),
+        (3751, 2),
+    ];
     for (i, &(at, cost)) in steps.iter().enumerate() {
         let now = T0 + at;
         let (want, next) = bucket::decide(now, &p, state.as_ref(), cost);
         state = Some(next);
-        let got = s.check(&req(&b, Limit::TokenBucket(p), cost, Some(now))).await.unwrap();
+        let got = s
+            .check(&req(&b, Limit::TokenBucket(p), cost, Some(now)))
+            .await
+            .unwrap();
         assert_eq!(got, want, "step {i}");
     }
 }
@@ -62,10 +73,20 @@ async fn refill_uses_the_explicit_now<S: Store>(s: &S) {
     let d = s.check(&req(&b, l, 1, Some(T0))).await.unwrap();
     assert_eq!(
         d,
-        Decision { allowed: false, remaining: 0, retry_after_ms: Some(1000), reset_ms: Some(5000) }
+        Decision {
+            allowed: false,
+            remaining: 0,
+            retry_after_ms: Some(1000),
+            reset_ms: Some(5000)
+        }
     );
     // A clock stepping back refills nothing.
-    assert!(!s.check(&req(&b, l, 1, Some(T0 - 60_000))).await.unwrap().allowed);
+    assert!(
+        !s.check(&req(&b, l, 1, Some(T0 - 60_000)))
+            .await
+            .unwrap()
+            .allowed
+    );
     let d = s.check(&req(&b, l, 2, Some(T0 + 2000))).await.unwrap();
     assert!(d.allowed);
     assert_eq!(d.remaining, 0);
@@ -77,18 +98,40 @@ async fn written_params_win_over_the_fallback<S: Store>(s: &S) {
     let fallback = tokens(100, 100);
     let mut admitted = 0;
     for _ in 0..10 {
-        admitted += u32::from(s.check(&req(&b, fallback, 1, Some(T0))).await.unwrap().allowed);
+        admitted += u32::from(
+            s.check(&req(&b, fallback, 1, Some(T0)))
+                .await
+                .unwrap()
+                .allowed,
+        );
     }
     assert_eq!(admitted, 3);
-    let d = s.check(&req(&b, fallback, 1, Some(T0 + 1_000_000))).await.unwrap();
-    assert_eq!((d.allowed, d.retry_after_ms, d.reset_ms), (false, None, None));
+    let d = s
+        .check(&req(&b, fallback, 1, Some(T0 + 1_000_000)))
+        .await
+        .unwrap();
+    assert_eq!(
+        (d.allowed, d.retry_after_ms, d.reset_ms),
+        (false, None, None)
+    );
     // New parameters apply to the same bucket state: capacity 5 refilling at 1/s.
     s.set_params(&b, tokens(5, 1)).await.unwrap();
-    let d = s.check(&req(&b, fallback, 1, Some(T0 + 1_001_000))).await.unwrap();
+    let d = s
+        .check(&req(&b, fallback, 1, Some(T0 + 1_001_000)))
+        .await
+        .unwrap();
     assert!(d.allowed);
     // Window parameters do not apply to a token-bucket check: the fallback does.
     let b2 = fresh_bucket("params");
-    s.set_params(&b2, Limit::SlidingWindow { limit: 1, window_ms: 1000 }).await.unwrap();
+    s.set_params(
+        &b2,
+        Limit::SlidingWindow {
+            limit: 1,
+            window_ms: 1000,
+        },
+    )
+    .await
+    .unwrap();
     let d = s.check(&req(&b2, tokens(4, 0), 1, Some(T0))).await.unwrap();
     assert_eq!(d.remaining, 3);
 }
@@ -108,15 +151,30 @@ async fn usage_is_counted_and_drained_once<S: Store>(s: &S) {
     s.check(&req(&b, l, 5, Some(T0))).await.unwrap();
     let got = sorted(s.collect_usage(usize::MAX).await.unwrap());
     let want = sorted(vec![
-        UsageRecord { bucket: a.clone(), admitted: 4, denied: 4 },
-        UsageRecord { bucket: b.clone(), admitted: 5, denied: 0 },
+        UsageRecord {
+            bucket: a.clone(),
+            admitted: 4,
+            denied: 4,
+        },
+        UsageRecord {
+            bucket: b.clone(),
+            admitted: 5,
+            denied: 0,
+        },
     ]);
     assert_eq!(got, want);
     assert_eq!(s.collect_usage(usize::MAX).await.unwrap(), vec![]);
     // A decision after a collection is reported again, counted from zero.
     s.check(&req(&a, l, 1, Some(T0))).await.unwrap();
     let got = s.collect_usage(usize::MAX).await.unwrap();
-    assert_eq!(got, vec![UsageRecord { bucket: a.clone(), admitted: 1, denied: 0 }]);
+    assert_eq!(
+        got,
+        vec![UsageRecord {
+            bucket: a.clone(),
+            admitted: 1,
+            denied: 0
+        }]
+    );
     // `max` bounds one collection; the rest waits for the next.
     for _ in 0..3 {
         let c = fresh_bucket("usage");
@@ -128,27 +186,53 @@ async fn usage_is_counted_and_drained_once<S: Store>(s: &S) {
 
 async fn sliding_window_counts_every_request<S: Store>(s: &S) {
     let b = fresh_bucket("window");
-    let l = Limit::SlidingWindow { limit: 3, window_ms: 1000 };
+    let l = Limit::SlidingWindow {
+        limit: 3,
+        window_ms: 1000,
+    };
     // Three in the same millisecond all count (no member collisions), the fourth is denied.
     let mut got = Vec::new();
     for _ in 0..4 {
         got.push(s.check(&req(&b, l, 1, Some(T0))).await.unwrap());
     }
-    assert_eq!(got.iter().map(|d| d.allowed).collect::<Vec<_>>(), [true, true, true, false]);
+    assert_eq!(
+        got.iter().map(|d| d.allowed).collect::<Vec<_>>(),
+        [true, true, true, false]
+    );
     assert_eq!(got[3].retry_after_ms, Some(1000));
     assert_eq!(got[2].remaining, 0);
-    assert!(!s.check(&req(&b, l, 1, Some(T0 + 999))).await.unwrap().allowed);
+    assert!(
+        !s.check(&req(&b, l, 1, Some(T0 + 999)))
+            .await
+            .unwrap()
+            .allowed
+    );
     let d = s.check(&req(&b, l, 2, Some(T0 + 1000))).await.unwrap();
     assert_eq!((d.allowed, d.remaining, d.reset_ms), (true, 1, Some(1000)));
     let usage = s.collect_usage(usize::MAX).await.unwrap();
     let mine: Vec<_> = usage.into_iter().filter(|u| u.bucket == b).collect();
-    assert_eq!(mine, vec![UsageRecord { bucket: b, admitted: 5, denied: 2 }]);
+    assert_eq!(
+        mine,
+        vec![UsageRecord {
+            bucket: b,
+            admitted: 5,
+            denied: 2
+        }]
+    );
 }
 
 async fn sliding_window_approximation_for_large_limits<S: Store>(s: &S) {
     let b = fresh_bucket("approx");
-    let l = Limit::SlidingWindow { limit: 1000, window_ms: 1000 };
-    assert!(s.check(&req(&b, l, 1000, Some(T0 - T0 % 1000))).await.unwrap().allowed);
+    let l = Limit::SlidingWindow {
+        limit: 1000,
+        window_ms: 1000,
+    };
+    assert!(
+        s.check(&req(&b, l, 1000, Some(T0 - T0 % 1000)))
+            .await
+            .unwrap()
+            .allowed
+    );
     let next = T0 - T0 % 1000 + 1250;
     assert!(s.check(&req(&b, l, 250, Some(next))).await.unwrap().allowed);
     let d = s.check(&req(&b, l, 1, Some(next))).await.unwrap();
@@ -161,14 +245,49 @@ async fn invalid_requests_are_rejected<S: Store>(s: &S) {
         req(&b, tokens(1, 1), 0, None),
         req(&b, tokens(1, 1), quota_store::MAX_COST + 1, None),
         req(&b, tokens(1, 1), 1, Some(1 << 53)),
-        req(&b, Limit::TokenBucket(BucketParams { capacity_ut: 1 << 53, rate_ut_per_s: 1 }), 1, None),
-        req(&b, Limit::TokenBucket(BucketParams { capacity_ut: 1 << 40, rate_ut_per_s: 1 }), 1, None),
-        req(&b, Limit::SlidingWindow { limit: 1, window_ms: 0 }, 1, None),
+        req(
+            &b,
+            Limit::TokenBucket(BucketParams {
+                capacity_ut: 1 << 53,
+                rate_ut_per_s: 1,
+            }),
+            1,
+            None,
+        ),
+        req(
+            &b,
+            Limit::TokenBucket(BucketParams {
+                capacity_ut: 1 << 40,
+                rate_ut_per_s: 1,
+            }),
+            1,
+            None,
+        ),
+        req(
+            &b,
+            Limit::SlidingWindow {
+                limit: 1,
+                window_ms: 0,
+            },
+            1,
+            None,
+        ),
     ];
     for r in &bad {
-        assert!(matches!(s.check(r).await, Err(StoreError::Invalid { .. })), "{r:?}");
+        assert!(
+            matches!(s.check(r).await, Err(StoreError::Invalid { .. })),
+            "{r:?}"
+        );
     }
-    let r = s.set_params(&b, Limit::SlidingWindow { limit: u64::MAX, window_ms: 1 }).await;
+    let r = s
+        .set_params(
+            &b,
+            Limit::SlidingWindow {
+                limit: u64::MAX,
+                window_ms: 1,
+            },
+        )
+        .await;
     assert!(matches!(r, Err(StoreError::Invalid { .. })));
 }
 
@@ -177,6 +296,11 @@ async fn cost_above_capacity_is_a_denial<S: Store>(s: &S) {
     let d = s.check(&req(&b, tokens(5, 1), 6, Some(T0))).await.unwrap();
     assert_eq!(
         d,
-        Decision { allowed: false, remaining: 5, retry_after_ms: None, reset_ms: Some(0) }
+        Decision {
+            allowed: false,
+            remaining: 5,
+            retry_after_ms: None,
+            reset_ms: Some(0)
+        }
     );
 }

@@ -15,7 +15,11 @@ use redis::AsyncCommands;
 use redis_harness::RedisServer;
 
 async fn conn(server: &RedisServer) -> redis::aio::MultiplexedConnection {
-    server.client().get_multiplexed_async_connection().await.unwrap()
+    server
+        .client()
+        .get_multiplexed_async_connection()
+        .await
+        .unwrap()
 }
 
 #[tokio::test]
@@ -43,16 +47,40 @@ async fn ttl_covers_a_full_refill_and_a_dry_bucket_never_expires() {
     let s = common::store(&server).await;
     let mut c = conn(&server).await;
     let slow = fresh_bucket("slow");
-    s.check(&req(&slow, tokens(100, 1), 100, None)).await.unwrap();
-    let pttl: i64 = c.pttl(slow.state_key(quota_core::keys::StateKind::Bucket)).await.unwrap();
+    s.check(&req(&slow, tokens(100, 1), 100, None))
+        .await
+        .unwrap();
+    let pttl: i64 = c
+        .pttl(slow.state_key(quota_core::keys::StateKind::Bucket))
+        .await
+        .unwrap();
     assert!((99_000..=125_000).contains(&pttl), "pttl {pttl}");
     let dry = fresh_bucket("dry");
     s.check(&req(&dry, tokens(5, 0), 1, None)).await.unwrap();
-    let pttl: i64 = c.pttl(dry.state_key(quota_core::keys::StateKind::Bucket)).await.unwrap();
-    assert_eq!(pttl, -1, "a bucket that never refills must not expire (it would come back full)");
+    let pttl: i64 = c
+        .pttl(dry.state_key(quota_core::keys::StateKind::Bucket))
+        .await
+        .unwrap();
+    assert_eq!(
+        pttl, -1,
+        "a bucket that never refills must not expire (it would come back full)"
+    );
     let w = fresh_bucket("window");
-    s.check(&req(&w, Limit::SlidingWindow { limit: 3, window_ms: 60_000 }, 1, None)).await.unwrap();
-    let pttl: i64 = c.pttl(w.state_key(quota_core::keys::StateKind::Window)).await.unwrap();
+    s.check(&req(
+        &w,
+        Limit::SlidingWindow {
+            limit: 3,
+            window_ms: 60_000,
+        },
+        1,
+        None,
+    ))
+    .await
+    .unwrap();
+    let pttl: i64 = c
+        .pttl(w.state_key(quota_core::keys::StateKind::Window))
+        .await
+        .unwrap();
     assert!((59_000..=75_000).contains(&pttl), "pttl {pttl}");
 }
 
@@ -63,12 +91,22 @@ async fn a_hot_key_rarely_pays_pexpire() {
     let mut c = conn(&server).await;
     let b = fresh_bucket("hot");
     let l = tokens(1000, 1000);
-    let _: () = redis::cmd("CONFIG").arg("RESETSTAT").query_async(&mut c).await.unwrap();
+    let _: () = redis::cmd("CONFIG")
+        .arg("RESETSTAT")
+        .query_async(&mut c)
+        .await
+        .unwrap();
     // 2000 decisions over 2 s of explicit time.
     for i in 0..2000 {
-        s.check(&req(&b, l, 1, Some(1_700_000_000_000 + i))).await.unwrap();
+        s.check(&req(&b, l, 1, Some(1_700_000_000_000 + i)))
+            .await
+            .unwrap();
     }
-    let stats: String = redis::cmd("INFO").arg("commandstats").query_async(&mut c).await.unwrap();
+    let stats: String = redis::cmd("INFO")
+        .arg("commandstats")
+        .query_async(&mut c)
+        .await
+        .unwrap();
     let calls = |cmd: &str| -> u64 {
         stats
             .lines()
@@ -78,8 +116,16 @@ async fn a_hot_key_rarely_pays_pexpire() {
             .unwrap_or(0)
     };
     // 2000 decisions (the first EVALSHA may meet NOSCRIPT and be repeated after SCRIPT LOAD).
-    assert!((2000..=2001).contains(&calls("evalsha")), "{}", calls("evalsha"));
-    assert!(calls("pexpire") <= 20, "pexpire called {} times", calls("pexpire"));
+    assert!(
+        (2000..=2001).contains(&calls("evalsha")),
+        "{}",
+        calls("evalsha")
+    );
+    assert!(
+        calls("pexpire") <= 20,
+        "pexpire called {} times",
+        calls("pexpire")
+    );
     assert_eq!(calls("sadd"), 1, "one SADD per bucket per report interval");
 }
 
@@ -92,11 +138,21 @@ async fn one_million_identities_leave_no_trace() {
     let s = common::store(&server).await;
     let used = || {
         let s = s.clone();
-        async move { s.info_field("memory", "used_memory").await.unwrap().unwrap().parse::<u64>().unwrap() }
+        async move {
+            s.info_field("memory", "used_memory")
+                .await
+                .unwrap()
+                .unwrap()
+                .parse::<u64>()
+                .unwrap()
+        }
     };
     let l = tokens(1, 1); // TTL ≈ 1 s
     let before = used().await;
-    let n: usize = std::env::var("QUOTAD_IDENTITIES").ok().and_then(|v| v.parse().ok()).unwrap_or(1_000_000);
+    let n: usize = std::env::var("QUOTAD_IDENTITIES")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(1_000_000);
     let started = std::time::Instant::now();
     let mut peak = 0;
     let mut tasks = tokio::task::JoinSet::new();
@@ -131,9 +187,17 @@ async fn one_million_identities_leave_no_trace() {
     }
     let mut after = used().await;
     for _ in 0..60 {
-        let keys: u64 = s.info_field("keyspace", "db0").await.unwrap().map_or(0, |v| {
-            v.split(',').next().and_then(|k| k.strip_prefix("keys=")).and_then(|k| k.parse().ok()).unwrap_or(0)
-        });
+        let keys: u64 = s
+            .info_field("keyspace", "db0")
+            .await
+            .unwrap()
+            .map_or(0, |v| {
+                v.split(',')
+                    .next()
+                    .and_then(|k| k.strip_prefix("keys="))
+                    .and_then(|k| k.parse().ok())
+                    .unwrap_or(0)
+            });
         after = used().await;
         if keys == 0 {
             break;
@@ -145,5 +209,8 @@ async fn one_million_identities_leave_no_trace() {
          after {after} B ({collected} usage records collected while expiring)"
     );
     assert!(peak > before + 50 * n as u64, "the load did not register");
-    assert!(after < before + (peak - before) / 20, "memory did not return near the baseline");
+    assert!(
+        after < before + (peak - before) / 20,
+        "memory did not return near the baseline"
+    );
 }

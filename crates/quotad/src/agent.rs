@@ -1,11 +1,15 @@
-//! The region agent: applies this region's grants to its store and collects usage.
+//! The region agent: applies this region's grants to its store, collects usage, reports it and
+//! keeps the lease.
 //!
-//! On every committed change of the coordinator view, and every report interval, it writes the
-//! bucket parameters this region enforces (`BucketParams::for_share(policy, enforced share)`)
-//! into its store, so any caller of the store (this daemon, a gateway running the Lua script
-//! directly) enforces the current share; the periodic pass also re-applies shares after a Redis
-//! restart and drops a share to the floor once its lease runs out. Every report interval it
-//! drains usage from the store; with a one-node coordinator the usage only feeds metrics.
+//! Two loops, so a slow coordinator write never delays enforcement:
+//!
+//! - **apply**: on every view change, every report interval (which re-applies shares after a
+//!   Redis restart) and at the moment the lease runs out, writes the bucket parameters this
+//!   region enforces (`for_share(policy, enforced share)`) into its store, so any caller of the
+//!   store (this daemon, or a gateway running the Lua script directly) enforces the current
+//!   share; once every write succeeded it acknowledges the view's epoch.
+//! - **report** (multi-region only): every report interval, drains usage from the store and
+//!   sends it to the leader, then renews the lease through the log with the acknowledged epoch.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -14,75 +18,105 @@ use quota_store::{BucketRef, Store as _};
 use tokio::sync::watch;
 
 use crate::clock;
-use crate::coordination::{enforced_share_ppm, ClusterView};
+use crate::coordination::{ClusterView, Coordinator};
 use crate::decision::{limit_for_share, Decider};
-use crate::telemetry;
 
 /// Most usage records drained per report: bounds one report's size.
 const MAX_USAGE_RECORDS: usize = 10_000;
 
-/// Runs until `shutdown` fires.
-pub async fn run(
+/// How long to sleep when no lease end is coming (a single region's lease never ends).
+const FAR: Duration = Duration::from_secs(3600);
+
+/// Runs the apply loop until `shutdown` fires.
+pub async fn run_apply(
     decider: Arc<Decider>,
-    mut view: watch::Receiver<Arc<ClusterView>>,
+    coordinator: Arc<Coordinator>,
     report_interval: Duration,
-    drift_margin_ms: u64,
     mut shutdown: watch::Receiver<bool>,
 ) {
+    let mut view = coordinator.subscribe();
     let mut tick = tokio::time::interval(report_interval);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
+        let current = view.borrow_and_update().clone();
+        let now = clock::wall_ms();
+        let until_lease_end = if current.lease_end_local_ms > now {
+            Duration::from_millis(current.lease_end_local_ms - now).min(FAR)
+        } else {
+            FAR
+        };
         tokio::select! {
             _ = shutdown.changed() => break,
             changed = view.changed() => {
                 if changed.is_err() {
                     break;
                 }
-                let v = view.borrow_and_update().clone();
-                apply_shares(&decider, &v, drift_margin_ms).await;
             }
-            _ = tick.tick() => {
-                let v = view.borrow().clone();
-                apply_shares(&decider, &v, drift_margin_ms).await;
-                match decider.store().collect_usage(MAX_USAGE_RECORDS).await {
-                    Ok(usage) => tracing::debug!(records = usage.len(), "Usage collected."),
-                    Err(e) => tracing::debug!(error = %e, "Usage collection failed."),
-                }
+            _ = tick.tick() => {}
+            () = tokio::time::sleep(until_lease_end) => {
+                tracing::warn!(region = %decider.region(), "Lease ran out: enforcing floors.");
+            }
+        }
+        let v = view.borrow().clone();
+        let all = apply_shares(&decider, &v).await;
+        if all {
+            if let Coordinator::Replicated(r) = coordinator.as_ref() {
+                r.on_applied(v.epoch);
             }
         }
     }
 }
 
-/// Writes the enforced share of every policy into the store; returns how many were written.
-pub async fn apply_shares(decider: &Decider, view: &ClusterView, drift_margin_ms: u64) -> usize {
+/// Runs the report loop (multi-region) until `shutdown` fires.
+pub async fn run_report(
+    decider: Arc<Decider>,
+    coordinator: Arc<Coordinator>,
+    report_interval: Duration,
+    mut shutdown: watch::Receiver<bool>,
+) {
+    let Coordinator::Replicated(r) = coordinator.as_ref() else {
+        return;
+    };
+    let mut tick = tokio::time::interval(report_interval);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let mut last = clock::monotonic();
+    loop {
+        tokio::select! {
+            _ = shutdown.changed() => break,
+            _ = tick.tick() => {}
+        }
+        let interval_ms = last.elapsed().as_millis() as u64;
+        last = clock::monotonic();
+        match decider.store().collect_usage(MAX_USAGE_RECORDS).await {
+            Ok(usage) => {
+                if let Err(e) = r.report_usage(&usage, interval_ms.max(1)).await {
+                    tracing::debug!(error = %e, "Usage report not delivered.");
+                }
+            }
+            Err(e) => tracing::debug!(error = %e, "Usage collection failed."),
+        }
+        if let Err(e) = r.renew_lease().await {
+            tracing::debug!(error = %e, "Lease renewal failed.");
+        }
+    }
+}
+
+/// Writes the enforced share of every policy into the store; true if every write succeeded.
+pub async fn apply_shares(decider: &Decider, view: &ClusterView) -> bool {
     let region = decider.region();
     let now = clock::wall_ms();
-    let mut written = 0;
-    let mut min_lease_ms: Option<u64> = None;
     for ((tenant, name), entry) in &view.policies {
-        let grant = entry.grants.get(region);
-        if let Some(g) = grant.filter(|g| g.lease_expires_ms != u64::MAX) {
-            let left = g.lease_expires_ms.saturating_sub(now);
-            min_lease_ms = Some(min_lease_ms.map_or(left, |m| m.min(left)));
-        }
-        let share = enforced_share_ppm(&entry.policy, grant, drift_margin_ms);
+        let share = view.enforced_share_ppm(entry.grants.get(region), now);
         let limit = limit_for_share(&entry.policy, share);
         let b = BucketRef {
             tenant: tenant.clone(),
             policy: name.clone(),
             version: entry.policy.version,
         };
-        match decider.store().set_params(&b, limit).await {
-            Ok(()) => written += 1,
-            Err(e) => {
-                tracing::debug!(tenant = %tenant, policy = %name, error = %e, "Applying a share failed.");
-                break;
-            }
+        if let Err(e) = decider.store().set_params(&b, limit).await {
+            tracing::debug!(tenant = %tenant, policy = %name, error = %e, "Applying a share failed.");
+            return false;
         }
     }
-    if let Some(ms) = min_lease_ms {
-        metrics::gauge!(telemetry::LEASE_REMAINING_MS, "region" => region.as_str().to_string())
-            .set(ms as f64);
-    }
-    written
+    true
 }

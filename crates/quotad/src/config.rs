@@ -34,6 +34,7 @@ pub struct Config {
     pub redis: Option<RedisConfig>,
     pub breaker: BreakerConfig,
     pub coordination: CoordinationConfig,
+    pub raft: RaftTimings,
     /// Every region of the cluster, this one included; empty means a single region.
     pub regions: Vec<RegionConfig>,
     pub telemetry: TelemetryConfig,
@@ -99,6 +100,17 @@ pub struct CoordinationConfig {
     pub drift_margin_ms: u64,
 }
 
+/// Raft timings; unset values take quota-raft's defaults (sized for regions 50–150 ms apart).
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct RaftTimings {
+    pub heartbeat_interval_ms: Option<u64>,
+    pub election_timeout_min_ms: Option<u64>,
+    pub election_timeout_max_ms: Option<u64>,
+    /// Bound on one coordinator write, forwarding to the leader included.
+    pub write_timeout_ms: Option<u64>,
+}
+
 /// One region of the cluster.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -140,6 +152,7 @@ impl Default for Config {
             redis: None,
             breaker: BreakerConfig::default(),
             coordination: CoordinationConfig::default(),
+            raft: RaftTimings::default(),
             regions: Vec::new(),
             telemetry: TelemetryConfig::default(),
         }
@@ -407,6 +420,17 @@ impl Config {
             ));
         }
         let regions = check_regions(p, &self.regions, region.as_ref());
+        if let (Some(min), Some(max)) = (
+            self.raft.election_timeout_min_ms,
+            self.raft.election_timeout_max_ms,
+        ) {
+            if min >= max {
+                p.push(problem(
+                    "raft.election_timeout_min_ms",
+                    "must be below election_timeout_max_ms",
+                ));
+            }
+        }
         if tracing_subscriber::EnvFilter::try_new(&self.telemetry.log_level).is_err() {
             p.push(problem(
                 "telemetry.log_level",

@@ -13,15 +13,17 @@ use quota_core::{Policy, PolicyName, RegionId, TenantId, PPM};
 use serde::Serialize;
 use tokio::sync::watch;
 
-use crate::clock;
+use crate::replicated::Replicated;
 
 /// One region's grant for a tenant's policy.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
 pub struct Grant {
     pub share_ppm: u32,
-    /// Wall-clock ms at which the coordinator's lease for this share ends; `u64::MAX` = never.
+    /// What the region falls back to once its lease is over (never above the share).
+    pub floor_ppm: u32,
+    /// Coordinator time (wall-clock ms) the region's lease ends, for display; `u64::MAX` =
+    /// never. Regions count their own lease, see [`ClusterView::lease_end_local_ms`].
     pub lease_expires_ms: u64,
-    pub epoch: u64,
 }
 
 /// A tenant's policy with every region's grant.
@@ -29,15 +31,19 @@ pub struct Grant {
 pub struct PolicyEntry {
     pub policy: Policy,
     pub grants: BTreeMap<RegionId, Grant>,
+    /// The home region of a pinned policy.
+    pub home: Option<RegionId>,
 }
 
-/// An immutable snapshot of coordinator state.
+/// An immutable snapshot of coordinator state, as this region sees it.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct ClusterView {
     pub policies: BTreeMap<(TenantId, PolicyName), PolicyEntry>,
-    pub pins: BTreeMap<TenantId, RegionId>,
-    /// Bumped on every committed change.
+    /// Bumped on every committed change regions must apply.
     pub epoch: u64,
+    /// Local wall-clock ms at which this region must stop enforcing more than its floors (its
+    /// lease end minus the drift margin, counted by its own clock); `u64::MAX` = never.
+    pub lease_end_local_ms: u64,
 }
 
 impl ClusterView {
@@ -45,6 +51,24 @@ impl ClusterView {
     pub fn policy(&self, tenant: &TenantId, policy: &PolicyName) -> Option<&PolicyEntry> {
         // BTreeMap lookups need an owned key; ids are short, and this avoids a second map.
         self.policies.get(&(tenant.clone(), policy.clone()))
+    }
+
+    /// The share this region enforces for a grant at local time `now_ms`: the grant while the
+    /// lease holds, the floor after.
+    pub fn enforced_share_ppm(&self, grant: Option<&Grant>, now_ms: u64) -> u32 {
+        match grant {
+            Some(g) if now_ms < self.lease_end_local_ms => g.share_ppm,
+            Some(g) => g.floor_ppm.min(g.share_ppm),
+            None => 0,
+        }
+    }
+
+    /// The home of a tenant: the home of any of its pinned policies.
+    pub fn tenant_home(&self, tenant: &TenantId) -> Option<&RegionId> {
+        self.policies
+            .iter()
+            .filter(|((t, _), _)| t == tenant)
+            .find_map(|(_, e)| e.home.as_ref())
     }
 }
 
@@ -79,7 +103,10 @@ pub enum CoordError {
 /// The coordinator behind the daemon.
 #[derive(Debug)]
 pub enum Coordinator {
+    /// One region, no Raft.
     Local(LocalCoordinator),
+    /// A member of a Raft-replicated multi-region cluster.
+    Replicated(Replicated),
 }
 
 impl Coordinator {
@@ -87,6 +114,7 @@ impl Coordinator {
     pub fn subscribe(&self) -> watch::Receiver<Arc<ClusterView>> {
         match self {
             Coordinator::Local(c) => c.tx.subscribe(),
+            Coordinator::Replicated(c) => c.subscribe(),
         }
     }
 
@@ -94,6 +122,7 @@ impl Coordinator {
     pub fn view(&self) -> Arc<ClusterView> {
         match self {
             Coordinator::Local(c) => c.tx.borrow().clone(),
+            Coordinator::Replicated(c) => c.view(),
         }
     }
 
@@ -106,6 +135,7 @@ impl Coordinator {
     ) -> Result<Policy, CoordError> {
         match self {
             Coordinator::Local(c) => Ok(c.put_policy(tenant, name, policy)),
+            Coordinator::Replicated(c) => c.put_policy(tenant, name, policy).await,
         }
     }
 
@@ -117,20 +147,23 @@ impl Coordinator {
     ) -> Result<bool, CoordError> {
         match self {
             Coordinator::Local(c) => Ok(c.delete_policy(&tenant, &name)),
+            Coordinator::Replicated(c) => c.delete_policy(tenant, name).await,
         }
     }
 
-    /// Pins a tenant to a home region.
-    pub async fn pin(&self, tenant: TenantId, region: RegionId) -> Result<(), CoordError> {
+    /// Pins every policy of a tenant to a home region; `false` if the tenant has none.
+    pub async fn pin(&self, tenant: TenantId, region: RegionId) -> Result<bool, CoordError> {
         match self {
-            Coordinator::Local(c) => c.pin(tenant, region),
+            Coordinator::Local(c) => c.pin(&tenant, region),
+            Coordinator::Replicated(c) => c.pin(tenant, region).await,
         }
     }
 
-    /// Removes a pin; `false` if there was none.
+    /// Removes a tenant's pins; `false` if there was none.
     pub async fn unpin(&self, tenant: TenantId) -> Result<bool, CoordError> {
         match self {
             Coordinator::Local(c) => Ok(c.unpin(&tenant)),
+            Coordinator::Replicated(c) => c.unpin(tenant).await,
         }
     }
 
@@ -138,13 +171,7 @@ impl Coordinator {
     pub fn status(&self) -> CoordinatorStatus {
         match self {
             Coordinator::Local(c) => c.status(),
-        }
-    }
-
-    /// This daemon's region.
-    pub fn region(&self) -> &RegionId {
-        match self {
-            Coordinator::Local(c) => &c.region,
+            Coordinator::Replicated(c) => c.status(),
         }
     }
 }
@@ -160,10 +187,14 @@ pub struct LocalCoordinator {
 
 impl LocalCoordinator {
     pub fn new(region: RegionId) -> Self {
-        let (tx, _) = watch::channel(Arc::new(ClusterView::default()));
+        let view = ClusterView {
+            lease_end_local_ms: u64::MAX,
+            ..ClusterView::default()
+        };
+        let (tx, _) = watch::channel(Arc::new(view.clone()));
         Self {
             region,
-            state: Mutex::new(ClusterView::default()),
+            state: Mutex::new(view),
             tx,
         }
     }
@@ -180,15 +211,18 @@ impl LocalCoordinator {
         let region = self.region.clone();
         self.mutate(|s| {
             let key = (tenant, name);
-            policy.version = s.policies.get(&key).map_or(1, |e| e.policy.version + 1);
+            let old = s.policies.get(&key);
+            policy.version = old.map_or(1, |e| e.policy.version + 1);
+            let home = old.and_then(|e| e.home.clone());
             let grant = Grant {
                 share_ppm: PPM,
+                floor_ppm: policy.floor_ppm,
                 lease_expires_ms: u64::MAX,
-                epoch: s.epoch + 1,
             };
             let entry = PolicyEntry {
                 policy: policy.clone(),
                 grants: BTreeMap::from([(region, grant)]),
+                home,
             };
             s.policies.insert(key, entry);
             policy
@@ -200,16 +234,32 @@ impl LocalCoordinator {
         self.mutate(|s| s.policies.remove(&key).is_some())
     }
 
-    fn pin(&self, tenant: TenantId, region: RegionId) -> Result<(), CoordError> {
+    fn pin(&self, tenant: &TenantId, region: RegionId) -> Result<bool, CoordError> {
         if region != self.region {
             return Err(CoordError::UnknownRegion { region });
         }
-        self.mutate(|s| s.pins.insert(tenant, region));
-        Ok(())
+        Ok(self.mutate(|s| {
+            let mut any = false;
+            for ((t, _), e) in s.policies.iter_mut() {
+                if t == tenant {
+                    e.home = Some(region.clone());
+                    any = true;
+                }
+            }
+            any
+        }))
     }
 
     fn unpin(&self, tenant: &TenantId) -> bool {
-        self.mutate(|s| s.pins.remove(tenant).is_some())
+        self.mutate(|s| {
+            let mut any = false;
+            for ((t, _), e) in s.policies.iter_mut() {
+                if t == tenant && e.home.take().is_some() {
+                    any = true;
+                }
+            }
+            any
+        })
     }
 
     fn status(&self) -> CoordinatorStatus {
@@ -225,16 +275,6 @@ impl LocalCoordinator {
                 voter: true,
             }],
         }
-    }
-}
-
-/// The share this region enforces for a grant right now: the granted share while its lease
-/// (shortened by the drift margin) runs, the policy's floor after.
-pub fn enforced_share_ppm(policy: &Policy, grant: Option<&Grant>, drift_margin_ms: u64) -> u32 {
-    let now_ms = clock::wall_ms();
-    match grant {
-        Some(g) if now_ms.saturating_add(drift_margin_ms) < g.lease_expires_ms => g.share_ppm,
-        _ => policy.floor_ppm,
     }
 }
 
@@ -280,34 +320,35 @@ mod tests {
     #[tokio::test]
     async fn pins_only_to_known_regions() {
         let c = Coordinator::Local(LocalCoordinator::new(RegionId::new("eu").unwrap()));
-        let (t, _) = ids();
+        let (t, p) = ids();
+        c.put_policy(t.clone(), p, policy()).await.unwrap();
         let err = c
             .pin(t.clone(), RegionId::new("us").unwrap())
             .await
             .unwrap_err();
         assert!(matches!(err, CoordError::UnknownRegion { .. }));
-        c.pin(t.clone(), RegionId::new("eu").unwrap())
+        assert!(c
+            .pin(t.clone(), RegionId::new("eu").unwrap())
             .await
-            .unwrap();
-        assert!(c.view().pins.contains_key(&t));
-        assert!(c.unpin(t).await.unwrap());
+            .unwrap());
+        assert_eq!(c.view().tenant_home(&t).map(RegionId::as_str), Some("eu"));
+        assert!(c.unpin(t.clone()).await.unwrap());
+        assert!(!c.unpin(t).await.unwrap());
     }
 
     #[test]
     fn an_expired_lease_falls_back_to_the_floor() {
-        let p = policy();
-        let live = Grant {
+        let g = Grant {
             share_ppm: 600_000,
-            lease_expires_ms: u64::MAX,
-            epoch: 1,
+            floor_ppm: 100_000,
+            lease_expires_ms: 0,
         };
-        let dead = Grant {
-            share_ppm: 600_000,
-            lease_expires_ms: 1,
-            epoch: 1,
+        let view = ClusterView {
+            lease_end_local_ms: 1_000,
+            ..ClusterView::default()
         };
-        assert_eq!(enforced_share_ppm(&p, Some(&live), 1000), 600_000);
-        assert_eq!(enforced_share_ppm(&p, Some(&dead), 1000), 100_000);
-        assert_eq!(enforced_share_ppm(&p, None, 1000), 100_000);
+        assert_eq!(view.enforced_share_ppm(Some(&g), 999), 600_000);
+        assert_eq!(view.enforced_share_ppm(Some(&g), 1_000), 100_000);
+        assert_eq!(view.enforced_share_ppm(None, 0), 0);
     }
 }

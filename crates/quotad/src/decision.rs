@@ -20,7 +20,7 @@ use tokio::sync::watch;
 
 use crate::breaker::{Admission, Breaker};
 use crate::clock;
-use crate::coordination::{enforced_share_ppm, ClusterView};
+use crate::coordination::ClusterView;
 use crate::telemetry::{self, DecisionMetrics, Outcome};
 
 /// Header marking a check forwarded from another region, so it is never forwarded again.
@@ -103,7 +103,6 @@ pub struct Decider {
     fallback: EmbeddedStore,
     breaker: Breaker,
     view: watch::Receiver<Arc<ClusterView>>,
-    drift_margin_ms: u64,
     store_timeout: Duration,
     homes: HashMap<RegionId, SocketAddr>,
     http: reqwest::Client,
@@ -121,7 +120,6 @@ pub struct DeciderParts {
     pub store: AnyStore,
     pub breaker: Breaker,
     pub view: watch::Receiver<Arc<ClusterView>>,
-    pub drift_margin_ms: u64,
     pub store_timeout: Duration,
     /// Every region's API address, for forwarding pinned tenants.
     pub homes: HashMap<RegionId, SocketAddr>,
@@ -141,7 +139,6 @@ impl Decider {
             fallback: EmbeddedStore::new(),
             breaker: p.breaker,
             view: p.view,
-            drift_margin_ms: p.drift_margin_ms,
             store_timeout: p.store_timeout,
             homes: p.homes,
             http: reqwest::Client::new(),
@@ -182,11 +179,7 @@ impl Decider {
         policy: &PolicyName,
     ) -> Option<(Policy, u32, Limit)> {
         let entry = view.policy(tenant, policy)?;
-        let share = enforced_share_ppm(
-            &entry.policy,
-            entry.grants.get(&self.region),
-            self.drift_margin_ms,
-        );
+        let share = view.enforced_share_ppm(entry.grants.get(&self.region), clock::wall_ms());
         Some((
             entry.policy.clone(),
             share,
@@ -209,10 +202,9 @@ impl Decider {
             .ok_or(CheckError::UnknownPolicy)?;
         policy.check_cost(cost)?;
         let home = view
-            .pins
-            .get(&tenant)
-            .filter(|h| **h != self.region)
-            .cloned();
+            .policy(&tenant, &policy_name)
+            .and_then(|e| e.home.clone())
+            .filter(|h| *h != self.region);
         drop(view);
         let bucket = BucketRef {
             tenant,

@@ -8,7 +8,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use anyhow::{bail, Context as _};
+use anyhow::Context as _;
 use metrics_exporter_prometheus::PrometheusHandle;
 use quota_store::{AnyStore, RedisStoreConfig};
 use tokio::net::TcpListener;
@@ -20,6 +20,7 @@ use crate::breaker::Breaker;
 use crate::config::{Secret, Settings};
 use crate::coordination::{Coordinator, LocalCoordinator};
 use crate::decision::{Decider, DeciderParts};
+use crate::replicated::Replicated;
 
 /// Resolves once SIGTERM or Ctrl-C arrives.
 pub async fn shutdown_signal() {
@@ -85,13 +86,14 @@ pub async fn build_state(
     metrics: Option<PrometheusHandle>,
 ) -> anyhow::Result<AppState> {
     let cfg = &settings.config;
-    if !settings.is_single_region() {
-        bail!("multi-region clusters need the Raft coordinator, which this build does not integrate yet; list at most one region");
-    }
     let store = build_store(settings).await?;
-    let coordinator = Arc::new(Coordinator::Local(LocalCoordinator::new(
-        settings.region.clone(),
-    )));
+    let coordinator = if settings.is_single_region() {
+        Arc::new(Coordinator::Local(LocalCoordinator::new(
+            settings.region.clone(),
+        )))
+    } else {
+        Arc::new(Coordinator::Replicated(Replicated::start(settings).await?))
+    };
     let homes: HashMap<_, _> = settings
         .regions
         .iter()
@@ -102,7 +104,6 @@ pub async fn build_state(
         store,
         breaker: Breaker::new(&cfg.breaker, settings.region.as_str()),
         view: coordinator.subscribe(),
-        drift_margin_ms: cfg.coordination.drift_margin_ms,
         store_timeout: Duration::from_millis(cfg.redis.as_ref().map_or(50, |r| r.timeout_ms)),
         homes,
         forward_timeout: Duration::from_millis(cfg.api.forward_timeout_ms),
@@ -141,14 +142,46 @@ pub async fn serve(
     let state = build_state(&settings, metrics).await?;
     let cfg = &settings.config;
     let (stop_tx, stop_rx) = watch::channel(false);
-    let agent = tokio::spawn(agent::run(
-        state.decider.clone(),
-        state.coordinator.subscribe(),
-        Duration::from_millis(cfg.coordination.report_interval_ms),
-        cfg.coordination.drift_margin_ms,
-        stop_rx,
-    ));
+    let report_interval = Duration::from_millis(cfg.coordination.report_interval_ms);
+    let mut tasks = vec![
+        tokio::spawn(agent::run_apply(
+            state.decider.clone(),
+            state.coordinator.clone(),
+            report_interval,
+            stop_rx.clone(),
+        )),
+        tokio::spawn(agent::run_report(
+            state.decider.clone(),
+            state.coordinator.clone(),
+            report_interval,
+            stop_rx.clone(),
+        )),
+    ];
+    if let Coordinator::Replicated(r) = state.coordinator.as_ref() {
+        let peer = TcpListener::bind(settings.peer_listen)
+            .await
+            .with_context(|| format!("binding the peer listener on {}", settings.peer_listen))?;
+        let coordinator = state.coordinator.clone();
+        tasks.push(tokio::spawn(replicated_loops(
+            coordinator,
+            Duration::from_millis(cfg.coordination.rebalance_interval_ms),
+            stop_rx.clone(),
+        )));
+        let mut stop = stop_rx.clone();
+        let router = r.peer_router_arc(&state.coordinator);
+        tasks.push(tokio::spawn(async move {
+            let served = axum::serve(peer, router)
+                .with_graceful_shutdown(async move {
+                    let _ = stop.changed().await;
+                })
+                .await;
+            if let Err(e) = served {
+                tracing::error!(error = %e, "The peer listener failed.");
+            }
+        }));
+    }
     let ready = state.ready.clone();
+    let coordinator = state.coordinator.clone();
     let router = api::app(state);
     ready.store(true, Ordering::Relaxed);
     let local = listener
@@ -177,7 +210,54 @@ pub async fn serve(
         }
     };
     let _ = stop_tx.send(true);
-    let _ = agent.await;
+    for t in tasks {
+        let _ = t.await;
+    }
+    if let Coordinator::Replicated(r) = coordinator.as_ref() {
+        r.shutdown().await;
+    }
     tracing::info!("quotad stopped.");
     served
+}
+
+/// Keeps the replicated view fresh (on every applied entry) and runs the leader's rounds.
+async fn replicated_loops(
+    coordinator: Arc<Coordinator>,
+    rebalance_interval: Duration,
+    mut shutdown: watch::Receiver<bool>,
+) {
+    let Coordinator::Replicated(r) = coordinator.as_ref() else {
+        return;
+    };
+    let mut applied = r.subscribe_applied();
+    r.rebuild_view();
+    let leader = {
+        let coordinator = coordinator.clone();
+        let mut shutdown = shutdown.clone();
+        tokio::spawn(async move {
+            let Coordinator::Replicated(r) = coordinator.as_ref() else {
+                return;
+            };
+            let mut tick = tokio::time::interval(rebalance_interval);
+            tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+            loop {
+                tokio::select! {
+                    _ = shutdown.changed() => break,
+                    _ = tick.tick() => r.leader_round().await,
+                }
+            }
+        })
+    };
+    loop {
+        tokio::select! {
+            _ = shutdown.changed() => break,
+            changed = applied.changed() => {
+                if changed.is_err() {
+                    break;
+                }
+                r.rebuild_view();
+            }
+        }
+    }
+    let _ = leader.await;
 }

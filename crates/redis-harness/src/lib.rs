@@ -31,7 +31,10 @@ pub enum HarnessError {
     )]
     NotInstalled { looked_for: String },
     #[error("could not {action}: {source}")]
-    Io { action: &'static str, source: std::io::Error },
+    Io {
+        action: &'static str,
+        source: std::io::Error,
+    },
     #[error("redis-server on port {port} did not answer PING within {waited_ms} ms")]
     NotReady { port: u16, waited_ms: u64 },
     #[error("`{command}` failed: {output}")]
@@ -49,16 +52,21 @@ pub fn redis_server_binary() -> Result<PathBuf, HarnessError> {
         return if p.is_file() {
             Ok(p)
         } else {
-            Err(HarnessError::NotInstalled { looked_for: format!("{}", p.display()) })
+            Err(HarnessError::NotInstalled {
+                looked_for: format!("{}", p.display()),
+            })
         };
     }
-    find_on_path("redis-server")
-        .ok_or_else(|| HarnessError::NotInstalled { looked_for: "redis-server on PATH".into() })
+    find_on_path("redis-server").ok_or_else(|| HarnessError::NotInstalled {
+        looked_for: "redis-server on PATH".into(),
+    })
 }
 
 fn find_on_path(name: &str) -> Option<PathBuf> {
     let path = std::env::var_os("PATH")?;
-    std::env::split_paths(&path).map(|d| d.join(name)).find(|p| p.is_file())
+    std::env::split_paths(&path)
+        .map(|d| d.join(name))
+        .find(|p| p.is_file())
 }
 
 /// A port nobody listens on right now (the OS picks it; a race with another process is
@@ -97,7 +105,10 @@ fn wait_ready(port: u16, child: &mut Child) -> Result<(), HarnessError> {
         }
         std::thread::sleep(Duration::from_millis(10));
     }
-    Err(HarnessError::NotReady { port, waited_ms: started.elapsed().as_millis() as u64 })
+    Err(HarnessError::NotReady {
+        port,
+        waited_ms: started.elapsed().as_millis() as u64,
+    })
 }
 
 fn spawn(bin: &Path, dir: &Path, port: u16, extra: &[&str]) -> Result<Child, HarnessError> {
@@ -106,7 +117,14 @@ fn spawn(bin: &Path, dir: &Path, port: u16, extra: &[&str]) -> Result<Child, Har
         .args(["--save", "", "--appendonly", "no"])
         .arg("--dir")
         .arg(dir)
-        .args(["--daemonize", "no", "--loglevel", "warning", "--protected-mode", "no"])
+        .args([
+            "--daemonize",
+            "no",
+            "--loglevel",
+            "warning",
+            "--protected-mode",
+            "no",
+        ])
         .args(extra)
         .stdin(Stdio::null())
         .stdout(Stdio::null())
@@ -140,7 +158,15 @@ impl RedisServer {
             let port = free_port()?;
             let mut child = spawn(&bin, dir.path(), port, &as_strs(&extra))?;
             match wait_ready(port, &mut child) {
-                Ok(()) => return Ok(Self { child, port, bin, dir, extra }),
+                Ok(()) => {
+                    return Ok(Self {
+                        child,
+                        port,
+                        bin,
+                        dir,
+                        extra,
+                    })
+                }
                 Err(e) => {
                     let _ = child.kill();
                     let _ = child.wait();
@@ -148,7 +174,10 @@ impl RedisServer {
                 }
             }
         }
-        Err(last.unwrap_or(HarnessError::NotReady { port: 0, waited_ms: 0 }))
+        Err(last.unwrap_or(HarnessError::NotReady {
+            port: 0,
+            waited_ms: 0,
+        }))
     }
 
     /// The port it listens on (127.0.0.1).
@@ -236,7 +265,10 @@ impl RedisCluster {
         let cli = find_on_path("redis-cli").ok_or_else(|| HarnessError::NotInstalled {
             looked_for: "redis-cli on PATH (Debian package `redis-tools`)".into(),
         })?;
-        let addrs: Vec<String> = nodes.iter().map(|n| format!("127.0.0.1:{}", n.port())).collect();
+        let addrs: Vec<String> = nodes
+            .iter()
+            .map(|n| format!("127.0.0.1:{}", n.port()))
+            .collect();
         let out = Command::new(&cli)
             .arg("--cluster")
             .arg("create")
@@ -310,7 +342,9 @@ mod tests {
 
     #[test]
     fn missing_binary_names_the_package() {
-        let e = HarnessError::NotInstalled { looked_for: "x".into() };
+        let e = HarnessError::NotInstalled {
+            looked_for: "x".into(),
+        };
         assert!(e.to_string().contains("redis-server"));
         assert!(e.to_string().contains("apt-get install redis-server"));
     }

@@ -45,7 +45,11 @@ impl AsyncBroadcast {
         Self {
             regions: n,
             tenants: setup.tenants.to_vec(),
-            params: setup.tenants.iter().map(|t| BucketParams::global(&t.policy)).collect(),
+            params: setup
+                .tenants
+                .iter()
+                .map(|t| BucketParams::global(&t.policy))
+                .collect(),
             stores: RegionalStores::new(n, t),
             debt_ut: vec![0; n * t],
             pending_ut: vec![0; n * n * t],
@@ -61,7 +65,8 @@ impl AsyncBroadcast {
             let i = tenant as usize * self.regions + batch.to;
             let owed = self.debt_ut[i] + ut;
             self.debt_ut[i] =
-                self.stores.charge(batch.to, tenant, now, &self.params[tenant as usize], owed);
+                self.stores
+                    .charge(batch.to, tenant, now, &self.params[tenant as usize], owed);
         }
     }
 }
@@ -86,7 +91,11 @@ impl Strategy for AsyncBroadcast {
                         .collect();
                     if !hits.is_empty() {
                         let deliver_at_ms = at + world.owd_ms(from, to);
-                        self.in_flight.push_back(Batch { deliver_at_ms, to, hits });
+                        self.in_flight.push_back(Batch {
+                            deliver_at_ms,
+                            to,
+                            hits,
+                        });
                     }
                 }
             }
@@ -110,7 +119,9 @@ impl Strategy for AsyncBroadcast {
         let slot = i * self.regions + req.region;
         if self.debt_ut[slot] > 0 {
             let owed = self.debt_ut[slot];
-            self.debt_ut[slot] = self.stores.charge(req.region, req.tenant, local, &self.params[i], owed);
+            self.debt_ut[slot] =
+                self.stores
+                    .charge(req.region, req.tenant, local, &self.params[i], owed);
         }
         let allowed = self.stores.decide(
             req.region,
@@ -129,6 +140,9 @@ impl Strategy for AsyncBroadcast {
                 }
             }
         }
-        Verdict { allowed, latency_us: LOCAL_DECISION_US }
+        Verdict {
+            allowed,
+            latency_us: LOCAL_DECISION_US,
+        }
     }
 }

@@ -21,7 +21,11 @@ pub struct GlobalStore {
 impl GlobalStore {
     pub fn new(setup: &Setup<'_>) -> Self {
         Self {
-            params: setup.tenants.iter().map(|t| BucketParams::global(&t.policy)).collect(),
+            params: setup
+                .tenants
+                .iter()
+                .map(|t| BucketParams::global(&t.policy))
+                .collect(),
             states: vec![None; setup.tenants.len()],
             fail_open: setup.global_fail_open,
         }
@@ -36,12 +40,23 @@ impl Strategy for GlobalStore {
         let at_store_ms = t_ms + rtt_ms / 2;
         if !world.link_up(req.region, STORE, t_ms) || !world.redis_up(STORE, at_store_ms) {
             // The caller waits out a timeout of about one round trip, then applies the mode.
-            return Verdict { allowed: self.fail_open, latency_us: (2 * rtt_ms).max(1) * 1000 };
+            return Verdict {
+                allowed: self.fail_open,
+                latency_us: (2 * rtt_ms).max(1) * 1000,
+            };
         }
         let i = req.tenant as usize;
         let now = world.local_ms(STORE, at_store_ms);
-        let (d, s) = decide(now, &self.params[i], self.states[i].as_ref(), u64::from(req.cost));
+        let (d, s) = decide(
+            now,
+            &self.params[i],
+            self.states[i].as_ref(),
+            u64::from(req.cost),
+        );
         self.states[i] = Some(s);
-        Verdict { allowed: d.allowed, latency_us: rtt_ms * 1000 + LOCAL_DECISION_US }
+        Verdict {
+            allowed: d.allowed,
+            latency_us: rtt_ms * 1000 + LOCAL_DECISION_US,
+        }
     }
 }

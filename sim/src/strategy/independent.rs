@@ -19,7 +19,11 @@ impl Independent {
     pub fn new(setup: &Setup<'_>) -> Self {
         Self {
             tenants: setup.tenants.to_vec(),
-            params: setup.tenants.iter().map(|t| BucketParams::global(&t.policy)).collect(),
+            params: setup
+                .tenants
+                .iter()
+                .map(|t| BucketParams::global(&t.policy))
+                .collect(),
             stores: RegionalStores::new(setup.world.regions, setup.tenants.len()),
         }
     }
@@ -40,6 +44,9 @@ impl Strategy for Independent {
             &self.params[i],
             req.cost,
         );
-        Verdict { allowed, latency_us: LOCAL_DECISION_US }
+        Verdict {
+            allowed,
+            latency_us: LOCAL_DECISION_US,
+        }
     }
 }

@@ -105,9 +105,7 @@ pub fn build(kind: StrategyKind, setup: &Setup<'_>) -> Box<dyn Strategy> {
         StrategyKind::StaticSplit => Box::new(static_split::StaticSplit::new(setup)),
         StrategyKind::GlobalStore => Box::new(global_store::GlobalStore::new(setup)),
         StrategyKind::AsyncBroadcast => Box::new(async_broadcast::AsyncBroadcast::new(setup)),
-        StrategyKind::RebalanceNoLease => {
-            Box::new(rebalance_no_lease::new(setup))
-        }
+        StrategyKind::RebalanceNoLease => Box::new(rebalance_no_lease::new(setup)),
         StrategyKind::Quotad => Box::new(quotad::Quotad::new(setup)),
         StrategyKind::QuotadPinned => Box::new(quotad_pinned::new(setup)),
     }

@@ -45,7 +45,10 @@ impl Quotad {
         };
         let control = Control::new(setup.world, setup.tenants, register, *setup.control, mode);
         let n = setup.world.regions;
-        let params0 = BucketParams { capacity_ut: 0, rate_ut_per_s: 0 };
+        let params0 = BucketParams {
+            capacity_ut: 0,
+            rate_ut_per_s: 0,
+        };
         Self {
             tenants: setup.tenants.to_vec(),
             control,
@@ -66,13 +69,20 @@ impl Strategy for Quotad {
     fn decide(&mut self, world: &World, t_ms: u64, req: &Request) -> Verdict {
         let local = self.decide_in(world, req.region, t_ms, req);
         if local || !self.pinned {
-            return Verdict { allowed: local, latency_us: LOCAL_DECISION_US };
+            return Verdict {
+                allowed: local,
+                latency_us: LOCAL_DECISION_US,
+            };
         }
         match quotad_pinned::forward(&self.control, world, t_ms, req) {
-            Some((home, at_ms, latency_us)) => {
-                Verdict { allowed: self.decide_in(world, home, at_ms, req), latency_us }
-            }
-            None => Verdict { allowed: false, latency_us: LOCAL_DECISION_US },
+            Some((home, at_ms, latency_us)) => Verdict {
+                allowed: self.decide_in(world, home, at_ms, req),
+                latency_us,
+            },
+            None => Verdict {
+                allowed: false,
+                latency_us: LOCAL_DECISION_US,
+            },
         }
     }
 }
@@ -90,8 +100,14 @@ impl Quotad {
             *slot = (share, BucketParams::for_share(policy, share));
         }
         let params = slot.1;
-        let allowed =
-            self.stores.decide(region, req.tenant, policy.fail_mode, local, &params, req.cost);
+        let allowed = self.stores.decide(
+            region,
+            req.tenant,
+            policy.fail_mode,
+            local,
+            &params,
+            req.cost,
+        );
         // A check forwarded after a local denial counts as demand at the home only.
         let forwarded_later = !allowed && self.pinned && region == req.region && {
             let home = self.control.agents[region].homes[i];

@@ -20,7 +20,11 @@ impl StaticSplit {
         let share = PPM / setup.world.regions as u32;
         Self {
             tenants: setup.tenants.to_vec(),
-            params: setup.tenants.iter().map(|t| BucketParams::for_share(&t.policy, share)).collect(),
+            params: setup
+                .tenants
+                .iter()
+                .map(|t| BucketParams::for_share(&t.policy, share))
+                .collect(),
             stores: RegionalStores::new(setup.world.regions, setup.tenants.len()),
         }
     }
@@ -41,6 +45,9 @@ impl Strategy for StaticSplit {
             &self.params[i],
             req.cost,
         );
-        Verdict { allowed, latency_us: LOCAL_DECISION_US }
+        Verdict {
+            allowed,
+            latency_us: LOCAL_DECISION_US,
+        }
     }
 }

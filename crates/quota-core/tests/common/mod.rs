@@ -2,13 +2,18 @@
 
 #![allow(dead_code)]
 
-use quota_core::coordinator::{Command, CoordinatorState, Operation, PolicyKey, RequestId, Response};
+use quota_core::coordinator::{
+    Command, CoordinatorState, Operation, PolicyKey, RequestId, Response,
+};
 use quota_core::policy::{Algorithm, FailMode, Policy, Tier};
 use quota_core::{PolicyName, RegionId, TenantId};
 
 /// The policy key of tenant `t`, policy `writes`.
 pub fn key(t: &str) -> PolicyKey {
-    PolicyKey::new(TenantId::new(t).unwrap(), PolicyName::new("writes").unwrap())
+    PolicyKey::new(
+        TenantId::new(t).unwrap(),
+        PolicyName::new("writes").unwrap(),
+    )
 }
 
 /// Region id `r<i>`.
@@ -56,7 +61,11 @@ impl Driver {
     /// A command with the next request id at the driver's time.
     pub fn command(&mut self, op: Operation) -> Command {
         self.next_id += 1;
-        Command { request: RequestId(self.next_id), now_ms: self.now_ms, op }
+        Command {
+            request: RequestId(self.next_id),
+            now_ms: self.now_ms,
+            op,
+        }
     }
 
     /// Applies an operation and checks the safety invariant afterwards.
@@ -70,9 +79,18 @@ impl Driver {
     /// Every region renews its lease, acknowledging the current epoch.
     pub fn renew_all(&mut self) {
         let epoch = self.state.epoch;
-        let ids: Vec<RegionId> = self.state.regions.iter().flatten().map(|r| r.id.clone()).collect();
+        let ids: Vec<RegionId> = self
+            .state
+            .regions
+            .iter()
+            .flatten()
+            .map(|r| r.id.clone())
+            .collect();
         for id in ids {
-            let r = self.op(Operation::RenewLease { region: id, acked_epoch: epoch });
+            let r = self.op(Operation::RenewLease {
+                region: id,
+                acked_epoch: epoch,
+            });
             assert!(matches!(r, Response::LeaseRenewed { .. }), "{r:?}");
         }
     }

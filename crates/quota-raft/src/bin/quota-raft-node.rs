@@ -38,14 +38,24 @@ fn parse_args() -> anyhow::Result<Args> {
     while let Some(arg) = args.next() {
         match arg.as_str() {
             "--id" => id = Some(args.next().context("--id needs a value")?.parse()?),
-            "--data-dir" => data_dir = Some(PathBuf::from(args.next().context("--data-dir needs a value")?)),
+            "--data-dir" => {
+                data_dir = Some(PathBuf::from(
+                    args.next().context("--data-dir needs a value")?,
+                ))
+            }
             "--members" => {
                 for part in args.next().context("--members needs a value")?.split(',') {
-                    let (id, addr) = part.split_once('=').context("member must be id=host:port")?;
+                    let (id, addr) = part
+                        .split_once('=')
+                        .context("member must be id=host:port")?;
                     let id: u64 = id.parse().context("member id")?;
                     members.insert(
                         id,
-                        Member { region: format!("r{id}"), peer_addr: addr.to_string(), admin_addr: addr.to_string() },
+                        Member {
+                            region: format!("r{id}"),
+                            peer_addr: addr.to_string(),
+                            admin_addr: addr.to_string(),
+                        },
                     );
                 }
             }
@@ -65,16 +75,25 @@ fn parse_args() -> anyhow::Result<Args> {
 async fn main() -> anyhow::Result<()> {
     let args = parse_args()?;
     let secret = std::env::var("QUOTA_RAFT_SECRET").context("QUOTA_RAFT_SECRET must be set")?;
-    let listen = args.members.get(&args.id).context("--id must be one of --members")?.peer_addr.clone();
+    let listen = args
+        .members
+        .get(&args.id)
+        .context("--id must be one of --members")?
+        .peer_addr
+        .clone();
     let mut config = RaftConfig::new(args.id, args.members, args.data_dir, secret);
     if args.loopback_timeouts {
         config = config.with_loopback_timeouts();
         config.snapshot_every_entries = 500;
         config.log_entries_kept = 100;
     }
-    let coordinator = Coordinator::start(config).await.context("starting the coordinator")?;
+    let coordinator = Coordinator::start(config)
+        .await
+        .context("starting the coordinator")?;
     let app = client_routes(coordinator.clone()).merge(coordinator.peer_router());
-    let listener = tokio::net::TcpListener::bind(&listen).await.with_context(|| format!("binding {listen}"))?;
+    let listener = tokio::net::TcpListener::bind(&listen)
+        .await
+        .with_context(|| format!("binding {listen}"))?;
     println!("ready {listen}");
     let fatal = {
         let c = coordinator.clone();
@@ -102,7 +121,8 @@ async fn write(State(c): State<Coordinator>, body: Bytes) -> Result<Vec<u8>, (St
 }
 
 async fn state(State(c): State<Coordinator>) -> Result<Vec<u8>, (StatusCode, String)> {
-    c.read(encode).map_err(|e| (StatusCode::INTERNAL_SERVER_ERROR, e.to_string()))
+    c.read(encode)
+        .map_err(|e| (StatusCode::INTERNAL_SERVER_ERROR, e.to_string()))
 }
 
 async fn status(State(c): State<Coordinator>) -> Json<Status> {

@@ -6,7 +6,7 @@ use std::sync::Arc;
 
 use openraft::storage::{LogFlushed, LogState, RaftLogStorage};
 use openraft::{OptionalSend, RaftLogId, RaftLogReader, StorageIOError};
-use redb::{Database, Durability, ReadableTable, ReadableDatabase};
+use redb::{Database, Durability, ReadableDatabase, ReadableTable};
 use serde::de::DeserializeOwned;
 use serde::Serialize;
 
@@ -73,7 +73,10 @@ impl LogStore {
     /// Runs `f` on the log and meta tables in one write transaction, committed durably.
     fn write_log(
         &self,
-        f: impl FnOnce(&mut redb::Table<u64, &[u8]>, &mut redb::Table<&str, &[u8]>) -> Result<(), anyerror::AnyError>,
+        f: impl FnOnce(
+            &mut redb::Table<u64, &[u8]>,
+            &mut redb::Table<&str, &[u8]>,
+        ) -> Result<(), anyerror::AnyError>,
     ) -> Result<(), StorageError> {
         let run = || -> Result<(), anyerror::AnyError> {
             let mut txn = self.db.begin_write().map_err(any)?;
@@ -139,7 +142,10 @@ impl RaftLogStorage<TypeConfig> for LogStore {
         let last_purged_log_id: Option<LogId> =
             self.read_meta(meta_key::LAST_PURGED, StorageIOError::read_logs)?;
         let last_log_id = self.last_entry_log_id()?.or(last_purged_log_id);
-        Ok(LogState { last_purged_log_id, last_log_id })
+        Ok(LogState {
+            last_purged_log_id,
+            last_log_id,
+        })
     }
 
     async fn get_log_reader(&mut self) -> Self::LogReader {
@@ -164,7 +170,11 @@ impl RaftLogStorage<TypeConfig> for LogStore {
         Ok(stored.flatten())
     }
 
-    async fn append<I>(&mut self, entries: I, callback: LogFlushed<TypeConfig>) -> Result<(), StorageError>
+    async fn append<I>(
+        &mut self,
+        entries: I,
+        callback: LogFlushed<TypeConfig>,
+    ) -> Result<(), StorageError>
     where
         I: IntoIterator<Item = Entry> + OptionalSend,
         I::IntoIter: OptionalSend,
@@ -172,7 +182,8 @@ impl RaftLogStorage<TypeConfig> for LogStore {
         self.write_log(|log, _| {
             for entry in entries {
                 let bytes = encode(&entry).map_err(any)?;
-                log.insert(entry.get_log_id().index, bytes.as_slice()).map_err(any)?;
+                log.insert(entry.get_log_id().index, bytes.as_slice())
+                    .map_err(any)?;
             }
             Ok(())
         })?;
@@ -192,7 +203,8 @@ impl RaftLogStorage<TypeConfig> for LogStore {
         // One transaction: the purge marker and the deletion land together or not at all.
         self.write_log(|log, meta| {
             let bytes = encode(&log_id).map_err(any)?;
-            meta.insert(meta_key::LAST_PURGED, bytes.as_slice()).map_err(any)?;
+            meta.insert(meta_key::LAST_PURGED, bytes.as_slice())
+                .map_err(any)?;
             log.retain_in(..=log_id.index, |_, _| false).map_err(any)?;
             Ok(())
         })

@@ -8,6 +8,10 @@
 //! Storage calls run inline on the caller's task: each is one short redb transaction, and keeping
 //! them off `spawn_blocking` keeps paused-clock tests deterministic.
 
+// openraft's storage traits fix the error type (`StorageError`, ~224 bytes); our helpers return
+// what the traits return rather than boxing and unboxing at every call.
+#![allow(clippy::result_large_err)]
+
 use std::path::Path;
 use std::sync::Arc;
 
@@ -50,11 +54,19 @@ mod snapshot_key {
 #[derive(Debug, thiserror::Error)]
 pub enum OpenError {
     #[error("cannot create data directory {path}: {source}")]
-    CreateDir { path: String, source: std::io::Error },
+    CreateDir {
+        path: String,
+        source: std::io::Error,
+    },
     #[error("cannot open redb database {path}: {source}")]
-    Database { path: String, source: redb::DatabaseError },
+    Database {
+        path: String,
+        source: redb::DatabaseError,
+    },
     #[error("cannot read the stored snapshot: {source}")]
-    Snapshot { source: Box<dyn std::error::Error + Send + Sync> },
+    Snapshot {
+        source: Box<dyn std::error::Error + Send + Sync>,
+    },
     #[error("stored snapshot is corrupt: {source}")]
     Codec { source: CodecError },
 }
@@ -69,8 +81,10 @@ pub fn open(data_dir: &Path) -> Result<(LogStore, StateMachineStore), OpenError>
         source,
     })?;
     let path = data_dir.join(DB_FILE);
-    let db = Database::create(&path)
-        .map_err(|source| OpenError::Database { path: path.display().to_string(), source })?;
+    let db = Database::create(&path).map_err(|source| OpenError::Database {
+        path: path.display().to_string(),
+        source,
+    })?;
     let db = Arc::new(db);
     let log = LogStore::new(db.clone());
     let sm = StateMachineStore::open(db)?;

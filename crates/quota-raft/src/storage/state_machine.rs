@@ -75,25 +75,29 @@ pub struct StateMachineStore {
 impl StateMachineStore {
     /// Loads the latest stored snapshot, if any, as the starting state.
     pub(super) fn open(db: Arc<Database>) -> Result<Self, OpenError> {
-        let applied = match read_snapshot(&db)
-            .map_err(|e| OpenError::Snapshot { source: e.into() })?
-        {
-            Some((meta, data)) => Applied {
-                state: decode(&data).map_err(|source| OpenError::Codec { source })?,
-                last_applied: meta.last_log_id,
-                membership: meta.last_membership,
-            },
-            None => Applied::default(),
-        };
+        let applied =
+            match read_snapshot(&db).map_err(|e| OpenError::Snapshot { source: e.into() })? {
+                Some((meta, data)) => Applied {
+                    state: decode(&data).map_err(|source| OpenError::Codec { source })?,
+                    last_applied: meta.last_log_id,
+                    membership: meta.last_membership,
+                },
+                None => Applied::default(),
+            };
         let (applied_tx, _) = watch::channel(applied.last_applied.map(|l| l.index));
-        let shared =
-            Arc::new(Shared { applied: RwLock::new(applied), applied_tx, snapshot_seq: AtomicU64::new(0) });
+        let shared = Arc::new(Shared {
+            applied: RwLock::new(applied),
+            applied_tx,
+            snapshot_seq: AtomicU64::new(0),
+        });
         Ok(Self { db, shared })
     }
 
     /// A read handle on the applied state.
     pub fn handle(&self) -> StateHandle {
-        StateHandle { shared: self.shared.clone() }
+        StateHandle {
+            shared: self.shared.clone(),
+        }
     }
 }
 
@@ -123,7 +127,9 @@ fn write_snapshot(db: &Database, meta: &SnapshotMeta, data: &[u8]) -> Result<(),
         txn.set_durability(Durability::Immediate).map_err(any)?;
         {
             let mut table = txn.open_table(SNAPSHOT).map_err(any)?;
-            table.insert(snapshot_key::META, meta_bytes.as_slice()).map_err(any)?;
+            table
+                .insert(snapshot_key::META, meta_bytes.as_slice())
+                .map_err(any)?;
             table.insert(snapshot_key::DATA, data).map_err(any)?;
         }
         txn.commit().map_err(any)
@@ -143,8 +149,8 @@ impl RaftSnapshotBuilder<TypeConfig> for SnapshotBuilder {
         // Encode under the read lock: applies wait, readers do not, and no full copy is made.
         let (meta, data) = {
             let applied = self.shared.read();
-            let data = encode(&applied.state)
-                .map_err(|e| StorageIOError::write_snapshot(None, any(e)))?;
+            let data =
+                encode(&applied.state).map_err(|e| StorageIOError::write_snapshot(None, any(e)))?;
             let seq = self.shared.snapshot_seq.fetch_add(1, Ordering::Relaxed);
             let snapshot_id = match applied.last_applied {
                 Some(l) => format!("{}-{}-{seq}", l.leader_id.term, l.index),
@@ -158,7 +164,10 @@ impl RaftSnapshotBuilder<TypeConfig> for SnapshotBuilder {
             (meta, data)
         };
         write_snapshot(&self.db, &meta, &data)?;
-        Ok(Snapshot { meta, snapshot: Box::new(data) })
+        Ok(Snapshot {
+            meta,
+            snapshot: Box::new(data),
+        })
     }
 }
 
@@ -198,7 +207,10 @@ impl RaftStateMachine<TypeConfig> for StateMachineStore {
     }
 
     async fn get_snapshot_builder(&mut self) -> Self::SnapshotBuilder {
-        SnapshotBuilder { db: self.db.clone(), shared: self.shared.clone() }
+        SnapshotBuilder {
+            db: self.db.clone(),
+            shared: self.shared.clone(),
+        }
     }
 
     async fn begin_receiving_snapshot(&mut self) -> Result<Box<Vec<u8>>, StorageError> {
@@ -219,12 +231,17 @@ impl RaftStateMachine<TypeConfig> for StateMachineStore {
             applied.last_applied = meta.last_log_id;
             applied.membership = meta.last_membership.clone();
         }
-        self.shared.applied_tx.send_replace(meta.last_log_id.map(|l| l.index));
+        self.shared
+            .applied_tx
+            .send_replace(meta.last_log_id.map(|l| l.index));
         Ok(())
     }
 
     async fn get_current_snapshot(&mut self) -> Result<Option<Snapshot>, StorageError> {
         let stored = read_snapshot(&self.db).map_err(|e| StorageIOError::read_snapshot(None, e))?;
-        Ok(stored.map(|(meta, data)| Snapshot { meta, snapshot: Box::new(data) }))
+        Ok(stored.map(|(meta, data)| Snapshot {
+            meta,
+            snapshot: Box::new(data),
+        }))
     }
 }

@@ -2,7 +2,7 @@
 
 #![allow(dead_code)]
 
-use quota_core::coordinator::{Command, Operation, PolicyKey, RequestId, ShareEntry, HomeChange};
+use quota_core::coordinator::{Command, HomeChange, Operation, PolicyKey, RequestId, ShareEntry};
 use quota_core::{CoordinatorState, PolicyName, PolicySpec, RegionId, TenantId};
 
 /// The tenant named by `n`.
@@ -17,10 +17,21 @@ pub fn key(n: u64) -> PolicyKey {
 
 /// `PutPolicy` for tenant `n` with `limit` per minute; `request` makes it idempotent.
 pub fn put_policy(request: u128, n: u64, limit: u64) -> Command {
-    let policy = PolicySpec { limit: limit as f64, window_ms: 60_000.0, ..Default::default() }
-        .validate()
-        .unwrap();
-    Command { request: RequestId(request), now_ms: 1_000 + request as u64, op: Operation::PutPolicy { key: key(n), policy } }
+    let policy = PolicySpec {
+        limit: limit as f64,
+        window_ms: 60_000.0,
+        ..Default::default()
+    }
+    .validate()
+    .unwrap();
+    Command {
+        request: RequestId(request),
+        now_ms: 1_000 + request as u64,
+        op: Operation::PutPolicy {
+            key: key(n),
+            policy,
+        },
+    }
 }
 
 /// `PutRegion` adding region `name`.
@@ -28,7 +39,11 @@ pub fn put_region(request: u128, name: &str) -> Command {
     Command {
         request: RequestId(request),
         now_ms: 1_000,
-        op: Operation::PutRegion { region: RegionId::new(name).unwrap(), reserves_floor: true, draining: false },
+        op: Operation::PutRegion {
+            region: RegionId::new(name).unwrap(),
+            reserves_floor: true,
+            draining: false,
+        },
     }
 }
 
@@ -40,11 +55,18 @@ pub fn limit_of(state: &CoordinatorState, n: u64) -> Option<u64> {
 /// `SetShares` for tenants `from..to`, giving each of `regions` slots the given shares.
 pub fn set_shares(request: u128, membership: u64, from: u64, to: u64, shares: &[u32]) -> Command {
     let entries = (from..to)
-        .map(|n| ShareEntry { key: key(n), shares_ppm: shares.to_vec(), home: HomeChange::Keep })
+        .map(|n| ShareEntry {
+            key: key(n),
+            shares_ppm: shares.to_vec(),
+            home: HomeChange::Keep,
+        })
         .collect();
     Command {
         request: RequestId(request),
         now_ms: 2_000 + request as u64,
-        op: Operation::SetShares { membership, entries },
+        op: Operation::SetShares {
+            membership,
+            entries,
+        },
     }
 }

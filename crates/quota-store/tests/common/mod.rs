@@ -25,13 +25,18 @@ pub fn tokens(cap: u64, per_s: u64) -> Limit {
 }
 
 pub fn req(bucket: &BucketRef, limit: Limit, cost: u64, now_ms: Option<u64>) -> CheckRequest {
-    CheckRequest { bucket: bucket.clone(), limit, cost, now_ms }
+    CheckRequest {
+        bucket: bucket.clone(),
+        limit,
+        cost,
+        now_ms,
+    }
 }
 
 /// A store on `server` with a generous timeout (debug builds on a busy CI machine).
 pub async fn store(server: &RedisServer) -> RedisStore {
-    let cfg = RedisStoreConfig::standalone(server.url())
-        .with_timeout(std::time::Duration::from_secs(5));
+    let cfg =
+        RedisStoreConfig::standalone(server.url()).with_timeout(std::time::Duration::from_secs(5));
     RedisStore::connect(cfg).await.unwrap()
 }
 
@@ -42,5 +47,9 @@ pub fn sync_conn(server: &RedisServer) -> redis::Connection {
 
 /// Loads a script and returns its SHA.
 pub fn load(conn: &mut redis::Connection, src: &str) -> String {
-    redis::cmd("SCRIPT").arg("LOAD").arg(src).query(conn).unwrap()
+    redis::cmd("SCRIPT")
+        .arg("LOAD")
+        .arg(src)
+        .query(conn)
+        .unwrap()
 }

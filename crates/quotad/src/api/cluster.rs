@@ -51,13 +51,15 @@ pub struct StoreView {
     pub state: String,
 }
 
-/// This region's leases.
+/// This region's lease, as the region counts it.
 #[derive(Debug, Serialize, utoipa::ToSchema)]
 pub struct LeaseView {
     /// Grants this region holds.
     pub grants: usize,
-    /// The soonest lease expiry among them (wall-clock ms); `null` when none expires.
-    pub earliest_expiry_ms: Option<u64>,
+    /// Local wall-clock ms at which the region stops enforcing more than its floors (lease end
+    /// minus the drift margin); `null` when the lease never ends (single region).
+    pub ends_at_ms: Option<u64>,
+    /// Milliseconds left; 0 when the region holds no lease (it enforces its floors).
     pub remaining_ms: Option<u64>,
 }
 
@@ -80,13 +82,8 @@ pub async fn status(State(state): State<AppState>) -> axum::Json<StatusView> {
     let s = state.coordinator.status();
     let view = state.coordinator.view();
     let region = state.decider.region();
-    let expiries: Vec<u64> = view
-        .policies
-        .values()
-        .filter_map(|e| e.grants.get(region))
-        .map(|g| g.lease_expires_ms)
-        .collect();
-    let earliest = expiries.iter().copied().filter(|e| *e != u64::MAX).min();
+    let grants = view.policies.values().filter(|e| e.grants.contains_key(region)).count();
+    let end = (view.lease_end_local_ms != u64::MAX).then_some(view.lease_end_local_ms);
     let now = clock::wall_ms();
     axum::Json(StatusView {
         region: region.as_str().to_string(),
@@ -114,12 +111,12 @@ pub async fn status(State(state): State<AppState>) -> axum::Json<StatusView> {
             .to_string(),
         },
         lease: LeaseView {
-            grants: expiries.len(),
-            earliest_expiry_ms: earliest,
-            remaining_ms: earliest.map(|e| e.saturating_sub(now)),
+            grants,
+            ends_at_ms: end,
+            remaining_ms: end.map(|e| e.saturating_sub(now)),
         },
         policies: view.policies.len(),
-        pins: view.pins.len(),
+        pins: view.policies.values().filter(|e| e.home.is_some()).count(),
     })
 }
 

@@ -204,11 +204,14 @@ pub async fn put_pin(
 ) -> Result<StatusCode, ApiError> {
     let tenant = tenant_id(&tenant)?;
     let region = RegionId::new(body.region).map_err(|e| ApiError::field("region", &e))?;
-    state
+    let pinned = state
         .coordinator
         .pin(tenant.clone(), region.clone())
         .await
         .map_err(coord_error)?;
+    if !pinned {
+        return Err(ApiError::NotFound { what: "tenant" });
+    }
     tracing::info!(tenant = %tenant, home = %region, "Tenant pinned.");
     Ok(StatusCode::NO_CONTENT)
 }
@@ -381,7 +384,7 @@ pub async fn allowance(
     }
     let body = AllowanceView {
         tenant: tenant.as_str().to_string(),
-        pin: view.pins.get(&tenant).map(|r| r.as_str().to_string()),
+        pin: view.tenant_home(&tenant).map(|r| r.as_str().to_string()),
         policies,
     };
     Ok(axum::Json(body).into_response())

@@ -1,0 +1,76 @@
+//! Redis Cluster: three masters started by redis-harness. Decisions for tenants spread over all
+//! nodes, parameters, NOSCRIPT after a flush on every node, and usage collection through the
+//! per-slot activity indexes (each in its bucket's slot, so the scripts never cross slots).
+
+mod common;
+
+use std::time::Duration;
+
+use common::{fresh_bucket, req, tokens};
+use quota_core::keys::{self, StateKind};
+use quota_store::{Limit, RedisStore, RedisStoreConfig, Store};
+use redis_harness::RedisCluster;
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn decisions_and_usage_on_a_three_master_cluster() {
+    let cluster = RedisCluster::start().unwrap();
+    let cfg = RedisStoreConfig::cluster(cluster.urls()).with_timeout(Duration::from_secs(5));
+    let s = RedisStore::connect(cfg).await.unwrap();
+    // Enough tenants that every master owns some.
+    let buckets: Vec<_> = (0..30).map(|_| fresh_bucket("cl")).collect();
+    let mut slots: Vec<u16> = buckets
+        .iter()
+        .map(|b| keys::key_slot(&b.state_key(StateKind::Bucket)))
+        .collect();
+    slots.sort_unstable();
+    assert!(
+        slots.first() < Some(&5461) && slots.last() > Some(&10923),
+        "{slots:?}"
+    );
+    let l = tokens(2, 0);
+    // Stored parameters apply per bucket, wherever its slot lives: bucket 0 gets capacity 10.
+    s.set_params(&buckets[0], tokens(10, 0)).await.unwrap();
+    for b in &buckets {
+        for _ in 0..3 {
+            s.check(&req(b, l, 1, None)).await.unwrap();
+        }
+    }
+    assert_eq!(
+        s.check(&req(&buckets[0], l, 1, None))
+            .await
+            .unwrap()
+            .remaining,
+        6
+    );
+    // Scripts flushed on every node are reloaded where needed.
+    for n in cluster.nodes() {
+        assert_eq!(
+            redis_harness::inline_command(n.port(), "SCRIPT FLUSH").unwrap(),
+            "+OK"
+        );
+    }
+    let w = Limit::SlidingWindow {
+        limit: 1,
+        window_ms: 60_000,
+    };
+    for b in &buckets {
+        s.check(&req(b, w, 1, None)).await.unwrap();
+    }
+    let usage = s.collect_usage(usize::MAX).await.unwrap();
+    // 30 buckets × (bucket state + window state). Buckets 1..30: 2 admitted, 1 denied; bucket
+    // 0: 4 admitted; every window: 1 admitted.
+    assert_eq!(usage.len(), 60);
+    let total_admitted: u64 = usage.iter().map(|u| u.admitted).sum();
+    let total_denied: u64 = usage.iter().map(|u| u.denied).sum();
+    assert_eq!(total_admitted, 29 * 2 + 4 + 30);
+    assert_eq!(total_denied, 29);
+    assert!(s.collect_usage(usize::MAX).await.unwrap().is_empty());
+    // `max` is honoured and nothing taken is dropped.
+    for b in &buckets[..5] {
+        s.check(&req(b, l, 1, Some(1))).await.unwrap();
+    }
+    let first = s.collect_usage(3).await.unwrap();
+    assert!(first.len() <= 3);
+    let rest = s.collect_usage(usize::MAX).await.unwrap();
+    assert_eq!(first.len() + rest.len(), 5);
+}

@@ -1,0 +1,616 @@
+//! The Raft-backed coordinator of a multi-region cluster (quota-raft), as the daemon uses it.
+//!
+//! ```text
+//!  every region, each report interval:  usage ──HTTP (peer port)──> leader's DemandTracker
+//!                                        RenewLease{acked_epoch} ──Raft──> LeaseRenewed ──> RegionView
+//!  leader, each rebalance interval:      allocator::plan(state, demand) ──> SetShares ──Raft──> all
+//!  every region, on each applied change: ClusterView rebuilt ──> region agent writes shares to Redis
+//! ```
+//!
+//! Usage reports are soft state: they go to the leader over the peer listener, never through
+//! the Raft log. Policies, pins, shares and lease renewals are commands; the leader stamps them
+//! with its wall clock and `apply` never reads one. The region counts its own lease with
+//! quota-core's `RegionView` (from when it sent the renewal, minus the drift margin), so it
+//! stops enforcing a share before the coordinator can hand it to anyone else.
+
+use std::collections::BTreeMap;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use axum::extract::State;
+use axum::http::{header, HeaderMap, StatusCode};
+use axum::routing::post;
+use axum::Router;
+use quota_core::allocator::{self, AllocatorConfig};
+use quota_core::coordinator::{CoordinatorState, Operation, PolicyKey, RequestId, Response};
+use quota_core::demand::{DemandTracker, Usage};
+use quota_core::lease::LeaseConfig;
+use quota_core::region::{RegionLease, RegionView};
+use quota_core::{Command, Policy, PolicyName, RegionId, TenantId};
+use quota_raft::{Member, RaftConfig, Role};
+use quota_store::UsageRecord;
+use serde::{Deserialize, Serialize};
+use tokio::sync::watch;
+
+use crate::api::auth::token_matches;
+use crate::clock;
+use crate::config::{Secret, Settings};
+use crate::coordination::{
+    ClusterView, CoordError, Coordinator, CoordinatorStatus, Grant, MemberStatus, PolicyEntry,
+};
+use crate::telemetry;
+
+/// The peer-port route where regions send usage reports to the leader.
+pub const PATH_USAGE: &str = "/quotad/v1/usage";
+
+/// A usage report: soft state for the leader's demand estimates.
+#[derive(Debug, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct UsageReport {
+    pub region: RegionId,
+    pub interval_ms: u64,
+    /// `(tenant, policy, admitted, denied)`.
+    pub usage: Vec<(TenantId, PolicyName, u64, u64)>,
+}
+
+/// One member of a replicated cluster.
+#[derive(Debug)]
+pub struct Replicated {
+    raft: quota_raft::Coordinator,
+    region: RegionId,
+    regions: Vec<RegionId>,
+    tx: watch::Sender<Arc<ClusterView>>,
+    lease: Mutex<RegionView>,
+    lease_config: LeaseConfig,
+    demand: Mutex<DemandTracker>,
+    allocator: AllocatorConfig,
+    rebalance_interval_ms: u64,
+    id_prefix: u64,
+    next_id: AtomicU64,
+    http: reqwest::Client,
+    peer_token: Secret,
+}
+
+fn unavailable(e: impl std::fmt::Display) -> CoordError {
+    CoordError::Unavailable {
+        reason: e.to_string(),
+    }
+}
+
+impl Replicated {
+    /// Starts the Raft member described by `settings` (multi-region, peer token set).
+    pub async fn start(settings: &Settings) -> anyhow::Result<Self> {
+        use anyhow::Context as _;
+        let cfg = &settings.config;
+        let peer_token = settings
+            .secrets
+            .peer_token
+            .clone()
+            .context("a multi-region cluster needs a peer token")?;
+        let me = settings
+            .regions
+            .iter()
+            .find(|r| r.id == settings.region)
+            .context("this region is not listed in [[regions]]")?;
+        let members: BTreeMap<u64, Member> = settings
+            .regions
+            .iter()
+            .map(|r| {
+                let m = Member {
+                    region: r.id.as_str().to_string(),
+                    peer_addr: r.peer.to_string(),
+                    admin_addr: r.api.to_string(),
+                };
+                (r.node_id, m)
+            })
+            .collect();
+        let mut raft_cfg = RaftConfig::new(
+            me.node_id,
+            members,
+            cfg.data_dir.join("raft"),
+            peer_token.expose(),
+        );
+        let t = &cfg.raft;
+        if let Some(v) = t.heartbeat_interval_ms {
+            raft_cfg.heartbeat_interval_ms = v;
+        }
+        if let Some(v) = t.election_timeout_min_ms {
+            raft_cfg.election_timeout_min_ms = v;
+        }
+        if let Some(v) = t.election_timeout_max_ms {
+            raft_cfg.election_timeout_max_ms = v;
+        }
+        if let Some(v) = t.write_timeout_ms {
+            raft_cfg.write_timeout_ms = v;
+        }
+        std::fs::create_dir_all(&raft_cfg.data_dir)
+            .with_context(|| format!("creating {}", raft_cfg.data_dir.display()))?;
+        let raft = quota_raft::Coordinator::start(raft_cfg)
+            .await
+            .context("starting the Raft coordinator")?;
+        let (tx, _) = watch::channel(Arc::new(ClusterView::default()));
+        let allocator = AllocatorConfig::default();
+        Ok(Self {
+            raft,
+            region: settings.region.clone(),
+            regions: settings.regions.iter().map(|r| r.id.clone()).collect(),
+            tx,
+            lease: Mutex::new(RegionView::new()),
+            lease_config: LeaseConfig {
+                lease_ms: cfg.coordination.lease_ms,
+                drift_margin_ms: cfg.coordination.drift_margin_ms,
+            },
+            demand: Mutex::new(DemandTracker::new(allocator.ewma_alpha_ppm)),
+            allocator,
+            rebalance_interval_ms: cfg.coordination.rebalance_interval_ms,
+            id_prefix: rand::random(),
+            next_id: AtomicU64::new(1),
+            http: reqwest::Client::builder()
+                .timeout(Duration::from_secs(2))
+                .build()
+                .context("building the peer HTTP client")?,
+            peer_token,
+        })
+    }
+
+    /// Snapshot receiver.
+    pub fn subscribe(&self) -> watch::Receiver<Arc<ClusterView>> {
+        self.tx.subscribe()
+    }
+
+    /// The current view.
+    pub fn view(&self) -> Arc<ClusterView> {
+        self.tx.borrow().clone()
+    }
+
+    /// Applied-index change notifications from Raft.
+    pub fn subscribe_applied(&self) -> watch::Receiver<Option<u64>> {
+        self.raft.subscribe_applied()
+    }
+
+    /// Resolves when Raft stopped for good.
+    pub async fn wait_fatal(&self) -> String {
+        self.raft.wait_fatal().await
+    }
+
+    fn request_id(&self) -> RequestId {
+        let n = self.next_id.fetch_add(1, Ordering::Relaxed);
+        RequestId((u128::from(self.id_prefix) << 64) | u128::from(n))
+    }
+
+    async fn write(&self, op: Operation) -> Result<Response, CoordError> {
+        let cmd = Command {
+            request: self.request_id(),
+            now_ms: clock::wall_ms(),
+            op,
+        };
+        self.raft.write(cmd).await.map_err(unavailable)
+    }
+
+    /// Rebuilds the view from the applied state and this region's lease; publishes it if it
+    /// changed.
+    pub fn rebuild_view(&self) {
+        let lease_end = {
+            let lease = self.lease.lock().unwrap_or_else(|e| e.into_inner());
+            lease
+                .lease()
+                .map_or(0, |l| l.end_local_ms(self.lease_config.drift_margin_ms))
+        };
+        let view = self.raft.read(|s| view_of(s, lease_end));
+        self.tx.send_if_modified(|old| {
+            if **old == view {
+                false
+            } else {
+                *old = Arc::new(view);
+                true
+            }
+        });
+        if let Some(ms) = lease_end.checked_sub(clock::wall_ms()) {
+            metrics::gauge!(telemetry::LEASE_REMAINING_MS, "region" => self.region.as_str().to_string())
+                .set(ms as f64);
+        }
+    }
+
+    /// Local wall-clock ms at which this region's lease (minus the margin) ends; 0 without one.
+    pub fn lease_end_local_ms(&self) -> u64 {
+        let lease = self.lease.lock().unwrap_or_else(|e| e.into_inner());
+        lease.lease().map_or(0, |l| l.end_local_ms(self.lease_config.drift_margin_ms))
+    }
+
+    /// Records that this region's store now enforces the allocation of `epoch`.
+    pub fn on_applied(&self, epoch: u64) {
+        self.lease
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .on_applied(epoch);
+        self.rebuild_view();
+    }
+
+    /// Renews this region's lease through the log, acknowledging the applied epoch.
+    pub async fn renew_lease(&self) -> Result<(), CoordError> {
+        let acked_epoch = self
+            .lease
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .applied_epoch();
+        let sent = clock::wall_ms();
+        let op = Operation::RenewLease {
+            region: self.region.clone(),
+            acked_epoch,
+        };
+        match self.write(op).await? {
+            Response::LeaseRenewed {
+                epoch, lease_ms, ..
+            } => {
+                let lease = RegionLease {
+                    epoch,
+                    start_local_ms: sent,
+                    lease_ms,
+                };
+                self.lease
+                    .lock()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .on_renewal(lease);
+                self.rebuild_view();
+                Ok(())
+            }
+            Response::UnknownRegion { region } => Err(CoordError::UnknownRegion { region }),
+            other => Err(unavailable(format!("lease renewal answered {other:?}"))),
+        }
+    }
+
+    /// Sends this region's usage to the leader (or records it, on the leader).
+    pub async fn report_usage(
+        &self,
+        usage: &[UsageRecord],
+        interval_ms: u64,
+    ) -> Result<(), CoordError> {
+        let report = UsageReport {
+            region: self.region.clone(),
+            interval_ms,
+            usage: usage
+                .iter()
+                .map(|u| {
+                    (
+                        u.bucket.tenant.clone(),
+                        u.bucket.policy.clone(),
+                        u.admitted,
+                        u.denied,
+                    )
+                })
+                .collect(),
+        };
+        let status = self.raft.status();
+        if status.role == Role::Leader {
+            self.record_report(&report);
+            return Ok(());
+        }
+        let leader = status
+            .leader_id
+            .and_then(|id| status.members.get(&id).cloned())
+            .ok_or_else(|| unavailable("no leader known"))?;
+        let resp = self
+            .http
+            .post(format!("http://{}{PATH_USAGE}", leader.peer_addr))
+            .bearer_auth(self.peer_token.expose())
+            .json(&report)
+            .send()
+            .await
+            .map_err(unavailable)?;
+        if resp.status().is_success() {
+            Ok(())
+        } else {
+            Err(unavailable(format!(
+                "the leader answered {}",
+                resp.status()
+            )))
+        }
+    }
+
+    fn record_report(&self, report: &UsageReport) {
+        let Some(slot) = self.raft.read(|s| s.region_index(&report.region)) else {
+            return;
+        };
+        let usage: Vec<(PolicyKey, Usage)> = report
+            .usage
+            .iter()
+            .map(|(t, p, admitted, denied)| {
+                (
+                    PolicyKey::new(t.clone(), p.clone()),
+                    Usage {
+                        admitted: *admitted,
+                        denied: *denied,
+                    },
+                )
+            })
+            .collect();
+        self.demand
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .record(slot, report.interval_ms, &usage);
+    }
+
+    /// One leader round: register missing regions and the lease timing, then rebalance.
+    /// A no-op on followers.
+    pub async fn leader_round(&self) {
+        if !self.raft.is_leader() {
+            return;
+        }
+        let started = clock::monotonic();
+        let (missing, lease) = self.raft.read(|s| {
+            let missing: Vec<RegionId> = self
+                .regions
+                .iter()
+                .filter(|r| s.region_index(r).is_none())
+                .cloned()
+                .collect();
+            (missing, s.lease)
+        });
+        for region in missing {
+            let op = Operation::PutRegion {
+                region,
+                reserves_floor: true,
+                draining: false,
+            };
+            if let Err(e) = self.write(op).await {
+                tracing::warn!(error = %e, "Registering a region failed.");
+                return;
+            }
+        }
+        if lease != self.lease_config {
+            if let Err(e) = self
+                .write(Operation::SetLeaseConfig {
+                    config: self.lease_config,
+                })
+                .await
+            {
+                tracing::warn!(error = %e, "Setting the lease timing failed.");
+                return;
+            }
+        }
+        let now = clock::wall_ms();
+        // A region whose lease ran out cannot report (it is cut off or down): count it as
+        // having no demand, so the allocator hands its non-floor share to regions that do.
+        let silent: Vec<u8> = self.raft.read(|s| {
+            s.regions
+                .iter()
+                .enumerate()
+                .filter_map(|(i, r)| r.as_ref().map(|r| (i, r)))
+                .filter(|(_, r)| now > r.lease_expires_at_ms.saturating_add(s.lease.drift_margin_ms))
+                .map(|(i, _)| i as u8)
+                .collect()
+        });
+        let plan = {
+            let mut demand = self.demand.lock().unwrap_or_else(|e| e.into_inner());
+            for slot in silent {
+                demand.record(slot, self.rebalance_interval_ms, &[]);
+            }
+            self.raft
+                .read(|s| allocator::plan(s, &demand, &self.allocator, now))
+        };
+        let commands = plan.into_commands(now, self.allocator.max_entries_per_command, || {
+            self.request_id()
+        });
+        for cmd in commands {
+            match self.raft.write(cmd).await {
+                Ok(Response::SharesSet {
+                    epoch,
+                    accepted,
+                    rejected_total,
+                    ..
+                }) => {
+                    tracing::debug!(epoch, accepted, rejected_total, "Shares committed.");
+                }
+                Ok(_) => {}
+                Err(e) => {
+                    tracing::warn!(error = %e, "Committing shares failed.");
+                    break;
+                }
+            }
+        }
+        metrics::histogram!(telemetry::REBALANCE_DURATION_SECONDS, "region" => self.region.as_str().to_string())
+            .record(started.elapsed().as_secs_f64());
+    }
+
+    /// The peer listener's router: Raft's protocol plus the usage endpoint.
+    /// `coordinator` must be the [`Coordinator::Replicated`] holding `self`.
+    pub fn peer_router_arc(&self, coordinator: &Arc<Coordinator>) -> Router {
+        let usage = Router::new()
+            .route(PATH_USAGE, post(receive_usage))
+            .with_state(coordinator.clone());
+        self.raft.peer_router().merge(usage)
+    }
+
+    pub async fn put_policy(
+        &self,
+        tenant: TenantId,
+        name: PolicyName,
+        policy: Policy,
+    ) -> Result<Policy, CoordError> {
+        let key = PolicyKey::new(tenant, name);
+        match self
+            .write(Operation::PutPolicy {
+                key,
+                policy: policy.clone(),
+            })
+            .await?
+        {
+            Response::PolicyStored { version, .. } => {
+                self.rebuild_view();
+                Ok(Policy { version, ..policy })
+            }
+            other => Err(unavailable(format!("unexpected answer {other:?}"))),
+        }
+    }
+
+    pub async fn delete_policy(
+        &self,
+        tenant: TenantId,
+        name: PolicyName,
+    ) -> Result<bool, CoordError> {
+        let key = PolicyKey::new(tenant, name);
+        let r = self.write(Operation::DeletePolicy { key }).await?;
+        self.rebuild_view();
+        Ok(matches!(r, Response::PolicyDeleted { .. }))
+    }
+
+    /// Pins every live policy of `tenant` to `home`.
+    pub async fn pin(&self, tenant: TenantId, home: RegionId) -> Result<bool, CoordError> {
+        if !self.regions.contains(&home) {
+            return Err(CoordError::UnknownRegion { region: home });
+        }
+        let keys = self.tenant_keys(&tenant);
+        for key in &keys {
+            match self
+                .write(Operation::Pin {
+                    key: key.clone(),
+                    home: home.clone(),
+                })
+                .await?
+            {
+                Response::Pinned { .. } | Response::UnknownPolicy => {}
+                Response::UnknownRegion { region } => {
+                    return Err(CoordError::UnknownRegion { region })
+                }
+                other => return Err(unavailable(format!("unexpected answer {other:?}"))),
+            }
+        }
+        self.rebuild_view();
+        Ok(!keys.is_empty())
+    }
+
+    /// Removes the operator pins of every policy of `tenant`.
+    pub async fn unpin(&self, tenant: TenantId) -> Result<bool, CoordError> {
+        let keys: Vec<PolicyKey> = self.raft.read(|s| {
+            s.entries
+                .iter()
+                .filter(|(k, e)| k.tenant == tenant && !e.deleted && e.pin.is_some())
+                .map(|(k, _)| k.clone())
+                .collect()
+        });
+        for key in &keys {
+            self.write(Operation::Unpin { key: key.clone() }).await?;
+        }
+        self.rebuild_view();
+        Ok(!keys.is_empty())
+    }
+
+    fn tenant_keys(&self, tenant: &TenantId) -> Vec<PolicyKey> {
+        self.raft.read(|s| {
+            s.entries
+                .iter()
+                .filter(|(k, e)| &k.tenant == tenant && !e.deleted)
+                .map(|(k, _)| k.clone())
+                .collect()
+        })
+    }
+
+    /// Raft role, leader, term and members for /v1/status.
+    pub fn status(&self) -> CoordinatorStatus {
+        let s = self.raft.status();
+        let region_of = |id: &u64| {
+            s.members
+                .get(id)
+                .and_then(|m| RegionId::new(m.region.as_str()).ok())
+        };
+        CoordinatorStatus {
+            role: match s.role {
+                Role::Leader => "leader",
+                Role::Follower => "follower",
+                Role::Candidate => "candidate",
+                Role::Learner => "learner",
+                Role::Shutdown => "shutdown",
+            },
+            leader: s.leader_id.as_ref().and_then(region_of),
+            term: s.term,
+            applied_index: s.last_applied_index.unwrap_or(0),
+            members: s
+                .members
+                .keys()
+                .filter_map(|id| {
+                    region_of(id).map(|region| MemberStatus {
+                        region,
+                        node_id: *id,
+                        voter: s.voters.contains(id),
+                    })
+                })
+                .collect(),
+        }
+    }
+
+    /// Stops Raft.
+    pub async fn shutdown(&self) {
+        if let Err(e) = self.raft.shutdown().await {
+            tracing::warn!(error = %e, "Raft shutdown was not clean.");
+        }
+    }
+}
+
+/// The view of the applied state for one region.
+fn view_of(s: &CoordinatorState, lease_end_local_ms: u64) -> ClusterView {
+    let mut policies = BTreeMap::new();
+    for (key, entry) in &s.entries {
+        if entry.deleted {
+            continue;
+        }
+        let mut grants = BTreeMap::new();
+        for (i, slot) in s.regions.iter().enumerate() {
+            if let Some(r) = slot {
+                let share_ppm = entry.share(i);
+                grants.insert(
+                    r.id.clone(),
+                    Grant {
+                        share_ppm,
+                        floor_ppm: s.floor_of(&entry.policy, i).min(share_ppm),
+                        lease_expires_ms: r.lease_expires_at_ms,
+                    },
+                );
+            }
+        }
+        let home = entry
+            .pin
+            .and_then(|p| s.region(usize::from(p.home)))
+            .map(|r| r.id.clone());
+        policies.insert(
+            (key.tenant.clone(), key.policy.clone()),
+            PolicyEntry {
+                policy: entry.policy.clone(),
+                grants,
+                home,
+            },
+        );
+    }
+    ClusterView {
+        policies,
+        epoch: s.epoch,
+        lease_end_local_ms,
+    }
+}
+
+/// POST /quotad/v1/usage on the leader, authenticated with the peer token.
+async fn receive_usage(
+    State(coordinator): State<Arc<Coordinator>>,
+    headers: HeaderMap,
+    body: axum::body::Bytes,
+) -> StatusCode {
+    let Coordinator::Replicated(me) = coordinator.as_ref() else {
+        return StatusCode::NOT_FOUND;
+    };
+    let presented = headers
+        .get(header::AUTHORIZATION)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.strip_prefix("Bearer "))
+        .unwrap_or("");
+    if !token_matches(me.peer_token.expose(), presented) {
+        return StatusCode::UNAUTHORIZED;
+    }
+    let Ok(report) = serde_json::from_slice::<UsageReport>(&body) else {
+        return StatusCode::BAD_REQUEST;
+    };
+    if !me.raft.is_leader() {
+        return StatusCode::MISDIRECTED_REQUEST;
+    }
+    me.record_report(&report);
+    StatusCode::NO_CONTENT
+}

@@ -1,0 +1,249 @@
+//! Three regions on loopback: three redis-server and three quotad processes, Raft between the
+//! daemons through fault-injecting proxies.
+
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use quotad_system_tests::{eventually, Cluster, Timings};
+use serde_json::json;
+
+/// Admissions as (time since start, tokens).
+type Log = Arc<Mutex<Vec<(Duration, u64)>>>;
+
+/// Sends `rate` checks per second through `region` until `until`, logging admissions.
+fn drive(cluster: &Arc<Cluster>, region: &str, rate: u32, start: Instant, until: Instant, log: Log) -> tokio::task::JoinHandle<()> {
+    let cluster = cluster.clone();
+    let region = region.to_string();
+    tokio::spawn(async move {
+        let mut tick = tokio::time::interval(Duration::from_secs(1) / rate);
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Skip);
+        while Instant::now() < until {
+            tick.tick().await;
+            if let Ok(r) = cluster.daemon(&region).check("acme", "writes", 1).await {
+                if r.status == 200 {
+                    log.lock().unwrap().push((start.elapsed(), 1));
+                }
+            }
+        }
+    })
+}
+
+/// The most tokens admitted in any window of `w` over the log.
+fn max_in_window(log: &[(Duration, u64)], w: Duration) -> u64 {
+    let mut times: Vec<Duration> = log.iter().map(|(t, _)| *t).collect();
+    times.sort();
+    let mut best = 0;
+    let mut lo = 0;
+    for hi in 0..times.len() {
+        while times[hi] - times[lo] >= w {
+            lo += 1;
+        }
+        best = best.max((hi - lo + 1) as u64);
+    }
+    best
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn share_follows_demand_and_the_global_bound_holds() -> anyhow::Result<()> {
+    let cluster = Arc::new(Cluster::start(&["a", "b", "c"], &Timings::default()).await?);
+    // 50 tokens/s, burst 50: the global bucket admits at most 50 + 50·W in any window W.
+    cluster
+        .daemon("b")
+        .put_policy("acme", "writes", json!({"limit": 50, "window_ms": 1000, "floor": 0.05}))
+        .await?;
+    let initial = eventually(Duration::from_secs(10), Duration::from_millis(100), || async {
+        cluster.share("a", "acme").await
+    })
+    .await
+    .expect("region a sees the policy");
+    assert!(initial.0 < 0.4, "a starts near an even split: {initial:?}");
+
+    // 80% of the traffic through a, at twice the budget in total.
+    let start = Instant::now();
+    let until = start + Duration::from_secs(12);
+    let log: Log = Arc::default();
+    let tasks = [
+        drive(&cluster, "a", 80, start, until, log.clone()),
+        drive(&cluster, "b", 10, start, until, log.clone()),
+        drive(&cluster, "c", 10, start, until, log.clone()),
+    ];
+    let risen = eventually(Duration::from_secs(10), Duration::from_millis(200), || async {
+        let (share, _) = cluster.share("a", "acme").await?;
+        (share >= 0.5).then_some(share)
+    })
+    .await;
+    for t in tasks {
+        t.await?;
+    }
+    let a = cluster.share("a", "acme").await;
+    eprintln!("a's share: {initial:?} at start, first seen at or above 0.5: {risen:?}, at the end: {a:?}");
+    assert!(risen.is_some(), "a's share rises toward its demand (now {a:?}):\n{}", cluster.daemon("a").log_text());
+
+    let log = log.lock().unwrap().clone();
+    let epsilon = 0.1;
+    for w_ms in [1000u64, 5000] {
+        let bound = (50.0 + 50.0 * w_ms as f64 / 1000.0) * (1.0 + epsilon);
+        let seen = max_in_window(&log, Duration::from_millis(w_ms));
+        eprintln!("window {w_ms} ms: at most {seen} admitted (bound {bound:.0})");
+        assert!((seen as f64) <= bound, "{seen} admitted in a {w_ms} ms window, above {bound}");
+    }
+    Ok(())
+}
+
+/// One sample of the leader-side picture during a partition.
+#[derive(Debug, Clone, Copy)]
+struct Sample {
+    wall_ms: u64,
+    ab_share: f64,
+    c_share: f64,
+}
+
+fn wall_ms() -> u64 {
+    std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_millis() as u64)
+}
+
+async fn grants(cluster: &Cluster, from: &str) -> Option<(f64, f64, u64)> {
+    let r = cluster.daemon(from).get("/v1/tenants/acme/allowance").await.ok()?;
+    let regions = r.body["policies"][0]["regions"].as_array()?.clone();
+    let get = |name: &str| regions.iter().find(|g| g["region"] == name).cloned();
+    let (a, b, c) = (get("a")?, get("b")?, get("c")?);
+    Some((
+        a["share"].as_f64()? + b["share"].as_f64()?,
+        c["share"].as_f64()?,
+        c["lease_expires_ms"].as_u64().unwrap_or(0),
+    ))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_cut_off_region_keeps_its_lease_then_its_floor_and_rejoins() -> anyhow::Result<()> {
+    let t = Timings::default();
+    let cluster = Arc::new(Cluster::start(&["a", "b", "c"], &t).await?);
+    cluster
+        .daemon("a")
+        .put_policy("acme", "writes", json!({"limit": 50, "window_ms": 1000, "floor": 0.1}))
+        .await?;
+    // Every region holds a lease on its share before the cut.
+    let settled = eventually(Duration::from_secs(15), Duration::from_millis(100), || async {
+        let (share, enforced) = cluster.share("c", "acme").await?;
+        (share > 0.2 && enforced == share).then_some(share)
+    })
+    .await;
+    let c_share = settled.expect("c enforces its share under a lease");
+
+    let start = Instant::now();
+    let until = start + Duration::from_secs(14);
+    let log: Log = Arc::default();
+    let tasks = [
+        drive(&cluster, "a", 40, start, until, log.clone()),
+        drive(&cluster, "b", 40, start, until, log.clone()),
+        drive(&cluster, "c", 20, start, until, log.clone()),
+    ];
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    let cut_at = wall_ms();
+    cluster.isolate("c");
+    let lease_at_cut = grants(&cluster, "a").await.map_or(0, |g| g.2);
+
+    // C keeps its share while its lease runs, then falls to its floor.
+    let mut samples = Vec::new();
+    let mut c_floor_at = None;
+    let mut last_c_share = c_share;
+    while Instant::now() < until - Duration::from_secs(3) {
+        if let Some((ab, c, _)) = grants(&cluster, "a").await {
+            samples.push(Sample { wall_ms: wall_ms(), ab_share: ab, c_share: c });
+        }
+        if let Some((share, enforced)) = cluster.share("c", "acme").await {
+            last_c_share = share;
+            if c_floor_at.is_none() && (enforced - 0.1).abs() < 1e-6 {
+                c_floor_at = Some(wall_ms());
+            }
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let floor_at = c_floor_at.expect("c falls back to its floor");
+    let lease_ms = t.lease_ms;
+    assert!(
+        floor_at - cut_at <= lease_ms + 1_000,
+        "c enforced more than its floor {} ms after the cut (lease {lease_ms} ms)",
+        floor_at - cut_at
+    );
+    assert!(last_c_share > 0.0, "c's last granted share is still visible to it");
+    // A and B reuse only C's non-floor share, and only after C's lease expired.
+    let margin = t.drift_margin_ms;
+    let mut reused = false;
+    for s in &samples {
+        assert!(s.ab_share <= 0.9 + 1e-6, "a and b took c's floor: {s:?}");
+        if s.ab_share > 1.0 - c_share + 0.001 {
+            reused = true;
+            assert!(
+                s.wall_ms > lease_at_cut + margin,
+                "c's share reused at {} before its lease ended at {lease_at_cut} (+{margin}): {s:?}",
+                s.wall_ms
+            );
+        }
+        assert!(s.c_share >= 0.1 - 1e-6, "c keeps at least its floor: {s:?}");
+    }
+    assert!(reused, "a and b reuse c's non-floor share once its lease is over: {samples:?}");
+
+    for task in tasks {
+        task.await?;
+    }
+    let log = log.lock().unwrap().clone();
+    for w_ms in [1000u64, 5000] {
+        let bound = (50.0 + 50.0 * w_ms as f64 / 1000.0) * 1.1;
+        let seen = max_in_window(&log, Duration::from_millis(w_ms));
+        eprintln!("partition, window {w_ms} ms: at most {seen} admitted (bound {bound:.0})");
+        assert!((seen as f64) <= bound, "{seen} admitted in a {w_ms} ms window, above {bound}");
+    }
+
+    cluster.heal();
+    let rejoined = eventually(Duration::from_secs(15), Duration::from_millis(200), || async {
+        let s = cluster.daemon("c").get("/v1/status").await.ok()?;
+        let (share, enforced) = cluster.share("c", "acme").await?;
+        (s.body["raft"]["leader"].is_string() && enforced == share && s.body["lease"]["remaining_ms"].as_u64()? > 0)
+            .then_some(share)
+    })
+    .await;
+    assert!(rejoined.is_some(), "c rejoins and holds a lease again:\n{}", cluster.daemon("c").log_text());
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_pinned_tenant_is_decided_by_its_home() -> anyhow::Result<()> {
+    let mut cluster = Cluster::start(&["a", "b", "c"], &Timings::default()).await?;
+    let b = cluster.daemon("b");
+    b.put_policy("vip", "writes", json!({"limit": 50, "window_ms": 1000, "floor": 0.1})).await?;
+    b.put_policy("vip-strict", "writes", json!({"limit": 50, "window_ms": 1000, "fail_mode": "closed"}))
+        .await?;
+    for tenant in ["vip", "vip-strict"] {
+        let r = b
+            .request("PUT", &format!("/v1/tenants/{tenant}/pin"), Some(quotad_system_tests::TOKEN), Some(r#"{"region":"a"}"#.into()))
+            .await?;
+        assert_eq!(r.status, 204, "{}", r.body);
+    }
+    let forwarded = eventually(Duration::from_secs(10), Duration::from_millis(100), || async {
+        let r = cluster.daemon("b").check("vip", "writes", 1).await.ok()?;
+        (r.body["decided_by"] == "a").then_some(r)
+    })
+    .await
+    .expect("checks in b are decided by a");
+    assert_eq!((forwarded.status, forwarded.body["mode"].as_str()), (200, Some("forwarded")));
+    assert_eq!(forwarded.body["region"], "b");
+
+    // Home unreachable: the policy decides (floor in b, or deny).
+    let a = cluster.index("a");
+    cluster.daemons[a].kill();
+    let r = cluster.daemons[cluster.index("b")].check("vip", "writes", 1).await?;
+    assert_eq!((r.status, r.body["mode"].as_str(), r.body["decided_by"].as_str()), (200, Some("home_unreachable_floor"), Some("b")), "{}", r.body);
+    // At the floor (10% of a 50-token burst) b admits 5 and then denies.
+    let mut admitted = 1;
+    for _ in 0..10 {
+        if cluster.daemons[cluster.index("b")].check("vip", "writes", 1).await?.status == 200 {
+            admitted += 1;
+        }
+    }
+    assert_eq!(admitted, 5, "b decides at its floor while a is unreachable");
+    let r = cluster.daemons[cluster.index("b")].check("vip-strict", "writes", 1).await?;
+    assert_eq!(r.status, 503, "{}", r.body);
+    assert_eq!(r.body["code"], "TEMPORARY_REDUCED_CAPACITY");
+    Ok(())
+}
