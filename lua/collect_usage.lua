@@ -3,7 +3,8 @@
 --
 -- KEYS[1]  activity index (set of state keys; qd:v1:active, or one cluster slot's index)
 -- ARGV[1]  how many keys to take at most, integer 1..100000
--- returns  flat array {key, admitted tokens, denied tokens, key, admitted, denied, ...}
+-- returns  {taken, key, admitted tokens, denied tokens, key, admitted, denied, ...}: taken is
+--          how many keys left the index (expired ones included), so a caller knows to go on
 -- errors   'ERR quotad: <what>' for an invalid argument.
 --
 -- SPOP takes each key at most once and the counters are reset in the same atomic step, so usage
@@ -29,8 +30,8 @@ if max < 1 or max > 100000 then
   return err('max must be an integer in 1..100000')
 end
 
-local out = {}
 local keys = redis.call('SPOP', KEYS[1], max)
+local out = { #keys }
 for _, k in ipairs(keys) do
   local v = redis.call('HMGET', k, 'ad', 'dn')
   local ad, dn = tonumber(v[1]) or 0, tonumber(v[2]) or 0

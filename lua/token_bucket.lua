@@ -39,87 +39,95 @@ local MAX_SLACK_MS = 3600000
 local fmod = math.fmod
 local find = string.find
 
-local function err(what)
-  return redis.error_reply('ERR quotad: ' .. what)
+-- The hot path below checks every argument's shape with one pattern; this slow path runs only
+-- when that fails, to name the offending argument. Never a silent default.
+local function bad_argument(a_cost, a_cap, a_rate, a_now)
+  local function int(s, max)
+    if #s == 0 or #s > 16 or not find(s, '^%d+$') then
+      return nil
+    end
+    local n = tonumber(s)
+    if n > max then
+      return nil
+    end
+    return n
+  end
+  local cost = int(a_cost, MAX_COST)
+  if cost == nil or cost < 1 then
+    return redis.error_reply('ERR quotad: cost must be an integer in 1..' .. MAX_COST)
+  end
+  if a_now ~= '' and int(a_now, MAX_CAP) == nil then
+    return redis.error_reply('ERR quotad: now must be an integer number of ms')
+  end
+  return redis.error_reply(
+    'ERR quotad: fallback capacity and rate must be integers within the bucket bounds')
 end
 
--- A decimal integer string in 0..max, or nil.
-local function int(s, max)
-  if type(s) ~= 'string' or #s == 0 or #s > 16 or not find(s, '^%d+$') then
-    return nil
-  end
-  local n = tonumber(s)
-  if n > max then
-    return nil
-  end
-  return n
-end
-
--- quota-core BucketParams::new bounds.
-local function params_ok(cap, rate)
-  if cap == nil or rate == nil then
-    return false
-  end
-  if rate > 0 and (cap - fmod(cap, rate)) / rate >= MAX_FILL_RATIO then
-    return false
-  end
-  return true
-end
-
--- ceil((need * 1000 - carry) / rate) without forming need * 1000.
+-- ceil((need * 1000 - carry) / rate) without forming need * 1000 (fmod is exact).
 local function time_to(need, carry, rate)
   local r = fmod(need, rate)
-  local q = (need - r) / rate
   local n = r * 1000 - carry
   local m = fmod(n, rate)
   local d = (n - m) / rate
   if m > 0 then
     d = d + 1
   end
-  return q * 1000 + d
+  return (need - r) / rate * 1000 + d
 end
 
 if #KEYS ~= 3 then
-  return err('expected 3 keys')
+  return redis.error_reply('ERR quotad: expected 3 keys')
 end
-if #ARGV < 3 or #ARGV > 4 then
-  return err('expected 3 or 4 arguments')
+local n_args = #ARGV
+if n_args < 3 or n_args > 4 then
+  return redis.error_reply('ERR quotad: expected 3 or 4 arguments')
 end
-local cost = int(ARGV[1], MAX_COST)
-if cost == nil or cost < 1 then
-  return err('cost must be an integer in 1..' .. MAX_COST)
+local a_cost, a_cap, a_rate, a_now = ARGV[1], ARGV[2], ARGV[3], ARGV[4] or ''
+if #a_cost > 16 or #a_cap > 16 or #a_rate > 16 or #a_now > 16
+    or not find(a_cost .. ',' .. a_cap .. ',' .. a_rate .. ',' .. a_now, '^%d+,%d*,%d*,%d*$') then
+  return bad_argument(a_cost, a_cap, a_rate, a_now)
 end
+local cost = tonumber(a_cost)
+if cost < 1 or cost > MAX_COST then
+  return bad_argument(a_cost, a_cap, a_rate, a_now)
+end
+-- Bounds of quota-core BucketParams::new. floor(cap / rate) >= M  <=>  cap >= M * rate, and the
+-- product, even when rounded above 2^53, compares correctly with cap < 2^53.
 local fb_cap, fb_rate
-if ARGV[2] ~= '' or ARGV[3] ~= '' then
-  fb_cap = int(ARGV[2], MAX_CAP)
-  fb_rate = int(ARGV[3], MAX_RATE)
-  if not params_ok(fb_cap, fb_rate) then
-    return err('fallback capacity and rate must be integers within the bucket bounds')
+if a_cap ~= '' or a_rate ~= '' then
+  fb_cap, fb_rate = tonumber(a_cap), tonumber(a_rate)
+  if fb_cap == nil or fb_rate == nil or fb_cap > MAX_CAP or fb_rate > MAX_RATE
+      or (fb_rate > 0 and fb_cap >= MAX_FILL_RATIO * fb_rate) then
+    return bad_argument(a_cost, a_cap, a_rate, a_now)
   end
 end
 local now
-if ARGV[4] == nil or ARGV[4] == '' then
+if a_now == '' then
   local t = redis.call('TIME')
-  now = tonumber(t[1]) * 1000 + (t[2] - fmod(t[2], 1000)) / 1000
+  now = t[1] * 1000 + (t[2] - t[2] % 1000) / 1000
 else
-  now = int(ARGV[4], MAX_CAP)
-  if now == nil then
-    return err('now must be an integer number of ms')
+  now = tonumber(a_now)
+  if now > MAX_CAP then
+    return bad_argument(a_cost, a_cap, a_rate, a_now)
   end
 end
 
 local cap, rate
 local p = redis.call('HMGET', KEYS[2], 'cap', 'rate')
-if p[1] or p[2] then
-  cap = int(p[1], MAX_CAP)
-  rate = int(p[2], MAX_RATE)
-  if not params_ok(cap, rate) then
-    return err('stored parameters are invalid')
+local p_cap, p_rate = p[1], p[2]
+if p_cap or p_rate then
+  if not (p_cap and p_rate) or #p_cap > 16 or #p_rate > 16
+      or not find(p_cap .. ',' .. p_rate, '^%d+,%d+$') then
+    return redis.error_reply('ERR quotad: stored parameters are invalid')
+  end
+  cap, rate = tonumber(p_cap), tonumber(p_rate)
+  if cap > MAX_CAP or rate > MAX_RATE or (rate > 0 and cap >= MAX_FILL_RATIO * rate) then
+    return redis.error_reply('ERR quotad: stored parameters are invalid')
   end
 elseif fb_cap then
   cap, rate = fb_cap, fb_rate
 else
-  return err('no parameters stored and no fallback given')
+  return redis.error_reply('ERR quotad: no parameters stored and no fallback given')
 end
 
 local h = redis.call('HMGET', KEYS[1], 't', 'c', 'ts', 'ad', 'dn', 'x')
@@ -130,8 +138,8 @@ if h[1] then
     tokens, carry = cap, 0
   end
   if now > ts then
-    local elapsed = now - ts
     if tokens < cap and rate > 0 then
+      local elapsed = now - ts
       if elapsed >= time_to(cap - tokens, carry, rate) then
         tokens, carry = cap, 0
       else
@@ -172,40 +180,40 @@ local ad, dn = tonumber(h[4]) or 0, tonumber(h[5]) or 0
 if ad + dn == 0 then
   redis.call('SADD', KEYS[3], KEYS[1])
 end
-local w
 if allowed == 1 then
-  w = { 'HSET', KEYS[1], 't', tokens, 'c', carry, 'ts', ts, 'ad', ad + cost }
+  ad = ad + cost
 else
-  w = { 'HSET', KEYS[1], 't', tokens, 'c', carry, 'ts', ts, 'dn', dn + cost }
+  dn = dn + cost
 end
 -- Expiry: at least the time to refill completely (an expired bucket reads as full), moved only
 -- when the needed deadline passes the one set, with slack so a hot key rarely pays PEXPIRE.
-local set_ttl
+-- No refill and not full: expiring would hand out a full bucket, so the key must stay.
+local x
 if reset == -1 then
-  -- No refill and not full: expiring would hand out a full bucket, so the key must stay.
   if h[6] ~= 'inf' then
-    w[11], w[12] = 'x', 'inf'
-    set_ttl = -1
+    x = 'inf'
   end
 else
   local ttl = reset
   if ttl < MIN_TTL_MS then
     ttl = MIN_TTL_MS
   end
-  local x = tonumber(h[6])
-  if x == nil or now + ttl > x then
-    local slack = (ttl - fmod(ttl, 4)) / 4
+  local set = tonumber(h[6])
+  if set == nil or now + ttl > set then
+    local slack = (ttl - ttl % 4) / 4 -- exact: division by a power of two
     if slack > MAX_SLACK_MS then
       slack = MAX_SLACK_MS
     end
-    set_ttl = ttl + slack
-    w[11], w[12] = 'x', now + set_ttl
+    x = ttl + slack
   end
 end
-redis.call(unpack(w))
-if set_ttl == -1 then
+if x == nil then
+  redis.call('HSET', KEYS[1], 't', tokens, 'c', carry, 'ts', ts, 'ad', ad, 'dn', dn)
+elseif x == 'inf' then
+  redis.call('HSET', KEYS[1], 't', tokens, 'c', carry, 'ts', ts, 'ad', ad, 'dn', dn, 'x', x)
   redis.call('PERSIST', KEYS[1])
-elseif set_ttl then
-  redis.call('PEXPIRE', KEYS[1], set_ttl)
+else
+  redis.call('HSET', KEYS[1], 't', tokens, 'c', carry, 'ts', ts, 'ad', ad, 'dn', dn, 'x', now + x)
+  redis.call('PEXPIRE', KEYS[1], x)
 end
 return { allowed, (tokens - fmod(tokens, UT)) / UT, retry, reset }

@@ -9,7 +9,14 @@ use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 use sim::options::{Format, Options};
 use sim::{plot, report};
 
-fn main() -> anyhow::Result<()> {
+fn main() {
+    if let Err(e) = run() {
+        eprintln!("error: {e:#}");
+        std::process::exit(1);
+    }
+}
+
+fn run() -> anyhow::Result<()> {
     let opts = Options::parse();
     let cfg = match opts.run_config() {
         Ok(cfg) => cfg,

@@ -81,14 +81,23 @@ impl Shadow {
 }
 
 /// Per-tenant sliding sums over the last `len` bins, advanced lazily (idle tenants cost
-/// nothing).
+/// nothing). The current bin lives in the tenant's [`Head`], so an admission touches one
+/// cache line; past bins are written to the ring only when the tenant moves to a new bin.
 #[derive(Debug)]
 struct Ring {
     bin_ms: u64,
     len: usize,
-    bins: Vec<u64>,
-    last_bin: Vec<u64>,
-    sum: Vec<u64>,
+    heads: Vec<Head>,
+    /// Tokens per past bin; u32 halves the memory.
+    bins: Vec<u32>,
+}
+
+/// A tenant's current bin, its tokens so far, and the sum over the window.
+#[derive(Debug, Clone, Copy, Default)]
+struct Head {
+    bin: u64,
+    current: u32,
+    sum: u64,
 }
 
 impl Ring {
@@ -96,39 +105,46 @@ impl Ring {
         Self {
             bin_ms,
             len,
+            heads: vec![Head::default(); tenants],
             bins: vec![0; tenants * len],
-            last_bin: vec![0; tenants],
-            sum: vec![0; tenants],
         }
     }
 
-    /// The bin of `t_ms` and its slot in every tenant's ring.
-    fn locate(&self, t_ms: u64) -> (u64, usize) {
-        let bin = t_ms / self.bin_ms;
-        (bin, (bin % self.len as u64) as usize)
+    /// The bin of `t_ms`.
+    fn locate(&self, t_ms: u64) -> u64 {
+        t_ms / self.bin_ms
     }
 
-    /// Adds `tokens` in `bin` (at `slot`, see [`Ring::locate`]) and returns the tenant's sum
-    /// over the last `len` bins.
-    fn add(&mut self, tenant: usize, bin: u64, slot: usize, tokens: u64) -> u64 {
-        let base = tenant * self.len;
-        let last = self.last_bin[tenant];
-        if bin > last {
-            if bin - last >= self.len as u64 {
+    /// Adds `tokens` in `bin` (see [`Ring::locate`]; never decreasing per tenant) and returns
+    /// the tenant's sum over the last `len` bins.
+    fn add(&mut self, tenant: usize, bin: u64, tokens: u64) -> u64 {
+        let h = &mut self.heads[tenant];
+        if bin > h.bin {
+            let base = tenant * self.len;
+            let len = self.len as u64;
+            // Close the old current bin, then expire every slot the window moved over.
+            self.bins[base + (h.bin % len) as usize] = h.current;
+            if bin - h.bin >= len {
                 self.bins[base..base + self.len].fill(0);
-                self.sum[tenant] = 0;
+                h.sum = 0;
             } else {
-                for b in last + 1..=bin {
-                    let old = base + (b % self.len as u64) as usize;
-                    self.sum[tenant] -= self.bins[old];
-                    self.bins[old] = 0;
+                for b in h.bin + 1..=bin {
+                    let old = &mut self.bins[base + (b % len) as usize];
+                    h.sum -= u64::from(*old);
+                    *old = 0;
                 }
             }
-            self.last_bin[tenant] = bin;
+            h.bin = bin;
+            h.current = 0;
         }
-        self.bins[base + slot] += tokens;
-        self.sum[tenant] += tokens;
-        self.sum[tenant]
+        // Current bin and sum move by the same amount even in the (unreachable) case of a bin
+        // holding more than u32::MAX tokens.
+        let new = h
+            .current
+            .saturating_add(u32::try_from(tokens).unwrap_or(u32::MAX));
+        h.sum += u64::from(new - h.current);
+        h.current = new;
+        h.sum
     }
 }
 
@@ -142,8 +158,8 @@ pub struct Recorder {
     inv_bound_1s: Vec<f64>,
     /// The time the cached bins below belong to.
     cached_t_ms: u64,
-    cached_w: (u64, usize),
-    cached_1s: (u64, usize),
+    cached_w: u64,
+    cached_1s: u64,
     max_w: f64,
     max_1s: f64,
     latency: Vec<u64>,
@@ -207,8 +223,8 @@ impl Recorder {
             inv_bound_w: inv_bound(window_ms),
             inv_bound_1s: inv_bound(1000),
             cached_t_ms: 0,
-            cached_w: (0, 0),
-            cached_1s: (0, 0),
+            cached_w: 0,
+            cached_1s: 0,
             max_w: 0.0,
             max_1s: 0.0,
             latency: vec![0; (LATENCY_MAX_US / LATENCY_BIN_US) as usize + 1],
@@ -248,10 +264,9 @@ impl Recorder {
                 self.cached_w = self.ring_w.locate(t_ms);
                 self.cached_1s = self.ring_1s.locate(t_ms);
             }
-            let (bw, sw) = self.cached_w;
-            let (b1, s1) = self.cached_1s;
-            let w = self.ring_w.add(tenant, bw, sw, cost) as f64 * self.inv_bound_w[tenant];
-            let s = self.ring_1s.add(tenant, b1, s1, cost) as f64 * self.inv_bound_1s[tenant];
+            let w = self.ring_w.add(tenant, self.cached_w, cost) as f64 * self.inv_bound_w[tenant];
+            let s =
+                self.ring_1s.add(tenant, self.cached_1s, cost) as f64 * self.inv_bound_1s[tenant];
             sec.overshoot_w = sec.overshoot_w.max(w);
             self.max_w = self.max_w.max(w);
             self.max_1s = self.max_1s.max(s);
@@ -461,8 +476,8 @@ mod tests {
     fn ring_forgets_old_bins() {
         let mut r = Ring::new(1, 10, 100);
         let mut add = |t, n| {
-            let (bin, slot) = r.locate(t);
-            r.add(0, bin, slot, n)
+            let bin = r.locate(t);
+            r.add(0, bin, n)
         };
         assert_eq!(add(0, 5), 5);
         assert_eq!(add(990, 1), 6);

@@ -58,9 +58,9 @@ pub struct Options {
     #[arg(long, default_value_t = 0.05)]
     pub floor: f64,
     /// Seconds at the start not counted in goodput, false denials and latency (overshoot
-    /// always counts); default: one policy window.
-    #[arg(long, default_value_t = 60.0)]
-    pub warmup: f64,
+    /// always counts); default: one policy window (60 s), at most a third of the duration.
+    #[arg(long)]
+    pub warmup: Option<f64>,
     /// Seconds between rebalance rounds.
     #[arg(long, default_value_t = 2.0)]
     pub rebalance_interval: f64,
@@ -130,6 +130,12 @@ impl Options {
         v
     }
 
+    /// The warm-up in seconds, the default resolved.
+    pub fn warmup_s(&self) -> f64 {
+        self.warmup
+            .unwrap_or_else(|| (self.duration / 3.0).floor().clamp(0.0, 60.0))
+    }
+
     /// Validates everything and builds the run configuration.
     pub fn run_config(&self) -> Result<RunConfig, OptionsError> {
         let mut e = Vec::new();
@@ -146,7 +152,7 @@ impl Options {
                 self.duration
             ));
         }
-        let warmup_ms = seconds_to_ms(&mut e, "warmup", self.warmup, 0, 86_400_000);
+        let warmup_ms = seconds_to_ms(&mut e, "warmup", self.warmup_s(), 0, 86_400_000);
         if warmup_ms >= duration_ms {
             e.push("--warmup must be shorter than --duration".to_string());
         }
@@ -191,6 +197,23 @@ impl Options {
                 self.tenants
             ));
         }
+        for kind in self.scenarios() {
+            if self.regions < kind.min_regions() {
+                e.push(format!(
+                    "--regions {} is too few for scenario {kind} (needs {}); choose others with \
+                     --scenario",
+                    self.regions,
+                    kind.min_regions()
+                ));
+            }
+            if duration_ms < kind.min_duration_ms() {
+                e.push(format!(
+                    "--duration {} is too short for scenario {kind} (needs {} s)",
+                    self.duration,
+                    kind.min_duration_ms() / 1000
+                ));
+            }
+        }
         if self.jobs == Some(0) {
             e.push("--jobs must be at least 1".to_string());
         }
@@ -226,7 +249,7 @@ impl Options {
             strategy,
             self.regions,
             self.duration,
-            self.warmup,
+            self.warmup_s(),
             self.lease,
             self.floor,
             self.rebalance_interval,

@@ -68,6 +68,22 @@ impl ScenarioKind {
         Self::ClockDrift,
     ];
 
+    /// The fewest regions the scenario makes sense with (a majority must survive a fault).
+    pub fn min_regions(self) -> usize {
+        match self {
+            Self::Partition | Self::LeaderCrash | Self::RedisOutage => 3,
+            _ => 1,
+        }
+    }
+
+    /// The shortest run the scenario fits in, in ms.
+    pub fn min_duration_ms(self) -> u64 {
+        match self {
+            Self::Partition | Self::LeaderCrash | Self::RedisOutage => 20_000,
+            _ => 1_000,
+        }
+    }
+
     /// The snake_case name used on the command line and in output.
     pub fn name(self) -> &'static str {
         match self {
@@ -200,10 +216,7 @@ impl Scenario {
         use ScenarioKind as K;
         let n = opts.regions;
         let d = opts.duration_ms;
-        let min_regions = match kind {
-            K::Partition | K::LeaderCrash | K::RedisOutage => 3,
-            _ => 1,
-        };
+        let min_regions = kind.min_regions();
         if n < min_regions {
             return Err(ScenarioError::TooFewRegions {
                 scenario: kind,
@@ -211,10 +224,7 @@ impl Scenario {
                 regions: n,
             });
         }
-        let min_ms = match kind {
-            K::Partition | K::LeaderCrash | K::RedisOutage => 20_000,
-            _ => 1_000,
-        };
+        let min_ms = kind.min_duration_ms();
         if d < min_ms {
             return Err(ScenarioError::TooShort {
                 scenario: kind,

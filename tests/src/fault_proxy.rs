@@ -34,13 +34,17 @@ pub struct FaultProxy {
 impl FaultProxy {
     /// Listens on a free loopback port and relays to `target`.
     pub async fn start(target: SocketAddr) -> anyhow::Result<Self> {
-        let listener = TcpListener::bind("127.0.0.1:0").await.context("binding the proxy")?;
+        let listener = TcpListener::bind("127.0.0.1:0")
+            .await
+            .context("binding the proxy")?;
         let addr = listener.local_addr()?;
         let shared = Arc::new(Mutex::new(Shared::default()));
         let s = shared.clone();
         let task = tokio::spawn(async move {
             loop {
-                let Ok((inbound, peer)) = listener.accept().await else { continue };
+                let Ok((inbound, peer)) = listener.accept().await else {
+                    continue;
+                };
                 let pid = {
                     let candidates = s.lock().unwrap().candidates.clone();
                     source_pid(peer.port(), addr.port(), &candidates)
@@ -105,9 +109,8 @@ fn source_pid(src_port: u16, dst_port: u16, candidates: &[u32]) -> Option<u32> {
     let needle = format!("socket:[{inode}]");
     candidates.iter().copied().find(|pid| {
         std::fs::read_dir(format!("/proc/{pid}/fd")).is_ok_and(|dir| {
-            dir.flatten().any(|e| {
-                std::fs::read_link(e.path()).is_ok_and(|l| l.to_string_lossy() == needle)
-            })
+            dir.flatten()
+                .any(|e| std::fs::read_link(e.path()).is_ok_and(|l| l.to_string_lossy() == needle))
         })
     })
 }
@@ -133,7 +136,9 @@ mod tests {
         let target = echo.local_addr().unwrap();
         tokio::spawn(async move {
             loop {
-                let Ok((mut s, _)) = echo.accept().await else { continue };
+                let Ok((mut s, _)) = echo.accept().await else {
+                    continue;
+                };
                 tokio::spawn(async move {
                     let mut buf = [0u8; 4];
                     if s.read_exact(&mut buf).await.is_ok() {

@@ -92,7 +92,9 @@ impl Daemon {
             api_port,
             dir,
             log,
-            http: reqwest::Client::builder().timeout(Duration::from_secs(10)).build()?,
+            http: reqwest::Client::builder()
+                .timeout(Duration::from_secs(10))
+                .build()?,
         })
     }
 
@@ -342,7 +344,12 @@ pub struct Timings {
 
 impl Default for Timings {
     fn default() -> Self {
-        Self { report_interval_ms: 200, rebalance_interval_ms: 400, lease_ms: 3_000, drift_margin_ms: 300 }
+        Self {
+            report_interval_ms: 200,
+            rebalance_interval_ms: 400,
+            lease_ms: 3_000,
+            drift_margin_ms: 300,
+        }
     }
 }
 
@@ -353,8 +360,14 @@ impl Cluster {
         for _ in names {
             redis.push(redis_harness::RedisServer::start()?);
         }
-        let api: Vec<u16> = names.iter().map(|_| free_port()).collect::<anyhow::Result<_>>()?;
-        let peer: Vec<u16> = names.iter().map(|_| free_port()).collect::<anyhow::Result<_>>()?;
+        let api: Vec<u16> = names
+            .iter()
+            .map(|_| free_port())
+            .collect::<anyhow::Result<_>>()?;
+        let peer: Vec<u16> = names
+            .iter()
+            .map(|_| free_port())
+            .collect::<anyhow::Result<_>>()?;
         let mut proxies = Vec::new();
         for p in &peer {
             proxies.push(fault_proxy::FaultProxy::start(([127, 0, 0, 1], *p).into()).await?);
@@ -406,7 +419,11 @@ log_level = "info"
                 lease = t.lease_ms,
                 margin = t.drift_margin_ms,
             );
-            daemons.push(Daemon::spawn(&config, api[i], &[("QUOTAD_PEER_TOKEN", PEER_TOKEN)])?);
+            daemons.push(Daemon::spawn(
+                &config,
+                api[i],
+                &[("QUOTAD_PEER_TOKEN", PEER_TOKEN)],
+            )?);
         }
         let pids: Vec<u32> = daemons.iter().filter_map(Daemon::pid).collect();
         for p in &proxies {
@@ -417,28 +434,52 @@ log_level = "info"
                 return Err(e.context(d.log_text()));
             }
         }
-        let cluster = Self { names: names.iter().map(|s| s.to_string()).collect(), daemons, redis, proxies };
-        let leader = eventually(Duration::from_secs(20), Duration::from_millis(100), || async {
-            let s = cluster.daemons[0].get("/v1/status").await.ok()?;
-            s.body["raft"]["leader"].as_str().map(str::to_string)
-        })
+        let cluster = Self {
+            names: names.iter().map(|s| s.to_string()).collect(),
+            daemons,
+            redis,
+            proxies,
+        };
+        let leader = eventually(
+            Duration::from_secs(20),
+            Duration::from_millis(100),
+            || async {
+                let s = cluster.daemons[0].get("/v1/status").await.ok()?;
+                s.body["raft"]["leader"].as_str().map(str::to_string)
+            },
+        )
         .await;
-        anyhow::ensure!(leader.is_some(), "no Raft leader elected: {}", cluster.daemons[0].log_text());
+        anyhow::ensure!(
+            leader.is_some(),
+            "no Raft leader elected: {}",
+            cluster.daemons[0].log_text()
+        );
         // Every region registered and holding a lease: the cluster is ready for policies.
         for d in &cluster.daemons {
-            let leased = eventually(Duration::from_secs(20), Duration::from_millis(100), || async {
-                let s = d.get("/v1/status").await.ok()?;
-                (s.body["lease"]["remaining_ms"].as_u64()? > 0).then_some(())
-            })
+            let leased = eventually(
+                Duration::from_secs(20),
+                Duration::from_millis(100),
+                || async {
+                    let s = d.get("/v1/status").await.ok()?;
+                    (s.body["lease"]["remaining_ms"].as_u64()? > 0).then_some(())
+                },
+            )
             .await;
-            anyhow::ensure!(leased.is_some(), "a region never got a lease: {}", d.log_text());
+            anyhow::ensure!(
+                leased.is_some(),
+                "a region never got a lease: {}",
+                d.log_text()
+            );
         }
         Ok(cluster)
     }
 
     /// Index of a region by name.
     pub fn index(&self, name: &str) -> usize {
-        self.names.iter().position(|n| n == name).unwrap_or_else(|| panic!("no region {name}"))
+        self.names
+            .iter()
+            .position(|n| n == name)
+            .unwrap_or_else(|| panic!("no region {name}"))
     }
 
     /// The daemon of a region.
@@ -450,8 +491,13 @@ log_level = "info"
     pub fn isolate(&self, name: &str) {
         let i = self.index(name);
         let me: Vec<u32> = self.daemons[i].pid().into_iter().collect();
-        let others: Vec<u32> =
-            self.daemons.iter().enumerate().filter(|(j, _)| *j != i).filter_map(|(_, d)| d.pid()).collect();
+        let others: Vec<u32> = self
+            .daemons
+            .iter()
+            .enumerate()
+            .filter(|(j, _)| *j != i)
+            .filter_map(|(_, d)| d.pid())
+            .collect();
         self.proxies[i].block(&others);
         for (j, p) in self.proxies.iter().enumerate() {
             if j != i {
@@ -469,7 +515,11 @@ log_level = "info"
 
     /// Region `name`'s share of a tenant's policy, as `name` itself reports it.
     pub async fn share(&self, name: &str, tenant: &str) -> Option<(f64, f64)> {
-        let r = self.daemon(name).get(&format!("/v1/tenants/{tenant}/allowance")).await.ok()?;
+        let r = self
+            .daemon(name)
+            .get(&format!("/v1/tenants/{tenant}/allowance"))
+            .await
+            .ok()?;
         let p = &r.body["policies"][0]["this_region"];
         Some((p["share"].as_f64()?, p["enforced_share"].as_f64()?))
     }

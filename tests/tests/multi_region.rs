@@ -11,7 +11,14 @@ use serde_json::json;
 type Log = Arc<Mutex<Vec<(Duration, u64)>>>;
 
 /// Sends `rate` checks per second through `region` until `until`, logging admissions.
-fn drive(cluster: &Arc<Cluster>, region: &str, rate: u32, start: Instant, until: Instant, log: Log) -> tokio::task::JoinHandle<()> {
+fn drive(
+    cluster: &Arc<Cluster>,
+    region: &str,
+    rate: u32,
+    start: Instant,
+    until: Instant,
+    log: Log,
+) -> tokio::task::JoinHandle<()> {
     let cluster = cluster.clone();
     let region = region.to_string();
     tokio::spawn(async move {
@@ -49,11 +56,17 @@ async fn share_follows_demand_and_the_global_bound_holds() -> anyhow::Result<()>
     // 50 tokens/s, burst 50: the global bucket admits at most 50 + 50·W in any window W.
     cluster
         .daemon("b")
-        .put_policy("acme", "writes", json!({"limit": 50, "window_ms": 1000, "floor": 0.05}))
+        .put_policy(
+            "acme",
+            "writes",
+            json!({"limit": 50, "window_ms": 1000, "floor": 0.05}),
+        )
         .await?;
-    let initial = eventually(Duration::from_secs(10), Duration::from_millis(100), || async {
-        cluster.share("a", "acme").await
-    })
+    let initial = eventually(
+        Duration::from_secs(10),
+        Duration::from_millis(100),
+        || async { cluster.share("a", "acme").await },
+    )
     .await
     .expect("region a sees the policy");
     assert!(initial.0 < 0.4, "a starts near an even split: {initial:?}");
@@ -67,17 +80,27 @@ async fn share_follows_demand_and_the_global_bound_holds() -> anyhow::Result<()>
         drive(&cluster, "b", 10, start, until, log.clone()),
         drive(&cluster, "c", 10, start, until, log.clone()),
     ];
-    let risen = eventually(Duration::from_secs(10), Duration::from_millis(200), || async {
-        let (share, _) = cluster.share("a", "acme").await?;
-        (share >= 0.5).then_some(share)
-    })
+    let risen = eventually(
+        Duration::from_secs(10),
+        Duration::from_millis(200),
+        || async {
+            let (share, _) = cluster.share("a", "acme").await?;
+            (share >= 0.5).then_some(share)
+        },
+    )
     .await;
     for t in tasks {
         t.await?;
     }
     let a = cluster.share("a", "acme").await;
-    eprintln!("a's share: {initial:?} at start, first seen at or above 0.5: {risen:?}, at the end: {a:?}");
-    assert!(risen.is_some(), "a's share rises toward its demand (now {a:?}):\n{}", cluster.daemon("a").log_text());
+    eprintln!(
+        "a's share: {initial:?} at start, first seen at or above 0.5: {risen:?}, at the end: {a:?}"
+    );
+    assert!(
+        risen.is_some(),
+        "a's share rises toward its demand (now {a:?}):\n{}",
+        cluster.daemon("a").log_text()
+    );
 
     let log = log.lock().unwrap().clone();
     let epsilon = 0.1;
@@ -85,7 +108,10 @@ async fn share_follows_demand_and_the_global_bound_holds() -> anyhow::Result<()>
         let bound = (50.0 + 50.0 * w_ms as f64 / 1000.0) * (1.0 + epsilon);
         let seen = max_in_window(&log, Duration::from_millis(w_ms));
         eprintln!("window {w_ms} ms: at most {seen} admitted (bound {bound:.0})");
-        assert!((seen as f64) <= bound, "{seen} admitted in a {w_ms} ms window, above {bound}");
+        assert!(
+            (seen as f64) <= bound,
+            "{seen} admitted in a {w_ms} ms window, above {bound}"
+        );
     }
     Ok(())
 }
@@ -99,11 +125,17 @@ struct Sample {
 }
 
 fn wall_ms() -> u64 {
-    std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_millis() as u64)
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis() as u64)
 }
 
 async fn grants(cluster: &Cluster, from: &str) -> Option<(f64, f64, u64)> {
-    let r = cluster.daemon(from).get("/v1/tenants/acme/allowance").await.ok()?;
+    let r = cluster
+        .daemon(from)
+        .get("/v1/tenants/acme/allowance")
+        .await
+        .ok()?;
     let regions = r.body["policies"][0]["regions"].as_array()?.clone();
     let get = |name: &str| regions.iter().find(|g| g["region"] == name).cloned();
     let (a, b, c) = (get("a")?, get("b")?, get("c")?);
@@ -120,13 +152,21 @@ async fn a_cut_off_region_keeps_its_lease_then_its_floor_and_rejoins() -> anyhow
     let cluster = Arc::new(Cluster::start(&["a", "b", "c"], &t).await?);
     cluster
         .daemon("a")
-        .put_policy("acme", "writes", json!({"limit": 50, "window_ms": 1000, "floor": 0.1}))
+        .put_policy(
+            "acme",
+            "writes",
+            json!({"limit": 50, "window_ms": 1000, "floor": 0.1}),
+        )
         .await?;
     // Every region holds a lease on its share before the cut.
-    let settled = eventually(Duration::from_secs(15), Duration::from_millis(100), || async {
-        let (share, enforced) = cluster.share("c", "acme").await?;
-        (share > 0.2 && enforced == share).then_some(share)
-    })
+    let settled = eventually(
+        Duration::from_secs(15),
+        Duration::from_millis(100),
+        || async {
+            let (share, enforced) = cluster.share("c", "acme").await?;
+            (share > 0.2 && enforced == share).then_some(share)
+        },
+    )
     .await;
     let c_share = settled.expect("c enforces its share under a lease");
 
@@ -149,7 +189,11 @@ async fn a_cut_off_region_keeps_its_lease_then_its_floor_and_rejoins() -> anyhow
     let mut last_c_share = c_share;
     while Instant::now() < until - Duration::from_secs(3) {
         if let Some((ab, c, _)) = grants(&cluster, "a").await {
-            samples.push(Sample { wall_ms: wall_ms(), ab_share: ab, c_share: c });
+            samples.push(Sample {
+                wall_ms: wall_ms(),
+                ab_share: ab,
+                c_share: c,
+            });
         }
         if let Some((share, enforced)) = cluster.share("c", "acme").await {
             last_c_share = share;
@@ -159,14 +203,23 @@ async fn a_cut_off_region_keeps_its_lease_then_its_floor_and_rejoins() -> anyhow
         }
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
-    let floor_at = c_floor_at.expect("c falls back to its floor");
+    let Some(floor_at) = c_floor_at else {
+        let status = cluster.daemon("c").get("/v1/status").await.map(|r| r.body);
+        let allowance = cluster.daemon("c").get("/v1/tenants/acme/allowance").await.map(|r| r.body);
+        let log = cluster.daemon("c").log_text();
+        let tail: String = log.lines().rev().take(30).collect::<Vec<_>>().join("\n");
+        panic!("c never fell back to its floor\nstatus: {status:?}\nallowance: {allowance:?}\nlog (newest first):\n{tail}");
+    };
     let lease_ms = t.lease_ms;
     assert!(
         floor_at - cut_at <= lease_ms + 1_000,
         "c enforced more than its floor {} ms after the cut (lease {lease_ms} ms)",
         floor_at - cut_at
     );
-    assert!(last_c_share > 0.0, "c's last granted share is still visible to it");
+    assert!(
+        last_c_share > 0.0,
+        "c's last granted share is still visible to it"
+    );
     // A and B reuse only C's non-floor share, and only after C's lease expired.
     let margin = t.drift_margin_ms;
     let mut reused = false;
@@ -182,7 +235,10 @@ async fn a_cut_off_region_keeps_its_lease_then_its_floor_and_rejoins() -> anyhow
         }
         assert!(s.c_share >= 0.1 - 1e-6, "c keeps at least its floor: {s:?}");
     }
-    assert!(reused, "a and b reuse c's non-floor share once its lease is over: {samples:?}");
+    assert!(
+        reused,
+        "a and b reuse c's non-floor share once its lease is over: {samples:?}"
+    );
 
     for task in tasks {
         task.await?;
@@ -192,18 +248,31 @@ async fn a_cut_off_region_keeps_its_lease_then_its_floor_and_rejoins() -> anyhow
         let bound = (50.0 + 50.0 * w_ms as f64 / 1000.0) * 1.1;
         let seen = max_in_window(&log, Duration::from_millis(w_ms));
         eprintln!("partition, window {w_ms} ms: at most {seen} admitted (bound {bound:.0})");
-        assert!((seen as f64) <= bound, "{seen} admitted in a {w_ms} ms window, above {bound}");
+        assert!(
+            (seen as f64) <= bound,
+            "{seen} admitted in a {w_ms} ms window, above {bound}"
+        );
     }
 
     cluster.heal();
-    let rejoined = eventually(Duration::from_secs(15), Duration::from_millis(200), || async {
-        let s = cluster.daemon("c").get("/v1/status").await.ok()?;
-        let (share, enforced) = cluster.share("c", "acme").await?;
-        (s.body["raft"]["leader"].is_string() && enforced == share && s.body["lease"]["remaining_ms"].as_u64()? > 0)
-            .then_some(share)
-    })
+    let rejoined = eventually(
+        Duration::from_secs(15),
+        Duration::from_millis(200),
+        || async {
+            let s = cluster.daemon("c").get("/v1/status").await.ok()?;
+            let (share, enforced) = cluster.share("c", "acme").await?;
+            (s.body["raft"]["leader"].is_string()
+                && enforced == share
+                && s.body["lease"]["remaining_ms"].as_u64()? > 0)
+                .then_some(share)
+        },
+    )
     .await;
-    assert!(rejoined.is_some(), "c rejoins and holds a lease again:\n{}", cluster.daemon("c").log_text());
+    assert!(
+        rejoined.is_some(),
+        "c rejoins and holds a lease again:\n{}",
+        cluster.daemon("c").log_text()
+    );
     Ok(())
 }
 
@@ -211,38 +280,77 @@ async fn a_cut_off_region_keeps_its_lease_then_its_floor_and_rejoins() -> anyhow
 async fn a_pinned_tenant_is_decided_by_its_home() -> anyhow::Result<()> {
     let mut cluster = Cluster::start(&["a", "b", "c"], &Timings::default()).await?;
     let b = cluster.daemon("b");
-    b.put_policy("vip", "writes", json!({"limit": 50, "window_ms": 1000, "floor": 0.1})).await?;
-    b.put_policy("vip-strict", "writes", json!({"limit": 50, "window_ms": 1000, "fail_mode": "closed"}))
-        .await?;
+    b.put_policy(
+        "vip",
+        "writes",
+        json!({"limit": 50, "window_ms": 1000, "floor": 0.1}),
+    )
+    .await?;
+    b.put_policy(
+        "vip-strict",
+        "writes",
+        json!({"limit": 50, "window_ms": 1000, "fail_mode": "closed"}),
+    )
+    .await?;
     for tenant in ["vip", "vip-strict"] {
         let r = b
-            .request("PUT", &format!("/v1/tenants/{tenant}/pin"), Some(quotad_system_tests::TOKEN), Some(r#"{"region":"a"}"#.into()))
+            .request(
+                "PUT",
+                &format!("/v1/tenants/{tenant}/pin"),
+                Some(quotad_system_tests::TOKEN),
+                Some(r#"{"region":"a"}"#.into()),
+            )
             .await?;
         assert_eq!(r.status, 204, "{}", r.body);
     }
-    let forwarded = eventually(Duration::from_secs(10), Duration::from_millis(100), || async {
-        let r = cluster.daemon("b").check("vip", "writes", 1).await.ok()?;
-        (r.body["decided_by"] == "a").then_some(r)
-    })
+    let forwarded = eventually(
+        Duration::from_secs(10),
+        Duration::from_millis(100),
+        || async {
+            let r = cluster.daemon("b").check("vip", "writes", 1).await.ok()?;
+            (r.body["decided_by"] == "a").then_some(r)
+        },
+    )
     .await
     .expect("checks in b are decided by a");
-    assert_eq!((forwarded.status, forwarded.body["mode"].as_str()), (200, Some("forwarded")));
+    assert_eq!(
+        (forwarded.status, forwarded.body["mode"].as_str()),
+        (200, Some("forwarded"))
+    );
     assert_eq!(forwarded.body["region"], "b");
 
     // Home unreachable: the policy decides (floor in b, or deny).
     let a = cluster.index("a");
     cluster.daemons[a].kill();
-    let r = cluster.daemons[cluster.index("b")].check("vip", "writes", 1).await?;
-    assert_eq!((r.status, r.body["mode"].as_str(), r.body["decided_by"].as_str()), (200, Some("home_unreachable_floor"), Some("b")), "{}", r.body);
+    let r = cluster.daemons[cluster.index("b")]
+        .check("vip", "writes", 1)
+        .await?;
+    assert_eq!(
+        (
+            r.status,
+            r.body["mode"].as_str(),
+            r.body["decided_by"].as_str()
+        ),
+        (200, Some("home_unreachable_floor"), Some("b")),
+        "{}",
+        r.body
+    );
     // At the floor (10% of a 50-token burst) b admits 5 and then denies.
     let mut admitted = 1;
     for _ in 0..10 {
-        if cluster.daemons[cluster.index("b")].check("vip", "writes", 1).await?.status == 200 {
+        if cluster.daemons[cluster.index("b")]
+            .check("vip", "writes", 1)
+            .await?
+            .status
+            == 200
+        {
             admitted += 1;
         }
     }
     assert_eq!(admitted, 5, "b decides at its floor while a is unreachable");
-    let r = cluster.daemons[cluster.index("b")].check("vip-strict", "writes", 1).await?;
+    let r = cluster.daemons[cluster.index("b")]
+        .check("vip-strict", "writes", 1)
+        .await?;
     assert_eq!(r.status, 503, "{}", r.body);
     assert_eq!(r.body["code"], "TEMPORARY_REDUCED_CAPACITY");
     Ok(())

@@ -169,10 +169,12 @@ impl Plan {
 /// Max-min fair fill: `a_r = max(lower_r, min(cap_r, L))` with the largest level `L` such that
 /// `Σ a ≤ budget`; the few ppm of rounding left go to the regions still below their cap, lowest
 /// slot first. If `Σ max(lower, cap) ≤ budget` every region simply gets that. Requires
-/// `Σ lower ≤ budget` (a smaller budget returns `lower` unchanged).
+/// `Σ lower ≤ budget` (a smaller budget returns `lower` unchanged). Slices are cut to the
+/// shorter one.
 pub fn water_fill(lower: &[u32], cap: &[u64], budget: u32) -> Vec<u32> {
-    let mut out = vec![0; lower.len()];
-    water_fill_into(lower, cap, budget, &mut out);
+    let n = lower.len().min(cap.len());
+    let mut out = vec![0; n];
+    water_fill_into(&lower[..n], &cap[..n], budget, &mut out);
     out
 }
 
@@ -227,9 +229,15 @@ fn water_fill_into(lower: &[u32], cap: &[u64], budget: u32, out: &mut [u32]) {
 
 /// The target split of one policy: floors, then demand water-filled, then the rest evenly over
 /// `eligible` regions. `demand_ppm` is each region's demand in ppm of the budget.
+/// Slices are cut to the shortest of them (and [`MAX_REGIONS`]).
 pub fn target_split(floors: &[u32], demand_ppm: &[u64], eligible: &[bool]) -> Vec<u32> {
-    let mut out = vec![0; floors.len()];
-    target_into(floors, demand_ppm, eligible, &mut out);
+    let n = floors
+        .len()
+        .min(demand_ppm.len())
+        .min(eligible.len())
+        .min(MAX_REGIONS);
+    let mut out = vec![0; n];
+    target_into(&floors[..n], &demand_ppm[..n], &eligible[..n], &mut out);
     out
 }
 
@@ -267,13 +275,11 @@ pub fn choose_home(
     eligible: &[bool],
     hysteresis_ppm: u32,
 ) -> Option<u8> {
-    let best = (0..demand_ppm.len())
+    let n = demand_ppm.len().min(eligible.len());
+    let best = (0..n)
         .filter(|&r| eligible[r] && demand_ppm[r] > 0)
         .max_by_key(|&r| (demand_ppm[r], std::cmp::Reverse(r)))?;
-    let Some(home) = current
-        .map(usize::from)
-        .filter(|&h| h < eligible.len() && eligible[h])
-    else {
+    let Some(home) = current.map(usize::from).filter(|&h| h < n && eligible[h]) else {
         return Some(best as u8);
     };
     let needed = u128::from(demand_ppm[home]) * u128::from(PPM + hysteresis_ppm);
@@ -286,7 +292,8 @@ pub fn choose_home(
 
 /// Moves `current` towards `target` for one round: damped, floors kept, and increases limited
 /// to the room left by what regions may still enforce after this round's decreases
-/// (`enforceable_after_decrease[r]`, which is `≥ current[r]`). Returns the new shares.
+/// (`enforceable_after_decrease[r]`, which is `≥ current[r]`). Returns the new shares; slices
+/// are cut to the shortest of them (and [`MAX_REGIONS`]).
 pub fn step_towards(
     current: &[u32],
     target: &[u32],
@@ -294,12 +301,18 @@ pub fn step_towards(
     enforceable_after_decrease: &[u32],
     max_step_ppm: u32,
 ) -> Vec<u32> {
-    let mut out = vec![0; current.len()];
+    let n = current
+        .len()
+        .min(target.len())
+        .min(floors.len())
+        .min(enforceable_after_decrease.len())
+        .min(MAX_REGIONS);
+    let mut out = vec![0; n];
     step_into(
-        current,
-        target,
-        floors,
-        enforceable_after_decrease,
+        &current[..n],
+        &target[..n],
+        &floors[..n],
+        &enforceable_after_decrease[..n],
         max_step_ppm,
         &mut out,
     );
@@ -420,12 +433,18 @@ pub fn plan(
             continue;
         }
         // Merge-join with the demand map: both are sorted by key.
-        while demand_iter.peek().is_some_and(|(k, _)| *k < key) {
-            demand_iter.next();
-        }
-        let rates = match demand_iter.peek() {
-            Some((k, rates)) if *k == key => &rates[..],
-            _ => &zero[..],
+        // One comparison per step: keys are strings and comparing them dominates.
+        let rates = loop {
+            match demand_iter.peek() {
+                Some((k, rates)) => match (*k).cmp(key) {
+                    std::cmp::Ordering::Less => {
+                        demand_iter.next();
+                    }
+                    std::cmp::Ordering::Equal => break *rates,
+                    std::cmp::Ordering::Greater => break &zero[..],
+                },
+                None => break &zero[..],
+            }
         };
         let rate = entry.policy.rate_ut_per_s().max(1);
         let mut demand_ppm = [0u64; MAX_REGIONS];
@@ -555,6 +574,8 @@ mod tests {
             // A single region takes all it asks for, bounded by the budget.
             (&[0], &[5000], 1000, &[1000]),
             (&[], &[], 1000, &[]),
+            // Mismatched lengths are cut, not a panic.
+            (&[0, 0], &[10], 1000, &[10]),
         ];
         for (i, &(lower, cap, budget, expected)) in cases.iter().enumerate() {
             assert_eq!(water_fill(lower, cap, budget), expected, "case {i}");

@@ -28,6 +28,15 @@
 //!
 //! `apply` never reads a clock: commands carry the leader's `now_ms` and the state clamps it to
 //! be monotonic. Duplicated commands (same [`RequestId`]) get the original response.
+//!
+//! # Limits
+//! - Whether a region reserves floors is fixed when it joins; a region leaves by draining
+//!   (`PutRegion { draining: true }` drops its floor guarantee, the allocator empties it), then
+//!   `RemoveRegion` once it acknowledged and nothing it may enforce is left.
+//! - A deleted policy stays as a tombstone until no region may enforce it; a re-put in the
+//!   meantime starts from zero shares and the allocator raises them as revocations clear.
+//! - The margin must cover clock-rate drift over one lease, the delay between a region sending
+//!   its renewal and the commit, and the clock offset between successive leaders.
 
 use std::collections::{BTreeMap, VecDeque};
 

@@ -3,7 +3,7 @@
 //! the enforceable shares of a policy sum above `PPM`, answers duplicates with the original
 //! response, and its state survives a postcard round trip (the Raft snapshot).
 //!
-//! Cases: `QUOTA_PROPTEST_CASES` (default 64).
+//! Cases: `QUOTA_PROPTEST_CASES` (default 256).
 
 mod common;
 
@@ -20,7 +20,7 @@ fn cases() -> u32 {
     std::env::var("QUOTA_PROPTEST_CASES")
         .ok()
         .and_then(|s| s.parse().ok())
-        .unwrap_or(64)
+        .unwrap_or(256)
 }
 
 fn home() -> impl Strategy<Value = HomeChange> {

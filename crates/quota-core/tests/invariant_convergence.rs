@@ -2,7 +2,7 @@
 //! max-min fair split (within the change threshold) in a bounded number of rounds, and then
 //! stop emitting changes.
 //!
-//! Cases: `QUOTA_PROPTEST_CASES` (default 64).
+//! Cases: `QUOTA_PROPTEST_CASES` (default 256).
 
 mod common;
 
@@ -18,7 +18,7 @@ fn cases() -> u32 {
     std::env::var("QUOTA_PROPTEST_CASES")
         .ok()
         .and_then(|s| s.parse().ok())
-        .unwrap_or(64)
+        .unwrap_or(256)
 }
 
 /// Budget of the test policy: 1000 tokens/s = 10^9 µt/s.
@@ -180,5 +180,55 @@ fn a_joining_region_is_raised_to_its_floor_first() {
     assert!(
         shares.iter().all(|s| s.abs_diff(PPM / 3) <= 10_000),
         "{shares:?}"
+    );
+}
+
+#[test]
+fn a_cut_off_region_loses_share_once_its_lease_runs_out() {
+    let config = AllocatorConfig::default();
+    let mut d = Driver::with_regions(3);
+    d.op(Operation::PutPolicy {
+        key: key("a"),
+        policy: policy(50_000, Tier::Standard),
+    });
+    d.renew_all();
+    let mut demand = DemandTracker::new(config.ewma_alpha_ppm);
+    demand.set(key("a"), vec![0, RATE_UT_PER_S, RATE_UT_PER_S]);
+    // Region 0 is cut off: it neither renews nor acknowledges from now on.
+    let mut rounds_to_settle = None;
+    for n in 0..120 {
+        d.now_ms += 1_000;
+        let p = plan(&d.state, &demand, &config, d.now_ms);
+        let mut id = d.next_id;
+        for cmd in p.into_commands(d.now_ms, 100, || {
+            id += 1;
+            RequestId(id)
+        }) {
+            d.state.apply(&cmd);
+            d.state.check_invariant().unwrap();
+        }
+        d.next_id = id;
+        let epoch = d.state.epoch;
+        for r in 1..3 {
+            d.op(Operation::RenewLease {
+                region: common::region(r),
+                acked_epoch: epoch,
+            });
+        }
+        let shares = &d.state.entries[&key("a")].shares_ppm;
+        if shares[0] == 50_000 && shares[1] + shares[2] == PPM - 50_000 {
+            rounds_to_settle.get_or_insert(n);
+        }
+    }
+    let lease = d.state.lease;
+    let settled = rounds_to_settle.expect("the cut-off region's share was never reused");
+    // Nothing can be reused before its lease (30 s) plus the margin (2 s) ran out.
+    assert!(
+        settled as u64 * 1_000 >= lease.lease_ms + lease.drift_margin_ms,
+        "settled after {settled} rounds"
+    );
+    assert_eq!(
+        d.state.entries[&key("a")].shares_ppm,
+        [50_000, 475_000, 475_000]
     );
 }

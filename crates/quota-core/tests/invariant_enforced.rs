@@ -8,7 +8,7 @@
 //! `region::enforced_share(replica grant, local clock)` must be ≤ PPM, and the leader's own
 //! bookkeeping must satisfy `check_invariant`.
 //!
-//! Cases: `QUOTA_PROPTEST_CASES` (default 64) — e.g. `QUOTA_PROPTEST_CASES=5000` for a soak.
+//! Cases: `QUOTA_PROPTEST_CASES` (default 256) — e.g. `QUOTA_PROPTEST_CASES=5000` for a soak.
 
 mod common;
 
@@ -38,7 +38,7 @@ fn cases() -> u32 {
     std::env::var("QUOTA_PROPTEST_CASES")
         .ok()
         .and_then(|s| s.parse().ok())
-        .unwrap_or(64)
+        .unwrap_or(256)
 }
 
 #[derive(Debug, Clone)]

@@ -5,7 +5,9 @@
 //!    each with its own redb file (fsync per commit); sequential writes on the leader, then on a
 //!    follower (forwarded).
 //! 2. Snapshots of 100 000 and 1 000 000 tenants × 5 regions, built through quota-core commands:
-//!    size, build time (encode + durable write) and install time (decode + durable write).
+//!    size, build time (encode + durable write), install time in a state machine (decode +
+//!    durable write), and the leader's path: one POST to a fresh follower's peer API, installed
+//!    there.
 //!
 //! `QUOTA_RAFT_BENCH_TENANTS=100000` limits the snapshot sizes (comma-separated list).
 
@@ -17,10 +19,15 @@ use std::time::{Duration, Instant};
 
 use commands::{put_policy, put_region, set_shares};
 use hdrhistogram::Histogram;
+use openraft::error::ReplicationClosed;
+use openraft::network::{RPCOption, RaftNetwork, RaftNetworkFactory};
 use openraft::storage::RaftStateMachine;
-use openraft::{CommittedLeaderId, Entry, EntryPayload, LogId, RaftSnapshotBuilder};
+use openraft::{
+    CommittedLeaderId, Entry, EntryPayload, LogId, RaftSnapshotBuilder, Snapshot, Vote,
+};
 use quota_core::coordinator::{Command, Operation, RequestId, Response};
 use quota_core::RegionId;
+use quota_raft::network::HttpNetwork;
 use quota_raft::storage;
 use quota_raft::{Coordinator, Member, RaftConfig, TypeConfig};
 use tempfile::TempDir;
@@ -210,6 +217,10 @@ async fn snapshot(tenants: u64) {
     let build = t.elapsed();
     let bytes = snap.snapshot.len();
 
+    let copy = Snapshot {
+        meta: snap.meta.clone(),
+        snapshot: snap.snapshot.clone(),
+    };
     let (_log2, mut target) = storage::open(&dir.path().join("target")).unwrap();
     let t = Instant::now();
     target
@@ -219,12 +230,66 @@ async fn snapshot(tenants: u64) {
     let install = t.elapsed();
     let same = target.handle().read(|a| sm.handle().read(|b| a == b));
     assert!(same, "installed state differs from the source");
+    drop(target);
+    let (follower, http_install) = install_over_http(&dir, copy).await;
+    let same = follower.read(|a| sm.handle().read(|b| a == b));
+    assert!(same, "state installed over HTTP differs from the source");
+    follower.shutdown().await.unwrap();
     println!(
-        "snapshot {tenants} tenants x {} regions: {bytes} bytes ({:.1} bytes/tenant), build {:.2} s, install {:.2} s (state filled through {index} commands in {:.1} s, {shares_accepted} share updates accepted)",
+        "snapshot {tenants} tenants x {} regions: {bytes} bytes ({:.1} bytes/tenant), build {:.2} s, install {:.2} s in the state machine, {:.2} s sent over loopback HTTP and installed by a follower (state filled through {index} commands in {:.1} s, {shares_accepted} share updates accepted)",
         REGIONS.len(),
         bytes as f64 / tenants as f64,
         build.as_secs_f64(),
         install.as_secs_f64(),
+        http_install.as_secs_f64(),
         fill.as_secs_f64(),
     );
+}
+
+/// Sends `snapshot` the way a leader does (one POST to the peer API) to a fresh follower;
+/// returns the follower and how long sending plus installing took.
+async fn install_over_http(
+    dir: &TempDir,
+    snapshot: Snapshot<TypeConfig>,
+) -> (Coordinator, Duration) {
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap().to_string();
+    let target = Member {
+        region: "us".into(),
+        peer_addr: addr.clone(),
+        admin_addr: addr,
+    };
+    // Node 1 (the bootstrapper) never runs: node 2 stays uninitialized until the snapshot lands.
+    let nowhere = "127.0.0.1:9".to_string();
+    let members = BTreeMap::from([
+        (
+            1,
+            Member {
+                region: "eu".into(),
+                peer_addr: nowhere.clone(),
+                admin_addr: nowhere,
+            },
+        ),
+        (2, target.clone()),
+    ]);
+    let secret = "bench-secret-0123456789";
+    let cfg = RaftConfig::new(2, members, dir.path().join("http-target"), secret);
+    let node = Coordinator::start(cfg).await.unwrap();
+    let router = node.peer_router();
+    tokio::spawn(async move { axum::serve(listener, router).await.unwrap() });
+    let mut client = HttpNetwork::new(1, secret)
+        .unwrap()
+        .new_client(2, &target)
+        .await;
+    let t = Instant::now();
+    client
+        .full_snapshot(
+            Vote::new_committed(1, 1),
+            snapshot,
+            futures::future::pending::<ReplicationClosed>(),
+            RPCOption::new(Duration::from_secs(120)),
+        )
+        .await
+        .unwrap();
+    (node, t.elapsed())
 }

@@ -126,6 +126,22 @@ async fn single_node_cluster_writes_and_recovers() {
         "state survives a restart"
     );
     node.coordinator.write(put_policy(2, 9, 10)).await.unwrap();
+
+    // Raft stopping underneath the daemon is what wait_fatal reports.
+    let watcher = {
+        let c = node.coordinator.clone();
+        tokio::spawn(async move { c.wait_fatal().await })
+    };
+    node.coordinator.raft().shutdown().await.unwrap();
+    let message = tokio::time::timeout(Duration::from_secs(10), watcher)
+        .await
+        .unwrap()
+        .unwrap();
+    assert!(!message.is_empty());
+    assert!(matches!(
+        node.coordinator.write(put_policy(3, 11, 12)).await,
+        Err(WriteError::Fatal { .. })
+    ));
 }
 
 async fn three_nodes(dir: &TempDir) -> (BTreeMap<NodeId, Member>, Vec<Node>) {

@@ -7,11 +7,12 @@
 //! which routes each call by its first key. Every call is bounded by a timeout.
 //!
 //! Usage collection drains activity indexes (see `quota_core::keys`): one set on standalone
-//! Redis; on Cluster one per slot, so a collection walks all 16 384 slot indexes — 16 384 small
-//! script calls (issued [`CLUSTER_COLLECT_CONCURRENCY`] at a time) plus O(active buckets), a
-//! fixed cost of a few hundred ms per report interval, independent of the number of tenants.
+//! Redis; on Cluster one per slot, so a full collection walks all 16 384 slot indexes: 16 384
+//! small script calls (issued [`CLUSTER_COLLECT_CONCURRENCY`] at a time) plus O(active
+//! buckets) — a fixed cost per report interval, independent of the number of tenants.
 
 use std::fmt;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -93,6 +94,9 @@ pub struct RedisStore {
     timeout: Duration,
     /// Cluster only: the hash tag of every slot, for the per-slot activity indexes.
     slot_tags: Option<Arc<Vec<String>>>,
+    /// Cluster only: the slot the next collection starts at, so a small `max` cannot starve
+    /// the high slots.
+    next_slot: Arc<AtomicUsize>,
 }
 
 impl fmt::Debug for RedisStore {
@@ -184,6 +188,7 @@ impl RedisStore {
             scripts,
             timeout: config.timeout,
             slot_tags,
+            next_slot: Arc::new(AtomicUsize::new(0)),
         })
     }
 
@@ -194,6 +199,19 @@ impl RedisStore {
             Some(tags) => {
                 keys::slot_index_key_for_tag(&tags[usize::from(keys::key_slot(state_key))])
             }
+        }
+    }
+
+    /// Awaits a Redis call within the configured timeout, mapping its errors.
+    async fn bounded<T>(
+        &self,
+        call: impl std::future::Future<Output = redis::RedisResult<T>>,
+    ) -> Result<T, StoreError> {
+        match tokio::time::timeout(self.timeout, call).await {
+            Ok(r) => r.map_err(|e| from_redis(&e)),
+            Err(_) => Err(StoreError::Timeout {
+                ms: self.timeout.as_millis() as u64,
+            }),
         }
     }
 
@@ -233,12 +251,7 @@ impl RedisStore {
                 r => r,
             }
         };
-        match tokio::time::timeout(self.timeout, call).await {
-            Ok(r) => r.map_err(|e| from_redis(&e)),
-            Err(_) => Err(StoreError::Timeout {
-                ms: self.timeout.as_millis() as u64,
-            }),
-        }
+        self.bounded(call).await
     }
 
     /// Runs one plain command within the timeout.
@@ -249,12 +262,7 @@ impl RedisStore {
                 Conn::Cluster(mut c) => cmd.query_async(&mut c).await,
             }
         };
-        match tokio::time::timeout(self.timeout, call).await {
-            Ok(r) => r.map_err(|e| from_redis(&e)),
-            Err(_) => Err(StoreError::Timeout {
-                ms: self.timeout.as_millis() as u64,
-            }),
-        }
+        self.bounded(call).await
     }
 
     /// Runs an atomic pipeline (MULTI/EXEC) on one slot within the timeout.
@@ -265,16 +273,16 @@ impl RedisStore {
                 Conn::Cluster(mut c) => pipe.query_async::<()>(&mut c).await,
             }
         };
-        match tokio::time::timeout(self.timeout, call).await {
-            Ok(r) => r.map_err(|e| from_redis(&e)),
-            Err(_) => Err(StoreError::Timeout {
-                ms: self.timeout.as_millis() as u64,
-            }),
-        }
+        self.bounded(call).await
     }
 
-    /// Drains up to `max` records from one activity index.
-    async fn collect_index(&self, index: &str, max: usize) -> Result<Vec<UsageRecord>, StoreError> {
+    /// Takes up to `max` keys from one activity index; returns how many were taken and the
+    /// usage of those still alive.
+    async fn collect_index(
+        &self,
+        index: &str,
+        max: usize,
+    ) -> Result<(usize, Vec<UsageRecord>), StoreError> {
         let n = max.clamp(1, COLLECT_BATCH_MAX).to_string();
         let reply: Vec<Value> = self
             .invoke(&self.scripts.collect_usage, &[index], &[&n])
@@ -297,8 +305,21 @@ impl RedisStore {
     }
 }
 
-/// Decodes `{key, admitted, denied, …}`; keys this schema did not write are skipped.
-fn parse_usage(reply: Vec<Value>) -> Result<Vec<UsageRecord>, StoreError> {
+/// Decodes `{taken, key, admitted, denied, …}`; keys this schema did not write are skipped.
+fn parse_usage(reply: Vec<Value>) -> Result<(usize, Vec<UsageRecord>), StoreError> {
+    let parse = |e: redis::ParsingError| StoreError::Protocol {
+        reason: e.to_string(),
+    };
+    let mut it = reply.into_iter();
+    let taken: usize = match it.next() {
+        Some(v) => redis::from_redis_value(v).map_err(parse)?,
+        None => {
+            return Err(StoreError::Protocol {
+                reason: "empty usage reply".into(),
+            })
+        }
+    };
+    let reply: Vec<Value> = it.collect();
     if !reply.len().is_multiple_of(3) {
         return Err(StoreError::Protocol {
             reason: format!("usage reply of {} items", reply.len()),
@@ -307,9 +328,6 @@ fn parse_usage(reply: Vec<Value>) -> Result<Vec<UsageRecord>, StoreError> {
     let mut out = Vec::with_capacity(reply.len() / 3);
     let mut it = reply.into_iter();
     while let (Some(k), Some(a), Some(d)) = (it.next(), it.next(), it.next()) {
-        let parse = |e: redis::ParsingError| StoreError::Protocol {
-            reason: e.to_string(),
-        };
         let key: String = redis::from_redis_value(k).map_err(parse)?;
         let admitted: u64 = redis::from_redis_value(a).map_err(parse)?;
         let denied: u64 = redis::from_redis_value(d).map_err(parse)?;
@@ -328,7 +346,7 @@ fn parse_usage(reply: Vec<Value>) -> Result<Vec<UsageRecord>, StoreError> {
             None => tracing::warn!("Skipped a foreign key in the activity index."),
         }
     }
-    Ok(out)
+    Ok((taken, out))
 }
 
 impl Store for RedisStore {
@@ -375,36 +393,41 @@ impl Store for RedisStore {
         match &self.slot_tags {
             None => {
                 let mut out = Vec::new();
+                // Go on while batches come back full: expired keys leave the index without a
+                // record, so a batch may hold fewer records than keys taken.
                 while out.len() < max {
-                    let want = max - out.len();
-                    let batch = self.collect_index(keys::ACTIVE_INDEX, want).await?;
-                    let done = batch.len() < want.min(COLLECT_BATCH_MAX);
+                    let want = (max - out.len()).min(COLLECT_BATCH_MAX);
+                    let (taken, batch) = self.collect_index(keys::ACTIVE_INDEX, want).await?;
                     out.extend(batch);
-                    if done {
+                    if taken < want {
                         break;
                     }
                 }
                 Ok(out)
             }
             Some(tags) => {
-                // Slots are drained in chunks; the asks of a chunk never add up to more than
-                // what is still wanted, so nothing is taken out of Redis and then dropped.
+                // Slots are drained in chunks, starting where the previous collection stopped;
+                // the asks of a chunk never add up to more than what is still wanted, so
+                // nothing is taken out of Redis and then dropped.
+                let start = self.next_slot.load(Ordering::Relaxed) % tags.len();
                 let mut out = Vec::new();
-                let mut next = 0;
-                while next < tags.len() && out.len() < max {
+                let mut done = 0;
+                while done < tags.len() && out.len() < max {
                     let remaining = max - out.len();
                     let chunk = CLUSTER_COLLECT_CONCURRENCY
                         .min(remaining)
-                        .min(tags.len() - next);
+                        .min(tags.len() - done);
                     let ask = (remaining / chunk).min(COLLECT_BATCH_MAX);
-                    let calls = tags[next..next + chunk].iter().map(|tag| {
-                        let index = keys::slot_index_key_for_tag(tag);
+                    let calls = (done..done + chunk).map(|i| {
+                        let index = keys::slot_index_key_for_tag(&tags[(start + i) % tags.len()]);
                         async move { self.collect_index(&index, ask).await }
                     });
                     let batches = futures::future::try_join_all(calls).await?;
-                    out.extend(batches.into_iter().flatten());
-                    next += chunk;
+                    out.extend(batches.into_iter().flat_map(|(_, records)| records));
+                    done += chunk;
                 }
+                self.next_slot
+                    .store((start + done) % tags.len(), Ordering::Relaxed);
                 Ok(out)
             }
         }

@@ -34,11 +34,31 @@ async fn an_idle_bucket_expires_after_its_ttl_and_returns_full() {
     let pttl: i64 = c.pttl(&key).await.unwrap();
     // At least the time to refill fully (1000 ms), plus at most a quarter of slack.
     assert!((900..=1250).contains(&pttl), "pttl {pttl}");
+    // Many other one-shot buckets that will expire while listed in the activity index.
+    for _ in 0..250 {
+        s.check(&req(&fresh_bucket("gone"), l, 1, None))
+            .await
+            .unwrap();
+    }
     tokio::time::sleep(Duration::from_millis(1400)).await;
     let exists: bool = c.exists(&key).await.unwrap();
     assert!(!exists, "the idle bucket should have expired");
     let d = s.check(&req(&b, l, 1, None)).await.unwrap();
     assert_eq!((d.allowed, d.remaining), (true, 0));
+    // Regression: batches made only of expired keys yield no records, and must not end the
+    // collection early. Only the live bucket is reported (its usage since it came back), and
+    // the index is drained.
+    let usage = s.collect_usage(10).await.unwrap();
+    assert_eq!(
+        usage,
+        vec![quota_store::UsageRecord {
+            bucket: b,
+            admitted: 1,
+            denied: 0
+        }]
+    );
+    let left: u64 = c.scard(quota_core::keys::ACTIVE_INDEX).await.unwrap();
+    assert_eq!(left, 0);
 }
 
 #[tokio::test]

@@ -98,6 +98,14 @@ pub enum CoordError {
     UnknownRegion { region: RegionId },
     #[error("the coordinator is unavailable: {reason}")]
     Unavailable { reason: String },
+    #[error("a single-region daemon has no cluster membership")]
+    NotClustered,
+    #[error("only the leader changes membership (leader: node {leader:?})")]
+    NotLeader { leader: Option<u64> },
+    #[error("membership change rejected: {message}")]
+    Rejected { message: String },
+    #[error("node {node_id} is not a member")]
+    UnknownNode { node_id: u64 },
 }
 
 /// The coordinator behind the daemon.
@@ -164,6 +172,34 @@ impl Coordinator {
         match self {
             Coordinator::Local(c) => Ok(c.unpin(&tenant)),
             Coordinator::Replicated(c) => c.unpin(tenant).await,
+        }
+    }
+
+    /// Adds a node as a learner (leader only); it catches up, then may be promoted.
+    pub async fn add_member(
+        &self,
+        node_id: u64,
+        member: quota_raft::Member,
+    ) -> Result<(), CoordError> {
+        match self {
+            Coordinator::Local(_) => Err(CoordError::NotClustered),
+            Coordinator::Replicated(c) => c.add_member(node_id, member).await,
+        }
+    }
+
+    /// Makes a learner a voter (leader only).
+    pub async fn promote_member(&self, node_id: u64) -> Result<(), CoordError> {
+        match self {
+            Coordinator::Local(_) => Err(CoordError::NotClustered),
+            Coordinator::Replicated(c) => c.promote_member(node_id).await,
+        }
+    }
+
+    /// Removes a node from the Raft group (leader only).
+    pub async fn remove_member(&self, node_id: u64) -> Result<(), CoordError> {
+        match self {
+            Coordinator::Local(_) => Err(CoordError::NotClustered),
+            Coordinator::Replicated(c) => c.remove_member(node_id).await,
         }
     }
 

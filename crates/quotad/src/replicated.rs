@@ -154,6 +154,11 @@ impl Replicated {
         })
     }
 
+    /// This daemon's region.
+    pub fn region(&self) -> &RegionId {
+        &self.region
+    }
+
     /// Snapshot receiver.
     pub fn subscribe(&self) -> watch::Receiver<Arc<ClusterView>> {
         self.tx.subscribe()
@@ -215,7 +220,9 @@ impl Replicated {
     /// Local wall-clock ms at which this region's lease (minus the margin) ends; 0 without one.
     pub fn lease_end_local_ms(&self) -> u64 {
         let lease = self.lease.lock().unwrap_or_else(|e| e.into_inner());
-        lease.lease().map_or(0, |l| l.end_local_ms(self.lease_config.drift_margin_ms))
+        lease
+            .lease()
+            .map_or(0, |l| l.end_local_ms(self.lease_config.drift_margin_ms))
     }
 
     /// Records that this region's store now enforces the allocation of `epoch`.
@@ -377,7 +384,11 @@ impl Replicated {
                 .iter()
                 .enumerate()
                 .filter_map(|(i, r)| r.as_ref().map(|r| (i, r)))
-                .filter(|(_, r)| now > r.lease_expires_at_ms.saturating_add(s.lease.drift_margin_ms))
+                .filter(|(_, r)| {
+                    now > r
+                        .lease_expires_at_ms
+                        .saturating_add(s.lease.drift_margin_ms)
+                })
                 .map(|(i, _)| i as u8)
                 .collect()
         });
@@ -506,6 +517,35 @@ impl Replicated {
         })
     }
 
+    /// Adds a learner and registers its region, so the allocator may give it share once it
+    /// holds a lease.
+    pub async fn add_member(&self, node_id: u64, member: Member) -> Result<(), CoordError> {
+        let region = RegionId::new(member.region.as_str()).map_err(|e| CoordError::Rejected {
+            message: e.to_string(),
+        })?;
+        self.raft
+            .add_learner(node_id, member)
+            .await
+            .map_err(membership_error)?;
+        self.write(Operation::PutRegion {
+            region,
+            reserves_floor: true,
+            draining: false,
+        })
+        .await?;
+        Ok(())
+    }
+
+    /// Promotes a learner to voter.
+    pub async fn promote_member(&self, node_id: u64) -> Result<(), CoordError> {
+        self.raft.promote(node_id).await.map_err(membership_error)
+    }
+
+    /// Removes a node from the Raft group (its region's share stays until drained).
+    pub async fn remove_member(&self, node_id: u64) -> Result<(), CoordError> {
+        self.raft.remove(node_id).await.map_err(membership_error)
+    }
+
     /// Raft role, leader, term and members for /v1/status.
     pub fn status(&self) -> CoordinatorStatus {
         let s = self.raft.status();
@@ -613,4 +653,14 @@ async fn receive_usage(
     }
     me.record_report(&report);
     StatusCode::NO_CONTENT
+}
+
+fn membership_error(e: quota_raft::MembershipError) -> CoordError {
+    use quota_raft::MembershipError as M;
+    match e {
+        M::NotLeader { leader_id } => CoordError::NotLeader { leader: leader_id },
+        M::Rejected { message } => CoordError::Rejected { message },
+        M::UnknownNode { node_id } => CoordError::UnknownNode { node_id },
+        other => unavailable(other),
+    }
 }

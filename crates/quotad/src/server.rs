@@ -14,13 +14,13 @@ use quota_store::{AnyStore, RedisStoreConfig};
 use tokio::net::TcpListener;
 use tokio::sync::watch;
 
-use crate::agent;
 use crate::api::{self, AppState};
 use crate::breaker::Breaker;
 use crate::config::{Secret, Settings};
 use crate::coordination::{Coordinator, LocalCoordinator};
 use crate::decision::{Decider, DeciderParts};
 use crate::replicated::Replicated;
+use crate::{agent, telemetry};
 
 /// Resolves once SIGTERM or Ctrl-C arrives.
 pub async fn shutdown_signal() {
@@ -256,8 +256,19 @@ async fn replicated_loops(
                     break;
                 }
                 r.rebuild_view();
+                export_raft_metrics(r);
             }
         }
     }
     let _ = leader.await;
+}
+
+/// Raft term, leadership and applied index as gauges (labelled by region only).
+fn export_raft_metrics(r: &Replicated) {
+    let s = r.status();
+    let region = r.region().as_str().to_string();
+    metrics::gauge!(telemetry::RAFT_TERM, "region" => region.clone()).set(s.term as f64);
+    metrics::gauge!(telemetry::RAFT_IS_LEADER, "region" => region.clone())
+        .set(if s.role == "leader" { 1.0 } else { 0.0 });
+    metrics::gauge!(telemetry::RAFT_APPLIED_INDEX, "region" => region).set(s.applied_index as f64);
 }

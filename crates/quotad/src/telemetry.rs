@@ -12,7 +12,7 @@ use quota_core::PolicyName;
 
 use crate::config::{LogFormat, TelemetryConfig};
 
-/// Decisions made, by policy, region and outcome.
+/// Decisions made, by policy, region and outcome (`degraded_*` outcomes count degraded mode).
 pub const DECISIONS_TOTAL: &str = "quotad_decisions_total";
 /// Latency of one regional store call, in seconds.
 pub const STORE_LATENCY_SECONDS: &str = "quotad_store_latency_seconds";
@@ -20,8 +20,6 @@ pub const STORE_LATENCY_SECONDS: &str = "quotad_store_latency_seconds";
 pub const STORE_ERRORS_TOTAL: &str = "quotad_store_errors_total";
 /// 1 while the circuit breaker around the regional store is open (degraded mode).
 pub const DEGRADED: &str = "quotad_degraded";
-/// Decisions made in degraded mode, by policy, region and fail mode.
-pub const DEGRADED_DECISIONS_TOTAL: &str = "quotad_degraded_decisions_total";
 /// Retry-After handed out on denials, in seconds.
 pub const RETRY_AFTER_SECONDS: &str = "quotad_retry_after_seconds";
 /// Milliseconds left on this region's lease.
@@ -137,7 +135,7 @@ pub struct DecisionMetrics {
     by_policy: RwLock<HashMap<PolicyName, PolicyHandles>>,
 }
 
-#[derive(Debug, Clone)]
+#[derive(Debug)]
 struct PolicyHandles {
     decisions: [Counter; 6],
     check_duration: Histogram,
@@ -151,34 +149,30 @@ impl DecisionMetrics {
         }
     }
 
-    fn handles(&self, policy: &PolicyName) -> PolicyHandles {
-        if let Some(h) = self
-            .by_policy
-            .read()
-            .unwrap_or_else(|e| e.into_inner())
-            .get(policy)
+    /// Counts one decision and its duration.
+    pub fn record(&self, policy: &PolicyName, outcome: Outcome, seconds: f64) {
         {
-            return h.clone();
+            let map = self.by_policy.read().unwrap_or_else(|e| e.into_inner());
+            if let Some(h) = map.get(policy) {
+                h.decisions[outcome.index()].increment(1);
+                h.check_duration.record(seconds);
+                return;
+            }
         }
         let name = policy.as_str().to_string();
+        let region = &self.region;
         let h = PolicyHandles {
             decisions: Outcome::ALL.map(|o| {
-                metrics::counter!(DECISIONS_TOTAL, "policy" => name.clone(), "region" => self.region.clone(), "outcome" => o.label())
+                metrics::counter!(DECISIONS_TOTAL, "policy" => name.clone(), "region" => region.clone(), "outcome" => o.label())
             }),
-            check_duration: metrics::histogram!(CHECK_DURATION_SECONDS, "policy" => name.clone(), "region" => self.region.clone()),
+            check_duration: metrics::histogram!(CHECK_DURATION_SECONDS, "policy" => name.clone(), "region" => region.clone()),
         };
+        h.decisions[outcome.index()].increment(1);
+        h.check_duration.record(seconds);
         self.by_policy
             .write()
             .unwrap_or_else(|e| e.into_inner())
-            .insert(policy.clone(), h.clone());
-        h
-    }
-
-    /// Counts one decision and its duration.
-    pub fn record(&self, policy: &PolicyName, outcome: Outcome, seconds: f64) {
-        let h = self.handles(policy);
-        h.decisions[outcome.index()].increment(1);
-        h.check_duration.record(seconds);
+            .insert(policy.clone(), h);
     }
 
     /// The region label value.

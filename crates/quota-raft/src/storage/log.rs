@@ -55,12 +55,13 @@ impl LogStore {
         &self,
         key: &str,
         value: &T,
+        durability: Durability,
         err: fn(anyerror::AnyError) -> StorageIOError<u64>,
     ) -> Result<(), StorageError> {
         let run = || -> Result<(), anyerror::AnyError> {
             let bytes = encode(value).map_err(any)?;
             let mut txn = self.db.begin_write().map_err(any)?;
-            txn.set_durability(Durability::Immediate).map_err(any)?;
+            txn.set_durability(durability).map_err(any)?;
             {
                 let mut table = txn.open_table(META).map_err(any)?;
                 table.insert(key, bytes.as_slice()).map_err(any)?;
@@ -153,7 +154,13 @@ impl RaftLogStorage<TypeConfig> for LogStore {
     }
 
     async fn save_vote(&mut self, vote: &Vote) -> Result<(), StorageError> {
-        self.write_meta(meta_key::VOTE, vote, StorageIOError::write_vote)
+        // Durable before returning: a vote forgotten in a crash could be cast twice in a term.
+        self.write_meta(
+            meta_key::VOTE,
+            vote,
+            Durability::Immediate,
+            StorageIOError::write_vote,
+        )
     }
 
     async fn read_vote(&mut self) -> Result<Option<Vote>, StorageError> {
@@ -161,7 +168,14 @@ impl RaftLogStorage<TypeConfig> for LogStore {
     }
 
     async fn save_committed(&mut self, committed: Option<LogId>) -> Result<(), StorageError> {
-        self.write_meta(meta_key::COMMITTED, &committed, StorageIOError::write)
+        // No fsync of its own: a committed index lost in a crash only means re-applying less at
+        // start-up (the leader re-sends it), and the next log append's fsync persists it anyway.
+        self.write_meta(
+            meta_key::COMMITTED,
+            &committed,
+            Durability::None,
+            StorageIOError::write,
+        )
     }
 
     async fn read_committed(&mut self) -> Result<Option<LogId>, StorageError> {

@@ -2,14 +2,14 @@
 
 use std::sync::atomic::Ordering;
 
-use axum::extract::{Query, State};
+use axum::extract::{Path, Query, State};
 use axum::http::{header, HeaderValue, StatusCode};
 use axum::response::{IntoResponse, Response};
-use quota_core::{PolicyName, TenantId};
+use quota_core::{PolicyName, RegionId, TenantId};
 use serde::{Deserialize, Serialize};
 
-use crate::api::problem::{ApiError, Problem};
-use crate::api::tenants::PolicyView;
+use crate::api::problem::{ApiError, ApiJson, Problem};
+use crate::api::tenants::{coord_error, PolicyView};
 use crate::api::AppState;
 use crate::clock;
 use crate::coordination::MemberStatus;
@@ -82,7 +82,11 @@ pub async fn status(State(state): State<AppState>) -> axum::Json<StatusView> {
     let s = state.coordinator.status();
     let view = state.coordinator.view();
     let region = state.decider.region();
-    let grants = view.policies.values().filter(|e| e.grants.contains_key(region)).count();
+    let grants = view
+        .policies
+        .values()
+        .filter(|e| e.grants.contains_key(region))
+        .count();
     let end = (view.lease_end_local_ms != u64::MAX).then_some(view.lease_end_local_ms);
     let now = clock::wall_ms();
     axum::Json(StatusView {
@@ -135,6 +139,98 @@ pub async fn members(State(state): State<AppState>) -> axum::Json<MembersView> {
         members: s.members.iter().map(MemberView::from).collect(),
         leader: s.leader.map(|r| r.as_str().to_string()),
     })
+}
+
+/// A node to add to the cluster.
+#[derive(Debug, Deserialize, utoipa::ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct NewMember {
+    pub node_id: u64,
+    pub region: String,
+    /// `host:port` of its peer (Raft) listener.
+    pub peer: String,
+    /// `host:port` of its admin API.
+    pub api: String,
+}
+
+/// Adds a node as a learner (on the leader); promote it once it caught up.
+#[utoipa::path(
+    post,
+    path = "/v1/cluster/members",
+    request_body = NewMember,
+    responses(
+        (status = 204, description = "Added as a learner"),
+        (status = 400, body = Problem, content_type = "application/problem+json"),
+        (status = 409, description = "Not the leader, or a single-region daemon", body = Problem, content_type = "application/problem+json"),
+    ),
+    security(("bearer" = [])),
+    tag = "cluster"
+)]
+pub async fn add_member(
+    State(state): State<AppState>,
+    ApiJson(m): ApiJson<NewMember>,
+) -> Result<StatusCode, ApiError> {
+    if m.node_id == 0 {
+        return Err(ApiError::field("node_id", &"must be at least 1"));
+    }
+    RegionId::new(m.region.as_str()).map_err(|e| ApiError::field("region", &e))?;
+    for (field, addr) in [("peer", &m.peer), ("api", &m.api)] {
+        addr.parse::<std::net::SocketAddr>()
+            .map_err(|_| ApiError::field(field, &"must be an IP:port address"))?;
+    }
+    let member = quota_raft::Member {
+        region: m.region,
+        peer_addr: m.peer,
+        admin_addr: m.api,
+    };
+    state
+        .coordinator
+        .add_member(m.node_id, member)
+        .await
+        .map_err(coord_error)?;
+    Ok(StatusCode::NO_CONTENT)
+}
+
+/// Makes a learner a voter (on the leader).
+#[utoipa::path(
+    post,
+    path = "/v1/cluster/members/{node_id}/promote",
+    params(("node_id" = u64, Path)),
+    responses((status = 204), (status = 404, body = Problem, content_type = "application/problem+json"), (status = 409, body = Problem, content_type = "application/problem+json")),
+    security(("bearer" = [])),
+    tag = "cluster"
+)]
+pub async fn promote_member(
+    State(state): State<AppState>,
+    Path(node_id): Path<u64>,
+) -> Result<StatusCode, ApiError> {
+    state
+        .coordinator
+        .promote_member(node_id)
+        .await
+        .map_err(coord_error)?;
+    Ok(StatusCode::NO_CONTENT)
+}
+
+/// Removes a node from the Raft group (on the leader).
+#[utoipa::path(
+    delete,
+    path = "/v1/cluster/members/{node_id}",
+    params(("node_id" = u64, Path)),
+    responses((status = 204), (status = 404, body = Problem, content_type = "application/problem+json"), (status = 409, body = Problem, content_type = "application/problem+json")),
+    security(("bearer" = [])),
+    tag = "cluster"
+)]
+pub async fn remove_member(
+    State(state): State<AppState>,
+    Path(node_id): Path<u64>,
+) -> Result<StatusCode, ApiError> {
+    state
+        .coordinator
+        .remove_member(node_id)
+        .await
+        .map_err(coord_error)?;
+    Ok(StatusCode::NO_CONTENT)
 }
 
 /// Paging of GET /v1/policies.

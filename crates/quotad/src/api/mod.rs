@@ -18,7 +18,7 @@ use std::time::Duration;
 use axum::extract::DefaultBodyLimit;
 use axum::http::{HeaderName, Request, StatusCode};
 use axum::middleware;
-use axum::routing::{get, post, put};
+use axum::routing::{delete, get, post, put};
 use axum::Router;
 use metrics_exporter_prometheus::PrometheusHandle;
 use tower_http::request_id::{
@@ -81,6 +81,9 @@ impl MakeRequestId for RequestIds {
         tenants::allowance,
         cluster::status,
         cluster::members,
+        cluster::add_member,
+        cluster::promote_member,
+        cluster::remove_member,
         cluster::list_policies,
         cluster::livez,
         cluster::readyz,
@@ -106,6 +109,15 @@ pub fn app(state: AppState) -> Router {
             put(tenants::put_pin).delete(tenants::delete_pin),
         )
         .route("/v1/policies", get(cluster::list_policies))
+        .route("/v1/cluster/members", post(cluster::add_member))
+        .route(
+            "/v1/cluster/members/{node_id}/promote",
+            post(cluster::promote_member),
+        )
+        .route(
+            "/v1/cluster/members/{node_id}",
+            delete(cluster::remove_member),
+        )
         .route_layer(middleware::from_fn_with_state(
             state.clone(),
             auth::require_token,

@@ -72,6 +72,8 @@ pub enum ApiError {
     ReducedCapacity { policy: String, reason: String },
     #[error("coordinator unavailable: {reason}")]
     CoordinatorUnavailable { reason: String },
+    #[error("{detail}")]
+    Conflict { detail: String },
     #[error("internal error")]
     Internal {
         context: &'static str,
@@ -107,6 +109,7 @@ impl ApiError {
             ApiError::CoordinatorUnavailable { .. } => {
                 (StatusCode::SERVICE_UNAVAILABLE, "COORDINATOR_UNAVAILABLE")
             }
+            ApiError::Conflict { .. } => (StatusCode::CONFLICT, "CONFLICT"),
             ApiError::Internal { .. } => (StatusCode::INTERNAL_SERVER_ERROR, "INTERNAL"),
         }
     }

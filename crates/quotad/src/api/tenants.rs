@@ -29,6 +29,12 @@ pub(crate) fn coord_error(e: CoordError) -> ApiError {
     match e {
         CoordError::UnknownRegion { .. } => ApiError::field("region", &e),
         CoordError::Unavailable { reason } => ApiError::CoordinatorUnavailable { reason },
+        CoordError::UnknownNode { .. } => ApiError::NotFound { what: "member" },
+        CoordError::NotClustered | CoordError::NotLeader { .. } | CoordError::Rejected { .. } => {
+            ApiError::Conflict {
+                detail: e.to_string(),
+            }
+        }
     }
 }
 

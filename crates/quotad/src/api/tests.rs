@@ -120,8 +120,9 @@ async fn allowed_and_denied_checks_carry_ratelimit_fields() {
     assert_eq!(r.body["code"], "RATE_LIMITED");
     assert_eq!(r.body["allowed"], false);
     assert_eq!(r.body["violated-policies"], json!(["writes"]));
-    // One token short at 3 tokens a minute: 20 s.
-    assert_eq!(r.body["retry_after_ms"], 20000);
+    // One token short at 3 tokens a minute: 20 s, less the few ms the wall clock moved.
+    let ms = r.body["retry_after_ms"].as_u64().unwrap();
+    assert!((19_000..=20_000).contains(&ms), "{ms}");
     assert_eq!(r.headers[header::RETRY_AFTER], "20");
     assert_eq!(r.headers["ratelimit"], "\"writes\";r=1;t=20");
     let text = r.body.to_string();
@@ -475,6 +476,34 @@ async fn status_health_and_openapi() {
             "{p} missing from the OpenAPI document"
         );
     }
+    let add = json!({"node_id": 4, "region": "ap", "peer": "127.0.0.1:1", "api": "127.0.0.1:2"})
+        .to_string();
+    let r = send(&router, "POST", "/v1/cluster/members", None, Some(&add)).await;
+    assert_eq!(r.status, StatusCode::UNAUTHORIZED);
+    let r = send(
+        &router,
+        "POST",
+        "/v1/cluster/members",
+        Some(TOKEN),
+        Some(&add),
+    )
+    .await;
+    assert_eq!(
+        r.status,
+        StatusCode::CONFLICT,
+        "a single region has no membership: {}",
+        r.body
+    );
+    let bad = json!({"node_id": 0, "region": "ap", "peer": "x", "api": "127.0.0.1:2"}).to_string();
+    let r = send(
+        &router,
+        "POST",
+        "/v1/cluster/members",
+        Some(TOKEN),
+        Some(&bad),
+    )
+    .await;
+    assert_eq!(r.status, StatusCode::BAD_REQUEST);
     let r = send(&router, "GET", "/no/such/route", None, None).await;
     assert_eq!(r.status, StatusCode::NOT_FOUND);
     assert!(is_problem(&r));
