@@ -4,6 +4,7 @@
 use std::path::PathBuf;
 
 use clap::{Parser, ValueEnum};
+use quota_core::FailMode;
 
 use crate::control::ControlConfig;
 use crate::scenario::ScenarioKind;
@@ -19,6 +20,24 @@ pub enum Format {
     Table,
     Csv,
     Json,
+}
+
+/// What every policy does while its regional Redis is down (see `quota_core::FailMode`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum FailModeArg {
+    Local,
+    Open,
+    Closed,
+}
+
+impl From<FailModeArg> for FailMode {
+    fn from(m: FailModeArg) -> Self {
+        match m {
+            FailModeArg::Local => FailMode::Local,
+            FailModeArg::Open => FailMode::Open,
+            FailModeArg::Closed => FailMode::Closed,
+        }
+    }
 }
 
 /// What `global_store` does when a region cannot reach the store.
@@ -73,6 +92,9 @@ pub struct Options {
     /// Milliseconds per arrival tick; must divide 1000.
     #[arg(long, default_value_t = 10)]
     pub tick_ms: u64,
+    /// Every policy's fail mode while its regional Redis is down (`redis_outage`).
+    #[arg(long, value_enum, default_value_t = FailModeArg::Local)]
+    pub fail_mode: FailModeArg,
     /// `global_store` behaviour when cut off from the store.
     #[arg(long, value_enum, default_value_t = GlobalFail::Closed)]
     pub global_fail: GlobalFail,
@@ -227,6 +249,7 @@ impl Options {
             tick_ms: self.tick_ms,
             tenants: self.tenants,
             floor: self.floor,
+            fail_mode: self.fail_mode.into(),
             control: ControlConfig {
                 report_ms,
                 rebalance_ms,
@@ -243,7 +266,8 @@ impl Options {
     pub fn repro(&self, scenario: ScenarioKind, strategy: StrategyKind) -> String {
         format!(
             "cargo run --release -p sim -- --seed {} --scenario {} --strategy {} --regions {} \
-             --duration {} --warmup {} --lease {} --floor {} --rebalance-interval {} --tenants {}",
+             --duration {} --warmup {} --lease {} --floor {} --rebalance-interval {} --tenants {} \
+             --fail-mode {:?} --global-fail {:?}",
             self.seed,
             scenario,
             strategy,
@@ -253,8 +277,11 @@ impl Options {
             self.lease,
             self.floor,
             self.rebalance_interval,
-            self.tenants
+            self.tenants,
+            self.fail_mode,
+            self.global_fail
         )
+        .to_lowercase()
     }
 }
 

@@ -3,7 +3,7 @@
 
 use std::fmt;
 
-use quota_core::{Policy, PolicySpec, Tier};
+use quota_core::{FailMode, Policy, PolicySpec, Tier};
 use rand::seq::IndexedRandom;
 use rand::Rng;
 use rand_chacha::ChaCha8Rng;
@@ -46,7 +46,8 @@ pub enum ScenarioKind {
     Partition,
     /// The leader's daemon crashes for 30 s, and demand moves while it is down.
     LeaderCrash,
-    /// Region 1's Redis is unreachable for 30 s (fail mode `local`).
+    /// Region 1's Redis is unreachable for 30 s (fail mode per `--fail-mode`, default
+    /// `local`).
     RedisOutage,
     /// Clocks run up to 0.2% fast or slow while demand is skewed.
     ClockDrift,
@@ -117,6 +118,8 @@ pub struct ScenarioOptions {
     pub tenants: usize,
     /// Fraction of each tenant's budget reserved per region.
     pub floor: f64,
+    /// What every policy does while its regional Redis is down.
+    pub fail_mode: FailMode,
 }
 
 /// A built scenario.
@@ -259,9 +262,7 @@ impl Scenario {
                 Tier::Standard
             };
             let mut p = policy(limit, opts.floor, tier)?;
-            if kind == K::RedisOutage {
-                p.fail_mode = quota_core::FailMode::Local;
-            }
+            p.fail_mode = opts.fail_mode;
             let greedy = k % 4 == 3;
             let per_s = limit as f64 * 1000.0 / WINDOW_MS as f64;
             let demand = match (kind, greedy) {
@@ -372,7 +373,8 @@ impl Scenario {
                 );
             }
             K::OneShot => {
-                let p = policy(10, opts.floor, Tier::Standard)?;
+                let mut p = policy(10, opts.floor, Tier::Standard)?;
+                p.fail_mode = opts.fail_mode;
                 let regions: Vec<RegionIx> = (0..n).collect();
                 for k in 0..2_000u32 {
                     let tenant = tenants.len() as u32;
@@ -482,6 +484,7 @@ mod tests {
             duration_ms: 60_000,
             tenants: 8,
             floor: 0.05,
+            fail_mode: FailMode::Local,
         }
     }
 

@@ -3,6 +3,7 @@
 
 use std::time::Instant;
 
+use quota_core::FailMode;
 use rand::SeedableRng;
 use rand_chacha::ChaCha8Rng;
 use serde::Serialize;
@@ -23,6 +24,7 @@ pub struct RunConfig {
     pub tick_ms: u64,
     pub tenants: usize,
     pub floor: f64,
+    pub fail_mode: FailMode,
     pub control: ControlConfig,
     pub global_fail_open: bool,
     /// Goodput, false denials and latency count from here on.
@@ -76,6 +78,7 @@ pub fn run_scenario(
         duration_ms: cfg.duration_ms,
         tenants: cfg.tenants,
         floor: cfg.floor,
+        fail_mode: cfg.fail_mode,
     };
     let scenario = Scenario::build(kind, &opts, &mut rng_for(cfg.seed, kind.name()))?;
     let spec = WorldSpec {

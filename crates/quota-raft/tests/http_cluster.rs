@@ -306,3 +306,53 @@ async fn learner_is_added_promoted_and_removed() {
         Err(MembershipError::UnknownNode { node_id: 99 })
     );
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn peer_rpcs_and_snapshots_honour_their_deadline() {
+    use openraft::error::{RPCError, ReplicationClosed, StreamingError};
+    use openraft::network::{RPCOption, RaftNetwork, RaftNetworkFactory};
+    use openraft::raft::VoteRequest;
+    use quota_raft::network::HttpNetwork;
+    use quota_raft::types::alias::{Snapshot, SnapshotMeta, Vote};
+
+    // A peer that accepts connections and never answers.
+    let [l] = <[TcpListener; 1]>::try_from(listeners(1).await).unwrap();
+    let target = member(2, &l);
+    let _hold = tokio::spawn(async move {
+        let mut open = Vec::new();
+        loop {
+            let (socket, _) = l.accept().await.unwrap();
+            open.push(socket);
+        }
+    });
+    let mut client = HttpNetwork::new(1, SECRET)
+        .unwrap()
+        .new_client(2, &target)
+        .await;
+    let deadline = Duration::from_millis(300);
+    let started = tokio::time::Instant::now();
+    let vote = client
+        .vote(
+            VoteRequest::new(Vote::new(1, 1), None),
+            RPCOption::new(deadline),
+        )
+        .await;
+    assert!(matches!(vote, Err(RPCError::Timeout(_))), "{vote:?}");
+    let snapshot = Snapshot {
+        meta: SnapshotMeta::default(),
+        snapshot: Box::new(vec![0; 1024]),
+    };
+    let sent = client
+        .full_snapshot(
+            Vote::new_committed(1, 1),
+            snapshot,
+            futures::future::pending::<ReplicationClosed>(),
+            RPCOption::new(deadline),
+        )
+        .await;
+    assert!(matches!(sent, Err(StreamingError::Timeout(_))), "{sent:?}");
+    assert!(
+        started.elapsed() < Duration::from_secs(5),
+        "both calls gave up at their deadline"
+    );
+}

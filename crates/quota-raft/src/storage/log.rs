@@ -10,7 +10,7 @@ use redb::{Database, Durability, ReadableDatabase, ReadableTable};
 use serde::de::DeserializeOwned;
 use serde::Serialize;
 
-use super::{any, meta_key, LOG, META};
+use super::{any, blocking, meta_key, LOG, META};
 use crate::codec::{decode, encode};
 use crate::types::alias::{Entry, LogId, StorageError, Vote};
 use crate::types::TypeConfig;
@@ -48,7 +48,7 @@ impl LogStore {
                 None => Ok(None),
             }
         };
-        run().map_err(|e| err(e).into())
+        blocking(run).map_err(|e| err(e).into())
     }
 
     fn write_meta<T: Serialize>(
@@ -68,7 +68,7 @@ impl LogStore {
             }
             txn.commit().map_err(any)
         };
-        run().map_err(|e| err(e).into())
+        blocking(run).map_err(|e| err(e).into())
     }
 
     /// Runs `f` on the log and meta tables in one write transaction, committed durably.
@@ -89,7 +89,7 @@ impl LogStore {
             }
             txn.commit().map_err(any)
         };
-        run().map_err(|e| StorageIOError::write_logs(e).into())
+        blocking(run).map_err(|e| StorageIOError::write_logs(e).into())
     }
 
     fn last_entry_log_id(&self) -> Result<Option<LogId>, StorageError> {
@@ -109,7 +109,7 @@ impl LogStore {
             };
             Ok(last)
         };
-        run().map_err(|e| StorageIOError::read_logs(e).into())
+        blocking(run).map_err(|e| StorageIOError::read_logs(e).into())
     }
 }
 
@@ -132,7 +132,7 @@ impl RaftLogReader<TypeConfig> for LogStore {
             }
             Ok(out)
         };
-        run().map_err(|e| StorageIOError::read_logs(e).into())
+        blocking(run).map_err(|e| StorageIOError::read_logs(e).into())
     }
 }
 

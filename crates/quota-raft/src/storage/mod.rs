@@ -5,8 +5,10 @@
 //! machine itself lives in memory; it is made durable by snapshots, and on restart openraft
 //! re-applies the committed log after the last snapshot (it only purges logs a snapshot covers).
 //!
-//! Storage calls run inline on the caller's task: each is one short redb transaction, and keeping
-//! them off `spawn_blocking` keeps paused-clock tests deterministic.
+//! Storage calls are synchronous redb transactions. On a multi-thread runtime they run under
+//! `block_in_place`, so an fsync does not stall the other tasks of that worker; on a
+//! current-thread runtime (paused-clock tests) they run inline, which keeps those tests
+//! deterministic.
 
 // openraft's storage traits fix the error type (`StorageError`, ~224 bytes); our helpers return
 // what the traits return rather than boxing and unboxing at every call.
@@ -97,6 +99,14 @@ pub fn is_closed(data_dir: &Path) -> bool {
         Database::create(data_dir.join(DB_FILE)),
         Err(redb::DatabaseError::DatabaseAlreadyOpen)
     )
+}
+
+/// Runs blocking storage work without starving the runtime (see the module doc).
+fn blocking<R>(f: impl FnOnce() -> R) -> R {
+    match tokio::runtime::Handle::try_current().map(|h| h.runtime_flavor()) {
+        Ok(tokio::runtime::RuntimeFlavor::MultiThread) => tokio::task::block_in_place(f),
+        _ => f(),
+    }
 }
 
 /// Wraps any error as openraft's opaque source type.

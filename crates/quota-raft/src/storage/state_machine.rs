@@ -9,7 +9,7 @@ use quota_core::coordinator::CoordinatorState;
 use redb::{Database, Durability, ReadableDatabase};
 use tokio::sync::watch;
 
-use super::{any, snapshot_key, OpenError, SNAPSHOT};
+use super::{any, blocking, snapshot_key, OpenError, SNAPSHOT};
 use crate::codec::{decode, encode};
 use crate::types::alias::{Entry, LogId, Snapshot, SnapshotMeta, StorageError, StoredMembership};
 use crate::types::{Reply, TypeConfig};
@@ -134,7 +134,7 @@ fn write_snapshot(db: &Database, meta: &SnapshotMeta, data: &[u8]) -> Result<(),
         }
         txn.commit().map_err(any)
     };
-    run().map_err(|e| StorageIOError::write_snapshot(Some(meta.signature()), e).into())
+    blocking(run).map_err(|e| StorageIOError::write_snapshot(Some(meta.signature()), e).into())
 }
 
 /// Builds snapshots of the applied state; holds a handle, not a copy.
