@@ -20,6 +20,9 @@ struct Shared {
     /// Open connections: (source port, relay task). The source process is looked up when a
     /// block needs it, so connections opened before the pids were known are cut too.
     conns: Vec<(u16, AbortHandle)>,
+    /// Connections from blocked processes, held open and silent (like a dropped link, so
+    /// clients wait for their timeouts instead of reconnecting in a tight loop).
+    holes: Vec<AbortHandle>,
     candidates: Vec<u32>,
 }
 
@@ -80,16 +83,24 @@ impl FaultProxy {
         }
     }
 
-    /// Lets everything through again.
+    /// Lets everything through again; held connections are closed so clients reconnect.
     pub fn heal(&self) {
-        self.shared.lock().unwrap().blocked.clear();
+        let mut g = self.shared.lock().unwrap();
+        g.blocked.clear();
+        for h in g.holes.drain(..) {
+            h.abort();
+        }
     }
 }
 
 impl Drop for FaultProxy {
     fn drop(&mut self) {
         self.task.abort();
-        for (_, h) in &self.shared.lock().unwrap().conns {
+        let g = self.shared.lock().unwrap();
+        for (_, h) in &g.conns {
+            h.abort();
+        }
+        for h in &g.holes {
             h.abort();
         }
     }

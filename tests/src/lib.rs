@@ -327,6 +327,9 @@ pub const PEER_TOKEN: &str = "system-test-peer-token-0123456789";
 /// front of each daemon's peer listener.
 #[derive(Debug)]
 pub struct Cluster {
+    /// Held while the cluster lives: clusters of different test processes run one at a time,
+    /// so nine daemons never compete for two cores.
+    _serial: std::fs::File,
     pub names: Vec<String>,
     pub daemons: Vec<Daemon>,
     pub redis: Vec<redis_harness::RedisServer>,
@@ -356,6 +359,16 @@ impl Default for Timings {
 impl Cluster {
     /// Starts regions `names` and waits until every daemon is ready and a leader exists.
     pub async fn start(names: &[&str], t: &Timings) -> anyhow::Result<Self> {
+        let lock_path = std::env::temp_dir().join("quotad-system-tests-cluster.lock");
+        let serial = std::fs::OpenOptions::new()
+            .create(true)
+            .truncate(false)
+            .write(true)
+            .open(&lock_path)
+            .with_context(|| format!("opening {}", lock_path.display()))?;
+        let serial = tokio::task::spawn_blocking(move || serial.lock().map(|()| serial))
+            .await?
+            .context("locking the cluster lock file")?;
         let mut redis = Vec::new();
         for _ in names {
             redis.push(redis_harness::RedisServer::start()?);
@@ -435,6 +448,7 @@ log_level = "info"
             }
         }
         let cluster = Self {
+            _serial: serial,
             names: names.iter().map(|s| s.to_string()).collect(),
             daemons,
             redis,

@@ -205,7 +205,11 @@ async fn a_cut_off_region_keeps_its_lease_then_its_floor_and_rejoins() -> anyhow
     }
     let Some(floor_at) = c_floor_at else {
         let status = cluster.daemon("c").get("/v1/status").await.map(|r| r.body);
-        let allowance = cluster.daemon("c").get("/v1/tenants/acme/allowance").await.map(|r| r.body);
+        let allowance = cluster
+            .daemon("c")
+            .get("/v1/tenants/acme/allowance")
+            .await
+            .map(|r| r.body);
         let log = cluster.daemon("c").log_text();
         let tail: String = log.lines().rev().take(30).collect::<Vec<_>>().join("\n");
         panic!("c never fell back to its floor\nstatus: {status:?}\nallowance: {allowance:?}\nlog (newest first):\n{tail}");

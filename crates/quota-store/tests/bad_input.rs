@@ -70,6 +70,11 @@ fn token_bucket_rejects_every_bad_argument() {
         ("float rate", &["1", "1000000", "0.5", ""]),
         ("rate above max", &["1", "1000000", "9007199254741", ""]),
         ("fill time too long", &["1", "9007199254740991", "1", ""]),
+        // floor(cap / rate) = MAX_FILL_RATIO exactly: just out of bounds.
+        (
+            "fill time at the bound",
+            &["1", "9000000000000", "1000", ""],
+        ),
         ("capacity without rate", &["1", "1000000", "", ""]),
         ("rate without capacity", &["1", "", "1000", ""]),
         ("no params at all", &["1", "", "", ""]),
@@ -93,6 +98,16 @@ fn token_bucket_rejects_every_bad_argument() {
     // Nothing was written by any rejected call.
     let n: u64 = redis::cmd("DBSIZE").query(&mut c).unwrap();
     assert_eq!(n, 0);
+    // Just inside the fill-time bound is accepted, as BucketParams::new accepts it.
+    assert!(quota_core::BucketParams::new(8_999_999_999_999, 1000).is_ok());
+    let ok = eval(
+        &mut c,
+        TOKEN_BUCKET_LUA,
+        &[B, P, IX],
+        &["1", "8999999999999", "1000", "5"],
+    );
+    assert!(ok.is_ok(), "{ok:?}");
+    let _: () = redis::cmd("FLUSHALL").query(&mut c).unwrap();
     // Stored parameters are validated too.
     for (cap, rate) in [
         ("abc", "1"),
