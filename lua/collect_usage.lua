@@ -7,12 +7,16 @@
 --          how many keys left the index (expired ones included), so a caller knows to go on
 -- errors   'ERR quotad: <what>' for an invalid argument.
 --
+-- Two state layouts: token buckets are one string (struct '<dddddddd': t, c, ts, ad, dn, cap,
+-- rate, src; see token_bucket.lua), rewritten with ad = dn = 0 and SET ... KEEPTTL; sliding
+-- windows are hashes with fields ad / dn.
+--
 -- SPOP takes each key at most once and the counters are reset in the same atomic step, so usage
 -- is never counted twice; a decision after the collection re-lists its key (the decision
 -- scripts list a key whenever ad + dn = 0), so none is
 -- lost while the key lives. Keys that expired in between are skipped: their usage is lost, which
--- the minimum TTL in the decision scripts bounds (collect more often than it). On Redis Cluster
--- the state keys share the index's slot, so touching them here stays within one slot.
+-- the minimum idle TTL of the decision scripts bounds (collect more often than it). On Redis
+-- Cluster the state keys share the index's slot, so touching them here stays within one slot.
 
 local function err(what)
   return redis.error_reply('ERR quotad: ' .. what)
@@ -33,14 +37,29 @@ end
 local keys = redis.call('SPOP', KEYS[1], max)
 local out = { #keys }
 for _, k in ipairs(keys) do
-  local v = redis.call('HMGET', k, 'ad', 'dn')
-  local ad, dn = tonumber(v[1]) or 0, tonumber(v[2]) or 0
+  local kind = redis.call('TYPE', k)['ok']
+  local ad, dn = 0, 0
+  if kind == 'string' then
+    local v = redis.call('GET', k)
+    if #v == 64 then
+      local t, c, ts, cap, rate, src
+      t, c, ts, ad, dn, cap, rate, src = struct.unpack('<dddddddd', v)
+      if ad + dn > 0 then
+        redis.call('SET', k, struct.pack('<dddddddd', t, c, ts, 0, 0, cap, rate, src), 'KEEPTTL')
+      end
+    end
+  elseif kind == 'hash' then
+    local v = redis.call('HMGET', k, 'ad', 'dn')
+    ad, dn = tonumber(v[1]) or 0, tonumber(v[2]) or 0
+    if ad + dn > 0 then
+      redis.call('HSET', k, 'ad', 0, 'dn', 0)
+    end
+  end
   -- A key that expired (or was never decided) has nothing to report and must not be recreated.
   if ad + dn > 0 then
     out[#out + 1] = k
     out[#out + 1] = ad
     out[#out + 1] = dn
-    redis.call('HSET', k, 'ad', 0, 'dn', 0)
   end
 end
 return out

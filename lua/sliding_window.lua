@@ -8,6 +8,8 @@
 -- ARGV[2]  fallback limit, used when KEYS[2] holds no parameters ('' = none)
 -- ARGV[3]  fallback window in ms ('' = none; given together with ARGV[2])
 -- ARGV[4]  optional explicit now in ms since the epoch ('' or absent: Redis TIME)
+-- ARGV[5]  optional minimum idle TTL in ms, integer 1..2^53-1 ('' or absent: 60000); keeps the
+--          usage counters of an idle window until the next collection
 -- returns  {allowed 0|1, remaining tokens, retry_after_ms (-1 = never: cost above the limit),
 --           reset_ms (ms until the window is empty)}
 -- errors   'ERR quotad: <what>' for every invalid argument or stored parameter.
@@ -27,7 +29,7 @@ local MAX_LIMIT = 1000000000
 local MAX_WINDOW = 604800000
 local MAX_PRODUCT = 2251799813685248 -- 2^51
 local EXACT_LOG_MAX = 128
-local MIN_TTL_MS = 1000
+local DEFAULT_MIN_TTL_MS = 60000
 
 local fmod = math.fmod
 local find = string.find
@@ -55,8 +57,8 @@ end
 if #KEYS ~= 3 then
   return err('expected 3 keys')
 end
-if #ARGV < 3 or #ARGV > 4 then
-  return err('expected 3 or 4 arguments')
+if #ARGV < 3 or #ARGV > 5 then
+  return err('expected 3 to 5 arguments')
 end
 local cost = int(ARGV[1], MAX_COST)
 if cost == nil or cost < 1 then
@@ -78,6 +80,14 @@ else
   now = int(ARGV[4], MAX_CAP)
   if now == nil then
     return err('now must be an integer number of ms')
+  end
+end
+
+local min_ttl = DEFAULT_MIN_TTL_MS
+if ARGV[5] ~= nil and ARGV[5] ~= '' then
+  min_ttl = int(ARGV[5], MAX_CAP)
+  if min_ttl == nil or min_ttl < 1 then
+    return err('minimum TTL must be an integer number of ms in 1..9007199254740991')
   end
 end
 
@@ -213,8 +223,8 @@ else
 end
 -- Expiry: once the window is empty the key is not needed (a missing window is an empty one).
 local ttl = reset
-if ttl < MIN_TTL_MS then
-  ttl = MIN_TTL_MS
+if ttl < min_ttl then
+  ttl = min_ttl
 end
 local x = tonumber(h[8])
 local set_ttl

@@ -1,13 +1,16 @@
 -- token_bucket.lua: one atomic token-bucket decision for quotad.
 --
--- KEYS[1]  bucket state (hash, expires when idle)  qd:v1:{tenant}:<policy>:<version>:b
--- KEYS[2]  bucket parameters (hash, no TTL)        qd:v1:{tenant}:<policy>:<version>:p
---          fields: cap (capacity, micro-tokens), rate (refill, micro-tokens per second)
+-- KEYS[1]  bucket state (string, expires when idle)  qd:v1:{tenant}:<policy>:<version>:b
+-- KEYS[2]  bucket parameters (hash, no TTL)          qd:v1:{tenant}:<policy>:<version>:p
+--          fields: cap (capacity, micro-tokens), rate (refill, micro-tokens per second);
+--          written by set_params.lua, read here only when KEYS[1] does not exist
 -- KEYS[3]  activity index (set of state keys decided since the last usage collection)
 -- ARGV[1]  cost in whole tokens, integer 1..9007199254
--- ARGV[2]  fallback capacity in micro-tokens, used when KEYS[2] holds no parameters ('' = none)
+-- ARGV[2]  fallback capacity in micro-tokens, used when no parameters are stored ('' = none)
 -- ARGV[3]  fallback refill in micro-tokens per second ('' = none; given together with ARGV[2])
 -- ARGV[4]  optional explicit now in ms since the epoch ('' or absent: Redis TIME)
+-- ARGV[5]  optional minimum idle TTL in ms, integer 1..2^53-1 ('' or absent: 60000); keeps the
+--          usage counters of an idle bucket until the next collection
 -- returns  {allowed 0|1, remaining whole tokens, retry_after_ms (-1 = never at these
 --           parameters), reset_ms (ms until full, -1 = never)}
 -- errors   'ERR quotad: <what>' for every invalid argument or stored parameter.
@@ -17,50 +20,37 @@
 -- are doubles, so every intermediate is kept below 2^53: products that could exceed it are
 -- split, and divisions use math.fmod, which is exact.
 --
--- State fields: t tokens (µt), c carry, ts latest time seen (ms), ad / dn tokens admitted /
--- denied since the last collection, x the expiry deadline last set (ms, or 'inf' when the key
--- must not expire). The key is listed in the activity index exactly while ad + dn > 0: every
--- decision adds at least 1 and a collection zeroes both, so only the first decision of each
--- report interval pays the SADD.
+-- State: ONE string, struct.pack('<dddddddd', t, c, ts, ad, dn, cap, rate, src) (64 bytes,
+-- little-endian doubles, exact for integers below 2^53): t tokens (µt), c carry, ts latest time
+-- seen (ms), ad / dn tokens admitted / denied since the last collection, cap / rate the
+-- parameters in force, src 1 when cap / rate are a copy of the stored parameters (KEYS[2]) or 0
+-- when they came from the fallback (then this call's fallback applies, as the reference does).
+-- set_params.lua rewrites the copy when the parameters change, so the hot path never reads
+-- KEYS[2]. The key is listed in the activity index exactly while ad + dn > 0: every decision
+-- adds at least 1 and a collection zeroes both, so only the first decision of each report
+-- interval pays the SADD.
 --
--- Cost: TIME (unless now is given), two HMGETs and one HSET per decision; SADD once per bucket
--- per report interval; PEXPIRE only when the needed deadline passes the one set (slack: a
--- quarter of the TTL). Numbers go to redis.call as Lua numbers: Redis formats them with %.17g,
--- exact for integers below 2^53.
+-- Expiry: every decision writes the state with SET ... PX max(time to refill fully, minimum
+-- idle TTL): an expired bucket reads as full, so it must not expire before it would be full.
+-- With no refill and not full, the SET carries no expiry (the key must stay).
+--
+-- A state key still holding the previous layout (a hash) is converted on its first decision.
+--
+-- Cost: TIME (unless now is given), GET, SET PX per decision; SADD once per bucket per report
+-- interval; HMGET of the parameters only when the bucket key is missing.
 
 local MAX_CAP = 9007199254740991 -- 2^53 - 1
 local MAX_RATE = 9007199254740 -- MAX_CAP / 1000
 local MAX_FILL_RATIO = 9000000000
 local MAX_COST = 9007199254 -- MAX_CAP / UT
 local UT = 1000000
-local MIN_TTL_MS = 1000 -- keeps usage counters until the next collection
-local MAX_SLACK_MS = 3600000
+local DEFAULT_MIN_TTL_MS = 60000
 
 local fmod = math.fmod
 local find = string.find
 
--- The hot path below checks every argument's shape with one pattern; this slow path runs only
--- when that fails, to name the offending argument. Never a silent default.
-local function bad_argument(a_cost, a_cap, a_rate, a_now)
-  local function int(s, max)
-    if #s == 0 or #s > 16 or not find(s, '^%d+$') then
-      return nil
-    end
-    local n = tonumber(s)
-    if n > max then
-      return nil
-    end
-    return n
-  end
-  local cost = int(a_cost, MAX_COST)
-  if cost == nil or cost < 1 then
-    return redis.error_reply('ERR quotad: cost must be an integer in 1..' .. MAX_COST)
-  end
-  if a_now ~= '' and int(a_now, MAX_CAP) == nil then
-    return redis.error_reply('ERR quotad: now must be an integer number of ms')
-  end
-  return redis.error_reply(
-    'ERR quotad: fallback capacity and rate must be integers within the bucket bounds')
+local function err(what)
+  return redis.error_reply('ERR quotad: ' .. what)
 end
 
 -- ceil((need * 1000 - carry) / rate) without forming need * 1000 (fmod is exact).
@@ -76,85 +66,110 @@ local function time_to(need, carry, rate)
 end
 
 if #KEYS ~= 3 then
-  return redis.error_reply('ERR quotad: expected 3 keys')
+  return err('expected 3 keys')
 end
 local n_args = #ARGV
-if n_args < 3 or n_args > 4 then
-  return redis.error_reply('ERR quotad: expected 3 or 4 arguments')
+if n_args < 3 or n_args > 5 then
+  return err('expected 3 to 5 arguments')
 end
-local a_cost, a_cap, a_rate, a_now = ARGV[1], ARGV[2], ARGV[3], ARGV[4] or ''
-if #a_cost > 16 or #a_cap > 16 or #a_rate > 16 or #a_now > 16
-    or not find(a_cost .. ',' .. a_cap .. ',' .. a_rate .. ',' .. a_now, '^%d+,%d*,%d*,%d*$') then
-  return bad_argument(a_cost, a_cap, a_rate, a_now)
-end
+-- Validation: digits only (no sign, point, exponent, hex or space), at most 16 of them, then
+-- numeric bounds. An empty string has no non-digit, so emptiness is checked where it matters.
+local a_cost, a_cap, a_rate = ARGV[1], ARGV[2], ARGV[3]
 local cost = tonumber(a_cost)
-if cost < 1 or cost > MAX_COST then
-  return bad_argument(a_cost, a_cap, a_rate, a_now)
+if cost == nil or #a_cost > 16 or find(a_cost, '%D') or cost < 1 or cost > MAX_COST then
+  return err('cost must be an integer in 1..' .. MAX_COST)
+end
+local now
+local a_now = ARGV[4]
+if a_now == nil or a_now == '' then
+  local t = redis.call('TIME')
+  now = t[1] * 1000 + (t[2] - t[2] % 1000) / 1000
+else
+  now = tonumber(a_now)
+  if now == nil or #a_now > 16 or find(a_now, '%D') or now > MAX_CAP then
+    return err('now must be an integer number of ms')
+  end
+end
+local min_ttl = DEFAULT_MIN_TTL_MS
+local a_ttl = ARGV[5]
+if a_ttl ~= nil and a_ttl ~= '' then
+  min_ttl = tonumber(a_ttl)
+  if min_ttl == nil or #a_ttl > 16 or find(a_ttl, '%D') or min_ttl < 1 or min_ttl > MAX_CAP then
+    return err('minimum TTL must be an integer number of ms in 1..9007199254740991')
+  end
 end
 -- Bounds of quota-core BucketParams::new. floor(cap / rate) >= M  <=>  cap >= M * rate, and the
 -- product, even when rounded above 2^53, compares correctly with cap < 2^53.
 local fb_cap, fb_rate
 if a_cap ~= '' or a_rate ~= '' then
   fb_cap, fb_rate = tonumber(a_cap), tonumber(a_rate)
-  if fb_cap == nil or fb_rate == nil or fb_cap > MAX_CAP or fb_rate > MAX_RATE
+  if fb_cap == nil or fb_rate == nil or #a_cap > 16 or #a_rate > 16
+      or find(a_cap, '%D') or find(a_rate, '%D') or fb_cap > MAX_CAP or fb_rate > MAX_RATE
       or (fb_rate > 0 and fb_cap >= MAX_FILL_RATIO * fb_rate) then
-    return bad_argument(a_cost, a_cap, a_rate, a_now)
-  end
-end
-local now
-if a_now == '' then
-  local t = redis.call('TIME')
-  now = t[1] * 1000 + (t[2] - t[2] % 1000) / 1000
-else
-  now = tonumber(a_now)
-  if now > MAX_CAP then
-    return bad_argument(a_cost, a_cap, a_rate, a_now)
+    return err('fallback capacity and rate must be integers within the bucket bounds')
   end
 end
 
-local cap, rate
-local p = redis.call('HMGET', KEYS[2], 'cap', 'rate')
-local p_cap, p_rate = p[1], p[2]
-if p_cap or p_rate then
-  if not (p_cap and p_rate) or #p_cap > 16 or #p_rate > 16
-      or not find(p_cap .. ',' .. p_rate, '^%d+,%d+$') then
-    return redis.error_reply('ERR quotad: stored parameters are invalid')
-  end
-  cap, rate = tonumber(p_cap), tonumber(p_rate)
-  if cap > MAX_CAP or rate > MAX_RATE or (rate > 0 and cap >= MAX_FILL_RATIO * rate) then
-    return redis.error_reply('ERR quotad: stored parameters are invalid')
-  end
-elseif fb_cap then
-  cap, rate = fb_cap, fb_rate
-else
-  return redis.error_reply('ERR quotad: no parameters stored and no fallback given')
+local v = redis.pcall('GET', KEYS[1])
+local legacy
+if type(v) == 'table' then
+  -- WRONGTYPE: a state hash written by the previous layout (fields t, c, ts, ad, dn). Taken
+  -- over once: its level and counters carry on, the key becomes the packed string.
+  legacy = redis.call('HMGET', KEYS[1], 't', 'c', 'ts', 'ad', 'dn')
+  redis.call('DEL', KEYS[1])
+  v = false
 end
-
-local h = redis.call('HMGET', KEYS[1], 't', 'c', 'ts', 'ad', 'dn', 'x')
-local tokens, carry, ts
-if h[1] then
-  tokens, carry, ts = tonumber(h[1]), tonumber(h[2]), tonumber(h[3])
-  if tokens >= cap then
-    tokens, carry = cap, 0
-  end
-  if now > ts then
-    if tokens < cap and rate > 0 then
-      local elapsed = now - ts
-      if elapsed >= time_to(cap - tokens, carry, rate) then
-        tokens, carry = cap, 0
-      else
-        -- elapsed = e1 * 1000 + e0, so elapsed * rate never has to be formed.
-        local e0 = fmod(elapsed, 1000)
-        local part = e0 * rate + carry
-        local c0 = fmod(part, 1000)
-        tokens = tokens + (elapsed - e0) / 1000 * rate + (part - c0) / 1000
-        carry = c0
-      end
+local tokens, carry, ts, ad, dn, cap, rate, src
+if v then
+  tokens, carry, ts, ad, dn, cap, rate, src = struct.unpack('<dddddddd', v)
+  if src == 0 then
+    if fb_cap == nil then
+      return err('no parameters stored and no fallback given')
     end
-    ts = now
+    cap, rate = fb_cap, fb_rate
   end
 else
-  tokens, carry, ts = cap, 0, now
+  -- Cold path: the stored parameters, else the fallback.
+  local p = redis.call('HMGET', KEYS[2], 'cap', 'rate')
+  local p_cap, p_rate = p[1], p[2]
+  if p_cap or p_rate then
+    cap, rate = tonumber(p_cap), tonumber(p_rate)
+    if cap == nil or rate == nil or #p_cap > 16 or #p_rate > 16
+        or find(p_cap, '%D') or find(p_rate, '%D') or cap > MAX_CAP or rate > MAX_RATE
+        or (rate > 0 and cap >= MAX_FILL_RATIO * rate) then
+      return err('stored parameters are invalid')
+    end
+    src = 1
+  elseif fb_cap then
+    cap, rate, src = fb_cap, fb_rate, 0
+  else
+    return err('no parameters stored and no fallback given')
+  end
+  tokens, carry, ts, ad, dn = cap, 0, now, 0, 0
+  if legacy and legacy[1] then
+    tokens, carry, ts = tonumber(legacy[1]) or cap, tonumber(legacy[2]) or 0,
+        tonumber(legacy[3]) or now
+    ad, dn = tonumber(legacy[4]) or 0, tonumber(legacy[5]) or 0
+  end
+end
+if tokens >= cap then
+  tokens, carry = cap, 0
+end
+if now > ts then
+  if tokens < cap and rate > 0 then
+    local elapsed = now - ts
+    if elapsed >= time_to(cap - tokens, carry, rate) then
+      tokens, carry = cap, 0
+    else
+      -- elapsed = e1 * 1000 + e0, so elapsed * rate never has to be formed.
+      local e0 = fmod(elapsed, 1000)
+      local part = e0 * rate + carry
+      local c0 = fmod(part, 1000)
+      tokens = tokens + (elapsed - e0) / 1000 * rate + (part - c0) / 1000
+      carry = c0
+    end
+  end
+  ts = now
 end
 
 local cost_ut = cost * UT
@@ -176,7 +191,6 @@ else
   reset = time_to(cap - tokens, carry, rate)
 end
 
-local ad, dn = tonumber(h[4]) or 0, tonumber(h[5]) or 0
 if ad + dn == 0 then
   redis.call('SADD', KEYS[3], KEYS[1])
 end
@@ -185,35 +199,15 @@ if allowed == 1 then
 else
   dn = dn + cost
 end
--- Expiry: at least the time to refill completely (an expired bucket reads as full), moved only
--- when the needed deadline passes the one set, with slack so a hot key rarely pays PEXPIRE.
--- No refill and not full: expiring would hand out a full bucket, so the key must stay.
-local x
+local packed = struct.pack('<dddddddd', tokens, carry, ts, ad, dn, cap, rate, src)
 if reset == -1 then
-  if h[6] ~= 'inf' then
-    x = 'inf'
-  end
+  -- No refill and not full: expiring would hand out a full bucket, so the key must stay.
+  redis.call('SET', KEYS[1], packed)
 else
   local ttl = reset
-  if ttl < MIN_TTL_MS then
-    ttl = MIN_TTL_MS
+  if ttl < min_ttl then
+    ttl = min_ttl
   end
-  local set = tonumber(h[6])
-  if set == nil or now + ttl > set then
-    local slack = (ttl - ttl % 4) / 4 -- exact: division by a power of two
-    if slack > MAX_SLACK_MS then
-      slack = MAX_SLACK_MS
-    end
-    x = ttl + slack
-  end
-end
-if x == nil then
-  redis.call('HSET', KEYS[1], 't', tokens, 'c', carry, 'ts', ts, 'ad', ad, 'dn', dn)
-elseif x == 'inf' then
-  redis.call('HSET', KEYS[1], 't', tokens, 'c', carry, 'ts', ts, 'ad', ad, 'dn', dn, 'x', x)
-  redis.call('PERSIST', KEYS[1])
-else
-  redis.call('HSET', KEYS[1], 't', tokens, 'c', carry, 'ts', ts, 'ad', ad, 'dn', dn, 'x', now + x)
-  redis.call('PEXPIRE', KEYS[1], x)
+  redis.call('SET', KEYS[1], packed, 'PX', ttl)
 end
 return { allowed, (tokens - fmod(tokens, UT)) / UT, retry, reset }

@@ -3,9 +3,10 @@
 //! one script can touch them atomically.
 //!
 //! ```text
-//! qd:v1:{<tenant>}:<policy>:<version>:b   token-bucket state (hash), expires when idle
+//! qd:v1:{<tenant>}:<policy>:<version>:b   token-bucket state (packed string), expires when idle
 //! qd:v1:{<tenant>}:<policy>:<version>:w   sliding-window state (hash), expires when idle
-//! qd:v1:{<tenant>}:<policy>:<version>:p   this region's parameters (hash), no TTL
+//! qd:v1:{<tenant>}:<policy>:<version>:p   this region's parameters (hash), no TTL; written by
+//!                                         lua/set_params.lua, which updates the bucket's copy
 //! qd:v1:active                            activity index (set of state keys), standalone Redis
 //! qd:v1:{<slot tag>}:active               activity index of one cluster slot
 //! ```

@@ -1,6 +1,9 @@
 //! Store benchmark: decisions per second and latency through the `Store` API (embedded and
 //! Redis side by side, concurrency 1 and 64, hot key and random keys), and Redis server CPU per
-//! decision for `token_bucket.lua` against a seed-article-style baseline script.
+//! decision for `token_bucket.lua` (one packed string: GET + SET PX) against the previous
+//! hash-based script (`benches/token_bucket_hash.lua`: HMGET params, HMGET + HSET state), a
+//! seed-article-style baseline script and the bare TIME+GET+SET PX floor, interleaved in one
+//! run with ratios.
 //!
 //! `cargo bench -p quota-store --bench store` (release; starts its own redis-server through
 //! redis-harness; ~1 min). `QUOTAD_BENCH_SCALE=0.2` shortens it.
@@ -50,6 +53,9 @@ redis.call('HSET', KEYS[1], 'tokens', tokens, 'ts', now)
 redis.call('EXPIRE', KEYS[1], math.ceil(capacity / refill) * 2)
 return allowed
 "#;
+
+/// The previous token_bucket.lua (state and parameters in hashes), for comparison only.
+const HASH_TOKEN_BUCKET_LUA: &str = include_str!("token_bucket_hash.lua");
 
 /// The floor: read Redis time, read a key, write it with an expiry.
 const BARE_LUA: &str = r#"
@@ -250,7 +256,8 @@ fn quotad_keys(t: u64) -> Vec<String> {
 }
 
 fn quotad_args(_: usize) -> Vec<String> {
-    // Production path: Redis TIME, fallback parameters (none stored).
+    // Production path: Redis TIME, fallback parameters (none stored). The new script then uses
+    // its default minimum idle TTL (60 s, what the store passes); the previous one takes 4.
     vec![
         "1".into(),
         (1000 * UT).to_string(),
@@ -316,21 +323,41 @@ async fn main() {
     );
     let n = scaled(40_000);
     for keys in [Keys::Hot, Keys::Random] {
-        let (mut ours, mut seed, mut bare) = (f64::MAX, f64::MAX, f64::MAX);
+        let (mut ours, mut hash, mut seed, mut bare) = (f64::MAX, f64::MAX, f64::MAX, f64::MAX);
         for _ in 0..ROUNDS {
             let tb = quota_store::script::TOKEN_BUCKET_LUA;
             ours = ours.min(server_cpu(&server, tb, keys, n, quotad_args, quotad_keys).await);
+            hash = hash.min(
+                server_cpu(
+                    &server,
+                    HASH_TOKEN_BUCKET_LUA,
+                    keys,
+                    n,
+                    quotad_args,
+                    quotad_keys,
+                )
+                .await,
+            );
             seed = seed
                 .min(server_cpu(&server, SEED_BASELINE_LUA, keys, n, seed_args, plain_key).await);
             bare = bare.min(server_cpu(&server, BARE_LUA, keys, n, no_args, plain_key).await);
         }
         println!("{}:", keys.name());
-        println!("  token_bucket.lua (full contract)         {ours:>6.2} µs");
+        println!("  token_bucket.lua (packed string)         {ours:>6.2} µs");
+        println!("  previous token_bucket (hashes)           {hash:>6.2} µs");
         println!("  seed-style baseline (HMGET/HSET/EXPIRE)  {seed:>6.2} µs");
         println!("  bare TIME+GET+SET PX                     {bare:>6.2} µs");
         println!(
+            "  ratio token_bucket / previous            {:>6.2}",
+            ours / hash
+        );
+        println!(
             "  ratio token_bucket / seed baseline       {:>6.2}",
             ours / seed
+        );
+        println!(
+            "  ratio token_bucket / bare                {:>6.2}",
+            ours / bare
         );
     }
 }

@@ -3,7 +3,7 @@
 //! A product feature for running without Redis (one region, development, higher-layer tests),
 //! not a mock: it gives exactly the decisions the Lua scripts give, keeps the same usage
 //! counters, and bounds its memory the same way — a bucket idle past its TTL (time to refill
-//! fully, at least [`MIN_TTL_MS`]) reads as missing, i.e. full, and is evicted by an amortised
+//! fully, at least the minimum idle TTL: [`DEFAULT_MIN_IDLE_TTL_MS`] unless configured) reads as missing, i.e. full, and is evicted by an amortised
 //! sweep. State is split over shards, each behind its own `std::sync::Mutex`: critical sections
 //! are short and never await, so a blocking mutex is cheaper than an async one and contention
 //! is spread by bucket hash.
@@ -17,7 +17,9 @@ use std::time::{SystemTime, UNIX_EPOCH};
 use quota_core::keys::StateKind;
 use quota_core::{bucket, window, BucketState, Decision, WindowParams, WindowState};
 
-use crate::{BucketRef, CheckRequest, Limit, Store, StoreError, UsageRecord, MIN_TTL_MS};
+use crate::{
+    BucketRef, CheckRequest, Limit, Store, StoreError, UsageRecord, DEFAULT_MIN_IDLE_TTL_MS,
+};
 
 /// Shards by default: a power of two well above the core count.
 const DEFAULT_SHARDS: usize = 64;
@@ -92,6 +94,8 @@ pub struct EmbeddedStore {
     shards: Arc<[Mutex<Shard>]>,
     hasher: RandomState,
     clock: Clock,
+    /// Minimum idle lifetime of a state (ms).
+    min_idle_ttl_ms: u64,
 }
 
 impl fmt::Debug for EmbeddedStore {
@@ -127,7 +131,15 @@ impl EmbeddedStore {
             shards: shards.into(),
             hasher: RandomState::new(),
             clock,
+            min_idle_ttl_ms: DEFAULT_MIN_IDLE_TTL_MS,
         }
+    }
+
+    /// The same with another minimum idle lifetime of state (at least 1 ms), as
+    /// `RedisStoreConfig::with_min_idle_ttl`.
+    pub fn with_min_idle_ttl(mut self, ms: u64) -> Self {
+        self.min_idle_ttl_ms = ms.max(1);
+        self
     }
 
     /// Number of live state entries (for memory checks and metrics).
@@ -181,7 +193,8 @@ impl EmbeddedStore {
                 };
                 let (d, s) = bucket::decide(now, &p, prev, req.cost);
                 let ttl = bucket::idle_ttl_ms(&p, &s);
-                (d, State::Bucket(s), (ttl != u64::MAX).then_some(ttl))
+                let ttl = (ttl != u64::MAX).then_some(ttl.max(self.min_idle_ttl_ms));
+                (d, State::Bucket(s), ttl)
             }
             Limit::SlidingWindow { limit, window_ms } => {
                 let prev = match entry.as_ref().map(|e| &e.state) {
@@ -191,7 +204,7 @@ impl EmbeddedStore {
                 let p = WindowParams { limit, window_ms };
                 let (d, s) = window::decide(now, &p, prev, req.cost);
                 let ttl = window::idle_ttl_ms(&p, &s);
-                (d, State::Window(s), Some(ttl))
+                (d, State::Window(s), Some(ttl.max(self.min_idle_ttl_ms)))
             }
         };
         // Idle time counts from the latest time the state has seen: a request with a clock
@@ -200,7 +213,7 @@ impl EmbeddedStore {
             State::Bucket(s) => s.ts_ms,
             State::Window(s) => s.ts_ms,
         };
-        let expires_at_ms = ttl.map(|t| latest.saturating_add(t.max(MIN_TTL_MS)));
+        let expires_at_ms = ttl.map(|t| latest.saturating_add(t));
         let (admitted, denied) = if decision.allowed {
             (req.cost, 0)
         } else {
@@ -309,7 +322,8 @@ mod tests {
     async fn idle_buckets_are_evicted_and_come_back_full() {
         let now = Arc::new(AtomicU64::new(0));
         let n = now.clone();
-        let s = EmbeddedStore::with_shards(Arc::new(move || n.load(Ordering::SeqCst)), 4);
+        let s = EmbeddedStore::with_shards(Arc::new(move || n.load(Ordering::SeqCst)), 4)
+            .with_min_idle_ttl(1000);
         for i in 0..5000 {
             let d = s
                 .check(&req(&bucket(&format!("t{i}")), 2, 1, None))
@@ -328,7 +342,7 @@ mod tests {
 
     #[tokio::test]
     async fn sweeps_keep_memory_bounded_without_explicit_eviction() {
-        let s = EmbeddedStore::with_shards(system_clock(), 1);
+        let s = EmbeddedStore::with_shards(system_clock(), 1).with_min_idle_ttl(1000);
         for i in 0..20_000u64 {
             // Each one-shot identity arrives 1 s after the previous: all earlier ones expired.
             s.check(&req(&bucket(&format!("t{i}")), 1, 1, Some(i * 1000)))

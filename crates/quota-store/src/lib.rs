@@ -33,11 +33,13 @@ pub use redis_store::{RedisStore, RedisStoreConfig, Topology};
 /// The largest cost of one request in whole tokens: `cost · UT` stays exact in a double.
 pub const MAX_COST: u64 = MAX_CAPACITY_UT / UT;
 
-/// The minimum idle lifetime of a state key, in ms. Usage counters live in the state, so a
-/// bucket that goes idle keeps them at least this long: collect usage more often than this or
-/// the usage of buckets idle for longer is lost. Larger means more memory for one-shot
-/// identities; `lua/*.lua` holds the same constant.
-pub const MIN_TTL_MS: u64 = 1000;
+/// The default minimum idle lifetime of a bucket or window state, in ms (configurable per store:
+/// [`RedisStoreConfig::with_min_idle_ttl`], [`EmbeddedStore::with_min_idle_ttl`]). Usage
+/// counters live in the state, so a bucket that goes idle keeps them at least this long:
+/// collect usage more often than this or the usage of buckets idle for longer is lost. Larger
+/// means more memory for one-shot identities. The decision scripts in `lua/` use the same
+/// default when their caller passes none.
+pub const DEFAULT_MIN_IDLE_TTL_MS: u64 = 60_000;
 
 /// Which bucket: a tenant's policy at a policy version (the version is part of the key).
 #[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]

@@ -23,7 +23,9 @@ use redis::cluster_async::ClusterConnection;
 use redis::{FromRedisValue, RedisError, Script, Value};
 
 use crate::script::{self, COLLECT_BATCH_MAX};
-use crate::{BucketRef, CheckRequest, Limit, Store, StoreError, UsageRecord};
+use crate::{
+    BucketRef, CheckRequest, Limit, Store, StoreError, UsageRecord, DEFAULT_MIN_IDLE_TTL_MS,
+};
 
 /// Slot indexes drained at once during a cluster usage collection.
 pub const CLUSTER_COLLECT_CONCURRENCY: usize = 64;
@@ -43,6 +45,9 @@ pub struct RedisStoreConfig {
     pub topology: Topology,
     /// Upper bound on every call, connection set-up included.
     pub timeout: Duration,
+    /// Minimum idle lifetime of a bucket or window state (ms precision, at least 1 ms): keeps
+    /// the usage counters of an idle bucket until the next collection, so collect more often.
+    pub min_idle_ttl: Duration,
 }
 
 impl RedisStoreConfig {
@@ -51,6 +56,7 @@ impl RedisStoreConfig {
         Self {
             topology: Topology::Standalone { url: url.into() },
             timeout: DEFAULT_TIMEOUT,
+            min_idle_ttl: DEFAULT_MIN_IDLE_TTL,
         }
     }
 
@@ -59,6 +65,7 @@ impl RedisStoreConfig {
         Self {
             topology: Topology::Cluster { urls },
             timeout: DEFAULT_TIMEOUT,
+            min_idle_ttl: DEFAULT_MIN_IDLE_TTL,
         }
     }
 
@@ -67,7 +74,16 @@ impl RedisStoreConfig {
         self.timeout = timeout;
         self
     }
+
+    /// The same with another minimum idle lifetime of state.
+    pub fn with_min_idle_ttl(mut self, ttl: Duration) -> Self {
+        self.min_idle_ttl = ttl;
+        self
+    }
 }
+
+/// The default minimum idle lifetime of a state ([`DEFAULT_MIN_IDLE_TTL_MS`]).
+pub const DEFAULT_MIN_IDLE_TTL: Duration = Duration::from_millis(DEFAULT_MIN_IDLE_TTL_MS);
 
 /// The default bound on a call: far above a healthy local round trip, short enough that the
 /// daemon's circuit breaker reacts within a second.
@@ -84,6 +100,7 @@ struct Scripts {
     token_bucket: Script,
     sliding_window: Script,
     collect_usage: Script,
+    set_params: Script,
 }
 
 /// The Redis-backed store. Cheap to clone; clones share connections.
@@ -92,6 +109,8 @@ pub struct RedisStore {
     conn: Conn,
     scripts: Arc<Scripts>,
     timeout: Duration,
+    /// The minimum idle TTL argument of the decision scripts (ms, decimal).
+    min_idle_ttl_ms: Arc<str>,
     /// Cluster only: the hash tag of every slot, for the per-slot activity indexes.
     slot_tags: Option<Arc<Vec<String>>>,
     /// Cluster only: the slot the next collection starts at, so a small `max` cannot starve
@@ -182,11 +201,17 @@ impl RedisStore {
             token_bucket: Script::new(script::TOKEN_BUCKET_LUA),
             sliding_window: Script::new(script::SLIDING_WINDOW_LUA),
             collect_usage: Script::new(script::COLLECT_USAGE_LUA),
+            set_params: Script::new(script::SET_PARAMS_LUA),
         });
+        let min_idle_ttl_ms = (config.min_idle_ttl.as_millis() as u64)
+            .clamp(1, quota_core::bucket::MAX_CAPACITY_UT)
+            .to_string()
+            .into();
         Ok(Self {
             conn,
             scripts,
             timeout: config.timeout,
+            min_idle_ttl_ms,
             slot_tags,
             next_slot: Arc::new(AtomicUsize::new(0)),
         })
@@ -260,17 +285,6 @@ impl RedisStore {
             match self.conn.clone() {
                 Conn::Single(mut c) => cmd.query_async(&mut c).await,
                 Conn::Cluster(mut c) => cmd.query_async(&mut c).await,
-            }
-        };
-        self.bounded(call).await
-    }
-
-    /// Runs an atomic pipeline (MULTI/EXEC) on one slot within the timeout.
-    async fn atomic(&self, pipe: &redis::Pipeline) -> Result<(), StoreError> {
-        let call = async {
-            match self.conn.clone() {
-                Conn::Single(mut c) => pipe.query_async::<()>(&mut c).await,
-                Conn::Cluster(mut c) => pipe.query_async::<()>(&mut c).await,
             }
         };
         self.bounded(call).await
@@ -357,36 +371,40 @@ impl Store for RedisStore {
         let params = req.bucket.params_key();
         let index = self.index_key(&state);
         let args = script::decision_args(req);
+        let s = match kind {
+            StateKind::Bucket => &self.scripts.token_bucket,
+            StateKind::Window => &self.scripts.sliding_window,
+        };
         let args = [
             args[0].as_str(),
             args[1].as_str(),
             args[2].as_str(),
             args[3].as_str(),
+            &self.min_idle_ttl_ms,
         ];
-        let s = match kind {
-            StateKind::Bucket => &self.scripts.token_bucket,
-            StateKind::Window => &self.scripts.sliding_window,
-        };
         let reply: Vec<i64> = self.invoke(s, &[&state, &params, &index], &args).await?;
         script::decision_from_reply(&reply)
     }
 
     async fn set_params(&self, bucket: &BucketRef, limit: Limit) -> Result<(), StoreError> {
         limit.validate()?;
+        // One script: the params hash and the copy inside the token-bucket state change
+        // together (both keys share the tenant's hash tag, so one slot).
         let key = bucket.params_key();
-        let mut pipe = redis::pipe();
-        pipe.atomic().del(&key).ignore();
-        match limit {
-            Limit::TokenBucket(p) => {
-                pipe.hset_multiple(&key, &[("cap", p.capacity_ut), ("rate", p.rate_ut_per_s)])
-                    .ignore();
-            }
-            Limit::SlidingWindow { limit, window_ms } => {
-                pipe.hset_multiple(&key, &[("limit", limit), ("window", window_ms)])
-                    .ignore();
-            }
-        }
-        self.atomic(&pipe).await
+        let state = bucket.state_key(StateKind::Bucket);
+        let (f1, v1, f2, v2) = match limit {
+            Limit::TokenBucket(p) => ("cap", p.capacity_ut, "rate", p.rate_ut_per_s),
+            Limit::SlidingWindow { limit, window_ms } => ("limit", limit, "window", window_ms),
+        };
+        let (v1, v2) = (v1.to_string(), v2.to_string());
+        let _: i64 = self
+            .invoke(
+                &self.scripts.set_params,
+                &[&key, &state],
+                &[f1, &v1, f2, &v2, &self.min_idle_ttl_ms],
+            )
+            .await?;
+        Ok(())
     }
 
     async fn collect_usage(&self, max: usize) -> Result<Vec<UsageRecord>, StoreError> {

@@ -11,6 +11,10 @@ pub const TOKEN_BUCKET_LUA: &str = include_str!("../../../lua/token_bucket.lua")
 /// One sliding-window decision (`lua/sliding_window.lua`).
 pub const SLIDING_WINDOW_LUA: &str = include_str!("../../../lua/sliding_window.lua");
 
+/// Writes a bucket's parameters and the copy inside its token-bucket state
+/// (`lua/set_params.lua`).
+pub const SET_PARAMS_LUA: &str = include_str!("../../../lua/set_params.lua");
+
 /// Drains an activity index (`lua/collect_usage.lua`).
 pub const COLLECT_USAGE_LUA: &str = include_str!("../../../lua/collect_usage.lua");
 
@@ -74,7 +78,12 @@ mod tests {
 
     #[test]
     fn every_script_states_its_contract() {
-        for s in [TOKEN_BUCKET_LUA, SLIDING_WINDOW_LUA, COLLECT_USAGE_LUA] {
+        for s in [
+            TOKEN_BUCKET_LUA,
+            SLIDING_WINDOW_LUA,
+            COLLECT_USAGE_LUA,
+            SET_PARAMS_LUA,
+        ] {
             assert!(s.contains("KEYS[1]") && s.contains("ARGV[1]") && s.contains("returns"));
         }
     }

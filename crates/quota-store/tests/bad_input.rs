@@ -6,7 +6,9 @@ mod common;
 
 use common::{fresh_bucket, req, tokens};
 use quota_core::BucketParams;
-use quota_store::script::{COLLECT_USAGE_LUA, SLIDING_WINDOW_LUA, TOKEN_BUCKET_LUA};
+use quota_store::script::{
+    COLLECT_USAGE_LUA, SET_PARAMS_LUA, SLIDING_WINDOW_LUA, TOKEN_BUCKET_LUA,
+};
 use quota_store::{Limit, Store, StoreError};
 use redis_harness::RedisServer;
 
@@ -85,8 +87,19 @@ fn token_bucket_rejects_every_bad_argument() {
             "now above 2^53",
             &["1", "1000000", "1000", "9007199254740992"],
         ),
+        ("zero min ttl", &["1", "1000000", "1000", "5", "0"]),
+        ("float min ttl", &["1", "1000000", "1000", "5", "1.5"]),
+        ("negative min ttl", &["1", "1000000", "1000", "5", "-1"]),
+        ("text min ttl", &["1", "1000000", "1000", "5", "long"]),
+        (
+            "huge min ttl",
+            &["1", "1000000", "1000", "5", "99999999999999999999"],
+        ),
         ("too few arguments", &["1", "1000000"]),
-        ("too many arguments", &["1", "1000000", "1000", "5", "6"]),
+        (
+            "too many arguments",
+            &["1", "1000000", "1000", "5", "6", "7"],
+        ),
     ];
     for (case, args) in cases {
         assert_quotad_error(eval(&mut c, TOKEN_BUCKET_LUA, &[B, P, IX], args), case);
@@ -108,7 +121,16 @@ fn token_bucket_rejects_every_bad_argument() {
     );
     assert!(ok.is_ok(), "{ok:?}");
     let _: () = redis::cmd("FLUSHALL").query(&mut c).unwrap();
-    // Stored parameters are validated too.
+    // A minimum idle TTL is accepted.
+    let ok = eval(
+        &mut c,
+        TOKEN_BUCKET_LUA,
+        &[B, P, IX],
+        &["1", "8999999999999", "1000", "5", "1"],
+    );
+    assert!(ok.is_ok(), "{ok:?}");
+    let _: () = redis::cmd("FLUSHALL").query(&mut c).unwrap();
+    // Stored parameters are validated too (read when the bucket does not exist).
     for (cap, rate) in [
         ("abc", "1"),
         ("1", "1.5"),
@@ -149,7 +171,9 @@ fn sliding_window_rejects_every_bad_argument() {
         ("limit without window", &["1", "5", "", ""]),
         ("no params", &["1", "", "", ""]),
         ("float now", &["1", "5", "1000", "1e3"]),
-        ("too many", &["1", "5", "1000", "1", "2"]),
+        ("zero min ttl", &["1", "5", "1000", "1", "0"]),
+        ("float min ttl", &["1", "5", "1000", "1", "2.5"]),
+        ("too many", &["1", "5", "1000", "1", "2", "3"]),
     ];
     for (case, args) in cases {
         assert_quotad_error(eval(&mut c, SLIDING_WINDOW_LUA, &[w, P, IX], args), case);
@@ -169,6 +193,29 @@ fn sliding_window_rejects_every_bad_argument() {
         &["1", "5", "1000", ""],
     );
     assert_quotad_error(r, "stored negative limit");
+}
+
+#[test]
+fn set_params_rejects_bad_arguments() {
+    let server = RedisServer::start().unwrap();
+    let mut c = common::sync_conn(&server);
+    let cases: &[(&str, &[&str])] = &[
+        ("unknown fields", &["cap", "1", "window", "1"]),
+        ("float cap", &["cap", "1.5", "rate", "1"]),
+        ("empty rate", &["cap", "1", "rate", ""]),
+        ("cap above 2^53", &["cap", "9007199254740992", "rate", "1"]),
+        (
+            "fill time too long",
+            &["cap", "9007199254740991", "rate", "1"],
+        ),
+        ("bad min ttl", &["cap", "1", "rate", "1", "0"]),
+        ("too few", &["cap", "1", "rate"]),
+    ];
+    for (case, args) in cases {
+        assert_quotad_error(eval(&mut c, SET_PARAMS_LUA, &[P, B], args), case);
+    }
+    let n: u64 = redis::cmd("DBSIZE").query(&mut c).unwrap();
+    assert_eq!(n, 0);
 }
 
 #[test]

@@ -3,7 +3,8 @@
 //!
 //! 250 cases × up to 100 steps per algorithm (≥ 10 000 checks each, asserted), including extremes: capacity
 //! near MAX_CAPACITY_UT, tiny and huge rates, long idle gaps, time moving backwards, parameter
-//! changes through the stored-parameters hash. `PROPTEST_CASES` scales it up.
+//! changes through set_params.lua (buckets; it also rewrites the copy inside the packed state) or
+//! the stored-parameters hash (windows). `PROPTEST_CASES` scales it up.
 
 mod common;
 
@@ -14,7 +15,7 @@ use proptest::test_runner::{RngSeed, TestRunner};
 use quota_core::bucket::{self, MAX_CAPACITY_UT, MAX_FILL_RATIO, MAX_RATE_UT_PER_S, UT};
 use quota_core::window::{self, MAX_WINDOW_LIMIT, MAX_WINDOW_MS, MAX_WINDOW_PRODUCT};
 use quota_core::{BucketParams, BucketState, Decision, WindowParams, WindowState};
-use quota_store::script::{SLIDING_WINDOW_LUA, TOKEN_BUCKET_LUA};
+use quota_store::script::{SET_PARAMS_LUA, SLIDING_WINDOW_LUA, TOKEN_BUCKET_LUA};
 use quota_store::MAX_COST;
 use redis_harness::RedisServer;
 
@@ -140,6 +141,25 @@ fn field(v: &Option<String>) -> u64 {
     v.as_deref().map_or(0, |s| s.parse().unwrap())
 }
 
+/// The first three fields (t, c, ts) of the packed token-bucket state: little-endian doubles,
+/// exact integers (see lua/token_bucket.lua).
+fn packed_state(raw: &[u8]) -> BucketState {
+    assert_eq!(raw.len(), 64, "packed state of {} bytes", raw.len());
+    let f = |i: usize| {
+        let v = f64::from_le_bytes(raw[i * 8..i * 8 + 8].try_into().unwrap());
+        assert!(
+            v >= 0.0 && v.fract() == 0.0 && v < 9_007_199_254_740_992.0,
+            "{v}"
+        );
+        v as u64
+    };
+    BucketState {
+        tokens_ut: f(0),
+        carry: f(1),
+        ts_ms: f(2),
+    }
+}
+
 fn run_bucket(
     start: u64,
     p0: BucketParams,
@@ -158,8 +178,12 @@ fn run_bucket(
         for (i, step) in steps.iter().enumerate() {
             match *step {
                 Step::Params { p, stored: true } => {
-                    redis::cmd("HSET")
+                    // Through set_params.lua, which also rewrites the copy in the state.
+                    redis::cmd("EVAL")
+                        .arg(SET_PARAMS_LUA)
+                        .arg(2)
                         .arg(&pk)
+                        .arg(&b)
                         .arg("cap")
                         .arg(p.capacity_ut)
                         .arg("rate")
@@ -194,18 +218,8 @@ fn run_bucket(
                         now,
                         p
                     );
-                    let got: (Option<String>, Option<String>, Option<String>) = redis::cmd("HMGET")
-                        .arg(&b)
-                        .arg("t")
-                        .arg("c")
-                        .arg("ts")
-                        .query(&mut f.conn)
-                        .unwrap();
-                    let got = BucketState {
-                        tokens_ut: field(&got.0),
-                        carry: field(&got.1),
-                        ts_ms: field(&got.2),
-                    };
+                    let raw: Vec<u8> = redis::cmd("GET").arg(&b).query(&mut f.conn).unwrap();
+                    let got = packed_state(&raw);
                     prop_assert_eq!(got, next, "state at step {}", i);
                     state = Some(next);
                 }
