@@ -191,6 +191,31 @@ impl Daemon {
         })
     }
 
+    /// POSTs `body` to `path` on a fresh connection that is not reused afterwards: for requests
+    /// the daemon may answer by closing the connection (oversized bodies).
+    pub async fn post_once(&self, path: &str, body: String) -> anyhow::Result<Reply> {
+        let client = reqwest::Client::builder()
+            .pool_max_idle_per_host(0)
+            .timeout(Duration::from_secs(10))
+            .build()?;
+        let resp = client
+            .post(format!("{}{path}", self.base()))
+            .header("content-type", "application/json")
+            .body(body)
+            .send()
+            .await
+            .with_context(|| format!("calling {path}"))?;
+        let status = resp.status().as_u16();
+        let headers = resp.headers().clone();
+        let bytes = resp.bytes().await?;
+        let body = serde_json::from_slice(&bytes).unwrap_or(Value::Null);
+        Ok(Reply {
+            status,
+            headers,
+            body,
+        })
+    }
+
     pub async fn get(&self, path: &str) -> anyhow::Result<Reply> {
         self.request("GET", path, None, None).await
     }

@@ -245,8 +245,20 @@ fn main() -> anyhow::Result<()> {
                 }
             })
             .await;
+            // The HTTP floor: the same client and server answering /livez, no decision at all.
+            let (h, url) = (http.clone(), format!("{base}/livez"));
+            let floor = drive(conc, secs, move |_| {
+                let (h, url) = (h.clone(), url.clone());
+                async move {
+                    match h.get(&url).send().await {
+                        Ok(r) => r.status().as_u16() == 200 && r.bytes().await.is_ok(),
+                        Err(_) => false,
+                    }
+                }
+            })
+            .await;
             println!(
-                "{:>5} | {:>12.0} {:>9.1} {:>9.1} | {:>12.0} {:>9.1} {:>9.1} | {:>6.2} {:>12.1}",
+                "{:>5} | {:>12.0} {:>9.1} {:>9.1} | {:>12.0} {:>9.1} {:>9.1} | {:>6.2} {:>12.1} | {:>14.0} {:>9.1}",
                 conc,
                 q.rate(),
                 q.p(0.5),
@@ -256,6 +268,8 @@ fn main() -> anyhow::Result<()> {
                 raw.p(0.99),
                 q.rate() / raw.rate(),
                 q.p(0.5) - raw.p(0.5),
+                floor.rate(),
+                floor.p(0.5),
             );
         }
         anyhow::Ok(())

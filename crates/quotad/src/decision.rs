@@ -20,10 +20,12 @@ use tokio::sync::watch;
 
 use crate::breaker::{Admission, Breaker};
 use crate::clock;
+use crate::config::Secret;
 use crate::coordination::ClusterView;
 use crate::telemetry::{self, DecisionMetrics, Outcome};
 
-/// Header marking a check forwarded from another region, so it is never forwarded again.
+/// Header marking a check forwarded from another region, so it is never forwarded again. Its
+/// value is the peer token: a client cannot use it to skip a pinned tenant's home.
 pub const FORWARDED_HEADER: &str = "x-quotad-forwarded";
 
 /// The limit this region enforces for a policy at a share: a bucket of `s·C` refilling at
@@ -107,6 +109,7 @@ pub struct Decider {
     homes: HashMap<RegionId, SocketAddr>,
     http: reqwest::Client,
     forward_timeout: Duration,
+    peer_token: Option<Secret>,
     pub metrics: DecisionMetrics,
     store_latency: Histogram,
     store_errors: Counter,
@@ -124,6 +127,8 @@ pub struct DeciderParts {
     /// Every region's API address, for forwarding pinned tenants.
     pub homes: HashMap<RegionId, SocketAddr>,
     pub forward_timeout: Duration,
+    /// The peer token forwarded checks carry (multi-region only).
+    pub peer_token: Option<Secret>,
 }
 
 impl Decider {
@@ -143,6 +148,15 @@ impl Decider {
             homes: p.homes,
             http: reqwest::Client::new(),
             forward_timeout: p.forward_timeout,
+            peer_token: p.peer_token,
+        }
+    }
+
+    /// True when a request's forwarded-header value proves it came from a peer daemon.
+    pub fn is_peer_forward(&self, value: Option<&str>) -> bool {
+        match (&self.peer_token, value) {
+            (Some(t), Some(v)) => crate::api::auth::token_matches(t.expose(), v),
+            _ => false,
         }
     }
 
@@ -330,7 +344,10 @@ impl Decider {
             let sent = self
                 .http
                 .post(format!("http://{addr}/v1/check"))
-                .header(FORWARDED_HEADER, "1")
+                .header(
+                    FORWARDED_HEADER,
+                    self.peer_token.as_ref().map_or("", |t| t.expose()),
+                )
                 .timeout(self.forward_timeout)
                 .json(&body)
                 .send()

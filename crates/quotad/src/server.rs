@@ -107,6 +107,7 @@ pub async fn build_state(
         store_timeout: Duration::from_millis(cfg.redis.as_ref().map_or(50, |r| r.timeout_ms)),
         homes,
         forward_timeout: Duration::from_millis(cfg.api.forward_timeout_ms),
+        peer_token: settings.secrets.peer_token.clone(),
     }));
     Ok(AppState {
         decider,
@@ -191,8 +192,27 @@ pub async fn serve(
 
     let (drain_tx, drain_rx) = tokio::sync::oneshot::channel::<()>();
     let drain_ready = ready.clone();
+    // Raft stopping for good (storage failure) also shuts the daemon down, with an error, so
+    // its supervisor restarts it from the durable state.
+    let fatal = Arc::new(std::sync::Mutex::new(None::<String>));
+    let fatal_seen = fatal.clone();
+    let raft_stopped = {
+        let coordinator = coordinator.clone();
+        async move {
+            match coordinator.as_ref() {
+                Coordinator::Replicated(r) => r.wait_fatal().await,
+                Coordinator::Local(_) => std::future::pending().await,
+            }
+        }
+    };
     let graceful = async move {
-        shutdown.await;
+        tokio::select! {
+            () = shutdown => {}
+            message = raft_stopped => {
+                tracing::error!(error = %message, "Raft stopped; shutting down.");
+                *fatal_seen.lock().unwrap_or_else(|e| e.into_inner()) = Some(message);
+            }
+        }
         drain_ready.store(false, Ordering::Relaxed);
         tracing::info!("Shutdown requested: draining in-flight requests.");
         let _ = drain_tx.send(());
@@ -217,6 +237,9 @@ pub async fn serve(
         r.shutdown().await;
     }
     tracing::info!("quotad stopped.");
+    if let Some(message) = fatal.lock().unwrap_or_else(|e| e.into_inner()).take() {
+        anyhow::bail!("the Raft coordinator stopped: {message}");
+    }
     served
 }
 

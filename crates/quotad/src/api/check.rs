@@ -225,7 +225,9 @@ pub async fn check(
     headers: HeaderMap,
     ApiJson(body): ApiJson<CheckBody>,
 ) -> Result<Response, ApiError> {
-    let forwarded = headers.contains_key(FORWARDED_HEADER);
+    let forwarded = state
+        .decider
+        .is_peer_forward(headers.get(FORWARDED_HEADER).and_then(|v| v.to_str().ok()));
     let (v, policy) = decide(&state, &body, forwarded).await?;
     let r = CheckResponse::from_verdict(&v, state.decider.region().as_str());
     let mut resp = if r.allowed {
@@ -262,7 +264,9 @@ pub async fn check_batch(
             &format!("must hold 1 to {MAX_BATCH} checks"),
         ));
     }
-    let forwarded = headers.contains_key(FORWARDED_HEADER);
+    let forwarded = state
+        .decider
+        .is_peer_forward(headers.get(FORWARDED_HEADER).and_then(|v| v.to_str().ok()));
     let mut results = Vec::with_capacity(body.checks.len());
     for (i, c) in body.checks.iter().enumerate() {
         let item = match decide(&state, c, forwarded).await {

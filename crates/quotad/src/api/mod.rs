@@ -97,6 +97,36 @@ async fn openapi() -> axum::Json<utoipa::openapi::OpenApi> {
     axum::Json(ApiDoc::openapi())
 }
 
+/// Oversized bodies read and discarded before answering 413, up to this many bytes: a client
+/// still sending when the server closes would see a reset instead of the problem response.
+const DRAIN_MAX_BYTES: u64 = 1 << 20;
+
+/// Answers a declared-oversized body with 413 after draining it (bounded), so the client reads
+/// the problem response instead of a connection reset.
+async fn reject_oversized(
+    axum::extract::State(limit): axum::extract::State<usize>,
+    req: axum::extract::Request,
+    next: middleware::Next,
+) -> axum::response::Response {
+    use axum::response::IntoResponse as _;
+    let declared = req
+        .headers()
+        .get(axum::http::header::CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.parse::<u64>().ok());
+    match declared {
+        Some(n) if n > limit as u64 => {
+            if n <= DRAIN_MAX_BYTES {
+                let body = req.into_body();
+                let drain = axum::body::to_bytes(body, DRAIN_MAX_BYTES as usize);
+                let _ = tokio::time::timeout(Duration::from_secs(2), drain).await;
+            }
+            problem::ApiError::TooLarge.into_response()
+        }
+        _ => next.run(req).await,
+    }
+}
+
 /// The router: routes, auth on mutations, body limit, timeout, request ids.
 pub fn app(state: AppState) -> Router {
     let guarded = Router::new()
@@ -147,6 +177,7 @@ pub fn app(state: AppState) -> Router {
         .fallback(|| async { problem::ApiError::NotFound { what: "route" } })
         .with_state(state)
         .layer(DefaultBodyLimit::max(body_limit))
+        .layer(middleware::from_fn_with_state(body_limit, reject_oversized))
         .layer(TimeoutLayer::with_status_code(
             StatusCode::REQUEST_TIMEOUT,
             timeout,

@@ -32,6 +32,7 @@ fn state() -> AppState {
         store_timeout: Duration::from_millis(50),
         homes: HashMap::new(),
         forward_timeout: Duration::from_millis(100),
+        peer_token: None,
     }));
     AppState {
         decider,
