@@ -127,8 +127,15 @@ pub struct Status {
     pub fatal: Option<String>,
 }
 
+/// The leader's clock in ms since the epoch. When set, the leader stamps every command it appends
+/// with it (local and forwarded alike), so lease arithmetic in `apply` runs on one clock: a
+/// follower whose clock is ahead cannot push the replicated time forward and make another
+/// region's lease look expired early.
+pub type LeaderClock = Arc<dyn Fn() -> u64 + Send + Sync>;
+
 struct Inner {
     raft: Raft,
+    clock: Option<LeaderClock>,
     /// Dead once openraft's tasks dropped the storage, so a restart can reopen the file.
     db: std::sync::Weak<redb::Database>,
     config: RaftConfig,
@@ -157,6 +164,15 @@ impl Coordinator {
     ///
     /// Idempotent across restarts: a node with existing state never initializes again.
     pub async fn start(config: RaftConfig) -> Result<Self, StartError> {
+        Self::start_with_clock(config, None).await
+    }
+
+    /// [`Coordinator::start`], with the clock the leader stamps commands with ([`LeaderClock`]).
+    /// Without one, commands keep the timestamp their issuer gave them.
+    pub async fn start_with_clock(
+        config: RaftConfig,
+        clock: Option<LeaderClock>,
+    ) -> Result<Self, StartError> {
         config.validate()?;
         let raft_config = config
             .openraft_config()
@@ -201,6 +217,7 @@ impl Coordinator {
         Ok(Self {
             inner: Arc::new(Inner {
                 raft,
+                clock,
                 db,
                 config,
                 state,
@@ -221,6 +238,7 @@ impl Coordinator {
                 max_snapshot_body_bytes: c.max_snapshot_body_bytes,
                 max_command_bytes: c.max_command_bytes(),
                 write_timeout: c.write_timeout(),
+                leader_clock: self.inner.clock.clone(),
             },
         )
     }
@@ -241,7 +259,14 @@ impl Coordinator {
                 return Err(WriteError::Timeout { timeout_ms });
             }
             let max = self.inner.config.max_command_bytes();
-            let refusal = match local_write(&self.inner.raft, command.clone(), remaining, max).await
+            let refusal = match local_write(
+                &self.inner.raft,
+                command.clone(),
+                remaining,
+                max,
+                self.inner.clock.as_ref(),
+            )
+            .await
             {
                 Ok(reply) => return reply.ok_or(WriteError::NoResponse),
                 Err(r) => r,
@@ -498,10 +523,15 @@ impl Coordinator {
 /// `max_bytes` are refused: followers could never receive them.
 pub(crate) async fn local_write(
     raft: &Raft,
-    command: Command,
+    mut command: Command,
     timeout: Duration,
     max_bytes: usize,
+    clock: Option<&LeaderClock>,
 ) -> ForwardReply {
+    // Only a leader appends; on a follower client_write refuses and the stamp is discarded.
+    if let Some(clock) = clock {
+        command.now_ms = clock();
+    }
     let bytes = crate::codec::encode(&command)
         .map_err(|e| ForwardRefusal::Rejected {
             message: e.to_string(),

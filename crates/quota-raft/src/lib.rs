@@ -52,7 +52,8 @@ pub mod types;
 
 pub use config::{ConfigError, ConfigErrors, RaftConfig};
 pub use coordinator::{
-    Coordinator, MembershipError, ReadError, Role, ShutdownError, StartError, Status, WriteError,
+    Coordinator, LeaderClock, MembershipError, ReadError, Role, ShutdownError, StartError, Status,
+    WriteError,
 };
 pub use storage::StateHandle;
 pub use types::{Member, NodeId, Reply, TypeConfig};

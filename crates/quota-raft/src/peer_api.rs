@@ -18,7 +18,7 @@ use openraft::raft::{AppendEntriesRequest, VoteRequest};
 use subtle::ConstantTimeEq;
 
 use crate::codec::{decode, encode, CodecError};
-use crate::coordinator::local_write;
+use crate::coordinator::{local_write, LeaderClock};
 use crate::protocol::{
     unframe_snapshot, ForwardRequest, FrameError, PATH_APPEND, PATH_FORWARD, PATH_SNAPSHOT,
     PATH_VOTE,
@@ -37,6 +37,8 @@ pub struct PeerApiConfig {
     pub max_command_bytes: usize,
     /// Upper bound on how long a forwarded write may wait for its commit.
     pub write_timeout: Duration,
+    /// Stamps forwarded commands on the leader (see [`crate::coordinator::LeaderClock`]).
+    pub leader_clock: Option<LeaderClock>,
 }
 
 impl std::fmt::Debug for PeerApiConfig {
@@ -57,6 +59,7 @@ struct PeerState {
     authorization: Arc<[u8]>,
     write_timeout: Duration,
     max_command_bytes: usize,
+    leader_clock: Option<LeaderClock>,
 }
 
 /// A peer request that was refused before reaching Raft.
@@ -103,6 +106,7 @@ pub fn router(raft: Raft, config: &PeerApiConfig) -> Router {
             .into(),
         write_timeout: config.write_timeout,
         max_command_bytes: config.max_command_bytes,
+        leader_clock: config.leader_clock.clone(),
     };
     let rpc = Router::new()
         .route(PATH_APPEND, post(append))
@@ -154,5 +158,14 @@ async fn snapshot(State(s): State<PeerState>, bytes: Bytes) -> PeerResult {
 async fn forward(State(s): State<PeerState>, bytes: Bytes) -> PeerResult {
     let req: ForwardRequest = body(&bytes)?;
     let timeout = Duration::from_millis(req.timeout_ms).min(s.write_timeout);
-    answer(&local_write(&s.raft, req.command, timeout, s.max_command_bytes).await)
+    answer(
+        &local_write(
+            &s.raft,
+            req.command,
+            timeout,
+            s.max_command_bytes,
+            s.leader_clock.as_ref(),
+        )
+        .await,
+    )
 }

@@ -10,7 +10,8 @@ use common::commands::{limit_of, put_policy, set_shares};
 use quota_core::coordinator::Response;
 use quota_raft::protocol::{PATH_APPEND, PATH_SNAPSHOT, PATH_VOTE};
 use quota_raft::{
-    Coordinator, Member, MembershipError, NodeId, RaftConfig, ReadError, Role, WriteError,
+    Coordinator, LeaderClock, Member, MembershipError, NodeId, RaftConfig, ReadError, Role,
+    WriteError,
 };
 use tempfile::TempDir;
 use tokio::net::TcpListener;
@@ -57,7 +58,15 @@ fn config(id: NodeId, members: &BTreeMap<NodeId, Member>, dir: &TempDir) -> Raft
 }
 
 async fn serve(config: RaftConfig, listener: TcpListener) -> Node {
-    let coordinator = Coordinator::start(config).await.unwrap();
+    serve_with_clock(config, listener, None).await
+}
+
+async fn serve_with_clock(
+    config: RaftConfig,
+    listener: TcpListener,
+    clock: Option<LeaderClock>,
+) -> Node {
+    let coordinator = Coordinator::start_with_clock(config, clock).await.unwrap();
     let router = coordinator.peer_router();
     let server = tokio::spawn(async move {
         axum::serve(listener, router).await.unwrap();
@@ -355,4 +364,42 @@ async fn peer_rpcs_and_snapshots_honour_their_deadline() {
         started.elapsed() < Duration::from_secs(5),
         "both calls gave up at their deadline"
     );
+}
+
+/// Lease arithmetic must run on one clock: the leader stamps what it appends, whatever time the
+/// issuer put in the command (here a follower whose clock is far ahead).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_leader_stamps_commands_with_its_own_clock() {
+    let dir = TempDir::new().unwrap();
+    let ls = listeners(3).await;
+    let members: BTreeMap<_, _> = ls
+        .iter()
+        .enumerate()
+        .map(|(i, l)| (i as NodeId + 1, member(i as NodeId + 1, l)))
+        .collect();
+    let mut nodes = Vec::new();
+    for (i, l) in ls.into_iter().enumerate() {
+        let id = i as NodeId + 1;
+        // Distinct fixed clocks, so the stamp tells which node appended the entry.
+        let clock: LeaderClock = std::sync::Arc::new(move || 5_000_000 + id);
+        nodes.push(serve_with_clock(config(id, &members, &dir), l, Some(clock)).await);
+    }
+    let coords: Vec<&Coordinator> = nodes.iter().map(|n| &n.coordinator).collect();
+    let leader = leader_of(&coords).await;
+    let follower = coords
+        .iter()
+        .find(|c| c.status().node_id != leader)
+        .unwrap();
+
+    let mut cmd = put_policy(1, 7, 8);
+    cmd.now_ms = 9_000_000_000_000; // a follower clock far in the future
+    follower.write(cmd).await.unwrap();
+    for c in &coords {
+        eventually(|| c.read(|s| limit_of(s, 7)) == Some(8)).await;
+        assert_eq!(
+            c.read(|s| s.last_now_ms),
+            5_000_000 + leader,
+            "replicated time is the leader's, not the issuer's"
+        );
+    }
 }

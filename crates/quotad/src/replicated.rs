@@ -126,7 +126,10 @@ impl Replicated {
         }
         std::fs::create_dir_all(&raft_cfg.data_dir)
             .with_context(|| format!("creating {}", raft_cfg.data_dir.display()))?;
-        let raft = quota_raft::Coordinator::start(raft_cfg)
+        // The leader stamps every command it appends with its own clock, so `apply`'s lease
+        // arithmetic never runs on a follower's (possibly skewed) clock.
+        let leader_clock: quota_raft::LeaderClock = Arc::new(clock::wall_ms);
+        let raft = quota_raft::Coordinator::start_with_clock(raft_cfg, Some(leader_clock))
             .await
             .context("starting the Raft coordinator")?;
         let (tx, _) = watch::channel(Arc::new(ClusterView::default()));
