@@ -6,12 +6,11 @@
 //! but never the shadow bucket.
 
 mod async_broadcast;
+mod fixed_share;
 mod global_store;
-mod independent;
 mod quotad;
 mod quotad_pinned;
 mod rebalance_no_lease;
-mod static_split;
 
 use std::fmt;
 
@@ -101,8 +100,8 @@ pub struct Setup<'a> {
 /// Builds a strategy.
 pub fn build(kind: StrategyKind, setup: &Setup<'_>) -> Box<dyn Strategy> {
     match kind {
-        StrategyKind::Independent => Box::new(independent::Independent::new(setup)),
-        StrategyKind::StaticSplit => Box::new(static_split::StaticSplit::new(setup)),
+        StrategyKind::Independent => Box::new(fixed_share::FixedShare::independent(setup)),
+        StrategyKind::StaticSplit => Box::new(fixed_share::FixedShare::static_split(setup)),
         StrategyKind::GlobalStore => Box::new(global_store::GlobalStore::new(setup)),
         StrategyKind::AsyncBroadcast => Box::new(async_broadcast::AsyncBroadcast::new(setup)),
         StrategyKind::RebalanceNoLease => Box::new(rebalance_no_lease::new(setup)),

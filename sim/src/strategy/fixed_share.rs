@@ -1,5 +1,9 @@
-//! `static_split`: every region enforces budget / N for ever. Never overshoots (beyond clock
-//! drift), but a region holding most of the demand gets only 1/N of the budget.
+//! Fixed shares, never rebalanced: every region enforces the same fraction of each tenant's
+//! budget in its own Redis, with local decisions and no coordination.
+//!
+//! - `independent` (the whole budget in every region): up to N× the budget admitted worldwide.
+//! - `static_split` (budget / N for ever): never overshoots (beyond clock drift), but a region
+//!   holding most of the demand gets only 1/N of the budget.
 
 use quota_core::{BucketParams, PPM};
 
@@ -9,28 +13,37 @@ use crate::traffic::{Request, Tenant};
 use crate::world::{World, LOCAL_DECISION_US};
 
 #[derive(Debug)]
-pub struct StaticSplit {
+pub struct FixedShare {
     tenants: Vec<Tenant>,
     params: Vec<BucketParams>,
     stores: RegionalStores,
 }
 
-impl StaticSplit {
-    pub fn new(setup: &Setup<'_>) -> Self {
-        let share = PPM / setup.world.regions as u32;
+impl FixedShare {
+    /// Every region enforces the whole budget (`independent`).
+    pub fn independent(setup: &Setup<'_>) -> Self {
+        Self::new(setup, PPM)
+    }
+
+    /// Every region enforces budget / N (`static_split`).
+    pub fn static_split(setup: &Setup<'_>) -> Self {
+        Self::new(setup, PPM / setup.world.regions as u32)
+    }
+
+    fn new(setup: &Setup<'_>, share_ppm: u32) -> Self {
         Self {
             tenants: setup.tenants.to_vec(),
             params: setup
                 .tenants
                 .iter()
-                .map(|t| BucketParams::for_share(&t.policy, share))
+                .map(|t| BucketParams::for_share(&t.policy, share_ppm))
                 .collect(),
             stores: RegionalStores::new(setup.world.regions, setup.tenants.len()),
         }
     }
 }
 
-impl Strategy for StaticSplit {
+impl Strategy for FixedShare {
     fn advance(&mut self, world: &World, t_ms: u64) {
         self.stores.advance(world, t_ms);
     }
