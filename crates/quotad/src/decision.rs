@@ -175,6 +175,22 @@ impl Decider {
         &self.fallback
     }
 
+    /// Decides in process, at this region's share, when the regional store or the tenant's home
+    /// region cannot; a failure there is reduced capacity (503), never an allow.
+    async fn decide_in_process(
+        &self,
+        req: &CheckRequest,
+        reason: &'static str,
+    ) -> Result<Decision, CheckError> {
+        self.fallback
+            .check(req)
+            .await
+            .map_err(|_| CheckError::ReducedCapacity {
+                policy: req.bucket.policy.clone(),
+                reason,
+            })
+    }
+
     /// The breaker's state, for /v1/status.
     pub fn store_degraded(&self) -> bool {
         self.breaker.is_open()
@@ -289,14 +305,9 @@ impl Decider {
         }
         match policy.fail_mode {
             FailMode::Local => {
-                let decision =
-                    self.fallback
-                        .check(&req)
-                        .await
-                        .map_err(|_| CheckError::ReducedCapacity {
-                            policy: req.bucket.policy.clone(),
-                            reason: "the regional store is unavailable",
-                        })?;
+                let decision = self
+                    .decide_in_process(&req, "the regional store is unavailable")
+                    .await?;
                 Ok(Verdict {
                     decision,
                     policy,
@@ -388,14 +399,9 @@ impl Decider {
             cost,
             now_ms: None,
         };
-        let decision =
-            self.fallback
-                .check(&req)
-                .await
-                .map_err(|_| CheckError::ReducedCapacity {
-                    policy: req.bucket.policy.clone(),
-                    reason: "the tenant's home region is unreachable",
-                })?;
+        let decision = self
+            .decide_in_process(&req, "the tenant's home region is unreachable")
+            .await?;
         Ok(Verdict {
             decision,
             policy,
