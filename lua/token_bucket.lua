@@ -34,8 +34,6 @@
 -- idle TTL): an expired bucket reads as full, so it must not expire before it would be full.
 -- With no refill and not full, the SET carries no expiry (the key must stay).
 --
--- A state key still holding the previous layout (a hash) is converted on its first decision.
---
 -- Cost: TIME (unless now is given), GET, SET PX per decision; SADD once per bucket per report
 -- interval; HMGET of the parameters only when the bucket key is missing.
 
@@ -110,17 +108,12 @@ if a_cap ~= '' or a_rate ~= '' then
   end
 end
 
-local v = redis.pcall('GET', KEYS[1])
-local legacy
-if type(v) == 'table' then
-  -- WRONGTYPE: a state hash written by the previous layout (fields t, c, ts, ad, dn). Taken
-  -- over once: its level and counters carry on, the key becomes the packed string.
-  legacy = redis.call('HMGET', KEYS[1], 't', 'c', 'ts', 'ad', 'dn')
-  redis.call('DEL', KEYS[1])
-  v = false
-end
+local v = redis.call('GET', KEYS[1])
 local tokens, carry, ts, ad, dn, cap, rate, src
 if v then
+  if #v ~= 64 then
+    return err('stored state is invalid')
+  end
   tokens, carry, ts, ad, dn, cap, rate, src = struct.unpack('<dddddddd', v)
   if src == 0 then
     if fb_cap == nil then
@@ -146,11 +139,6 @@ else
     return err('no parameters stored and no fallback given')
   end
   tokens, carry, ts, ad, dn = cap, 0, now, 0, 0
-  if legacy and legacy[1] then
-    tokens, carry, ts = tonumber(legacy[1]) or cap, tonumber(legacy[2]) or 0,
-        tonumber(legacy[3]) or now
-    ad, dn = tonumber(legacy[4]) or 0, tonumber(legacy[5]) or 0
-  end
 end
 if tokens >= cap then
   tokens, carry = cap, 0

@@ -66,6 +66,21 @@ pub struct Reply {
     pub body: Value,
 }
 
+impl Reply {
+    /// Reads status, headers and a JSON body (`Null` when the body is not JSON).
+    async fn read(resp: reqwest::Response) -> anyhow::Result<Self> {
+        let status = resp.status().as_u16();
+        let headers = resp.headers().clone();
+        let bytes = resp.bytes().await?;
+        let body = serde_json::from_slice(&bytes).unwrap_or(Value::Null);
+        Ok(Self {
+            status,
+            headers,
+            body,
+        })
+    }
+}
+
 impl Daemon {
     /// Starts quotad with `config` as is (ports fixed by the caller) and extra environment,
     /// without waiting for readiness.
@@ -180,15 +195,7 @@ impl Daemon {
             .send()
             .await
             .with_context(|| format!("calling {path}"))?;
-        let status = resp.status().as_u16();
-        let headers = resp.headers().clone();
-        let bytes = resp.bytes().await?;
-        let body = serde_json::from_slice(&bytes).unwrap_or(Value::Null);
-        Ok(Reply {
-            status,
-            headers,
-            body,
-        })
+        Reply::read(resp).await
     }
 
     /// POSTs `body` to `path` on a fresh connection that is not reused afterwards: for requests
@@ -205,15 +212,7 @@ impl Daemon {
             .send()
             .await
             .with_context(|| format!("calling {path}"))?;
-        let status = resp.status().as_u16();
-        let headers = resp.headers().clone();
-        let bytes = resp.bytes().await?;
-        let body = serde_json::from_slice(&bytes).unwrap_or(Value::Null);
-        Ok(Reply {
-            status,
-            headers,
-            body,
-        })
+        Reply::read(resp).await
     }
 
     pub async fn get(&self, path: &str) -> anyhow::Result<Reply> {

@@ -111,6 +111,25 @@ fn token_bucket_rejects_every_bad_argument() {
     // Nothing was written by any rejected call.
     let n: u64 = redis::cmd("DBSIZE").query(&mut c).unwrap();
     assert_eq!(n, 0);
+    // A state value that is not the 64-byte packed layout (written by something else) is an
+    // error reply, not a Lua runtime error, and is left as it was.
+    let _: () = redis::cmd("SET")
+        .arg(B)
+        .arg("garbage")
+        .query(&mut c)
+        .unwrap();
+    assert_quotad_error(
+        eval(
+            &mut c,
+            TOKEN_BUCKET_LUA,
+            &[B, P, IX],
+            &["1", "1000000", "1000", "5"],
+        ),
+        "malformed state",
+    );
+    let kept: String = redis::cmd("GET").arg(B).query(&mut c).unwrap();
+    assert_eq!(kept, "garbage");
+    let _: () = redis::cmd("DEL").arg(B).query(&mut c).unwrap();
     // Just inside the fill-time bound is accepted, as BucketParams::new accepts it.
     assert!(quota_core::BucketParams::new(8_999_999_999_999, 1000).is_ok());
     let ok = eval(

@@ -165,40 +165,6 @@ async fn new_parameters_rewrite_the_live_bucket_and_keep_its_expiry_safe() {
 }
 
 #[tokio::test]
-async fn a_state_hash_of_the_previous_layout_is_taken_over() {
-    let server = RedisServer::start().unwrap();
-    let s = common::store(&server).await;
-    let mut c = conn(&server).await;
-    let b = fresh_bucket("legacy");
-    let key = b.state_key(quota_core::keys::StateKind::Bucket);
-    // 3 of 5 tokens at t = 1000 ms, 2 admitted and 1 denied since the last collection.
-    let _: () = redis::cmd("HSET")
-        .arg(&key)
-        .arg(
-            &[
-                "t", "3000000", "c", "0", "ts", "1000", "ad", "2", "dn", "1", "x", "5000",
-            ][..],
-        )
-        .query_async(&mut c)
-        .await
-        .unwrap();
-    let _: () = c.sadd(quota_core::keys::ACTIVE_INDEX, &key).await.unwrap();
-    let d = s
-        .check(&req(&b, tokens(5, 1), 1, Some(1500)))
-        .await
-        .unwrap();
-    assert_eq!((d.allowed, d.remaining, d.reset_ms), (true, 2, Some(2500)));
-    let kind: String = redis::cmd("TYPE")
-        .arg(&key)
-        .query_async(&mut c)
-        .await
-        .unwrap();
-    assert_eq!(kind, "string");
-    let usage = s.collect_usage(10).await.unwrap();
-    assert_eq!((usage[0].admitted, usage[0].denied), (3, 1));
-}
-
-#[tokio::test]
 async fn a_hot_key_costs_get_and_set_only() {
     let server = RedisServer::start().unwrap();
     let s = common::store(&server).await;
