@@ -7,9 +7,9 @@
 --          how many keys left the index (expired ones included), so a caller knows to go on
 -- errors   'ERR quotad: <what>' for an invalid argument.
 --
--- Two state layouts: token buckets are one string (struct '<dddddddd': t, c, ts, ad, dn, cap,
--- rate, src; see token_bucket.lua), rewritten with ad = dn = 0 and SET ... KEEPTTL; sliding
--- windows are hashes with fields ad / dn.
+-- Two state layouts: token buckets are one 88-byte string (struct '<ddddddddddd': t, c, ts, ad,
+-- dn, then the parameters; see token_bucket.lua), rewritten with ad = dn = 0 (bytes 25..40) and
+-- SET ... KEEPTTL; sliding windows are hashes with fields ad / dn.
 --
 -- SPOP takes each key at most once and the counters are reset in the same atomic step, so usage
 -- is never counted twice; a decision after the collection re-lists its key (the decision
@@ -41,11 +41,10 @@ for _, k in ipairs(keys) do
   local ad, dn = 0, 0
   if kind == 'string' then
     local v = redis.call('GET', k)
-    if #v == 64 then
-      local t, c, ts, cap, rate, src
-      t, c, ts, ad, dn, cap, rate, src = struct.unpack('<dddddddd', v)
+    if #v == 88 then
+      ad, dn = struct.unpack('<dd', v, 25)
       if ad + dn > 0 then
-        redis.call('SET', k, struct.pack('<dddddddd', t, c, ts, 0, 0, cap, rate, src), 'KEEPTTL')
+        redis.call('SET', k, v:sub(1, 24) .. struct.pack('<dd', 0, 0) .. v:sub(41), 'KEEPTTL')
       end
     end
   elseif kind == 'hash' then

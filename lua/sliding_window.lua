@@ -2,9 +2,11 @@
 --
 -- KEYS[1]  window state (hash, expires when empty)  qd:v1:{tenant}:<policy>:<version>:w
 -- KEYS[2]  window parameters (hash, no TTL)         qd:v1:{tenant}:<policy>:<version>:p
---          fields: limit (tokens), window (ms)
+--          fields: limit (tokens), window (ms), and with a lease end: until (ms, this
+--          server's clock), flimit / fwindow (the floor, in force from until on)
 -- KEYS[3]  activity index (set of state keys decided since the last usage collection)
--- ARGV[1]  cost in whole tokens, integer 1..9007199254
+-- ARGV[1]  cost in whole tokens, integer 0..9007199254; 0 is a peek: the window's state now,
+--          nothing written, nothing counted (returns allowed 1, retry 0)
 -- ARGV[2]  fallback limit, used when KEYS[2] holds no parameters ('' = none)
 -- ARGV[3]  fallback window in ms ('' = none; given together with ARGV[2])
 -- ARGV[4]  optional explicit now in ms since the epoch ('' or absent: Redis TIME)
@@ -61,8 +63,8 @@ if #ARGV < 3 or #ARGV > 5 then
   return err('expected 3 to 5 arguments')
 end
 local cost = int(ARGV[1], MAX_COST)
-if cost == nil or cost < 1 then
-  return err('cost must be an integer in 1..' .. MAX_COST)
+if cost == nil then
+  return err('cost must be an integer in 0..' .. MAX_COST)
 end
 local fb_limit, fb_window
 if ARGV[2] ~= '' or ARGV[3] ~= '' then
@@ -92,12 +94,22 @@ if ARGV[5] ~= nil and ARGV[5] ~= '' then
 end
 
 local limit, w
-local p = redis.call('HMGET', KEYS[2], 'limit', 'window')
+local p = redis.call('HMGET', KEYS[2], 'limit', 'window', 'until', 'flimit', 'fwindow')
 if p[1] or p[2] then
   limit = int(p[1], MAX_LIMIT)
   w = int(p[2], MAX_WINDOW)
   if not params_ok(limit, w) then
     return err('stored parameters are invalid')
+  end
+  if p[3] or p[4] or p[5] then
+    -- A lease end (see set_params.lua): the floor is in force from then on.
+    local lease_end, fl, fw = int(p[3], MAX_CAP), int(p[4], MAX_LIMIT), int(p[5], MAX_WINDOW)
+    if lease_end == nil or not params_ok(fl, fw) then
+      return err('stored parameters are invalid')
+    end
+    if now >= lease_end then
+      limit, w = fl, fw
+    end
   end
 elseif fb_limit then
   limit, w = fb_limit, fb_window
@@ -125,7 +137,9 @@ if limit <= EXACT_LOG_MAX then
     end
   end
   local n = #ts_list
-  if cost <= limit and used + cost <= limit then
+  if cost == 0 then
+    allowed, retry = 1, 0
+  elseif cost <= limit and used + cost <= limit then
     allowed, retry = 1, 0
     if n > 0 and ts_list[n] == now then
       cost_list[n] = cost_list[n] + cost
@@ -175,7 +189,9 @@ else
   ws = start
   local off = now - start
   local cap = limit * w
-  if cost <= limit and pv * (w - off) + (cu + cost) * w <= cap then
+  if cost == 0 then
+    allowed, retry = 1, 0
+  elseif cost <= limit and pv * (w - off) + (cu + cost) * w <= cap then
     allowed, retry = 1, 0
     cu = cu + cost
   elseif cost > limit then
@@ -212,6 +228,9 @@ else
   end
 end
 
+if cost == 0 then
+  return { 1, remaining, 0, reset }
+end
 local ad, dn = tonumber(h[6]) or 0, tonumber(h[7]) or 0
 if ad + dn == 0 then
   redis.call('SADD', KEYS[3], KEYS[1])

@@ -2,10 +2,12 @@
 --
 -- KEYS[1]  bucket state (string, expires when idle)  qd:v1:{tenant}:<policy>:<version>:b
 -- KEYS[2]  bucket parameters (hash, no TTL)          qd:v1:{tenant}:<policy>:<version>:p
---          fields: cap (capacity, micro-tokens), rate (refill, micro-tokens per second);
---          written by set_params.lua, read here only when KEYS[1] does not exist
+--          fields: cap (capacity, micro-tokens), rate (refill, micro-tokens per second), and
+--          with a lease end: until (ms, this server's clock), fcap / frate (the floor, in force
+--          from until on); written by set_params.lua, read here only when KEYS[1] does not exist
 -- KEYS[3]  activity index (set of state keys decided since the last usage collection)
--- ARGV[1]  cost in whole tokens, integer 1..9007199254
+-- ARGV[1]  cost in whole tokens, integer 0..9007199254; 0 is a peek: the bucket's level now,
+--          nothing written, nothing counted (returns allowed 1, retry 0)
 -- ARGV[2]  fallback capacity in micro-tokens, used when no parameters are stored ('' = none)
 -- ARGV[3]  fallback refill in micro-tokens per second ('' = none; given together with ARGV[2])
 -- ARGV[4]  optional explicit now in ms since the epoch ('' or absent: Redis TIME)
@@ -20,13 +22,18 @@
 -- are doubles, so every intermediate is kept below 2^53: products that could exceed it are
 -- split, and divisions use math.fmod, which is exact.
 --
--- State: ONE string, struct.pack('<dddddddd', t, c, ts, ad, dn, cap, rate, src) (64 bytes,
--- little-endian doubles, exact for integers below 2^53): t tokens (µt), c carry, ts latest time
--- seen (ms), ad / dn tokens admitted / denied since the last collection, cap / rate the
--- parameters in force, src 1 when cap / rate are a copy of the stored parameters (KEYS[2]) or 0
--- when they came from the fallback (then this call's fallback applies, as the reference does).
+-- State: ONE string, struct.pack('<ddddddddddd', t, c, ts, ad, dn, cap, rate, src, until, fcap,
+-- frate) (88 bytes, little-endian doubles, exact for integers below 2^53): t tokens (µt), c
+-- carry, ts latest time seen (ms), ad / dn tokens admitted / denied since the last collection,
+-- cap / rate the parameters, src 1 when cap / rate are a copy of the stored parameters (KEYS[2])
+-- or 0 when they came from the fallback (then this call's fallback applies, as the reference
+-- does), until the lease end (-1 = none) after which fcap / frate are in force instead.
 -- set_params.lua rewrites the copy when the parameters change, so the hot path never reads
--- KEYS[2]. The key is listed in the activity index exactly while ad + dn > 0: every decision
+-- KEYS[2].
+--
+-- Lease end: a region's share holds only while its daemon's lease does. The daemon renews
+-- until with every application of its shares; if the daemon dies, this script alone drops the
+-- bucket to the floor at until, so share the coordinator gives elsewhere is never held twice. The key is listed in the activity index exactly while ad + dn > 0: every decision
 -- adds at least 1 and a collection zeroes both, so only the first decision of each report
 -- interval pays the SADD.
 --
@@ -34,8 +41,8 @@
 -- idle TTL): an expired bucket reads as full, so it must not expire before it would be full.
 -- With no refill and not full, the SET carries no expiry (the key must stay).
 --
--- Cost: TIME (unless now is given), GET, SET PX per decision; SADD once per bucket per report
--- interval; HMGET of the parameters only when the bucket key is missing.
+-- Cost: TIME (unless now is given), GET, SET PX per decision (a peek: TIME, GET); SADD once per
+-- bucket per report interval; HMGET of the parameters only when the bucket key is missing.
 
 local MAX_CAP = 9007199254740991 -- 2^53 - 1
 local MAX_RATE = 9007199254740 -- MAX_CAP / 1000
@@ -74,8 +81,8 @@ end
 -- numeric bounds. An empty string has no non-digit, so emptiness is checked where it matters.
 local a_cost, a_cap, a_rate = ARGV[1], ARGV[2], ARGV[3]
 local cost = tonumber(a_cost)
-if cost == nil or #a_cost > 16 or find(a_cost, '%D') or cost < 1 or cost > MAX_COST then
-  return err('cost must be an integer in 1..' .. MAX_COST)
+if cost == nil or #a_cost > 16 or find(a_cost, '%D') or cost > MAX_COST then
+  return err('cost must be an integer in 0..' .. MAX_COST)
 end
 local now
 local a_now = ARGV[4]
@@ -108,37 +115,59 @@ if a_cap ~= '' or a_rate ~= '' then
   end
 end
 
+-- A stored capacity / rate pair as numbers within the bucket bounds, or nil.
+local function pair(a, b)
+  local x, y = tonumber(a), tonumber(b)
+  if x == nil or y == nil or #a > 16 or #b > 16 or find(a, '%D') or find(b, '%D')
+      or x > MAX_CAP or y > MAX_RATE or (y > 0 and x >= MAX_FILL_RATIO * y) then
+    return nil
+  end
+  return x, y
+end
+
 local v = redis.call('GET', KEYS[1])
-local tokens, carry, ts, ad, dn, cap, rate, src
+local tokens, carry, ts, ad, dn, cap, rate, src, lease_end, fcap, frate
 if v then
-  if #v ~= 64 then
+  if #v ~= 88 then
     return err('stored state is invalid')
   end
-  tokens, carry, ts, ad, dn, cap, rate, src = struct.unpack('<dddddddd', v)
-  if src == 0 then
-    if fb_cap == nil then
-      return err('no parameters stored and no fallback given')
-    end
-    cap, rate = fb_cap, fb_rate
-  end
+  tokens, carry, ts, ad, dn, cap, rate, src, lease_end, fcap, frate =
+    struct.unpack('<ddddddddddd', v)
 else
   -- Cold path: the stored parameters, else the fallback.
-  local p = redis.call('HMGET', KEYS[2], 'cap', 'rate')
-  local p_cap, p_rate = p[1], p[2]
-  if p_cap or p_rate then
-    cap, rate = tonumber(p_cap), tonumber(p_rate)
-    if cap == nil or rate == nil or #p_cap > 16 or #p_rate > 16
-        or find(p_cap, '%D') or find(p_rate, '%D') or cap > MAX_CAP or rate > MAX_RATE
-        or (rate > 0 and cap >= MAX_FILL_RATIO * rate) then
+  local p = redis.call('HMGET', KEYS[2], 'cap', 'rate', 'until', 'fcap', 'frate')
+  lease_end, fcap, frate = -1, 0, 0
+  if p[1] or p[2] then
+    cap, rate = pair(p[1] or '', p[2] or '')
+    if cap == nil then
       return err('stored parameters are invalid')
     end
+    if p[3] or p[4] or p[5] then
+      lease_end = tonumber(p[3])
+      fcap, frate = pair(p[4] or '', p[5] or '')
+      if lease_end == nil or fcap == nil or #p[3] > 16 or find(p[3], '%D') then
+        return err('stored parameters are invalid')
+      end
+    end
     src = 1
-  elseif fb_cap then
-    cap, rate, src = fb_cap, fb_rate, 0
   else
+    cap, rate, src = 0, 0, 0
+  end
+  tokens, carry, ts, ad, dn = -1, 0, now, 0, 0
+end
+if src == 0 then
+  if fb_cap == nil then
     return err('no parameters stored and no fallback given')
   end
-  tokens, carry, ts, ad, dn = cap, 0, now, 0, 0
+  cap, rate = fb_cap, fb_rate
+end
+-- The stored parameters pack the lease end with the floor; the fallback has no lease.
+local share_cap, share_rate = cap, rate
+if src == 1 and lease_end >= 0 and now >= lease_end then
+  cap, rate = fcap, frate
+end
+if tokens < 0 then
+  tokens = cap -- a new bucket is full
 end
 if tokens >= cap then
   tokens, carry = cap, 0
@@ -162,6 +191,15 @@ end
 
 local cost_ut = cost * UT
 local allowed, retry
+if cost == 0 then
+  local reset = -1
+  if tokens >= cap then
+    reset = 0
+  elseif rate > 0 then
+    reset = time_to(cap - tokens, carry, rate)
+  end
+  return { 1, (tokens - fmod(tokens, UT)) / UT, 0, reset }
+end
 if cost_ut <= tokens then
   tokens = tokens - cost_ut
   allowed, retry = 1, 0
@@ -187,7 +225,8 @@ if allowed == 1 then
 else
   dn = dn + cost
 end
-local packed = struct.pack('<dddddddd', tokens, carry, ts, ad, dn, cap, rate, src)
+local packed = struct.pack('<ddddddddddd', tokens, carry, ts, ad, dn, share_cap, share_rate, src,
+  lease_end, fcap, frate)
 if reset == -1 then
   -- No refill and not full: expiring would hand out a full bucket, so the key must stay.
   redis.call('SET', KEYS[1], packed)

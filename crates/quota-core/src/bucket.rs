@@ -168,7 +168,8 @@ pub fn refill(now_ms: u64, params: &BucketParams, state: Option<&BucketState>) -
 }
 
 /// Decides whether `cost` whole tokens may be spent at `now_ms`, returning the decision and the
-/// state to store. Exactly what `lua/token_bucket.lua` computes.
+/// state to store. Exactly what `lua/token_bucket.lua` computes. A `cost` of 0 is a peek: the
+/// decision describes the bucket now and is always allowed (the caller stores nothing).
 pub fn decide(
     now_ms: u64,
     params: &BucketParams,

@@ -96,7 +96,8 @@ pub struct WindowState {
 }
 
 /// Decides whether `cost` tokens may be spent at `now_ms`; returns the decision and the state to
-/// store. Exactly what `lua/sliding_window.lua` computes.
+/// store. Exactly what `lua/sliding_window.lua` computes. A `cost` of 0 is a peek: the decision
+/// describes the window now and is always allowed (the caller stores nothing).
 pub fn decide(
     now_ms: u64,
     params: &WindowParams,
@@ -126,10 +127,12 @@ fn decide_exact(
     let w = p.window_ms;
     s.log.retain(|&(ts, _)| ts + w > now);
     let used: u64 = s.log.iter().map(|&(_, c)| c).sum();
-    let allowed = cost <= p.limit && used + cost <= p.limit;
+    let allowed = cost == 0 || (cost <= p.limit && used + cost <= p.limit);
     let retry_after_ms = if allowed {
-        s.log.push((now, cost));
-        merge_last(&mut s.log);
+        if cost > 0 {
+            s.log.push((now, cost));
+            merge_last(&mut s.log);
+        }
         Some(0)
     } else if cost > p.limit {
         None
@@ -180,7 +183,7 @@ fn decide_approx(
     s.win_start_ms = start;
     let off = now - start;
     let cap = p.limit * w;
-    let allowed = cost <= p.limit && s.prev * (w - off) + (s.cur + cost) * w <= cap;
+    let allowed = cost == 0 || (cost <= p.limit && s.prev * (w - off) + (s.cur + cost) * w <= cap);
     let retry_after_ms = if allowed {
         s.cur += cost;
         Some(0)

@@ -18,7 +18,8 @@ use quota_core::keys::StateKind;
 use quota_core::{bucket, window, BucketState, Decision, WindowParams, WindowState};
 
 use crate::{
-    BucketRef, CheckRequest, Limit, Store, StoreError, UsageRecord, DEFAULT_MIN_IDLE_TTL_MS,
+    BucketRef, CheckRequest, Limit, SetParams, Store, StoreError, UsageRecord,
+    DEFAULT_MIN_IDLE_TTL_MS,
 };
 
 /// Shards by default: a power of two well above the core count.
@@ -64,7 +65,8 @@ type StateKey = (BucketRef, StateKind);
 #[derive(Debug, Default)]
 struct Shard {
     states: HashMap<StateKey, Entry>,
-    params: HashMap<BucketRef, Limit>,
+    /// Each bucket's parameters with their lease end (store clock, ms) and floor.
+    params: HashMap<BucketRef, (Limit, Option<(u64, Limit)>)>,
     /// State keys decided since the last collection (each at most once while it lives).
     active: Vec<StateKey>,
     /// Decisions since the last sweep; a sweep runs once this exceeds the map's size right
@@ -172,11 +174,11 @@ impl EmbeddedStore {
         let kind = req.limit.kind();
         let mut shard = self.shard(&req.bucket);
         let shard = &mut *shard;
-        // Stored parameters of the same kind win over the fallback, as in the scripts.
-        let limit = match (shard.params.get(&req.bucket), req.limit) {
-            (Some(p @ Limit::TokenBucket(_)), Limit::TokenBucket(_)) => *p,
-            (Some(p @ Limit::SlidingWindow { .. }), Limit::SlidingWindow { .. }) => *p,
-            (_, fallback) => fallback,
+        // Stored parameters of the same kind win over the fallback, as in the scripts; from
+        // their lease end on, their floor does.
+        let limit = match shard.params.get(&req.bucket) {
+            Some(&(p, lease)) if p.kind() == kind => SetParams::in_force(p, lease, now),
+            _ => req.limit,
         };
         shard.latest_ms = shard.latest_ms.max(now);
         shard.since_sweep += 1;
@@ -185,6 +187,22 @@ impl EmbeddedStore {
         }
         let key = (req.bucket.clone(), kind);
         let entry = shard.states.get(&key).filter(|e| e.live_at(now));
+        if req.cost == 0 {
+            // A peek: describe the state, keep nothing.
+            return Ok(match (limit, entry.map(|e| &e.state)) {
+                (Limit::TokenBucket(p), Some(State::Bucket(s))) => {
+                    bucket::decide(now, &p, Some(s), 0).0
+                }
+                (Limit::TokenBucket(p), _) => bucket::decide(now, &p, None, 0).0,
+                (Limit::SlidingWindow { limit, window_ms }, state) => {
+                    let prev = match state {
+                        Some(State::Window(s)) => Some(s),
+                        _ => None,
+                    };
+                    window::decide(now, &WindowParams { limit, window_ms }, prev, 0).0
+                }
+            });
+        }
         let (decision, state, ttl) = match limit {
             Limit::TokenBucket(p) => {
                 let prev = match entry.as_ref().map(|e| &e.state) {
@@ -257,9 +275,15 @@ impl Store for EmbeddedStore {
         self.decide(req)
     }
 
-    async fn set_params(&self, bucket: &BucketRef, limit: Limit) -> Result<(), StoreError> {
-        limit.validate()?;
-        self.shard(bucket).params.insert(bucket.clone(), limit);
+    async fn set_params(&self, req: &SetParams) -> Result<(), StoreError> {
+        req.validate()?;
+        let lease = req.lease.map(|l| {
+            let now = req.now_ms.unwrap_or_else(|| (self.clock)());
+            (now.saturating_add(l.remaining_ms), l.floor)
+        });
+        self.shard(&req.bucket)
+            .params
+            .insert(req.bucket.clone(), (req.limit, lease));
         Ok(())
     }
 

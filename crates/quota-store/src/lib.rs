@@ -105,27 +105,121 @@ pub struct CheckRequest {
     pub bucket: BucketRef,
     /// Fallback parameters, used when the store has none written for this bucket.
     pub limit: Limit,
+    /// Whole tokens. 0 is a peek: the decision describes the state now (allowed, with the
+    /// tokens left), nothing is spent, stored or counted.
     pub cost: u64,
     /// Explicit time for tests and the simulator; `None` uses the store's clock (Redis `TIME`).
     pub now_ms: Option<u64>,
 }
 
 impl CheckRequest {
+    /// A peek at `bucket` (cost 0) on the store's clock.
+    pub fn peek(bucket: BucketRef, limit: Limit) -> Self {
+        Self {
+            bucket,
+            limit,
+            cost: 0,
+            now_ms: None,
+        }
+    }
+
     /// Rejects what the scripts would reject, before any I/O.
     pub fn validate(&self) -> Result<(), StoreError> {
-        if self.cost == 0 || self.cost > MAX_COST {
+        if self.cost > MAX_COST {
             return Err(StoreError::Invalid {
-                reason: format!("cost {} is outside 1..={MAX_COST}", self.cost),
+                reason: format!("cost {} is outside 0..={MAX_COST}", self.cost),
             });
         }
-        if let Some(now) = self.now_ms {
-            if now > MAX_CAPACITY_UT {
+        validate_now(self.now_ms)?;
+        self.limit.validate()
+    }
+}
+
+fn validate_now(now_ms: Option<u64>) -> Result<(), StoreError> {
+    match now_ms {
+        Some(now) if now > MAX_CAPACITY_UT => Err(StoreError::Invalid {
+            reason: format!("now {now} ms is too large"),
+        }),
+        _ => Ok(()),
+    }
+}
+
+/// The end of the lease a region's parameters hold under.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct LeaseEnd {
+    /// How long from the store's now the parameters hold (ms).
+    pub remaining_ms: u64,
+    /// The limit in force from the lease end on (the region's floor); the same kind.
+    pub floor: Limit,
+}
+
+/// Parameters for one bucket, as the region agent writes them.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SetParams {
+    pub bucket: BucketRef,
+    /// In force while the lease holds (always, without one).
+    pub limit: Limit,
+    /// `None`: no end (a single region's share is never given elsewhere). With a lease the
+    /// store drops to the floor at its end by itself, so a region whose daemon died does not
+    /// keep share the coordinator has given to other regions.
+    pub lease: Option<LeaseEnd>,
+    /// Explicit time for tests and the simulator; `None` uses the store's clock.
+    pub now_ms: Option<u64>,
+}
+
+impl SetParams {
+    /// `limit` for `bucket` with no lease end, on the store's clock.
+    pub fn new(bucket: BucketRef, limit: Limit) -> Self {
+        Self {
+            bucket,
+            limit,
+            lease: None,
+            now_ms: None,
+        }
+    }
+
+    /// The same, holding for `remaining_ms` and then falling back to `floor`.
+    pub fn with_lease(mut self, remaining_ms: u64, floor: Limit) -> Self {
+        self.lease = Some(LeaseEnd {
+            remaining_ms,
+            floor,
+        });
+        self
+    }
+
+    /// The same at an explicit time.
+    pub fn at(mut self, now_ms: u64) -> Self {
+        self.now_ms = Some(now_ms);
+        self
+    }
+
+    /// Rejects what `set_params.lua` would reject, before any I/O.
+    pub fn validate(&self) -> Result<(), StoreError> {
+        self.limit.validate()?;
+        validate_now(self.now_ms)?;
+        if let Some(lease) = &self.lease {
+            lease.floor.validate()?;
+            if lease.floor.kind() != self.limit.kind() {
                 return Err(StoreError::Invalid {
-                    reason: format!("now {now} ms is too large"),
+                    reason: "the floor is not the same kind of limit".into(),
+                });
+            }
+            // The end is computed by the store from its own clock; it must stay exact.
+            if lease.remaining_ms > MAX_CAPACITY_UT / 2 {
+                return Err(StoreError::Invalid {
+                    reason: format!("a lease of {} ms is too long", lease.remaining_ms),
                 });
             }
         }
-        self.limit.validate()
+        Ok(())
+    }
+
+    /// The limit in force at `now_ms`, with the lease end it ran under (store's clock).
+    pub(crate) fn in_force(limit: Limit, lease_end: Option<(u64, Limit)>, now_ms: u64) -> Limit {
+        match lease_end {
+            Some((end, floor)) if now_ms >= end => floor,
+            _ => limit,
+        }
     }
 }
 
@@ -161,12 +255,12 @@ pub trait Store: Send + Sync {
         &self,
         req: &CheckRequest,
     ) -> impl std::future::Future<Output = Result<Decision, StoreError>> + Send;
-    /// Writes this region's parameters for a bucket (the region agent does this on allocation).
-    /// They replace any written before and take precedence over a check's fallback.
+    /// Writes this region's parameters for a bucket (the region agent does this on allocation
+    /// and renews them with its lease). They replace any written before and take precedence
+    /// over a check's fallback.
     fn set_params(
         &self,
-        bucket: &BucketRef,
-        limit: Limit,
+        req: &SetParams,
     ) -> impl std::future::Future<Output = Result<(), StoreError>> + Send;
     /// Drains usage recorded since the last call: O(buckets active since then). Returns at
     /// most `max` records; the rest stay for the next call.
@@ -203,10 +297,10 @@ impl Store for AnyStore {
         }
     }
 
-    async fn set_params(&self, bucket: &BucketRef, limit: Limit) -> Result<(), StoreError> {
+    async fn set_params(&self, req: &SetParams) -> Result<(), StoreError> {
         match self {
-            Self::Embedded(s) => s.set_params(bucket, limit).await,
-            Self::Redis(s) => s.set_params(bucket, limit).await,
+            Self::Embedded(s) => s.set_params(req).await,
+            Self::Redis(s) => s.set_params(req).await,
         }
     }
 

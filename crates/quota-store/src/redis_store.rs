@@ -24,7 +24,7 @@ use redis::{FromRedisValue, RedisError, Script, Value};
 
 use crate::script::{self, COLLECT_BATCH_MAX};
 use crate::{
-    BucketRef, CheckRequest, Limit, Store, StoreError, UsageRecord, DEFAULT_MIN_IDLE_TTL_MS,
+    BucketRef, CheckRequest, SetParams, Store, StoreError, UsageRecord, DEFAULT_MIN_IDLE_TTL_MS,
 };
 
 /// Slot indexes drained at once during a cluster usage collection.
@@ -386,23 +386,16 @@ impl Store for RedisStore {
         script::decision_from_reply(&reply)
     }
 
-    async fn set_params(&self, bucket: &BucketRef, limit: Limit) -> Result<(), StoreError> {
-        limit.validate()?;
+    async fn set_params(&self, req: &SetParams) -> Result<(), StoreError> {
+        req.validate()?;
         // One script: the params hash and the copy inside the token-bucket state change
         // together (both keys share the tenant's hash tag, so one slot).
-        let key = bucket.params_key();
-        let state = bucket.state_key(StateKind::Bucket);
-        let (f1, v1, f2, v2) = match limit {
-            Limit::TokenBucket(p) => ("cap", p.capacity_ut, "rate", p.rate_ut_per_s),
-            Limit::SlidingWindow { limit, window_ms } => ("limit", limit, "window", window_ms),
-        };
-        let (v1, v2) = (v1.to_string(), v2.to_string());
+        let key = req.bucket.params_key();
+        let state = req.bucket.state_key(StateKind::Bucket);
+        let args = script::set_params_args(req, &self.min_idle_ttl_ms);
+        let args: Vec<&str> = args.iter().map(String::as_str).collect();
         let _: i64 = self
-            .invoke(
-                &self.scripts.set_params,
-                &[&key, &state],
-                &[f1, &v1, f2, &v2, &self.min_idle_ttl_ms],
-            )
+            .invoke(&self.scripts.set_params, &[&key, &state], &args)
             .await?;
         Ok(())
     }

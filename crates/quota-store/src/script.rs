@@ -3,7 +3,7 @@
 
 use quota_core::Decision;
 
-use crate::{CheckRequest, Limit, StoreError};
+use crate::{CheckRequest, Limit, SetParams, StoreError};
 
 /// One token-bucket decision (`lua/token_bucket.lua`).
 pub const TOKEN_BUCKET_LUA: &str = include_str!("../../../lua/token_bucket.lua");
@@ -31,6 +31,38 @@ pub fn decision_args(req: &CheckRequest) -> [String; 4] {
         req.cost.to_string(),
         a.to_string(),
         b.to_string(),
+        req.now_ms.map(|n| n.to_string()).unwrap_or_default(),
+    ]
+}
+
+/// The ARGV of `set_params.lua` for `req`: the limit's field pairs, the minimum idle TTL,
+/// the lease (remaining ms and floor pair, or empty) and the explicit now (or empty).
+pub fn set_params_args(req: &SetParams, min_idle_ttl_ms: &str) -> Vec<String> {
+    let pair = |l: Limit| match l {
+        Limit::TokenBucket(p) => (p.capacity_ut, p.rate_ut_per_s),
+        Limit::SlidingWindow { limit, window_ms } => (limit, window_ms),
+    };
+    let (f1, f2) = match req.limit {
+        Limit::TokenBucket(_) => ("cap", "rate"),
+        Limit::SlidingWindow { .. } => ("limit", "window"),
+    };
+    let (v1, v2) = pair(req.limit);
+    let (lease, g1, g2) = match req.lease {
+        Some(l) => {
+            let (g1, g2) = pair(l.floor);
+            (l.remaining_ms.to_string(), g1.to_string(), g2.to_string())
+        }
+        None => Default::default(),
+    };
+    vec![
+        f1.to_string(),
+        v1.to_string(),
+        f2.to_string(),
+        v2.to_string(),
+        min_idle_ttl_ms.to_string(),
+        lease,
+        g1,
+        g2,
         req.now_ms.map(|n| n.to_string()).unwrap_or_default(),
     ]
 }

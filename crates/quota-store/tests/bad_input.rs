@@ -9,7 +9,7 @@ use quota_core::BucketParams;
 use quota_store::script::{
     COLLECT_USAGE_LUA, SET_PARAMS_LUA, SLIDING_WINDOW_LUA, TOKEN_BUCKET_LUA,
 };
-use quota_store::{Limit, Store, StoreError};
+use quota_store::{Limit, SetParams, Store, StoreError};
 use redis_harness::RedisServer;
 
 const B: &str = "qd:v1:{bad}:x:1:b";
@@ -52,7 +52,6 @@ fn token_bucket_rejects_every_bad_argument() {
     let mut c = common::sync_conn(&server);
     let cases: &[(&str, &[&str])] = &[
         ("empty cost", &["", "1000000", "1000", ""]),
-        ("zero cost", &["0", "1000000", "1000", ""]),
         ("negative cost", &["-1", "1000000", "1000", ""]),
         ("float cost", &["1.5", "1000000", "1000", ""]),
         ("exponent cost", &["1e3", "1000000", "1000", ""]),
@@ -180,7 +179,6 @@ fn sliding_window_rejects_every_bad_argument() {
     let mut c = common::sync_conn(&server);
     let w = "qd:v1:{bad}:x:1:w";
     let cases: &[(&str, &[&str])] = &[
-        ("zero cost", &["0", "5", "1000", ""]),
         ("float cost", &["2.0", "5", "1000", ""]),
         ("float limit", &["1", "5.5", "1000", ""]),
         ("limit above max", &["1", "1000000001", "1000", ""]),
@@ -229,6 +227,44 @@ fn set_params_rejects_bad_arguments() {
         ),
         ("bad min ttl", &["cap", "1", "rate", "1", "0"]),
         ("too few", &["cap", "1", "rate"]),
+        (
+            "lease without floor",
+            &["cap", "1", "rate", "1", "", "1000"],
+        ),
+        (
+            "floor without lease",
+            &["cap", "1", "rate", "1", "", "", "1", "1"],
+        ),
+        (
+            "negative lease",
+            &["cap", "1", "rate", "1", "", "-5", "1", "1"],
+        ),
+        (
+            "floor out of bounds",
+            &["cap", "1", "rate", "1", "", "1000", "9007199254740992", "1"],
+        ),
+        (
+            "float now",
+            &["cap", "1", "rate", "1", "", "", "", "", "1.5"],
+        ),
+        (
+            "lease ends beyond 2^53",
+            &[
+                "cap",
+                "1",
+                "rate",
+                "1",
+                "",
+                "9007199254740991",
+                "1",
+                "1",
+                "5",
+            ],
+        ),
+        (
+            "too many",
+            &["cap", "1", "rate", "1", "", "", "", "", "", "x"],
+        ),
     ];
     for (case, args) in cases {
         assert_quotad_error(eval(&mut c, SET_PARAMS_LUA, &[P, B], args), case);
@@ -259,7 +295,6 @@ async fn invalid_requests_never_reach_redis() {
         rate_ut_per_s: 0,
     };
     let bad = [
-        req(&b, tokens(1, 1), 0, None),
         req(&b, tokens(1, 1), u64::MAX, None),
         req(&b, tokens(1, 1), 1, Some(u64::MAX)),
         req(&b, Limit::TokenBucket(out_of_range), 1, None),
@@ -279,8 +314,21 @@ async fn invalid_requests_never_reach_redis() {
             "{r:?}"
         );
     }
-    let r = store.set_params(&b, Limit::TokenBucket(out_of_range)).await;
-    assert!(matches!(r, Err(StoreError::Invalid { .. })));
+    let window = Limit::SlidingWindow {
+        limit: 10,
+        window_ms: 1000,
+    };
+    let bad_params = [
+        SetParams::new(b.clone(), Limit::TokenBucket(out_of_range)),
+        SetParams::new(b.clone(), tokens(1, 1)).with_lease(1000, Limit::TokenBucket(out_of_range)),
+        SetParams::new(b.clone(), tokens(1, 1)).with_lease(1000, window),
+        SetParams::new(b.clone(), tokens(1, 1)).with_lease(u64::MAX, tokens(0, 0)),
+        SetParams::new(b.clone(), tokens(1, 1)).at(u64::MAX),
+    ];
+    for p in &bad_params {
+        let r = store.set_params(p).await;
+        assert!(matches!(r, Err(StoreError::Invalid { .. })), "{p:?}: {r:?}");
+    }
     // And a valid one does reach it, and fails as unavailable, not as invalid.
     let r = store.check(&req(&b, tokens(1, 1), 1, None)).await;
     assert!(

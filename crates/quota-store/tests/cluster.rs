@@ -8,7 +8,7 @@ use std::time::Duration;
 
 use common::{fresh_bucket, req, tokens};
 use quota_core::keys::{self, StateKind};
-use quota_store::{Limit, RedisStore, RedisStoreConfig, Store};
+use quota_store::{Limit, RedisStore, RedisStoreConfig, SetParams, Store};
 use redis_harness::RedisCluster;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -29,7 +29,9 @@ async fn decisions_and_usage_on_a_three_master_cluster() {
     );
     let l = tokens(2, 0);
     // Stored parameters apply per bucket, wherever its slot lives: bucket 0 gets capacity 10.
-    s.set_params(&buckets[0], tokens(10, 0)).await.unwrap();
+    s.set_params(&SetParams::new(buckets[0].clone(), tokens(10, 0)))
+        .await
+        .unwrap();
     for b in &buckets {
         for _ in 0..3 {
             s.check(&req(b, l, 1, None)).await.unwrap();

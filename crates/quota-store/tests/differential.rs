@@ -5,6 +5,9 @@
 //! near MAX_CAPACITY_UT, tiny and huge rates, long idle gaps, time moving backwards, parameter
 //! changes through set_params.lua (buckets; it also rewrites the copy inside the packed state) or
 //! the stored-parameters hash (windows). `PROPTEST_CASES` scales it up.
+//!
+//! Then the embedded store against the Redis store through the `Store` trait: decisions, peeks
+//! (cost 0) and usage, with parameters written with and without lease ends.
 
 mod common;
 
@@ -16,7 +19,7 @@ use quota_core::bucket::{self, MAX_CAPACITY_UT, MAX_FILL_RATIO, MAX_RATE_UT_PER_
 use quota_core::window::{self, MAX_WINDOW_LIMIT, MAX_WINDOW_MS, MAX_WINDOW_PRODUCT};
 use quota_core::{BucketParams, BucketState, Decision, WindowParams, WindowState};
 use quota_store::script::{SET_PARAMS_LUA, SLIDING_WINDOW_LUA, TOKEN_BUCKET_LUA};
-use quota_store::MAX_COST;
+use quota_store::{EmbeddedStore, Limit, RedisStore, SetParams, Store, UsageRecord, MAX_COST};
 use redis_harness::RedisServer;
 
 struct Fixture {
@@ -125,12 +128,13 @@ fn steps<P: std::fmt::Debug + Clone + 'static>(
     proptest::collection::vec(prop_oneof![9 => check, 1 => params], 1..100)
 }
 
+/// Costs, with 0 (a peek) among them.
 fn bucket_cost() -> impl Strategy<Value = u64> {
-    prop_oneof![6 => 1u64..=5, 2 => 1u64..=60, 1 => 1u64..=MAX_COST, 1 => Just(MAX_COST)]
+    prop_oneof![6 => 1u64..=5, 2 => 1u64..=60, 1 => 1u64..=MAX_COST, 1 => Just(MAX_COST), 1 => Just(0)]
 }
 
 fn window_cost() -> impl Strategy<Value = u64> {
-    prop_oneof![6 => 1u64..=3, 2 => 1u64..=300, 1 => 1u64..=MAX_COST]
+    prop_oneof![6 => 1u64..=3, 2 => 1u64..=300, 1 => 1u64..=MAX_COST, 1 => Just(0)]
 }
 
 fn decision(reply: &[i64]) -> Decision {
@@ -144,7 +148,7 @@ fn field(v: &Option<String>) -> u64 {
 /// The first three fields (t, c, ts) of the packed token-bucket state: little-endian doubles,
 /// exact integers (see lua/token_bucket.lua).
 fn packed_state(raw: &[u8]) -> BucketState {
-    assert_eq!(raw.len(), 64, "packed state of {} bytes", raw.len());
+    assert_eq!(raw.len(), 88, "packed state of {} bytes", raw.len());
     let f = |i: usize| {
         let v = f64::from_le_bytes(raw[i * 8..i * 8 + 8].try_into().unwrap());
         assert!(
@@ -218,10 +222,14 @@ fn run_bucket(
                         now,
                         p
                     );
-                    let raw: Vec<u8> = redis::cmd("GET").arg(&b).query(&mut f.conn).unwrap();
-                    let got = packed_state(&raw);
-                    prop_assert_eq!(got, next, "state at step {}", i);
-                    state = Some(next);
+                    let raw: Option<Vec<u8>> =
+                        redis::cmd("GET").arg(&b).query(&mut f.conn).unwrap();
+                    let got = raw.as_deref().map(packed_state);
+                    if cost > 0 {
+                        state = Some(next);
+                    }
+                    // A peek leaves the state as it was (none at all on a new bucket).
+                    prop_assert_eq!(got, state, "state at step {}", i);
                 }
             }
         }
@@ -307,8 +315,16 @@ fn run_window(
                         prev: field(&got[3]),
                         ts_ms: field(&got[4]),
                     };
-                    prop_assert_eq!(&got, &next, "state at step {}", i);
-                    state = Some(next);
+                    if cost > 0 {
+                        state = Some(next);
+                    }
+                    // A peek leaves the state as it was (an empty one on a new window).
+                    prop_assert_eq!(
+                        &got,
+                        &state.clone().unwrap_or_default(),
+                        "state at step {}",
+                        i
+                    );
                 }
             }
         }
@@ -438,4 +454,138 @@ fn extremes_match_the_reference() {
     .map(|(dt, cost)| Step::Check { dt, cost })
     .collect();
     run_window(1_700_000_000_000, w, &steps).unwrap();
+}
+
+/// One step of the store-level comparison.
+#[derive(Debug, Clone)]
+enum StoreStep {
+    Check {
+        dt: i64,
+        cost: u64,
+    },
+    /// New stored parameters, optionally with a lease of `lease.0` ms and floor `lease.1`.
+    Set {
+        limit: Limit,
+        lease: Option<(u64, Limit)>,
+    },
+    Collect,
+}
+
+fn small_bucket() -> impl Strategy<Value = Limit> + Clone {
+    (0u64..=40, 0u64..=20)
+        .prop_map(|(c, r)| Limit::TokenBucket(BucketParams::new(c * UT, r * UT / 4).unwrap()))
+}
+
+fn small_window() -> impl Strategy<Value = Limit> + Clone {
+    // Limits either side of the exact-log threshold (128).
+    (prop_oneof![1u64..=20, 120u64..=200], 1u64..=3_000)
+        .prop_map(|(limit, window_ms)| Limit::SlidingWindow { limit, window_ms })
+}
+
+fn store_steps(
+    limit: impl Strategy<Value = Limit> + Clone + 'static,
+) -> impl Strategy<Value = Vec<StoreStep>> {
+    // Steps and leases on a 50 ms grid too, so checks land exactly on lease ends.
+    let dt = prop_oneof![
+        5 => 0i64..=400,
+        4 => (0i64..=8).prop_map(|k| k * 50),
+        1 => 0i64..=10_000,
+        1 => -500i64..=0,
+    ];
+    let cost = prop_oneof![6 => 1u64..=4, 1 => Just(0u64), 1 => 1u64..=60];
+    let check = (dt, cost).prop_map(|(dt, cost)| StoreStep::Check { dt, cost });
+    let ms = prop_oneof![0u64..=5_000, (0u64..=40).prop_map(|k| k * 50)];
+    let lease = proptest::option::of((ms, limit.clone()));
+    let set = (limit, lease).prop_map(|(limit, lease)| StoreStep::Set { limit, lease });
+    proptest::collection::vec(
+        prop_oneof![12 => check, 2 => set, 1 => Just(StoreStep::Collect)],
+        1..120,
+    )
+}
+
+/// The embedded store (the no-Redis default) against the Redis store, through the `Store`
+/// trait with explicit time: every decision, peek and usage report equal, with parameters
+/// written with and without lease ends (the floor takes over at the end by itself).
+fn run_stores(
+    rt: &tokio::runtime::Runtime,
+    redis: &RedisStore,
+    p0: Limit,
+    start: u64,
+    steps: &[StoreStep],
+) -> Result<(), TestCaseError> {
+    rt.block_on(async {
+        let embedded = EmbeddedStore::new();
+        let b = common::fresh_bucket("emb");
+        let mut now = start;
+        for (i, step) in steps.iter().enumerate() {
+            match step {
+                StoreStep::Check { dt, cost } => {
+                    CHECKS.set(CHECKS.get() + 1);
+                    now = now.saturating_add_signed(*dt);
+                    let r = common::req(&b, p0, *cost, Some(now));
+                    let want = embedded.check(&r).await.unwrap();
+                    let got = redis
+                        .check(&r)
+                        .await
+                        .map_err(|e| TestCaseError::fail(format!("step {i}: {e}")))?;
+                    prop_assert_eq!(got, want, "step {} at {}", i, now);
+                }
+                StoreStep::Set { limit, lease } => {
+                    let mut p = SetParams::new(b.clone(), *limit).at(now);
+                    if let Some((ms, floor)) = lease {
+                        p = p.with_lease(*ms, *floor);
+                    }
+                    embedded.set_params(&p).await.unwrap();
+                    redis.set_params(&p).await.unwrap();
+                }
+                StoreStep::Collect => {
+                    // The Redis index is shared by every case: keep this case's bucket only.
+                    let mine = |v: Vec<UsageRecord>| -> Vec<UsageRecord> {
+                        v.into_iter().filter(|u| u.bucket == b).collect()
+                    };
+                    let want = mine(embedded.collect_usage(usize::MAX).await.unwrap());
+                    let got = mine(redis.collect_usage(usize::MAX).await.unwrap());
+                    prop_assert_eq!(got, want, "usage at step {}", i);
+                }
+            }
+        }
+        Ok(())
+    })
+}
+
+fn stores_agree(limit: impl Strategy<Value = Limit> + Clone + 'static, name: &str) {
+    let cfg = config();
+    let before = CHECKS.get();
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    let server = RedisServer::start().unwrap();
+    let redis = rt.block_on(common::store(&server));
+    let mut runner = TestRunner::new(cfg.clone());
+    let strategy = (
+        limit.clone(),
+        1_600_000_000_000u64..=1_900_000_000_000,
+        store_steps(limit),
+    );
+    let result = runner.run(&strategy, |(p0, start, steps)| {
+        run_stores(&rt, &redis, p0, start, &steps)
+    });
+    if let Err(e) = result {
+        panic!(
+            "{e}\nreproduce: PROPTEST_RNG_SEED={:?} cargo test -p quota-store --test differential",
+            cfg.rng_seed
+        );
+    }
+    report(name, before, &cfg);
+}
+
+#[test]
+fn embedded_and_redis_stores_agree_on_buckets_with_leases() {
+    stores_agree(small_bucket(), "stores, token bucket");
+}
+
+#[test]
+fn embedded_and_redis_stores_agree_on_windows_with_leases() {
+    stores_agree(small_window(), "stores, sliding window");
 }

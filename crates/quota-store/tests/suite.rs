@@ -6,7 +6,7 @@ mod common;
 use common::{fresh_bucket, req, tokens};
 use quota_core::bucket::{self, UT};
 use quota_core::{BucketParams, Decision};
-use quota_store::{Limit, Store, StoreError, UsageRecord};
+use quota_store::{Limit, SetParams, Store, StoreError, UsageRecord};
 
 const T0: u64 = 1_700_000_000_000;
 
@@ -37,7 +37,115 @@ both_stores!(
     sliding_window_approximation_for_large_limits,
     invalid_requests_are_rejected,
     cost_above_capacity_is_a_denial,
+    a_peek_spends_and_counts_nothing,
+    the_floor_takes_over_at_the_lease_end,
 );
+
+async fn a_peek_spends_and_counts_nothing<S: Store>(s: &S) {
+    let b = fresh_bucket("peek");
+    let l = tokens(10, 1);
+    // A bucket never decided reads as full, and a peek does not create it.
+    let d = s.check(&req(&b, l, 0, Some(T0))).await.unwrap();
+    assert_eq!((d.allowed, d.remaining, d.reset_ms), (true, 10, Some(0)));
+    for _ in 0..4 {
+        assert!(s.check(&req(&b, l, 1, Some(T0))).await.unwrap().allowed);
+    }
+    for _ in 0..3 {
+        let d = s.check(&req(&b, l, 0, Some(T0 + 500))).await.unwrap();
+        assert_eq!((d.remaining, d.reset_ms), (6, Some(3500)));
+    }
+    // Refill shows in the peek; the peeks spent nothing and are not usage.
+    let d = s.check(&req(&b, l, 0, Some(T0 + 2000))).await.unwrap();
+    assert_eq!(d.remaining, 8);
+    let usage = s.collect_usage(usize::MAX).await.unwrap();
+    let mine: Vec<_> = usage.into_iter().filter(|u| u.bucket == b).collect();
+    assert_eq!(mine.len(), 1);
+    assert_eq!((mine[0].admitted, mine[0].denied), (4, 0));
+    // A window peek likewise.
+    let w = Limit::SlidingWindow {
+        limit: 5,
+        window_ms: 1000,
+    };
+    let bw = fresh_bucket("peek-window");
+    s.check(&req(&bw, w, 2, Some(T0))).await.unwrap();
+    let d = s.check(&req(&bw, w, 0, Some(T0 + 10))).await.unwrap();
+    assert_eq!((d.allowed, d.remaining, d.reset_ms), (true, 3, Some(990)));
+    let d = s.check(&req(&bw, w, 3, Some(T0 + 20))).await.unwrap();
+    assert!(d.allowed);
+}
+
+async fn the_floor_takes_over_at_the_lease_end<S: Store>(s: &S) {
+    let b = fresh_bucket("lease");
+    let fallback = tokens(100, 100);
+    // Share: 10 tokens refilling at 10/s, for 2 s; then the floor, 2 tokens at 1/s.
+    let p = SetParams::new(b.clone(), tokens(10, 10))
+        .with_lease(2000, tokens(2, 1))
+        .at(T0);
+    s.set_params(&p).await.unwrap();
+    let admitted = |from: u64, n: u64| {
+        let b = b.clone();
+        async move {
+            let mut a = 0;
+            for i in 0..n {
+                a += u64::from(
+                    s.check(&req(&b, fallback, 1, Some(from + i)))
+                        .await
+                        .unwrap()
+                        .allowed,
+                );
+            }
+            a
+        }
+    };
+    assert_eq!(admitted(T0, 20).await, 10);
+    // Just before the end the share still refills; from the end on, the floor caps the bucket.
+    assert_eq!(admitted(T0 + 1999, 1).await, 1);
+    assert_eq!(admitted(T0 + 2000, 20).await, 2);
+    let d = s
+        .check(&req(&b, fallback, 0, Some(T0 + 60_000)))
+        .await
+        .unwrap();
+    assert_eq!(
+        d.remaining, 2,
+        "a floor bucket never refills above the floor"
+    );
+    // Renewing (as the agent does on every report) brings the share back, for a new lease.
+    s.set_params(&p.clone().at(T0 + 60_000)).await.unwrap();
+    assert_eq!(admitted(T0 + 60_500, 20).await, 10);
+    assert_eq!(
+        admitted(T0 + 65_000, 20).await,
+        2,
+        "the renewed lease ended at +62 s"
+    );
+    // A bucket first decided after the end starts full at the floor, not at the share.
+    let b2 = fresh_bucket("lease-cold");
+    s.set_params(
+        &SetParams::new(b2.clone(), tokens(10, 10))
+            .with_lease(0, tokens(3, 0))
+            .at(T0),
+    )
+    .await
+    .unwrap();
+    let d = s.check(&req(&b2, fallback, 0, Some(T0))).await.unwrap();
+    assert_eq!(d.remaining, 3);
+    // Windows too: 10 per second, then 2.
+    let bw = fresh_bucket("lease-window");
+    let w = |limit| Limit::SlidingWindow {
+        limit,
+        window_ms: 1000,
+    };
+    s.set_params(
+        &SetParams::new(bw.clone(), w(10))
+            .with_lease(5000, w(2))
+            .at(T0),
+    )
+    .await
+    .unwrap();
+    let d = s.check(&req(&bw, w(50), 0, Some(T0 + 4999))).await.unwrap();
+    assert_eq!(d.remaining, 10);
+    let d = s.check(&req(&bw, w(50), 0, Some(T0 + 5000))).await.unwrap();
+    assert_eq!(d.remaining, 2);
+}
 
 async fn decisions_follow_the_reference<S: Store>(s: &S) {
     let b = fresh_bucket("ref");
@@ -94,7 +202,9 @@ async fn refill_uses_the_explicit_now<S: Store>(s: &S) {
 
 async fn written_params_win_over_the_fallback<S: Store>(s: &S) {
     let b = fresh_bucket("params");
-    s.set_params(&b, tokens(3, 0)).await.unwrap();
+    s.set_params(&SetParams::new(b.clone(), tokens(3, 0)))
+        .await
+        .unwrap();
     let fallback = tokens(100, 100);
     let mut admitted = 0;
     for _ in 0..10 {
@@ -115,7 +225,9 @@ async fn written_params_win_over_the_fallback<S: Store>(s: &S) {
         (false, None, None)
     );
     // New parameters apply to the same bucket state: capacity 5 refilling at 1/s.
-    s.set_params(&b, tokens(5, 1)).await.unwrap();
+    s.set_params(&SetParams::new(b.clone(), tokens(5, 1)))
+        .await
+        .unwrap();
     let d = s
         .check(&req(&b, fallback, 1, Some(T0 + 1_001_000)))
         .await
@@ -123,13 +235,13 @@ async fn written_params_win_over_the_fallback<S: Store>(s: &S) {
     assert!(d.allowed);
     // Window parameters do not apply to a token-bucket check: the fallback does.
     let b2 = fresh_bucket("params");
-    s.set_params(
-        &b2,
+    s.set_params(&SetParams::new(
+        b2.clone(),
         Limit::SlidingWindow {
             limit: 1,
             window_ms: 1000,
         },
-    )
+    ))
     .await
     .unwrap();
     let d = s.check(&req(&b2, tokens(4, 0), 1, Some(T0))).await.unwrap();
@@ -242,7 +354,6 @@ async fn sliding_window_approximation_for_large_limits<S: Store>(s: &S) {
 async fn invalid_requests_are_rejected<S: Store>(s: &S) {
     let b = fresh_bucket("invalid");
     let bad = [
-        req(&b, tokens(1, 1), 0, None),
         req(&b, tokens(1, 1), quota_store::MAX_COST + 1, None),
         req(&b, tokens(1, 1), 1, Some(1 << 53)),
         req(
@@ -280,13 +391,13 @@ async fn invalid_requests_are_rejected<S: Store>(s: &S) {
         );
     }
     let r = s
-        .set_params(
-            &b,
+        .set_params(&SetParams::new(
+            b.clone(),
             Limit::SlidingWindow {
                 limit: u64::MAX,
                 window_ms: 1,
             },
-        )
+        ))
         .await;
     assert!(matches!(r, Err(StoreError::Invalid { .. })));
 }

@@ -11,7 +11,7 @@ mod common;
 use std::time::Duration;
 
 use common::{fresh_bucket, req, tokens};
-use quota_store::{Limit, RedisStore, RedisStoreConfig, Store};
+use quota_store::{Limit, RedisStore, RedisStoreConfig, SetParams, Store};
 use redis::AsyncCommands;
 use redis_harness::RedisServer;
 
@@ -142,13 +142,17 @@ async fn new_parameters_rewrite_the_live_bucket_and_keep_its_expiry_safe() {
     assert!((400..=500).contains(&pttl), "pttl {pttl}");
     // Stored 20 at 1/s: the live bucket takes them (same ts: 5 left of 20), and its expiry
     // grows to the new time to refill, 15 s.
-    s.set_params(&b, tokens(20, 1)).await.unwrap();
+    s.set_params(&SetParams::new(b.clone(), tokens(20, 1)))
+        .await
+        .unwrap();
     let pttl: i64 = c.pttl(&key).await.unwrap();
     assert!((14_000..=15_000).contains(&pttl), "pttl {pttl}");
     let d = s.check(&req(&b, tokens(10, 10), 1, now)).await.unwrap();
     assert_eq!((d.remaining, d.reset_ms), (4, Some(16_000)));
     // No refill any more: the key must stay.
-    s.set_params(&b, tokens(20, 0)).await.unwrap();
+    s.set_params(&SetParams::new(b.clone(), tokens(20, 0)))
+        .await
+        .unwrap();
     let pttl: i64 = c.pttl(&key).await.unwrap();
     assert_eq!(pttl, -1);
     let d = s.check(&req(&b, tokens(10, 10), 1, now)).await.unwrap();

@@ -7,14 +7,15 @@
 //!   Redis restart) and at the moment the lease runs out, writes the bucket parameters this
 //!   region enforces (`for_share(policy, enforced share)`) into its store, so any caller of the
 //!   store (this daemon, or a gateway running the Lua script directly) enforces the current
-//!   share; once every write succeeded it acknowledges the view's epoch.
+//!   share; once every write succeeded it acknowledges the view's epoch. Each write carries the
+//!   lease end and the floor, so the store falls back on its own if this daemon dies.
 //! - **report** (multi-region only): every report interval, drains usage from the store and
 //!   sends it to the leader, then renews the lease through the log with the acknowledged epoch.
 
 use std::sync::Arc;
 use std::time::Duration;
 
-use quota_store::{BucketRef, Store as _};
+use quota_store::{BucketRef, SetParams, Store as _};
 use tokio::sync::watch;
 
 use crate::clock;
@@ -102,18 +103,30 @@ pub async fn run_report(
 }
 
 /// Writes the enforced share of every policy into the store; true if every write succeeded.
+///
+/// While the lease holds, each write carries the time left on it and the floor: the store drops
+/// to the floor at the lease end by itself, so if this daemon dies, its Redis (which gateways
+/// may call directly) stops holding share the coordinator gives elsewhere. Every application
+/// renews that end, so it trails the lease by at most one report interval.
 pub async fn apply_shares(decider: &Decider, view: &ClusterView) -> bool {
     let region = decider.region();
     let now = clock::wall_ms();
+    let lease_left = (view.lease_end_local_ms != u64::MAX && view.lease_end_local_ms > now)
+        .then(|| view.lease_end_local_ms - now);
     for ((tenant, name), entry) in &view.policies {
-        let share = view.enforced_share_ppm(entry.grants.get(region), now);
-        let limit = limit_for_share(&entry.policy, share);
+        let grant = entry.grants.get(region);
+        let share = view.enforced_share_ppm(grant, now);
         let b = BucketRef {
             tenant: tenant.clone(),
             policy: name.clone(),
             version: entry.policy.version,
         };
-        if let Err(e) = decider.store().set_params(&b, limit).await {
+        let mut req = SetParams::new(b, limit_for_share(&entry.policy, share));
+        if let (Some(left), Some(g)) = (lease_left, grant) {
+            let floor = limit_for_share(&entry.policy, g.floor_ppm.min(g.share_ppm));
+            req = req.with_lease(left, floor);
+        }
+        if let Err(e) = decider.store().set_params(&req).await {
             tracing::debug!(tenant = %tenant, policy = %name, error = %e, "Applying a share failed.");
             return false;
         }

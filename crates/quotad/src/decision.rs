@@ -217,6 +217,21 @@ impl Decider {
         ))
     }
 
+    /// Whole tokens left in a bucket of this region, read without spending from the store
+    /// that decides now (the in-process bucket while the breaker is open); `None` if the
+    /// store cannot answer.
+    pub async fn tokens_left(&self, bucket: BucketRef, limit: Limit) -> Option<u64> {
+        let req = CheckRequest::peek(bucket, limit);
+        let r = if self.breaker.is_open() {
+            self.fallback.check(&req).await
+        } else {
+            tokio::time::timeout(self.store_timeout, self.store.check(&req))
+                .await
+                .ok()?
+        };
+        r.ok().map(|d| d.remaining)
+    }
+
     /// Decides one check. `forwarded` is true when another region sent it here.
     pub async fn check(
         &self,

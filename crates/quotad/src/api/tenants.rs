@@ -12,7 +12,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::api::problem::{ApiError, ApiJson, FieldProblem, Problem};
 use crate::api::AppState;
-use quota_store::Limit;
+use quota_store::{BucketRef, Limit};
 
 use crate::clock;
 use crate::coordination::CoordError;
@@ -266,7 +266,9 @@ pub struct ThisRegionView {
     pub enforced_share: f64,
     pub capacity: f64,
     pub refill_per_s: f64,
-    /// Tokens left now; always `null` for now: neither store can be read without spending.
+    /// Whole tokens left in this region's bucket now (read without spending, from the store
+    /// deciding now: Redis, or the in-process bucket while Redis is down); `null` if it could
+    /// not be read.
     pub tokens_left: Option<u64>,
     pub lease_remaining_ms: Option<u64>,
 }
@@ -339,6 +341,12 @@ pub async fn allowance(
         let Some((_, enforced, limit)) = state.decider.params_for(&view, t, name) else {
             continue;
         };
+        let bucket = BucketRef {
+            tenant: t.clone(),
+            policy: name.clone(),
+            version: p.version,
+        };
+        let tokens_left = state.decider.tokens_left(bucket, limit).await;
         let grant = entry.grants.get(&region);
         let share = grant.map_or(0, |g| g.share_ppm);
         let lease = |exp: u64| (exp != u64::MAX).then_some(exp);
@@ -368,7 +376,7 @@ pub async fn allowance(
                 enforced_share: frac(enforced),
                 capacity,
                 refill_per_s,
-                tokens_left: None,
+                tokens_left,
                 lease_remaining_ms: grant
                     .and_then(|g| lease(g.lease_expires_ms))
                     .map(|exp| exp.saturating_sub(now_ms)),

@@ -372,15 +372,23 @@ async fn policy_crud_pin_and_listing() {
     )
     .await;
     assert_eq!(r.status, StatusCode::NO_CONTENT);
-    let r = send(&router, "GET", "/v1/tenants/acme/allowance", None, None).await;
+    // Spend 40 of the 150: the allowance reads the bucket without spending, twice alike.
+    let check = r#"{"tenant": "acme", "policy": "writes", "cost": 40}"#;
+    let r = send(&router, "POST", "/v1/check", None, Some(check)).await;
     assert_eq!(r.status, StatusCode::OK);
-    assert_eq!(r.body["pin"], "eu");
-    let p = &r.body["policies"][0];
-    assert_eq!(p["limit"], 100);
-    assert_eq!(p["this_region"]["share"], 1.0);
-    assert_eq!(p["this_region"]["capacity"], 150.0);
-    assert!(p["this_region"]["tokens_left"].is_null());
-    assert_eq!(p["regions"][0]["region"], "eu");
+    for _ in 0..2 {
+        let r = send(&router, "GET", "/v1/tenants/acme/allowance", None, None).await;
+        assert_eq!(r.status, StatusCode::OK);
+        assert_eq!(r.body["pin"], "eu");
+        let p = &r.body["policies"][0];
+        assert_eq!(p["limit"], 100);
+        assert_eq!(p["this_region"]["share"], 1.0);
+        assert_eq!(p["this_region"]["capacity"], 150.0);
+        // 110 left, plus whatever refilled since (100 per minute): well under one token.
+        let left = p["this_region"]["tokens_left"].as_u64().unwrap();
+        assert!((110..=111).contains(&left), "{left}");
+        assert_eq!(p["regions"][0]["region"], "eu");
+    }
     let r = send(&router, "DELETE", "/v1/tenants/acme/pin", Some(TOKEN), None).await;
     assert_eq!(r.status, StatusCode::NO_CONTENT);
     let r = send(
