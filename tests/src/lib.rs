@@ -215,6 +215,18 @@ impl Daemon {
         Reply::read(resp).await
     }
 
+    /// GETs `path` and returns the status and the body as text (for /metrics).
+    pub async fn get_text(&self, path: &str) -> anyhow::Result<(u16, String)> {
+        let resp = self
+            .http
+            .get(format!("{}{path}", self.base()))
+            .send()
+            .await
+            .with_context(|| format!("calling {path}"))?;
+        let status = resp.status().as_u16();
+        Ok((status, resp.text().await?))
+    }
+
     pub async fn get(&self, path: &str) -> anyhow::Result<Reply> {
         self.request("GET", path, None, None).await
     }
@@ -304,6 +316,23 @@ where
         }
         tokio::time::sleep(every).await;
     }
+}
+
+/// The value of one sample in Prometheus text exposition: the line of metric `name` carrying
+/// every `label="value"` pair in `labels` (in any order). `None` when no such sample exists.
+pub fn metric_value(text: &str, name: &str, labels: &[(&str, &str)]) -> Option<f64> {
+    text.lines().find_map(|line| {
+        let rest = line.strip_prefix(name)?;
+        let (label_set, value) = match rest.strip_prefix('{') {
+            Some(r) => r.split_once('}')?,
+            None => ("", rest),
+        };
+        let pairs: Vec<&str> = label_set.split(',').collect();
+        let all = labels
+            .iter()
+            .all(|(k, v)| pairs.contains(&format!("{k}=\"{v}\"").as_str()));
+        all.then(|| value.trim().parse().ok()).flatten()
+    })
 }
 
 /// A single-region config on the embedded store.
@@ -560,5 +589,36 @@ log_level = "info"
             .ok()?;
         let p = &r.body["policies"][0]["this_region"];
         Some((p["share"].as_f64()?, p["enforced_share"].as_f64()?))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::metric_value;
+
+    #[test]
+    fn metric_value_finds_a_sample_by_labels_in_any_order() {
+        let text = "# TYPE quotad_decisions_total counter\n\
+            quotad_decisions_total{policy=\"p\",region=\"b\",outcome=\"allowed\"} 3\n\
+            quotad_decisions_total{policy=\"p\",region=\"b\",outcome=\"degraded_open\"} 17\n\
+            quotad_degraded{region=\"b\"} 1\n";
+        let open = [
+            ("outcome", "degraded_open"),
+            ("region", "b"),
+            ("policy", "p"),
+        ];
+        assert_eq!(
+            metric_value(text, "quotad_decisions_total", &open),
+            Some(17.0)
+        );
+        assert_eq!(
+            metric_value(text, "quotad_degraded", &[("region", "b")]),
+            Some(1.0)
+        );
+        assert_eq!(
+            metric_value(text, "quotad_degraded", &[("region", "a")]),
+            None
+        );
+        assert_eq!(metric_value(text, "quotad_decisions", &open), None);
     }
 }
