@@ -15,11 +15,11 @@
 //! every wait for a state polls with a deadline. Every check the test sends is logged, so the
 //! bounds count every admission.
 //!
-//! Known product gap (reported, not fixed here): with its Redis down a region cannot
-//! acknowledge new allocation epochs, so once the epoch moves its lease lapses and `local`
-//! decides at the floor instead of the share. The main test checks B's share only over the
-//! part of the outage its lease is sure to cover; the ignored test at the end reproduces the
-//! gap.
+//! With its Redis down a region still acknowledges allocation epochs that cut none of its
+//! shares, so its lease holds; a rebalance that cuts its share waits for the old share's lease
+//! stored in Redis to run out. The main test checks B's lower bound over the part of the outage
+//! its lease is sure to cover; the second test moves the epoch during a two-lease outage and
+//! checks B never drops below its share.
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
@@ -644,12 +644,11 @@ async fn regional_redis_killed_in_b_fail_modes_recovery_and_global_bound() -> an
         );
         // Not only denials either: it admits about what its share refills (half of that, or of
         // what was asked if the client fell behind on a busy machine) — checked over the part
-        // of the outage that B's lease is sure to cover. Beyond it B may drop to its floor
-        // (0 here): a renewal is usable only once B applied the renewal's allocation epoch,
-        // which it cannot do with its Redis down, so once the epoch moves (any policy change,
-        // any rebalance) B's lease lapses one lease after the last usable renewal. That is the
-        // product gap `local_fail_mode_keeps_the_share_while_redis_is_down_longer_than_a_lease`
-        // below reproduces.
+        // of the outage that B's lease is sure to cover. Beyond it B may dip to its floor (0
+        // here) once: B reports no usage while its Redis is down, so a rebalance may cut its
+        // share, and B acknowledges a cut only when the old share's lease stored in its Redis
+        // has run out (see `local_fail_mode_keeps_the_share_while_redis_is_down_longer_than_a_lease`
+        // below for an epoch change that cuts nothing: no dip at all).
         let covered_until = killed_at
             + Duration::from_millis(t.lease_ms - t.drift_margin_ms - 2 * t.report_interval_ms);
         let early: Vec<Event> = local
@@ -771,17 +770,11 @@ async fn store_states(daemons: &[Daemon]) -> Vec<String> {
     out
 }
 
-/// Product gap found by the test above (not fixed here; reported): a region keeps its share in
-/// `local` fail mode only for one lease after its Redis dies if the allocation epoch moves
-/// meanwhile. `RegionView::on_renewal` (quota-core/src/region.rs) holds a renewal back until
-/// the region applied the renewal's epoch, and the agent (quotad/src/agent.rs, `run_apply`)
-/// acknowledges an epoch only after writing every share into Redis, which fails while Redis is
-/// down. So B, connected to the majority and renewing all along, drops to its floor (0 by
-/// default: everything denied) `lease_ms − drift_margin_ms` after the last usable renewal, for
-/// every policy, once anything changes the epoch (here: a policy put on another tenant).
-/// Expected (DESIGN.md, failure behaviour): `local` decides in process at this region's share.
+/// A region whose Redis is down keeps its granted share in `local` fail mode for longer than a
+/// lease while the allocation epoch moves (here: a policy put on another tenant). The agent
+/// acknowledges an epoch it cannot write to Redis once Redis cannot hold more than the epoch
+/// grants (quotad/src/agent.rs, `Written::bounded_by`), so B's renewals stay usable.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-#[ignore = "product gap: the lease of a region whose Redis is down lapses once the epoch moves"]
 async fn local_fail_mode_keeps_the_share_while_redis_is_down_longer_than_a_lease(
 ) -> anyhow::Result<()> {
     let t = Timings::default();

@@ -238,7 +238,25 @@ impl Replicated {
     }
 
     /// Renews this region's lease through the log, acknowledging the applied epoch.
+    ///
+    /// Only under this region's configured lease timing: until the leader has committed it, a
+    /// renewal would carry the state machine's default (30 s) and delay the reuse of this
+    /// region's share by that much if it were then cut off.
     pub async fn renew_lease(&self) -> Result<(), CoordError> {
+        let cluster = self.raft.read(|s| s.lease);
+        if cluster != self.lease_config {
+            if cluster != LeaseConfig::default() {
+                tracing::warn!(
+                    configured_ms = self.lease_config.lease_ms,
+                    cluster_ms = cluster.lease_ms,
+                    "The cluster's lease timing differs from this region's configuration: not \
+                     renewing. Configure the same [coordination] lease on every region."
+                );
+            }
+            return Err(unavailable(
+                "the configured lease timing is not committed yet",
+            ));
+        }
         let acked_epoch = self
             .lease
             .lock()

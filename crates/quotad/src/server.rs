@@ -149,6 +149,9 @@ pub async fn serve(
             state.decider.clone(),
             state.coordinator.clone(),
             report_interval,
+            // The longest lease an earlier run may have written (renewals carry only the
+            // configured lease).
+            cfg.coordination.lease_ms,
             stop_rx.clone(),
         )),
         tokio::spawn(agent::run_report(
