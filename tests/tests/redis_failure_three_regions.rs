@@ -231,6 +231,25 @@ async fn params_match_share(d: &Daemon, redis: &RedisServer, policy: &str, versi
         && rate == (refill * UT).round() as u64
 }
 
+/// Stops region `r`'s Redis and waits until its daemon reports the store degraded; returns when
+/// it was stopped (since `start`).
+async fn kill_redis(cluster: &mut Cluster, r: usize, start: Instant) -> Duration {
+    cluster.redis[r].stop();
+    let killed_at = start.elapsed();
+    let degraded = eventually(
+        Duration::from_secs(5),
+        Duration::from_millis(20),
+        || async { (store_state(&cluster.daemons[r]).await == "degraded").then_some(()) },
+    )
+    .await;
+    assert!(
+        degraded.is_some(),
+        "the store is reported degraded once its Redis is gone: {}",
+        store_state(&cluster.daemons[r]).await
+    );
+    killed_at
+}
+
 async fn store_state(d: &Daemon) -> String {
     d.get("/v1/status").await.map_or_else(
         |e| format!("unreachable: {e}"),
@@ -392,19 +411,7 @@ async fn regional_redis_killed_in_b_fail_modes_recovery_and_global_bound() -> an
     .unwrap_or(0.0);
 
     // Kill B's Redis.
-    cluster.redis[b].stop();
-    let killed_at = start.elapsed();
-    let degraded = eventually(
-        Duration::from_secs(5),
-        Duration::from_millis(20),
-        || async { (store_state(&cluster.daemons[b]).await == "degraded").then_some(()) },
-    )
-    .await;
-    assert!(
-        degraded.is_some(),
-        "B reports its store degraded once its Redis is gone: {}",
-        store_state(&cluster.daemons[b]).await
-    );
+    let killed_at = kill_redis(&mut cluster, b, start).await;
     let degraded_at = start.elapsed();
 
     // While it is down: B stays degraded, A and C stay ok, B's breaker gauge reads 1.
@@ -819,15 +826,7 @@ async fn local_fail_mode_keeps_the_share_while_redis_is_down_longer_than_a_lease
         log: Arc::default(),
     };
     let driver = traffic.drive(cluster.daemons[b].base(), b, LOCAL, LOCAL_RATE_PER_S);
-    cluster.redis[b].stop();
-    let killed_at = start.elapsed();
-    let degraded = eventually(
-        Duration::from_secs(5),
-        Duration::from_millis(20),
-        || async { (store_state(&cluster.daemons[b]).await == "degraded").then_some(()) },
-    )
-    .await;
-    assert!(degraded.is_some(), "B reports its store degraded");
+    let killed_at = kill_redis(&mut cluster, b, start).await;
     // Anything that moves the allocation epoch.
     cluster
         .daemon("a")
