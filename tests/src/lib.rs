@@ -121,11 +121,17 @@ impl Daemon {
     /// Starts quotad with `config` (TOML; `{api}` is replaced by a free API port) and waits
     /// until /readyz answers 200.
     pub async fn start(config: &str) -> anyhow::Result<Self> {
+        Self::start_with_env(config, &[]).await
+    }
+
+    /// Like [`Daemon::start`], with extra environment (e.g. `QUOTAD_DATA_DIR` of an earlier
+    /// daemon, to restart on its state).
+    pub async fn start_with_env(config: &str, env: &[(&str, &str)]) -> anyhow::Result<Self> {
         let mut last = None;
         for _ in 0..3 {
             let api_port = free_port()?;
             let text = config.replace("{api}", &format!("127.0.0.1:{api_port}"));
-            let mut d = Daemon::spawn(&text, api_port, &[])?;
+            let mut d = Daemon::spawn(&text, api_port, env)?;
             match d.wait_ready(Duration::from_secs(20)).await {
                 Ok(()) => return Ok(d),
                 Err(e) => {
@@ -135,6 +141,11 @@ impl Daemon {
             }
         }
         Err(last.unwrap_or_else(|| anyhow::anyhow!("quotad did not start")))
+    }
+
+    /// The data directory the daemon was started with by default (`<dir>/data`).
+    pub fn data_dir(&self) -> PathBuf {
+        self.dir.path().join("data")
     }
 
     /// Polls /readyz until 200 or the deadline; fails early if the process exits.

@@ -84,6 +84,7 @@ async fn a_generated_admin_token_is_printed_once() -> anyhow::Result<()> {
         .args(["run", "--config"])
         .arg(&cfg)
         .env_remove("QUOTAD_ADMIN_TOKEN")
+        .env("QUOTAD_DATA_DIR", dir.path().join("data"))
         .stderr(std::fs::File::create(&log)?)
         .spawn()?;
     let found = quotad_system_tests::eventually(

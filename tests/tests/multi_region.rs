@@ -337,6 +337,22 @@ async fn a_pinned_tenant_is_decided_by_its_home() -> anyhow::Result<()> {
         .json::<serde_json::Value>()
         .await?;
     assert_eq!(spoof["decided_by"], "a", "{spoof}");
+    // The pin is the tenant's: a policy created after it is decided by the home as well.
+    cluster
+        .daemon("b")
+        .put_policy("vip", "reads", json!({"limit": 50, "window_ms": 1000}))
+        .await?;
+    let later = eventually(
+        Duration::from_secs(10),
+        Duration::from_millis(100),
+        || async {
+            let r = cluster.daemon("b").check("vip", "reads", 1).await.ok()?;
+            (r.body["decided_by"] == "a").then_some(r)
+        },
+    )
+    .await
+    .expect("checks of a policy created after the pin are decided by a");
+    assert_eq!(later.body["mode"], "forwarded", "{}", later.body);
 
     // Home unreachable: the policy decides (floor in b, or deny).
     let a = cluster.index("a");

@@ -31,17 +31,22 @@ async fn params_present(redis: &RedisServer, tenant: &str, policy: &str, version
 async fn fail_modes_while_redis_is_down_and_recovery_after() -> anyhow::Result<()> {
     let mut redis = RedisServer::start()?;
     let d = Daemon::start(&redis_config(&redis.url())).await?;
+    // Versions come from one counter across policies (never reused): read them, not assume 1.
+    let mut versions = std::collections::HashMap::new();
     for (policy, mode) in [
         ("p-local", "local"),
         ("p-open", "open"),
         ("p-closed", "closed"),
     ] {
-        d.put_policy(
-            "acme",
-            policy,
-            json!({"limit": 5, "window_ms": 60000, "fail_mode": mode}),
-        )
-        .await?;
+        let stored = d
+            .put_policy(
+                "acme",
+                policy,
+                json!({"limit": 5, "window_ms": 60000, "fail_mode": mode}),
+            )
+            .await?;
+        let version = stored["version"].as_u64().expect("a version");
+        versions.insert(policy, version);
     }
     for policy in ["p-local", "p-open", "p-closed"] {
         let r = d.check("acme", policy, 1).await?;
@@ -58,7 +63,7 @@ async fn fail_modes_while_redis_is_down_and_recovery_after() -> anyhow::Result<(
             Duration::from_secs(5),
             Duration::from_millis(50),
             || async {
-                params_present(&redis, "acme", "p-local", 1)
+                params_present(&redis, "acme", "p-local", versions["p-local"])
                     .await
                     .then_some(())
             }
@@ -132,8 +137,8 @@ async fn fail_modes_while_redis_is_down_and_recovery_after() -> anyhow::Result<(
         Duration::from_secs(3),
         Duration::from_millis(50),
         || async {
-            let all = params_present(&redis, "acme", "p-local", 1).await
-                && params_present(&redis, "acme", "p-closed", 1).await;
+            let all = params_present(&redis, "acme", "p-local", versions["p-local"]).await
+                && params_present(&redis, "acme", "p-closed", versions["p-closed"]).await;
             all.then_some(())
         },
     )

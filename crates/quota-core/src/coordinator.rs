@@ -1,6 +1,7 @@
 //! The replicated coordinator state machine: `apply(state, command) -> response`.
 //!
-//! Only decisions are replicated: policies, pins, region membership, the shares the allocator
+//! Only decisions are replicated: policies, pins (per tenant, applied to each of its policies),
+//! region membership, the shares the allocator
 //! computed with their epochs, and per-region leases with the epoch each region acknowledged.
 //! Usage reports are soft state on the leader ([`crate::demand`]), so the log grows with share
 //! changes, not with traffic.
@@ -168,9 +169,10 @@ pub enum Operation {
     PutPolicy { key: PolicyKey, policy: Policy },
     /// Deletes a policy: its shares drop to zero, tracked until no region may enforce them.
     DeletePolicy { key: PolicyKey },
-    /// Pins a policy to a home region by operator decision.
+    /// Pins one policy to a home region by operator decision. The daemon pins tenants
+    /// ([`Operation::PinTenant`]); this is the per-policy building block.
     Pin { key: PolicyKey, home: RegionId },
-    /// Removes an operator pin (an automatic one stays the allocator's business).
+    /// Removes one policy's operator pin (an automatic one stays the allocator's business).
     Unpin { key: PolicyKey },
     /// Sets shares computed by the allocator; each entry is accepted or rejected on its own.
     SetShares {
@@ -193,6 +195,12 @@ pub enum Operation {
     Forget { keys: Vec<PolicyKey> },
     /// Changes lease timing for future renewals.
     SetLeaseConfig { config: LeaseConfig },
+    /// Pins a tenant to a home region, in one step: every live policy of the tenant gets an
+    /// operator pin, and so does every policy of the tenant put later, until `UnpinTenant`.
+    PinTenant { tenant: TenantId, home: RegionId },
+    /// Removes a tenant's pin and the operator pins of its policies (automatic pins stay the
+    /// allocator's business).
+    UnpinTenant { tenant: TenantId },
 }
 
 /// Why one [`ShareEntry`] was refused.
@@ -295,7 +303,8 @@ pub enum Response {
     RegionRulesImmutable {
         region: RegionId,
     },
-    /// The region still holds (or may still enforce) share, or is some policy's home.
+    /// The region still holds (or may still enforce) share, or is some policy's or tenant's
+    /// home.
     RegionInUse {
         region: RegionId,
     },
@@ -312,6 +321,17 @@ pub enum Response {
     InvalidLeaseConfig {
         error: LeaseConfigError,
     },
+    TenantPinned {
+        home: u8,
+        /// How many live policies the pin covers now.
+        policies: u32,
+    },
+    TenantUnpinned {
+        /// How many live policies lost their operator pin.
+        policies: u32,
+    },
+    /// `UnpinTenant` of a tenant without a pin.
+    TenantNotPinned,
 }
 
 /// A broken safety invariant, found by [`CoordinatorState::check_invariant`].
@@ -345,6 +365,9 @@ pub struct CoordinatorState {
     /// Region slots; `None` is a removed region whose slot may be reused.
     pub regions: Vec<Option<RegionState>>,
     pub entries: BTreeMap<PolicyKey, Entry>,
+    /// Pinned tenants and their home slot; their policies, present and future, carry an
+    /// operator pin to it.
+    pub tenant_pins: BTreeMap<TenantId, u8>,
     /// Recent responses, oldest first, for idempotency.
     pub recent: VecDeque<(RequestId, Response)>,
 }
@@ -384,6 +407,8 @@ impl CoordinatorState {
                 }
                 Err(error) => Response::InvalidLeaseConfig { error },
             },
+            Operation::PinTenant { tenant, home } => self.pin_tenant(tenant, home),
+            Operation::UnpinTenant { tenant } => self.unpin_tenant(tenant),
         };
         if self.recent.len() >= DEDUP_WINDOW {
             self.recent.pop_front();
@@ -533,13 +558,17 @@ impl CoordinatorState {
         let initial = initial_split(self, &policy);
         let floor_regions = self.floor_flags();
         let regions = self.regions.clone();
+        let tenant_pin = self.tenant_pins.get(&key.tenant).map(|&home| Pin {
+            home,
+            source: PinSource::Operator,
+        });
         match self.entries.get_mut(key) {
             None => {
                 self.entries.insert(
                     key.clone(),
                     Entry {
                         policy,
-                        pin: None,
+                        pin: tenant_pin,
                         shares_ppm: initial,
                         revocations: Vec::new(),
                         deleted: false,
@@ -567,6 +596,9 @@ impl CoordinatorState {
                 prune(entry, &regions, now);
                 entry.policy = policy;
                 entry.deleted = false;
+                if tenant_pin.is_some() {
+                    entry.pin = tenant_pin;
+                }
             }
         }
         Response::PolicyStored { version, epoch }
@@ -650,6 +682,52 @@ impl CoordinatorState {
             }
             _ => Response::UnknownPolicy,
         }
+    }
+
+    fn pin_tenant(&mut self, tenant: &TenantId, home: &RegionId) -> Response {
+        let Some(index) = self.region_index(home) else {
+            return Response::UnknownRegion {
+                region: home.clone(),
+            };
+        };
+        self.tenant_pins.insert(tenant.clone(), index);
+        let mut policies = 0u32;
+        for entry in self.tenant_entries_mut(tenant) {
+            entry.pin = Some(Pin {
+                home: index,
+                source: PinSource::Operator,
+            });
+            policies += 1;
+        }
+        Response::TenantPinned {
+            home: index,
+            policies,
+        }
+    }
+
+    fn unpin_tenant(&mut self, tenant: &TenantId) -> Response {
+        if self.tenant_pins.remove(tenant).is_none() {
+            return Response::TenantNotPinned;
+        }
+        let mut policies = 0u32;
+        for entry in self.tenant_entries_mut(tenant) {
+            if entry.pin.is_some_and(|p| p.source == PinSource::Operator) {
+                entry.pin = None;
+                policies += 1;
+            }
+        }
+        Response::TenantUnpinned { policies }
+    }
+
+    /// The live policies of one tenant.
+    fn tenant_entries_mut<'a>(
+        &'a mut self,
+        tenant: &'a TenantId,
+    ) -> impl Iterator<Item = &'a mut Entry> + 'a {
+        self.entries
+            .iter_mut()
+            .filter(move |(k, e)| &k.tenant == tenant && !e.deleted)
+            .map(|(_, e)| e)
     }
 
     fn set_shares(&mut self, membership: u64, entries: &[ShareEntry], now: u64) -> Response {
@@ -891,10 +969,13 @@ impl CoordinatorState {
             return Response::UnknownRegion { region: id.clone() };
         };
         let r = usize::from(index);
-        let in_use = self
-            .entries
-            .values()
-            .any(|e| self.enforceable(e, r, now) > 0 || e.pin.is_some_and(|p| p.home == index));
+        // A tenant pin is in use even without policies: the slot may be reused by another
+        // region, which the tenant's future policies must not be pinned to.
+        let in_use = self.tenant_pins.values().any(|&home| home == index)
+            || self
+                .entries
+                .values()
+                .any(|e| self.enforceable(e, r, now) > 0 || e.pin.is_some_and(|p| p.home == index));
         if in_use {
             return Response::RegionInUse { region: id.clone() };
         }

@@ -4,7 +4,7 @@ mod common;
 
 use common::{key, policy, region, Driver};
 use quota_core::coordinator::{
-    EntryRejection, HomeChange, Operation, PinSource, RegionShare, Response, ShareEntry,
+    EntryRejection, HomeChange, Operation, Pin, PinSource, RegionShare, Response, ShareEntry,
 };
 use quota_core::lease::{LeaseConfig, LeaseConfigError};
 use quota_core::policy::Tier;
@@ -390,6 +390,151 @@ fn operator_pins_win_over_automatic_ones() {
 }
 
 #[test]
+fn a_tenant_pin_covers_its_policies_present_and_future() {
+    let mut d = Driver::with_regions(3);
+    let acme = key("acme").tenant;
+    let pin = |d: &mut Driver, home| {
+        d.op(Operation::PinTenant {
+            tenant: key("acme").tenant,
+            home,
+        })
+    };
+    let operator = |home| {
+        Some(Pin {
+            home,
+            source: PinSource::Operator,
+        })
+    };
+    assert_eq!(
+        pin(&mut d, region(7)),
+        Response::UnknownRegion { region: region(7) }
+    );
+    assert!(d.state.tenant_pins.is_empty());
+    // No policy yet: the pin is remembered, and the next policy put is pinned.
+    assert_eq!(
+        pin(&mut d, region(2)),
+        Response::TenantPinned {
+            home: 2,
+            policies: 0
+        }
+    );
+    assert_eq!(d.state.tenant_pins[&acme], 2);
+    d.op(Operation::PutPolicy {
+        key: key("acme"),
+        policy: policy(0, Tier::Standard),
+    });
+    d.op(Operation::PutPolicy {
+        key: key("other"),
+        policy: policy(0, Tier::Standard),
+    });
+    assert_eq!(d.state.entries[&key("acme")].pin, operator(2));
+    assert_eq!(d.state.entries[&key("other")].pin, None);
+    // Re-pinning moves every policy in one command.
+    assert_eq!(
+        pin(&mut d, region(1)),
+        Response::TenantPinned {
+            home: 1,
+            policies: 1
+        }
+    );
+    assert_eq!(d.state.entries[&key("acme")].pin, operator(1));
+    // A deleted and re-put policy is pinned again.
+    d.op(Operation::DeletePolicy { key: key("acme") });
+    assert_eq!(d.state.entries[&key("acme")].pin, None);
+    d.op(Operation::PutPolicy {
+        key: key("acme"),
+        policy: policy(0, Tier::Standard),
+    });
+    assert_eq!(d.state.entries[&key("acme")].pin, operator(1));
+    // The allocator may not move it.
+    let membership = d.state.membership;
+    let r = d.op(Operation::SetShares {
+        membership,
+        entries: vec![ShareEntry {
+            key: key("acme"),
+            shares_ppm: vec![333_334, 333_333, 333_333],
+            home: HomeChange::Auto(0),
+        }],
+    });
+    assert!(
+        matches!(&r, Response::SharesSet { rejected, .. } if rejected[0].reason == EntryRejection::BadHome { region: 0 }),
+        "{r:?}"
+    );
+    let unpin = |d: &mut Driver| {
+        d.op(Operation::UnpinTenant {
+            tenant: key("acme").tenant,
+        })
+    };
+    assert_eq!(unpin(&mut d), Response::TenantUnpinned { policies: 1 });
+    assert_eq!(d.state.entries[&key("acme")].pin, None);
+    assert_eq!(unpin(&mut d), Response::TenantNotPinned);
+    d.op(Operation::PutPolicy {
+        key: key("acme"),
+        policy: policy(0, Tier::Standard),
+    });
+    assert_eq!(d.state.entries[&key("acme")].pin, None, "unpinned for good");
+}
+
+#[test]
+fn unpinning_a_tenant_leaves_automatic_pins_to_the_allocator() {
+    let mut d = Driver::with_regions(2);
+    d.op(Operation::PutPolicy {
+        key: key("a"),
+        policy: policy(0, Tier::Critical),
+    });
+    let membership = d.state.membership;
+    d.op(Operation::SetShares {
+        membership,
+        entries: vec![ShareEntry {
+            key: key("a"),
+            shares_ppm: vec![500_000, 500_000],
+            home: HomeChange::Auto(1),
+        }],
+    });
+    let auto = Some(Pin {
+        home: 1,
+        source: PinSource::Auto,
+    });
+    assert_eq!(d.state.entries[&key("a")].pin, auto);
+    // A tenant pin overrides it; unpinning the tenant then leaves the policy unpinned, and the
+    // allocator pins it again if it wants.
+    let tenant = key("a").tenant;
+    d.op(Operation::PinTenant {
+        tenant: tenant.clone(),
+        home: region(0),
+    });
+    assert_eq!(
+        d.state.entries[&key("a")].pin.unwrap().source,
+        PinSource::Operator
+    );
+    d.op(Operation::UnpinTenant { tenant });
+    assert_eq!(d.state.entries[&key("a")].pin, None);
+}
+
+#[test]
+fn a_region_a_tenant_is_pinned_to_cannot_be_removed() {
+    // Slots are reused: removing the home would pin the tenant's future policies elsewhere.
+    let mut d = Driver::with_regions(3);
+    let tenant = key("acme").tenant;
+    d.op(Operation::PutRegion {
+        region: region(2),
+        reserves_floor: true,
+        draining: true,
+    });
+    d.op(Operation::PinTenant {
+        tenant: tenant.clone(),
+        home: region(2),
+    });
+    assert_eq!(
+        d.op(Operation::RemoveRegion { region: region(2) }),
+        Response::RegionInUse { region: region(2) }
+    );
+    d.op(Operation::UnpinTenant { tenant });
+    let r = d.op(Operation::RemoveRegion { region: region(2) });
+    assert!(matches!(r, Response::RegionRemoved { .. }), "{r:?}");
+}
+
+#[test]
 fn state_round_trips_through_postcard() {
     let mut d = Driver::with_regions(3);
     for t in ["a", "b", "c"] {
@@ -400,6 +545,10 @@ fn state_round_trips_through_postcard() {
     }
     d.renew_all();
     set(&mut d, "b", &[300_000, 300_000, 333_333]);
+    d.op(Operation::PinTenant {
+        tenant: key("c").tenant,
+        home: region(1),
+    });
     let bytes = postcard::to_stdvec(&d.state).unwrap();
     let back: quota_core::CoordinatorState = postcard::from_bytes(&bytes).unwrap();
     assert_eq!(back, d.state);

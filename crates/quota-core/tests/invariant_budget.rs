@@ -42,6 +42,8 @@ fn operation() -> impl Strategy<Value = Operation> {
         1 => k.clone().prop_map(|key| Operation::DeletePolicy { key }),
         1 => (k.clone(), r.clone()).prop_map(|(key, home)| Operation::Pin { key, home }),
         1 => k.clone().prop_map(|key| Operation::Unpin { key }),
+        1 => (k.clone(), r.clone()).prop_map(|(key, home)| Operation::PinTenant { tenant: key.tenant, home }),
+        1 => k.clone().prop_map(|key| Operation::UnpinTenant { tenant: key.tenant }),
         6 => (
             0u64..4,
             prop::collection::vec(

@@ -8,7 +8,11 @@ use serde::de::DeserializeOwned;
 use serde::Serialize;
 
 /// The current format version, written as the first byte of every encoded value.
-pub const FORMAT_VERSION: u8 = 1;
+///
+/// Bump it whenever an encoded type changes shape (postcard cannot tell): 2 added
+/// `CoordinatorState::tenant_pins` (tenant-level pins), so a version-1 snapshot, log or peer
+/// message is refused by name instead of decoding wrong.
+pub const FORMAT_VERSION: u8 = 2;
 
 /// Why bytes could not be encoded or decoded.
 #[derive(Debug, thiserror::Error)]

@@ -8,6 +8,7 @@ use std::time::Duration;
 
 use common::commands::{limit_of, put_policy, set_shares};
 use quota_core::coordinator::Response;
+use quota_raft::codec::FORMAT_VERSION;
 use quota_raft::protocol::{PATH_APPEND, PATH_SNAPSHOT, PATH_VOTE};
 use quota_raft::{
     Coordinator, LeaderClock, Member, MembershipError, NodeId, RaftConfig, ReadError, Role,
@@ -234,7 +235,7 @@ async fn follower_writes_are_forwarded_and_bad_peer_input_is_refused() {
         );
         assert_eq!(
             status(
-                send(PATH_APPEND, Some(&good), vec![1, 0xff, 0xff])
+                send(PATH_APPEND, Some(&good), vec![FORMAT_VERSION, 0xff, 0xff])
                     .await
                     .unwrap()
             ),
@@ -249,7 +250,11 @@ async fn follower_writes_are_forwarded_and_bad_peer_input_is_refused() {
             400
         );
         assert_eq!(
-            status(send(PATH_SNAPSHOT, Some(&good), vec![1, 2]).await.unwrap()),
+            status(
+                send(PATH_SNAPSHOT, Some(&good), vec![FORMAT_VERSION, 2])
+                    .await
+                    .unwrap()
+            ),
             400
         );
         assert_eq!(

@@ -26,7 +26,8 @@ pub const ENV_REDIS_PASSWORD: &str = "QUOTAD_REDIS_PASSWORD";
 pub struct Config {
     /// This daemon's region.
     pub region: String,
-    /// Where durable coordinator state lives (Raft log and snapshots).
+    /// Where durable coordinator state lives: `raft/` (log and snapshots) with `[[regions]]`,
+    /// `local.redb` (policies, pins, versions) without. Created if missing.
     pub data_dir: PathBuf,
     pub api: ApiConfig,
     pub peer: PeerConfig,

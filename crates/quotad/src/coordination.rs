@@ -2,17 +2,22 @@
 //!
 //! Handlers and the region agent read an immutable [`ClusterView`] snapshot (an `Arc` behind a
 //! `watch` channel: one short read lock, never held across an await) and send mutations through
-//! [`Coordinator`]. Today the only implementation is [`LocalCoordinator`], a one-node
-//! coordinator for a single region; the Raft-backed one (quota-raft) slots in as another variant
-//! of [`Coordinator`] without touching the API or the decision path.
+//! [`Coordinator`]: either [`LocalCoordinator`], a one-node coordinator for a single region
+//! that keeps its state in `<data_dir>/local.redb` ([`crate::local_store`]), or the
+//! Raft-backed [`Replicated`] one; the API and the decision path do not tell them apart.
+//!
+//! Pins are per tenant: a pinned tenant's policies, including ones created later, are decided
+//! by its home region (other regions forward their checks there).
 
 use std::collections::BTreeMap;
+use std::path::Path;
 use std::sync::{Arc, Mutex};
 
 use quota_core::{Policy, PolicyName, RegionId, TenantId, PPM};
 use serde::Serialize;
 use tokio::sync::watch;
 
+use crate::local_store::{LocalStore, LocalStoreError};
 use crate::replicated::Replicated;
 
 /// One region's grant for a tenant's policy.
@@ -31,7 +36,8 @@ pub struct Grant {
 pub struct PolicyEntry {
     pub policy: Policy,
     pub grants: BTreeMap<RegionId, Grant>,
-    /// The home region of a pinned policy.
+    /// The home region of a pinned policy (its tenant's pin, or the allocator's automatic pin
+    /// of a `critical` policy).
     pub home: Option<RegionId>,
 }
 
@@ -39,6 +45,8 @@ pub struct PolicyEntry {
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct ClusterView {
     pub policies: BTreeMap<(TenantId, PolicyName), PolicyEntry>,
+    /// Pinned tenants and their home region.
+    pub tenant_pins: BTreeMap<TenantId, RegionId>,
     /// Bumped on every committed change regions must apply.
     pub epoch: u64,
     /// Local wall-clock ms at which this region must stop enforcing more than its floors (its
@@ -63,12 +71,9 @@ impl ClusterView {
         }
     }
 
-    /// The home of a tenant: the home of any of its pinned policies.
+    /// The home a tenant is pinned to, if any.
     pub fn tenant_home(&self, tenant: &TenantId) -> Option<&RegionId> {
-        self.policies
-            .iter()
-            .filter(|((t, _), _)| t == tenant)
-            .find_map(|(_, e)| e.home.as_ref())
+        self.tenant_pins.get(tenant)
     }
 }
 
@@ -142,7 +147,7 @@ impl Coordinator {
         policy: Policy,
     ) -> Result<Policy, CoordError> {
         match self {
-            Coordinator::Local(c) => Ok(c.put_policy(tenant, name, policy)),
+            Coordinator::Local(c) => c.put_policy(tenant, name, policy),
             Coordinator::Replicated(c) => c.put_policy(tenant, name, policy).await,
         }
     }
@@ -154,23 +159,24 @@ impl Coordinator {
         name: PolicyName,
     ) -> Result<bool, CoordError> {
         match self {
-            Coordinator::Local(c) => Ok(c.delete_policy(&tenant, &name)),
+            Coordinator::Local(c) => c.delete_policy(&tenant, &name),
             Coordinator::Replicated(c) => c.delete_policy(tenant, name).await,
         }
     }
 
-    /// Pins every policy of a tenant to a home region; `false` if the tenant has none.
-    pub async fn pin(&self, tenant: TenantId, region: RegionId) -> Result<bool, CoordError> {
+    /// Pins a tenant to a home region: its policies, present and future, are decided there.
+    /// A tenant without policies may be pinned.
+    pub async fn pin(&self, tenant: TenantId, region: RegionId) -> Result<(), CoordError> {
         match self {
             Coordinator::Local(c) => c.pin(&tenant, region),
             Coordinator::Replicated(c) => c.pin(tenant, region).await,
         }
     }
 
-    /// Removes a tenant's pins; `false` if there was none.
+    /// Removes a tenant's pin; `false` if there was none.
     pub async fn unpin(&self, tenant: TenantId) -> Result<bool, CoordError> {
         match self {
-            Coordinator::Local(c) => Ok(c.unpin(&tenant)),
+            Coordinator::Local(c) => c.unpin(&tenant),
             Coordinator::Replicated(c) => c.unpin(tenant).await,
         }
     }
@@ -213,93 +219,176 @@ impl Coordinator {
 }
 
 /// A one-node coordinator: the single region holds every policy's whole budget under a lease
-/// that never expires. Mutations apply under a lock and publish a new view.
+/// that never expires.
+///
+/// Every mutation is committed to its redb file before the in-memory view changes and before
+/// the caller gets an answer; a failed write fails the mutation (`Unavailable`) and changes
+/// nothing. Mutations are serialized by one lock, held across the write (they are rare).
 #[derive(Debug)]
 pub struct LocalCoordinator {
     region: RegionId,
-    state: Mutex<ClusterView>,
+    store: LocalStore,
+    state: Mutex<LocalState>,
     tx: watch::Sender<Arc<ClusterView>>,
+    /// Keeps a test's data directory alive as long as the coordinator.
+    #[cfg(test)]
+    _dir: Option<tempfile::TempDir>,
+}
+
+/// The view and the version counter, changed together.
+#[derive(Debug)]
+struct LocalState {
+    view: ClusterView,
+    /// The last policy version issued: versions are never reused, so a re-put policy gets
+    /// fresh Redis keys instead of a deleted one's bucket.
+    last_version: u64,
 }
 
 impl LocalCoordinator {
-    pub fn new(region: RegionId) -> Self {
-        let view = ClusterView {
+    /// Opens (or creates) `data_dir/local.redb` and publishes what it holds. Fails, naming the
+    /// file, on anything it cannot read: starting empty would forget policies.
+    pub fn open(region: RegionId, data_dir: &Path) -> Result<Self, LocalStoreError> {
+        let (store, loaded) = LocalStore::open(data_dir)?;
+        let mut view = ClusterView {
             lease_end_local_ms: u64::MAX,
+            tenant_pins: loaded.pins,
             ..ClusterView::default()
         };
-        let (tx, _) = watch::channel(Arc::new(view.clone()));
-        Self {
-            region,
-            state: Mutex::new(view),
-            tx,
+        for ((tenant, name), policy) in loaded.policies {
+            let home = view.tenant_pins.get(&tenant).cloned();
+            let entry = Self::entry(&region, policy, home);
+            view.policies.insert((tenant, name), entry);
         }
-    }
-
-    fn mutate<T>(&self, f: impl FnOnce(&mut ClusterView) -> T) -> T {
-        let mut state = self.state.lock().unwrap_or_else(|e| e.into_inner());
-        let out = f(&mut state);
-        state.epoch += 1;
-        self.tx.send_replace(Arc::new(state.clone()));
-        out
-    }
-
-    fn put_policy(&self, tenant: TenantId, name: PolicyName, mut policy: Policy) -> Policy {
-        let region = self.region.clone();
-        self.mutate(|s| {
-            let key = (tenant, name);
-            let old = s.policies.get(&key);
-            policy.version = old.map_or(1, |e| e.policy.version + 1);
-            let home = old.and_then(|e| e.home.clone());
-            let grant = Grant {
-                share_ppm: PPM,
-                floor_ppm: policy.floor_ppm,
-                lease_expires_ms: u64::MAX,
-            };
-            let entry = PolicyEntry {
-                policy: policy.clone(),
-                grants: BTreeMap::from([(region, grant)]),
-                home,
-            };
-            s.policies.insert(key, entry);
-            policy
+        tracing::info!(
+            path = %store.path().display(),
+            policies = view.policies.len(),
+            pins = view.tenant_pins.len(),
+            last_version = loaded.last_version,
+            "Single-region coordinator state loaded."
+        );
+        let (tx, _) = watch::channel(Arc::new(view.clone()));
+        Ok(Self {
+            region,
+            store,
+            state: Mutex::new(LocalState {
+                view,
+                last_version: loaded.last_version,
+            }),
+            tx,
+            #[cfg(test)]
+            _dir: None,
         })
     }
 
-    fn delete_policy(&self, tenant: &TenantId, name: &PolicyName) -> bool {
-        let key = (tenant.clone(), name.clone());
-        self.mutate(|s| s.policies.remove(&key).is_some())
+    /// A coordinator on a fresh temporary directory, removed when it is dropped.
+    #[cfg(test)]
+    pub(crate) fn in_temp_dir(region: RegionId) -> Self {
+        let dir = tempfile::tempdir().unwrap();
+        let mut c = Self::open(region, dir.path()).unwrap();
+        c._dir = Some(dir);
+        c
     }
 
-    fn pin(&self, tenant: &TenantId, region: RegionId) -> Result<bool, CoordError> {
+    fn entry(region: &RegionId, policy: Policy, home: Option<RegionId>) -> PolicyEntry {
+        let grant = Grant {
+            share_ppm: PPM,
+            floor_ppm: policy.floor_ppm,
+            lease_expires_ms: u64::MAX,
+        };
+        PolicyEntry {
+            policy,
+            grants: BTreeMap::from([(region.clone(), grant)]),
+            home,
+        }
+    }
+
+    /// Runs `f` under the lock: it writes to the store first and then changes the state; on
+    /// success the new view is published.
+    fn mutate<T>(
+        &self,
+        f: impl FnOnce(&mut LocalState) -> Result<T, LocalStoreError>,
+    ) -> Result<T, CoordError> {
+        let mut state = self.state.lock().unwrap_or_else(|e| e.into_inner());
+        let out = f(&mut state).map_err(|e| {
+            tracing::error!(error = %e, "Writing the single-region coordinator state failed.");
+            CoordError::Unavailable {
+                reason: e.to_string(),
+            }
+        })?;
+        state.view.epoch += 1;
+        self.tx.send_replace(Arc::new(state.view.clone()));
+        Ok(out)
+    }
+
+    fn put_policy(
+        &self,
+        tenant: TenantId,
+        name: PolicyName,
+        mut policy: Policy,
+    ) -> Result<Policy, CoordError> {
+        self.mutate(|s| {
+            let version = s.last_version + 1;
+            policy.version = version;
+            self.store.put_policy(&tenant, &name, &policy, version)?;
+            s.last_version = version;
+            let home = s.view.tenant_pins.get(&tenant).cloned();
+            let entry = Self::entry(&self.region, policy.clone(), home);
+            s.view.policies.insert((tenant, name), entry);
+            Ok(policy)
+        })
+    }
+
+    fn delete_policy(&self, tenant: &TenantId, name: &PolicyName) -> Result<bool, CoordError> {
+        let key = (tenant.clone(), name.clone());
+        self.mutate(|s| {
+            if !s.view.policies.contains_key(&key) {
+                return Ok(false);
+            }
+            self.store.delete_policy(tenant, name)?;
+            s.view.policies.remove(&key);
+            Ok(true)
+        })
+    }
+
+    fn pin(&self, tenant: &TenantId, region: RegionId) -> Result<(), CoordError> {
         if region != self.region {
             return Err(CoordError::UnknownRegion { region });
         }
-        Ok(self.mutate(|s| {
-            let mut any = false;
-            for ((t, _), e) in s.policies.iter_mut() {
+        self.mutate(|s| {
+            self.store.put_pin(tenant, &region)?;
+            s.view.tenant_pins.insert(tenant.clone(), region.clone());
+            for ((t, _), e) in s.view.policies.iter_mut() {
                 if t == tenant {
                     e.home = Some(region.clone());
-                    any = true;
                 }
             }
-            any
-        }))
+            Ok(())
+        })
     }
 
-    fn unpin(&self, tenant: &TenantId) -> bool {
+    fn unpin(&self, tenant: &TenantId) -> Result<bool, CoordError> {
         self.mutate(|s| {
-            let mut any = false;
-            for ((t, _), e) in s.policies.iter_mut() {
-                if t == tenant && e.home.take().is_some() {
-                    any = true;
+            if !s.view.tenant_pins.contains_key(tenant) {
+                return Ok(false);
+            }
+            self.store.delete_pin(tenant)?;
+            s.view.tenant_pins.remove(tenant);
+            for ((t, _), e) in s.view.policies.iter_mut() {
+                if t == tenant {
+                    e.home = None;
                 }
             }
-            any
+            Ok(true)
         })
     }
 
     fn status(&self) -> CoordinatorStatus {
-        let applied_index = self.state.lock().unwrap_or_else(|e| e.into_inner()).epoch;
+        let applied_index = self
+            .state
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .view
+            .epoch;
         CoordinatorStatus {
             role: "single",
             leader: Some(self.region.clone()),
@@ -339,7 +428,7 @@ mod tests {
 
     #[tokio::test]
     async fn local_coordinator_versions_policies_and_notifies() {
-        let c = Coordinator::Local(LocalCoordinator::new(RegionId::new("eu").unwrap()));
+        let c = Coordinator::Local(LocalCoordinator::in_temp_dir(RegionId::new("eu").unwrap()));
         let mut rx = c.subscribe();
         let (t, p) = ids();
         let v1 = c.put_policy(t.clone(), p.clone(), policy()).await.unwrap();
@@ -355,7 +444,7 @@ mod tests {
 
     #[tokio::test]
     async fn pins_only_to_known_regions() {
-        let c = Coordinator::Local(LocalCoordinator::new(RegionId::new("eu").unwrap()));
+        let c = Coordinator::Local(LocalCoordinator::in_temp_dir(RegionId::new("eu").unwrap()));
         let (t, p) = ids();
         c.put_policy(t.clone(), p, policy()).await.unwrap();
         let err = c
@@ -363,13 +452,88 @@ mod tests {
             .await
             .unwrap_err();
         assert!(matches!(err, CoordError::UnknownRegion { .. }));
-        assert!(c
-            .pin(t.clone(), RegionId::new("eu").unwrap())
+        c.pin(t.clone(), RegionId::new("eu").unwrap())
             .await
-            .unwrap());
+            .unwrap();
         assert_eq!(c.view().tenant_home(&t).map(RegionId::as_str), Some("eu"));
         assert!(c.unpin(t.clone()).await.unwrap());
         assert!(!c.unpin(t).await.unwrap());
+    }
+
+    #[tokio::test]
+    async fn a_tenant_pin_covers_policies_created_later() {
+        let c = Coordinator::Local(LocalCoordinator::in_temp_dir(RegionId::new("eu").unwrap()));
+        let (t, p) = ids();
+        // No policy yet: pinning still succeeds.
+        c.pin(t.clone(), RegionId::new("eu").unwrap())
+            .await
+            .unwrap();
+        c.put_policy(t.clone(), p.clone(), policy()).await.unwrap();
+        let view = c.view();
+        assert_eq!(
+            view.policy(&t, &p)
+                .unwrap()
+                .home
+                .as_ref()
+                .map(RegionId::as_str),
+            Some("eu")
+        );
+        assert!(c.unpin(t.clone()).await.unwrap());
+        assert_eq!(c.view().policy(&t, &p).unwrap().home, None);
+        assert_eq!(c.view().tenant_home(&t), None);
+    }
+
+    #[tokio::test]
+    async fn a_restart_keeps_policies_versions_and_pins() {
+        let dir = tempfile::tempdir().unwrap();
+        let eu = RegionId::new("eu").unwrap();
+        let (t, p) = ids();
+        let other = PolicyName::new("reads").unwrap();
+        let before = {
+            let c = Coordinator::Local(LocalCoordinator::open(eu.clone(), dir.path()).unwrap());
+            c.put_policy(t.clone(), p.clone(), policy()).await.unwrap();
+            c.put_policy(t.clone(), other.clone(), policy())
+                .await
+                .unwrap();
+            c.pin(t.clone(), eu.clone()).await.unwrap();
+            // Delete and re-put: a new version, never a reused one (fresh Redis keys).
+            assert!(c.delete_policy(t.clone(), p.clone()).await.unwrap());
+            let again = c.put_policy(t.clone(), p.clone(), policy()).await.unwrap();
+            assert_eq!(again.version, 3);
+            c.view()
+        };
+        let c = Coordinator::Local(LocalCoordinator::open(eu.clone(), dir.path()).unwrap());
+        let after = c.view();
+        assert_eq!(after.policies, before.policies);
+        assert_eq!(after.tenant_pins, before.tenant_pins);
+        assert_eq!(after.tenant_home(&t), Some(&eu));
+        assert_eq!(after.policy(&t, &p).unwrap().policy.version, 3);
+        assert_eq!(after.policy(&t, &other).unwrap().home.as_ref(), Some(&eu));
+        // The counter survived too: the next version is 4, even after deleting everything.
+        assert!(c.delete_policy(t.clone(), p.clone()).await.unwrap());
+        assert!(c.delete_policy(t.clone(), other.clone()).await.unwrap());
+        drop(c);
+        let c = Coordinator::Local(LocalCoordinator::open(eu.clone(), dir.path()).unwrap());
+        assert!(c.view().policies.is_empty());
+        let v = c.put_policy(t.clone(), p, policy()).await.unwrap();
+        assert_eq!(v.version, 4);
+        // An unpin is durable as well.
+        assert!(c.unpin(t.clone()).await.unwrap());
+        drop(c);
+        let c = Coordinator::Local(LocalCoordinator::open(eu, dir.path()).unwrap());
+        assert_eq!(c.view().tenant_home(&t), None);
+    }
+
+    #[test]
+    fn a_file_that_is_not_a_store_fails_start_up_by_name() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join(crate::local_store::DB_FILE);
+        std::fs::write(&path, b"this is not a redb file, and never was one").unwrap();
+        let err = LocalCoordinator::open(RegionId::new("eu").unwrap(), dir.path()).unwrap_err();
+        assert!(
+            err.to_string().contains(&path.display().to_string()),
+            "{err}"
+        );
     }
 
     #[test]

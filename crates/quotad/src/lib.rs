@@ -13,6 +13,7 @@
 //! - [`decision`]: the decision path: pins, shares, breaker, fail modes.
 //! - [`breaker`]: the circuit breaker around the regional store.
 //! - [`coordination`]: the coordinator behind the daemon and its view snapshots.
+//! - [`local_store`]: the single-region coordinator's redb file (policies, pins, versions).
 //! - [`replicated`]: the Raft-backed coordinator (quota-raft), usage reports, rebalancing.
 //! - [`agent`]: the region agent (applies shares, collects usage).
 //! - [`telemetry`]: metric names, the Prometheus exporter, log set-up.
@@ -26,6 +27,7 @@ pub mod clock;
 pub mod config;
 pub mod coordination;
 pub mod decision;
+pub mod local_store;
 pub mod replicated;
 pub mod server;
 pub mod telemetry;

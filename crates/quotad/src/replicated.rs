@@ -487,55 +487,33 @@ impl Replicated {
         Ok(matches!(r, Response::PolicyDeleted { .. }))
     }
 
-    /// Pins every live policy of `tenant` to `home`.
-    pub async fn pin(&self, tenant: TenantId, home: RegionId) -> Result<bool, CoordError> {
+    /// Pins `tenant` to `home` in one command: its live policies now, and any put later.
+    pub async fn pin(&self, tenant: TenantId, home: RegionId) -> Result<(), CoordError> {
         if !self.regions.contains(&home) {
             return Err(CoordError::UnknownRegion { region: home });
         }
-        let keys = self.tenant_keys(&tenant);
-        for key in &keys {
-            match self
-                .write(Operation::Pin {
-                    key: key.clone(),
-                    home: home.clone(),
-                })
-                .await?
-            {
-                Response::Pinned { .. } | Response::UnknownPolicy => {}
-                Response::UnknownRegion { region } => {
-                    return Err(CoordError::UnknownRegion { region })
-                }
-                other => return Err(unavailable(format!("unexpected answer {other:?}"))),
+        match self.write(Operation::PinTenant { tenant, home }).await? {
+            Response::TenantPinned { .. } => {
+                self.rebuild_view();
+                Ok(())
             }
+            // Configured but not registered yet (the leader adds regions on its first round).
+            Response::UnknownRegion { region } => Err(CoordError::UnknownRegion { region }),
+            other => Err(unavailable(format!("unexpected answer {other:?}"))),
         }
-        self.rebuild_view();
-        Ok(!keys.is_empty())
     }
 
-    /// Removes the operator pins of every policy of `tenant`.
+    /// Removes `tenant`'s pin and its policies' operator pins in one command; `false` if the
+    /// tenant was not pinned.
     pub async fn unpin(&self, tenant: TenantId) -> Result<bool, CoordError> {
-        let keys: Vec<PolicyKey> = self.raft.read(|s| {
-            s.entries
-                .iter()
-                .filter(|(k, e)| k.tenant == tenant && !e.deleted && e.pin.is_some())
-                .map(|(k, _)| k.clone())
-                .collect()
-        });
-        for key in &keys {
-            self.write(Operation::Unpin { key: key.clone() }).await?;
+        match self.write(Operation::UnpinTenant { tenant }).await? {
+            Response::TenantUnpinned { .. } => {
+                self.rebuild_view();
+                Ok(true)
+            }
+            Response::TenantNotPinned => Ok(false),
+            other => Err(unavailable(format!("unexpected answer {other:?}"))),
         }
-        self.rebuild_view();
-        Ok(!keys.is_empty())
-    }
-
-    fn tenant_keys(&self, tenant: &TenantId) -> Vec<PolicyKey> {
-        self.raft.read(|s| {
-            s.entries
-                .iter()
-                .filter(|(k, e)| &k.tenant == tenant && !e.deleted)
-                .map(|(k, _)| k.clone())
-                .collect()
-        })
     }
 
     /// Adds a learner and registers its region, so the allocator may give it share once it
@@ -642,8 +620,17 @@ fn view_of(s: &CoordinatorState, lease_end_local_ms: u64) -> ClusterView {
             },
         );
     }
+    let tenant_pins = s
+        .tenant_pins
+        .iter()
+        .filter_map(|(t, &home)| {
+            s.region(usize::from(home))
+                .map(|r| (t.clone(), r.id.clone()))
+        })
+        .collect();
     ClusterView {
         policies,
+        tenant_pins,
         epoch: s.epoch,
         lease_end_local_ms,
     }

@@ -88,9 +88,10 @@ pub async fn build_state(
     let cfg = &settings.config;
     let store = build_store(settings).await?;
     let coordinator = if settings.is_single_region() {
-        Arc::new(Coordinator::Local(LocalCoordinator::new(
-            settings.region.clone(),
-        )))
+        Arc::new(Coordinator::Local(
+            LocalCoordinator::open(settings.region.clone(), &cfg.data_dir)
+                .context("opening the single-region coordinator's state")?,
+        ))
     } else {
         Arc::new(Coordinator::Replicated(Replicated::start(settings).await?))
     };

@@ -189,7 +189,8 @@ pub struct PinBody {
     pub region: String,
 }
 
-/// Pins a tenant to a home region: other regions forward its checks there.
+/// Pins a tenant to a home region: other regions forward its checks there. The pin covers the
+/// tenant's policies present and future, so a tenant may be pinned before it has any.
 #[utoipa::path(
     put,
     path = "/v1/tenants/{tenant}/pin",
@@ -210,14 +211,11 @@ pub async fn put_pin(
 ) -> Result<StatusCode, ApiError> {
     let tenant = tenant_id(&tenant)?;
     let region = RegionId::new(body.region).map_err(|e| ApiError::field("region", &e))?;
-    let pinned = state
+    state
         .coordinator
         .pin(tenant.clone(), region.clone())
         .await
         .map_err(coord_error)?;
-    if !pinned {
-        return Err(ApiError::NotFound { what: "tenant" });
-    }
     tracing::info!(tenant = %tenant, home = %region, "Tenant pinned.");
     Ok(StatusCode::NO_CONTENT)
 }

@@ -23,7 +23,9 @@ const TOKEN: &str = "test-token";
 
 fn state() -> AppState {
     let region = RegionId::new("eu").unwrap();
-    let coordinator = Arc::new(Coordinator::Local(LocalCoordinator::new(region.clone())));
+    let coordinator = Arc::new(Coordinator::Local(LocalCoordinator::in_temp_dir(
+        region.clone(),
+    )));
     let decider = Arc::new(Decider::new(DeciderParts {
         region: region.clone(),
         store: quota_store::AnyStore::embedded(),
@@ -411,6 +413,60 @@ async fn policy_crud_pin_and_listing() {
     assert_eq!(r.status, StatusCode::NOT_FOUND);
     let r = send(&router, "GET", "/v1/tenants/acme/allowance", None, None).await;
     assert_eq!(r.status, StatusCode::NOT_FOUND);
+}
+
+#[tokio::test]
+async fn a_tenant_is_pinned_before_its_policies_exist() {
+    let router = app(state());
+    let pin = |router: &Router| {
+        let router = router.clone();
+        async move {
+            send(
+                &router,
+                "PUT",
+                "/v1/tenants/newco/pin",
+                Some(TOKEN),
+                Some(r#"{"region": "eu"}"#),
+            )
+            .await
+        }
+    };
+    assert_eq!(pin(&router).await.status, StatusCode::NO_CONTENT);
+    let spec = json!({"limit": 10, "window_ms": 1000}).to_string();
+    let r = send(
+        &router,
+        "PUT",
+        "/v1/tenants/newco/policies/writes",
+        Some(TOKEN),
+        Some(&spec),
+    )
+    .await;
+    assert_eq!(r.status, StatusCode::OK, "{}", r.body);
+    let r = send(&router, "GET", "/v1/tenants/newco/allowance", None, None).await;
+    assert_eq!(r.body["pin"], "eu", "{}", r.body);
+    // Pinning again is idempotent; unpinning twice finds no pin the second time.
+    assert_eq!(pin(&router).await.status, StatusCode::NO_CONTENT);
+    let r = send(
+        &router,
+        "DELETE",
+        "/v1/tenants/newco/pin",
+        Some(TOKEN),
+        None,
+    )
+    .await;
+    assert_eq!(r.status, StatusCode::NO_CONTENT);
+    let r = send(
+        &router,
+        "DELETE",
+        "/v1/tenants/newco/pin",
+        Some(TOKEN),
+        None,
+    )
+    .await;
+    assert_eq!(r.status, StatusCode::NOT_FOUND);
+    assert!(is_problem(&r));
+    let r = send(&router, "GET", "/v1/tenants/newco/allowance", None, None).await;
+    assert!(r.body["pin"].is_null(), "{}", r.body);
 }
 
 #[tokio::test]
