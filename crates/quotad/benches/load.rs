@@ -47,6 +47,8 @@ use redis_harness::RedisServer;
 use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
 use tokio::net::TcpStream;
 
+/// redis-server's process id, for its CPU time.
+static REDIS_PID: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
 const TOKEN: &str = "bench-token";
 const TENANTS: usize = 64;
 /// Bucket capacity and refill in whole tokens: far above what a run can spend.
@@ -58,6 +60,59 @@ struct Outcome {
     ops: u64,
     secs: f64,
     hist: Histogram<u64>,
+    /// CPU time spent during the scenario, in ns.
+    cpu: Cpu,
+}
+
+/// CPU time (ns) of the server runtime, the load generator and redis-server.
+#[derive(Debug, Clone, Copy, Default)]
+struct Cpu {
+    server: u64,
+    client: u64,
+    redis: u64,
+}
+
+impl Cpu {
+    /// Reads the per-thread run time from /proc (zero where unavailable).
+    fn now(redis_pid: u32) -> Self {
+        Self {
+            server: threads_cpu_ns("self", Some(SERVER_THREADS)),
+            client: threads_cpu_ns("self", Some(CLIENT_THREAD)),
+            redis: threads_cpu_ns(&redis_pid.to_string(), None),
+        }
+    }
+
+    fn since(self, before: Self) -> Self {
+        Self {
+            server: self.server.saturating_sub(before.server),
+            client: self.client.saturating_sub(before.client),
+            redis: self.redis.saturating_sub(before.redis),
+        }
+    }
+}
+
+/// Thread name of the server runtime's threads (quotad and the bare endpoint).
+const SERVER_THREADS: &str = "bench-server";
+/// Thread name of the load generator.
+const CLIENT_THREAD: &str = "bench-client";
+
+/// Sums the time on CPU of a process's threads whose name starts with `prefix`.
+fn threads_cpu_ns(pid: &str, prefix: Option<&str>) -> u64 {
+    let Ok(tasks) = std::fs::read_dir(format!("/proc/{pid}/task")) else {
+        return 0;
+    };
+    tasks
+        .flatten()
+        .filter(|t| {
+            prefix.is_none_or(|p| {
+                std::fs::read_to_string(t.path().join("comm")).is_ok_and(|c| c.starts_with(p))
+            })
+        })
+        .filter_map(|t| {
+            let s = std::fs::read_to_string(t.path().join("schedstat")).ok()?;
+            s.split_whitespace().next()?.parse::<u64>().ok()
+        })
+        .sum()
 }
 
 impl Outcome {
@@ -67,6 +122,10 @@ impl Outcome {
     /// A latency quantile in µs.
     fn p(&self, q: f64) -> f64 {
         self.hist.value_at_quantile(q) as f64 / 1000.0
+    }
+    /// CPU µs per operation.
+    fn per_op(&self, ns: u64) -> f64 {
+        ns as f64 / 1000.0 / self.ops.max(1) as f64
     }
 }
 
@@ -99,6 +158,8 @@ where
     F: Fn(usize, Instant) -> Fut,
     Fut: std::future::Future<Output = (u64, Histogram<u64>)> + Send + 'static,
 {
+    let redis_pid = REDIS_PID.load(std::sync::atomic::Ordering::Relaxed);
+    let cpu = Cpu::now(redis_pid);
     let start = Instant::now();
     let end = start + Duration::from_secs_f64(secs);
     let tasks: Vec<_> = (0..conc).map(|w| tokio::spawn(worker(w, end))).collect();
@@ -113,6 +174,7 @@ where
         ops,
         secs: start.elapsed().as_secs_f64(),
         hist,
+        cpu: Cpu::now(redis_pid).since(cpu),
     }
 }
 
@@ -272,6 +334,7 @@ fn main() -> anyhow::Result<()> {
         .map(|s| s.split(',').filter_map(|c| c.trim().parse().ok()).collect())
         .unwrap_or_else(|| vec![1, 64]);
     let redis = RedisServer::start()?;
+    REDIS_PID.store(redis.pid(), std::sync::atomic::Ordering::Relaxed);
     let params = BucketParams::new(BURST * UT, LIMIT_PER_S * UT)?;
 
     // quotad and the bare endpoint on one server runtime, as the binary runs on 2 cores.
@@ -295,6 +358,7 @@ fn main() -> anyhow::Result<()> {
     let server = std::thread::spawn(move || -> anyhow::Result<()> {
         let rt = tokio::runtime::Builder::new_multi_thread()
             .worker_threads(2)
+            .thread_name(SERVER_THREADS)
             .enable_all()
             .build()?;
         rt.block_on(async move {
@@ -318,6 +382,8 @@ fn main() -> anyhow::Result<()> {
         })
     });
 
+    // The load generator on a thread of its own, named so its CPU time can be read.
+    let client = std::thread::Builder::new().name(CLIENT_THREAD.into()).spawn(move || {
     let rt = if client_threads <= 1 {
         tokio::runtime::Builder::new_current_thread()
             .enable_all()
@@ -325,6 +391,7 @@ fn main() -> anyhow::Result<()> {
     } else {
         tokio::runtime::Builder::new_multi_thread()
             .worker_threads(client_threads)
+            .thread_name(CLIENT_THREAD)
             .enable_all()
             .build()?
     };
@@ -382,9 +449,11 @@ fn main() -> anyhow::Result<()> {
             redis.port()
         );
         println!(
-            "{:>5} {:>7} | {:>10} {:>9} {:>9} | {:>6} {:>7} {:>9}",
-            "conc", "what", "op/s", "p50 µs", "p99 µs", "×raw", "×bare", "+p50 µs"
+            "{:>5} {:>7} | {:>10} {:>9} {:>9} | {:>6} {:>7} {:>9} | {:>8} {:>8} {:>8}",
+            "conc", "what", "op/s", "p50 µs", "p99 µs", "×raw", "×bare", "+p50 µs",
+            "srv cpu", "gen cpu", "redis"
         );
+        println!("{:>73} (CPU µs per operation)", "");
         for round in 0..rounds {
             for &conc in &concs {
                 let (s, k, c) = (script.clone(), raw_keys.clone(), raw_conn.clone());
@@ -424,7 +493,7 @@ fn main() -> anyhow::Result<()> {
                     ("livez", &livez),
                 ] {
                     println!(
-                        "{:>5} {:>7} | {:>10.0} {:>9.1} {:>9.1} | {:>6.2} {:>7.2} {:>+9.1}",
+                        "{:>5} {:>7} | {:>10.0} {:>9.1} {:>9.1} | {:>6.2} {:>7.2} {:>+9.1} | {:>8.1} {:>8.1} {:>8.1}",
                         conc,
                         name,
                         o.rate(),
@@ -433,6 +502,9 @@ fn main() -> anyhow::Result<()> {
                         o.rate() / raw.rate(),
                         o.rate() / bare.rate(),
                         o.p(0.5) - raw.p(0.5),
+                        o.per_op(o.cpu.server),
+                        o.per_op(o.cpu.client),
+                        o.per_op(o.cpu.redis),
                     );
                 }
                 println!(
@@ -448,10 +520,15 @@ fn main() -> anyhow::Result<()> {
             }
         }
         anyhow::Ok(())
+    })
     })?;
+    let ran = client
+        .join()
+        .map_err(|_| anyhow::anyhow!("the load generator panicked"));
     let _ = stop_tx.send(());
     server
         .join()
         .map_err(|_| anyhow::anyhow!("the quotad thread panicked"))??;
+    ran??;
     Ok(())
 }
