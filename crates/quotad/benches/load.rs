@@ -454,10 +454,14 @@ fn main() -> anyhow::Result<()> {
             "srv cpu", "gen cpu", "redis"
         );
         println!("{:>73} (CPU µs per operation)", "");
+        // For profiling one candidate alone: QUOTAD_BENCH_ONLY=quotad (ratios are then NaN).
+        let only = std::env::var("QUOTAD_BENCH_ONLY").ok();
+        let wanted = |name: &str| only.as_deref().is_none_or(|o| o == name);
         for round in 0..rounds {
             for &conc in &concs {
                 let (s, k, c) = (script.clone(), raw_keys.clone(), raw_conn.clone());
-                let raw = drive(conc, secs, move |w, end| {
+                let secs_of = |name: &str| if wanted(name) { secs } else { 0.0 };
+                let raw = drive(conc, secs_of("raw"), move |w, end| {
                     let (s, k, mut conn) = (s.clone(), k.clone(), c.clone());
                     async move {
                         let keys = &k[w % TENANTS];
@@ -483,15 +487,20 @@ fn main() -> anyhow::Result<()> {
                     }
                 })
                 .await;
-                let bare = drive_http(conc, secs, bare_addr, bare_requests.clone()).await;
-                let quotad = drive_http(conc, secs, addr, quotad_requests.clone()).await;
-                let livez = drive_http(conc, secs, addr, livez_requests.clone()).await;
+                let bare =
+                    drive_http(conc, secs_of("bare"), bare_addr, bare_requests.clone()).await;
+                let quotad =
+                    drive_http(conc, secs_of("quotad"), addr, quotad_requests.clone()).await;
+                let livez = drive_http(conc, secs_of("livez"), addr, livez_requests.clone()).await;
                 for (name, o) in [
                     ("raw", &raw),
                     ("bare", &bare),
                     ("quotad", &quotad),
                     ("livez", &livez),
                 ] {
+                    if !wanted(name) {
+                        continue;
+                    }
                     println!(
                         "{:>5} {:>7} | {:>10.0} {:>9.1} {:>9.1} | {:>6.2} {:>7.2} {:>+9.1} | {:>8.1} {:>8.1} {:>8.1}",
                         conc,
