@@ -77,7 +77,7 @@ pub fn metrics_builder() -> anyhow::Result<PrometheusBuilder> {
 
 /// How often histogram samples are folded into their buckets. The recorder queues every sample
 /// until then; without this, nothing but a scrape of /metrics would, and an unscraped daemon's
-/// queues would grow without bound (and cost more to append to as they grow).
+/// queues would grow without bound.
 pub const METRICS_UPKEEP_INTERVAL: Duration = Duration::from_secs(5);
 
 /// Runs the recorder's upkeep every [`METRICS_UPKEEP_INTERVAL`] until `shutdown` fires.
