@@ -248,7 +248,9 @@ pub enum StoreError {
     Protocol { reason: String },
 }
 
-/// A decision store. Implemented by the embedded store and the Redis store alike.
+/// A decision store. Implemented by the embedded store and the Redis store alike. A store that
+/// does I/O bounds every call itself (a timeout is a [`StoreError::Timeout`]), so callers arm no
+/// timer of their own.
 pub trait Store: Send + Sync {
     /// Decides one request atomically.
     fn check(

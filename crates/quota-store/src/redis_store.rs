@@ -1,10 +1,10 @@
 //! The Redis store: one EVALSHA per decision on the region's Redis.
 //!
 //! Scripts are compiled in (`include_str!`) and invoked by SHA; a NOSCRIPT reply (after
-//! `SCRIPT FLUSH`, a restart or a failover) is answered by loading the script and retrying once
-//! (`redis::Script` does this), so callers never see it. Standalone Redis goes through a
-//! `ConnectionManager`, which reconnects on its own; Redis Cluster through the cluster client,
-//! which routes each call by its first key. Every call is bounded by a timeout.
+//! `SCRIPT FLUSH`, a restart or a failover) is answered by loading the script and retrying once,
+//! so callers never see it. Standalone Redis goes through a `ConnectionManager`, which reconnects
+//! on its own; Redis Cluster through the cluster client, which routes each call by its first key.
+//! Every call is bounded by a timeout.
 //!
 //! Usage collection drains activity indexes (see `quota_core::keys`): one set on standalone
 //! Redis; on Cluster one per slot, so a full collection walks all 16 384 slot indexes: 16 384
@@ -20,7 +20,7 @@ use quota_core::keys::{self, StateKind};
 use quota_core::Decision;
 use redis::aio::{ConnectionManager, ConnectionManagerConfig};
 use redis::cluster_async::ClusterConnection;
-use redis::{FromRedisValue, RedisError, Script, Value};
+use redis::{FromRedisValue, RedisError, Script, ServerErrorKind, Value};
 
 use crate::script::{self, COLLECT_BATCH_MAX};
 use crate::{
@@ -95,6 +95,35 @@ enum Conn {
     Cluster(ClusterConnection),
 }
 
+/// Either connection, so one code path issues every command.
+impl redis::aio::ConnectionLike for Conn {
+    fn req_packed_command<'a>(&'a mut self, cmd: &'a redis::Cmd) -> redis::RedisFuture<'a, Value> {
+        match self {
+            Conn::Single(c) => c.req_packed_command(cmd),
+            Conn::Cluster(c) => c.req_packed_command(cmd),
+        }
+    }
+
+    fn req_packed_commands<'a>(
+        &'a mut self,
+        cmd: &'a redis::Pipeline,
+        offset: usize,
+        count: usize,
+    ) -> redis::RedisFuture<'a, Vec<Value>> {
+        match self {
+            Conn::Single(c) => c.req_packed_commands(cmd, offset, count),
+            Conn::Cluster(c) => c.req_packed_commands(cmd, offset, count),
+        }
+    }
+
+    fn get_db(&self) -> i64 {
+        match self {
+            Conn::Single(c) => c.get_db(),
+            Conn::Cluster(c) => c.get_db(),
+        }
+    }
+}
+
 #[derive(Debug)]
 struct Scripts {
     token_bucket: Script,
@@ -167,7 +196,9 @@ impl RedisStore {
                         })?;
                     let cfg = ConnectionManagerConfig::new()
                         .set_connection_timeout(Some(config.timeout))
-                        .set_response_timeout(Some(config.timeout))
+                        // Every call is bounded as a whole (`bounded`, retry included): a
+                        // per-response timer as well would be a second timer per call.
+                        .set_response_timeout(None)
                         .set_number_of_retries(2)
                         .set_max_delay(Duration::from_millis(500));
                     let m = client
@@ -241,24 +272,32 @@ impl RedisStore {
     }
 
     /// Runs `script` with EVALSHA (loading it on NOSCRIPT) within the timeout.
+    ///
+    /// The command is built straight into one `Cmd` (a `ScriptInvocation` would first copy every
+    /// key and argument into a vector of its own): this is the decision hot path.
     async fn invoke<T: FromRedisValue>(
         &self,
         script: &Script,
         keys: &[&str],
         args: &[&str],
     ) -> Result<T, StoreError> {
-        let mut inv = script.prepare_invoke();
-        for k in keys {
-            inv.key(*k);
-        }
-        for a in args {
-            inv.arg(*a);
-        }
+        let hash = script.get_hash();
+        let len = keys.iter().chain(args).map(|a| a.len()).sum::<usize>() + hash.len() + 16;
+        let mut cmd = redis::Cmd::with_capacity(3 + keys.len() + args.len(), len);
+        cmd.arg("EVALSHA")
+            .arg(hash)
+            .arg(keys.len())
+            .arg(keys)
+            .arg(args);
         let call = async {
             let once = || async {
-                match self.conn.clone() {
-                    Conn::Single(mut c) => inv.invoke_async(&mut c).await,
-                    Conn::Cluster(mut c) => inv.invoke_async(&mut c).await,
+                let mut conn = self.conn.clone();
+                match cmd.query_async(&mut conn).await {
+                    Err(e) if e.kind() == redis::ErrorKind::Server(ServerErrorKind::NoScript) => {
+                        script.prepare_invoke().load_async(&mut conn).await?;
+                        cmd.query_async(&mut conn).await
+                    }
+                    r => r,
                 }
             };
             match once().await {
@@ -281,13 +320,8 @@ impl RedisStore {
 
     /// Runs one plain command within the timeout.
     async fn command<T: FromRedisValue>(&self, cmd: &redis::Cmd) -> Result<T, StoreError> {
-        let call = async {
-            match self.conn.clone() {
-                Conn::Single(mut c) => cmd.query_async(&mut c).await,
-                Conn::Cluster(mut c) => cmd.query_async(&mut c).await,
-            }
-        };
-        self.bounded(call).await
+        let mut conn = self.conn.clone();
+        self.bounded(cmd.query_async(&mut conn)).await
     }
 
     /// Takes up to `max` keys from one activity index; returns how many were taken and the

@@ -1,23 +1,40 @@
-//! Load benchmark: checks per second and p50/p99 latency through quotad's HTTP API versus raw
-//! EVALSHA of the same `lua/token_bucket.lua` on the same Redis, at the same concurrency, in
-//! the same run.
+//! Load benchmark: checks per second and p50/p99 latency through quotad's HTTP API, against a
+//! bare axum endpoint doing the same single EVALSHA and against raw EVALSHA of the same
+//! `lua/token_bucket.lua` on the same Redis, at the same concurrency, in the same run.
 //!
 //! ```text
 //! cargo bench -p quotad --bench load                      # 5 s per scenario
-//! QUOTAD_BENCH_SECS=10 QUOTAD_BENCH_CONCURRENCY=1,16,64 cargo bench -p quotad --bench load
+//! QUOTAD_BENCH_SECS=10 QUOTAD_BENCH_CONCURRENCY=1,16,64 QUOTAD_BENCH_ROUNDS=2 \
+//!     cargo bench -p quotad --bench load
 //! ```
 //!
-//! quotad runs in process on its own 2-worker runtime (as the binary would) with a real
-//! `redis-server` from redis-harness; the load generator runs on another runtime. Every request
-//! is admitted (the budget is far above what the run can spend), so both paths do the same
-//! script work. Targets: ≥ 0.70× raw throughput at concurrency 64, ≤ 40 µs added p50 at 1.
+//! Candidates, each driven by the same load generator:
+//!
+//! - `raw`: EVALSHA straight from the load generator on a multiplexed redis-rs connection;
+//! - `bare`: a minimal axum handler (JSON in, one EVALSHA through a redis-rs
+//!   `ConnectionManager`, JSON out) on the server runtime: the cost of HTTP plus a Redis call
+//!   with nothing else, i.e. the harness and machine;
+//! - `quotad`: `POST /v1/check` through the full production router (request ids, timeouts,
+//!   body limits, metrics, tracing at the default level, RateLimit headers, breaker);
+//! - `livez`: quotad's `/livez`, the HTTP floor with no decision at all.
+//!
+//! Both servers share one 2-worker runtime (as the binary has on 2 cores) with a real
+//! `redis-server` from redis-harness. The load generator is deliberately light, since it shares
+//! the cores: one keep-alive HTTP/1.1 connection per worker with a pre-rendered request, on a
+//! runtime of its own (`QUOTAD_BENCH_CLIENT_THREADS`, default 1). Every request is admitted
+//! (the budget is far above what the run can spend), so every candidate does the same script
+//! work. Targets: ≥ 0.70× raw throughput at concurrency 64, ≤ 40 µs added p50 at 1.
 
 // A benchmark measures real elapsed time; the daemon's one-clock-module rule is for the daemon.
 #![allow(clippy::disallowed_methods)]
 
+use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use axum::extract::State;
+use axum::routing::post;
+use axum::{Json, Router};
 use hdrhistogram::Histogram;
 use quota_core::bucket::UT;
 use quota_core::keys::{self, StateKind};
@@ -25,98 +42,336 @@ use quota_core::{BucketParams, PolicyName, TenantId};
 use quota_store::script::TOKEN_BUCKET_LUA;
 use quota_store::BucketRef;
 use quotad::config::Config;
+use redis::aio::ConnectionManager;
 use redis_harness::RedisServer;
+use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
+use tokio::net::TcpStream;
 
+/// redis-server's process id, for its CPU time.
+static REDIS_PID: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
 const TOKEN: &str = "bench-token";
 const TENANTS: usize = 64;
+/// Bucket capacity and refill in whole tokens: far above what a run can spend.
+const BURST: u64 = 100_000_000;
+const LIMIT_PER_S: u64 = 1_000_000;
 
-struct Result_ {
+/// One candidate's figures for one scenario.
+struct Outcome {
     ops: u64,
     secs: f64,
     hist: Histogram<u64>,
+    /// CPU time spent during the scenario, in ns.
+    cpu: Cpu,
 }
 
-impl Result_ {
+/// CPU time (ns) of the server runtime, the load generator and redis-server.
+#[derive(Debug, Clone, Copy, Default)]
+struct Cpu {
+    server: u64,
+    client: u64,
+    redis: u64,
+}
+
+impl Cpu {
+    /// Reads the per-thread run time from /proc (zero where unavailable).
+    fn now(redis_pid: u32) -> Self {
+        Self {
+            server: threads_cpu_ns("self", Some(SERVER_THREADS)),
+            client: threads_cpu_ns("self", Some(CLIENT_THREAD)),
+            redis: threads_cpu_ns(&redis_pid.to_string(), None),
+        }
+    }
+
+    fn since(self, before: Self) -> Self {
+        Self {
+            server: self.server.saturating_sub(before.server),
+            client: self.client.saturating_sub(before.client),
+            redis: self.redis.saturating_sub(before.redis),
+        }
+    }
+}
+
+/// Thread name of the server runtime's threads (quotad and the bare endpoint).
+const SERVER_THREADS: &str = "bench-server";
+/// Thread name of the load generator.
+const CLIENT_THREAD: &str = "bench-client";
+
+/// Sums the time on CPU of a process's threads whose name starts with `prefix`.
+fn threads_cpu_ns(pid: &str, prefix: Option<&str>) -> u64 {
+    let Ok(tasks) = std::fs::read_dir(format!("/proc/{pid}/task")) else {
+        return 0;
+    };
+    tasks
+        .flatten()
+        .filter(|t| {
+            prefix.is_none_or(|p| {
+                std::fs::read_to_string(t.path().join("comm")).is_ok_and(|c| c.starts_with(p))
+            })
+        })
+        .filter_map(|t| {
+            let s = std::fs::read_to_string(t.path().join("schedstat")).ok()?;
+            s.split_whitespace().next()?.parse::<u64>().ok()
+        })
+        .sum()
+}
+
+impl Outcome {
     fn rate(&self) -> f64 {
         self.ops as f64 / self.secs
     }
+    /// A latency quantile in µs.
     fn p(&self, q: f64) -> f64 {
         self.hist.value_at_quantile(q) as f64 / 1000.0
     }
+    /// CPU µs per operation.
+    fn per_op(&self, ns: u64) -> f64 {
+        ns as f64 / 1000.0 / self.ops.max(1) as f64
+    }
+}
+
+fn histogram() -> Histogram<u64> {
+    Histogram::<u64>::new_with_bounds(1, 60_000_000_000, 3).unwrap()
 }
 
 fn tenant(i: usize) -> String {
     format!("bench-tenant-{i}")
 }
 
-/// Runs `conc` workers calling `op(worker)` for `secs`, recording latency in ns.
-async fn drive<F, Fut>(conc: usize, secs: f64, op: F) -> Result_
+/// The three keys quota-store passes to the script for a tenant's `bench` policy.
+fn script_keys(tenant: &str) -> [String; 3] {
+    let b = BucketRef {
+        tenant: TenantId::new(tenant).unwrap(),
+        policy: PolicyName::new("bench").unwrap(),
+        version: 1,
+    };
+    [
+        b.state_key(StateKind::Bucket),
+        b.params_key(),
+        keys::ACTIVE_INDEX.to_string(),
+    ]
+}
+
+/// Runs `conc` workers for `secs`; each is built by `worker(index, deadline)` and returns its
+/// operation count and latency histogram (ns).
+async fn drive<F, Fut>(conc: usize, secs: f64, worker: F) -> Outcome
 where
-    F: Fn(usize) -> Fut + Send + Sync + 'static,
-    Fut: std::future::Future<Output = bool> + Send,
+    F: Fn(usize, Instant) -> Fut,
+    Fut: std::future::Future<Output = (u64, Histogram<u64>)> + Send + 'static,
 {
-    let op = Arc::new(op);
+    let redis_pid = REDIS_PID.load(std::sync::atomic::Ordering::Relaxed);
+    let cpu = Cpu::now(redis_pid);
     let start = Instant::now();
     let end = start + Duration::from_secs_f64(secs);
-    let mut tasks = Vec::new();
-    for w in 0..conc {
-        let op = op.clone();
-        tasks.push(tokio::spawn(async move {
-            let mut h = Histogram::<u64>::new_with_bounds(1, 60_000_000_000, 3).unwrap();
-            let mut ops = 0u64;
-            while Instant::now() < end {
-                let t0 = Instant::now();
-                assert!(op(w).await, "a benchmark request failed");
-                h.record(t0.elapsed().as_nanos() as u64).unwrap();
-                ops += 1;
-            }
-            (ops, h)
-        }));
-    }
-    let mut hist = Histogram::<u64>::new_with_bounds(1, 60_000_000_000, 3).unwrap();
+    let tasks: Vec<_> = (0..conc).map(|w| tokio::spawn(worker(w, end))).collect();
+    let mut hist = histogram();
     let mut ops = 0;
     for t in tasks {
         let (n, h) = t.await.unwrap();
         ops += n;
         hist.add(h).unwrap();
     }
-    Result_ {
+    Outcome {
         ops,
         secs: start.elapsed().as_secs_f64(),
         hist,
+        cpu: Cpu::now(redis_pid).since(cpu),
     }
 }
 
-fn main() -> anyhow::Result<()> {
-    let secs: f64 = std::env::var("QUOTAD_BENCH_SECS")
+/// A minimal HTTP/1.1 keep-alive client: one connection, one request in flight, pre-rendered
+/// requests, responses parsed with httparse and read to their Content-Length. Nothing is
+/// spawned, so a request costs the worker's own task no extra hop.
+struct HttpConn {
+    stream: TcpStream,
+    buf: Vec<u8>,
+}
+
+impl HttpConn {
+    async fn connect(addr: SocketAddr) -> std::io::Result<Self> {
+        let stream = TcpStream::connect(addr).await?;
+        stream.set_nodelay(true)?;
+        Ok(Self {
+            stream,
+            buf: Vec::with_capacity(4096),
+        })
+    }
+
+    /// Sends one request and returns the response status once its body has been read.
+    async fn send(&mut self, request: &[u8]) -> std::io::Result<u16> {
+        self.stream.write_all(request).await?;
+        self.buf.clear();
+        loop {
+            let mut headers = [httparse::EMPTY_HEADER; 32];
+            let mut resp = httparse::Response::new(&mut headers);
+            if let httparse::Status::Complete(head) = resp
+                .parse(&self.buf)
+                .map_err(|e| std::io::Error::other(e.to_string()))?
+            {
+                let length = resp
+                    .headers
+                    .iter()
+                    .find(|h| h.name.eq_ignore_ascii_case("content-length"))
+                    .and_then(|h| std::str::from_utf8(h.value).ok()?.parse::<usize>().ok())
+                    .ok_or_else(|| std::io::Error::other("response without Content-Length"))?;
+                let status = resp.code.unwrap_or(0);
+                while self.buf.len() < head + length {
+                    self.read_more().await?;
+                }
+                assert_eq!(self.buf.len(), head + length, "one request in flight");
+                return Ok(status);
+            }
+            self.read_more().await?;
+        }
+    }
+
+    async fn read_more(&mut self) -> std::io::Result<()> {
+        if self.buf.capacity() == self.buf.len() {
+            self.buf.reserve(4096);
+        }
+        if self.stream.read_buf(&mut self.buf).await? == 0 {
+            return Err(std::io::Error::other("connection closed"));
+        }
+        Ok(())
+    }
+}
+
+fn http_request(method: &str, path: &str, body: &str, token: Option<&str>) -> Vec<u8> {
+    let auth = token.map_or(String::new(), |t| format!("authorization: Bearer {t}\r\n"));
+    format!(
+        "{method} {path} HTTP/1.1\r\nhost: bench\r\n{auth}content-type: application/json\r\n\
+         content-length: {}\r\n\r\n{body}",
+        body.len()
+    )
+    .into_bytes()
+}
+
+/// Drives HTTP requests at `addr`: worker `w` sends `requests[w % len]` over its own connection.
+async fn drive_http(
+    conc: usize,
+    secs: f64,
+    addr: SocketAddr,
+    requests: Arc<Vec<Vec<u8>>>,
+) -> Outcome {
+    drive(conc, secs, |w, end| {
+        let requests = requests.clone();
+        async move {
+            let mut conn = HttpConn::connect(addr).await.expect("connecting");
+            let request = &requests[w % requests.len()];
+            let (mut ops, mut h) = (0, histogram());
+            while Instant::now() < end {
+                let t0 = Instant::now();
+                let status = conn.send(request).await.expect("an HTTP request failed");
+                assert_eq!(status, 200, "a benchmark request was not admitted");
+                h.record(t0.elapsed().as_nanos() as u64).unwrap();
+                ops += 1;
+            }
+            (ops, h)
+        }
+    })
+    .await
+}
+
+/// The bare candidate's state: the script and one shared connection manager.
+#[derive(Clone)]
+struct Bare {
+    conn: ConnectionManager,
+    script: Arc<redis::Script>,
+    params: BucketParams,
+}
+
+#[derive(serde::Deserialize)]
+struct BareBody {
+    tenant: String,
+    policy: String,
+    cost: u64,
+}
+
+#[derive(serde::Serialize)]
+struct BareAnswer {
+    allowed: bool,
+    remaining: i64,
+}
+
+/// The bare handler: one EVALSHA of the same script, nothing else.
+async fn bare_check(
+    State(s): State<Bare>,
+    Json(b): Json<BareBody>,
+) -> Result<Json<BareAnswer>, axum::http::StatusCode> {
+    debug_assert_eq!(b.policy, "bench");
+    let [state, params, index] = script_keys(&format!("bare-{}", b.tenant));
+    let mut conn = s.conn.clone();
+    let reply: Vec<i64> = s
+        .script
+        .key(state)
+        .key(params)
+        .key(index)
+        .arg(b.cost)
+        .arg(s.params.capacity_ut)
+        .arg(s.params.rate_ut_per_s)
+        .arg("")
+        .invoke_async(&mut conn)
+        .await
+        .map_err(|_| axum::http::StatusCode::SERVICE_UNAVAILABLE)?;
+    Ok(Json(BareAnswer {
+        allowed: reply.first() == Some(&1),
+        remaining: reply.get(1).copied().unwrap_or(0),
+    }))
+}
+
+fn env_or<T: std::str::FromStr>(name: &str, default: T) -> T {
+    std::env::var(name)
         .ok()
         .and_then(|s| s.parse().ok())
-        .unwrap_or(5.0);
+        .unwrap_or(default)
+}
+
+fn main() -> anyhow::Result<()> {
+    let secs: f64 = env_or("QUOTAD_BENCH_SECS", 5.0);
+    let rounds: usize = env_or("QUOTAD_BENCH_ROUNDS", 1);
+    let client_threads: usize = env_or("QUOTAD_BENCH_CLIENT_THREADS", 1);
     let concs: Vec<usize> = std::env::var("QUOTAD_BENCH_CONCURRENCY")
         .ok()
         .map(|s| s.split(',').filter_map(|c| c.trim().parse().ok()).collect())
         .unwrap_or_else(|| vec![1, 64]);
     let redis = RedisServer::start()?;
+    REDIS_PID.store(redis.pid(), std::sync::atomic::Ordering::Relaxed);
+    let params = BucketParams::new(BURST * UT, LIMIT_PER_S * UT)?;
 
-    // quotad on its own runtime.
+    // quotad and the bare endpoint on one server runtime, as the binary runs on 2 cores.
     let listener = std::net::TcpListener::bind("127.0.0.1:0")?;
     listener.set_nonblocking(true)?;
     let addr = listener.local_addr()?;
+    let bare_listener = std::net::TcpListener::bind("127.0.0.1:0")?;
+    bare_listener.set_nonblocking(true)?;
+    let bare_addr = bare_listener.local_addr()?;
     let redis_url = redis.url();
     let env = move |k: &str| match k {
         "QUOTAD_ADMIN_TOKEN" => Some(TOKEN.to_string()),
         "QUOTAD_REDIS_URL" => Some(redis_url.clone()),
-        "QUOTAD_LOG_LEVEL" => Some("warn".to_string()),
         _ => None,
     };
     let settings = Config::load(None, &env).map_err(anyhow::Error::new)?;
+    // Logs as the binary writes them, at the default level.
+    quotad::telemetry::init_tracing(&settings.config.telemetry)?;
+    let bare_client = redis.client();
     let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
     let server = std::thread::spawn(move || -> anyhow::Result<()> {
         let rt = tokio::runtime::Builder::new_multi_thread()
             .worker_threads(2)
+            .thread_name(SERVER_THREADS)
             .enable_all()
             .build()?;
         rt.block_on(async move {
+            let bare = Bare {
+                conn: bare_client.get_connection_manager().await?,
+                script: Arc::new(redis::Script::new(TOKEN_BUCKET_LUA)),
+                params,
+            };
+            let router = Router::new()
+                .route("/check", post(bare_check))
+                .with_state(bare);
+            let bare_listener = tokio::net::TcpListener::from_std(bare_listener)?;
+            tokio::spawn(async move { axum::serve(bare_listener, router).await });
             let listener = tokio::net::TcpListener::from_std(listener)?;
             // The exporter the binary installs, so metrics cost what they cost in production.
             let metrics = quotad::telemetry::install_metrics()?;
@@ -127,156 +382,162 @@ fn main() -> anyhow::Result<()> {
         })
     });
 
-    let rt = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()?;
+    // The load generator on a thread of its own, named so its CPU time can be read.
+    let client = std::thread::Builder::new().name(CLIENT_THREAD.into()).spawn(move || {
+    let rt = if client_threads <= 1 {
+        tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()?
+    } else {
+        tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(client_threads)
+            .thread_name(CLIENT_THREAD)
+            .enable_all()
+            .build()?
+    };
     rt.block_on(async move {
-        let http = reqwest::Client::builder()
-            .pool_max_idle_per_host(256)
-            .build()?;
-        let base = format!("http://{addr}");
         // Wait for readiness, then create one policy per tenant with a budget no run can spend.
         let deadline = Instant::now() + Duration::from_secs(20);
-        while http
-            .get(format!("{base}/readyz"))
-            .send()
-            .await
-            .map(|r| r.status().as_u16())
-            .unwrap_or(0)
-            != 200
-        {
+        let mut conn = loop {
+            match HttpConn::connect(addr).await {
+                Ok(mut c) => {
+                    if let Ok(200) = c.send(&http_request("GET", "/readyz", "", None)).await {
+                        break c;
+                    }
+                }
+                Err(_) => anyhow::ensure!(Instant::now() < deadline, "quotad did not start"),
+            }
             anyhow::ensure!(Instant::now() < deadline, "quotad did not become ready");
             tokio::time::sleep(Duration::from_millis(20)).await;
-        }
-        let spec = serde_json::json!({"limit": 1_000_000, "window_ms": 1000, "burst": 100_000_000});
+        };
+        let spec = serde_json::json!({"limit": LIMIT_PER_S, "window_ms": 1000, "burst": BURST})
+            .to_string();
         for i in 0..TENANTS {
-            let r = http
-                .put(format!("{base}/v1/tenants/{}/policies/bench", tenant(i)))
-                .bearer_auth(TOKEN)
-                .json(&spec)
-                .send()
+            let path = format!("/v1/tenants/{}/policies/bench", tenant(i));
+            let status = conn
+                .send(&http_request("PUT", &path, &spec, Some(TOKEN)))
                 .await?;
-            anyhow::ensure!(r.status().is_success(), "PUT policy: {}", r.status());
+            anyhow::ensure!((200..300).contains(&status), "PUT policy: {status}");
         }
-        let bodies: Arc<Vec<String>> = Arc::new(
-            (0..TENANTS)
-                .map(|i| {
-                    serde_json::json!({"tenant": tenant(i), "policy": "bench", "cost": 1})
-                        .to_string()
-                })
-                .collect(),
-        );
+        let check = |prefix: &str| -> Arc<Vec<Vec<u8>>> {
+            Arc::new(
+                (0..TENANTS)
+                    .map(|i| {
+                        let body =
+                            serde_json::json!({"tenant": tenant(i), "policy": "bench", "cost": 1});
+                        http_request("POST", prefix, &body.to_string(), None)
+                    })
+                    .collect(),
+            )
+        };
+        let quotad_requests = check("/v1/check");
+        let bare_requests = check("/check");
+        let livez_requests = Arc::new(vec![b"GET /livez HTTP/1.1\r\nhost: bench\r\n\r\n".to_vec()]);
 
         // Raw EVALSHA: the same script and the same keys and arguments quota-store sends.
-        let client = redis.client();
-        let conn = client.get_multiplexed_async_connection().await?;
+        let raw_conn = redis.client().get_multiplexed_async_connection().await?;
         let script = Arc::new(redis::Script::new(TOKEN_BUCKET_LUA));
-        let params = BucketParams::new(100_000_000 * UT, 1_000_000 * UT)?;
         let raw_keys: Arc<Vec<[String; 3]>> = Arc::new(
             (0..TENANTS)
-                .map(|i| {
-                    let b = BucketRef {
-                        tenant: TenantId::new(format!("raw-{}", tenant(i))).unwrap(),
-                        policy: PolicyName::new("bench").unwrap(),
-                        version: 1,
-                    };
-                    [
-                        b.state_key(StateKind::Bucket),
-                        b.params_key(),
-                        keys::ACTIVE_INDEX.to_string(),
-                    ]
-                })
+                .map(|i| script_keys(&format!("raw-{}", tenant(i))))
                 .collect(),
         );
 
         println!(
-            "quotad load benchmark: {secs} s per scenario, {TENANTS} tenants, redis-server {}",
+            "quotad load benchmark: {secs} s per scenario, {TENANTS} tenants, {rounds} round(s), \
+             load generator on {client_threads} thread(s), redis-server {}",
             redis.port()
         );
         println!(
-            "{:>5} | {:>12} {:>9} {:>9} | {:>12} {:>9} {:>9} | {:>6} {:>12}",
-            "conc",
-            "quotad op/s",
-            "p50 µs",
-            "p99 µs",
-            "raw op/s",
-            "p50 µs",
-            "p99 µs",
-            "ratio",
-            "added p50 µs"
+            "{:>5} {:>7} | {:>10} {:>9} {:>9} | {:>6} {:>7} {:>9} | {:>8} {:>8} {:>8}",
+            "conc", "what", "op/s", "p50 µs", "p99 µs", "×raw", "×bare", "+p50 µs",
+            "srv cpu", "gen cpu", "redis"
         );
-        for &conc in &concs {
-            let (h, b) = (http.clone(), bodies.clone());
-            let url = format!("{base}/v1/check");
-            let q = drive(conc, secs, move |w| {
-                let (h, b, url) = (h.clone(), b.clone(), url.clone());
-                async move {
-                    let r = h
-                        .post(&url)
-                        .header("content-type", "application/json")
-                        .body(b[w % TENANTS].clone())
-                        .send()
-                        .await;
-                    match r {
-                        Ok(r) => r.status().as_u16() == 200 && r.bytes().await.is_ok(),
-                        Err(_) => false,
+        println!("{:>73} (CPU µs per operation)", "");
+        // For profiling one candidate alone: QUOTAD_BENCH_ONLY=quotad (ratios are then NaN).
+        let only = std::env::var("QUOTAD_BENCH_ONLY").ok();
+        let wanted = |name: &str| only.as_deref().is_none_or(|o| o == name);
+        for round in 0..rounds {
+            for &conc in &concs {
+                let (s, k, c) = (script.clone(), raw_keys.clone(), raw_conn.clone());
+                let secs_of = |name: &str| if wanted(name) { secs } else { 0.0 };
+                let raw = drive(conc, secs_of("raw"), move |w, end| {
+                    let (s, k, mut conn) = (s.clone(), k.clone(), c.clone());
+                    async move {
+                        let keys = &k[w % TENANTS];
+                        let (mut ops, mut h) = (0, histogram());
+                        while Instant::now() < end {
+                            let t0 = Instant::now();
+                            let r: Vec<i64> = s
+                                .key(&keys[0])
+                                .key(&keys[1])
+                                .key(&keys[2])
+                                .arg(1)
+                                .arg(params.capacity_ut)
+                                .arg(params.rate_ut_per_s)
+                                .arg("")
+                                .invoke_async(&mut conn)
+                                .await
+                                .expect("EVALSHA failed");
+                            assert_eq!(r.first(), Some(&1), "a raw call was not admitted");
+                            h.record(t0.elapsed().as_nanos() as u64).unwrap();
+                            ops += 1;
+                        }
+                        (ops, h)
                     }
-                }
-            })
-            .await;
-            let (s, k) = (script.clone(), raw_keys.clone());
-            let conn2 = conn.clone();
-            let raw = drive(conc, secs, move |w| {
-                let (s, k, mut conn) = (s.clone(), k.clone(), conn2.clone());
-                async move {
-                    let keys = &k[w % TENANTS];
-                    let r: Result<Vec<i64>, _> = s
-                        .key(&keys[0])
-                        .key(&keys[1])
-                        .key(&keys[2])
-                        .arg(1)
-                        .arg(params.capacity_ut)
-                        .arg(params.rate_ut_per_s)
-                        .arg("")
-                        .invoke_async(&mut conn)
-                        .await;
-                    matches!(r, Ok(v) if v.first() == Some(&1))
-                }
-            })
-            .await;
-            // The HTTP floor: the same client and server answering /livez, no decision at all.
-            let (h, url) = (http.clone(), format!("{base}/livez"));
-            let floor = drive(conc, secs, move |_| {
-                let (h, url) = (h.clone(), url.clone());
-                async move {
-                    match h.get(&url).send().await {
-                        Ok(r) => r.status().as_u16() == 200 && r.bytes().await.is_ok(),
-                        Err(_) => false,
+                })
+                .await;
+                let bare =
+                    drive_http(conc, secs_of("bare"), bare_addr, bare_requests.clone()).await;
+                let quotad =
+                    drive_http(conc, secs_of("quotad"), addr, quotad_requests.clone()).await;
+                let livez = drive_http(conc, secs_of("livez"), addr, livez_requests.clone()).await;
+                for (name, o) in [
+                    ("raw", &raw),
+                    ("bare", &bare),
+                    ("quotad", &quotad),
+                    ("livez", &livez),
+                ] {
+                    if !wanted(name) {
+                        continue;
                     }
+                    println!(
+                        "{:>5} {:>7} | {:>10.0} {:>9.1} {:>9.1} | {:>6.2} {:>7.2} {:>+9.1} | {:>8.1} {:>8.1} {:>8.1}",
+                        conc,
+                        name,
+                        o.rate(),
+                        o.p(0.5),
+                        o.p(0.99),
+                        o.rate() / raw.rate(),
+                        o.rate() / bare.rate(),
+                        o.p(0.5) - raw.p(0.5),
+                        o.per_op(o.cpu.server),
+                        o.per_op(o.cpu.client),
+                        o.per_op(o.cpu.redis),
+                    );
                 }
-            })
-            .await;
-            println!(
-                "{:>5} | {:>12.0} {:>9.1} {:>9.1} | {:>12.0} {:>9.1} {:>9.1} | {:>6.2} {:>12.1} | {:>14.0} {:>9.1}",
-                conc,
-                q.rate(),
-                q.p(0.5),
-                q.p(0.99),
-                raw.rate(),
-                raw.p(0.5),
-                raw.p(0.99),
-                q.rate() / raw.rate(),
-                q.p(0.5) - raw.p(0.5),
-                floor.rate(),
-                floor.p(0.5),
-            );
+                println!(
+                    "{:>5} summary | quotad {:.2}× raw, {:.2}× bare; added p50 vs raw: quotad \
+                     {:+.1} µs, bare {:+.1} µs (round {})",
+                    conc,
+                    quotad.rate() / raw.rate(),
+                    quotad.rate() / bare.rate(),
+                    quotad.p(0.5) - raw.p(0.5),
+                    bare.p(0.5) - raw.p(0.5),
+                    round + 1,
+                );
+            }
         }
         anyhow::Ok(())
+    })
     })?;
+    let ran = client
+        .join()
+        .map_err(|_| anyhow::anyhow!("the load generator panicked"));
     let _ = stop_tx.send(());
     server
         .join()
         .map_err(|_| anyhow::anyhow!("the quotad thread panicked"))??;
+    ran??;
     Ok(())
 }

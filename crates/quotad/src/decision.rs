@@ -21,7 +21,7 @@ use tokio::sync::watch;
 use crate::breaker::{Admission, Breaker};
 use crate::clock;
 use crate::config::Secret;
-use crate::coordination::ClusterView;
+use crate::coordination::{ClusterView, PolicyEntry};
 use crate::telemetry::{self, DecisionMetrics, Outcome};
 
 /// Header marking a check forwarded from another region, so it is never forwarded again. Its
@@ -105,7 +105,6 @@ pub struct Decider {
     fallback: EmbeddedStore,
     breaker: Breaker,
     view: watch::Receiver<Arc<ClusterView>>,
-    store_timeout: Duration,
     homes: HashMap<RegionId, SocketAddr>,
     http: reqwest::Client,
     forward_timeout: Duration,
@@ -123,7 +122,6 @@ pub struct DeciderParts {
     pub store: AnyStore,
     pub breaker: Breaker,
     pub view: watch::Receiver<Arc<ClusterView>>,
-    pub store_timeout: Duration,
     /// Every region's API address, for forwarding pinned tenants.
     pub homes: HashMap<RegionId, SocketAddr>,
     pub forward_timeout: Duration,
@@ -144,7 +142,6 @@ impl Decider {
             fallback: EmbeddedStore::new(),
             breaker: p.breaker,
             view: p.view,
-            store_timeout: p.store_timeout,
             homes: p.homes,
             http: reqwest::Client::new(),
             forward_timeout: p.forward_timeout,
@@ -208,13 +205,16 @@ impl Decider {
         tenant: &TenantId,
         policy: &PolicyName,
     ) -> Option<(Policy, u32, Limit)> {
-        let entry = view.policy(tenant, policy)?;
+        Some(self.params_of(view, view.policy(tenant, policy)?))
+    }
+
+    fn params_of(&self, view: &ClusterView, entry: &PolicyEntry) -> (Policy, u32, Limit) {
         let share = view.enforced_share_ppm(entry.grants.get(&self.region), clock::wall_ms());
-        Some((
+        (
             entry.policy.clone(),
             share,
             limit_for_share(&entry.policy, share),
-        ))
+        )
     }
 
     /// Whole tokens left in a bucket of this region, read without spending from the store
@@ -242,14 +242,13 @@ impl Decider {
     ) -> Result<Verdict, CheckError> {
         let started = clock::monotonic();
         let view = self.view();
-        let (policy, _share, limit) = self
-            .params_for(&view, &tenant, &policy_name)
-            .ok_or(CheckError::UnknownPolicy)?;
-        policy.check_cost(cost)?;
-        let home = view
+        // One lookup: building the map key clones both ids.
+        let entry = view
             .policy(&tenant, &policy_name)
-            .and_then(|e| e.home.clone())
-            .filter(|h| *h != self.region);
+            .ok_or(CheckError::UnknownPolicy)?;
+        let (policy, _share, limit) = self.params_of(&view, entry);
+        policy.check_cost(cost)?;
+        let home = entry.home.as_ref().filter(|h| **h != self.region).cloned();
         drop(view);
         let bucket = BucketRef {
             tenant,
@@ -290,21 +289,22 @@ impl Decider {
             self.store.check(&req).await.ok()
         } else if self.breaker.admit() == Admission::Call {
             let t0 = clock::monotonic();
-            let r = tokio::time::timeout(self.store_timeout, self.store.check(&req)).await;
+            // The Redis store bounds every call with its configured timeout (a timeout is a
+            // `StoreError`), so no second timer is armed here.
+            let r = self.store.check(&req).await;
             let took = t0.elapsed();
             self.store_latency.record(took.as_secs_f64());
-            let ok = matches!(r, Ok(Ok(_)));
+            let ok = r.is_ok();
             if !ok {
                 self.store_errors.increment(1);
             }
             self.breaker.record(ok, took);
             match r {
-                Ok(Ok(d)) => Some(d),
-                Ok(Err(e)) => {
+                Ok(d) => Some(d),
+                Err(e) => {
                     tracing::debug!(region = %self.region, error = %e, "Store call failed.");
                     None
                 }
-                Err(_) => None,
             }
         } else {
             None

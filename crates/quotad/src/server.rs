@@ -105,7 +105,6 @@ pub async fn build_state(
         store,
         breaker: Breaker::new(&cfg.breaker, settings.region.as_str()),
         view: coordinator.subscribe(),
-        store_timeout: Duration::from_millis(cfg.redis.as_ref().map_or(50, |r| r.timeout_ms)),
         homes,
         forward_timeout: Duration::from_millis(cfg.api.forward_timeout_ms),
         peer_token: settings.secrets.peer_token.clone(),
@@ -162,6 +161,12 @@ pub async fn serve(
             stop_rx.clone(),
         )),
     ];
+    if let Some(metrics) = state.metrics.clone() {
+        tasks.push(tokio::spawn(telemetry::run_metrics_upkeep(
+            metrics,
+            stop_rx.clone(),
+        )));
+    }
     if let Coordinator::Replicated(r) = state.coordinator.as_ref() {
         let peer = TcpListener::bind(settings.peer_listen)
             .await

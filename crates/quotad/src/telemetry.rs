@@ -3,12 +3,14 @@
 //! cardinality, and identifiers must not leak).
 
 use std::collections::HashMap;
-use std::sync::RwLock;
+use std::sync::{OnceLock, RwLock};
+use std::time::Duration;
 
 use anyhow::Context as _;
 use metrics::{Counter, Histogram};
 use metrics_exporter_prometheus::{Matcher, PrometheusBuilder, PrometheusHandle};
 use quota_core::PolicyName;
+use tokio::sync::watch;
 
 use crate::config::{LogFormat, TelemetryConfig};
 
@@ -71,6 +73,23 @@ pub fn metrics_builder() -> anyhow::Result<PrometheusBuilder> {
             RETRY_AFTER_BUCKETS,
         )?;
     Ok(b)
+}
+
+/// How often histogram samples are folded into their buckets. The recorder queues every sample
+/// until then; without this, nothing but a scrape of /metrics would, and an unscraped daemon's
+/// queues would grow without bound.
+pub const METRICS_UPKEEP_INTERVAL: Duration = Duration::from_secs(5);
+
+/// Runs the recorder's upkeep every [`METRICS_UPKEEP_INTERVAL`] until `shutdown` fires.
+pub async fn run_metrics_upkeep(handle: PrometheusHandle, mut shutdown: watch::Receiver<bool>) {
+    let mut tick = tokio::time::interval(METRICS_UPKEEP_INTERVAL);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tokio::select! {
+            _ = shutdown.changed() => break,
+            _ = tick.tick() => handle.run_upkeep(),
+        }
+    }
 }
 
 /// Sets up `tracing` with text or JSON lines on stderr.
@@ -139,6 +158,8 @@ pub struct DecisionMetrics {
 struct PolicyHandles {
     decisions: [Counter; 6],
     check_duration: Histogram,
+    /// Registered on the policy's first denial, so allow-only policies export no empty series.
+    retry_after: OnceLock<Histogram>,
 }
 
 impl DecisionMetrics {
@@ -151,11 +172,29 @@ impl DecisionMetrics {
 
     /// Counts one decision and its duration.
     pub fn record(&self, policy: &PolicyName, outcome: Outcome, seconds: f64) {
+        self.with(policy, |h| {
+            h.decisions[outcome.index()].increment(1);
+            h.check_duration.record(seconds);
+        });
+    }
+
+    /// Records the Retry-After handed out on a denial.
+    pub fn record_retry_after(&self, policy: &PolicyName, seconds: f64) {
+        self.with(policy, |h| {
+            h.retry_after
+                .get_or_init(|| {
+                    metrics::histogram!(RETRY_AFTER_SECONDS, "policy" => policy.as_str().to_string())
+                })
+                .record(seconds);
+        });
+    }
+
+    /// Runs `f` on the policy's handles, registering them on first use.
+    fn with(&self, policy: &PolicyName, f: impl FnOnce(&PolicyHandles)) {
         {
             let map = self.by_policy.read().unwrap_or_else(|e| e.into_inner());
             if let Some(h) = map.get(policy) {
-                h.decisions[outcome.index()].increment(1);
-                h.check_duration.record(seconds);
+                f(h);
                 return;
             }
         }
@@ -166,9 +205,9 @@ impl DecisionMetrics {
                 metrics::counter!(DECISIONS_TOTAL, "policy" => name.clone(), "region" => region.clone(), "outcome" => o.label())
             }),
             check_duration: metrics::histogram!(CHECK_DURATION_SECONDS, "policy" => name.clone(), "region" => region.clone()),
+            retry_after: OnceLock::new(),
         };
-        h.decisions[outcome.index()].increment(1);
-        h.check_duration.record(seconds);
+        f(&h);
         self.by_policy
             .write()
             .unwrap_or_else(|e| e.into_inner())

@@ -4,14 +4,14 @@
 //! `Retry-After` in whole seconds rounded up, and on 429 an RFC 9457 problem body with code
 //! `RATE_LIMITED`. Nothing internal (key names, other tenants) appears in any of them.
 
-use axum::extract::State;
+use axum::extract::{FromRequest as _, Request, State};
 use axum::http::{header, HeaderMap, HeaderName, HeaderValue, StatusCode};
 use axum::response::{IntoResponse, Response};
 use quota_core::{PolicyName, TenantId};
 use serde::{Deserialize, Serialize};
 
 use crate::api::problem::{problem_response, ApiError, ApiJson, Problem, QUOTA_EXCEEDED_TYPE};
-use crate::api::AppState;
+use crate::api::{header_value, AppState};
 use crate::decision::{CheckError, Mode, Verdict, FORWARDED_HEADER};
 
 /// Most checks in one batch: bounds the work one request can ask for.
@@ -143,6 +143,7 @@ impl CheckResponse {
 
 /// The RateLimit-Policy, RateLimit and (on denial) Retry-After fields.
 fn rate_limit_headers(
+    state: &AppState,
     headers: &mut HeaderMap,
     policy: &PolicyName,
     v: &Verdict,
@@ -151,17 +152,17 @@ fn rate_limit_headers(
     let name = policy.as_str();
     let window_s = secs_ceil(v.policy.window_ms).max(1);
     // Policy names are validated to [A-Za-z0-9_-], so they are valid sf-strings as they are.
-    let p = format!("\"{name}\";q={};w={window_s}", v.policy.limit);
+    let p = header_value(format_args!("\"{name}\";q={};w={window_s}", v.policy.limit));
     let t = if r.allowed {
         secs_ceil(r.reset_ms)
     } else {
         secs_ceil(r.retry_after_ms)
     };
-    let l = format!("\"{name}\";r={};t={t}", r.remaining);
-    if let Ok(p) = HeaderValue::from_str(&p) {
+    let l = header_value(format_args!("\"{name}\";r={};t={t}", r.remaining));
+    if let Some(p) = p {
         headers.insert(RATELIMIT_POLICY.clone(), p);
     }
-    if let Ok(l) = HeaderValue::from_str(&l) {
+    if let Some(l) = l {
         headers.insert(RATELIMIT.clone(), l);
     }
     if !r.allowed {
@@ -169,8 +170,10 @@ fn rate_limit_headers(
             header::RETRY_AFTER,
             HeaderValue::from(secs_ceil(r.retry_after_ms).max(1)),
         );
-        metrics::histogram!(crate::telemetry::RETRY_AFTER_SECONDS, "policy" => name.to_string())
-            .record(r.retry_after_ms as f64 / 1000.0);
+        state
+            .decider
+            .metrics
+            .record_retry_after(policy, r.retry_after_ms as f64 / 1000.0);
     }
 }
 
@@ -220,14 +223,15 @@ async fn decide(
     ),
     tag = "decisions"
 )]
-pub async fn check(
-    State(state): State<AppState>,
-    headers: HeaderMap,
-    ApiJson(body): ApiJson<CheckBody>,
-) -> Result<Response, ApiError> {
-    let forwarded = state
-        .decider
-        .is_peer_forward(headers.get(FORWARDED_HEADER).and_then(|v| v.to_str().ok()));
+pub async fn check(State(state): State<AppState>, req: Request) -> Result<Response, ApiError> {
+    // The header is read before the body extractor takes the request: a `HeaderMap` extractor
+    // would clone every header of every check.
+    let forwarded = state.decider.is_peer_forward(
+        req.headers()
+            .get(FORWARDED_HEADER)
+            .and_then(|v| v.to_str().ok()),
+    );
+    let ApiJson(body) = ApiJson::<CheckBody>::from_request(req, &state).await?;
     let (v, policy) = decide(&state, &body, forwarded).await?;
     let r = CheckResponse::from_verdict(&v, state.decider.region().as_str());
     let mut resp = if r.allowed {
@@ -238,7 +242,7 @@ pub async fn check(
             &rate_limited_problem(&policy, r.clone()),
         )
     };
-    rate_limit_headers(resp.headers_mut(), &policy, &v, &r);
+    rate_limit_headers(&state, resp.headers_mut(), &policy, &v, &r);
     Ok(resp)
 }
 

@@ -31,7 +31,6 @@ fn state() -> AppState {
         store: quota_store::AnyStore::embedded(),
         breaker: Breaker::new(&BreakerConfig::default(), "eu"),
         view: coordinator.subscribe(),
-        store_timeout: Duration::from_millis(50),
         homes: HashMap::new(),
         forward_timeout: Duration::from_millis(100),
         peer_token: None,
