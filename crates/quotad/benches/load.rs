@@ -345,9 +345,13 @@ fn main() -> anyhow::Result<()> {
     bare_listener.set_nonblocking(true)?;
     let bare_addr = bare_listener.local_addr()?;
     let redis_url = redis.url();
+    // The single-region coordinator keeps its policies on disk: a throwaway directory.
+    let data_dir = tempfile::tempdir()?;
+    let data_path = data_dir.path().display().to_string();
     let env = move |k: &str| match k {
         "QUOTAD_ADMIN_TOKEN" => Some(TOKEN.to_string()),
         "QUOTAD_REDIS_URL" => Some(redis_url.clone()),
+        "QUOTAD_DATA_DIR" => Some(data_path.clone()),
         _ => None,
     };
     let settings = Config::load(None, &env).map_err(anyhow::Error::new)?;
