@@ -52,6 +52,16 @@ impl Written {
         }
     }
 
+    /// Forgets buckets `view` no longer has (deleted policies, old versions): only the view's
+    /// buckets are asked about.
+    pub fn retain_in(&mut self, view: &ClusterView) {
+        self.shares.retain(|b, _| {
+            view.policies
+                .get(&(b.tenant.clone(), b.policy.clone()))
+                .is_some_and(|e| e.policy.version == b.version)
+        });
+    }
+
     /// Whether the store cannot enforce more than `view` grants at `now_ms`, though some writes
     /// failed: for every bucket, what it holds is at most the new share or has run out. Then
     /// the epoch may be acknowledged with the store unreachable (`local` fail mode keeps the
@@ -106,6 +116,7 @@ pub async fn run_apply(
         }
         let v = view.borrow().clone();
         let all = apply_shares(&decider, &v, &mut written).await;
+        written.retain_in(&v);
         if let Coordinator::Replicated(r) = coordinator.as_ref() {
             if all {
                 r.on_applied(v.epoch);
@@ -187,4 +198,88 @@ pub async fn apply_shares(decider: &Decider, view: &ClusterView, written: &mut W
         written.shares.insert(req.bucket, (share, holds_until));
     }
     true
+}
+
+#[cfg(test)]
+mod tests {
+    use std::collections::BTreeMap;
+
+    use quota_core::{PolicyName, PolicySpec, TenantId};
+
+    use super::*;
+    use crate::coordination::{Grant, PolicyEntry};
+
+    fn view(share_ppm: u32) -> (ClusterView, BucketRef, RegionId) {
+        let region = RegionId::new("b").unwrap();
+        let mut policy = PolicySpec {
+            limit: 100.0,
+            window_ms: 1000.0,
+            floor: Some(0.1),
+            ..Default::default()
+        }
+        .validate()
+        .unwrap();
+        policy.version = 7;
+        let grant = Grant {
+            share_ppm,
+            floor_ppm: 100_000,
+            lease_expires_ms: 50_000,
+        };
+        let (t, p) = (
+            TenantId::new("acme").unwrap(),
+            PolicyName::new("w").unwrap(),
+        );
+        let entry = PolicyEntry {
+            policy,
+            grants: BTreeMap::from([(region.clone(), grant)]),
+            home: None,
+        };
+        let v = ClusterView {
+            policies: BTreeMap::from([((t.clone(), p.clone()), entry)]),
+            epoch: 3,
+            lease_end_local_ms: 40_000,
+            ..ClusterView::default()
+        };
+        let b = BucketRef {
+            tenant: t,
+            policy: p,
+            version: 7,
+        };
+        (v, b, region)
+    }
+
+    #[test]
+    fn only_a_cut_share_still_held_by_the_store_blocks_the_acknowledgement() {
+        let (v, b, r) = view(300_000);
+        let mut w = Written::new(0, 3_000);
+        // Never written in this run: a previous run's share may hold for one lease.
+        assert!(!w.bounded_by(&v, &r, 2_999));
+        assert!(w.bounded_by(&v, &r, 3_000));
+        // The store holds 0.3 until 10 s: a new epoch granting 0.3 or more is fine at once.
+        w.shares.insert(b.clone(), (300_000, 10_000));
+        assert!(w.bounded_by(&v, &r, 5_000));
+        // Cut to 0.2: only once the stored lease of 0.3 has ended.
+        let (cut, _, _) = view(200_000);
+        assert!(!w.bounded_by(&cut, &r, 9_999));
+        assert!(w.bounded_by(&cut, &r, 10_000));
+        // Past this region's own lease (40 s) the view enforces the floor, 0.1: a cut too.
+        w.shares.insert(b, (300_000, 45_000));
+        assert!(w.bounded_by(&v, &r, 39_999));
+        assert!(!w.bounded_by(&v, &r, 40_000));
+        assert!(w.bounded_by(&v, &r, 45_000));
+    }
+
+    #[test]
+    fn buckets_the_view_no_longer_has_are_forgotten() {
+        let (v, b, _) = view(300_000);
+        let mut w = Written::new(0, 0);
+        let old = BucketRef {
+            version: 6,
+            ..b.clone()
+        };
+        w.shares.insert(b.clone(), (1, 1));
+        w.shares.insert(old.clone(), (1, 1));
+        w.retain_in(&v);
+        assert!(w.shares.contains_key(&b) && !w.shares.contains_key(&old));
+    }
 }
