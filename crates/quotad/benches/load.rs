@@ -18,7 +18,8 @@
 //!   body limits, metrics, tracing at the default level, RateLimit headers, breaker);
 //! - `livez`: quotad's `/livez`, the HTTP floor with no decision at all.
 //!
-//! Both servers share one 2-worker runtime (as the binary has on 2 cores) with a real
+//! Both servers share the runtime the binary builds (`quotad::server::build_runtime`: one
+//! worker per core but one by default; `QUOTAD_WORKER_THREADS=2` to compare) with a real
 //! `redis-server` from redis-harness. The load generator is deliberately light, since it shares
 //! the cores: one keep-alive HTTP/1.1 connection per worker with a pre-rendered request, on a
 //! runtime of its own (`QUOTAD_BENCH_CLIENT_THREADS`, default 1). Every request is admitted
@@ -92,7 +93,8 @@ impl Cpu {
 }
 
 /// Thread name of the server runtime's threads (quotad and the bare endpoint).
-const SERVER_THREADS: &str = "bench-server";
+/// The daemon runtime's thread name (`quotad::server::build_runtime`).
+const SERVER_THREADS: &str = "quotad-worker";
 /// Thread name of the load generator.
 const CLIENT_THREAD: &str = "bench-client";
 
@@ -352,19 +354,18 @@ fn main() -> anyhow::Result<()> {
         "QUOTAD_ADMIN_TOKEN" => Some(TOKEN.to_string()),
         "QUOTAD_REDIS_URL" => Some(redis_url.clone()),
         "QUOTAD_DATA_DIR" => Some(data_path.clone()),
+        "QUOTAD_WORKER_THREADS" => std::env::var(k).ok(),
         _ => None,
     };
     let settings = Config::load(None, &env).map_err(anyhow::Error::new)?;
     // Logs as the binary writes them, at the default level.
     quotad::telemetry::init_tracing(&settings.config.telemetry)?;
     let bare_client = redis.client();
+    let runtime = settings.config.runtime.clone();
     let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
     let server = std::thread::spawn(move || -> anyhow::Result<()> {
-        let rt = tokio::runtime::Builder::new_multi_thread()
-            .worker_threads(2)
-            .thread_name(SERVER_THREADS)
-            .enable_all()
-            .build()?;
+        // The runtime the binary builds (worker threads from the config's default).
+        let rt = quotad::server::build_runtime(&runtime)?;
         rt.block_on(async move {
             let bare = Bare {
                 conn: bare_client.get_connection_manager().await?,

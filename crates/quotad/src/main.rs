@@ -44,7 +44,8 @@ fn report(r: anyhow::Result<()>) -> ExitCode {
 fn run(config: Option<&std::path::Path>) -> anyhow::Result<()> {
     let settings = Config::load(config, &env).map_err(anyhow::Error::new)?;
     telemetry::init_tracing(&settings.config.telemetry)?;
-    let runtime = tokio::runtime::Runtime::new().context("starting the tokio runtime")?;
+    let runtime =
+        server::build_runtime(&settings.config.runtime).context("starting the tokio runtime")?;
     runtime.block_on(async {
         let metrics = telemetry::install_metrics()?;
         server::run(settings, Some(metrics), server::shutdown_signal()).await

@@ -16,7 +16,7 @@ use tokio::sync::watch;
 
 use crate::api::{self, AppState};
 use crate::breaker::Breaker;
-use crate::config::{Secret, Settings};
+use crate::config::{RuntimeConfig, Secret, Settings};
 use crate::coordination::{Coordinator, LocalCoordinator};
 use crate::decision::{Decider, DeciderParts};
 use crate::replicated::Replicated;
@@ -119,6 +119,16 @@ pub async fn build_state(
         body_limit_bytes: cfg.api.body_limit_bytes,
         request_timeout: Duration::from_millis(cfg.api.request_timeout_ms),
     })
+}
+
+/// The tokio runtime the daemon runs on, sized by `runtime.worker_threads`.
+pub fn build_runtime(cfg: &RuntimeConfig) -> std::io::Result<tokio::runtime::Runtime> {
+    let cores = std::thread::available_parallelism().map_or(1, std::num::NonZeroUsize::get);
+    tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(cfg.workers(cores))
+        .thread_name("quotad-worker")
+        .enable_all()
+        .build()
 }
 
 /// Runs the daemon until `shutdown` resolves, then drains and stops.
