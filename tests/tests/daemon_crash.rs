@@ -131,6 +131,21 @@ async fn a_dead_daemons_redis_falls_to_its_floor_when_the_lease_ends() -> anyhow
         t.lease_ms
     );
 
+    // c's own estimate of what it could overspend if cut off now: its non-floor share of the
+    // burst plus two drift margins of refill, (1/3 − 0.1) · (6000 + 100 · 0.6) ≈ 1414.
+    let r = cluster
+        .daemon("c")
+        .get("/v1/tenants/acme/allowance")
+        .await?;
+    let est = r.body["policies"][0]["worst_case_overshoot_tokens"]
+        .as_f64()
+        .unwrap_or(0.0);
+    let want = (c_share - 0.1) * (6000.0 + 100.0 * 2.0 * t.drift_margin_ms as f64 / 1000.0);
+    assert!(
+        (est - want).abs() <= 60.0,
+        "c estimates {est}, expected about {want}"
+    );
+
     // Kill c's daemon; a gateway keeps calling c's Redis, passing the whole budget as its
     // fallback (the stored parameters must win over it).
     cluster.daemons[ci].kill();

@@ -360,8 +360,14 @@ pub async fn allowance(
         };
         let rate_tokens_per_s = p.rate_ut_per_s() as f64 / UT as f64;
         let non_floor = frac(enforced.saturating_sub(p.floor_ppm));
-        let overshoot =
-            non_floor * (p.burst as f64 + rate_tokens_per_s * 2.0 * margin_ms as f64 / 1000.0);
+        // A lease that never ends (a single region) is never reused elsewhere: nothing to spend
+        // twice.
+        let leased = grant.is_some_and(|g| g.lease_expires_ms != u64::MAX);
+        let overshoot = if leased {
+            non_floor * (p.burst as f64 + rate_tokens_per_s * 2.0 * margin_ms as f64 / 1000.0)
+        } else {
+            0.0
+        };
         policies.push(PolicyAllowance {
             policy: name.as_str().to_string(),
             limit: p.limit,

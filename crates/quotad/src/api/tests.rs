@@ -385,6 +385,8 @@ async fn policy_crud_pin_and_listing() {
         assert_eq!(p["limit"], 100);
         assert_eq!(p["this_region"]["share"], 1.0);
         assert_eq!(p["this_region"]["capacity"], 150.0);
+        // One region: its lease never ends, so nothing can be spent twice.
+        assert_eq!(p["worst_case_overshoot_tokens"], 0.0);
         // 110 left, plus whatever refilled since (100 per minute): well under one token.
         let left = p["this_region"]["tokens_left"].as_u64().unwrap();
         assert!((110..=111).contains(&left), "{left}");
