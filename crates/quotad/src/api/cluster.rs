@@ -73,7 +73,11 @@ pub struct StatusView {
     pub store: StoreView,
     pub lease: LeaseView,
     pub policies: usize,
+    /// Policies decided at a home region: those of pinned tenants and `critical` policies the
+    /// allocator pinned.
     pub pins: usize,
+    /// Tenants an operator pinned (a pin covers the tenant's later policies too).
+    pub pinned_tenants: usize,
 }
 
 /// The daemon's state: region, Raft role and progress, store health, leases.
@@ -121,6 +125,7 @@ pub async fn status(State(state): State<AppState>) -> axum::Json<StatusView> {
         },
         policies: view.policies.len(),
         pins: view.policies.values().filter(|e| e.home.is_some()).count(),
+        pinned_tenants: view.tenant_pins.len(),
     })
 }
 

@@ -433,6 +433,11 @@ async fn a_tenant_is_pinned_before_its_policies_exist() {
     assert_eq!(r.status, StatusCode::OK, "{}", r.body);
     let r = send(&router, "GET", "/v1/tenants/newco/allowance", None, None).await;
     assert_eq!(r.body["pin"], "eu", "{}", r.body);
+    let r = send(&router, "GET", "/v1/status", None, None).await;
+    assert_eq!(
+        (r.body["pins"].as_u64(), r.body["pinned_tenants"].as_u64()),
+        (Some(1), Some(1))
+    );
     // Pinning again is idempotent; unpinning twice finds no pin the second time.
     assert_eq!(pin(&router).await.status, StatusCode::NO_CONTENT);
     for want in [StatusCode::NO_CONTENT, StatusCode::NOT_FOUND] {
