@@ -103,19 +103,9 @@ if a_ttl ~= nil and a_ttl ~= '' then
     return err('minimum TTL must be an integer number of ms in 1..9007199254740991')
   end
 end
--- Bounds of quota-core BucketParams::new. floor(cap / rate) >= M  <=>  cap >= M * rate, and the
--- product, even when rounded above 2^53, compares correctly with cap < 2^53.
-local fb_cap, fb_rate
-if a_cap ~= '' or a_rate ~= '' then
-  fb_cap, fb_rate = tonumber(a_cap), tonumber(a_rate)
-  if fb_cap == nil or fb_rate == nil or #a_cap > 16 or #a_rate > 16
-      or find(a_cap, '%D') or find(a_rate, '%D') or fb_cap > MAX_CAP or fb_rate > MAX_RATE
-      or (fb_rate > 0 and fb_cap >= MAX_FILL_RATIO * fb_rate) then
-    return err('fallback capacity and rate must be integers within the bucket bounds')
-  end
-end
-
--- A stored capacity / rate pair as numbers within the bucket bounds, or nil.
+-- A capacity / rate pair (strings) as numbers within the bounds of quota-core
+-- BucketParams::new, or nil. floor(cap / rate) >= M  <=>  cap >= M * rate, and the product, even
+-- when rounded above 2^53, compares correctly with cap < 2^53.
 local function pair(a, b)
   local x, y = tonumber(a), tonumber(b)
   if x == nil or y == nil or #a > 16 or #b > 16 or find(a, '%D') or find(b, '%D')
@@ -123,6 +113,14 @@ local function pair(a, b)
     return nil
   end
   return x, y
+end
+
+local fb_cap, fb_rate
+if a_cap ~= '' or a_rate ~= '' then
+  fb_cap, fb_rate = pair(a_cap, a_rate)
+  if fb_cap == nil then
+    return err('fallback capacity and rate must be integers within the bucket bounds')
+  end
 end
 
 local v = redis.call('GET', KEYS[1])

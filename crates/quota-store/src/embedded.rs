@@ -177,7 +177,8 @@ impl EmbeddedStore {
         // Stored parameters of the same kind win over the fallback, as in the scripts; from
         // their lease end on, their floor does.
         let limit = match shard.params.get(&req.bucket) {
-            Some(&(p, lease)) if p.kind() == kind => SetParams::in_force(p, lease, now),
+            Some(&(p, Some((end, floor)))) if p.kind() == kind && now >= end => floor,
+            Some(&(p, _)) if p.kind() == kind => p,
             _ => req.limit,
         };
         shard.latest_ms = shard.latest_ms.max(now);

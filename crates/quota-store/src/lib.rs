@@ -213,14 +213,6 @@ impl SetParams {
         }
         Ok(())
     }
-
-    /// The limit in force at `now_ms`, with the lease end it ran under (store's clock).
-    pub(crate) fn in_force(limit: Limit, lease_end: Option<(u64, Limit)>, now_ms: u64) -> Limit {
-        match lease_end {
-            Some((end, floor)) if now_ms >= end => floor,
-            _ => limit,
-        }
-    }
 }
 
 /// Tokens admitted and denied for one bucket since the previous collection.
