@@ -10,7 +10,10 @@
 //!
 //! Candidates, each driven by the same load generator:
 //!
-//! - `raw`: EVALSHA straight from the load generator on a multiplexed redis-rs connection;
+//! - `raw`: EVALSHA straight from the load generator on one multiplexed redis-rs connection,
+//!   so concurrent calls are pipelined: the strongest baseline;
+//! - `raw-c`: EVALSHA with one connection per worker and one call in flight on each, as
+//!   `redis-benchmark -c N` drives Redis (and as gateways with a connection each would);
 //! - `bare`: a minimal axum handler (JSON in, one EVALSHA through a redis-rs
 //!   `ConnectionManager`, JSON out) on the server runtime: the cost of HTTP plus a Redis call
 //!   with nothing else, i.e. the harness and machine;
@@ -47,6 +50,10 @@ use redis::aio::ConnectionManager;
 use redis_harness::RedisServer;
 use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
 use tokio::net::TcpStream;
+
+/// The binary's allocator (`src/main.rs`), so the bench measures what production runs.
+#[global_allocator]
+static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
 /// redis-server's process id, for its CPU time.
 static REDIS_PID: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
@@ -363,29 +370,32 @@ fn main() -> anyhow::Result<()> {
     let bare_client = redis.client();
     let runtime = settings.config.runtime.clone();
     let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
-    let server = std::thread::spawn(move || -> anyhow::Result<()> {
-        // The runtime the binary builds (worker threads from the config's default).
-        let rt = quotad::server::build_runtime(&runtime)?;
-        rt.block_on(async move {
-            let bare = Bare {
-                conn: bare_client.get_connection_manager().await?,
-                script: Arc::new(redis::Script::new(TOKEN_BUCKET_LUA)),
-                params,
-            };
-            let router = Router::new()
-                .route("/check", post(bare_check))
-                .with_state(bare);
-            let bare_listener = tokio::net::TcpListener::from_std(bare_listener)?;
-            tokio::spawn(async move { axum::serve(bare_listener, router).await });
-            let listener = tokio::net::TcpListener::from_std(listener)?;
-            // The exporter the binary installs, so metrics cost what they cost in production.
-            let metrics = quotad::telemetry::install_metrics()?;
-            quotad::server::serve(settings, listener, Some(metrics), async move {
-                let _ = stop_rx.await;
+    // Named like the runtime's workers: a current-thread runtime runs on this thread.
+    let server = std::thread::Builder::new()
+        .name(SERVER_THREADS.into())
+        .spawn(move || -> anyhow::Result<()> {
+            // The runtime the binary builds (worker threads from the config's default).
+            let rt = quotad::server::build_runtime(&runtime)?;
+            rt.block_on(async move {
+                let bare = Bare {
+                    conn: bare_client.get_connection_manager().await?,
+                    script: Arc::new(redis::Script::new(TOKEN_BUCKET_LUA)),
+                    params,
+                };
+                let router = Router::new()
+                    .route("/check", post(bare_check))
+                    .with_state(bare);
+                let bare_listener = tokio::net::TcpListener::from_std(bare_listener)?;
+                tokio::spawn(async move { axum::serve(bare_listener, router).await });
+                let listener = tokio::net::TcpListener::from_std(listener)?;
+                // The exporter the binary installs, so metrics cost what they cost in production.
+                let metrics = quotad::telemetry::install_metrics()?;
+                quotad::server::serve(settings, listener, Some(metrics), async move {
+                    let _ = stop_rx.await;
+                })
+                .await
             })
-            .await
-        })
-    });
+        });
 
     // The load generator on a thread of its own, named so its CPU time can be read.
     let client = std::thread::Builder::new().name(CLIENT_THREAD.into()).spawn(move || {
@@ -492,6 +502,41 @@ fn main() -> anyhow::Result<()> {
                     }
                 })
                 .await;
+                // Raw EVALSHA as redis-benchmark -c drives it: a connection per worker.
+                let (s, k, cl) = (script.clone(), raw_keys.clone(), redis.client());
+                let raw_conns = {
+                    let mut v = Vec::new();
+                    for _ in 0..conc {
+                        v.push(cl.get_multiplexed_async_connection().await?);
+                    }
+                    Arc::new(v)
+                };
+                let raw_c = drive(conc, secs_of("raw-c"), move |w, end| {
+                    let (s, k, mut conn) = (s.clone(), k.clone(), raw_conns[w].clone());
+                    async move {
+                        let keys = &k[w % TENANTS];
+                        let (mut ops, mut h) = (0, histogram());
+                        while Instant::now() < end {
+                            let t0 = Instant::now();
+                            let r: Vec<i64> = s
+                                .key(&keys[0])
+                                .key(&keys[1])
+                                .key(&keys[2])
+                                .arg(1)
+                                .arg(params.capacity_ut)
+                                .arg(params.rate_ut_per_s)
+                                .arg("")
+                                .invoke_async(&mut conn)
+                                .await
+                                .expect("EVALSHA failed");
+                            assert_eq!(r.first(), Some(&1), "a raw call was not admitted");
+                            h.record(t0.elapsed().as_nanos() as u64).unwrap();
+                            ops += 1;
+                        }
+                        (ops, h)
+                    }
+                })
+                .await;
                 let bare =
                     drive_http(conc, secs_of("bare"), bare_addr, bare_requests.clone()).await;
                 let quotad =
@@ -499,6 +544,7 @@ fn main() -> anyhow::Result<()> {
                 let livez = drive_http(conc, secs_of("livez"), addr, livez_requests.clone()).await;
                 for (name, o) in [
                     ("raw", &raw),
+                    ("raw-c", &raw_c),
                     ("bare", &bare),
                     ("quotad", &quotad),
                     ("livez", &livez),
@@ -540,7 +586,7 @@ fn main() -> anyhow::Result<()> {
         .join()
         .map_err(|_| anyhow::anyhow!("the load generator panicked"));
     let _ = stop_tx.send(());
-    server
+    server?
         .join()
         .map_err(|_| anyhow::anyhow!("the quotad thread panicked"))??;
     ran??;

@@ -417,10 +417,11 @@ impl Config {
         if api_listen.is_some() && api_listen == peer_listen {
             p.push(problem("peer.listen", "must differ from api.listen"));
         }
-        if self.api.body_limit_bytes < 256 || self.api.body_limit_bytes > 16 * 1024 * 1024 {
+        // The upper bound is axum's own cap on a buffered body: a larger limit would not hold.
+        if self.api.body_limit_bytes < 256 || self.api.body_limit_bytes > 2 * 1024 * 1024 {
             p.push(problem(
                 "api.body_limit_bytes",
-                "must be between 256 and 16777216",
+                "must be between 256 and 2097152",
             ));
         }
         positive(p, "api.request_timeout_ms", self.api.request_timeout_ms);

@@ -8,6 +8,12 @@ use quotad::cli::{Cli, Command};
 use quotad::config::Config;
 use quotad::{server, telemetry};
 
+/// mimalloc instead of the system allocator: a check allocates a few dozen small objects across
+/// hyper, axum, serde and redis-rs, and glibc's malloc/free took ~15 % of the server's CPU on the
+/// load bench; mimalloc cut server CPU per check by ~2.5 µs (README, Performance).
+#[global_allocator]
+static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 fn env(name: &str) -> Option<String> {
     std::env::var(name).ok()
 }

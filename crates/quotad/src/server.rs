@@ -14,7 +14,7 @@ use quota_store::{AnyStore, RedisStoreConfig};
 use tokio::net::TcpListener;
 use tokio::sync::watch;
 
-use crate::api::{self, AppState};
+use crate::api::{self, AppShared, AppState};
 use crate::breaker::Breaker;
 use crate::config::{RuntimeConfig, Secret, Settings};
 use crate::coordination::{Coordinator, LocalCoordinator};
@@ -109,7 +109,7 @@ pub async fn build_state(
         forward_timeout: Duration::from_millis(cfg.api.forward_timeout_ms),
         peer_token: settings.secrets.peer_token.clone(),
     }));
-    Ok(AppState {
+    Ok(Arc::new(AppShared {
         decider,
         coordinator,
         admin_token: Arc::new(admin_token(settings)),
@@ -118,7 +118,7 @@ pub async fn build_state(
         drift_margin_ms: cfg.coordination.drift_margin_ms,
         body_limit_bytes: cfg.api.body_limit_bytes,
         request_timeout: Duration::from_millis(cfg.api.request_timeout_ms),
-    })
+    }))
 }
 
 /// The tokio runtime the daemon runs on, sized by `runtime.worker_threads`.
@@ -236,7 +236,8 @@ pub async fn serve(
         tracing::info!("Shutdown requested: draining in-flight requests.");
         let _ = drain_tx.send(());
     };
-    let server = axum::serve(listener, router).with_graceful_shutdown(graceful);
+    let server = axum::serve(listener, axum::ServiceExt::into_make_service(router))
+        .with_graceful_shutdown(graceful);
     let drain_timeout = Duration::from_millis(cfg.api.drain_timeout_ms);
     let served = tokio::select! {
         r = server => r.context("serving the API"),

@@ -1,31 +1,27 @@
 //! The admin and decision API (axum). `app(state)` builds the whole router, so tests drive it
 //! with `oneshot` and no socket.
 //!
-//! Layout: [`check`] (decisions), [`tenants`] (policies, pins, allowance), [`cluster`] (status,
+//! Layout: [`edge`] (request id, size and time limits in front of everything), [`check`] (decisions), [`tenants`] (policies, pins, allowance), [`cluster`] (status,
 //! membership, listing, health, metrics), [`problem`] (the one `ApiError`), [`auth`] (bearer
 //! token on mutations).
 
 pub mod auth;
 pub mod check;
 pub mod cluster;
+pub mod edge;
 pub mod problem;
 pub mod tenants;
 
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::AtomicBool;
 use std::sync::Arc;
 use std::time::Duration;
 
-use axum::extract::DefaultBodyLimit;
-use axum::http::{HeaderName, HeaderValue, Request, StatusCode};
+use axum::http::HeaderValue;
 use axum::middleware;
 use axum::routing::{delete, get, post, put};
 use axum::Router;
 use metrics_exporter_prometheus::PrometheusHandle;
-use tower::ServiceBuilder;
-use tower_http::request_id::{
-    MakeRequestId, PropagateRequestIdLayer, RequestId, SetRequestIdLayer,
-};
-use tower_http::timeout::TimeoutLayer;
+use tower::Layer as _;
 use utoipa::OpenApi;
 
 use crate::api::auth::BearerScheme;
@@ -33,9 +29,16 @@ use crate::config::Secret;
 use crate::coordination::Coordinator;
 use crate::decision::Decider;
 
-/// Everything handlers share. Cheap to clone.
-#[derive(Debug, Clone)]
-pub struct AppState {
+/// The whole API as one service: the routes behind the [`edge`] layer.
+pub type Api = edge::Edge<Router>;
+
+/// Everything handlers share, behind one `Arc`: axum clones the state for every request, and
+/// one reference count costs less than one per field.
+pub type AppState = Arc<AppShared>;
+
+/// The fields of [`AppState`].
+#[derive(Debug)]
+pub struct AppShared {
     pub decider: Arc<Decider>,
     pub coordinator: Arc<Coordinator>,
     pub admin_token: Arc<Secret>,
@@ -45,23 +48,6 @@ pub struct AppState {
     pub drift_margin_ms: u64,
     pub body_limit_bytes: usize,
     pub request_timeout: Duration,
-}
-
-/// The request id header, set when the client sent none and echoed in the response.
-pub const REQUEST_ID: &str = "x-request-id";
-
-/// Request ids: a random per-process prefix and a counter; no allocation-heavy UUID work.
-#[derive(Debug, Clone)]
-struct RequestIds {
-    prefix: u32,
-    next: Arc<AtomicU64>,
-}
-
-impl MakeRequestId for RequestIds {
-    fn make_request_id<B>(&mut self, _: &Request<B>) -> Option<RequestId> {
-        let n = self.next.fetch_add(1, Ordering::Relaxed);
-        header_value(format_args!("{:08x}-{n:x}", self.prefix)).map(RequestId::new)
-    }
 }
 
 /// A header value formatted in a stack buffer, so the value's own bytes are the only allocation
@@ -109,38 +95,8 @@ async fn openapi() -> axum::Json<utoipa::openapi::OpenApi> {
     axum::Json(ApiDoc::openapi())
 }
 
-/// Oversized bodies read and discarded before answering 413, up to this many bytes: a client
-/// still sending when the server closes would see a reset instead of the problem response.
-const DRAIN_MAX_BYTES: u64 = 1 << 20;
-
-/// Answers a declared-oversized body with 413 after draining it (bounded), so the client reads
-/// the problem response instead of a connection reset.
-async fn reject_oversized(
-    axum::extract::State(limit): axum::extract::State<usize>,
-    req: axum::extract::Request,
-    next: middleware::Next,
-) -> axum::response::Response {
-    use axum::response::IntoResponse as _;
-    let declared = req
-        .headers()
-        .get(axum::http::header::CONTENT_LENGTH)
-        .and_then(|v| v.to_str().ok())
-        .and_then(|v| v.parse::<u64>().ok());
-    match declared {
-        Some(n) if n > limit as u64 => {
-            if n <= DRAIN_MAX_BYTES {
-                let body = req.into_body();
-                let drain = axum::body::to_bytes(body, DRAIN_MAX_BYTES as usize);
-                let _ = tokio::time::timeout(Duration::from_secs(2), drain).await;
-            }
-            problem::ApiError::TooLarge.into_response()
-        }
-        _ => next.run(req).await,
-    }
-}
-
-/// The router: routes, auth on mutations, body limit, timeout, request ids.
-pub fn app(state: AppState) -> Router {
+/// The router: routes, auth on mutations, and the edge layer.
+pub fn app(state: AppState) -> Api {
     let guarded = Router::new()
         .route(
             "/v1/tenants/{tenant}/policies/{policy}",
@@ -178,31 +134,14 @@ pub fn app(state: AppState) -> Router {
         .route("/readyz", get(cluster::readyz))
         .route("/metrics", get(cluster::metrics))
         .route("/openapi.json", get(openapi));
-    let ids = RequestIds {
-        prefix: rand::random(),
-        next: Arc::new(AtomicU64::new(1)),
-    };
-    let header = HeaderName::from_static(REQUEST_ID);
-    let body_limit = state.body_limit_bytes;
-    let timeout = state.request_timeout;
+    let edge = edge::EdgeLayer::new(state.body_limit_bytes, state.request_timeout);
     let routes = open
         .merge(guarded)
         .fallback(|| async { problem::ApiError::NotFound { what: "route" } })
         .with_state(state);
-    // The layers wrap the router once, outermost first. `Router::layer` would wrap every route
-    // in each layer separately, and each of those boxed services is cloned and its future boxed
-    // on every request: five layers cost ~20 allocations per request that way.
-    let layered = ServiceBuilder::new()
-        .layer(SetRequestIdLayer::new(header.clone(), ids))
-        .layer(PropagateRequestIdLayer::new(header))
-        .layer(TimeoutLayer::with_status_code(
-            StatusCode::REQUEST_TIMEOUT,
-            timeout,
-        ))
-        .layer(middleware::from_fn_with_state(body_limit, reject_oversized))
-        .layer(DefaultBodyLimit::max(body_limit))
-        .service(routes);
-    Router::new().fallback_service(layered)
+    // One layer around the whole router, not `Router::layer`, which would wrap every route
+    // separately and clone and box each wrapper per request.
+    edge.layer(routes)
 }
 
 #[cfg(test)]

@@ -72,6 +72,9 @@ pub enum ApiError {
     ReducedCapacity { policy: String, reason: String },
     #[error("coordinator unavailable: {reason}")]
     CoordinatorUnavailable { reason: String },
+    /// The request outran the configured request timeout (`[api] request_timeout_ms`).
+    #[error("the request did not complete within {after_ms} ms")]
+    Timeout { after_ms: u64 },
     #[error("{detail}")]
     Conflict { detail: String },
     #[error("internal error")]
@@ -109,6 +112,7 @@ impl ApiError {
             ApiError::CoordinatorUnavailable { .. } => {
                 (StatusCode::SERVICE_UNAVAILABLE, "COORDINATOR_UNAVAILABLE")
             }
+            ApiError::Timeout { .. } => (StatusCode::SERVICE_UNAVAILABLE, "REQUEST_TIMEOUT"),
             ApiError::Conflict { .. } => (StatusCode::CONFLICT, "CONFLICT"),
             ApiError::Internal { .. } => (StatusCode::INTERNAL_SERVER_ERROR, "INTERNAL"),
         }

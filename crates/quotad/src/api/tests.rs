@@ -7,13 +7,14 @@ use std::time::Duration;
 
 use axum::body::Body;
 use axum::http::{header, Request, StatusCode};
-use axum::Router;
+
 use http_body_util::BodyExt as _;
 use quota_core::RegionId;
 use serde_json::{json, Value};
 use tower::ServiceExt as _;
 
-use super::{app, AppState};
+use super::{app, AppShared, AppState};
+use crate::api::Api;
 use crate::breaker::Breaker;
 use crate::config::{BreakerConfig, Secret};
 use crate::coordination::{Coordinator, LocalCoordinator};
@@ -35,7 +36,7 @@ fn state() -> AppState {
         forward_timeout: Duration::from_millis(100),
         peer_token: None,
     }));
-    AppState {
+    Arc::new(AppShared {
         decider,
         coordinator,
         admin_token: Arc::new(Secret::new(TOKEN)),
@@ -44,7 +45,7 @@ fn state() -> AppState {
         drift_margin_ms: 1000,
         body_limit_bytes: 4096,
         request_timeout: Duration::from_secs(5),
-    }
+    })
 }
 
 struct Reply {
@@ -54,7 +55,7 @@ struct Reply {
 }
 
 async fn send(
-    router: &Router,
+    router: &Api,
     method: &str,
     uri: &str,
     token: Option<&str>,
@@ -82,7 +83,7 @@ async fn send(
     }
 }
 
-async fn with_policy(spec: Value) -> Router {
+async fn with_policy(spec: Value) -> Api {
     let router = app(state());
     let r = send(
         &router,
@@ -407,7 +408,7 @@ async fn policy_crud_pin_and_listing() {
 #[tokio::test]
 async fn a_tenant_is_pinned_before_its_policies_exist() {
     let router = app(state());
-    let pin = |router: &Router| {
+    let pin = |router: &Api| {
         let router = router.clone();
         async move {
             send(
