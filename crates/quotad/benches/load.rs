@@ -327,6 +327,48 @@ async fn bare_check(
     }))
 }
 
+/// `redis-benchmark`'s own figures for EVALSHA of the same script at `conc` connections:
+/// `(op/s, p50 µs, p99 µs)`, or `None` when the tool is missing or fails. A cross-check of the
+/// `raw-c` candidate with a load generator written in C.
+async fn redis_benchmark(
+    port: u16,
+    conc: usize,
+    requests: u64,
+    sha: &str,
+) -> Option<(f64, f64, f64)> {
+    // `__rand_int__` spreads the calls over `TENANTS` buckets, as the other candidates do.
+    let keys = script_keys("rbench-__rand_int__");
+    let capacity = (BURST * UT).to_string();
+    let rate = (LIMIT_PER_S * UT).to_string();
+    let out = tokio::process::Command::new("redis-benchmark")
+        .args(["-p", &port.to_string(), "-c", &conc.to_string()])
+        .args([
+            "-n",
+            &requests.to_string(),
+            "-r",
+            &TENANTS.to_string(),
+            "--csv",
+        ])
+        .args([
+            "EVALSHA", sha, "3", &keys[0], &keys[1], &keys[2], "1", &capacity, &rate, "",
+        ])
+        .output()
+        .await
+        .ok()?;
+    let csv = String::from_utf8(out.stdout).ok()?;
+    // "test","rps","avg_latency_ms","min_latency_ms","p50_latency_ms","p95_latency_ms","p99_latency_ms",...
+    let row = csv.lines().nth(1)?;
+    let fields: Vec<f64> = row
+        .rsplit("\",\"")
+        .filter_map(|f| f.trim_matches('"').parse().ok())
+        .collect();
+    // Fields from the right: max, p99, p95, p50, min, avg, rps.
+    match fields.as_slice() {
+        [_, p99, _, p50, _, _, rps, ..] => Some((*rps, p50 * 1000.0, p99 * 1000.0)),
+        _ => None,
+    }
+}
+
 fn env_or<T: std::str::FromStr>(name: &str, default: T) -> T {
     std::env::var(name)
         .ok()
@@ -452,6 +494,8 @@ fn main() -> anyhow::Result<()> {
         // Raw EVALSHA: the same script and the same keys and arguments quota-store sends.
         let raw_conn = redis.client().get_multiplexed_async_connection().await?;
         let script = Arc::new(redis::Script::new(TOKEN_BUCKET_LUA));
+        // Loaded up front: redis-benchmark sends EVALSHA only.
+        let _: String = script.prepare_invoke().load_async(&mut raw_conn.clone()).await?;
         let raw_keys: Arc<Vec<[String; 3]>> = Arc::new(
             (0..TENANTS)
                 .map(|i| script_keys(&format!("raw-{}", tenant(i))))
@@ -567,11 +611,33 @@ fn main() -> anyhow::Result<()> {
                         o.per_op(o.cpu.redis),
                     );
                 }
+                // redis-benchmark as many calls as raw-c made, so it runs about as long.
+                let rbench = if wanted("rbench") {
+                    let n = raw_c.ops.max((secs * 20_000.0) as u64);
+                    redis_benchmark(redis.port(), conc, n, script.get_hash()).await
+                } else {
+                    None
+                };
+                if let Some((rps, p50, p99)) = rbench {
+                    println!(
+                        "{:>5} {:>7} | {:>10.0} {:>9.1} {:>9.1} | {:>6.2} {:>7.2} {:>+9.1} |  (a process of its own)",
+                        conc,
+                        "rbench",
+                        rps,
+                        p50,
+                        p99,
+                        rps / raw.rate(),
+                        rps / bare.rate(),
+                        p50 - raw.p(0.5),
+                    );
+                }
                 println!(
-                    "{:>5} summary | quotad {:.2}× raw, {:.2}× bare; added p50 vs raw: quotad \
-                     {:+.1} µs, bare {:+.1} µs (round {})",
+                    "{:>5} summary | quotad {:.2}× raw, {:.2}× raw-c, {:.2}× redis-benchmark, {:.2}× bare; \
+                     added p50 vs raw: quotad {:+.1} µs, bare {:+.1} µs (round {})",
                     conc,
                     quotad.rate() / raw.rate(),
+                    quotad.rate() / raw_c.rate(),
+                    rbench.map_or(f64::NAN, |(rps, _, _)| quotad.rate() / rps),
                     quotad.rate() / bare.rate(),
                     quotad.p(0.5) - raw.p(0.5),
                     bare.p(0.5) - raw.p(0.5),
