@@ -46,11 +46,21 @@ impl StateKind {
 }
 
 fn key(tenant: &TenantId, policy: &PolicyName, version: u64, kind: &str) -> String {
-    format!(
-        "{PREFIX}{{{}}}:{}:{version}:{kind}",
-        tenant.as_str(),
-        policy.as_str()
-    )
+    use std::fmt::Write as _;
+    // Built in one allocation of the right size: two keys are built for every decision, and
+    // `format!` grows its string as it goes.
+    let (t, p) = (tenant.as_str(), policy.as_str());
+    let mut k = String::with_capacity(PREFIX.len() + t.len() + p.len() + kind.len() + 25);
+    k.push_str(PREFIX);
+    k.push('{');
+    k.push_str(t);
+    k.push_str("}:");
+    k.push_str(p);
+    k.push(':');
+    let _ = write!(k, "{version}");
+    k.push(':');
+    k.push_str(kind);
+    k
 }
 
 /// The bucket-state key of a tenant's policy.

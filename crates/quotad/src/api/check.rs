@@ -84,11 +84,10 @@ pub struct BatchResponse {
     pub results: Vec<BatchItem>,
 }
 
-/// Validates a check body into typed ids and a cost.
-fn parse(body: &CheckBody) -> Result<(TenantId, PolicyName, u64), ApiError> {
-    let tenant = TenantId::new(body.tenant.as_str()).map_err(|e| ApiError::field("tenant", &e))?;
-    let policy =
-        PolicyName::new(body.policy.as_str()).map_err(|e| ApiError::field("policy", &e))?;
+/// Validates a check body into typed ids (taking its strings, not copying them) and a cost.
+fn parse(body: CheckBody) -> Result<(TenantId, PolicyName, u64), ApiError> {
+    let tenant = TenantId::new(body.tenant).map_err(|e| ApiError::field("tenant", &e))?;
+    let policy = PolicyName::new(body.policy).map_err(|e| ApiError::field("policy", &e))?;
     let cost = match body.cost {
         None => 1,
         Some(c) if c.fract() == 0.0 && (1.0..=9.0e15).contains(&c) => c as u64,
@@ -197,7 +196,7 @@ fn rate_limited_problem(policy: &PolicyName, decision: CheckResponse) -> RateLim
 
 async fn decide(
     state: &AppState,
-    body: &CheckBody,
+    body: CheckBody,
     forwarded: bool,
 ) -> Result<(Verdict, PolicyName), ApiError> {
     let (tenant, policy, cost) = parse(body)?;
@@ -232,7 +231,7 @@ pub async fn check(State(state): State<AppState>, req: Request) -> Result<Respon
             .and_then(|v| v.to_str().ok()),
     );
     let ApiJson(body) = ApiJson::<CheckBody>::from_request(req, &state).await?;
-    let (v, policy) = decide(&state, &body, forwarded).await?;
+    let (v, policy) = decide(&state, body, forwarded).await?;
     let r = CheckResponse::from_verdict(&v, state.decider.region().as_str());
     let mut resp = if r.allowed {
         axum::Json(&r).into_response()
@@ -272,7 +271,7 @@ pub async fn check_batch(
         .decider
         .is_peer_forward(headers.get(FORWARDED_HEADER).and_then(|v| v.to_str().ok()));
     let mut results = Vec::with_capacity(body.checks.len());
-    for (i, c) in body.checks.iter().enumerate() {
+    for (i, c) in body.checks.into_iter().enumerate() {
         let item = match decide(&state, c, forwarded).await {
             Ok((v, policy)) => {
                 let r = CheckResponse::from_verdict(&v, state.decider.region().as_str());
