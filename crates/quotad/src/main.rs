@@ -9,8 +9,8 @@ use quotad::config::Config;
 use quotad::{server, telemetry};
 
 /// mimalloc instead of the system allocator: a check allocates a few dozen small objects across
-/// hyper, axum, serde and redis-rs, and glibc's malloc/free took ~15 % of the server's CPU on the
-/// load bench; mimalloc cut server CPU per check by ~2.5 µs (README, Performance).
+/// hyper, axum, serde and redis-rs, and glibc's malloc/free took ~16 % of the server's CPU on the
+/// load bench; mimalloc cut server CPU per check by ~2.5–3 µs (README, Performance).
 #[global_allocator]
 static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
 

@@ -107,9 +107,11 @@ where
             .get(&REQUEST_ID)
             .cloned()
             .or_else(|| self.layer.ids.next());
+        // With a Transfer-Encoding the body's length is not the declared one (RFC 9112 §6.3).
         let declared = req
             .headers()
             .get(header::CONTENT_LENGTH)
+            .filter(|_| !req.headers().contains_key(header::TRANSFER_ENCODING))
             .and_then(|v| v.to_str().ok())
             .and_then(|v| v.parse::<u64>().ok());
         let limit = self.layer.body_limit;
@@ -213,7 +215,16 @@ mod tests {
         assert!(resp.headers().contains_key(&REQUEST_ID));
         assert_eq!(problem_code(resp).await, "PAYLOAD_TOO_LARGE");
 
-        // Sent without a length, the body is counted as it is read.
+        // Sent without a length, or with a length beside a Transfer-Encoding, the body is
+        // counted as it is read.
+        let chunks = (0..5).map(|_| Ok::<_, Infallible>(vec![b'z'; 20]));
+        let req = Request::post("/echo")
+            .header(header::CONTENT_LENGTH, "10")
+            .header(header::TRANSFER_ENCODING, "chunked")
+            .body(Body::from_stream(futures::stream::iter(chunks)))
+            .unwrap();
+        let resp = service().oneshot(req).await.unwrap();
+        assert_eq!(resp.status(), StatusCode::PAYLOAD_TOO_LARGE);
         let chunks = (0..5).map(|_| Ok::<_, Infallible>(vec![b'z'; 20]));
         let req = Request::post("/echo")
             .body(Body::from_stream(futures::stream::iter(chunks)))

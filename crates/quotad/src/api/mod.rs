@@ -1,9 +1,10 @@
 //! The admin and decision API (axum). `app(state)` builds the whole router, so tests drive it
 //! with `oneshot` and no socket.
 //!
-//! Layout: [`edge`] (request id, size and time limits in front of everything), [`check`] (decisions), [`tenants`] (policies, pins, allowance), [`cluster`] (status,
-//! membership, listing, health, metrics), [`problem`] (the one `ApiError`), [`auth`] (bearer
-//! token on mutations).
+//! Layout: [`edge`] (request id, body limit and timeout in front of every route), [`check`]
+//! (decisions), [`tenants`] (policies, pins, allowance), [`cluster`] (status, membership,
+//! listing, health, metrics), [`problem`] (the one `ApiError`), [`auth`] (bearer token on
+//! mutations).
 
 pub mod auth;
 pub mod check;
