@@ -280,6 +280,44 @@ async fn drive_http(
     .await
 }
 
+/// Drives raw EVALSHA calls: worker `w` calls on `conns[w]` for its tenant's keys.
+async fn drive_raw(
+    conc: usize,
+    secs: f64,
+    script: &Arc<redis::Script>,
+    keys: &Arc<Vec<[String; 3]>>,
+    conns: Vec<redis::aio::MultiplexedConnection>,
+    params: BucketParams,
+) -> Outcome {
+    let conns = Arc::new(conns);
+    drive(conc, secs, |w, end| {
+        let (s, k, mut conn) = (script.clone(), keys.clone(), conns[w].clone());
+        async move {
+            let keys = &k[w % TENANTS];
+            let (mut ops, mut h) = (0, histogram());
+            while Instant::now() < end {
+                let t0 = Instant::now();
+                let r: Vec<i64> = s
+                    .key(&keys[0])
+                    .key(&keys[1])
+                    .key(&keys[2])
+                    .arg(1)
+                    .arg(params.capacity_ut)
+                    .arg(params.rate_ut_per_s)
+                    .arg("")
+                    .invoke_async(&mut conn)
+                    .await
+                    .expect("EVALSHA failed");
+                assert_eq!(r.first(), Some(&1), "a raw call was not admitted");
+                h.record(t0.elapsed().as_nanos() as u64).unwrap();
+                ops += 1;
+            }
+            (ops, h)
+        }
+    })
+    .await
+}
+
 /// The bare candidate's state: the script and one shared connection manager.
 #[derive(Clone)]
 struct Bare {
@@ -518,69 +556,16 @@ fn main() -> anyhow::Result<()> {
         let wanted = |name: &str| only.as_deref().is_none_or(|o| o == name);
         for round in 0..rounds {
             for &conc in &concs {
-                let (s, k, c) = (script.clone(), raw_keys.clone(), raw_conn.clone());
                 let secs_of = |name: &str| if wanted(name) { secs } else { 0.0 };
-                let raw = drive(conc, secs_of("raw"), move |w, end| {
-                    let (s, k, mut conn) = (s.clone(), k.clone(), c.clone());
-                    async move {
-                        let keys = &k[w % TENANTS];
-                        let (mut ops, mut h) = (0, histogram());
-                        while Instant::now() < end {
-                            let t0 = Instant::now();
-                            let r: Vec<i64> = s
-                                .key(&keys[0])
-                                .key(&keys[1])
-                                .key(&keys[2])
-                                .arg(1)
-                                .arg(params.capacity_ut)
-                                .arg(params.rate_ut_per_s)
-                                .arg("")
-                                .invoke_async(&mut conn)
-                                .await
-                                .expect("EVALSHA failed");
-                            assert_eq!(r.first(), Some(&1), "a raw call was not admitted");
-                            h.record(t0.elapsed().as_nanos() as u64).unwrap();
-                            ops += 1;
-                        }
-                        (ops, h)
-                    }
-                })
-                .await;
-                // Raw EVALSHA as redis-benchmark -c drives it: a connection per worker.
-                let (s, k, cl) = (script.clone(), raw_keys.clone(), redis.client());
-                let raw_conns = {
-                    let mut v = Vec::new();
-                    for _ in 0..conc {
-                        v.push(cl.get_multiplexed_async_connection().await?);
-                    }
-                    Arc::new(v)
-                };
-                let raw_c = drive(conc, secs_of("raw-c"), move |w, end| {
-                    let (s, k, mut conn) = (s.clone(), k.clone(), raw_conns[w].clone());
-                    async move {
-                        let keys = &k[w % TENANTS];
-                        let (mut ops, mut h) = (0, histogram());
-                        while Instant::now() < end {
-                            let t0 = Instant::now();
-                            let r: Vec<i64> = s
-                                .key(&keys[0])
-                                .key(&keys[1])
-                                .key(&keys[2])
-                                .arg(1)
-                                .arg(params.capacity_ut)
-                                .arg(params.rate_ut_per_s)
-                                .arg("")
-                                .invoke_async(&mut conn)
-                                .await
-                                .expect("EVALSHA failed");
-                            assert_eq!(r.first(), Some(&1), "a raw call was not admitted");
-                            h.record(t0.elapsed().as_nanos() as u64).unwrap();
-                            ops += 1;
-                        }
-                        (ops, h)
-                    }
-                })
-                .await;
+                // Every worker on the one multiplexed connection: calls are pipelined.
+                let shared = vec![raw_conn.clone(); conc];
+                let raw = drive_raw(conc, secs_of("raw"), &script, &raw_keys, shared, params).await;
+                // As redis-benchmark -c drives Redis: a connection per worker.
+                let mut own = Vec::with_capacity(conc);
+                for _ in 0..conc {
+                    own.push(redis.client().get_multiplexed_async_connection().await?);
+                }
+                let raw_c = drive_raw(conc, secs_of("raw-c"), &script, &raw_keys, own, params).await;
                 let bare =
                     drive_http(conc, secs_of("bare"), bare_addr, bare_requests.clone()).await;
                 let quotad =
