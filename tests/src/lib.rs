@@ -437,6 +437,67 @@ impl Cluster {
         for _ in names {
             redis.push(redis_harness::RedisServer::start()?);
         }
+        // Ports are picked free and then bound by the daemons: another process can take one in
+        // between, and that daemon exits at once. Such a start is retried on fresh ports.
+        let mut attempt = 0;
+        let (daemons, proxies) = loop {
+            attempt += 1;
+            match Self::spawn_regions(names, t, &redis).await {
+                Ok(started) => break started,
+                Err(e) if attempt < 3 && format!("{e:#}").contains("exited during start-up") => {
+                    eprintln!("cluster start attempt {attempt} failed, retrying: {e:#}");
+                }
+                Err(e) => return Err(e),
+            }
+        };
+        let cluster = Self {
+            _serial: serial,
+            names: names.iter().map(|s| s.to_string()).collect(),
+            daemons,
+            redis,
+            proxies,
+        };
+        let leader = eventually(
+            Duration::from_secs(20),
+            Duration::from_millis(100),
+            || async {
+                let s = cluster.daemons[0].get("/v1/status").await.ok()?;
+                s.body["raft"]["leader"].as_str().map(str::to_string)
+            },
+        )
+        .await;
+        anyhow::ensure!(
+            leader.is_some(),
+            "no Raft leader elected: {}",
+            cluster.daemons[0].log_text()
+        );
+        // Every region registered and holding a lease: the cluster is ready for policies.
+        for d in &cluster.daemons {
+            let leased = eventually(
+                Duration::from_secs(20),
+                Duration::from_millis(100),
+                || async {
+                    let s = d.get("/v1/status").await.ok()?;
+                    (s.body["lease"]["remaining_ms"].as_u64()? > 0).then_some(())
+                },
+            )
+            .await;
+            anyhow::ensure!(
+                leased.is_some(),
+                "a region never got a lease: {}",
+                d.log_text()
+            );
+        }
+        Ok(cluster)
+    }
+
+    /// Spawns one daemon per region (with a fault proxy in front of each peer port) and waits
+    /// until all are ready. A daemon that fails is killed when its `Daemon` drops.
+    async fn spawn_regions(
+        names: &[&str],
+        t: &Timings,
+        redis: &[redis_harness::RedisServer],
+    ) -> anyhow::Result<(Vec<Daemon>, Vec<fault_proxy::FaultProxy>)> {
         let api: Vec<u16> = names
             .iter()
             .map(|_| free_port())
@@ -511,45 +572,7 @@ log_level = "info"
                 return Err(e.context(d.log_text()));
             }
         }
-        let cluster = Self {
-            _serial: serial,
-            names: names.iter().map(|s| s.to_string()).collect(),
-            daemons,
-            redis,
-            proxies,
-        };
-        let leader = eventually(
-            Duration::from_secs(20),
-            Duration::from_millis(100),
-            || async {
-                let s = cluster.daemons[0].get("/v1/status").await.ok()?;
-                s.body["raft"]["leader"].as_str().map(str::to_string)
-            },
-        )
-        .await;
-        anyhow::ensure!(
-            leader.is_some(),
-            "no Raft leader elected: {}",
-            cluster.daemons[0].log_text()
-        );
-        // Every region registered and holding a lease: the cluster is ready for policies.
-        for d in &cluster.daemons {
-            let leased = eventually(
-                Duration::from_secs(20),
-                Duration::from_millis(100),
-                || async {
-                    let s = d.get("/v1/status").await.ok()?;
-                    (s.body["lease"]["remaining_ms"].as_u64()? > 0).then_some(())
-                },
-            )
-            .await;
-            anyhow::ensure!(
-                leased.is_some(),
-                "a region never got a lease: {}",
-                d.log_text()
-            );
-        }
-        Ok(cluster)
+        Ok((daemons, proxies))
     }
 
     /// Index of a region by name.
