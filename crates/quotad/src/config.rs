@@ -776,6 +776,26 @@ peer = "127.0.0.1:3"
     }
 
     #[test]
+    fn the_body_limit_stays_within_what_the_extractor_can_hold() {
+        for (limit, ok) in [
+            (255, false),
+            (256, true),
+            (2 << 20, true),
+            ((2 << 20) + 1, false),
+        ] {
+            let text = format!("[api]\nbody_limit_bytes = {limit}\n");
+            let resolved = Config::from_toml(&text)
+                .unwrap()
+                .resolve(&no_env, Vec::new());
+            let named = resolved
+                .as_ref()
+                .err()
+                .is_some_and(|e| e.0.iter().any(|p| p.field == "api.body_limit_bytes"));
+            assert_eq!(!named, ok, "body_limit_bytes = {limit}");
+        }
+    }
+
+    #[test]
     fn environment_overrides_and_secrets() {
         let env = |k: &str| match k {
             "QUOTAD_API_LISTEN" => Some("127.0.0.1:9000".to_string()),
