@@ -32,8 +32,9 @@ const DRAIN_MAX_BYTES: u64 = 1 << 20;
 /// How long an oversized body may take to drain before the 413 goes out anyway.
 const DRAIN_TIMEOUT: Duration = Duration::from_secs(2);
 
-/// Request ids: a random per-process prefix and a counter, so ids are unique across restarts
-/// and cost no UUID work.
+/// Request ids: a random per-process prefix and a counter, so ids from different processes (or
+/// restarts) are told apart with high probability,
+/// and no UUID work is spent per request.
 #[derive(Debug, Clone)]
 struct RequestIds {
     prefix: u32,
