@@ -33,8 +33,7 @@ const DRAIN_MAX_BYTES: u64 = 1 << 20;
 const DRAIN_TIMEOUT: Duration = Duration::from_secs(2);
 
 /// Request ids: a random per-process prefix and a counter, so ids from different processes (or
-/// restarts) are told apart with high probability,
-/// and no UUID work is spent per request.
+/// restarts) differ with high probability and no UUID work is spent per request.
 #[derive(Debug, Clone)]
 struct RequestIds {
     prefix: u32,
