@@ -217,20 +217,20 @@ mod tests {
 
         // Sent without a length, or with a length beside a Transfer-Encoding, the body is
         // counted as it is read.
-        let chunks = (0..5).map(|_| Ok::<_, Infallible>(vec![b'z'; 20]));
-        let req = Request::post("/echo")
-            .header(header::CONTENT_LENGTH, "10")
-            .header(header::TRANSFER_ENCODING, "chunked")
-            .body(Body::from_stream(futures::stream::iter(chunks)))
-            .unwrap();
-        let resp = service().oneshot(req).await.unwrap();
-        assert_eq!(resp.status(), StatusCode::PAYLOAD_TOO_LARGE);
-        let chunks = (0..5).map(|_| Ok::<_, Infallible>(vec![b'z'; 20]));
-        let req = Request::post("/echo")
-            .body(Body::from_stream(futures::stream::iter(chunks)))
-            .unwrap();
-        let resp = service().oneshot(req).await.unwrap();
-        assert_eq!(resp.status(), StatusCode::PAYLOAD_TOO_LARGE);
+        for declared in [Some("10"), None] {
+            let mut req = Request::post("/echo");
+            if let Some(length) = declared {
+                req = req
+                    .header(header::CONTENT_LENGTH, length)
+                    .header(header::TRANSFER_ENCODING, "chunked");
+            }
+            let chunks = (0..5).map(|_| Ok::<_, Infallible>(vec![b'z'; 20]));
+            let req = req
+                .body(Body::from_stream(futures::stream::iter(chunks)))
+                .unwrap();
+            let resp = service().oneshot(req).await.unwrap();
+            assert_eq!(resp.status(), StatusCode::PAYLOAD_TOO_LARGE, "{declared:?}");
+        }
 
         // At the limit, the handler runs.
         let req = Request::post("/echo")
