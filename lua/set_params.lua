@@ -15,9 +15,9 @@
 --
 -- The hash is replaced (DEL + HSET): cap, rate [, until, fcap, frate] or limit, window [, until,
 -- flimit, fwindow], until = now + lease in this server's clock. The decision scripts enforce
--- the floor from until on by themselves: the region agent renews the lease with every
--- application of its shares, so a region whose daemon died falls back to its floor when its
--- lease ends even while gateways keep calling this Redis directly.
+-- the floor from until on by themselves: the region agent renews until once half of it has
+-- passed, so a region whose daemon died falls back to its floor when its stored lease ends
+-- (at the latest when its lease does) even while gateways keep calling this Redis directly.
 --
 -- If the token-bucket state exists, its parameter copy is rewritten in place (SET ... KEEPTTL),
 -- so the decision script never reads KEYS[1] while the bucket lives: src = 1 for token-bucket

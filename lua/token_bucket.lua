@@ -31,11 +31,14 @@
 -- set_params.lua rewrites the copy when the parameters change, so the hot path never reads
 -- KEYS[2].
 --
--- Lease end: a region's share holds only while its daemon's lease does. The daemon renews
--- until with every application of its shares; if the daemon dies, this script alone drops the
--- bucket to the floor at until, so share the coordinator gives elsewhere is never held twice. The key is listed in the activity index exactly while ad + dn > 0: every decision
--- adds at least 1 and a collection zeroes both, so only the first decision of each report
--- interval pays the SADD.
+-- Lease end: a region's share holds only while its daemon's lease does. The daemon rewrites
+-- the parameters when they change and renews until once half of it has passed; if the daemon
+-- dies, this script alone drops the bucket to the floor at until, so share the coordinator
+-- gives elsewhere is never held twice.
+--
+-- Activity index: the key is listed exactly while ad + dn > 0: every decision adds at least 1
+-- and a collection zeroes both, so only the first decision of each report interval pays the
+-- SADD.
 --
 -- Expiry: every decision writes the state with SET ... PX max(time to refill fully, minimum
 -- idle TTL): an expired bucket reads as full, so it must not expire before it would be full.

@@ -288,6 +288,11 @@ impl Store for EmbeddedStore {
         Ok(())
     }
 
+    /// In process: what was written stays for the life of the store.
+    async fn instance(&self) -> Result<String, StoreError> {
+        Ok("embedded".to_string())
+    }
+
     async fn collect_usage(&self, max: usize) -> Result<Vec<UsageRecord>, StoreError> {
         let mut out = Vec::new();
         for s in self.shards.iter() {

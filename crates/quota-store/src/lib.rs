@@ -256,6 +256,10 @@ pub trait Store: Send + Sync {
         &self,
         req: &SetParams,
     ) -> impl std::future::Future<Output = Result<(), StoreError>> + Send;
+    /// Names the data this store holds: the same while what was written is still there, a new
+    /// value once it may be gone (a restarted or failed-over Redis has a new run id). The region
+    /// agent rewrites every bucket's parameters when it changes.
+    fn instance(&self) -> impl std::future::Future<Output = Result<String, StoreError>> + Send;
     /// Drains usage recorded since the last call: O(buckets active since then). Returns at
     /// most `max` records; the rest stay for the next call.
     fn collect_usage(
@@ -295,6 +299,13 @@ impl Store for AnyStore {
         match self {
             Self::Embedded(s) => s.set_params(req).await,
             Self::Redis(s) => s.set_params(req).await,
+        }
+    }
+
+    async fn instance(&self) -> Result<String, StoreError> {
+        match self {
+            Self::Embedded(s) => s.instance().await,
+            Self::Redis(s) => s.instance().await,
         }
     }
 

@@ -20,6 +20,7 @@ use quota_core::keys::{self, StateKind};
 use quota_core::Decision;
 use redis::aio::{ConnectionManager, ConnectionManagerConfig};
 use redis::cluster_async::ClusterConnection;
+use redis::cluster_routing::{MultipleNodeRoutingInfo, RoutingInfo};
 use redis::{FromRedisValue, RedisError, Script, ServerErrorKind, Value};
 
 use crate::script::{self, COLLECT_BATCH_MAX};
@@ -338,6 +339,30 @@ impl RedisStore {
         parse_usage(reply)
     }
 
+    /// The run ids of the servers behind this store, sorted and joined (every master of a
+    /// Cluster). A restarted or failed-over server has a new one.
+    async fn run_ids(&self) -> Result<String, StoreError> {
+        let mut info = redis::cmd("INFO");
+        info.arg("server");
+        let reply: Value = match &self.conn {
+            Conn::Single(_) => self.command(&info).await?,
+            Conn::Cluster(c) => {
+                let mut c = c.clone();
+                let all = RoutingInfo::MultiNode((MultipleNodeRoutingInfo::AllMasters, None));
+                self.bounded(c.route_command(info, all)).await?
+            }
+        };
+        let mut ids = Vec::new();
+        collect_run_ids(&reply, &mut ids);
+        if ids.is_empty() {
+            return Err(StoreError::Protocol {
+                reason: "INFO server reported no run_id".into(),
+            });
+        }
+        ids.sort_unstable();
+        Ok(ids.join(","))
+    }
+
     /// Reads one field of `INFO` (e.g. `used_memory`) from a standalone server.
     pub async fn info_field(
         &self,
@@ -350,6 +375,28 @@ impl RedisStore {
             .lines()
             .find_map(|l| l.strip_prefix(&prefix))
             .map(|v| v.trim().to_string()))
+    }
+}
+
+/// Every `run_id:` line in an `INFO` reply: one text, or a map or array of them (one per node).
+fn collect_run_ids(v: &Value, out: &mut Vec<String>) {
+    match v {
+        Value::BulkString(b) => {
+            let text = String::from_utf8_lossy(b);
+            out.extend(
+                text.lines()
+                    .filter_map(|l| l.strip_prefix("run_id:"))
+                    .map(|id| id.trim().to_string()),
+            );
+        }
+        Value::VerbatimString { text, .. } => {
+            collect_run_ids(&Value::BulkString(text.clone().into_bytes()), out);
+        }
+        Value::Array(items) | Value::Set(items) => {
+            items.iter().for_each(|i| collect_run_ids(i, out));
+        }
+        Value::Map(pairs) => pairs.iter().for_each(|(_, i)| collect_run_ids(i, out)),
+        _ => {}
     }
 }
 
@@ -432,6 +479,10 @@ impl Store for RedisStore {
             .invoke(&self.scripts.set_params, &[&key, &state], &args)
             .await?;
         Ok(())
+    }
+
+    async fn instance(&self) -> Result<String, StoreError> {
+        self.run_ids().await
     }
 
     async fn collect_usage(&self, max: usize) -> Result<Vec<UsageRecord>, StoreError> {

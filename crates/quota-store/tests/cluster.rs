@@ -76,3 +76,19 @@ async fn decisions_and_usage_on_a_three_master_cluster() {
     let rest = s.collect_usage(usize::MAX).await.unwrap();
     assert_eq!(first.len() + rest.len(), 5);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_cluster_instance_names_every_master() {
+    let cluster = RedisCluster::start().unwrap();
+    let cfg = RedisStoreConfig::cluster(cluster.urls()).with_timeout(Duration::from_secs(5));
+    let s = RedisStore::connect(cfg).await.unwrap();
+    let id = s.instance().await.unwrap();
+    let ids: Vec<&str> = id.split(',').collect();
+    assert_eq!(ids.len(), 3, "{id}");
+    assert!(ids.iter().all(|i| i.len() == 40), "{id}");
+    let mut sorted = ids.clone();
+    sorted.sort_unstable();
+    sorted.dedup();
+    assert_eq!(sorted, ids, "sorted and distinct");
+    assert_eq!(s.instance().await.unwrap(), id);
+}

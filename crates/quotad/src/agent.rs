@@ -3,24 +3,28 @@
 //!
 //! Two loops, so a slow coordinator write never delays enforcement:
 //!
-//! - **apply**: on every view change, every report interval (which re-applies shares after a
-//!   Redis restart) and at the moment the lease runs out, writes the bucket parameters this
-//!   region enforces (`for_share(policy, enforced share)`) into its store, so any caller of the
-//!   store (this daemon, or a gateway running the Lua script directly) enforces the current
-//!   share; once every write succeeded it acknowledges the view's epoch. Each write carries the
-//!   lease end and the floor, so the store falls back on its own if this daemon dies. With the
-//!   store unreachable it still acknowledges once the store cannot hold more than the epoch
-//!   grants (no share was cut, or the cut share's stored lease ran out): the `local` fail mode
+//! - **apply**: on every view change, every report interval and at the moment the lease runs
+//!   out, brings the bucket parameters this region enforces (`for_share(policy, enforced
+//!   share)`) in its store in line with the view, so any caller of the store (this daemon, or a
+//!   gateway running the Lua script directly) enforces the current share; once every write
+//!   succeeded it acknowledges the view's epoch. A pass writes only buckets whose parameters
+//!   changed, renewals that are due, and everything when the store is a new instance (a
+//!   restarted Redis is empty), [`WRITE_CONCURRENCY`] at a time. Each write carries the lease
+//!   end and the floor, so the store falls back on its own if this daemon dies. With the store
+//!   unreachable it still acknowledges once the store cannot hold more than the epoch grants
+//!   (no share was cut, or the cut share's stored lease ran out): the `local` fail mode
 //!   enforces the granted share in process, and the region's lease must not lapse meanwhile.
 //! - **report** (multi-region only): every report interval, drains usage from the store and
 //!   sends it to the leader, then renews the lease through the log with the acknowledged epoch.
 
 use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use quota_core::RegionId;
-use quota_store::{BucketRef, SetParams, Store as _};
+use futures::stream::{self, StreamExt as _};
+use quota_core::{PolicyName, RegionId, TenantId};
+use quota_store::{BucketRef, Limit, SetParams, Store as _};
 use tokio::sync::watch;
 
 use crate::clock;
@@ -33,13 +37,75 @@ const MAX_USAGE_RECORDS: usize = 10_000;
 /// How long to sleep when no lease end is coming (a single region's lease never ends).
 const FAR: Duration = Duration::from_secs(3600);
 
-/// What the store was last told for each bucket: the share, and until when (local wall-clock
-/// ms) the store itself holds it before falling to the floor.
+/// Parameter writes in flight at once: pipelined on the store's connection, so a pass over many
+/// buckets costs Redis time, not round trips.
+const WRITE_CONCURRENCY: usize = 64;
+
+/// Without a lease nothing a bucket holds runs out, but a store emptied without a restart (a
+/// `FLUSHALL`, say) is still refilled: every bucket is rewritten at least this often.
+const REFRESH_WITHOUT_LEASE_MS: u64 = 10 * 60 * 1000;
+
+/// Fewest lease renewals one pass may make, so small deployments renew all at once.
+const MIN_RENEWALS_PER_PASS: usize = 1024;
+
+/// How the agent paces lease renewals.
+#[derive(Debug, Clone, Copy)]
+pub struct Pacing {
+    pub report_interval_ms: u64,
+    pub lease_ms: u64,
+}
+
+impl Pacing {
+    /// Renewals one pass may make for `buckets` buckets: enough to renew them all within a
+    /// quarter of a lease, however they bunch up.
+    fn renewal_budget(&self, buckets: usize) -> usize {
+        let quarter = (self.lease_ms / 4).max(1);
+        let per_pass = (buckets as u128 * u128::from(self.report_interval_ms.max(1))
+            / u128::from(quarter)) as usize;
+        per_pass.saturating_add(1).max(MIN_RENEWALS_PER_PASS)
+    }
+}
+
+/// What the store was last told for one bucket.
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct Held {
+    version: u64,
+    limit: Limit,
+    /// The floor from the lease end on; `None` without a lease.
+    floor: Option<Limit>,
+    /// The share the store may hold, until when (local wall-clock ms; `u64::MAX` = no end).
+    /// After a failed write: the larger of what it held and what was sent.
+    share: u32,
+    until_ms: u64,
+    /// When to rewrite it unchanged, to renew the lease end it carries.
+    renew_at_ms: u64,
+    /// The store instance (see [`Written::generation`]) it was written to.
+    generation: u64,
+    /// A write for it succeeded in this run: what an earlier run wrote is overwritten.
+    confirmed: bool,
+    /// The last write failed: the store holds this or what it held before.
+    dirty: bool,
+}
+
+/// One parameter write a pass makes.
+#[derive(Debug, Clone)]
+struct Write {
+    key: (TenantId, PolicyName),
+    req: SetParams,
+    held: Held,
+}
+
+/// What the store was last told for each bucket, so a pass writes only what changed, what is
+/// due for renewal, and everything after the store was replaced (a restarted Redis is empty).
 #[derive(Debug, Default)]
 pub struct Written {
-    shares: HashMap<BucketRef, (u32, u64)>,
+    held: HashMap<(TenantId, PolicyName), Held>,
     /// Until when shares written by an earlier run of this daemon may hold in the store.
     unknown_until_ms: u64,
+    /// The store instance last seen ([`quota_store::Store::instance`]).
+    instance: Option<String>,
+    /// Bumped when the instance changes: buckets written to an older one are rewritten.
+    generation: u64,
 }
 
 impl Written {
@@ -47,19 +113,134 @@ impl Written {
     /// daemon for up to one lease.
     pub fn new(now_ms: u64, lease_ms: u64) -> Self {
         Self {
-            shares: HashMap::new(),
             unknown_until_ms: now_ms.saturating_add(lease_ms),
+            ..Self::default()
+        }
+    }
+
+    /// Notes the store instance; a new one (not the first seen) means everything is rewritten.
+    fn observe_instance(&mut self, id: String) {
+        if self.instance.as_ref() != Some(&id) {
+            if self.instance.is_some() {
+                self.generation += 1;
+            }
+            self.instance = Some(id);
         }
     }
 
     /// Forgets buckets `view` no longer has (deleted policies, old versions): only the view's
     /// buckets are asked about.
     pub fn retain_in(&mut self, view: &ClusterView) {
-        self.shares.retain(|b, _| {
+        self.held.retain(|k, h| {
             view.policies
-                .get(&(b.tenant.clone(), b.policy.clone()))
-                .is_some_and(|e| e.policy.version == b.version)
+                .get(k)
+                .is_some_and(|e| e.policy.version == h.version)
         });
+    }
+
+    /// The writes one pass makes at `now_ms`: every bucket whose parameters differ from what
+    /// the store was told (or whose write failed, or that was written to an older store
+    /// instance), then the renewals that are due, earliest lease end first, up to the budget
+    /// (and past it for any lease end within two report intervals).
+    fn plan(
+        &self,
+        view: &ClusterView,
+        region: &RegionId,
+        now_ms: u64,
+        pacing: Pacing,
+    ) -> Vec<Write> {
+        let lease_left = (view.lease_end_local_ms != u64::MAX && view.lease_end_local_ms > now_ms)
+            .then(|| view.lease_end_local_ms - now_ms);
+        let mut writes = Vec::new();
+        let mut due = Vec::new();
+        for (key, entry) in &view.policies {
+            let grant = entry.grants.get(region);
+            let share = view.enforced_share_ppm(grant, now_ms);
+            let limit = limit_for_share(&entry.policy, share);
+            let (floor, until_ms, renew_at_ms) = match (lease_left, grant) {
+                (Some(left), Some(g)) => (
+                    Some(limit_for_share(&entry.policy, g.floor_ppm.min(g.share_ppm))),
+                    now_ms + left,
+                    now_ms + left / 2,
+                ),
+                _ => (
+                    None,
+                    u64::MAX,
+                    now_ms.saturating_add(REFRESH_WITHOUT_LEASE_MS),
+                ),
+            };
+            let version = entry.policy.version;
+            let old = self.held.get(key).filter(|h| h.version == version);
+            let changed = old.is_none_or(|h| {
+                h.limit != limit || h.floor != floor || h.dirty || h.generation != self.generation
+            });
+            if !changed && old.is_some_and(|h| now_ms < h.renew_at_ms) {
+                continue;
+            }
+            let bucket = BucketRef {
+                tenant: key.0.clone(),
+                policy: key.1.clone(),
+                version,
+            };
+            let mut req = SetParams::new(bucket, limit);
+            if let (Some(left), Some(floor)) = (lease_left, floor) {
+                req = req.with_lease(left, floor);
+            }
+            let w = Write {
+                key: key.clone(),
+                req,
+                held: Held {
+                    version,
+                    limit,
+                    floor,
+                    share,
+                    until_ms,
+                    renew_at_ms,
+                    generation: self.generation,
+                    confirmed: true,
+                    dirty: false,
+                },
+            };
+            match old {
+                Some(h) if !changed => due.push((h.until_ms, w)),
+                _ => writes.push(w),
+            }
+        }
+        due.sort_unstable_by_key(|(until, _)| *until);
+        let budget = pacing.renewal_budget(view.policies.len());
+        let urgent_before = now_ms.saturating_add(2 * pacing.report_interval_ms);
+        writes.extend(
+            due.into_iter()
+                .enumerate()
+                .take_while(|(i, (until, _))| *i < budget || *until <= urgent_before)
+                .map(|(_, (_, w))| w),
+        );
+        writes
+    }
+
+    /// Records the outcome of a write. A failed one may or may not have reached the store:
+    /// the larger share and later end are kept, and it is rewritten next pass.
+    fn record(&mut self, w: Write, ok: bool) {
+        if ok {
+            self.held.insert(w.key, w.held);
+            return;
+        }
+        let sent = w.held;
+        let h = match self.held.get(&w.key).filter(|h| h.version == sent.version) {
+            Some(old) => Held {
+                share: old.share.max(sent.share),
+                until_ms: old.until_ms.max(sent.until_ms),
+                confirmed: old.confirmed,
+                dirty: true,
+                ..sent
+            },
+            None => Held {
+                confirmed: false,
+                dirty: true,
+                ..sent
+            },
+        };
+        self.held.insert(w.key, h);
     }
 
     /// Whether the store cannot enforce more than `view` grants at `now_ms`, though some writes
@@ -67,16 +248,18 @@ impl Written {
     /// the epoch may be acknowledged with the store unreachable (`local` fail mode keeps the
     /// granted share in process), and only a share *cut* waits for the old one to end.
     pub fn bounded_by(&self, view: &ClusterView, region: &RegionId, now_ms: u64) -> bool {
-        view.policies.iter().all(|((tenant, name), entry)| {
+        let earlier_run_over = now_ms >= self.unknown_until_ms;
+        view.policies.iter().all(|(key, entry)| {
             let share = view.enforced_share_ppm(entry.grants.get(region), now_ms);
-            let b = BucketRef {
-                tenant: tenant.clone(),
-                policy: name.clone(),
-                version: entry.policy.version,
-            };
-            match self.shares.get(&b) {
-                Some(&(held, until)) => held <= share || now_ms >= until,
-                None => now_ms >= self.unknown_until_ms,
+            match self
+                .held
+                .get(key)
+                .filter(|h| h.version == entry.policy.version)
+            {
+                Some(h) => {
+                    (h.share <= share || now_ms >= h.until_ms) && (h.confirmed || earlier_run_over)
+                }
+                None => earlier_run_over,
             }
         })
     }
@@ -91,6 +274,10 @@ pub async fn run_apply(
     mut shutdown: watch::Receiver<bool>,
 ) {
     let mut written = Written::new(clock::wall_ms(), lease_ms);
+    let pacing = Pacing {
+        report_interval_ms: report_interval.as_millis() as u64,
+        lease_ms,
+    };
     let mut view = coordinator.subscribe();
     let mut tick = tokio::time::interval(report_interval);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
@@ -115,7 +302,7 @@ pub async fn run_apply(
             }
         }
         let v = view.borrow().clone();
-        let all = apply_shares(&decider, &v, &mut written).await;
+        let all = apply_shares(&decider, &v, &mut written, pacing).await;
         written.retain_in(&v);
         if let Coordinator::Replicated(r) = coordinator.as_ref() {
             if all {
@@ -165,52 +352,89 @@ pub async fn run_report(
     }
 }
 
-/// Writes the enforced share of every policy into the store; true if every write succeeded.
+/// Brings the store in line with `view`: writes the parameters of every bucket that changed,
+/// renews those due, and rewrites everything once the store was replaced. True if every write
+/// succeeded.
 ///
 /// While the lease holds, each write carries the time left on it and the floor: the store drops
 /// to the floor at the lease end by itself, so if this daemon dies, its Redis (which gateways
-/// may call directly) stops holding share the coordinator gives elsewhere. Every application
-/// renews that end, so it trails the lease by at most one report interval.
-pub async fn apply_shares(decider: &Decider, view: &ClusterView, written: &mut Written) -> bool {
-    let region = decider.region();
-    let now = clock::wall_ms();
-    let lease_left = (view.lease_end_local_ms != u64::MAX && view.lease_end_local_ms > now)
-        .then(|| view.lease_end_local_ms - now);
-    for ((tenant, name), entry) in &view.policies {
-        let grant = entry.grants.get(region);
-        let share = view.enforced_share_ppm(grant, now);
-        let b = BucketRef {
-            tenant: tenant.clone(),
-            policy: name.clone(),
-            version: entry.policy.version,
-        };
-        let mut req = SetParams::new(b, limit_for_share(&entry.policy, share));
-        let mut holds_until = u64::MAX;
-        if let (Some(left), Some(g)) = (lease_left, grant) {
-            let floor = limit_for_share(&entry.policy, g.floor_ppm.min(g.share_ppm));
-            req = req.with_lease(left, floor);
-            holds_until = now + left;
-        }
-        if let Err(e) = decider.store().set_params(&req).await {
-            tracing::debug!(tenant = %tenant, policy = %name, error = %e, "Applying a share failed.");
-            return false;
-        }
-        written.shares.insert(req.bucket, (share, holds_until));
+/// may call directly) stops holding share the coordinator gives elsewhere. A bucket's stored
+/// end is renewed once half of it has passed, so it trails the lease by at most about half a
+/// lease and never runs out while the daemon lives; that costs `buckets / (lease / 2)` writes
+/// a second, spread out, instead of every bucket every report interval.
+pub async fn apply_shares(
+    decider: &Decider,
+    view: &ClusterView,
+    written: &mut Written,
+    pacing: Pacing,
+) -> bool {
+    let store = decider.store();
+    match store.instance().await {
+        Ok(id) => written.observe_instance(id),
+        Err(e) => tracing::debug!(error = %e, "Store instance unknown."),
     }
-    true
+    let writes = written.plan(view, decider.region(), clock::wall_ms(), pacing);
+    // After the first failure nothing more is sent: a store that is down would otherwise cost
+    // a timeout per bucket.
+    let failed = AtomicBool::new(false);
+    let results: Vec<(Write, Option<bool>)> = stream::iter(writes)
+        .map(|w| {
+            let failed = &failed;
+            async move {
+                if failed.load(Ordering::Relaxed) {
+                    return (w, None);
+                }
+                let r = store.set_params(&w.req).await;
+                if let Err(e) = &r {
+                    failed.store(true, Ordering::Relaxed);
+                    tracing::debug!(tenant = %w.key.0, policy = %w.key.1, error = %e, "Applying a share failed.");
+                }
+                let ok = r.is_ok();
+                (w, Some(ok))
+            }
+        })
+        .buffer_unordered(WRITE_CONCURRENCY)
+        .collect()
+        .await;
+    let mut all = true;
+    for (w, outcome) in results {
+        match outcome {
+            Some(ok) => {
+                all &= ok;
+                written.record(w, ok);
+            }
+            None => all = false,
+        }
+    }
+    all
 }
 
 #[cfg(test)]
 mod tests {
     use std::collections::BTreeMap;
 
-    use quota_core::{PolicyName, PolicySpec, TenantId};
+    use quota_core::{PolicySpec, PPM};
 
     use super::*;
     use crate::coordination::{Grant, PolicyEntry};
 
-    fn view(share_ppm: u32) -> (ClusterView, BucketRef, RegionId) {
-        let region = RegionId::new("b").unwrap();
+    const PACING: Pacing = Pacing {
+        report_interval_ms: 1_000,
+        lease_ms: 30_000,
+    };
+
+    fn region() -> RegionId {
+        RegionId::new("b").unwrap()
+    }
+
+    fn key(i: usize) -> (TenantId, PolicyName) {
+        (
+            TenantId::new(format!("t{i}")).unwrap(),
+            PolicyName::new("w").unwrap(),
+        )
+    }
+
+    fn entry(version: u64, share_ppm: u32) -> PolicyEntry {
         let mut policy = PolicySpec {
             limit: 100.0,
             window_ms: 1000.0,
@@ -219,67 +443,193 @@ mod tests {
         }
         .validate()
         .unwrap();
-        policy.version = 7;
+        policy.version = version;
         let grant = Grant {
             share_ppm,
             floor_ppm: 100_000,
             lease_expires_ms: 50_000,
         };
-        let (t, p) = (
-            TenantId::new("acme").unwrap(),
-            PolicyName::new("w").unwrap(),
-        );
-        let entry = PolicyEntry {
+        PolicyEntry {
             policy,
-            grants: BTreeMap::from([(region.clone(), grant)]),
+            grants: BTreeMap::from([(region(), grant)]),
             home: None,
-        };
-        let v = ClusterView {
-            policies: BTreeMap::from([((t.clone(), p.clone()), entry)]),
+        }
+    }
+
+    /// `n` buckets at version 7 and `share_ppm`, the lease ending at `lease_end`.
+    fn view_of(n: usize, share_ppm: u32, lease_end: u64) -> ClusterView {
+        ClusterView {
+            policies: (0..n).map(|i| (key(i), entry(7, share_ppm))).collect(),
             epoch: 3,
-            lease_end_local_ms: 40_000,
+            lease_end_local_ms: lease_end,
             ..ClusterView::default()
-        };
-        let b = BucketRef {
-            tenant: t,
-            policy: p,
-            version: 7,
-        };
-        (v, b, region)
+        }
+    }
+
+    /// One pass whose writes all succeed; returns how many it made.
+    fn pass(w: &mut Written, v: &ClusterView, now: u64) -> usize {
+        let writes = w.plan(v, &region(), now, PACING);
+        let n = writes.len();
+        for x in writes {
+            w.record(x, true);
+        }
+        n
+    }
+
+    #[test]
+    fn only_changed_buckets_are_rewritten() {
+        let mut w = Written::new(0, 30_000);
+        w.observe_instance("r1".into());
+        let v = view_of(100, 300_000, u64::MAX);
+        assert_eq!(
+            pass(&mut w, &v, 1_000),
+            100,
+            "the first pass writes every bucket"
+        );
+        assert_eq!(
+            pass(&mut w, &v, 2_000),
+            0,
+            "nothing changed, nothing written"
+        );
+        // One share moves, one policy gets a new version, one is added, one removed.
+        let mut v2 = v.clone();
+        v2.policies.insert(key(3), entry(7, 500_000));
+        v2.policies.insert(key(4), entry(8, 300_000));
+        v2.policies.insert(key(100), entry(7, 300_000));
+        v2.policies.remove(&key(5));
+        w.retain_in(&v2);
+        let writes = w.plan(&v2, &region(), 3_000, PACING);
+        let mut keys: Vec<_> = writes.iter().map(|x| x.key.clone()).collect();
+        keys.sort();
+        assert_eq!(keys, vec![key(100), key(3), key(4)]);
+        assert_eq!(
+            writes
+                .iter()
+                .find(|x| x.key == key(4))
+                .unwrap()
+                .req
+                .bucket
+                .version,
+            8
+        );
+        for x in writes {
+            w.record(x, true);
+        }
+        assert_eq!(pass(&mut w, &v2, 4_000), 0);
+        // Without a lease the parameters are still refreshed, rarely.
+        assert_eq!(pass(&mut w, &v2, 4_000 + REFRESH_WITHOUT_LEASE_MS), 100);
+    }
+
+    #[test]
+    fn a_new_store_instance_gets_everything_again() {
+        let mut w = Written::new(0, 30_000);
+        w.observe_instance("r1".into());
+        let v = view_of(10, 300_000, u64::MAX);
+        pass(&mut w, &v, 1_000);
+        w.observe_instance("r1".into());
+        assert_eq!(pass(&mut w, &v, 2_000), 0, "the same instance");
+        w.observe_instance("r2".into());
+        assert_eq!(pass(&mut w, &v, 3_000), 10, "a restarted Redis is empty");
+        assert_eq!(pass(&mut w, &v, 4_000), 0);
+    }
+
+    #[test]
+    fn a_failed_write_is_retried_and_counts_as_the_larger_share() {
+        let mut w = Written::new(0, 3_000);
+        let v = view_of(1, 300_000, 40_000);
+        pass(&mut w, &v, 5_000);
+        // Raised to 0.5; the write fails (it may still have landed).
+        let up = view_of(1, 500_000, 40_000);
+        for x in w.plan(&up, &region(), 6_000, PACING) {
+            w.record(x, false);
+        }
+        // Cut to 0.2: the store may hold 0.5 until the end that write carried (40 s).
+        let cut = view_of(1, 200_000, 40_000);
+        assert!(!w.bounded_by(&cut, &region(), 39_999));
+        assert!(w.bounded_by(&cut, &region(), 40_000));
+        assert_eq!(
+            pass(&mut w, &cut, 7_000),
+            1,
+            "the failed bucket is written again"
+        );
+        assert!(w.bounded_by(&cut, &region(), 7_001));
     }
 
     #[test]
     fn only_a_cut_share_still_held_by_the_store_blocks_the_acknowledgement() {
-        let (v, b, r) = view(300_000);
+        let r = region();
+        let v = view_of(1, 300_000, 40_000);
         let mut w = Written::new(0, 3_000);
         // Never written in this run: a previous run's share may hold for one lease.
         assert!(!w.bounded_by(&v, &r, 2_999));
         assert!(w.bounded_by(&v, &r, 3_000));
-        // The store holds 0.3 until 10 s: a new epoch granting 0.3 or more is fine at once.
-        w.shares.insert(b.clone(), (300_000, 10_000));
+        // Written at 0.3 at 5 s: the store holds it until the lease end, 40 s.
+        pass(&mut w, &v, 5_000);
         assert!(w.bounded_by(&v, &r, 5_000));
-        // Cut to 0.2: only once the stored lease of 0.3 has ended.
-        let (cut, _, _) = view(200_000);
-        assert!(!w.bounded_by(&cut, &r, 9_999));
-        assert!(w.bounded_by(&cut, &r, 10_000));
-        // Past this region's own lease (40 s) the view enforces the floor, 0.1: a cut too.
-        w.shares.insert(b, (300_000, 45_000));
+        // Cut to 0.2: only once the stored 0.3 has ended.
+        let cut = view_of(1, 200_000, 40_000);
+        assert!(!w.bounded_by(&cut, &r, 39_999));
+        assert!(w.bounded_by(&cut, &r, 40_000));
+        // Past this region's own lease the view enforces the floor, 0.1: a cut too.
         assert!(w.bounded_by(&v, &r, 39_999));
-        assert!(!w.bounded_by(&v, &r, 40_000));
-        assert!(w.bounded_by(&v, &r, 45_000));
+        assert!(
+            w.bounded_by(&v, &r, 40_000),
+            "the stored share ended with the lease"
+        );
+        // A bucket whose first write failed: an earlier run's share may still hold.
+        let mut fresh = Written::new(0, 45_000);
+        for x in fresh.plan(&v, &r, 5_000, PACING) {
+            fresh.record(x, false);
+        }
+        assert!(!fresh.bounded_by(&v, &r, 44_999));
+        assert!(fresh.bounded_by(&v, &r, 45_000));
+    }
+
+    /// Many buckets, a lease renewed every report interval, passes every interval for several
+    /// leases: no stored lease end ever runs out, renewals stay within the budget and spread
+    /// out, and on average each bucket is written once per half lease.
+    #[test]
+    fn renewals_keep_every_stored_end_ahead_and_spread_out() {
+        let n = 20_000;
+        let mut w = Written::new(0, PACING.lease_ms);
+        w.observe_instance("r1".into());
+        let mut v = view_of(n, PPM / 3, PACING.lease_ms);
+        let budget = PACING.renewal_budget(n);
+        assert!(budget < n, "a budget below one full rewrite: {budget}");
+        let mut total = 0;
+        let mut most = 0;
+        let passes = 200;
+        for t in 1..=passes {
+            let now = t * PACING.report_interval_ms;
+            // The coordinator renews the lease every interval.
+            v.lease_end_local_ms = now + PACING.lease_ms;
+            for (k, h) in &w.held {
+                assert!(h.until_ms > now, "{k:?} ran out at {now}: {h:?}");
+            }
+            let made = pass(&mut w, &v, now);
+            if t > 1 {
+                most = most.max(made);
+                total += made;
+            }
+        }
+        assert!(most <= budget, "{most} > {budget}");
+        // One write per bucket per half lease: n / 15 per pass, give or take the spreading.
+        let per_pass = total as f64 / (passes - 1) as f64;
+        let ideal = n as f64 / (PACING.lease_ms as f64 / 2.0 / 1000.0);
+        assert!(
+            (0.8 * ideal..=1.25 * ideal).contains(&per_pass),
+            "{per_pass} writes per pass, ideal {ideal}"
+        );
     }
 
     #[test]
-    fn buckets_the_view_no_longer_has_are_forgotten() {
-        let (v, b, _) = view(300_000);
-        let mut w = Written::new(0, 0);
-        let old = BucketRef {
-            version: 6,
-            ..b.clone()
+    fn small_deployments_renew_everything_in_one_pass() {
+        assert_eq!(PACING.renewal_budget(10), MIN_RENEWALS_PER_PASS);
+        // A lease of a few intervals: 10 k buckets must all fit in a quarter lease.
+        let short = Pacing {
+            report_interval_ms: 100,
+            lease_ms: 1_000,
         };
-        w.shares.insert(b.clone(), (1, 1));
-        w.shares.insert(old.clone(), (1, 1));
-        w.retain_in(&v);
-        assert!(w.shares.contains_key(&b) && !w.shares.contains_key(&old));
+        assert!(short.renewal_budget(10_000) >= 10_000 * 100 / 250);
     }
 }

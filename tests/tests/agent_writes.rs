@@ -1,0 +1,112 @@
+//! The region agent writes a bucket's parameters to Redis when they change, not every report
+//! interval: an idle daemon with many policies sends Redis no parameter writes, a changed policy
+//! costs one, and a restarted (empty) Redis gets every bucket back.
+
+use std::time::Duration;
+
+use quotad_system_tests::{eventually, redis_config, Daemon};
+use redis::aio::MultiplexedConnection;
+use redis_harness::RedisServer;
+use serde_json::json;
+
+const POLICIES: usize = 200;
+
+/// Parameter hashes in Redis (key schema `qd:v1:{tenant}:<policy>:<version>:p`).
+async fn params_keys(redis: &RedisServer) -> usize {
+    let Ok(mut conn) = redis.client().get_multiplexed_async_connection().await else {
+        return 0;
+    };
+    redis::cmd("KEYS")
+        .arg("qd:v1:*:p")
+        .query_async::<Vec<String>>(&mut conn)
+        .await
+        .map_or(0, |k| k.len())
+}
+
+/// EVALSHA calls since the last `CONFIG RESETSTAT` (every parameter write is one).
+async fn evalsha_calls(conn: &mut MultiplexedConnection) -> anyhow::Result<u64> {
+    let stats: String = redis::cmd("INFO")
+        .arg("commandstats")
+        .query_async(conn)
+        .await?;
+    Ok(stats
+        .lines()
+        .find_map(|l| l.strip_prefix("cmdstat_evalsha:calls="))
+        .and_then(|rest| rest.split(',').next())
+        .map_or(Ok(0), str::parse)?)
+}
+
+async fn all_params_within(redis: &RedisServer, n: usize, within: Duration) -> bool {
+    eventually(within, Duration::from_millis(50), || async {
+        (params_keys(redis).await == n).then_some(())
+    })
+    .await
+    .is_some()
+}
+
+#[tokio::test]
+async fn parameters_are_written_on_change_and_after_a_restart_only() -> anyhow::Result<()> {
+    let mut redis = RedisServer::start()?;
+    // Report interval 200 ms: ten passes of the agent in the 2 s watched below.
+    let d = Daemon::start(&redis_config(&redis.url())).await?;
+    let spec = json!({"limit": 100, "window_ms": 60000});
+    for i in 0..POLICIES {
+        d.put_policy(&format!("t{i}"), "writes", spec.clone())
+            .await?;
+    }
+    assert!(
+        all_params_within(&redis, POLICIES, Duration::from_secs(5)).await,
+        "every policy's parameters reach Redis"
+    );
+
+    let mut conn = redis.client().get_multiplexed_async_connection().await?;
+    redis::cmd("CONFIG")
+        .arg("RESETSTAT")
+        .query_async::<()>(&mut conn)
+        .await?;
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let idle = evalsha_calls(&mut conn).await?;
+    eprintln!("parameter writes in 2 s idle with {POLICIES} policies: {idle}");
+    assert_eq!(idle, 0, "nothing changed, nothing written");
+
+    // A new limit is a new policy version: one bucket to write.
+    let v = d
+        .put_policy("t7", "writes", json!({"limit": 50, "window_ms": 60000}))
+        .await?;
+    let version = v["version"].as_u64().expect("a version");
+    let key = format!("qd:v1:{{t7}}:writes:{version}:p");
+    let written = eventually(Duration::from_secs(3), Duration::from_millis(50), || {
+        let mut conn = conn.clone();
+        let key = key.clone();
+        async move {
+            let n: i64 = redis::cmd("EXISTS")
+                .arg(&key)
+                .query_async(&mut conn)
+                .await
+                .ok()?;
+            (n == 1).then_some(())
+        }
+    })
+    .await;
+    assert!(
+        written.is_some(),
+        "the new version's parameters are written"
+    );
+    tokio::time::sleep(Duration::from_millis(600)).await;
+    let after_change = evalsha_calls(&mut conn).await?;
+    eprintln!("parameter writes for one changed policy: {after_change}");
+    assert_eq!(after_change, 1, "one changed policy, one write");
+
+    // A restarted Redis is empty and has a new run id: every bucket is written again.
+    redis.restart()?;
+    let back = std::time::Instant::now();
+    assert!(
+        all_params_within(&redis, POLICIES, Duration::from_secs(3)).await,
+        "every policy's parameters are back after the restart"
+    );
+    eprintln!(
+        "{POLICIES} buckets re-applied {:?} after the restart",
+        back.elapsed()
+    );
+    Ok(())
+}
