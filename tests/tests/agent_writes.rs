@@ -1,6 +1,7 @@
 //! The region agent writes a bucket's parameters to Redis when they change, not every report
 //! interval: an idle daemon with many policies sends Redis no parameter writes, a changed policy
-//! costs one, and a restarted (empty) Redis gets every bucket back.
+//! costs one, an old version's or a deleted policy's parameters are cleared, and a restarted
+//! (empty) Redis gets every bucket back.
 
 use std::time::Duration;
 
@@ -92,20 +93,40 @@ async fn parameters_are_written_on_change_and_after_a_restart_only() -> anyhow::
         written.is_some(),
         "the new version's parameters are written"
     );
+    // The old version's parameters (and state) go: no stale share for a gateway still using it.
+    assert!(
+        all_params_within(&redis, POLICIES, Duration::from_secs(3)).await,
+        "the old version's parameters are cleared"
+    );
     tokio::time::sleep(Duration::from_millis(600)).await;
     let after_change = evalsha_calls(&mut conn).await?;
     eprintln!("parameter writes for one changed policy: {after_change}");
     assert_eq!(after_change, 1, "one changed policy, one write");
+    // A deleted policy's parameters go too.
+    let r = d
+        .request(
+            "DELETE",
+            "/v1/tenants/t8/policies/writes",
+            Some(quotad_system_tests::TOKEN),
+            None,
+        )
+        .await?;
+    assert!(r.status < 300, "DELETE answered {}", r.status);
+    assert!(
+        all_params_within(&redis, POLICIES - 1, Duration::from_secs(3)).await,
+        "the deleted policy's parameters are cleared"
+    );
 
     // A restarted Redis is empty and has a new run id: every bucket is written again.
     redis.restart()?;
     let back = std::time::Instant::now();
     assert!(
-        all_params_within(&redis, POLICIES, Duration::from_secs(3)).await,
+        all_params_within(&redis, POLICIES - 1, Duration::from_secs(3)).await,
         "every policy's parameters are back after the restart"
     );
     eprintln!(
-        "{POLICIES} buckets re-applied {:?} after the restart",
+        "{} buckets re-applied {:?} after the restart",
+        POLICIES - 1,
         back.elapsed()
     );
     Ok(())

@@ -288,6 +288,16 @@ impl Store for EmbeddedStore {
         Ok(())
     }
 
+    async fn clear_params(&self, bucket: &BucketRef) -> Result<(), StoreError> {
+        let mut s = self.shard(bucket);
+        s.params.remove(bucket);
+        for kind in [StateKind::Bucket, StateKind::Window] {
+            // The activity list drops keys without a state at the next collection or sweep.
+            s.states.remove(&(bucket.clone(), kind));
+        }
+        Ok(())
+    }
+
     /// In process: what was written stays for the life of the store.
     async fn instance(&self) -> Result<String, StoreError> {
         Ok("embedded".to_string())

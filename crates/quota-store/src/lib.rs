@@ -256,6 +256,13 @@ pub trait Store: Send + Sync {
         &self,
         req: &SetParams,
     ) -> impl std::future::Future<Output = Result<(), StoreError>> + Send;
+    /// Removes a bucket's parameters and state (its policy was deleted or replaced by a new
+    /// version): a gateway still calling the script for it gets the "no parameters" error, not
+    /// the old share. Usage not yet collected from it is dropped with it.
+    fn clear_params(
+        &self,
+        bucket: &BucketRef,
+    ) -> impl std::future::Future<Output = Result<(), StoreError>> + Send;
     /// Names the data this store holds: the same while what was written is still there, a new
     /// value once it may be gone (a restarted or failed-over Redis has a new run id). The region
     /// agent rewrites every bucket's parameters when it changes.
@@ -299,6 +306,13 @@ impl Store for AnyStore {
         match self {
             Self::Embedded(s) => s.set_params(req).await,
             Self::Redis(s) => s.set_params(req).await,
+        }
+    }
+
+    async fn clear_params(&self, bucket: &BucketRef) -> Result<(), StoreError> {
+        match self {
+            Self::Embedded(s) => s.clear_params(bucket).await,
+            Self::Redis(s) => s.clear_params(bucket).await,
         }
     }
 

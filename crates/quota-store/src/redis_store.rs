@@ -481,6 +481,16 @@ impl Store for RedisStore {
         Ok(())
     }
 
+    async fn clear_params(&self, bucket: &BucketRef) -> Result<(), StoreError> {
+        // One DEL: the keys share the tenant's hash tag, so one Cluster slot.
+        let mut del = redis::cmd("DEL");
+        del.arg(bucket.params_key())
+            .arg(bucket.state_key(StateKind::Bucket))
+            .arg(bucket.state_key(StateKind::Window));
+        let _: i64 = self.command(&del).await?;
+        Ok(())
+    }
+
     async fn instance(&self) -> Result<String, StoreError> {
         self.run_ids().await
     }

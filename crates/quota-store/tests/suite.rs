@@ -39,6 +39,7 @@ both_stores!(
     cost_above_capacity_is_a_denial,
     a_peek_spends_and_counts_nothing,
     the_floor_takes_over_at_the_lease_end,
+    cleared_params_and_state_are_gone,
 );
 
 async fn a_peek_spends_and_counts_nothing<S: Store>(s: &S) {
@@ -246,6 +247,41 @@ async fn written_params_win_over_the_fallback<S: Store>(s: &S) {
     .unwrap();
     let d = s.check(&req(&b2, tokens(4, 0), 1, Some(T0))).await.unwrap();
     assert_eq!(d.remaining, 3);
+}
+
+/// `clear_params` drops a bucket's parameters and state: the next check starts a full bucket
+/// at its fallback; other buckets keep theirs.
+async fn cleared_params_and_state_are_gone<S: Store>(s: &S) {
+    let (b, other) = (fresh_bucket("clear"), fresh_bucket("clear"));
+    for x in [&b, &other] {
+        s.set_params(&SetParams::new(x.clone(), tokens(3, 0)))
+            .await
+            .unwrap();
+        for _ in 0..3 {
+            assert!(
+                s.check(&req(x, tokens(100, 0), 1, Some(T0)))
+                    .await
+                    .unwrap()
+                    .allowed
+            );
+        }
+    }
+    s.clear_params(&b).await.unwrap();
+    // Clearing twice (or a bucket never written) is not an error.
+    s.clear_params(&b).await.unwrap();
+    let fallback = tokens(100, 0);
+    let d = s.check(&req(&b, fallback, 1, Some(T0))).await.unwrap();
+    assert_eq!(
+        (d.allowed, d.remaining),
+        (true, 99),
+        "a new bucket at the fallback"
+    );
+    let d = s.check(&req(&other, fallback, 1, Some(T0))).await.unwrap();
+    assert_eq!(
+        (d.allowed, d.remaining),
+        (false, 0),
+        "the other bucket keeps its state"
+    );
 }
 
 fn sorted(mut v: Vec<UsageRecord>) -> Vec<UsageRecord> {

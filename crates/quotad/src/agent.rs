@@ -106,6 +106,9 @@ pub struct Written {
     instance: Option<String>,
     /// Bumped when the instance changes: buckets written to an older one are rewritten.
     generation: u64,
+    /// Buckets the view no longer has (deleted policies, old versions), still to be cleared
+    /// from the store.
+    to_clear: Vec<BucketRef>,
 }
 
 impl Written {
@@ -128,13 +131,23 @@ impl Written {
         }
     }
 
-    /// Forgets buckets `view` no longer has (deleted policies, old versions): only the view's
-    /// buckets are asked about.
+    /// Forgets buckets `view` no longer has (deleted policies, old versions) and queues them
+    /// to be cleared from the store.
     pub fn retain_in(&mut self, view: &ClusterView) {
+        let to_clear = &mut self.to_clear;
         self.held.retain(|k, h| {
-            view.policies
+            let keep = view
+                .policies
                 .get(k)
-                .is_some_and(|e| e.policy.version == h.version)
+                .is_some_and(|e| e.policy.version == h.version);
+            if !keep {
+                to_clear.push(BucketRef {
+                    tenant: k.0.clone(),
+                    policy: k.1.clone(),
+                    version: h.version,
+                });
+            }
+            keep
         });
     }
 
@@ -303,7 +316,6 @@ pub async fn run_apply(
         }
         let v = view.borrow().clone();
         let all = apply_shares(&decider, &v, &mut written, pacing).await;
-        written.retain_in(&v);
         if let Coordinator::Replicated(r) = coordinator.as_ref() {
             if all {
                 r.on_applied(v.epoch);
@@ -373,6 +385,7 @@ pub async fn apply_shares(
         Ok(id) => written.observe_instance(id),
         Err(e) => tracing::debug!(error = %e, "Store instance unknown."),
     }
+    written.retain_in(view);
     let writes = written.plan(view, decider.region(), clock::wall_ms(), pacing);
     // After the first failure nothing more is sent: a store that is down would otherwise cost
     // a timeout per bucket.
@@ -406,7 +419,40 @@ pub async fn apply_shares(
             None => all = false,
         }
     }
+    if !failed.load(Ordering::Relaxed) {
+        clear_obsolete(decider, written).await;
+    }
     all
+}
+
+/// Clears the buckets of deleted policies and old versions from the store, so neither their
+/// parameters nor their state stay behind; those it could not clear wait for the next pass.
+async fn clear_obsolete(decider: &Decider, written: &mut Written) {
+    let store = decider.store();
+    let buckets = std::mem::take(&mut written.to_clear);
+    let failed = AtomicBool::new(false);
+    let left: Vec<BucketRef> = stream::iter(buckets)
+        .map(|b| {
+            let failed = &failed;
+            async move {
+                if failed.load(Ordering::Relaxed) {
+                    return Some(b);
+                }
+                match store.clear_params(&b).await {
+                    Ok(()) => None,
+                    Err(e) => {
+                        failed.store(true, Ordering::Relaxed);
+                        tracing::debug!(tenant = %b.tenant, policy = %b.policy, error = %e, "Clearing an old bucket failed.");
+                        Some(b)
+                    }
+                }
+            }
+        })
+        .buffer_unordered(WRITE_CONCURRENCY)
+        .filter_map(|b| async move { b })
+        .collect()
+        .await;
+    written.to_clear.extend(left);
 }
 
 #[cfg(test)]
@@ -498,6 +544,17 @@ mod tests {
         v2.policies.insert(key(100), entry(7, 300_000));
         v2.policies.remove(&key(5));
         w.retain_in(&v2);
+        let mut cleared: Vec<_> = w
+            .to_clear
+            .iter()
+            .map(|b| (b.tenant.as_str(), b.version))
+            .collect();
+        cleared.sort_unstable();
+        assert_eq!(
+            cleared,
+            vec![("t4", 7), ("t5", 7)],
+            "the old version and the deleted policy"
+        );
         let writes = w.plan(&v2, &region(), 3_000, PACING);
         let mut keys: Vec<_> = writes.iter().map(|x| x.key.clone()).collect();
         keys.sort();
