@@ -338,6 +338,11 @@ impl Coordinator {
         self.inner.state.read(f)
     }
 
+    /// Runs `f` on the applied state and its revision ([`StateHandle::read_revised`]).
+    pub fn read_revised<R>(&self, f: impl FnOnce(&CoordinatorState, u64) -> R) -> R {
+        self.inner.state.read_revised(f)
+    }
+
     /// Runs `f` on a state that includes every write committed before this call (a ReadIndex
     /// round: one quorum round trip). Leader only; bounded by `write_timeout_ms`.
     pub async fn read_linearizable<R>(

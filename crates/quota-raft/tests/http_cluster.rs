@@ -6,7 +6,7 @@ mod common;
 use std::collections::BTreeMap;
 use std::time::Duration;
 
-use common::commands::{limit_of, put_policy, set_shares};
+use common::commands::{limit_of, put_policy, put_region, renew_lease, set_shares};
 use quota_core::coordinator::Response;
 use quota_raft::codec::FORMAT_VERSION;
 use quota_raft::protocol::{PATH_APPEND, PATH_SNAPSHOT, PATH_VOTE};
@@ -152,6 +152,39 @@ async fn single_node_cluster_writes_and_recovers() {
         node.coordinator.write(put_policy(3, 11, 12)).await,
         Err(WriteError::Fatal { .. })
     ));
+}
+
+/// The revision readers key derived data on: lease renewals (the steady stream) leave it
+/// alone; every other change moves it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn lease_renewals_leave_the_revision_alone() {
+    let dir = TempDir::new().unwrap();
+    let [l] = <[TcpListener; 1]>::try_from(listeners(1).await).unwrap();
+    let members = BTreeMap::from([(1, member(1, &l))]);
+    let node = serve(config(1, &members, &dir), l).await;
+    let c = &node.coordinator;
+    eventually(|| c.is_leader()).await;
+    let revision = || c.read_revised(|_, r| r);
+    c.write(put_region(1, "eu")).await.unwrap();
+    let r1 = revision();
+    for i in 0..5 {
+        let r = c.write(renew_lease(10 + i, "eu", 0)).await.unwrap();
+        assert!(matches!(r, Response::LeaseRenewed { .. }), "{r:?}");
+    }
+    assert_eq!(revision(), r1, "renewals keep the revision");
+    assert!(c.read(|s| s
+        .regions
+        .iter()
+        .flatten()
+        .all(|r| r.lease_expires_at_ms > 0)));
+    c.write(put_policy(20, 7, 8)).await.unwrap();
+    let r2 = revision();
+    assert_ne!(r2, r1, "a policy change moves it");
+    c.write(set_shares(21, 0, 7, 8, &[1_000_000]))
+        .await
+        .unwrap();
+    assert_ne!(revision(), r2, "a share change moves it");
+    node.server.abort();
 }
 
 async fn three_nodes(dir: &TempDir) -> (BTreeMap<NodeId, Member>, Vec<Node>) {

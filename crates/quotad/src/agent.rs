@@ -166,7 +166,7 @@ impl Written {
             .then(|| view.lease_end_local_ms - now_ms);
         let mut writes = Vec::new();
         let mut due = Vec::new();
-        for (key, entry) in &view.policies {
+        for (key, entry) in view.policies.iter() {
             let grant = entry.grants.get(region);
             let share = view.enforced_share_ppm(grant, now_ms);
             let limit = limit_for_share(&entry.policy, share);
@@ -493,7 +493,6 @@ mod tests {
         let grant = Grant {
             share_ppm,
             floor_ppm: 100_000,
-            lease_expires_ms: 50_000,
         };
         PolicyEntry {
             policy,
@@ -505,7 +504,7 @@ mod tests {
     /// `n` buckets at version 7 and `share_ppm`, the lease ending at `lease_end`.
     fn view_of(n: usize, share_ppm: u32, lease_end: u64) -> ClusterView {
         ClusterView {
-            policies: (0..n).map(|i| (key(i), entry(7, share_ppm))).collect(),
+            policies: Arc::new((0..n).map(|i| (key(i), entry(7, share_ppm))).collect()),
             epoch: 3,
             lease_end_local_ms: lease_end,
             ..ClusterView::default()
@@ -539,10 +538,11 @@ mod tests {
         );
         // One share moves, one policy gets a new version, one is added, one removed.
         let mut v2 = v.clone();
-        v2.policies.insert(key(3), entry(7, 500_000));
-        v2.policies.insert(key(4), entry(8, 300_000));
-        v2.policies.insert(key(100), entry(7, 300_000));
-        v2.policies.remove(&key(5));
+        let p = Arc::make_mut(&mut v2.policies);
+        p.insert(key(3), entry(7, 500_000));
+        p.insert(key(4), entry(8, 300_000));
+        p.insert(key(100), entry(7, 300_000));
+        p.remove(&key(5));
         w.retain_in(&v2);
         let mut cleared: Vec<_> = w
             .to_clear

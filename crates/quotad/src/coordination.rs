@@ -26,9 +26,6 @@ pub struct Grant {
     pub share_ppm: u32,
     /// What the region falls back to once its lease is over (never above the share).
     pub floor_ppm: u32,
-    /// Coordinator time (wall-clock ms) the region's lease ends, for display; `u64::MAX` =
-    /// never. Regions count their own lease, see [`ClusterView::lease_end_local_ms`].
-    pub lease_expires_ms: u64,
 }
 
 /// A tenant's policy with every region's grant.
@@ -44,9 +41,14 @@ pub struct PolicyEntry {
 /// An immutable snapshot of coordinator state, as this region sees it.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct ClusterView {
-    pub policies: BTreeMap<(TenantId, PolicyName), PolicyEntry>,
+    /// Shared between views while policies, shares and pins stay the same (lease renewals
+    /// change only `region_leases` and `lease_end_local_ms`), so a new view costs O(regions).
+    pub policies: Arc<BTreeMap<(TenantId, PolicyName), PolicyEntry>>,
     /// Pinned tenants and their home region.
-    pub tenant_pins: BTreeMap<TenantId, RegionId>,
+    pub tenant_pins: Arc<BTreeMap<TenantId, RegionId>>,
+    /// Coordinator time (wall-clock ms) each region's lease ends, for display; `u64::MAX` =
+    /// never. Regions count their own lease, see [`ClusterView::lease_end_local_ms`].
+    pub region_leases: BTreeMap<RegionId, u64>,
     /// Bumped on every committed change regions must apply.
     pub epoch: u64,
     /// Local wall-clock ms at which this region must stop enforcing more than its floors (its
@@ -249,16 +251,19 @@ impl LocalCoordinator {
     /// file, on anything it cannot read: starting empty would forget policies.
     pub fn open(region: RegionId, data_dir: &Path) -> Result<Self, LocalStoreError> {
         let (store, loaded) = LocalStore::open(data_dir)?;
-        let mut view = ClusterView {
+        let mut policies = BTreeMap::new();
+        for ((tenant, name), policy) in loaded.policies {
+            let home = loaded.pins.get(&tenant).cloned();
+            let entry = Self::entry(&region, policy, home);
+            policies.insert((tenant, name), entry);
+        }
+        let view = ClusterView {
             lease_end_local_ms: u64::MAX,
-            tenant_pins: loaded.pins,
+            policies: Arc::new(policies),
+            tenant_pins: Arc::new(loaded.pins),
+            region_leases: BTreeMap::from([(region.clone(), u64::MAX)]),
             ..ClusterView::default()
         };
-        for ((tenant, name), policy) in loaded.policies {
-            let home = view.tenant_pins.get(&tenant).cloned();
-            let entry = Self::entry(&region, policy, home);
-            view.policies.insert((tenant, name), entry);
-        }
         tracing::info!(
             path = %store.path().display(),
             policies = view.policies.len(),
@@ -293,7 +298,6 @@ impl LocalCoordinator {
         let grant = Grant {
             share_ppm: PPM,
             floor_ppm: policy.floor_ppm,
-            lease_expires_ms: u64::MAX,
         };
         PolicyEntry {
             policy,
@@ -333,7 +337,7 @@ impl LocalCoordinator {
             s.last_version = version;
             let home = s.view.tenant_pins.get(&tenant).cloned();
             let entry = Self::entry(&self.region, policy.clone(), home);
-            s.view.policies.insert((tenant, name), entry);
+            Arc::make_mut(&mut s.view.policies).insert((tenant, name), entry);
             Ok(policy)
         })
     }
@@ -345,7 +349,7 @@ impl LocalCoordinator {
                 return Ok(false);
             }
             self.store.delete_policy(tenant, name)?;
-            s.view.policies.remove(&key);
+            Arc::make_mut(&mut s.view.policies).remove(&key);
             Ok(true)
         })
     }
@@ -356,8 +360,8 @@ impl LocalCoordinator {
         }
         self.mutate(|s| {
             self.store.put_pin(tenant, &region)?;
-            s.view.tenant_pins.insert(tenant.clone(), region.clone());
-            for ((t, _), e) in s.view.policies.iter_mut() {
+            Arc::make_mut(&mut s.view.tenant_pins).insert(tenant.clone(), region.clone());
+            for ((t, _), e) in Arc::make_mut(&mut s.view.policies).iter_mut() {
                 if t == tenant {
                     e.home = Some(region.clone());
                 }
@@ -372,8 +376,8 @@ impl LocalCoordinator {
                 return Ok(false);
             }
             self.store.delete_pin(tenant)?;
-            s.view.tenant_pins.remove(tenant);
-            for ((t, _), e) in s.view.policies.iter_mut() {
+            Arc::make_mut(&mut s.view.tenant_pins).remove(tenant);
+            for ((t, _), e) in Arc::make_mut(&mut s.view.policies).iter_mut() {
                 if t == tenant {
                     e.home = None;
                 }
@@ -541,7 +545,6 @@ mod tests {
         let g = Grant {
             share_ppm: 600_000,
             floor_ppm: 100_000,
-            lease_expires_ms: 0,
         };
         let view = ClusterView {
             lease_end_local_ms: 1_000,

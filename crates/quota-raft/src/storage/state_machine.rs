@@ -5,7 +5,7 @@ use std::sync::{Arc, RwLock, RwLockReadGuard, RwLockWriteGuard};
 
 use openraft::storage::RaftStateMachine;
 use openraft::{EntryPayload, OptionalSend, RaftLogId, RaftSnapshotBuilder, StorageIOError};
-use quota_core::coordinator::CoordinatorState;
+use quota_core::coordinator::{CoordinatorState, Operation};
 use redb::{Database, Durability, ReadableDatabase};
 use tokio::sync::watch;
 
@@ -20,6 +20,8 @@ struct Applied {
     state: CoordinatorState,
     last_applied: Option<LogId>,
     membership: StoredMembership,
+    /// Bumped by every change other than a lease renewal (see [`StateHandle::read_revised`]).
+    revision: u64,
 }
 
 #[derive(Debug)]
@@ -54,6 +56,16 @@ impl StateHandle {
         f(&self.shared.read().state)
     }
 
+    /// Runs `f` on the applied state and its revision: a number, in this process only, that
+    /// changes with every applied command except `RenewLease` (and with every membership change
+    /// and snapshot install). Renewals are the steady stream (each region, every report
+    /// interval) and touch only regions' leases, so a reader deriving something from policies,
+    /// shares and pins can keep it while the revision stays the same.
+    pub fn read_revised<R>(&self, f: impl FnOnce(&CoordinatorState, u64) -> R) -> R {
+        let applied = self.shared.read();
+        f(&applied.state, applied.revision)
+    }
+
     /// The log id of the last applied entry.
     pub fn last_applied(&self) -> Option<LogId> {
         self.shared.read().last_applied
@@ -81,6 +93,7 @@ impl StateMachineStore {
                     state: decode(&data).map_err(|source| OpenError::Codec { source })?,
                     last_applied: meta.last_log_id,
                     membership: meta.last_membership,
+                    revision: 0,
                 },
                 None => Applied::default(),
             };
@@ -191,8 +204,14 @@ impl RaftStateMachine<TypeConfig> for StateMachineStore {
                 applied.last_applied = Some(*entry.get_log_id());
                 let reply = match entry.payload {
                     EntryPayload::Blank => None,
-                    EntryPayload::Normal(ref cmd) => Some(applied.state.apply(cmd)),
+                    EntryPayload::Normal(ref cmd) => {
+                        if !matches!(cmd.op, Operation::RenewLease { .. }) {
+                            applied.revision += 1;
+                        }
+                        Some(applied.state.apply(cmd))
+                    }
                     EntryPayload::Membership(ref m) => {
+                        applied.revision += 1;
                         applied.membership =
                             StoredMembership::new(Some(*entry.get_log_id()), m.clone());
                         None
@@ -228,6 +247,7 @@ impl RaftStateMachine<TypeConfig> for StateMachineStore {
         {
             let mut applied = self.shared.write();
             applied.state = state;
+            applied.revision += 1;
             applied.last_applied = meta.last_log_id;
             applied.membership = meta.last_membership.clone();
         }

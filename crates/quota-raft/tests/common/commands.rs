@@ -47,6 +47,18 @@ pub fn put_region(request: u128, name: &str) -> Command {
     }
 }
 
+/// `RenewLease` for region `name`, acknowledging epoch `acked_epoch`.
+pub fn renew_lease(request: u128, name: &str, acked_epoch: u64) -> Command {
+    Command {
+        request: RequestId(request),
+        now_ms: 1_000 + request as u64,
+        op: Operation::RenewLease {
+            region: RegionId::new(name).unwrap(),
+            acked_epoch,
+        },
+    }
+}
+
 /// The limit stored for tenant `n`, if any.
 pub fn limit_of(state: &CoordinatorState, n: u64) -> Option<u64> {
     state.entries.get(&key(n)).map(|e| e.policy.limit)

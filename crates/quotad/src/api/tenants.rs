@@ -322,6 +322,13 @@ pub async fn allowance(
     let region = state.decider.region().clone();
     let now_ms = clock::wall_ms();
     let margin_ms = state.drift_margin_ms;
+    // A region's lease end, `None` when it never ends (a single region) or is unknown.
+    let lease_of = |r: &RegionId| {
+        view.region_leases
+            .get(r)
+            .copied()
+            .filter(|&exp| exp != u64::MAX)
+    };
     let mut policies = Vec::new();
     for ((t, name), entry) in view.policies.range(
         (
@@ -347,7 +354,6 @@ pub async fn allowance(
         let tokens_left = state.decider.tokens_left(bucket, limit).await;
         let grant = entry.grants.get(&region);
         let share = grant.map_or(0, |g| g.share_ppm);
-        let lease = |exp: u64| (exp != u64::MAX).then_some(exp);
         let frac = |ppm: u32| f64::from(ppm) / f64::from(PPM);
         let (capacity, refill_per_s) = match limit {
             Limit::TokenBucket(b) => (
@@ -362,7 +368,7 @@ pub async fn allowance(
         let non_floor = frac(enforced.saturating_sub(p.floor_ppm));
         // A lease that never ends (a single region) is never reused elsewhere: nothing to spend
         // twice.
-        let leased = grant.is_some_and(|g| g.lease_expires_ms != u64::MAX);
+        let leased = grant.is_some() && lease_of(&region).is_some();
         let overshoot = if leased {
             non_floor * (p.burst as f64 + rate_tokens_per_s * 2.0 * margin_ms as f64 / 1000.0)
         } else {
@@ -382,7 +388,7 @@ pub async fn allowance(
                 refill_per_s,
                 tokens_left,
                 lease_remaining_ms: grant
-                    .and_then(|g| lease(g.lease_expires_ms))
+                    .and(lease_of(&region))
                     .map(|exp| exp.saturating_sub(now_ms)),
             },
             regions: entry
@@ -391,7 +397,7 @@ pub async fn allowance(
                 .map(|(r, g)| RegionShareView {
                     region: r.as_str().to_string(),
                     share: frac(g.share_ppm),
-                    lease_expires_ms: lease(g.lease_expires_ms),
+                    lease_expires_ms: lease_of(r),
                 })
                 .collect(),
             worst_case_overshoot_tokens: overshoot,
