@@ -3,9 +3,10 @@
 //!
 //! Client errors explain themselves; internal errors are logged and answered without detail.
 
+use axum::body::Bytes;
 use axum::extract::rejection::JsonRejection;
 use axum::extract::{FromRequest, Request};
-use axum::http::{header, HeaderValue, StatusCode};
+use axum::http::{header, HeaderMap, HeaderValue, StatusCode};
 use axum::response::{IntoResponse, Response};
 use quota_core::policy::FieldError;
 use serde::de::DeserializeOwned;
@@ -200,14 +201,25 @@ where
     type Rejection = ApiError;
 
     async fn from_request(req: Request, state: &S) -> Result<Self, Self::Rejection> {
-        match axum::Json::<T>::from_request(req, state).await {
-            Ok(axum::Json(v)) => Ok(Self(v)),
-            Err(JsonRejection::MissingJsonContentType(_)) => Err(ApiError::UnsupportedMediaType),
-            Err(JsonRejection::BytesRejection(r))
-                if r.status() == StatusCode::PAYLOAD_TOO_LARGE =>
-            {
-                Err(ApiError::TooLarge)
+        if !json_content_type(req.headers()) {
+            return Err(ApiError::UnsupportedMediaType);
+        }
+        let body = Bytes::from_request(req, state).await.map_err(|r| {
+            if r.status() == StatusCode::PAYLOAD_TOO_LARGE {
+                ApiError::TooLarge
+            } else {
+                ApiError::BadBody {
+                    detail: r.body_text(),
+                }
             }
+        })?;
+        // Most bodies are valid: parse them directly, and run the parse that tracks the path to
+        // the bad field only to explain a failure.
+        if let Ok(v) = serde_json::from_slice::<T>(&body) {
+            return Ok(Self(v));
+        }
+        match axum::Json::<T>::from_bytes(&body) {
+            Ok(axum::Json(v)) => Ok(Self(v)),
             Err(JsonRejection::JsonDataError(e)) => Err(ApiError::BadBody {
                 detail: std::error::Error::source(&e)
                     .map_or_else(|| e.body_text(), ToString::to_string),
@@ -220,5 +232,61 @@ where
                 detail: e.body_text(),
             }),
         }
+    }
+}
+
+/// `application/json` or `application/*+json`, parameters allowed, case-insensitive: what
+/// axum's `Json` accepts, without parsing a full media type on every request.
+fn json_content_type(headers: &HeaderMap) -> bool {
+    let Some(ct) = headers
+        .get(header::CONTENT_TYPE)
+        .and_then(|v| v.to_str().ok())
+    else {
+        return false;
+    };
+    let essence = ct.split(';').next().unwrap_or_default().trim();
+    let Some((ty, sub)) = essence.split_once('/') else {
+        return false;
+    };
+    let json_suffix = sub.len() > 5
+        && sub.is_char_boundary(sub.len() - 5)
+        && sub[sub.len() - 5..].eq_ignore_ascii_case("+json");
+    ty.eq_ignore_ascii_case("application") && (sub.eq_ignore_ascii_case("json") || json_suffix)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn with(ct: &str) -> HeaderMap {
+        let mut h = HeaderMap::new();
+        h.insert(header::CONTENT_TYPE, HeaderValue::from_str(ct).unwrap());
+        h
+    }
+
+    #[test]
+    fn json_media_types_are_recognised_as_axum_does() {
+        for ok in [
+            "application/json",
+            "Application/JSON",
+            "application/json; charset=utf-8",
+            " application/json ;charset=UTF-8",
+            "application/merge-patch+json",
+            "application/problem+JSON",
+        ] {
+            assert!(json_content_type(&with(ok)), "{ok}");
+        }
+        for bad in [
+            "text/json",
+            "application/jsonx",
+            "application/+json",
+            "application",
+            "json",
+            "text/plain; x=application/json",
+            "",
+        ] {
+            assert!(!json_content_type(&with(bad)), "{bad:?}");
+        }
+        assert!(!json_content_type(&HeaderMap::new()), "no content type");
     }
 }
