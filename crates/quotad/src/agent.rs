@@ -391,13 +391,18 @@ pub async fn apply_shares(
     // a timeout per bucket.
     let failed = AtomicBool::new(false);
     let results: Vec<(Write, Option<bool>)> = stream::iter(writes)
-        .map(|w| {
+        .map(|mut w| {
             let failed = &failed;
             async move {
                 if failed.load(Ordering::Relaxed) {
                     return (w, None);
                 }
                 let r = store.set_params(&w.req).await;
+                // The store counts the lease from when it ran the write, no later than now:
+                // what it holds ends by now + the time sent, an upper bound even if it failed.
+                if let Some(lease) = &w.req.lease {
+                    w.held.until_ms = clock::wall_ms().saturating_add(lease.remaining_ms);
+                }
                 if let Err(e) = &r {
                     failed.store(true, Ordering::Relaxed);
                     tracing::debug!(tenant = %w.key.0, policy = %w.key.1, error = %e, "Applying a share failed.");
