@@ -509,7 +509,7 @@ mod tests {
     /// `n` buckets at version 7 and `share_ppm`, the lease ending at `lease_end`.
     fn view_of(n: usize, share_ppm: u32, lease_end: u64) -> ClusterView {
         ClusterView {
-            policies: Arc::new((0..n).map(|i| (key(i), entry(7, share_ppm))).collect()),
+            policies: (0..n).map(|i| (key(i), entry(7, share_ppm))).collect(),
             epoch: 3,
             lease_end_local_ms: lease_end,
             ..ClusterView::default()
@@ -543,7 +543,7 @@ mod tests {
         );
         // One share moves, one policy gets a new version, one is added, one removed.
         let mut v2 = v.clone();
-        let p = Arc::make_mut(&mut v2.policies);
+        let p = &mut v2.policies;
         p.insert(key(3), entry(7, 500_000));
         p.insert(key(4), entry(8, 300_000));
         p.insert(key(100), entry(7, 300_000));

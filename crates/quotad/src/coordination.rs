@@ -38,12 +38,16 @@ pub struct PolicyEntry {
     pub home: Option<RegionId>,
 }
 
+/// Every tenant's policies with their grants, in key order.
+pub type PolicyMap = imbl::OrdMap<(TenantId, PolicyName), PolicyEntry>;
+
 /// An immutable snapshot of coordinator state, as this region sees it.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct ClusterView {
-    /// Shared between views while policies, shares and pins stay the same (lease renewals
-    /// change only `region_leases` and `lease_end_local_ms`), so a new view costs O(regions).
-    pub policies: Arc<BTreeMap<(TenantId, PolicyName), PolicyEntry>>,
+    /// A persistent map: views share it, and a new view after a change copies only the
+    /// changed entries' paths (lease renewals change only `region_leases` and
+    /// `lease_end_local_ms`, and share it whole).
+    pub policies: PolicyMap,
     /// Pinned tenants and their home region.
     pub tenant_pins: Arc<BTreeMap<TenantId, RegionId>>,
     /// Coordinator time (wall-clock ms) each region's lease ends, for display; `u64::MAX` =
@@ -237,6 +241,17 @@ pub struct LocalCoordinator {
     _dir: Option<tempfile::TempDir>,
 }
 
+/// The keys of one tenant's policies.
+fn tenant_keys(policies: &PolicyMap, tenant: &TenantId) -> Vec<(TenantId, PolicyName)> {
+    policies
+        .iter()
+        .map(|(k, _)| k)
+        .skip_while(|(t, _)| t < tenant)
+        .take_while(|(t, _)| t == tenant)
+        .cloned()
+        .collect()
+}
+
 /// The view and the version counter, changed together.
 #[derive(Debug)]
 struct LocalState {
@@ -251,7 +266,7 @@ impl LocalCoordinator {
     /// file, on anything it cannot read: starting empty would forget policies.
     pub fn open(region: RegionId, data_dir: &Path) -> Result<Self, LocalStoreError> {
         let (store, loaded) = LocalStore::open(data_dir)?;
-        let mut policies = BTreeMap::new();
+        let mut policies = PolicyMap::new();
         for ((tenant, name), policy) in loaded.policies {
             let home = loaded.pins.get(&tenant).cloned();
             let entry = Self::entry(&region, policy, home);
@@ -259,7 +274,7 @@ impl LocalCoordinator {
         }
         let view = ClusterView {
             lease_end_local_ms: u64::MAX,
-            policies: Arc::new(policies),
+            policies,
             tenant_pins: Arc::new(loaded.pins),
             region_leases: BTreeMap::from([(region.clone(), u64::MAX)]),
             ..ClusterView::default()
@@ -337,7 +352,7 @@ impl LocalCoordinator {
             s.last_version = version;
             let home = s.view.tenant_pins.get(&tenant).cloned();
             let entry = Self::entry(&self.region, policy.clone(), home);
-            Arc::make_mut(&mut s.view.policies).insert((tenant, name), entry);
+            s.view.policies.insert((tenant, name), entry);
             Ok(policy)
         })
     }
@@ -349,7 +364,7 @@ impl LocalCoordinator {
                 return Ok(false);
             }
             self.store.delete_policy(tenant, name)?;
-            Arc::make_mut(&mut s.view.policies).remove(&key);
+            s.view.policies.remove(&key);
             Ok(true)
         })
     }
@@ -361,8 +376,8 @@ impl LocalCoordinator {
         self.mutate(|s| {
             self.store.put_pin(tenant, &region)?;
             Arc::make_mut(&mut s.view.tenant_pins).insert(tenant.clone(), region.clone());
-            for ((t, _), e) in Arc::make_mut(&mut s.view.policies).iter_mut() {
-                if t == tenant {
+            for key in tenant_keys(&s.view.policies, tenant) {
+                if let Some(e) = s.view.policies.get_mut(&key) {
                     e.home = Some(region.clone());
                 }
             }
@@ -377,8 +392,8 @@ impl LocalCoordinator {
             }
             self.store.delete_pin(tenant)?;
             Arc::make_mut(&mut s.view.tenant_pins).remove(tenant);
-            for ((t, _), e) in Arc::make_mut(&mut s.view.policies).iter_mut() {
-                if t == tenant {
+            for key in tenant_keys(&s.view.policies, tenant) {
+                if let Some(e) = s.view.policies.get_mut(&key) {
                     e.home = None;
                 }
             }
