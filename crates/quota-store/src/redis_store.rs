@@ -353,7 +353,7 @@ impl RedisStore {
             }
         };
         let mut ids = Vec::new();
-        collect_run_ids(&reply, &mut ids);
+        info_values(&reply, "run_id", &mut ids);
         if ids.is_empty() {
             return Err(StoreError::Protocol {
                 reason: "INFO server reported no run_id".into(),
@@ -369,33 +369,30 @@ impl RedisStore {
         section: &str,
         field: &str,
     ) -> Result<Option<String>, StoreError> {
-        let info: String = self.command(redis::cmd("INFO").arg(section)).await?;
-        let prefix = format!("{field}:");
-        Ok(info
-            .lines()
-            .find_map(|l| l.strip_prefix(&prefix))
-            .map(|v| v.trim().to_string()))
+        let info: Value = self.command(redis::cmd("INFO").arg(section)).await?;
+        let mut values = Vec::new();
+        info_values(&info, field, &mut values);
+        Ok(values.into_iter().next())
     }
 }
 
-/// Every `run_id:` line in an `INFO` reply: one text, or a map or array of them (one per node).
-fn collect_run_ids(v: &Value, out: &mut Vec<String>) {
+/// The values of every `field:` line in an `INFO` reply: one text, or a map or array of them
+/// (one per node of a Cluster).
+fn info_values(v: &Value, field: &str, out: &mut Vec<String>) {
+    let mut from_text = |text: &str| {
+        out.extend(text.lines().filter_map(|l| {
+            l.strip_prefix(field)
+                .and_then(|rest| rest.strip_prefix(':'))
+                .map(|v| v.trim().to_string())
+        }));
+    };
     match v {
-        Value::BulkString(b) => {
-            let text = String::from_utf8_lossy(b);
-            out.extend(
-                text.lines()
-                    .filter_map(|l| l.strip_prefix("run_id:"))
-                    .map(|id| id.trim().to_string()),
-            );
-        }
-        Value::VerbatimString { text, .. } => {
-            collect_run_ids(&Value::BulkString(text.clone().into_bytes()), out);
-        }
+        Value::BulkString(b) => from_text(&String::from_utf8_lossy(b)),
+        Value::VerbatimString { text, .. } => from_text(text),
         Value::Array(items) | Value::Set(items) => {
-            items.iter().for_each(|i| collect_run_ids(i, out));
+            items.iter().for_each(|i| info_values(i, field, out));
         }
-        Value::Map(pairs) => pairs.iter().for_each(|(_, i)| collect_run_ids(i, out)),
+        Value::Map(pairs) => pairs.iter().for_each(|(_, i)| info_values(i, field, out)),
         _ => {}
     }
 }

@@ -90,9 +90,16 @@ struct Held {
 /// One parameter write a pass makes.
 #[derive(Debug, Clone)]
 struct Write {
-    key: (TenantId, PolicyName),
     req: SetParams,
     held: Held,
+}
+
+impl Write {
+    /// The bucket's key in [`Written`], taken from the request.
+    fn into_key(self) -> ((TenantId, PolicyName), Held) {
+        let b = self.req.bucket;
+        ((b.tenant, b.policy), self.held)
+    }
 }
 
 /// What the store was last told for each bucket, so a pass writes only what changed, what is
@@ -200,7 +207,6 @@ impl Written {
                 req = req.with_lease(left, floor);
             }
             let w = Write {
-                key: key.clone(),
                 req,
                 held: Held {
                     version,
@@ -234,12 +240,12 @@ impl Written {
     /// Records the outcome of a write. A failed one may or may not have reached the store:
     /// the larger share and later end are kept, and it is rewritten next pass.
     fn record(&mut self, w: Write, ok: bool) {
+        let (key, sent) = w.into_key();
         if ok {
-            self.held.insert(w.key, w.held);
+            self.held.insert(key, sent);
             return;
         }
-        let sent = w.held;
-        let h = match self.held.get(&w.key).filter(|h| h.version == sent.version) {
+        let h = match self.held.get(&key).filter(|h| h.version == sent.version) {
             Some(old) => Held {
                 share: old.share.max(sent.share),
                 until_ms: old.until_ms.max(sent.until_ms),
@@ -253,7 +259,7 @@ impl Written {
                 ..sent
             },
         };
-        self.held.insert(w.key, h);
+        self.held.insert(key, h);
     }
 
     /// Whether the store cannot enforce more than `view` grants at `now_ms`, though some writes
@@ -387,33 +393,19 @@ pub async fn apply_shares(
     }
     written.retain_in(view);
     let writes = written.plan(view, decider.region(), clock::wall_ms(), pacing);
-    // After the first failure nothing more is sent: a store that is down would otherwise cost
-    // a timeout per bucket.
-    let failed = AtomicBool::new(false);
-    let results: Vec<(Write, Option<bool>)> = stream::iter(writes)
-        .map(|mut w| {
-            let failed = &failed;
-            async move {
-                if failed.load(Ordering::Relaxed) {
-                    return (w, None);
-                }
-                let r = store.set_params(&w.req).await;
-                // The store counts the lease from when it ran the write, no later than now:
-                // what it holds ends by now + the time sent, an upper bound even if it failed.
-                if let Some(lease) = &w.req.lease {
-                    w.held.until_ms = clock::wall_ms().saturating_add(lease.remaining_ms);
-                }
-                if let Err(e) = &r {
-                    failed.store(true, Ordering::Relaxed);
-                    tracing::debug!(tenant = %w.key.0, policy = %w.key.1, error = %e, "Applying a share failed.");
-                }
-                let ok = r.is_ok();
-                (w, Some(ok))
-            }
-        })
-        .buffer_unordered(WRITE_CONCURRENCY)
-        .collect()
-        .await;
+    let results = until_first_failure(writes, |mut w: Write| async move {
+        let r = store.set_params(&w.req).await;
+        // The store counts the lease from when it ran the write, no later than now: what it
+        // holds ends by now + the time sent, an upper bound even if the call failed.
+        if let Some(lease) = &w.req.lease {
+            w.held.until_ms = clock::wall_ms().saturating_add(lease.remaining_ms);
+        }
+        if let Err(e) = &r {
+            tracing::debug!(tenant = %w.req.bucket.tenant, policy = %w.req.bucket.policy, error = %e, "Applying a share failed.");
+        }
+        (w, r.is_ok())
+    })
+    .await;
     let mut all = true;
     for (w, outcome) in results {
         match outcome {
@@ -424,7 +416,7 @@ pub async fn apply_shares(
             None => all = false,
         }
     }
-    if !failed.load(Ordering::Relaxed) {
+    if all {
         clear_obsolete(decider, written).await;
     }
     all
@@ -435,29 +427,47 @@ pub async fn apply_shares(
 async fn clear_obsolete(decider: &Decider, written: &mut Written) {
     let store = decider.store();
     let buckets = std::mem::take(&mut written.to_clear);
+    let results = until_first_failure(buckets, |b: BucketRef| async move {
+        let r = store.clear_params(&b).await;
+        if let Err(e) = &r {
+            tracing::debug!(tenant = %b.tenant, policy = %b.policy, error = %e, "Clearing an old bucket failed.");
+        }
+        (b, r.is_ok())
+    })
+    .await;
+    for (b, outcome) in results {
+        if outcome != Some(true) {
+            written.to_clear.push(b);
+        }
+    }
+}
+
+/// Runs `call` on every item, [`WRITE_CONCURRENCY`] at a time, and starts no more calls after
+/// the first that fails: a store that is down would otherwise cost a timeout per item. Each
+/// item comes back with whether its call succeeded, or `None` if it never ran.
+async fn until_first_failure<T, F, Fut>(items: Vec<T>, call: F) -> Vec<(T, Option<bool>)>
+where
+    F: Fn(T) -> Fut,
+    Fut: std::future::Future<Output = (T, bool)>,
+{
     let failed = AtomicBool::new(false);
-    let left: Vec<BucketRef> = stream::iter(buckets)
-        .map(|b| {
-            let failed = &failed;
+    stream::iter(items)
+        .map(|item| {
+            let (failed, call) = (&failed, &call);
             async move {
                 if failed.load(Ordering::Relaxed) {
-                    return Some(b);
+                    return (item, None);
                 }
-                match store.clear_params(&b).await {
-                    Ok(()) => None,
-                    Err(e) => {
-                        failed.store(true, Ordering::Relaxed);
-                        tracing::debug!(tenant = %b.tenant, policy = %b.policy, error = %e, "Clearing an old bucket failed.");
-                        Some(b)
-                    }
+                let (item, ok) = call(item).await;
+                if !ok {
+                    failed.store(true, Ordering::Relaxed);
                 }
+                (item, Some(ok))
             }
         })
         .buffer_unordered(WRITE_CONCURRENCY)
-        .filter_map(|b| async move { b })
         .collect()
-        .await;
-    written.to_clear.extend(left);
+        .await
 }
 
 #[cfg(test)]
@@ -561,13 +571,16 @@ mod tests {
             "the old version and the deleted policy"
         );
         let writes = w.plan(&v2, &region(), 3_000, PACING);
-        let mut keys: Vec<_> = writes.iter().map(|x| x.key.clone()).collect();
+        let mut keys: Vec<_> = writes
+            .iter()
+            .map(|x| (x.req.bucket.tenant.clone(), x.req.bucket.policy.clone()))
+            .collect();
         keys.sort();
         assert_eq!(keys, vec![key(100), key(3), key(4)]);
         assert_eq!(
             writes
                 .iter()
-                .find(|x| x.key == key(4))
+                .find(|x| x.req.bucket.tenant == key(4).0)
                 .unwrap()
                 .req
                 .bucket

@@ -243,13 +243,22 @@ pub struct LocalCoordinator {
 
 /// The keys of one tenant's policies.
 fn tenant_keys(policies: &PolicyMap, tenant: &TenantId) -> Vec<(TenantId, PolicyName)> {
-    policies
-        .iter()
-        .map(|(k, _)| k)
-        .skip_while(|(t, _)| t < tenant)
-        .take_while(|(t, _)| t == tenant)
-        .cloned()
+    tenant_policies(policies, tenant)
+        .map(|(k, _)| k.clone())
         .collect()
+}
+
+/// One tenant's policies in name order: a range of the map, not a scan of it.
+pub fn tenant_policies<'a>(
+    policies: &'a PolicyMap,
+    tenant: &'a TenantId,
+) -> impl Iterator<Item = (&'a (TenantId, PolicyName), &'a PolicyEntry)> + 'a {
+    // "-" is the least valid name: '-' sorts before every other allowed character.
+    let first = PolicyName::new("-").ok();
+    first
+        .into_iter()
+        .flat_map(move |first| policies.range((tenant.clone(), first)..))
+        .take_while(move |((t, _), _)| t == tenant)
 }
 
 /// The view and the version counter, changed together.

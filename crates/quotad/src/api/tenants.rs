@@ -15,7 +15,7 @@ use crate::api::AppState;
 use quota_store::{BucketRef, Limit};
 
 use crate::clock;
-use crate::coordination::CoordError;
+use crate::coordination::{tenant_policies, CoordError};
 
 pub(crate) fn tenant_id(s: &str) -> Result<TenantId, ApiError> {
     TenantId::new(s).map_err(|e| ApiError::field("tenant", &e))
@@ -330,18 +330,7 @@ pub async fn allowance(
             .filter(|&exp| exp != u64::MAX)
     };
     let mut policies = Vec::new();
-    for ((t, name), entry) in view.policies.range(
-        (
-            tenant.clone(),
-            PolicyName::new("-").map_err(|e| ApiError::Internal {
-                context: "policy name",
-                source: e.into(),
-            })?,
-        )..,
-    ) {
-        if *t != tenant {
-            break;
-        }
+    for ((t, name), entry) in tenant_policies(&view.policies, &tenant) {
         let p = &entry.policy;
         let Some((_, enforced, limit)) = state.decider.params_for(&view, t, name) else {
             continue;
