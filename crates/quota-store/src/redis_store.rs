@@ -23,7 +23,7 @@ use redis::cluster_async::ClusterConnection;
 use redis::cluster_routing::{MultipleNodeRoutingInfo, RoutingInfo};
 use redis::{FromRedisValue, RedisError, Script, ServerErrorKind, Value};
 
-use crate::script::{self, COLLECT_BATCH_MAX};
+use crate::script::{self, Arg, COLLECT_BATCH_MAX};
 use crate::{
     BucketRef, CheckRequest, SetParams, Store, StoreError, UsageRecord, DEFAULT_MIN_IDLE_TTL_MS,
 };
@@ -280,10 +280,13 @@ impl RedisStore {
         &self,
         script: &Script,
         keys: &[&str],
-        args: &[&str],
+        args: &[Arg<'_>],
     ) -> Result<T, StoreError> {
         let hash = script.get_hash();
-        let len = keys.iter().chain(args).map(|a| a.len()).sum::<usize>() + hash.len() + 16;
+        let len = keys.iter().map(|k| k.len()).sum::<usize>()
+            + args.iter().map(Arg::len).sum::<usize>()
+            + hash.len()
+            + 16;
         let mut cmd = redis::Cmd::with_capacity(3 + keys.len() + args.len(), len);
         cmd.arg("EVALSHA")
             .arg(hash)
@@ -332,9 +335,9 @@ impl RedisStore {
         index: &str,
         max: usize,
     ) -> Result<(usize, Vec<UsageRecord>), StoreError> {
-        let n = max.clamp(1, COLLECT_BATCH_MAX).to_string();
+        let n = Arg::Num(max.clamp(1, COLLECT_BATCH_MAX) as u64);
         let reply: Vec<Value> = self
-            .invoke(&self.scripts.collect_usage, &[index], &[&n])
+            .invoke(&self.scripts.collect_usage, &[index], &[n])
             .await?;
         parse_usage(reply)
     }
@@ -448,18 +451,11 @@ impl Store for RedisStore {
         let state = req.bucket.state_key(kind);
         let params = req.bucket.params_key();
         let index = self.index_key(&state);
-        let args = script::decision_args(req);
+        let args = script::decision_args(req, &self.min_idle_ttl_ms);
         let s = match kind {
             StateKind::Bucket => &self.scripts.token_bucket,
             StateKind::Window => &self.scripts.sliding_window,
         };
-        let args = [
-            args[0].as_str(),
-            args[1].as_str(),
-            args[2].as_str(),
-            args[3].as_str(),
-            &self.min_idle_ttl_ms,
-        ];
         let reply: Vec<i64> = self.invoke(s, &[&state, &params, &index], &args).await?;
         script::decision_from_reply(&reply)
     }
@@ -471,7 +467,7 @@ impl Store for RedisStore {
         let key = req.bucket.params_key();
         let state = req.bucket.state_key(StateKind::Bucket);
         let args = script::set_params_args(req, &self.min_idle_ttl_ms);
-        let args: Vec<&str> = args.iter().map(String::as_str).collect();
+        let args: Vec<Arg> = args.iter().map(|a| Arg::Str(a)).collect();
         let _: i64 = self
             .invoke(&self.scripts.set_params, &[&key, &state], &args)
             .await?;

@@ -21,17 +21,49 @@ pub const COLLECT_USAGE_LUA: &str = include_str!("../../../lua/collect_usage.lua
 /// The largest `max` `collect_usage.lua` accepts in one call.
 pub const COLLECT_BATCH_MAX: usize = 100_000;
 
-/// The ARGV of a decision script for `req`: cost, fallback pair, explicit now (or `""`).
-pub fn decision_args(req: &CheckRequest) -> [String; 4] {
+/// One script argument as Redis receives it; numbers are written without a `String` each.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Arg<'a> {
+    Str(&'a str),
+    Num(u64),
+}
+
+impl Arg<'_> {
+    /// An upper bound of the bytes it writes.
+    pub fn len(&self) -> usize {
+        match self {
+            Arg::Str(s) => s.len(),
+            Arg::Num(_) => 20,
+        }
+    }
+
+    pub fn is_empty(&self) -> bool {
+        matches!(self, Arg::Str(""))
+    }
+}
+
+impl redis::ToRedisArgs for Arg<'_> {
+    fn write_redis_args<W: ?Sized + redis::RedisWrite>(&self, out: &mut W) {
+        match self {
+            Arg::Str(s) => out.write_arg(s.as_bytes()),
+            Arg::Num(n) => n.write_redis_args(out),
+        }
+    }
+}
+
+/// The ARGV of a decision script for `req`: cost, fallback pair, explicit now (or `""`),
+/// minimum idle TTL.
+pub fn decision_args<'a>(req: &CheckRequest, min_idle_ttl_ms: &'a str) -> [Arg<'a>; 5] {
     let (a, b) = match req.limit {
         Limit::TokenBucket(p) => (p.capacity_ut, p.rate_ut_per_s),
         Limit::SlidingWindow { limit, window_ms } => (limit, window_ms),
     };
     [
-        req.cost.to_string(),
-        a.to_string(),
-        b.to_string(),
-        req.now_ms.map(|n| n.to_string()).unwrap_or_default(),
+        Arg::Num(req.cost),
+        Arg::Num(a),
+        Arg::Num(b),
+        req.now_ms.map_or(Arg::Str(""), Arg::Num),
+        Arg::Str(min_idle_ttl_ms),
     ]
 }
 

@@ -26,7 +26,9 @@ use crate::telemetry::{self, DecisionMetrics, Outcome};
 
 /// Header marking a check forwarded from another region, so it is never forwarded again. Its
 /// value is the peer token: a client cannot use it to skip a pinned tenant's home.
-pub const FORWARDED_HEADER: &str = "x-quotad-forwarded";
+/// A `HeaderName`, not a `&str`: looking a `&str` up parses it on every request.
+pub const FORWARDED_HEADER: axum::http::HeaderName =
+    axum::http::HeaderName::from_static("x-quotad-forwarded");
 
 /// The limit this region enforces for a policy at a share: a bucket of `s·C` refilling at
 /// `s·r`, or for a sliding window `s·limit` per window.
@@ -60,6 +62,19 @@ pub enum Mode {
     Forwarded,
     /// Home region unreachable: decided here at this region's floor.
     HomeUnreachableFloor,
+}
+
+impl Mode {
+    /// The name it serializes to.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Mode::Normal => "normal",
+            Mode::DegradedLocal => "degraded_local",
+            Mode::DegradedOpen => "degraded_open",
+            Mode::Forwarded => "forwarded",
+            Mode::HomeUnreachableFloor => "home_unreachable_floor",
+        }
+    }
 }
 
 /// A decision with what a response needs to describe it.
@@ -370,7 +385,7 @@ impl Decider {
                 .http
                 .post(format!("http://{addr}/v1/check"))
                 .header(
-                    FORWARDED_HEADER,
+                    FORWARDED_HEADER.as_str(),
                     self.peer_token.as_ref().map_or("", |t| t.expose()),
                 )
                 .timeout(self.forward_timeout)

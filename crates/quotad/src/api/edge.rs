@@ -20,8 +20,8 @@ use axum::response::{IntoResponse as _, Response};
 use http_body_util::Limited;
 use tower::{Layer, Service};
 
-use crate::api::header_value;
 use crate::api::problem::ApiError;
+use crate::api::HeaderText;
 
 /// The request id header: echoed when the client sent one, generated otherwise.
 pub const REQUEST_ID: HeaderName = HeaderName::from_static("x-request-id");
@@ -43,7 +43,11 @@ struct RequestIds {
 impl RequestIds {
     fn next(&self) -> Option<HeaderValue> {
         let n = self.next.fetch_add(1, Ordering::Relaxed);
-        header_value(format_args!("{:08x}-{n:x}", self.prefix))
+        HeaderText::new()
+            .hex(self.prefix.into(), 8)
+            .str("-")
+            .hex(n, 1)
+            .value()
     }
 }
 

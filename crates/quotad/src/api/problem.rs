@@ -238,10 +238,14 @@ where
 /// `application/json` or `application/*+json`, parameters allowed, case-insensitive: what
 /// axum's `Json` accepts, without parsing a full media type on every request.
 fn json_content_type(headers: &HeaderMap) -> bool {
-    let Some(ct) = headers
-        .get(header::CONTENT_TYPE)
-        .and_then(|v| v.to_str().ok())
-    else {
+    let Some(ct) = headers.get(header::CONTENT_TYPE) else {
+        return false;
+    };
+    // What every well-behaved client sends: one comparison instead of a parse.
+    if ct.as_bytes() == b"application/json" {
+        return true;
+    }
+    let Ok(ct) = ct.to_str() else {
         return false;
     };
     let essence = ct.split(';').next().unwrap_or_default().trim();

@@ -561,3 +561,69 @@ async fn status_health_and_openapi() {
     assert_eq!(r.status, StatusCode::NOT_FOUND);
     assert!(is_problem(&r));
 }
+
+#[test]
+fn header_text_builds_what_format_would() {
+    use super::HeaderText;
+    let v = HeaderText::new()
+        .str("\"writes\";q=")
+        .num(10_000)
+        .str(";w=")
+        .num(u64::MAX)
+        .value()
+        .unwrap();
+    assert_eq!(v, format!("\"writes\";q=10000;w={}", u64::MAX).as_str());
+    for (n, width) in [
+        (0u64, 1),
+        (0, 8),
+        (0xabc, 8),
+        (0x1234_5678_9abc, 1),
+        (u64::MAX, 8),
+    ] {
+        let v = HeaderText::new().hex(n, width).value().unwrap();
+        assert_eq!(
+            v,
+            format!("{n:0width$x}").as_str(),
+            "{n:x} at width {width}"
+        );
+    }
+    // Past the stack buffer the text spills to the heap, whole.
+    let long = "x".repeat(300);
+    let v = HeaderText::new()
+        .str(&long[..100])
+        .str(&long[100..])
+        .num(7)
+        .value()
+        .unwrap();
+    assert_eq!(v, format!("{long}7").as_str());
+    // A byte no header value may hold gives None, not a panic.
+    assert!(HeaderText::new().str("a\r\nb").value().is_none());
+}
+
+#[test]
+fn check_bodies_written_directly_are_what_serde_writes() {
+    use crate::api::check::CheckResponse;
+    use crate::decision::Mode;
+    let modes = [
+        Mode::Normal,
+        Mode::DegradedLocal,
+        Mode::DegradedOpen,
+        Mode::Forwarded,
+        Mode::HomeUnreachableFloor,
+    ];
+    for (i, mode) in modes.into_iter().enumerate() {
+        let r = CheckResponse {
+            allowed: i % 2 == 0,
+            remaining: [0, 1, 99, u64::MAX, 12_345][i],
+            retry_after_ms: [0, 7, u64::MAX, 1000, 3][i],
+            reset_ms: [60_000, 0, 1, u64::MAX, 42][i],
+            region: ["eu", "us-east_1", "ap", "x", "Z9"][i].to_string(),
+            // Not a valid id: the fallback must still write valid, equal JSON.
+            decided_by: ["eu", "us-east_1", "quote\"back\\slash", "ü", "\n"][i].to_string(),
+            mode,
+        };
+        let direct = String::from_utf8(r.to_json()).unwrap();
+        assert_eq!(direct, serde_json::to_string(&r).unwrap());
+        assert_eq!(serde_json::to_value(mode).unwrap(), mode.as_str());
+    }
+}
