@@ -46,9 +46,8 @@ impl StateKind {
 }
 
 fn key(tenant: &TenantId, policy: &PolicyName, version: u64, kind: &str) -> String {
-    use std::fmt::Write as _;
-    // Built in one allocation of the right size: two keys are built for every decision, and
-    // `format!` grows its string as it goes.
+    // Built in one allocation of the right size, without `core::fmt`: two keys are built for
+    // every decision, and `format!` grows its string as it goes.
     let (t, p) = (tenant.as_str(), policy.as_str());
     let mut k = String::with_capacity(PREFIX.len() + t.len() + p.len() + kind.len() + 25);
     k.push_str(PREFIX);
@@ -57,7 +56,7 @@ fn key(tenant: &TenantId, policy: &PolicyName, version: u64, kind: &str) -> Stri
     k.push_str("}:");
     k.push_str(p);
     k.push(':');
-    let _ = write!(k, "{version}");
+    k.push_str(itoa::Buffer::new().format(version));
     k.push(':');
     k.push_str(kind);
     k

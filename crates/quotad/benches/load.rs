@@ -581,6 +581,10 @@ fn main() -> anyhow::Result<()> {
                     if !wanted(name) {
                         continue;
                     }
+                    if only.is_some() {
+                        // For scripts/instructions.sh: the exact count, not rate × seconds.
+                        println!("{conc:>5} {name:>7} | ops {}", o.ops);
+                    }
                     println!(
                         "{:>5} {:>7} | {:>10.0} {:>9.1} {:>9.1} | {:>6.2} {:>7.2} {:>+9.1} | {:>8.1} {:>8.1} {:>8.1}",
                         conc,
