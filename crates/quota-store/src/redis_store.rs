@@ -284,7 +284,7 @@ impl RedisStore {
     ) -> Result<T, StoreError> {
         let hash = script.get_hash();
         let len = keys.iter().map(|k| k.len()).sum::<usize>()
-            + args.iter().map(Arg::len).sum::<usize>()
+            + args.iter().map(Arg::max_len).sum::<usize>()
             + hash.len()
             + 16;
         let mut cmd = redis::Cmd::with_capacity(3 + keys.len() + args.len(), len);

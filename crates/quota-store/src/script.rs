@@ -29,16 +29,12 @@ pub enum Arg<'a> {
 }
 
 impl Arg<'_> {
-    /// An upper bound of the bytes it writes.
-    pub fn len(&self) -> usize {
+    /// An upper bound of the bytes it writes, to size the command once.
+    pub fn max_len(&self) -> usize {
         match self {
             Arg::Str(s) => s.len(),
             Arg::Num(_) => 20,
         }
-    }
-
-    pub fn is_empty(&self) -> bool {
-        matches!(self, Arg::Str(""))
     }
 }
 
