@@ -136,3 +136,91 @@ async fn parameters_are_written_on_change_and_after_a_restart_only() -> anyhow::
     );
     Ok(())
 }
+
+async fn exists(conn: &mut MultiplexedConnection, key: &str) -> anyhow::Result<bool> {
+    let n: i64 = redis::cmd("EXISTS").arg(key).query_async(conn).await?;
+    Ok(n == 1)
+}
+
+/// A policy deleted while its parameters could not be cleared (Redis refusing writes, then the
+/// daemon killed) leaves them in Redis; the next daemon on the same data directory sweeps them
+/// out once it has applied its view, and leaves alone what it has no word on yet.
+#[tokio::test]
+async fn what_a_killed_daemon_left_behind_is_swept_at_start() -> anyhow::Result<()> {
+    let redis = RedisServer::start()?;
+    let mut first = Daemon::start(&redis_config(&redis.url())).await?;
+    let spec = json!({"limit": 100, "window_ms": 60000});
+    let kept = first.put_policy("t0", "writes", spec.clone()).await?;
+    let gone = first.put_policy("t1", "writes", spec).await?;
+    let key = |tenant: &str, version: &serde_json::Value| {
+        format!("qd:v1:{{{tenant}}}:writes:{version}:p")
+    };
+    let (kept_key, gone_key) = (key("t0", &kept["version"]), key("t1", &gone["version"]));
+    assert!(
+        all_params_within(&redis, 2, Duration::from_secs(5)).await,
+        "both policies' parameters reach Redis"
+    );
+    let mut conn = redis.client().get_multiplexed_async_connection().await?;
+    // A version above any this cluster has issued: written by a change the next daemon's view
+    // has not caught up with, as far as it can tell. It must stay.
+    let future_key = key("t0", &json!(1000));
+    redis::cmd("COPY")
+        .arg(&kept_key)
+        .arg(&future_key)
+        .query_async::<()>(&mut conn)
+        .await?;
+
+    // Writes refused: the DELETE is stored, but the agent cannot clear the parameters.
+    redis::cmd("CLIENT")
+        .arg("PAUSE")
+        .arg(10_000)
+        .arg("WRITE")
+        .query_async::<()>(&mut conn)
+        .await?;
+    let r = first
+        .request(
+            "DELETE",
+            "/v1/tenants/t1/policies/writes",
+            Some(quotad_system_tests::TOKEN),
+            None,
+        )
+        .await?;
+    assert!(r.status < 300, "DELETE answered {}", r.status);
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    first.kill();
+    redis::cmd("CLIENT")
+        .arg("UNPAUSE")
+        .query_async::<()>(&mut conn)
+        .await?;
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert!(
+        exists(&mut conn, &gone_key).await?,
+        "the killed daemon's clear never ran, so there is something to sweep"
+    );
+
+    let data = first.data_dir();
+    let data = data.to_str().expect("a UTF-8 temp path");
+    let second =
+        Daemon::start_with_env(&redis_config(&redis.url()), &[("QUOTAD_DATA_DIR", data)]).await?;
+    let swept = eventually(Duration::from_secs(5), Duration::from_millis(50), || {
+        let mut conn = conn.clone();
+        let gone_key = gone_key.clone();
+        async move { (!exists(&mut conn, &gone_key).await.ok()?).then_some(()) }
+    })
+    .await;
+    assert!(
+        swept.is_some(),
+        "the deleted policy's parameters are swept: {}",
+        second.log_text()
+    );
+    assert!(
+        exists(&mut conn, &kept_key).await?,
+        "the live policy's stay"
+    );
+    assert!(
+        exists(&mut conn, &future_key).await?,
+        "a version newer than the view stays"
+    );
+    assert_eq!(second.check("t0", "writes", 1).await?.status, 200);
+    Ok(())
+}

@@ -82,28 +82,47 @@ pub fn params_key(tenant: &TenantId, policy: &PolicyName, version: u64) -> Strin
     key(tenant, policy, version, "p")
 }
 
-/// Parses a state key back into its parts; `None` for anything this schema did not write.
-pub fn parse_state_key(k: &str) -> Option<(StateKind, TenantId, PolicyName, u64)> {
+/// Splits a bucket key into tenant, policy, version and suffix; `None` for anything this
+/// schema did not write.
+fn parse_key(k: &str) -> Option<(TenantId, PolicyName, u64, &str)> {
     let rest = k.strip_prefix(PREFIX)?.strip_prefix('{')?;
     let (tenant, rest) = rest.split_once("}:")?;
     let (policy, rest) = rest.split_once(':')?;
-    let (version, kind) = rest.split_once(':')?;
-    let kind = match kind {
-        "b" => StateKind::Bucket,
-        "w" => StateKind::Window,
-        _ => return None,
-    };
+    let (version, suffix) = rest.split_once(':')?;
     // Reject leading zeros or signs so parsing is the exact inverse of formatting.
     let version_num: u64 = version.parse().ok()?;
     if version_num.to_string() != version {
         return None;
     }
     Some((
-        kind,
         TenantId::new(tenant).ok()?,
         PolicyName::new(policy).ok()?,
         version_num,
+        suffix,
     ))
+}
+
+/// Parses a state key back into its parts; `None` for anything this schema did not write.
+pub fn parse_state_key(k: &str) -> Option<(StateKind, TenantId, PolicyName, u64)> {
+    let (tenant, policy, version, suffix) = parse_key(k)?;
+    let kind = match suffix {
+        "b" => StateKind::Bucket,
+        "w" => StateKind::Window,
+        _ => return None,
+    };
+    Some((kind, tenant, policy, version))
+}
+
+/// The glob matching every parameters key (for `SCAN … MATCH`); [`parse_params_key`] tells
+/// the real ones from look-alikes.
+pub const PARAMS_KEY_PATTERN: &str = "qd:v1:{*}:*:*:p";
+
+/// Parses a parameters key back into tenant, policy and version; `None` for anything else.
+pub fn parse_params_key(k: &str) -> Option<(TenantId, PolicyName, u64)> {
+    match parse_key(k)? {
+        (tenant, policy, version, "p") => Some((tenant, policy, version)),
+        _ => None,
+    }
 }
 
 /// The Redis Cluster slot of a key (CRC16/XMODEM of its hash tag, modulo 16384).
@@ -218,6 +237,28 @@ mod tests {
         ] {
             assert_eq!(parse_state_key(bad), None, "{bad}");
         }
+    }
+
+    #[test]
+    fn params_keys_parse_back() {
+        let t = TenantId::new("a-b_c").unwrap();
+        let p = PolicyName::new("login").unwrap();
+        let k = params_key(&t, &p, 7);
+        assert_eq!(parse_params_key(&k), Some((t.clone(), p.clone(), 7)));
+        for bad in [
+            bucket_key(&t, &p, 7).as_str(),
+            "qd:v1:{acme}:writes:07:p",
+            "qd:v1:{acme}:writes:-7:p",
+            "qd:v1:{acme}:writes:7:p:x",
+            "qd:v1:{acme}::7:p",
+            "qd:v1:{acme:writes:7:p",
+            "qd:v2:{acme}:writes:7:p",
+            "qd:v1:active",
+        ] {
+            assert_eq!(parse_params_key(bad), None, "{bad}");
+        }
+        // The SCAN pattern is a glob over exactly these keys' shape.
+        assert!(PARAMS_KEY_PATTERN.starts_with(PREFIX) && PARAMS_KEY_PATTERN.ends_with(":p"));
     }
 
     #[test]

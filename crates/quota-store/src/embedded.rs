@@ -303,6 +303,14 @@ impl Store for EmbeddedStore {
         Ok("embedded".to_string())
     }
 
+    async fn list_params(&self) -> Result<Vec<BucketRef>, StoreError> {
+        Ok(self
+            .shards
+            .iter()
+            .flat_map(|s| lock(s).params.keys().cloned().collect::<Vec<_>>())
+            .collect())
+    }
+
     async fn collect_usage(&self, max: usize) -> Result<Vec<UsageRecord>, StoreError> {
         let mut out = Vec::new();
         for s in self.shards.iter() {

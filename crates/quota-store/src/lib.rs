@@ -267,6 +267,12 @@ pub trait Store: Send + Sync {
     /// value once it may be gone (a restarted or failed-over Redis has a new run id). The region
     /// agent rewrites every bucket's parameters when it changes.
     fn instance(&self) -> impl std::future::Future<Output = Result<String, StoreError>> + Send;
+    /// Every bucket whose parameters the store holds, whoever wrote them: the region agent
+    /// clears those its view no longer has (a policy deleted, or replaced by a new version,
+    /// while this daemon was down). O(keys stored); once per store instance.
+    fn list_params(
+        &self,
+    ) -> impl std::future::Future<Output = Result<Vec<BucketRef>, StoreError>> + Send;
     /// Drains usage recorded since the last call: O(buckets active since then). Returns at
     /// most `max` records; the rest stay for the next call.
     fn collect_usage(
@@ -320,6 +326,13 @@ impl Store for AnyStore {
         match self {
             Self::Embedded(s) => s.instance().await,
             Self::Redis(s) => s.instance().await,
+        }
+    }
+
+    async fn list_params(&self) -> Result<Vec<BucketRef>, StoreError> {
+        match self {
+            Self::Embedded(s) => s.list_params().await,
+            Self::Redis(s) => s.list_params().await,
         }
     }
 

@@ -20,7 +20,7 @@ use quota_core::keys::{self, StateKind};
 use quota_core::Decision;
 use redis::aio::{ConnectionManager, ConnectionManagerConfig};
 use redis::cluster_async::ClusterConnection;
-use redis::cluster_routing::{MultipleNodeRoutingInfo, RoutingInfo};
+use redis::cluster_routing::{MultipleNodeRoutingInfo, RoutingInfo, SingleNodeRoutingInfo};
 use redis::{FromRedisValue, RedisError, Script, ServerErrorKind, Value};
 
 use crate::script::{self, Arg, COLLECT_BATCH_MAX};
@@ -95,6 +95,10 @@ enum Conn {
     Single(ConnectionManager),
     Cluster(ClusterConnection),
 }
+
+/// Keys one `SCAN` step looks at: large enough that a sweep of a big keyspace takes few round
+/// trips, small enough that no step holds Redis for long.
+const SCAN_COUNT: usize = 1000;
 
 /// Either connection, so one code path issues every command.
 impl redis::aio::ConnectionLike for Conn {
@@ -366,6 +370,80 @@ impl RedisStore {
         Ok(ids.join(","))
     }
 
+    /// Every bucket whose parameters this Redis holds, on every master of a Cluster, by `SCAN`:
+    /// O(keys in the database), for the agent's one sweep per store instance.
+    async fn params_held(&self) -> Result<Vec<BucketRef>, StoreError> {
+        let mut out = Vec::new();
+        match &self.conn {
+            Conn::Single(_) => self.scan_params(None, &mut out).await?,
+            Conn::Cluster(c) => {
+                // A command without a reply policy sent to every master answers with a map
+                // keyed by each node's address.
+                let all = RoutingInfo::MultiNode((MultipleNodeRoutingInfo::AllMasters, None));
+                let reply: Value = self
+                    .bounded(c.clone().route_command(redis::cmd("PING"), all))
+                    .await?;
+                let Value::Map(nodes) = reply else {
+                    return Err(StoreError::Protocol {
+                        reason: "PING to every master gave no map of nodes".into(),
+                    });
+                };
+                for (addr, _) in nodes {
+                    let addr: String = redis::from_redis_value(addr).map_err(protocol)?;
+                    let node = addr
+                        .rsplit_once(':')
+                        .and_then(|(host, port)| Some((host.to_string(), port.parse().ok()?)))
+                        .ok_or_else(|| StoreError::Protocol {
+                            reason: format!("node address {addr:?}"),
+                        })?;
+                    self.scan_params(Some(node), &mut out).await?;
+                }
+            }
+        }
+        Ok(out)
+    }
+
+    /// SCANs one server (a Cluster node by address) for parameters keys into `out`.
+    async fn scan_params(
+        &self,
+        node: Option<(String, u16)>,
+        out: &mut Vec<BucketRef>,
+    ) -> Result<(), StoreError> {
+        let mut cursor: u64 = 0;
+        loop {
+            let mut scan = redis::cmd("SCAN");
+            scan.arg(cursor)
+                .arg("MATCH")
+                .arg(keys::PARAMS_KEY_PATTERN)
+                .arg("COUNT")
+                .arg(SCAN_COUNT);
+            let reply: Value = match (&self.conn, &node) {
+                (Conn::Cluster(c), Some((host, port))) => {
+                    let at = RoutingInfo::SingleNode(SingleNodeRoutingInfo::ByAddress {
+                        host: host.clone(),
+                        port: *port,
+                    });
+                    self.bounded(c.clone().route_command(scan, at)).await?
+                }
+                _ => self.command(&scan).await?,
+            };
+            let (next, found): (u64, Vec<String>) =
+                redis::from_redis_value(reply).map_err(protocol)?;
+            out.extend(found.iter().filter_map(|k| {
+                let (tenant, policy, version) = keys::parse_params_key(k)?;
+                Some(BucketRef {
+                    tenant,
+                    policy,
+                    version,
+                })
+            }));
+            if next == 0 {
+                return Ok(());
+            }
+            cursor = next;
+        }
+    }
+
     /// Reads one field of `INFO` (e.g. `used_memory`) from a standalone server.
     pub async fn info_field(
         &self,
@@ -401,10 +479,14 @@ fn info_values(v: &Value, field: &str, out: &mut Vec<String>) {
 }
 
 /// Decodes `{taken, key, admitted, denied, …}`; keys this schema did not write are skipped.
-fn parse_usage(reply: Vec<Value>) -> Result<(usize, Vec<UsageRecord>), StoreError> {
-    let parse = |e: redis::ParsingError| StoreError::Protocol {
+fn protocol(e: redis::ParsingError) -> StoreError {
+    StoreError::Protocol {
         reason: e.to_string(),
-    };
+    }
+}
+
+fn parse_usage(reply: Vec<Value>) -> Result<(usize, Vec<UsageRecord>), StoreError> {
+    let parse = protocol;
     let mut it = reply.into_iter();
     let taken: usize = match it.next() {
         Some(v) => redis::from_redis_value(v).map_err(parse)?,
@@ -486,6 +568,10 @@ impl Store for RedisStore {
 
     async fn instance(&self) -> Result<String, StoreError> {
         self.run_ids().await
+    }
+
+    async fn list_params(&self) -> Result<Vec<BucketRef>, StoreError> {
+        self.params_held().await
     }
 
     async fn collect_usage(&self, max: usize) -> Result<Vec<UsageRecord>, StoreError> {

@@ -92,3 +92,33 @@ async fn a_cluster_instance_names_every_master() {
     assert_eq!(sorted, ids, "sorted and distinct");
     assert_eq!(s.instance().await.unwrap(), id);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn listed_params_come_from_every_master() {
+    let cluster = RedisCluster::start().unwrap();
+    let cfg = RedisStoreConfig::cluster(cluster.urls()).with_timeout(Duration::from_secs(5));
+    let s = RedisStore::connect(cfg).await.unwrap();
+    let written: std::collections::BTreeSet<_> =
+        (0..1_200).map(|_| fresh_bucket("cl-list")).collect();
+    for b in &written {
+        s.set_params(&SetParams::new(b.clone(), tokens(3, 1)))
+            .await
+            .unwrap();
+    }
+    let slots: Vec<u16> = written
+        .iter()
+        .map(|b| keys::key_slot(&b.params_key()))
+        .collect();
+    assert!(
+        slots.iter().any(|&s| s < 5461) && slots.iter().any(|&s| s > 10923),
+        "every master holds some"
+    );
+    let listed = s.list_params().await.unwrap();
+    assert_eq!(listed.len(), written.len(), "each held bucket once");
+    assert_eq!(
+        listed
+            .into_iter()
+            .collect::<std::collections::BTreeSet<_>>(),
+        written
+    );
+}

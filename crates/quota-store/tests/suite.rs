@@ -40,6 +40,7 @@ both_stores!(
     a_peek_spends_and_counts_nothing,
     the_floor_takes_over_at_the_lease_end,
     cleared_params_and_state_are_gone,
+    listed_params_are_those_held,
 );
 
 async fn a_peek_spends_and_counts_nothing<S: Store>(s: &S) {
@@ -282,6 +283,37 @@ async fn cleared_params_and_state_are_gone<S: Store>(s: &S) {
         (false, 0),
         "the other bucket keeps its state"
     );
+}
+
+async fn listed_params_are_those_held<S: Store>(s: &S) {
+    // More than one SCAN step's worth, of both kinds, so the cursor is followed to the end.
+    let mut written = std::collections::BTreeSet::new();
+    for i in 0..2_500 {
+        let b = fresh_bucket("list");
+        let limit = if i % 5 == 0 {
+            Limit::SlidingWindow {
+                limit: 10,
+                window_ms: 1000,
+            }
+        } else {
+            tokens(3, 1)
+        };
+        s.set_params(&SetParams::new(b.clone(), limit))
+            .await
+            .unwrap();
+        written.insert(b);
+    }
+    let cleared = written.pop_first().unwrap();
+    s.clear_params(&cleared).await.unwrap();
+    // A bucket decided at the fallback has state but no parameters: not listed.
+    let state_only = fresh_bucket("list-state");
+    s.check(&req(&state_only, tokens(5, 1), 1, Some(T0)))
+        .await
+        .unwrap();
+    let listed: std::collections::BTreeSet<_> =
+        s.list_params().await.unwrap().into_iter().collect();
+    assert_eq!(listed.len(), written.len(), "each held bucket once");
+    assert_eq!(listed, written);
 }
 
 fn sorted(mut v: Vec<UsageRecord>) -> Vec<UsageRecord> {

@@ -14,6 +14,9 @@
 //!   unreachable it still acknowledges once the store cannot hold more than the epoch grants
 //!   (no share was cut, or the cut share's stored lease ran out): the `local` fail mode
 //!   enforces the granted share in process, and the region's lease must not lapse meanwhile.
+//!   Once per store instance, after a pass that wrote everything, it sweeps the store for
+//!   parameters the view has no use for (a policy deleted or replaced while this daemon was
+//!   down) and clears them.
 //! - **report** (multi-region only): every report interval, drains usage from the store and
 //!   sends it to the leader, then renews the lease through the log with the acknowledged epoch.
 
@@ -116,6 +119,8 @@ pub struct Written {
     /// Buckets the view no longer has (deleted policies, old versions), still to be cleared
     /// from the store.
     to_clear: Vec<BucketRef>,
+    /// The generation whose store was last swept for buckets this daemon never saw go.
+    swept: Option<u64>,
 }
 
 impl Written {
@@ -156,6 +161,21 @@ impl Written {
             }
             keep
         });
+    }
+
+    /// Queues for clearing each of `held` (buckets the store holds parameters for) that is
+    /// gone for good: at a version `view` has issued but does not hold. That is what a policy
+    /// deleted or replaced while this daemon was down left behind. A bucket above the view's
+    /// last version belongs to a change the view has not caught up with, and stays.
+    fn sweep(&mut self, view: &ClusterView, held: Vec<BucketRef>) {
+        let gone = held.into_iter().filter(|b| {
+            b.version <= view.last_version
+                && view
+                    .policy(&b.tenant, &b.policy)
+                    .is_none_or(|e| e.policy.version != b.version)
+        });
+        self.to_clear.extend(gone);
+        self.swept = Some(self.generation);
     }
 
     /// The writes one pass makes at `now_ms`: every bucket whose parameters differ from what
@@ -416,6 +436,14 @@ pub async fn apply_shares(
             None => all = false,
         }
     }
+    if all && written.swept != Some(written.generation) {
+        // Once per store instance, with the view applied: leftovers of what was deleted while
+        // this daemon was down (a restarted Redis is empty, and the sweep then finds nothing).
+        match store.list_params().await {
+            Ok(held) => written.sweep(view, held),
+            Err(e) => tracing::debug!(error = %e, "Listing stored parameters failed."),
+        }
+    }
     if all {
         clear_obsolete(decider, written).await;
     }
@@ -593,6 +621,42 @@ mod tests {
         assert_eq!(pass(&mut w, &v2, 4_000), 0);
         // Without a lease the parameters are still refreshed, rarely.
         assert_eq!(pass(&mut w, &v2, 4_000 + REFRESH_WITHOUT_LEASE_MS), 100);
+    }
+
+    #[test]
+    fn the_sweep_clears_only_what_is_gone_for_good() {
+        // Tenants t0 and t1 hold version 7; the counter has issued up to 9.
+        let v = ClusterView {
+            last_version: 9,
+            ..view_of(2, PPM / 2, u64::MAX)
+        };
+        let bucket = |i: usize, version: u64| BucketRef {
+            tenant: key(i).0,
+            policy: key(i).1,
+            version,
+        };
+        let mut w = Written::new(0, 0);
+        w.sweep(
+            &v,
+            vec![
+                bucket(0, 7),  // current: kept
+                bucket(0, 5),  // an older version of a live policy: cleared
+                bucket(1, 9),  // issued, but not what the view holds: cleared
+                bucket(2, 3),  // a deleted policy: cleared
+                bucket(3, 10), // newer than the view (it lags): kept
+            ],
+        );
+        let mut cleared: Vec<_> = w
+            .to_clear
+            .iter()
+            .map(|b| (b.tenant.as_str().to_string(), b.version))
+            .collect();
+        cleared.sort();
+        assert_eq!(
+            cleared,
+            [("t0".into(), 5), ("t1".into(), 9), ("t2".into(), 3)]
+        );
+        assert_eq!(w.swept, Some(w.generation), "one sweep per instance");
     }
 
     #[test]

@@ -58,6 +58,10 @@ pub struct ClusterView {
     /// Local wall-clock ms at which this region must stop enforcing more than its floors (its
     /// lease end minus the drift margin, counted by its own clock); `u64::MAX` = never.
     pub lease_end_local_ms: u64,
+    /// The last policy version issued when this view was taken. Versions are never reused, so
+    /// a bucket at a version up to this one that the view does not hold is gone for good;
+    /// one above it belongs to a change this view has not seen yet.
+    pub last_version: u64,
 }
 
 impl ClusterView {
@@ -261,13 +265,11 @@ pub fn tenant_policies<'a>(
         .take_while(move |((t, _), _)| t == tenant)
 }
 
-/// The view and the version counter, changed together.
+/// The view, with the version counter in it (`view.last_version`): versions are never
+/// reused, so a re-put policy gets fresh Redis keys instead of a deleted one's bucket.
 #[derive(Debug)]
 struct LocalState {
     view: ClusterView,
-    /// The last policy version issued: versions are never reused, so a re-put policy gets
-    /// fresh Redis keys instead of a deleted one's bucket.
-    last_version: u64,
 }
 
 impl LocalCoordinator {
@@ -286,6 +288,7 @@ impl LocalCoordinator {
             policies,
             tenant_pins: Arc::new(loaded.pins),
             region_leases: BTreeMap::from([(region.clone(), u64::MAX)]),
+            last_version: loaded.last_version,
             ..ClusterView::default()
         };
         tracing::info!(
@@ -299,10 +302,7 @@ impl LocalCoordinator {
         Ok(Self {
             region,
             store,
-            state: Mutex::new(LocalState {
-                view,
-                last_version: loaded.last_version,
-            }),
+            state: Mutex::new(LocalState { view }),
             tx,
             #[cfg(test)]
             _dir: None,
@@ -355,10 +355,10 @@ impl LocalCoordinator {
         mut policy: Policy,
     ) -> Result<Policy, CoordError> {
         self.mutate(|s| {
-            let version = s.last_version + 1;
+            let version = s.view.last_version + 1;
             policy.version = version;
             self.store.put_policy(&tenant, &name, &policy, version)?;
-            s.last_version = version;
+            s.view.last_version = version;
             let home = s.view.tenant_pins.get(&tenant).cloned();
             let entry = Self::entry(&self.region, policy.clone(), home);
             s.view.policies.insert((tenant, name), entry);

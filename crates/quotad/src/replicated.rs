@@ -635,6 +635,7 @@ fn view_of(
         region_leases: region_leases_of(s),
         epoch: s.epoch,
         lease_end_local_ms,
+        last_version: s.last_version,
     };
     *derived = Some(d);
     view
