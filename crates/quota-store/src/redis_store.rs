@@ -389,7 +389,7 @@ impl RedisStore {
                     });
                 };
                 for (addr, _) in nodes {
-                    let addr: String = redis::from_redis_value(addr).map_err(protocol)?;
+                    let addr: String = redis::from_redis_value(addr).map_err(|e| protocol(&e))?;
                     let node = addr
                         .rsplit_once(':')
                         .and_then(|(host, port)| Some((host.to_string(), port.parse().ok()?)))
@@ -428,7 +428,7 @@ impl RedisStore {
                 _ => self.command(&scan).await?,
             };
             let (next, found): (u64, Vec<String>) =
-                redis::from_redis_value(reply).map_err(protocol)?;
+                redis::from_redis_value(reply).map_err(|e| protocol(&e))?;
             out.extend(found.iter().filter_map(|k| {
                 let (tenant, policy, version) = keys::parse_params_key(k)?;
                 Some(BucketRef {
@@ -479,14 +479,14 @@ fn info_values(v: &Value, field: &str, out: &mut Vec<String>) {
 }
 
 /// Decodes `{taken, key, admitted, denied, …}`; keys this schema did not write are skipped.
-fn protocol(e: redis::ParsingError) -> StoreError {
+fn protocol(e: &redis::ParsingError) -> StoreError {
     StoreError::Protocol {
         reason: e.to_string(),
     }
 }
 
 fn parse_usage(reply: Vec<Value>) -> Result<(usize, Vec<UsageRecord>), StoreError> {
-    let parse = protocol;
+    let parse = |e: redis::ParsingError| protocol(&e);
     let mut it = reply.into_iter();
     let taken: usize = match it.next() {
         Some(v) => redis::from_redis_value(v).map_err(parse)?,
