@@ -48,6 +48,10 @@ const WRITE_CONCURRENCY: usize = 64;
 /// `FLUSHALL`, say) is still refilled: every bucket is rewritten at least this often.
 const REFRESH_WITHOUT_LEASE_MS: u64 = 10 * 60 * 1000;
 
+/// How often the store is swept for parameters nothing holds any more, besides once per
+/// store instance: a `SCAN` of the whole keyspace, so rarely.
+const SWEEP_EVERY_MS: u64 = 60 * 60 * 1000;
+
 /// Fewest lease renewals one pass may make, so small deployments renew all at once.
 const MIN_RENEWALS_PER_PASS: usize = 1024;
 
@@ -119,8 +123,13 @@ pub struct Written {
     /// Buckets the view no longer has (deleted policies, old versions), still to be cleared
     /// from the store.
     to_clear: Vec<BucketRef>,
-    /// The generation whose store was last swept for buckets this daemon never saw go.
-    swept: Option<u64>,
+    /// The generation whose store was last swept for buckets this daemon never saw go, and
+    /// when (local wall-clock ms).
+    swept: Option<(u64, u64)>,
+    /// How long after its lease first holds the view is surely caught up with the log.
+    sweep_settle_ms: u64,
+    /// When the first sweep may run: set once the lease first holds.
+    sweep_from_ms: Option<u64>,
 }
 
 impl Written {
@@ -163,11 +172,33 @@ impl Written {
         });
     }
 
+    /// Waits `ms` after the lease first holds before the first sweep (a replicated daemon's
+    /// view may lag the log at start; a single region's never does).
+    pub fn with_sweep_settle(mut self, ms: u64) -> Self {
+        self.sweep_settle_ms = ms;
+        self
+    }
+
+    /// Whether to sweep the store now: only while the lease holds (the view is recent), once
+    /// it has settled, then once per store instance and every [`SWEEP_EVERY_MS`].
+    fn sweep_due(&mut self, view: &ClusterView, now_ms: u64) -> bool {
+        if now_ms >= view.lease_end_local_ms {
+            return false;
+        }
+        let from = *self
+            .sweep_from_ms
+            .get_or_insert(now_ms.saturating_add(self.sweep_settle_ms));
+        now_ms >= from
+            && self.swept.is_none_or(|(generation, at)| {
+                generation != self.generation || now_ms >= at.saturating_add(SWEEP_EVERY_MS)
+            })
+    }
+
     /// Queues for clearing each of `held` (buckets the store holds parameters for) that is
     /// gone for good: at a version `view` has issued but does not hold. That is what a policy
     /// deleted or replaced while this daemon was down left behind. A bucket above the view's
     /// last version belongs to a change the view has not caught up with, and stays.
-    fn sweep(&mut self, view: &ClusterView, held: Vec<BucketRef>) {
+    fn sweep(&mut self, view: &ClusterView, held: Vec<BucketRef>, now_ms: u64) {
         let gone = held.into_iter().filter(|b| {
             b.version <= view.last_version
                 && view
@@ -175,7 +206,7 @@ impl Written {
                     .is_none_or(|e| e.policy.version != b.version)
         });
         self.to_clear.extend(gone);
-        self.swept = Some(self.generation);
+        self.swept = Some((self.generation, now_ms));
     }
 
     /// The writes one pass makes at `now_ms`: every bucket whose parameters differ from what
@@ -312,7 +343,13 @@ pub async fn run_apply(
     lease_ms: u64,
     mut shutdown: watch::Receiver<bool>,
 ) {
-    let mut written = Written::new(clock::wall_ms(), lease_ms);
+    // A replicated daemon's view may lag the log at start; after a lease of renewals going
+    // through it, it has caught up with everything committed before this daemon started.
+    let settle = match coordinator.as_ref() {
+        Coordinator::Replicated(_) => lease_ms,
+        Coordinator::Local(_) => 0,
+    };
+    let mut written = Written::new(clock::wall_ms(), lease_ms).with_sweep_settle(settle);
     let pacing = Pacing {
         report_interval_ms: report_interval.as_millis() as u64,
         lease_ms,
@@ -436,11 +473,11 @@ pub async fn apply_shares(
             None => all = false,
         }
     }
-    if all && written.swept != Some(written.generation) {
-        // Once per store instance, with the view applied: leftovers of what was deleted while
-        // this daemon was down (a restarted Redis is empty, and the sweep then finds nothing).
+    if all && written.sweep_due(view, clock::wall_ms()) {
+        // With the view applied: leftovers of what was deleted while this daemon was down (a
+        // restarted Redis is empty, and the sweep then finds nothing).
         match store.list_params().await {
-            Ok(held) => written.sweep(view, held),
+            Ok(held) => written.sweep(view, held, clock::wall_ms()),
             Err(e) => tracing::debug!(error = %e, "Listing stored parameters failed."),
         }
     }
@@ -645,6 +682,7 @@ mod tests {
                 bucket(2, 3),  // a deleted policy: cleared
                 bucket(3, 10), // newer than the view (it lags): kept
             ],
+            500,
         );
         let mut cleared: Vec<_> = w
             .to_clear
@@ -656,7 +694,32 @@ mod tests {
             cleared,
             [("t0".into(), 5), ("t1".into(), 9), ("t2".into(), 3)]
         );
-        assert_eq!(w.swept, Some(w.generation), "one sweep per instance");
+        assert_eq!(w.swept, Some((w.generation, 500)));
+    }
+
+    #[test]
+    fn sweeps_wait_for_a_settled_lease_then_come_once_per_instance_and_hourly() {
+        let lease_from = |end: u64| view_of(1, PPM, end);
+        let mut w = Written::new(0, 30_000).with_sweep_settle(30_000);
+        // No lease (or an expired one): the view may be stale.
+        assert!(!w.sweep_due(&lease_from(0), 1_000));
+        assert!(!w.sweep_due(&lease_from(1_000), 1_000));
+        // The lease holds from 2 000: not before it has held for the settle time.
+        let v = lease_from(100_000_000);
+        assert!(!w.sweep_due(&v, 2_000));
+        assert!(!w.sweep_due(&v, 31_999));
+        assert!(w.sweep_due(&v, 32_000));
+        w.sweep(&v, Vec::new(), 32_000);
+        assert!(!w.sweep_due(&v, 33_000), "once per instance");
+        w.observe_instance("a".into());
+        w.observe_instance("b".into());
+        assert!(w.sweep_due(&v, 34_000), "a new instance is swept");
+        w.sweep(&v, Vec::new(), 34_000);
+        assert!(!w.sweep_due(&v, 34_000 + SWEEP_EVERY_MS - 1));
+        assert!(w.sweep_due(&v, 34_000 + SWEEP_EVERY_MS), "and hourly");
+        // A single region's view never lags: no wait.
+        let mut single = Written::new(0, 30_000);
+        assert!(single.sweep_due(&lease_from(u64::MAX), 0));
     }
 
     #[test]
