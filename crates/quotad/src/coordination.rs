@@ -533,6 +533,7 @@ mod tests {
         let c = Coordinator::Local(LocalCoordinator::open(eu.clone(), dir.path()).unwrap());
         let after = c.view();
         assert_eq!(after.policies, before.policies);
+        assert_eq!((before.last_version, after.last_version), (3, 3));
         assert_eq!(after.tenant_pins, before.tenant_pins);
         assert_eq!(after.tenant_home(&t), Some(&eu));
         assert_eq!(after.policy(&t, &p).unwrap().policy.version, 3);

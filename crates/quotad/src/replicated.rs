@@ -886,6 +886,8 @@ mod tests {
         let v3 = view_of(&mut derived, &s, 8, 200);
         assert_eq!(v3.policies.len(), 4);
         assert_eq!(v3.policies, full(&s));
+        // The version counter comes with the view, for the agent's sweep.
+        assert_eq!((v1.last_version, v3.last_version), (3, 4));
         assert_eq!(v2.policies.len(), 3, "an earlier view is not changed");
     }
 
