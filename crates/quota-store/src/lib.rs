@@ -269,7 +269,8 @@ pub trait Store: Send + Sync {
     fn instance(&self) -> impl std::future::Future<Output = Result<String, StoreError>> + Send;
     /// Every bucket whose parameters the store holds, whoever wrote them: the region agent
     /// clears those its view no longer has (a policy deleted, or replaced by a new version,
-    /// while this daemon was down). O(keys stored); once per store instance.
+    /// while this daemon was down). O(keys stored): the agent asks once per store instance and
+    /// hourly.
     fn list_params(
         &self,
     ) -> impl std::future::Future<Output = Result<Vec<BucketRef>, StoreError>> + Send;

@@ -371,7 +371,7 @@ impl RedisStore {
     }
 
     /// Every bucket whose parameters this Redis holds, on every master of a Cluster, by `SCAN`:
-    /// O(keys in the database), for the agent's one sweep per store instance.
+    /// O(keys in the database), for the agent's sweeps (per store instance and hourly).
     async fn params_held(&self) -> Result<Vec<BucketRef>, StoreError> {
         let mut out = Vec::new();
         match &self.conn {

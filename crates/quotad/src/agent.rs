@@ -14,9 +14,9 @@
 //!   unreachable it still acknowledges once the store cannot hold more than the epoch grants
 //!   (no share was cut, or the cut share's stored lease ran out): the `local` fail mode
 //!   enforces the granted share in process, and the region's lease must not lapse meanwhile.
-//!   Once per store instance, after a pass that wrote everything, it sweeps the store for
-//!   parameters the view has no use for (a policy deleted or replaced while this daemon was
-//!   down) and clears them.
+//!   Once per store instance and hourly, after a pass that wrote everything and while the
+//!   lease holds (the view is then current), it sweeps the store for parameters the view has
+//!   no use for (a policy deleted or replaced while this daemon was down) and clears them.
 //! - **report** (multi-region only): every report interval, drains usage from the store and
 //!   sends it to the leader, then renews the lease through the log with the acknowledged epoch.
 
@@ -51,6 +51,9 @@ const REFRESH_WITHOUT_LEASE_MS: u64 = 10 * 60 * 1000;
 /// How often the store is swept for parameters nothing holds any more, besides once per
 /// store instance: a `SCAN` of the whole keyspace, so rarely.
 const SWEEP_EVERY_MS: u64 = 60 * 60 * 1000;
+
+/// How soon a sweep that failed is tried again.
+const SWEEP_RETRY_MS: u64 = 60 * 1000;
 
 /// Fewest lease renewals one pass may make, so small deployments renew all at once.
 const MIN_RENEWALS_PER_PASS: usize = 1024;
@@ -192,6 +195,12 @@ impl Written {
             && self.swept.is_none_or(|(generation, at)| {
                 generation != self.generation || now_ms >= at.saturating_add(SWEEP_EVERY_MS)
             })
+    }
+
+    /// Puts the next sweep off after one failed (a `SCAN` refused or timed out): not every
+    /// pass, since a sweep is a walk over the whole keyspace.
+    fn sweep_failed(&mut self, now_ms: u64) {
+        self.sweep_from_ms = Some(now_ms.saturating_add(SWEEP_RETRY_MS));
     }
 
     /// Queues for clearing each of `held` (buckets the store holds parameters for) that is
@@ -478,7 +487,10 @@ pub async fn apply_shares(
         // restarted Redis is empty, and the sweep then finds nothing).
         match store.list_params().await {
             Ok(held) => written.sweep(view, held, clock::wall_ms()),
-            Err(e) => tracing::debug!(error = %e, "Listing stored parameters failed."),
+            Err(e) => {
+                tracing::warn!(error = %e, retry_in_ms = SWEEP_RETRY_MS, "Sweeping stored parameters failed.");
+                written.sweep_failed(clock::wall_ms());
+            }
         }
     }
     if all {
@@ -717,6 +729,11 @@ mod tests {
         w.sweep(&v, Vec::new(), 34_000);
         assert!(!w.sweep_due(&v, 34_000 + SWEEP_EVERY_MS - 1));
         assert!(w.sweep_due(&v, 34_000 + SWEEP_EVERY_MS), "and hourly");
+        // A failed sweep is tried again a while later, not every pass.
+        let failed_at = 34_000 + SWEEP_EVERY_MS;
+        w.sweep_failed(failed_at);
+        assert!(!w.sweep_due(&v, failed_at + 1_000));
+        assert!(w.sweep_due(&v, failed_at + SWEEP_RETRY_MS));
         // A single region's view never lags: no wait.
         let mut single = Written::new(0, 30_000);
         assert!(single.sweep_due(&lease_from(u64::MAX), 0));
