@@ -37,6 +37,16 @@ async fn evalsha_calls(conn: &mut MultiplexedConnection) -> anyhow::Result<u64> 
         .map_or(Ok(0), str::parse)?)
 }
 
+/// Deletes `tenant`'s `writes` policy.
+async fn delete_policy(d: &Daemon, tenant: &str) -> anyhow::Result<()> {
+    let path = format!("/v1/tenants/{tenant}/policies/writes");
+    let r = d
+        .request("DELETE", &path, Some(quotad_system_tests::TOKEN), None)
+        .await?;
+    anyhow::ensure!(r.status < 300, "DELETE answered {}", r.status);
+    Ok(())
+}
+
 async fn all_params_within(redis: &RedisServer, n: usize, within: Duration) -> bool {
     eventually(within, Duration::from_millis(50), || async {
         (params_keys(redis).await == n).then_some(())
@@ -108,15 +118,7 @@ async fn parameters_are_written_on_change_and_after_a_restart_only() -> anyhow::
         "one changed policy, one write (and a few retries at most): {after_change}"
     );
     // A deleted policy's parameters go too.
-    let r = d
-        .request(
-            "DELETE",
-            "/v1/tenants/t8/policies/writes",
-            Some(quotad_system_tests::TOKEN),
-            None,
-        )
-        .await?;
-    assert!(r.status < 300, "DELETE answered {}", r.status);
+    delete_policy(&d, "t8").await?;
     assert!(
         all_params_within(&redis, POLICIES - 1, Duration::from_secs(3)).await,
         "the deleted policy's parameters are cleared"
@@ -177,15 +179,7 @@ async fn what_a_killed_daemon_left_behind_is_swept_at_start() -> anyhow::Result<
         .arg("WRITE")
         .query_async::<()>(&mut conn)
         .await?;
-    let r = first
-        .request(
-            "DELETE",
-            "/v1/tenants/t1/policies/writes",
-            Some(quotad_system_tests::TOKEN),
-            None,
-        )
-        .await?;
-    assert!(r.status < 300, "DELETE answered {}", r.status);
+    delete_policy(&first, "t1").await?;
     tokio::time::sleep(Duration::from_millis(500)).await;
     first.kill();
     redis::cmd("CLIENT")
