@@ -91,14 +91,7 @@ async fn parameters_are_written_on_change_and_after_a_restart_only() -> anyhow::
     let written = eventually(Duration::from_secs(3), Duration::from_millis(50), || {
         let mut conn = conn.clone();
         let key = key.clone();
-        async move {
-            let n: i64 = redis::cmd("EXISTS")
-                .arg(&key)
-                .query_async(&mut conn)
-                .await
-                .ok()?;
-            (n == 1).then_some(())
-        }
+        async move { exists(&mut conn, &key).await.ok()?.then_some(()) }
     })
     .await;
     assert!(
