@@ -1,7 +1,8 @@
 //! The admin and decision API (axum). `app(state)` builds the whole router, so tests drive it
 //! with `oneshot` and no socket.
 //!
-//! Layout: [`edge`] (request id, body limit and timeout in front of every route), [`check`]
+//! Layout: [`edge`] (request id, body limit and timeout in front of every route), [`routes`]
+//! (`POST /v1/check` past the router, the rest through it), [`check`]
 //! (decisions), [`tenants`] (policies, pins, allowance), [`cluster`] (status, membership,
 //! listing, health, metrics), [`problem`] (the one `ApiError`), [`auth`] (bearer token on
 //! mutations).
@@ -11,6 +12,7 @@ pub mod check;
 pub mod cluster;
 pub mod edge;
 pub mod problem;
+pub mod routes;
 pub mod tenants;
 
 use std::sync::atomic::AtomicBool;
@@ -30,8 +32,8 @@ use crate::config::Secret;
 use crate::coordination::Coordinator;
 use crate::decision::Decider;
 
-/// The whole API as one service: the routes behind the [`edge`] layer.
-pub type Api = edge::Edge<Router>;
+/// The whole API as one service: the [`routes`] behind the [`edge`] layer.
+pub type Api = edge::Edge<routes::Routes>;
 
 /// Everything handlers share, behind one `Arc`: axum clones the state for every request, and
 /// one reference count costs less than one per field.
@@ -147,8 +149,16 @@ async fn openapi() -> axum::Json<utoipa::openapi::OpenApi> {
     axum::Json(ApiDoc::openapi())
 }
 
-/// The router: routes, auth on mutations, and the edge layer.
+/// The whole API: the router, its fast path for checks, and the edge layer.
 pub fn app(state: AppState) -> Api {
+    let edge = edge::EdgeLayer::new(state.body_limit_bytes, state.request_timeout);
+    // One layer around the whole router, not `Router::layer`, which would wrap every route
+    // separately and clone and box each wrapper per request.
+    edge.layer(routes::Routes::new(router(state.clone()), state))
+}
+
+/// Every route, with auth on mutations.
+pub(crate) fn router(state: AppState) -> Router {
     let guarded = Router::new()
         .route(
             "/v1/tenants/{tenant}/policies/{policy}",
@@ -173,7 +183,7 @@ pub fn app(state: AppState) -> Api {
             auth::require_token,
         ));
     let open = Router::new()
-        .route("/v1/check", post(check::check))
+        .route(routes::CHECK_PATH, post(check::check))
         .route("/v1/check/batch", post(check::check_batch))
         .route(
             "/v1/tenants/{tenant}/policies/{policy}",
@@ -186,14 +196,9 @@ pub fn app(state: AppState) -> Api {
         .route("/readyz", get(cluster::readyz))
         .route("/metrics", get(cluster::metrics))
         .route("/openapi.json", get(openapi));
-    let edge = edge::EdgeLayer::new(state.body_limit_bytes, state.request_timeout);
-    let routes = open
-        .merge(guarded)
+    open.merge(guarded)
         .fallback(|| async { problem::ApiError::NotFound { what: "route" } })
-        .with_state(state);
-    // One layer around the whole router, not `Router::layer`, which would wrap every route
-    // separately and clone and box each wrapper per request.
-    edge.layer(routes)
+        .with_state(state)
 }
 
 #[cfg(test)]

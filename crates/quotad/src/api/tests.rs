@@ -11,7 +11,7 @@ use axum::http::{header, Request, StatusCode};
 use http_body_util::BodyExt as _;
 use quota_core::RegionId;
 use serde_json::{json, Value};
-use tower::ServiceExt as _;
+use tower::{Layer as _, ServiceExt as _};
 
 use super::{app, AppShared, AppState};
 use crate::api::Api;
@@ -54,13 +54,20 @@ struct Reply {
     body: Value,
 }
 
-async fn send(
-    router: &Api,
+async fn send<S>(
+    router: &S,
     method: &str,
     uri: &str,
     token: Option<&str>,
     body: Option<&str>,
-) -> Reply {
+) -> Reply
+where
+    S: tower::Service<
+            Request<Body>,
+            Response = axum::response::Response,
+            Error = std::convert::Infallible,
+        > + Clone,
+{
     let mut req = Request::builder().method(method).uri(uri);
     if let Some(t) = token {
         req = req.header(header::AUTHORIZATION, format!("Bearer {t}"));
@@ -625,5 +632,107 @@ fn check_bodies_written_directly_are_what_serde_writes() {
         let direct = String::from_utf8(r.to_json()).unwrap();
         assert_eq!(direct, serde_json::to_string(&r).unwrap());
         assert_eq!(serde_json::to_value(mode).unwrap(), mode.as_str());
+    }
+}
+
+/// The check fast path (`api::routes`) answers as the router's route does: two daemons with
+/// the same policy, one served whole and one with every request through the router, get the
+/// same requests and give the same answers.
+#[tokio::test]
+async fn checks_past_the_router_are_answered_as_through_it() {
+    let fast = app(state());
+    let routed_state = state();
+    let routed =
+        super::edge::EdgeLayer::new(routed_state.body_limit_bytes, routed_state.request_timeout)
+            .layer(super::router(routed_state));
+    let spec = json!({"limit": 3, "window_ms": 60000}).to_string();
+    let put = "/v1/tenants/acme/policies/writes";
+    assert_eq!(
+        send(&fast, "PUT", put, Some(TOKEN), Some(&spec))
+            .await
+            .status,
+        StatusCode::OK
+    );
+    assert_eq!(
+        send(&routed, "PUT", put, Some(TOKEN), Some(&spec))
+            .await
+            .status,
+        StatusCode::OK
+    );
+    let check = |cost: u64| json!({"tenant": "acme", "policy": "writes", "cost": cost}).to_string();
+    let unknown = json!({"tenant": "acme", "policy": "reads"}).to_string();
+    let extra = json!({"tenant": "acme", "policy": "writes", "colour": "red"}).to_string();
+    let cases: Vec<(&str, &str, Option<String>, StatusCode)> = vec![
+        ("POST", "/v1/check", Some(check(2)), StatusCode::OK),
+        ("POST", "/v1/check?trace=1", Some(check(1)), StatusCode::OK),
+        (
+            "POST",
+            "/v1/check",
+            Some(check(1)),
+            StatusCode::TOO_MANY_REQUESTS,
+        ),
+        ("POST", "/v1/check", Some(check(0)), StatusCode::BAD_REQUEST),
+        ("POST", "/v1/check", Some(check(4)), StatusCode::BAD_REQUEST),
+        ("POST", "/v1/check", Some(unknown), StatusCode::NOT_FOUND),
+        ("POST", "/v1/check", Some(extra), StatusCode::BAD_REQUEST),
+        (
+            "POST",
+            "/v1/check",
+            Some("{\"tenant\": ".into()),
+            StatusCode::BAD_REQUEST,
+        ),
+        (
+            "POST",
+            "/v1/check",
+            Some("x".repeat(5000)),
+            StatusCode::PAYLOAD_TOO_LARGE,
+        ),
+        (
+            "POST",
+            "/v1/check",
+            None,
+            StatusCode::UNSUPPORTED_MEDIA_TYPE,
+        ),
+        ("GET", "/v1/check", None, StatusCode::METHOD_NOT_ALLOWED),
+        (
+            "PUT",
+            "/v1/check",
+            Some(check(1)),
+            StatusCode::METHOD_NOT_ALLOWED,
+        ),
+        ("POST", "/v1/check/", Some(check(1)), StatusCode::NOT_FOUND),
+        ("POST", "/V1/check", Some(check(1)), StatusCode::NOT_FOUND),
+    ];
+    for (method, uri, body, status) in cases {
+        let a = send(&fast, method, uri, None, body.as_deref()).await;
+        let b = send(&routed, method, uri, None, body.as_deref()).await;
+        let what = format!("{method} {uri} {body:?}");
+        assert_eq!(a.status, status, "{what}: {}", a.body);
+        assert_eq!(b.status, status, "{what}: {}", b.body);
+        // The wall clock moves between the two: a denial's wait may differ by a millisecond.
+        let (mut ab, mut bb) = (a.body.clone(), b.body.clone());
+        for v in [&mut ab, &mut bb] {
+            if let Some(o) = v.as_object_mut() {
+                o.remove("retry_after_ms");
+            }
+        }
+        assert_eq!(ab, bb, "{what}");
+        // The router sets Content-Length from the body's exact size; past it, hyper writes the
+        // same from the same size on the wire (system test `bad_input` reads it there).
+        let names = |h: &axum::http::HeaderMap| {
+            let mut n: Vec<String> = h
+                .keys()
+                .filter(|k| *k != header::CONTENT_LENGTH)
+                .map(|k| k.to_string())
+                .collect();
+            n.sort();
+            n
+        };
+        assert_eq!(names(&a.headers), names(&b.headers), "{what}");
+        for (name, value) in &a.headers {
+            if name != "x-request-id" && name != header::CONTENT_LENGTH {
+                assert_eq!(Some(value), b.headers.get(name), "{what}: {name}");
+            }
+        }
     }
 }
