@@ -16,9 +16,7 @@ use std::task::{Context, Poll};
 use axum::extract::{Request, State};
 use axum::http::Method;
 use axum::response::{IntoResponse as _, Response};
-use axum::routing::future::RouteFuture;
 use axum::Router;
-use futures::future::Either;
 use tower::Service;
 
 use crate::api::{check, AppState};
@@ -26,7 +24,9 @@ use crate::api::{check, AppState};
 /// The path the fast path serves (with `POST`).
 pub const CHECK_PATH: &str = "/v1/check";
 
-type CheckFuture = Pin<Box<dyn Future<Output = Result<Response, Infallible>> + Send>>;
+/// Boxed on both paths: the edge layer holds this future in its own (boxed) one, and an
+/// unboxed router future would make that box, and the copy into it, several times larger.
+type RoutesFuture = Pin<Box<dyn Future<Output = Result<Response, Infallible>> + Send>>;
 
 /// See the module documentation.
 #[derive(Clone)]
@@ -51,7 +51,7 @@ impl std::fmt::Debug for Routes {
 impl Service<Request> for Routes {
     type Response = Response;
     type Error = Infallible;
-    type Future = Either<CheckFuture, RouteFuture<Infallible>>;
+    type Future = RoutesFuture;
 
     fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Infallible>> {
         Service::<Request>::poll_ready(&mut self.router, cx)
@@ -61,11 +61,9 @@ impl Service<Request> for Routes {
         // The router matches on the path alone (a query string does not change the route).
         if req.method() == Method::POST && req.uri().path() == CHECK_PATH {
             let state = self.state.clone();
-            Either::Left(Box::pin(async move {
-                Ok(check::check(State(state), req).await.into_response())
-            }))
+            Box::pin(async move { Ok(check::check(State(state), req).await.into_response()) })
         } else {
-            Either::Right(self.router.call(req))
+            Box::pin(self.router.call(req))
         }
     }
 }
