@@ -17,7 +17,7 @@
 //! - `bare`: a minimal axum handler (JSON in, one EVALSHA through a redis-rs
 //!   `ConnectionManager`, JSON out) on the server runtime: the cost of HTTP plus a Redis call
 //!   with nothing else, i.e. the harness and machine;
-//! - `quotad`: `POST /v1/check` through the full production router (request ids, timeouts,
+//! - `quotad`: `POST /v1/check` through the whole production service (request ids, timeouts,
 //!   body limits, metrics, tracing at the default level, RateLimit headers, breaker);
 //! - `livez`: quotad's `/livez`, the HTTP floor with no decision at all.
 //!
