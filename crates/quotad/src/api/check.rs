@@ -1,4 +1,4 @@
-//! POST /v1/check and /v1/check/batch: the decision endpoints.
+//! POST /v1/check: one decision (batches are in `batch`).
 //!
 //! Responses carry the IETF httpapi ratelimit-headers fields (`RateLimit-Policy`, `RateLimit`),
 //! `Retry-After` in whole seconds rounded up, and on 429 an RFC 9457 problem body with code
@@ -13,9 +13,6 @@ use serde::{Deserialize, Serialize};
 use crate::api::problem::{problem_response, ApiError, ApiJson, Problem, QUOTA_EXCEEDED_TYPE};
 use crate::api::{AppState, HeaderText};
 use crate::decision::{CheckError, Mode, Verdict, FORWARDED_HEADER};
-
-/// Most checks in one batch: bounds the work one request can ask for.
-pub const MAX_BATCH: usize = 100;
 
 static RATELIMIT_POLICY: HeaderName = HeaderName::from_static("ratelimit-policy");
 static RATELIMIT: HeaderName = HeaderName::from_static("ratelimit");
@@ -61,29 +58,6 @@ pub struct RateLimitedProblem {
     pub decision: CheckResponse,
 }
 
-/// A batch of checks, decided independently (not atomically) in order.
-#[derive(Debug, Deserialize, utoipa::ToSchema)]
-#[serde(deny_unknown_fields)]
-pub struct BatchBody {
-    pub checks: Vec<CheckBody>,
-}
-
-/// One batch result: a decision with its HTTP status, or a problem.
-#[derive(Debug, Serialize, utoipa::ToSchema)]
-pub struct BatchItem {
-    pub status: u16,
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub decision: Option<CheckResponse>,
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub problem: Option<Problem>,
-}
-
-/// Batch results, in request order.
-#[derive(Debug, Serialize, utoipa::ToSchema)]
-pub struct BatchResponse {
-    pub results: Vec<BatchItem>,
-}
-
 /// Validates a check body into typed ids (taking its strings, not copying them) and a cost.
 fn parse(body: CheckBody) -> Result<(TenantId, PolicyName, u64), ApiError> {
     let tenant = TenantId::new(body.tenant).map_err(|e| ApiError::field("tenant", &e))?;
@@ -119,7 +93,7 @@ fn secs_ceil(ms: u64) -> u64 {
 }
 
 impl CheckResponse {
-    fn from_verdict(v: &Verdict, region: &str) -> Self {
+    pub(crate) fn from_verdict(v: &Verdict, region: &str) -> Self {
         let d = &v.decision;
         // "Never" (cost above this region's share, or no refill) is reported as one window:
         // a share change may make the request possible again.
@@ -241,7 +215,10 @@ fn rate_limit_headers(
     }
 }
 
-fn rate_limited_problem(policy: &PolicyName, decision: CheckResponse) -> RateLimitedProblem {
+pub(crate) fn rate_limited_problem(
+    policy: &PolicyName,
+    decision: CheckResponse,
+) -> RateLimitedProblem {
     RateLimitedProblem {
         problem: Problem {
             type_: QUOTA_EXCEEDED_TYPE.to_string(),
@@ -259,7 +236,7 @@ fn rate_limited_problem(policy: &PolicyName, decision: CheckResponse) -> RateLim
     }
 }
 
-async fn decide(
+pub(crate) async fn decide(
     state: &AppState,
     body: CheckBody,
     forwarded: bool,
@@ -308,66 +285,4 @@ pub async fn check(State(state): State<AppState>, req: Request) -> Result<Respon
     };
     rate_limit_headers(&state, resp.headers_mut(), &policy, &v, &r);
     Ok(resp)
-}
-
-/// Decides up to 100 checks, independently and in order.
-#[utoipa::path(
-    post,
-    path = "/v1/check/batch",
-    request_body = BatchBody,
-    responses(
-        (status = 200, description = "One result per check", body = BatchResponse),
-        (status = 400, description = "Invalid request", body = Problem, content_type = "application/problem+json"),
-    ),
-    tag = "decisions"
-)]
-pub async fn check_batch(
-    State(state): State<AppState>,
-    headers: HeaderMap,
-    ApiJson(body): ApiJson<BatchBody>,
-) -> Result<axum::Json<BatchResponse>, ApiError> {
-    if body.checks.is_empty() || body.checks.len() > MAX_BATCH {
-        return Err(ApiError::field(
-            "checks",
-            &format!("must hold 1 to {MAX_BATCH} checks"),
-        ));
-    }
-    let forwarded = state
-        .decider
-        .is_peer_forward(headers.get(&FORWARDED_HEADER).and_then(|v| v.to_str().ok()));
-    let mut results = Vec::with_capacity(body.checks.len());
-    for (i, c) in body.checks.into_iter().enumerate() {
-        let item = match decide(&state, c, forwarded).await {
-            Ok((v, policy)) => {
-                let r = CheckResponse::from_verdict(&v, state.decider.region().as_str());
-                if r.allowed {
-                    BatchItem {
-                        status: 200,
-                        decision: Some(r),
-                        problem: None,
-                    }
-                } else {
-                    let p = rate_limited_problem(&policy, r);
-                    BatchItem {
-                        status: 429,
-                        decision: Some(p.decision),
-                        problem: Some(p.problem),
-                    }
-                }
-            }
-            Err(e) => {
-                let mut problem = e.problem();
-                for f in &mut problem.errors {
-                    f.field = format!("checks[{i}].{}", f.field);
-                }
-                BatchItem {
-                    status: problem.status,
-                    decision: None,
-                    problem: Some(problem),
-                }
-            }
-        };
-        results.push(item);
-    }
-    Ok(axum::Json(BatchResponse { results }))
 }

@@ -2,12 +2,13 @@
 //! with `oneshot` and no socket.
 //!
 //! Layout: [`edge`] (request id, body limit and timeout in front of every route), [`routes`]
-//! (`POST /v1/check` past the router, the rest through it), [`check`]
-//! (decisions), [`tenants`] (policies, pins, allowance), [`cluster`] (status, membership,
-//! listing, health, metrics), [`problem`] (the one `ApiError`), [`auth`] (bearer token on
-//! mutations).
+//! (`POST /v1/check` past the router, the rest through it), [`check`] (decisions), [`batch`]
+//! (batches of them), [`tenants`] (policies, pins, allowance), [`cluster`] (status,
+//! membership, listing, health, metrics), [`problem`] (the one `ApiError`), [`auth`] (bearer
+//! token on mutations).
 
 pub mod auth;
+pub mod batch;
 pub mod check;
 pub mod cluster;
 pub mod edge;
@@ -124,7 +125,7 @@ impl HeaderText {
     info(title = "quotad", description = "Multi-region quota coordinator: decisions, policies, pins and cluster state."),
     paths(
         check::check,
-        check::check_batch,
+        batch::check_batch,
         tenants::put_policy,
         tenants::get_policy,
         tenants::delete_policy,
@@ -184,7 +185,7 @@ pub(crate) fn router(state: AppState) -> Router {
         ));
     let open = Router::new()
         .route(routes::CHECK_PATH, post(check::check))
-        .route("/v1/check/batch", post(check::check_batch))
+        .route("/v1/check/batch", post(batch::check_batch))
         .route(
             "/v1/tenants/{tenant}/policies/{policy}",
             get(tenants::get_policy),

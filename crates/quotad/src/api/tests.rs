@@ -499,6 +499,40 @@ async fn batch_decides_each_check_in_order() {
     assert_eq!(empty.status, StatusCode::BAD_REQUEST);
 }
 
+/// Checks of two buckets interleaved: each bucket spends its tokens in request order (the
+/// buckets are decided concurrently), and the results come back in request order.
+#[tokio::test]
+async fn batch_keeps_each_buckets_order_and_the_request_order() {
+    let router = with_policy(json!({"limit": 2, "window_ms": 60000})).await;
+    let spec = json!({"limit": 1, "window_ms": 60000}).to_string();
+    let put = "/v1/tenants/beta/policies/writes";
+    assert_eq!(
+        send(&router, "PUT", put, Some(TOKEN), Some(&spec))
+            .await
+            .status,
+        StatusCode::OK
+    );
+    let (a, b) = (
+        json!({"tenant": "acme", "policy": "writes"}),
+        json!({"tenant": "beta", "policy": "writes"}),
+    );
+    let body = json!({"checks": [a, b, a, b, a, b]}).to_string();
+    let r = send(&router, "POST", "/v1/check/batch", None, Some(&body)).await;
+    assert_eq!(r.status, StatusCode::OK);
+    let results = r.body["results"].as_array().unwrap();
+    let got: Vec<_> = results
+        .iter()
+        .map(|i| {
+            (
+                i["status"].as_u64().unwrap(),
+                i["decision"]["remaining"].as_u64(),
+            )
+        })
+        .collect();
+    let want = [(200, 1), (200, 0), (200, 0), (429, 0), (429, 0), (429, 0)];
+    assert_eq!(got, want.map(|(s, r)| (s, Some(r))));
+}
+
 #[tokio::test]
 async fn status_health_and_openapi() {
     let st = state();

@@ -1,0 +1,220 @@
+//! POST /v1/check/batch: up to [`MAX_BATCH`] checks in one request.
+//!
+//! Checks of one bucket (tenant and policy) are decided one after another in request order, so
+//! a batch spends a bucket's tokens as the same checks sent one by one would. Checks of
+//! different buckets are independent and are decided concurrently: their Redis calls go out
+//! together on the pipelined connection, and checks forwarded to a pinned tenant's home region
+//! travel at the same time, so a batch costs about one round trip per check of its busiest
+//! bucket, not one per check.
+
+use std::collections::HashMap;
+use std::future::Future;
+use std::hash::Hash;
+
+use axum::extract::State;
+use axum::http::HeaderMap;
+use serde::{Deserialize, Serialize};
+
+use crate::api::check::{decide, rate_limited_problem, CheckBody, CheckResponse};
+use crate::api::problem::{ApiError, ApiJson, Problem};
+use crate::api::AppState;
+use crate::decision::FORWARDED_HEADER;
+
+/// Most checks in one batch: bounds the work one request can ask for.
+pub const MAX_BATCH: usize = 100;
+
+/// A batch of checks, decided independently (not atomically); a bucket's checks in order.
+#[derive(Debug, Deserialize, utoipa::ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct BatchBody {
+    pub checks: Vec<CheckBody>,
+}
+
+/// One batch result: a decision with its HTTP status, or a problem.
+#[derive(Debug, Serialize, utoipa::ToSchema)]
+pub struct BatchItem {
+    pub status: u16,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub decision: Option<CheckResponse>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub problem: Option<Problem>,
+}
+
+/// Batch results, in request order.
+#[derive(Debug, Serialize, utoipa::ToSchema)]
+pub struct BatchResponse {
+    pub results: Vec<BatchItem>,
+}
+
+/// Decides up to 100 checks: a bucket's checks in request order, different buckets concurrently.
+#[utoipa::path(
+    post,
+    path = "/v1/check/batch",
+    request_body = BatchBody,
+    responses(
+        (status = 200, description = "One result per check, in request order", body = BatchResponse),
+        (status = 400, description = "Invalid request", body = Problem, content_type = "application/problem+json"),
+    ),
+    tag = "decisions"
+)]
+pub async fn check_batch(
+    State(state): State<AppState>,
+    headers: HeaderMap,
+    ApiJson(body): ApiJson<BatchBody>,
+) -> Result<axum::Json<BatchResponse>, ApiError> {
+    if body.checks.is_empty() || body.checks.len() > MAX_BATCH {
+        return Err(ApiError::field(
+            "checks",
+            &format!("must hold 1 to {MAX_BATCH} checks"),
+        ));
+    }
+    let forwarded = state
+        .decider
+        .is_peer_forward(headers.get(&FORWARDED_HEADER).and_then(|v| v.to_str().ok()));
+    let state = &state;
+    let results = in_key_order(
+        body.checks,
+        |c| (c.tenant.clone(), c.policy.clone()),
+        |i, c| async move { item(state, i, c, forwarded).await },
+    )
+    .await;
+    Ok(axum::Json(BatchResponse { results }))
+}
+
+/// Decides check `i` of a batch.
+async fn item(state: &AppState, i: usize, c: CheckBody, forwarded: bool) -> BatchItem {
+    match decide(state, c, forwarded).await {
+        Ok((v, policy)) => {
+            let r = CheckResponse::from_verdict(&v, state.decider.region().as_str());
+            if r.allowed {
+                BatchItem {
+                    status: 200,
+                    decision: Some(r),
+                    problem: None,
+                }
+            } else {
+                let p = rate_limited_problem(&policy, r);
+                BatchItem {
+                    status: 429,
+                    decision: Some(p.decision),
+                    problem: Some(p.problem),
+                }
+            }
+        }
+        Err(e) => {
+            let mut problem = e.problem();
+            for f in &mut problem.errors {
+                f.field = format!("checks[{i}].{}", f.field);
+            }
+            BatchItem {
+                status: problem.status,
+                decision: None,
+                problem: Some(problem),
+            }
+        }
+    }
+}
+
+/// Runs `f(index, item)` on every item: items with equal keys one after another in their order,
+/// groups of different keys concurrently. The results come back in item order.
+async fn in_key_order<T, K, R, Fut>(
+    items: Vec<T>,
+    key: impl Fn(&T) -> K,
+    f: impl Fn(usize, T) -> Fut,
+) -> Vec<R>
+where
+    K: Eq + Hash,
+    Fut: Future<Output = R>,
+{
+    let n = items.len();
+    let mut groups: Vec<Vec<(usize, T)>> = Vec::new();
+    let mut group_of: HashMap<K, usize> = HashMap::new();
+    for (i, item) in items.into_iter().enumerate() {
+        let g = *group_of.entry(key(&item)).or_insert_with(|| {
+            groups.push(Vec::new());
+            groups.len() - 1
+        });
+        groups[g].push((i, item));
+    }
+    let f = &f;
+    let done = futures::future::join_all(groups.into_iter().map(|group| async move {
+        let mut out = Vec::with_capacity(group.len());
+        for (i, item) in group {
+            out.push((i, f(i, item).await));
+        }
+        out
+    }))
+    .await;
+    let mut results: Vec<(usize, R)> = Vec::with_capacity(n);
+    results.extend(done.into_iter().flatten());
+    results.sort_unstable_by_key(|(i, _)| *i);
+    results.into_iter().map(|(_, r)| r).collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::{Arc, Mutex};
+    use std::time::Duration;
+
+    use tokio::sync::Barrier;
+
+    use super::*;
+
+    /// Different keys run at once: the first item of each of three keys waits on a barrier of
+    /// three, which only opens if all three are in flight together. Equal keys run in order:
+    /// each item starts after the one before it with its key has ended.
+    #[tokio::test(start_paused = true)]
+    async fn keys_run_concurrently_and_each_key_in_order() {
+        let keys = ["a", "b", "a", "c", "b", "a", "c"];
+        let barrier = Arc::new(Barrier::new(3));
+        let log = Arc::new(Mutex::new(Vec::new()));
+        let run = in_key_order(
+            keys.to_vec(),
+            |k| *k,
+            |i, k| {
+                let (barrier, log) = (barrier.clone(), log.clone());
+                async move {
+                    log.lock().unwrap().push(format!("start {i} {k}"));
+                    if keys.iter().position(|x| *x == k) == Some(i) {
+                        barrier.wait().await;
+                    }
+                    tokio::time::sleep(Duration::from_millis(10)).await;
+                    log.lock().unwrap().push(format!("end {i} {k}"));
+                    i * 10
+                }
+            },
+        );
+        let results = tokio::time::timeout(Duration::from_secs(5), run)
+            .await
+            .expect("the groups did not run concurrently");
+        assert_eq!(results, [0, 10, 20, 30, 40, 50, 60]);
+        let log = log.lock().unwrap().clone();
+        let at = |what: &str| log.iter().position(|l| l == what).unwrap();
+        for (i, k) in keys.iter().enumerate() {
+            if let Some(j) = (i + 1..keys.len()).find(|&j| keys[j] == *k) {
+                assert!(
+                    at(&format!("end {i} {k}")) < at(&format!("start {j} {k}")),
+                    "{log:?}"
+                );
+            }
+        }
+        // All three keys started before any item ended.
+        let first_end = log.iter().position(|l| l.starts_with("end")).unwrap();
+        for k in ["a", "b", "c"] {
+            assert!(
+                at(&format!(
+                    "start {} {k}",
+                    keys.iter().position(|x| *x == k).unwrap()
+                )) < first_end
+            );
+        }
+    }
+
+    #[tokio::test]
+    async fn one_item_and_one_key() {
+        let r = in_key_order(vec![5], |_| 0, |i, x| async move { (i, x) }).await;
+        assert_eq!(r, [(0, 5)]);
+        let r = in_key_order(vec![1, 2, 3], |_| (), |i, x| async move { i + x }).await;
+        assert_eq!(r, [1, 3, 5]);
+    }
+}
