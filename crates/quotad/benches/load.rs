@@ -19,7 +19,10 @@
 //!   with nothing else, i.e. the harness and machine;
 //! - `quotad`: `POST /v1/check` through the whole production service (request ids, timeouts,
 //!   body limits, metrics, tracing at the default level, RateLimit headers, breaker);
-//! - `livez`: quotad's `/livez`, the HTTP floor with no decision at all.
+//! - `livez`: quotad's `/livez`, the HTTP floor with no decision at all;
+//! - `batch`: `POST /v1/check/batch` with 16 checks (16 tenants) a request, on concurrency / 16
+//!   connections, so as many checks are in flight as for the others (concurrency ≥ 16 only;
+//!   its latency is a whole batch's).
 //!
 //! Both servers share the runtime the binary builds (`quotad::server::build_runtime`: one
 //! worker per core but one by default; `QUOTAD_WORKER_THREADS=2` to compare) with a real
@@ -59,6 +62,8 @@ static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
 static REDIS_PID: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
 const TOKEN: &str = "bench-token";
 const TENANTS: usize = 64;
+/// Checks per request of the `batch` candidate.
+const BATCH: usize = 16;
 /// Bucket capacity and refill in whole tokens: far above what a run can spend.
 const BURST: u64 = 100_000_000;
 const LIMIT_PER_S: u64 = 1_000_000;
@@ -254,12 +259,14 @@ fn http_request(method: &str, path: &str, body: &str, token: Option<&str>) -> Ve
     .into_bytes()
 }
 
-/// Drives HTTP requests at `addr`: worker `w` sends `requests[w % len]` over its own connection.
+/// Drives HTTP requests at `addr`: worker `w` sends `requests[w % len]` over its own connection;
+/// each request counts as `per_request` operations (the checks in a batch).
 async fn drive_http(
     conc: usize,
     secs: f64,
     addr: SocketAddr,
     requests: Arc<Vec<Vec<u8>>>,
+    per_request: u64,
 ) -> Outcome {
     drive(conc, secs, |w, end| {
         let requests = requests.clone();
@@ -272,7 +279,7 @@ async fn drive_http(
                 let status = conn.send(request).await.expect("an HTTP request failed");
                 assert_eq!(status, 200, "a benchmark request was not admitted");
                 h.record(t0.elapsed().as_nanos() as u64).unwrap();
-                ops += 1;
+                ops += per_request;
             }
             (ops, h)
         }
@@ -526,6 +533,17 @@ fn main() -> anyhow::Result<()> {
             )
         };
         let quotad_requests = check("/v1/check");
+        // Batches of BATCH checks, each for a different tenant.
+        let batch_requests = Arc::new(
+            (0..TENANTS)
+                .map(|w| {
+                    let checks: Vec<_> = (0..BATCH)
+                        .map(|j| serde_json::json!({"tenant": tenant((w * BATCH + j) % TENANTS), "policy": "bench"}))
+                        .collect();
+                    http_request("POST", "/v1/check/batch", &serde_json::json!({"checks": checks}).to_string(), None)
+                })
+                .collect::<Vec<_>>(),
+        );
         let bare_requests = check("/check");
         let livez_requests = Arc::new(vec![b"GET /livez HTTP/1.1\r\nhost: bench\r\n\r\n".to_vec()]);
 
@@ -567,18 +585,30 @@ fn main() -> anyhow::Result<()> {
                 }
                 let raw_c = drive_raw(conc, secs_of("raw-c"), &script, &raw_keys, own, params).await;
                 let bare =
-                    drive_http(conc, secs_of("bare"), bare_addr, bare_requests.clone()).await;
+                    drive_http(conc, secs_of("bare"), bare_addr, bare_requests.clone(), 1).await;
                 let quotad =
-                    drive_http(conc, secs_of("quotad"), addr, quotad_requests.clone()).await;
-                let livez = drive_http(conc, secs_of("livez"), addr, livez_requests.clone()).await;
+                    drive_http(conc, secs_of("quotad"), addr, quotad_requests.clone(), 1).await;
+                let livez =
+                    drive_http(conc, secs_of("livez"), addr, livez_requests.clone(), 1).await;
+                // The same number of checks in flight, BATCH to a request.
+                let batch_secs = if conc >= BATCH { secs_of("batch") } else { 0.0 };
+                let batch = drive_http(
+                    conc / BATCH,
+                    batch_secs,
+                    addr,
+                    batch_requests.clone(),
+                    BATCH as u64,
+                )
+                .await;
                 for (name, o) in [
                     ("raw", &raw),
                     ("raw-c", &raw_c),
                     ("bare", &bare),
                     ("quotad", &quotad),
                     ("livez", &livez),
+                    ("batch", &batch),
                 ] {
-                    if !wanted(name) {
+                    if !wanted(name) || (name == "batch" && conc < BATCH) {
                         continue;
                     }
                     if only.is_some() {
@@ -622,7 +652,7 @@ fn main() -> anyhow::Result<()> {
                 }
                 println!(
                     "{:>5} summary | quotad {:.2}× raw, {:.2}× raw-c, {:.2}× redis-benchmark, {:.2}× bare; \
-                     added p50 vs raw: quotad {:+.1} µs, bare {:+.1} µs (round {})",
+                     added p50 vs raw: quotad {:+.1} µs, bare {:+.1} µs{} (round {})",
                     conc,
                     quotad.rate() / raw.rate(),
                     quotad.rate() / raw_c.rate(),
@@ -630,6 +660,15 @@ fn main() -> anyhow::Result<()> {
                     quotad.rate() / bare.rate(),
                     quotad.p(0.5) - raw.p(0.5),
                     bare.p(0.5) - raw.p(0.5),
+                    if conc >= BATCH && wanted("batch") {
+                        format!(
+                            "; batches of {BATCH}: {:.2}× raw, {:.2}× raw-c",
+                            batch.rate() / raw.rate(),
+                            batch.rate() / raw_c.rate()
+                        )
+                    } else {
+                        String::new()
+                    },
                     round + 1,
                 );
             }
