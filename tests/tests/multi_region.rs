@@ -354,6 +354,41 @@ async fn a_pinned_tenant_is_decided_by_its_home() -> anyhow::Result<()> {
     .expect("checks of a policy created after the pin are decided by a");
     assert_eq!(later.body["mode"], "forwarded", "{}", later.body);
 
+    // A batch in b mixing the pinned tenant's checks with a tenant decided in b: each is
+    // decided where a single check would be, and the results come back in request order.
+    b.put_policy("plain", "writes", json!({"limit": 50, "window_ms": 1000}))
+        .await?;
+    let (vip, plain, reads) = (
+        json!({"tenant": "vip", "policy": "writes"}),
+        json!({"tenant": "plain", "policy": "writes"}),
+        json!({"tenant": "vip", "policy": "reads"}),
+    );
+    let batch = json!({"checks": [vip, plain, reads, vip, plain]}).to_string();
+    let results = eventually(
+        Duration::from_secs(10),
+        Duration::from_millis(100),
+        || async {
+            let r = cluster
+                .daemon("b")
+                .request("POST", "/v1/check/batch", None, Some(batch.clone()))
+                .await
+                .ok()?;
+            let items = r.body["results"].as_array()?.clone();
+            items.iter().all(|i| i["status"] == 200).then_some(items)
+        },
+    )
+    .await
+    .expect("a batch in b is decided once b knows every policy");
+    let by: Vec<_> = results
+        .iter()
+        .map(|i| {
+            let d = &i["decision"];
+            (d["decided_by"].as_str(), d["mode"].as_str())
+        })
+        .collect();
+    let (home, here) = ((Some("a"), Some("forwarded")), (Some("b"), Some("normal")));
+    assert_eq!(by, [home, here, home, home, here], "{results:?}");
+
     // Home unreachable: the policy decides (floor in b, or deny).
     let a = cluster.index("a");
     cluster.daemons[a].kill();
