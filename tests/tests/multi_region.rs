@@ -423,5 +423,32 @@ async fn a_pinned_tenant_is_decided_by_its_home() -> anyhow::Result<()> {
         .await?;
     assert_eq!(r.status, 503, "{}", r.body);
     assert_eq!(r.body["code"], "TEMPORARY_REDUCED_CAPACITY");
+    // In a batch, each check whose home is unreachable follows its own policy: vip's floor is
+    // spent (429 from b), vip-strict fails closed (503).
+    let batch = json!({"checks": [
+        {"tenant": "vip", "policy": "writes"},
+        {"tenant": "vip-strict", "policy": "writes"},
+    ]})
+    .to_string();
+    let r = cluster.daemons[cluster.index("b")]
+        .request("POST", "/v1/check/batch", None, Some(batch))
+        .await?;
+    let items = &r.body["results"];
+    assert_eq!(
+        (items[0]["status"].as_u64(), items[1]["status"].as_u64()),
+        (Some(429), Some(503)),
+        "{}",
+        r.body
+    );
+    assert_eq!(
+        items[0]["decision"]["mode"], "home_unreachable_floor",
+        "{}",
+        r.body
+    );
+    assert_eq!(
+        items[1]["problem"]["code"], "TEMPORARY_REDUCED_CAPACITY",
+        "{}",
+        r.body
+    );
     Ok(())
 }

@@ -112,6 +112,46 @@ struct ForwardedAnswer {
     reset_ms: Option<u64>,
 }
 
+impl ForwardedAnswer {
+    fn verdict(self, policy: Policy, home: &RegionId) -> Verdict {
+        Verdict {
+            decision: Decision {
+                allowed: self.allowed,
+                remaining: self.remaining,
+                retry_after_ms: self.retry_after_ms,
+                reset_ms: self.reset_ms,
+            },
+            policy,
+            mode: Mode::Forwarded,
+            decided_by: home.clone(),
+        }
+    }
+}
+
+/// The answer a home region sends back to a forwarded batch (`api::batch::BatchResponse`).
+#[derive(Debug, Deserialize)]
+struct ForwardedBatch {
+    results: Vec<ForwardedItem>,
+}
+
+#[derive(Debug, Deserialize)]
+struct ForwardedItem {
+    status: u16,
+    decision: Option<ForwardedAnswer>,
+}
+
+/// What a check's result counts as in the decision metrics.
+fn outcome_of(result: &Result<Verdict, CheckError>) -> Outcome {
+    match result {
+        Ok(v) if v.mode == Mode::Forwarded => Outcome::Forwarded,
+        Ok(v) if v.mode == Mode::DegradedOpen => Outcome::DegradedOpen,
+        Ok(v) if v.mode == Mode::DegradedLocal => Outcome::DegradedLocal,
+        Ok(v) if v.decision.allowed => Outcome::Allowed,
+        Ok(_) => Outcome::Denied,
+        Err(_) => Outcome::DegradedClosed,
+    }
+}
+
 /// Decides checks for this region.
 #[derive(Debug)]
 pub struct Decider {
@@ -273,17 +313,105 @@ impl Decider {
             Some(home) if !forwarded => self.forward(&home, bucket, cost, policy).await,
             _ => self.decide_here(bucket, limit, cost, policy).await,
         };
-        let outcome = match &result {
-            Ok(v) if v.mode == Mode::Forwarded => Outcome::Forwarded,
-            Ok(v) if v.mode == Mode::DegradedOpen => Outcome::DegradedOpen,
-            Ok(v) if v.mode == Mode::DegradedLocal => Outcome::DegradedLocal,
-            Ok(v) if v.decision.allowed => Outcome::Allowed,
-            Ok(_) => Outcome::Denied,
-            Err(_) => Outcome::DegradedClosed,
-        };
-        self.metrics
-            .record(&policy_name, outcome, started.elapsed().as_secs_f64());
+        self.metrics.record(
+            &policy_name,
+            outcome_of(&result),
+            started.elapsed().as_secs_f64(),
+        );
         result
+    }
+
+    /// The region a check of `tenant`'s `policy` is decided in when that is not this one (the
+    /// tenant is pinned elsewhere), unless the check was itself forwarded here.
+    pub fn home_elsewhere(
+        &self,
+        tenant: &TenantId,
+        policy: &PolicyName,
+        forwarded: bool,
+    ) -> Option<RegionId> {
+        if forwarded {
+            return None;
+        }
+        let view = self.view();
+        let home = view.policy(tenant, policy)?.home.as_ref()?;
+        (*home != self.region).then(|| home.clone())
+    }
+
+    /// Decides checks pinned to `home` with one request there, in order, so a batch pays one
+    /// round trip to a home region however many of its checks go there. Each check is first
+    /// validated here, as [`Decider::check`] does; a check the home cannot answer (or all of
+    /// them, when it is unreachable) falls back as a single forwarded check would.
+    pub async fn check_at_home(
+        &self,
+        home: &RegionId,
+        checks: Vec<(TenantId, PolicyName, u64)>,
+    ) -> Vec<Result<Verdict, CheckError>> {
+        let started = clock::monotonic();
+        let prepared: Vec<Result<(BucketRef, u64, Policy), CheckError>> = {
+            let view = self.view();
+            checks
+                .into_iter()
+                .map(|(tenant, policy_name, cost)| {
+                    let entry = view
+                        .policy(&tenant, &policy_name)
+                        .ok_or(CheckError::UnknownPolicy)?;
+                    let (policy, _share, _limit) = self.params_of(&view, entry);
+                    policy.check_cost(cost)?;
+                    let bucket = BucketRef {
+                        tenant,
+                        policy: policy_name,
+                        version: policy.version,
+                    };
+                    Ok((bucket, cost, policy))
+                })
+                .collect()
+        };
+        let sent: Vec<_> = prepared
+            .iter()
+            .filter_map(|p| p.as_ref().ok())
+            .map(|(b, cost, _)| {
+                serde_json::json!({
+                    "tenant": b.tenant.as_str(),
+                    "policy": b.policy.as_str(),
+                    "cost": cost,
+                })
+            })
+            .collect();
+        let mut answers = if sent.is_empty() {
+            Vec::new()
+        } else {
+            self.send_home(
+                home,
+                "/v1/check/batch",
+                &serde_json::json!({ "checks": sent }),
+            )
+            .await
+            .and_then(|b: ForwardedBatch| (b.results.len() == sent.len()).then_some(b.results))
+            .unwrap_or_default()
+        }
+        .into_iter();
+        let mut results = Vec::with_capacity(prepared.len());
+        for p in prepared {
+            let result = match p {
+                // Refused before deciding, as a single check is: not counted as a decision.
+                Err(e) => Err(e),
+                Ok((bucket, cost, policy)) => {
+                    let name = bucket.policy.clone();
+                    let r = match answers.next() {
+                        Some(ForwardedItem {
+                            status: 200 | 429,
+                            decision: Some(a),
+                        }) => Ok(a.verdict(policy, home)),
+                        _ => self.home_unreachable(home, bucket, cost, policy).await,
+                    };
+                    self.metrics
+                        .record(&name, outcome_of(&r), started.elapsed().as_secs_f64());
+                    r
+                }
+            };
+            results.push(result);
+        }
+        results
     }
 
     async fn decide_here(
@@ -375,43 +503,56 @@ impl Decider {
         cost: u64,
         policy: Policy,
     ) -> Result<Verdict, CheckError> {
-        if let Some(addr) = self.homes.get(home) {
-            let body = serde_json::json!({
-                "tenant": bucket.tenant.as_str(),
-                "policy": bucket.policy.as_str(),
-                "cost": cost,
-            });
-            let sent = self
-                .http
-                .post(format!("http://{addr}/v1/check"))
-                .header(
-                    FORWARDED_HEADER.as_str(),
-                    self.peer_token.as_ref().map_or("", |t| t.expose()),
-                )
-                .timeout(self.forward_timeout)
-                .json(&body)
-                .send()
-                .await;
-            if let Ok(resp) = sent {
-                let status = resp.status().as_u16();
-                if status == 200 || status == 429 {
-                    if let Ok(a) = resp.json::<ForwardedAnswer>().await {
-                        let decision = Decision {
-                            allowed: a.allowed,
-                            remaining: a.remaining,
-                            retry_after_ms: a.retry_after_ms,
-                            reset_ms: a.reset_ms,
-                        };
-                        return Ok(Verdict {
-                            decision,
-                            policy,
-                            mode: Mode::Forwarded,
-                            decided_by: home.clone(),
-                        });
-                    }
-                }
-            }
+        let body = serde_json::json!({
+            "tenant": bucket.tenant.as_str(),
+            "policy": bucket.policy.as_str(),
+            "cost": cost,
+        });
+        match self
+            .send_home::<ForwardedAnswer>(home, "/v1/check", &body)
+            .await
+        {
+            Some(a) => Ok(a.verdict(policy, home)),
+            None => self.home_unreachable(home, bucket, cost, policy).await,
         }
+    }
+
+    /// POSTs `body` to `path` on `home`'s API as a forwarding peer; the answer of a 200 or 429,
+    /// or `None` when the home is unknown, unreachable, slow or answers anything else.
+    async fn send_home<T: serde::de::DeserializeOwned>(
+        &self,
+        home: &RegionId,
+        path: &str,
+        body: &serde_json::Value,
+    ) -> Option<T> {
+        let addr = self.homes.get(home)?;
+        let resp = self
+            .http
+            .post(format!("http://{addr}{path}"))
+            .header(
+                FORWARDED_HEADER.as_str(),
+                self.peer_token.as_ref().map_or("", |t| t.expose()),
+            )
+            .timeout(self.forward_timeout)
+            .json(body)
+            .send()
+            .await
+            .ok()?;
+        if !matches!(resp.status().as_u16(), 200 | 429) {
+            return None;
+        }
+        resp.json::<T>().await.ok()
+    }
+
+    /// A check whose home region could not decide it: this region's floor, in process, or a
+    /// denial when the policy fails closed or has no floor.
+    async fn home_unreachable(
+        &self,
+        home: &RegionId,
+        bucket: BucketRef,
+        cost: u64,
+        policy: Policy,
+    ) -> Result<Verdict, CheckError> {
         self.forward_failures.increment(1);
         tracing::debug!(tenant = %bucket.tenant, home = %home, "Home region unreachable.");
         if policy.fail_mode == FailMode::Closed || policy.floor_ppm == 0 {
@@ -437,5 +578,188 @@ impl Decider {
             mode: Mode::HomeUnreachableFloor,
             decided_by: self.region.clone(),
         })
+    }
+}
+
+#[cfg(test)]
+pub(crate) mod tests {
+    use std::collections::BTreeMap;
+    use std::sync::Mutex;
+
+    use axum::http::HeaderMap;
+    use axum::routing::post;
+    use quota_core::PolicySpec;
+    use serde_json::{json, Value};
+
+    use super::*;
+    use crate::config::BreakerConfig;
+    use crate::coordination::Grant;
+
+    /// What the home region received: path, forwarded header, body.
+    pub(crate) type Seen = Arc<Mutex<Vec<(String, Option<String>, Value)>>>;
+
+    fn ids(tenant: &str, policy: &str) -> (TenantId, PolicyName) {
+        (
+            TenantId::new(tenant).unwrap(),
+            PolicyName::new(policy).unwrap(),
+        )
+    }
+
+    /// A policy of `tenant` pinned to region a, as region b sees it.
+    fn pinned(tenant: &str, fail_mode: &str) -> ((TenantId, PolicyName), PolicyEntry) {
+        let spec: PolicySpec = serde_json::from_value(
+            json!({"limit": 10, "window_ms": 1000, "floor": 0.5, "fail_mode": fail_mode}),
+        )
+        .unwrap();
+        let grant = Grant {
+            share_ppm: 500_000,
+            floor_ppm: 500_000,
+        };
+        let entry = PolicyEntry {
+            policy: spec.validate().unwrap(),
+            grants: BTreeMap::from([(RegionId::new("b").unwrap(), grant)]),
+            home: Some(RegionId::new("a").unwrap()),
+        };
+        (ids(tenant, "w"), entry)
+    }
+
+    /// Region b's decider with two tenants pinned to a, whose API is a server that records
+    /// every request and answers batches with `status` (each check allowed, 7 left).
+    pub(crate) async fn decider_with_home(status: u16) -> (Decider, Seen) {
+        let seen: Seen = Arc::default();
+        let record = seen.clone();
+        let home = axum::Router::new().route(
+            "/v1/check/batch",
+            post(move |headers: HeaderMap, body: axum::Json<Value>| {
+                let record = record.clone();
+                async move {
+                    let forwarded = headers
+                        .get(&FORWARDED_HEADER)
+                        .and_then(|v| v.to_str().ok())
+                        .map(str::to_string);
+                    let n = body["checks"].as_array().map_or(0, Vec::len);
+                    record
+                        .lock()
+                        .unwrap()
+                        .push(("/v1/check/batch".into(), forwarded, body.0));
+                    let item = json!({"status": 200, "decision": {"allowed": true, "remaining": 7,
+                        "retry_after_ms": 0, "reset_ms": 300, "region": "a", "decided_by": "a",
+                        "mode": "normal"}});
+                    let status = axum::http::StatusCode::from_u16(status).unwrap();
+                    (status, axum::Json(json!({"results": vec![item; n]})))
+                }
+            }),
+        );
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        tokio::spawn(async move { axum::serve(listener, home).await });
+        let view = ClusterView {
+            policies: [pinned("vip", "local"), pinned("strict", "closed")]
+                .into_iter()
+                .collect(),
+            lease_end_local_ms: u64::MAX,
+            ..ClusterView::default()
+        };
+        let (_tx, rx) = watch::channel(Arc::new(view));
+        // The sender may go: the receiver keeps the last view.
+        let region = RegionId::new("b").unwrap();
+        let decider = Decider::new(DeciderParts {
+            region: region.clone(),
+            store: AnyStore::embedded(),
+            breaker: Breaker::new(&BreakerConfig::default(), "b"),
+            view: rx,
+            homes: HashMap::from([(RegionId::new("a").unwrap(), addr)]),
+            forward_timeout: Duration::from_secs(5),
+            peer_token: Some(Secret::new("peer-token")),
+        });
+        (decider, seen)
+    }
+
+    fn checks(list: &[(&str, &str, u64)]) -> Vec<(TenantId, PolicyName, u64)> {
+        list.iter()
+            .map(|(t, p, c)| {
+                let (t, p) = ids(t, p);
+                (t, p, *c)
+            })
+            .collect()
+    }
+
+    #[tokio::test]
+    async fn a_homes_checks_go_there_in_one_request_in_order() {
+        let (d, seen) = decider_with_home(200).await;
+        let (vip, w) = ids("vip", "w");
+        assert_eq!(
+            d.home_elsewhere(&vip, &w, false).map(|r| r.to_string()),
+            Some("a".into())
+        );
+        assert_eq!(
+            d.home_elsewhere(&vip, &w, true),
+            None,
+            "a forwarded check stays"
+        );
+        let list = [
+            ("vip", "w", 1),
+            ("strict", "w", 2),
+            ("vip", "nope", 1),
+            ("vip", "w", 11),
+            ("vip", "w", 3),
+        ];
+        let home = RegionId::new("a").unwrap();
+        let results = d.check_at_home(&home, checks(&list)).await;
+        // Unknown policies and costs above the burst are refused here, not sent.
+        assert!(matches!(results[2], Err(CheckError::UnknownPolicy)));
+        assert!(matches!(results[3], Err(CheckError::Cost(_))));
+        for i in [0, 1, 4] {
+            let v = results[i].as_ref().unwrap();
+            assert_eq!((v.mode, v.decided_by.as_str()), (Mode::Forwarded, "a"));
+            assert_eq!((v.decision.allowed, v.decision.remaining), (true, 7));
+        }
+        let seen = seen.lock().unwrap().clone();
+        assert_eq!(seen.len(), 1, "one request for the home's checks: {seen:?}");
+        let (path, forwarded, body) = &seen[0];
+        assert_eq!(path, "/v1/check/batch");
+        assert_eq!(forwarded.as_deref(), Some("peer-token"));
+        let sent: Vec<_> = body["checks"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|c| (c["tenant"].clone(), c["cost"].clone()))
+            .collect();
+        assert_eq!(
+            sent,
+            [
+                (json!("vip"), json!(1)),
+                (json!("strict"), json!(2)),
+                (json!("vip"), json!(3))
+            ]
+        );
+    }
+
+    #[tokio::test]
+    async fn a_home_that_cannot_answer_leaves_each_check_to_its_policy() {
+        let (d, seen) = decider_with_home(503).await;
+        let home = RegionId::new("a").unwrap();
+        let results = d
+            .check_at_home(&home, checks(&[("vip", "w", 1), ("strict", "w", 1)]))
+            .await;
+        let v = results[0].as_ref().unwrap();
+        assert_eq!(
+            (v.mode, v.decided_by.as_str()),
+            (Mode::HomeUnreachableFloor, "b")
+        );
+        assert!(v.decision.allowed);
+        assert!(matches!(
+            results[1],
+            Err(CheckError::ReducedCapacity { .. })
+        ));
+        assert_eq!(seen.lock().unwrap().len(), 1);
+        // A home with no known address is unreachable as well, with nothing sent.
+        let nowhere = RegionId::new("c").unwrap();
+        let results = d.check_at_home(&nowhere, checks(&[("vip", "w", 1)])).await;
+        assert_eq!(
+            results[0].as_ref().unwrap().mode,
+            Mode::HomeUnreachableFloor
+        );
+        assert_eq!(seen.lock().unwrap().len(), 1);
     }
 }

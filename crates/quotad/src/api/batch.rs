@@ -3,9 +3,9 @@
 //! Checks of one bucket (tenant and policy) are decided one after another in request order, so
 //! a batch spends a bucket's tokens as the same checks sent one by one would. Checks of
 //! different buckets are independent and are decided concurrently: their Redis calls go out
-//! together on the pipelined connection, and checks forwarded to a pinned tenant's home region
-//! travel at the same time, so a batch costs about one round trip per check of its busiest
-//! bucket, not one per check.
+//! together on the pipelined connection. Checks of tenants pinned to another region go to that
+//! region together, as one batch (which it decides by the same rule), so a batch pays at most
+//! one round trip to each home region.
 
 use std::collections::HashMap;
 use std::future::Future;
@@ -15,10 +15,14 @@ use axum::extract::State;
 use axum::http::HeaderMap;
 use serde::{Deserialize, Serialize};
 
-use crate::api::check::{decide, rate_limited_problem, CheckBody, CheckResponse};
+use quota_core::{PolicyName, RegionId, TenantId};
+
+use crate::api::check::{
+    check_error, decide, parse, rate_limited_problem, CheckBody, CheckResponse,
+};
 use crate::api::problem::{ApiError, ApiJson, Problem};
 use crate::api::AppState;
-use crate::decision::FORWARDED_HEADER;
+use crate::decision::{Verdict, FORWARDED_HEADER};
 
 /// Most checks in one batch: bounds the work one request can ask for.
 pub const MAX_BATCH: usize = 100;
@@ -72,18 +76,70 @@ pub async fn check_batch(
         .decider
         .is_peer_forward(headers.get(&FORWARDED_HEADER).and_then(|v| v.to_str().ok()));
     let state = &state;
-    let results = in_key_order(
+    let results = in_groups(
         body.checks,
-        |c| (c.tenant.clone(), c.policy.clone()),
-        |i, c| async move { item(state, i, c, forwarded).await },
+        |c| route(state, c, forwarded),
+        |route, group| async move {
+            match route {
+                Route::Here(..) => {
+                    let mut out = Vec::with_capacity(group.len());
+                    for (i, c) in group {
+                        out.push((i, item(state, i, decide(state, c, forwarded).await)));
+                    }
+                    out
+                }
+                Route::Home(home) => at_home(state, &home, group).await,
+            }
+        },
     )
     .await;
     Ok(axum::Json(BatchResponse { results }))
 }
 
-/// Decides check `i` of a batch.
-async fn item(state: &AppState, i: usize, c: CheckBody, forwarded: bool) -> BatchItem {
-    match decide(state, c, forwarded).await {
+/// Where a check is decided: here, one bucket at a time, or at its tenant's home region.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+enum Route {
+    Here(String, String),
+    Home(RegionId),
+}
+
+fn route(state: &AppState, c: &CheckBody, forwarded: bool) -> Route {
+    let home = TenantId::new(c.tenant.as_str())
+        .ok()
+        .zip(PolicyName::new(c.policy.as_str()).ok())
+        .and_then(|(t, p)| state.decider.home_elsewhere(&t, &p, forwarded));
+    match home {
+        Some(home) => Route::Home(home),
+        None => Route::Here(c.tenant.clone(), c.policy.clone()),
+    }
+}
+
+/// Decides a home region's checks with one request there.
+async fn at_home(
+    state: &AppState,
+    home: &RegionId,
+    group: Vec<(usize, CheckBody)>,
+) -> Vec<(usize, BatchItem)> {
+    let mut out = Vec::with_capacity(group.len());
+    let mut valid = Vec::with_capacity(group.len());
+    for (i, c) in group {
+        match parse(c) {
+            Ok(check) => valid.push((i, check)),
+            Err(e) => out.push((i, item(state, i, Err(e)))),
+        }
+    }
+    let (index, checks): (Vec<usize>, Vec<_>) = valid.into_iter().unzip();
+    let names: Vec<PolicyName> = checks.iter().map(|(_, p, _)| p.clone()).collect();
+    let verdicts = state.decider.check_at_home(home, checks).await;
+    for ((i, name), v) in index.into_iter().zip(names).zip(verdicts) {
+        out.push((i, item(state, i, v.map(|v| (v, name)).map_err(check_error))));
+    }
+    out
+}
+
+/// The result of check `i` of a batch.
+fn item(state: &AppState, i: usize, decided: Result<(Verdict, PolicyName), ApiError>) -> BatchItem {
+    match decided {
         Ok((v, policy)) => {
             let r = CheckResponse::from_verdict(&v, state.decider.region().as_str());
             if r.allowed {
@@ -115,36 +171,35 @@ async fn item(state: &AppState, i: usize, c: CheckBody, forwarded: bool) -> Batc
     }
 }
 
-/// Runs `f(index, item)` on every item: items with equal keys one after another in their order,
-/// groups of different keys concurrently. The results come back in item order.
-async fn in_key_order<T, K, R, Fut>(
+/// Groups items by `key` and runs `run(key, group)` on every group concurrently; a group gets
+/// its items in their order, with their indices, and answers for each. The results come back
+/// in item order.
+async fn in_groups<T, K, R, Fut>(
     items: Vec<T>,
     key: impl Fn(&T) -> K,
-    f: impl Fn(usize, T) -> Fut,
+    run: impl Fn(K, Vec<(usize, T)>) -> Fut,
 ) -> Vec<R>
 where
-    K: Eq + Hash,
-    Fut: Future<Output = R>,
+    K: Eq + Hash + Clone,
+    Fut: Future<Output = Vec<(usize, R)>>,
 {
     let n = items.len();
-    let mut groups: Vec<Vec<(usize, T)>> = Vec::new();
+    let mut groups: Vec<(K, Vec<(usize, T)>)> = Vec::new();
     let mut group_of: HashMap<K, usize> = HashMap::new();
     for (i, item) in items.into_iter().enumerate() {
-        let g = *group_of.entry(key(&item)).or_insert_with(|| {
-            groups.push(Vec::new());
-            groups.len() - 1
-        });
-        groups[g].push((i, item));
+        let k = key(&item);
+        let g = match group_of.get(&k) {
+            Some(&g) => g,
+            None => {
+                group_of.insert(k.clone(), groups.len());
+                groups.push((k, Vec::new()));
+                groups.len() - 1
+            }
+        };
+        groups[g].1.push((i, item));
     }
-    let f = &f;
-    let done = futures::future::join_all(groups.into_iter().map(|group| async move {
-        let mut out = Vec::with_capacity(group.len());
-        for (i, item) in group {
-            out.push((i, f(i, item).await));
-        }
-        out
-    }))
-    .await;
+    let run = &run;
+    let done = futures::future::join_all(groups.into_iter().map(|(k, g)| run(k, g))).await;
     let mut results: Vec<(usize, R)> = Vec::with_capacity(n);
     results.extend(done.into_iter().flatten());
     results.sort_unstable_by_key(|(i, _)| *i);
@@ -159,6 +214,27 @@ mod tests {
     use tokio::sync::Barrier;
 
     use super::*;
+
+    /// `in_groups` running each group's items one after another, as the handler does here.
+    async fn in_key_order<T, K, R, Fut>(
+        items: Vec<T>,
+        key: impl Fn(&T) -> K,
+        f: impl Fn(usize, T) -> Fut,
+    ) -> Vec<R>
+    where
+        K: Eq + Hash + Clone,
+        Fut: Future<Output = R>,
+    {
+        let f = &f;
+        in_groups(items, key, |_, group| async move {
+            let mut out = Vec::with_capacity(group.len());
+            for (i, item) in group {
+                out.push((i, f(i, item).await));
+            }
+            out
+        })
+        .await
+    }
 
     /// Different keys run at once: the first item of each of three keys waits on a barrier of
     /// three, which only opens if all three are in flight together. Equal keys run in order:

@@ -59,7 +59,7 @@ pub struct RateLimitedProblem {
 }
 
 /// Validates a check body into typed ids (taking its strings, not copying them) and a cost.
-fn parse(body: CheckBody) -> Result<(TenantId, PolicyName, u64), ApiError> {
+pub(crate) fn parse(body: CheckBody) -> Result<(TenantId, PolicyName, u64), ApiError> {
     let tenant = TenantId::new(body.tenant).map_err(|e| ApiError::field("tenant", &e))?;
     let policy = PolicyName::new(body.policy).map_err(|e| ApiError::field("policy", &e))?;
     let cost = match body.cost {
@@ -75,7 +75,7 @@ fn parse(body: CheckBody) -> Result<(TenantId, PolicyName, u64), ApiError> {
     Ok((tenant, policy, cost))
 }
 
-fn check_error(e: CheckError) -> ApiError {
+pub(crate) fn check_error(e: CheckError) -> ApiError {
     match e {
         CheckError::UnknownPolicy => ApiError::NotFound {
             what: "policy for this tenant",

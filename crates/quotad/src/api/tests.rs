@@ -27,7 +27,7 @@ fn state() -> AppState {
     let coordinator = Arc::new(Coordinator::Local(LocalCoordinator::in_temp_dir(
         region.clone(),
     )));
-    let decider = Arc::new(Decider::new(DeciderParts {
+    let decider = Decider::new(DeciderParts {
         region: region.clone(),
         store: quota_store::AnyStore::embedded(),
         breaker: Breaker::new(&BreakerConfig::default(), "eu"),
@@ -35,9 +35,14 @@ fn state() -> AppState {
         homes: HashMap::new(),
         forward_timeout: Duration::from_millis(100),
         peer_token: None,
-    }));
+    });
+    state_with(coordinator, decider)
+}
+
+/// The API state around `decider` and `coordinator`.
+fn state_with(coordinator: Arc<Coordinator>, decider: Decider) -> AppState {
     Arc::new(AppShared {
-        decider,
+        decider: Arc::new(decider),
         coordinator,
         admin_token: Arc::new(Secret::new(TOKEN)),
         metrics: None,
@@ -531,6 +536,51 @@ async fn batch_keeps_each_buckets_order_and_the_request_order() {
         .collect();
     let want = [(200, 1), (200, 0), (200, 0), (429, 0), (429, 0), (429, 0)];
     assert_eq!(got, want.map(|(s, r)| (s, Some(r))));
+}
+
+/// A batch's checks for tenants pinned elsewhere go to their home in one request (here a
+/// server standing in for region a that records what it gets); the results keep request order.
+#[tokio::test]
+async fn a_batchs_pinned_checks_go_home_in_one_request() {
+    let (decider, seen) = crate::decision::tests::decider_with_home(200).await;
+    let region = RegionId::new("b").unwrap();
+    let coordinator = Arc::new(Coordinator::Local(LocalCoordinator::in_temp_dir(region)));
+    let router = app(state_with(coordinator, decider));
+    let body = json!({"checks": [
+        {"tenant": "vip", "policy": "w"},
+        {"tenant": "strict", "policy": "w", "cost": 2},
+        {"tenant": "vip", "policy": "w", "cost": 0},
+        {"tenant": "vip", "policy": "w", "cost": 3},
+    ]})
+    .to_string();
+    let r = send(&router, "POST", "/v1/check/batch", None, Some(&body)).await;
+    assert_eq!(r.status, StatusCode::OK);
+    let got: Vec<_> = r.body["results"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|i| {
+            (
+                i["status"].as_u64().unwrap(),
+                i["decision"]["mode"].as_str(),
+            )
+        })
+        .collect();
+    let home = (200, Some("forwarded"));
+    assert_eq!(got, [home, home, (400, None), home], "{}", r.body);
+    assert_eq!(
+        r.body["results"][2]["problem"]["errors"][0]["field"],
+        "checks[2].cost"
+    );
+    let seen = seen.lock().unwrap();
+    assert_eq!(seen.len(), 1, "{seen:?}");
+    let costs: Vec<_> = seen[0].2["checks"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|c| c["cost"].as_u64().unwrap())
+        .collect();
+    assert_eq!(costs, [1, 2, 3]);
 }
 
 #[tokio::test]
