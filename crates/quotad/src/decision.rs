@@ -140,6 +140,15 @@ struct ForwardedItem {
     decision: Option<ForwardedAnswer>,
 }
 
+/// A check of `bucket` as the API takes it, for its home region.
+fn check_body(bucket: &BucketRef, cost: u64) -> serde_json::Value {
+    serde_json::json!({
+        "tenant": bucket.tenant.as_str(),
+        "policy": bucket.policy.as_str(),
+        "cost": cost,
+    })
+}
+
 /// What a check's result counts as in the decision metrics.
 fn outcome_of(result: &Result<Verdict, CheckError>) -> Outcome {
     match result {
@@ -369,13 +378,7 @@ impl Decider {
         let sent: Vec<_> = prepared
             .iter()
             .filter_map(|p| p.as_ref().ok())
-            .map(|(b, cost, _)| {
-                serde_json::json!({
-                    "tenant": b.tenant.as_str(),
-                    "policy": b.policy.as_str(),
-                    "cost": cost,
-                })
-            })
+            .map(|(b, cost, _)| check_body(b, *cost))
             .collect();
         let mut answers = if sent.is_empty() {
             Vec::new()
@@ -503,11 +506,7 @@ impl Decider {
         cost: u64,
         policy: Policy,
     ) -> Result<Verdict, CheckError> {
-        let body = serde_json::json!({
-            "tenant": bucket.tenant.as_str(),
-            "policy": bucket.policy.as_str(),
-            "cost": cost,
-        });
+        let body = check_body(&bucket, cost);
         match self
             .send_home::<ForwardedAnswer>(home, "/v1/check", &body)
             .await
