@@ -238,7 +238,9 @@ impl Coordinator {
 pub struct LocalCoordinator {
     region: RegionId,
     store: LocalStore,
-    state: Mutex<LocalState>,
+    /// The view, whose `last_version` is the version counter: versions are never reused, so a
+    /// re-put policy gets fresh Redis keys instead of a deleted one's bucket.
+    view: Mutex<ClusterView>,
     tx: watch::Sender<Arc<ClusterView>>,
     /// Keeps a test's data directory alive as long as the coordinator.
     #[cfg(test)]
@@ -263,13 +265,6 @@ pub fn tenant_policies<'a>(
         .into_iter()
         .flat_map(move |first| policies.range((tenant.clone(), first)..))
         .take_while(move |((t, _), _)| t == tenant)
-}
-
-/// The view, with the version counter in it (`view.last_version`): versions are never
-/// reused, so a re-put policy gets fresh Redis keys instead of a deleted one's bucket.
-#[derive(Debug)]
-struct LocalState {
-    view: ClusterView,
 }
 
 impl LocalCoordinator {
@@ -302,7 +297,7 @@ impl LocalCoordinator {
         Ok(Self {
             region,
             store,
-            state: Mutex::new(LocalState { view }),
+            view: Mutex::new(view),
             tx,
             #[cfg(test)]
             _dir: None,
@@ -330,21 +325,21 @@ impl LocalCoordinator {
         }
     }
 
-    /// Runs `f` under the lock: it writes to the store first and then changes the state; on
+    /// Runs `f` under the lock: it writes to the store first and then changes the view; on
     /// success the new view is published.
     fn mutate<T>(
         &self,
-        f: impl FnOnce(&mut LocalState) -> Result<T, LocalStoreError>,
+        f: impl FnOnce(&mut ClusterView) -> Result<T, LocalStoreError>,
     ) -> Result<T, CoordError> {
-        let mut state = self.state.lock().unwrap_or_else(|e| e.into_inner());
-        let out = f(&mut state).map_err(|e| {
+        let mut view = self.view.lock().unwrap_or_else(|e| e.into_inner());
+        let out = f(&mut view).map_err(|e| {
             tracing::error!(error = %e, "Writing the single-region coordinator state failed.");
             CoordError::Unavailable {
                 reason: e.to_string(),
             }
         })?;
-        state.view.epoch += 1;
-        self.tx.send_replace(Arc::new(state.view.clone()));
+        view.epoch += 1;
+        self.tx.send_replace(Arc::new(view.clone()));
         Ok(out)
     }
 
@@ -355,13 +350,13 @@ impl LocalCoordinator {
         mut policy: Policy,
     ) -> Result<Policy, CoordError> {
         self.mutate(|s| {
-            let version = s.view.last_version + 1;
+            let version = s.last_version + 1;
             policy.version = version;
             self.store.put_policy(&tenant, &name, &policy, version)?;
-            s.view.last_version = version;
-            let home = s.view.tenant_pins.get(&tenant).cloned();
+            s.last_version = version;
+            let home = s.tenant_pins.get(&tenant).cloned();
             let entry = Self::entry(&self.region, policy.clone(), home);
-            s.view.policies.insert((tenant, name), entry);
+            s.policies.insert((tenant, name), entry);
             Ok(policy)
         })
     }
@@ -369,11 +364,11 @@ impl LocalCoordinator {
     fn delete_policy(&self, tenant: &TenantId, name: &PolicyName) -> Result<bool, CoordError> {
         let key = (tenant.clone(), name.clone());
         self.mutate(|s| {
-            if !s.view.policies.contains_key(&key) {
+            if !s.policies.contains_key(&key) {
                 return Ok(false);
             }
             self.store.delete_policy(tenant, name)?;
-            s.view.policies.remove(&key);
+            s.policies.remove(&key);
             Ok(true)
         })
     }
@@ -384,9 +379,9 @@ impl LocalCoordinator {
         }
         self.mutate(|s| {
             self.store.put_pin(tenant, &region)?;
-            Arc::make_mut(&mut s.view.tenant_pins).insert(tenant.clone(), region.clone());
-            for key in tenant_keys(&s.view.policies, tenant) {
-                if let Some(e) = s.view.policies.get_mut(&key) {
+            Arc::make_mut(&mut s.tenant_pins).insert(tenant.clone(), region.clone());
+            for key in tenant_keys(&s.policies, tenant) {
+                if let Some(e) = s.policies.get_mut(&key) {
                     e.home = Some(region.clone());
                 }
             }
@@ -396,13 +391,13 @@ impl LocalCoordinator {
 
     fn unpin(&self, tenant: &TenantId) -> Result<bool, CoordError> {
         self.mutate(|s| {
-            if !s.view.tenant_pins.contains_key(tenant) {
+            if !s.tenant_pins.contains_key(tenant) {
                 return Ok(false);
             }
             self.store.delete_pin(tenant)?;
-            Arc::make_mut(&mut s.view.tenant_pins).remove(tenant);
-            for key in tenant_keys(&s.view.policies, tenant) {
-                if let Some(e) = s.view.policies.get_mut(&key) {
+            Arc::make_mut(&mut s.tenant_pins).remove(tenant);
+            for key in tenant_keys(&s.policies, tenant) {
+                if let Some(e) = s.policies.get_mut(&key) {
                     e.home = None;
                 }
             }
@@ -411,12 +406,7 @@ impl LocalCoordinator {
     }
 
     fn status(&self) -> CoordinatorStatus {
-        let applied_index = self
-            .state
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .view
-            .epoch;
+        let applied_index = self.view.lock().unwrap_or_else(|e| e.into_inner()).epoch;
         CoordinatorStatus {
             role: "single",
             leader: Some(self.region.clone()),
