@@ -1,12 +1,14 @@
-//! The regional Redis killed under a running daemon: each policy's fail mode decides while it
-//! is down (`local`: in-process bucket at this region's share, `open`: admit, `closed`: 503
-//! temporary-reduced-capacity), and when Redis returns normal decisions resume within 2 s and
-//! the shares are re-applied to the new, empty Redis.
+//! The regional Redis killed under a running daemon, or down before it starts: each policy's
+//! fail mode decides while it is down (`local`: in-process bucket at this region's share,
+//! `open`: admit, `closed`: 503 temporary-reduced-capacity), and when Redis returns normal
+//! decisions resume within 2 s and the shares are applied to the new, empty Redis.
 
 use std::time::{Duration, Instant};
 
 use quota_core::{keys, PolicyName, TenantId};
-use quotad_system_tests::{eventually, redis_config, Daemon};
+use std::collections::HashMap;
+
+use quotad_system_tests::{eventually, metric_value, redis_config, Daemon};
 use redis_harness::RedisServer;
 use serde_json::json;
 
@@ -27,12 +29,10 @@ async fn params_present(redis: &RedisServer, tenant: &str, policy: &str, version
         == 1
 }
 
-#[tokio::test]
-async fn fail_modes_while_redis_is_down_and_recovery_after() -> anyhow::Result<()> {
-    let mut redis = RedisServer::start()?;
-    let d = Daemon::start(&redis_config(&redis.url())).await?;
+/// One policy per fail mode, each 5 tokens a minute; their versions by policy.
+async fn put_fail_mode_policies(d: &Daemon) -> anyhow::Result<HashMap<&'static str, u64>> {
     // Versions come from one counter across policies (never reused): read them, not assume 1.
-    let mut versions = std::collections::HashMap::new();
+    let mut versions = HashMap::new();
     for (policy, mode) in [
         ("p-local", "local"),
         ("p-open", "open"),
@@ -48,32 +48,11 @@ async fn fail_modes_while_redis_is_down_and_recovery_after() -> anyhow::Result<(
         let version = stored["version"].as_u64().expect("a version");
         versions.insert(policy, version);
     }
-    for policy in ["p-local", "p-open", "p-closed"] {
-        let r = d.check("acme", policy, 1).await?;
-        assert_eq!(
-            (r.status, r.body["mode"].as_str()),
-            (200, Some("normal")),
-            "{policy}: {}",
-            r.body
-        );
-    }
-    // The agent wrote this region's parameters next to the buckets.
-    assert!(
-        eventually(
-            Duration::from_secs(5),
-            Duration::from_millis(50),
-            || async {
-                params_present(&redis, "acme", "p-local", versions["p-local"])
-                    .await
-                    .then_some(())
-            }
-        )
-        .await
-        .is_some(),
-        "shares applied to Redis"
-    );
+    Ok(versions)
+}
 
-    redis.stop();
+/// Each fail mode decides while Redis is down, and status and metrics say so.
+async fn fail_modes_decide(d: &Daemon) -> anyhow::Result<()> {
     // Until the breaker opens, a check may still wait for Redis to time out; after it opens the
     // fail modes answer immediately.
     let degraded = eventually(
@@ -110,9 +89,21 @@ async fn fail_modes_while_redis_is_down_and_recovery_after() -> anyhow::Result<(
     assert_eq!(admitted, 5, "the local bucket enforces this region's share");
     let status = d.get("/v1/status").await?;
     assert_eq!(status.body["store"]["state"], "degraded");
-    let metrics = d.get("/metrics").await?;
-    assert_eq!(metrics.status, 200);
+    let (code, metrics) = d.get_text("/metrics").await?;
+    assert_eq!(code, 200);
+    assert_eq!(
+        metric_value(&metrics, "quotad_degraded", &[("region", "b")]),
+        Some(1.0)
+    );
+    Ok(())
+}
 
+/// Restarts Redis (empty) and requires normal decisions within 2 s and every share applied.
+async fn recovers(
+    d: &Daemon,
+    redis: &mut RedisServer,
+    versions: &HashMap<&str, u64>,
+) -> anyhow::Result<()> {
     redis.restart()?;
     let back = Instant::now();
     let resumed = eventually(
@@ -132,21 +123,18 @@ async fn fail_modes_while_redis_is_down_and_recovery_after() -> anyhow::Result<(
         "normal decisions resumed {:?} after Redis returned",
         back.elapsed()
     );
-    // The restarted Redis is empty: the agent re-applies every share.
+    // The restarted Redis is empty: the agent applies every share.
     let reapplied = eventually(
         Duration::from_secs(3),
         Duration::from_millis(50),
         || async {
-            let all = params_present(&redis, "acme", "p-local", versions["p-local"]).await
-                && params_present(&redis, "acme", "p-closed", versions["p-closed"]).await;
+            let all = params_present(redis, "acme", "p-local", versions["p-local"]).await
+                && params_present(redis, "acme", "p-closed", versions["p-closed"]).await;
             all.then_some(())
         },
     )
     .await;
-    assert!(
-        reapplied.is_some(),
-        "shares re-applied after the Redis restart"
-    );
+    assert!(reapplied.is_some(), "shares applied after Redis returned");
     let r = d.check("acme", "p-closed", 1).await?;
     assert_eq!(
         (r.status, r.body["mode"].as_str()),
@@ -154,5 +142,62 @@ async fn fail_modes_while_redis_is_down_and_recovery_after() -> anyhow::Result<(
         "{}",
         r.body
     );
+    assert_eq!(d.get("/v1/status").await?.body["store"]["state"], "ok");
     Ok(())
+}
+
+#[tokio::test]
+async fn fail_modes_while_redis_is_down_and_recovery_after() -> anyhow::Result<()> {
+    let mut redis = RedisServer::start()?;
+    let d = Daemon::start(&redis_config(&redis.url())).await?;
+    let versions = put_fail_mode_policies(&d).await?;
+    for policy in ["p-local", "p-open", "p-closed"] {
+        let r = d.check("acme", policy, 1).await?;
+        assert_eq!(
+            (r.status, r.body["mode"].as_str()),
+            (200, Some("normal")),
+            "{policy}: {}",
+            r.body
+        );
+    }
+    // The agent wrote this region's parameters next to the buckets.
+    assert!(
+        eventually(
+            Duration::from_secs(5),
+            Duration::from_millis(50),
+            || async {
+                params_present(&redis, "acme", "p-local", versions["p-local"])
+                    .await
+                    .then_some(())
+            }
+        )
+        .await
+        .is_some(),
+        "shares applied to Redis"
+    );
+
+    redis.stop();
+    fail_modes_decide(&d).await?;
+    recovers(&d, &mut redis, &versions).await
+}
+
+/// A daemon (re)started while its Redis is down serves — a Redis outage must not become a
+/// limiter outage — with the breaker open from the start, and connects when Redis returns.
+#[tokio::test]
+async fn a_daemon_started_while_redis_is_down_serves_fail_modes_and_connects_later(
+) -> anyhow::Result<()> {
+    let mut redis = RedisServer::start()?;
+    redis.stop();
+    let d = Daemon::start(&redis_config(&redis.url())).await?;
+    assert!(
+        d.log_text().contains("does not answer at start"),
+        "{}",
+        d.log_text()
+    );
+    // Degraded before any decision has tried Redis.
+    let status = d.get("/v1/status").await?;
+    assert_eq!(status.body["store"]["state"], "degraded", "{}", status.body);
+    let versions = put_fail_mode_policies(&d).await?;
+    fail_modes_decide(&d).await?;
+    recovers(&d, &mut redis, &versions).await
 }

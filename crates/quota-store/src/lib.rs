@@ -294,11 +294,6 @@ impl AnyStore {
     pub fn embedded() -> Self {
         Self::Embedded(EmbeddedStore::new())
     }
-
-    /// A Redis store for `config` (connects before returning).
-    pub async fn redis(config: RedisStoreConfig) -> Result<Self, StoreError> {
-        Ok(Self::Redis(RedisStore::connect(config).await?))
-    }
 }
 
 impl Store for AnyStore {

@@ -19,6 +19,7 @@ use std::time::Duration;
 use quota_core::keys::{self, StateKind};
 use quota_core::Decision;
 use redis::aio::{ConnectionManager, ConnectionManagerConfig};
+use redis::cluster::ClusterClient;
 use redis::cluster_async::ClusterConnection;
 use redis::cluster_routing::{MultipleNodeRoutingInfo, RoutingInfo, SingleNodeRoutingInfo};
 use redis::{FromRedisValue, RedisError, Script, ServerErrorKind, Value};
@@ -90,10 +91,37 @@ pub const DEFAULT_MIN_IDLE_TTL: Duration = Duration::from_millis(DEFAULT_MIN_IDL
 /// daemon's circuit breaker reacts within a second.
 pub const DEFAULT_TIMEOUT: Duration = Duration::from_millis(250);
 
+/// The least [`RedisStore::reachable`] waits: time for a first connection's retries.
+pub const CONNECT_WAIT: Duration = Duration::from_secs(1);
+
 #[derive(Clone)]
 enum Conn {
     Single(ConnectionManager),
-    Cluster(ClusterConnection),
+    Cluster(LazyCluster),
+}
+
+/// A Redis Cluster connection made by the first call that needs it, so a store can be opened
+/// while the cluster is unreachable; a failed attempt is made again by the next call. (A
+/// standalone `ConnectionManager` made lazily does the same on its own.)
+#[derive(Clone)]
+struct LazyCluster {
+    client: Arc<ClusterClient>,
+    conn: Arc<tokio::sync::OnceCell<ClusterConnection>>,
+}
+
+impl LazyCluster {
+    /// The connection, connecting first if no call has yet.
+    async fn get(&self) -> redis::RedisResult<ClusterConnection> {
+        self.conn
+            .get_or_try_init(|| self.client.get_async_connection())
+            .await
+            .cloned()
+    }
+
+    /// Sends `cmd` where `routing` says (e.g. to every master), connecting first if need be.
+    async fn route(&self, cmd: redis::Cmd, routing: RoutingInfo) -> redis::RedisResult<Value> {
+        self.get().await?.route_command(cmd, routing).await
+    }
 }
 
 /// Keys one `SCAN` step looks at: large enough that a sweep of a big keyspace takes few round
@@ -105,7 +133,9 @@ impl redis::aio::ConnectionLike for Conn {
     fn req_packed_command<'a>(&'a mut self, cmd: &'a redis::Cmd) -> redis::RedisFuture<'a, Value> {
         match self {
             Conn::Single(c) => c.req_packed_command(cmd),
-            Conn::Cluster(c) => c.req_packed_command(cmd),
+            Conn::Cluster(c) => {
+                Box::pin(async move { c.get().await?.req_packed_command(cmd).await })
+            }
         }
     }
 
@@ -117,14 +147,19 @@ impl redis::aio::ConnectionLike for Conn {
     ) -> redis::RedisFuture<'a, Vec<Value>> {
         match self {
             Conn::Single(c) => c.req_packed_commands(cmd, offset, count),
-            Conn::Cluster(c) => c.req_packed_commands(cmd, offset, count),
+            Conn::Cluster(c) => {
+                Box::pin(
+                    async move { c.get().await?.req_packed_commands(cmd, offset, count).await },
+                )
+            }
         }
     }
 
     fn get_db(&self) -> i64 {
         match self {
             Conn::Single(c) => c.get_db(),
-            Conn::Cluster(c) => c.get_db(),
+            // Redis Cluster has database 0 only.
+            Conn::Cluster(_) => 0,
         }
     }
 }
@@ -188,51 +223,47 @@ fn from_redis(e: &RedisError) -> StoreError {
 }
 
 impl RedisStore {
-    /// Connects (within the configured timeout) and prepares the scripts. Scripts are loaded
-    /// lazily: the first EVALSHA that meets NOSCRIPT loads its script.
-    pub async fn connect(config: RedisStoreConfig) -> Result<Self, StoreError> {
-        let ms = config.timeout.as_millis() as u64;
-        let connect = async {
-            match &config.topology {
-                Topology::Standalone { url } => {
-                    let client =
-                        redis::Client::open(url.as_str()).map_err(|e| StoreError::Invalid {
-                            reason: format!("redis url: {e}"),
-                        })?;
-                    let cfg = ConnectionManagerConfig::new()
-                        .set_connection_timeout(Some(config.timeout))
-                        // Every call is bounded as a whole (`bounded`, retry included): a
-                        // per-response timer as well would be a second timer per call.
-                        .set_response_timeout(None)
-                        .set_number_of_retries(2)
-                        .set_max_delay(Duration::from_millis(500));
-                    let m = client
-                        .get_connection_manager_with_config(cfg)
-                        .await
-                        .map_err(|e| unavailable(&e))?;
-                    Ok::<_, StoreError>((Conn::Single(m), None))
-                }
-                Topology::Cluster { urls } => {
-                    let client =
-                        redis::cluster::ClusterClient::builder(urls.iter().map(String::as_str))
-                            .connection_timeout(config.timeout)
-                            .response_timeout(config.timeout)
-                            .build()
-                            .map_err(|e| StoreError::Invalid {
-                                reason: format!("cluster urls: {e}"),
-                            })?;
-                    let c = client
-                        .get_async_connection()
-                        .await
-                        .map_err(|e| unavailable(&e))?;
-                    Ok((Conn::Cluster(c), Some(Arc::new(keys::slot_tags()))))
-                }
+    /// Prepares the store without waiting for Redis: the first call connects, and one made
+    /// while Redis is unreachable fails as [`StoreError::Unavailable`] (or `Timeout`) and
+    /// leaves the next call to try again. A process can therefore start while its Redis is
+    /// down. Fails only on a malformed address. Scripts are loaded lazily too: the first
+    /// EVALSHA that meets NOSCRIPT loads its script.
+    pub fn open(config: RedisStoreConfig) -> Result<Self, StoreError> {
+        let (conn, slot_tags) = match config.topology {
+            Topology::Standalone { url } => {
+                let client =
+                    redis::Client::open(url.as_str()).map_err(|e| StoreError::Invalid {
+                        reason: format!("redis url: {e}"),
+                    })?;
+                let cfg = ConnectionManagerConfig::new()
+                    .set_connection_timeout(Some(config.timeout))
+                    // Every call is bounded as a whole (`bounded`, retry included): a
+                    // per-response timer as well would be a second timer per call.
+                    .set_response_timeout(None)
+                    .set_number_of_retries(2)
+                    .set_max_delay(Duration::from_millis(500));
+                let m = ConnectionManager::new_lazy_with_config(client, cfg).map_err(|e| {
+                    StoreError::Invalid {
+                        reason: format!("redis connection settings: {e}"),
+                    }
+                })?;
+                (Conn::Single(m), None)
+            }
+            Topology::Cluster { urls } => {
+                let client = ClusterClient::builder(urls.iter().map(String::as_str))
+                    .connection_timeout(config.timeout)
+                    .response_timeout(config.timeout)
+                    .build()
+                    .map_err(|e| StoreError::Invalid {
+                        reason: format!("cluster urls: {e}"),
+                    })?;
+                let lazy = LazyCluster {
+                    client: Arc::new(client),
+                    conn: Arc::new(tokio::sync::OnceCell::new()),
+                };
+                (Conn::Cluster(lazy), Some(Arc::new(keys::slot_tags())))
             }
         };
-        let (conn, slot_tags) =
-            tokio::time::timeout(config.timeout.max(Duration::from_secs(1)), connect)
-                .await
-                .map_err(|_| StoreError::Timeout { ms })??;
         let scripts = Arc::new(Scripts {
             token_bucket: Script::new(script::TOKEN_BUCKET_LUA),
             sliding_window: Script::new(script::SLIDING_WINDOW_LUA),
@@ -251,6 +282,36 @@ impl RedisStore {
             slot_tags,
             next_slot: Arc::new(AtomicUsize::new(0)),
         })
+    }
+
+    /// [`open`](Self::open), then waits for Redis to answer (see [`reachable`](Self::reachable)):
+    /// for callers that cannot go on without it.
+    pub async fn connect(config: RedisStoreConfig) -> Result<Self, StoreError> {
+        let store = Self::open(config)?;
+        store.reachable().await?;
+        Ok(store)
+    }
+
+    /// Whether Redis answers a `PING` (every master of a Cluster), connecting first if need be,
+    /// within the call timeout but at least [`CONNECT_WAIT`]: a first connection may take
+    /// longer than a call.
+    pub async fn reachable(&self) -> Result<(), StoreError> {
+        let wait = self.timeout.max(CONNECT_WAIT);
+        let ping = async {
+            match &self.conn {
+                Conn::Single(m) => redis::cmd("PING").query_async(&mut m.clone()).await,
+                Conn::Cluster(c) => {
+                    let all = RoutingInfo::MultiNode((MultipleNodeRoutingInfo::AllMasters, None));
+                    c.route(redis::cmd("PING"), all).await
+                }
+            }
+        };
+        match tokio::time::timeout(wait, ping).await {
+            Ok(r) => r.map(drop).map_err(|e| from_redis(&e)),
+            Err(_) => Err(StoreError::Timeout {
+                ms: wait.as_millis() as u64,
+            }),
+        }
     }
 
     /// The activity index a state key is listed in.
@@ -354,9 +415,8 @@ impl RedisStore {
         let reply: Value = match &self.conn {
             Conn::Single(_) => self.command(&info).await?,
             Conn::Cluster(c) => {
-                let mut c = c.clone();
                 let all = RoutingInfo::MultiNode((MultipleNodeRoutingInfo::AllMasters, None));
-                self.bounded(c.route_command(info, all)).await?
+                self.bounded(c.route(info, all)).await?
             }
         };
         let mut ids = Vec::new();
@@ -380,9 +440,7 @@ impl RedisStore {
                 // A command without a reply policy sent to every master answers with a map
                 // keyed by each node's address.
                 let all = RoutingInfo::MultiNode((MultipleNodeRoutingInfo::AllMasters, None));
-                let reply: Value = self
-                    .bounded(c.clone().route_command(redis::cmd("PING"), all))
-                    .await?;
+                let reply: Value = self.bounded(c.route(redis::cmd("PING"), all)).await?;
                 let Value::Map(nodes) = reply else {
                     return Err(StoreError::Protocol {
                         reason: "PING to every master gave no map of nodes".into(),
@@ -423,7 +481,7 @@ impl RedisStore {
                         host: host.clone(),
                         port: *port,
                     });
-                    self.bounded(c.clone().route_command(scan, at)).await?
+                    self.bounded(c.route(scan, at)).await?
                 }
                 _ => self.command(&scan).await?,
             };

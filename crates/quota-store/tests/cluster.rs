@@ -8,7 +8,7 @@ use std::time::Duration;
 
 use common::{fresh_bucket, req, tokens};
 use quota_core::keys::{self, StateKind};
-use quota_store::{Limit, RedisStore, RedisStoreConfig, SetParams, Store};
+use quota_store::{Limit, RedisStore, RedisStoreConfig, SetParams, Store, StoreError};
 use redis_harness::RedisCluster;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -121,4 +121,37 @@ async fn listed_params_come_from_every_master() {
             .collect::<std::collections::BTreeSet<_>>(),
         written
     );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_store_opened_while_its_seed_node_is_down_connects_on_a_later_call() {
+    let mut cluster = RedisCluster::start().unwrap();
+    let seed = cluster.urls().remove(0);
+    cluster.nodes_mut()[0].stop();
+    let cfg = RedisStoreConfig::cluster(vec![seed]).with_timeout(Duration::from_secs(2));
+    let s = RedisStore::open(cfg).unwrap();
+    let b = fresh_bucket("cl-lazy");
+    let l = tokens(3, 0);
+    let e = s.check(&req(&b, l, 1, None)).await.unwrap_err();
+    assert!(
+        matches!(
+            e,
+            StoreError::Unavailable { .. } | StoreError::Timeout { .. }
+        ),
+        "{e}"
+    );
+
+    cluster.nodes_mut()[0].restart().unwrap();
+    let back = std::time::Instant::now();
+    let mut first = None;
+    while back.elapsed() < Duration::from_secs(10) {
+        if let Ok(d) = s.check(&req(&b, l, 1, None)).await {
+            first = Some(d);
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let d = first.expect("a check succeeds once the seed node is back");
+    assert!(d.allowed);
+    s.reachable().await.unwrap();
 }

@@ -74,9 +74,7 @@ impl Breaker {
     /// the store.
     pub fn record(&self, ok: bool, took: Duration) {
         let failed = !ok || took > self.slow;
-        let mut s = self.state.lock().unwrap_or_else(|e| e.into_inner());
-        let before_open = !matches!(*s, State::Closed { .. });
-        *s = match (*s, failed) {
+        self.update(|s| match (s, failed) {
             (_, false) => State::Closed { failures: 0 },
             (State::Closed { failures }, true) if failures + 1 < self.threshold => State::Closed {
                 failures: failures + 1,
@@ -84,7 +82,23 @@ impl Breaker {
             (_, true) => State::Open {
                 until: clock::monotonic() + self.open_for,
             },
-        };
+        });
+    }
+
+    /// Opens the breaker now, as `failure_threshold` failures would: for a store known to be
+    /// down before any decision has tried it (Redis unreachable at start), so the first checks
+    /// go to their fail modes at once instead of each waiting out a call.
+    pub fn trip(&self) {
+        self.update(|_| State::Open {
+            until: clock::monotonic() + self.open_for,
+        });
+    }
+
+    /// Moves to the state `next` gives, telling metrics and logs when it opens or closes.
+    fn update(&self, next: impl FnOnce(State) -> State) {
+        let mut s = self.state.lock().unwrap_or_else(|e| e.into_inner());
+        let before_open = !matches!(*s, State::Closed { .. });
+        *s = next(*s);
         let now_open = !matches!(*s, State::Closed { .. });
         drop(s);
         if before_open != now_open {
@@ -162,6 +176,20 @@ mod tests {
         b.record(true, Duration::ZERO);
         b.record(false, Duration::ZERO);
         b.record(false, Duration::ZERO);
+        assert!(!b.is_open());
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_tripped_breaker_is_open_at_once_and_recovers_through_a_probe() {
+        let b = breaker();
+        b.trip();
+        assert!(b.is_open());
+        assert_eq!(b.admit(), Admission::Reject);
+        tokio::time::advance(Duration::from_millis(99)).await;
+        assert_eq!(b.admit(), Admission::Reject, "open for open_ms");
+        tokio::time::advance(Duration::from_millis(2)).await;
+        assert_eq!(b.admit(), Admission::Call, "then one probe");
+        b.record(true, Duration::ZERO);
         assert!(!b.is_open());
     }
 }

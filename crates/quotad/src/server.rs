@@ -10,7 +10,7 @@ use std::time::Duration;
 
 use anyhow::Context as _;
 use metrics_exporter_prometheus::PrometheusHandle;
-use quota_store::{AnyStore, RedisStoreConfig};
+use quota_store::{AnyStore, RedisStore, RedisStoreConfig};
 use tokio::net::TcpListener;
 use tokio::sync::watch;
 
@@ -65,19 +65,32 @@ fn redis_url(url: &str, password: Option<&Secret>) -> String {
     }
 }
 
-/// The regional store: Redis when configured, else the embedded one.
-async fn build_store(settings: &Settings) -> anyhow::Result<AnyStore> {
+/// The regional store: Redis when configured, else the embedded one, and whether it answered
+/// at start. Only a malformed Redis address stops start-up: a daemon that refused to start
+/// while its Redis is down would make a Redis outage a limiter outage (e.g. a region's
+/// daemons restarted during one). It serves with each policy's fail mode until Redis
+/// answers, and connects on its own once it does.
+async fn build_store(settings: &Settings) -> anyhow::Result<(AnyStore, bool)> {
     let Some(redis) = &settings.config.redis else {
-        return Ok(AnyStore::embedded());
+        return Ok((AnyStore::embedded(), true));
     };
     let url = redis_url(&redis.url, settings.secrets.redis_password.as_ref());
     let cfg =
         RedisStoreConfig::standalone(url).with_timeout(Duration::from_millis(redis.timeout_ms));
-    // Connecting once at start-up catches a wrong address early; once running, the store
-    // reconnects on its own and the breaker covers outages.
-    AnyStore::redis(cfg)
-        .await
-        .with_context(|| format!("connecting to the regional Redis at {}", redis.url))
+    let store = RedisStore::open(cfg)
+        .with_context(|| format!("the regional Redis address {}", redis.url))?;
+    let reachable = match store.reachable().await {
+        Ok(()) => true,
+        Err(e) => {
+            tracing::warn!(
+                redis = %redis.url,
+                error = %e,
+                "The regional Redis does not answer at start: serving with each policy's fail mode until it does."
+            );
+            false
+        }
+    };
+    Ok((AnyStore::Redis(store), reachable))
 }
 
 /// Everything the API serves from, built from settings.
@@ -86,7 +99,11 @@ pub async fn build_state(
     metrics: Option<PrometheusHandle>,
 ) -> anyhow::Result<AppState> {
     let cfg = &settings.config;
-    let store = build_store(settings).await?;
+    let (store, reachable) = build_store(settings).await?;
+    let breaker = Breaker::new(&cfg.breaker, settings.region.as_str());
+    if !reachable {
+        breaker.trip();
+    }
     let coordinator = if settings.is_single_region() {
         Arc::new(Coordinator::Local(
             LocalCoordinator::open(settings.region.clone(), &cfg.data_dir)
@@ -103,7 +120,7 @@ pub async fn build_state(
     let decider = Arc::new(Decider::new(DeciderParts {
         region: settings.region.clone(),
         store,
-        breaker: Breaker::new(&cfg.breaker, settings.region.as_str()),
+        breaker,
         view: coordinator.subscribe(),
         homes,
         forward_timeout: Duration::from_millis(cfg.api.forward_timeout_ms),

@@ -309,6 +309,12 @@ impl RedisCluster {
     pub fn nodes(&self) -> &[RedisServer] {
         &self.nodes
     }
+
+    /// The nodes, to stop or restart one. A restarted node keeps its cluster identity and slots
+    /// (its `nodes.conf` stays in its directory) and rejoins.
+    pub fn nodes_mut(&mut self) -> &mut [RedisServer] {
+        &mut self.nodes
+    }
 }
 
 /// The text of `CLUSTER INFO` (a bulk reply), read raw.
