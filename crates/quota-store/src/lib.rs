@@ -28,7 +28,7 @@ use quota_core::keys::{self, StateKind};
 use quota_core::{BucketParams, Decision, PolicyName, TenantId, WindowParams};
 
 pub use embedded::EmbeddedStore;
-pub use redis_store::{RedisStore, RedisStoreConfig, Topology};
+pub use redis_store::{check_url, Credentials, RedisStore, RedisStoreConfig, Topology};
 
 /// The largest cost of one request in whole tokens: `cost · UT` stays exact in a double.
 pub const MAX_COST: u64 = MAX_CAPACITY_UT / UT;
@@ -232,6 +232,10 @@ pub enum StoreError {
     Timeout { ms: u64 },
     #[error("store unavailable: {reason}")]
     Unavailable { reason: String },
+    /// Redis answered but refused this client: wrong or missing credentials, or an ACL user
+    /// without the commands or keys it needs. Configuration, not an outage.
+    #[error("Redis refused this client: {reason}")]
+    Refused { reason: String },
     /// Redis answered with an error, e.g. a script's `ERR quotad: …` reply.
     #[error("script error: {message}")]
     Script { message: String },

@@ -50,6 +50,35 @@ pub struct RedisStoreConfig {
     /// Minimum idle lifetime of a bucket or window state (ms precision, at least 1 ms): keeps
     /// the usage counters of an idle bucket until the next collection, so collect more often.
     pub min_idle_ttl: Duration,
+    /// How to authenticate (`AUTH`), if at all: kept out of the URL, so a password needs no
+    /// URL encoding and never shows in an address that is logged.
+    pub credentials: Option<Credentials>,
+}
+
+/// An ACL user (or the `default` user when `username` is `None`) and its password.
+#[derive(Clone, PartialEq, Eq)]
+pub struct Credentials {
+    pub username: Option<String>,
+    pub password: String,
+}
+
+impl fmt::Debug for Credentials {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Credentials")
+            .field("username", &self.username)
+            .field("password", &"<redacted>")
+            .finish()
+    }
+}
+
+/// Checks that `url` is a Redis address this store can use (`redis://host:port/db`), without
+/// connecting: for configuration checks.
+pub fn check_url(url: &str) -> Result<(), StoreError> {
+    redis::IntoConnectionInfo::into_connection_info(url)
+        .map(drop)
+        .map_err(|e| StoreError::Invalid {
+            reason: format!("redis url: {e}"),
+        })
 }
 
 impl RedisStoreConfig {
@@ -59,6 +88,7 @@ impl RedisStoreConfig {
             topology: Topology::Standalone { url: url.into() },
             timeout: DEFAULT_TIMEOUT,
             min_idle_ttl: DEFAULT_MIN_IDLE_TTL,
+            credentials: None,
         }
     }
 
@@ -68,6 +98,7 @@ impl RedisStoreConfig {
             topology: Topology::Cluster { urls },
             timeout: DEFAULT_TIMEOUT,
             min_idle_ttl: DEFAULT_MIN_IDLE_TTL,
+            credentials: None,
         }
     }
 
@@ -80,6 +111,12 @@ impl RedisStoreConfig {
     /// The same with another minimum idle lifetime of state.
     pub fn with_min_idle_ttl(mut self, ttl: Duration) -> Self {
         self.min_idle_ttl = ttl;
+        self
+    }
+
+    /// The same, authenticating with `credentials` (they replace any in the URL).
+    pub fn with_credentials(mut self, credentials: Credentials) -> Self {
+        self.credentials = Some(credentials);
         self
     }
 }
@@ -208,6 +245,13 @@ fn unavailable(e: &RedisError) -> StoreError {
 
 /// Maps a Redis error: server replies (script errors) vs. transport problems.
 fn from_redis(e: &RedisError) -> StoreError {
+    if e.kind() == redis::ErrorKind::AuthenticationFailed
+        || matches!(e.code(), Some("NOAUTH" | "WRONGPASS" | "NOPERM"))
+    {
+        return StoreError::Refused {
+            reason: e.to_string(),
+        };
+    }
     match e.kind() {
         redis::ErrorKind::Server(_) | redis::ErrorKind::Extension => StoreError::Script {
             message: match (e.code(), e.detail()) {
@@ -231,10 +275,19 @@ impl RedisStore {
     pub fn open(config: RedisStoreConfig) -> Result<Self, StoreError> {
         let (conn, slot_tags) = match config.topology {
             Topology::Standalone { url } => {
-                let client =
-                    redis::Client::open(url.as_str()).map_err(|e| StoreError::Invalid {
-                        reason: format!("redis url: {e}"),
-                    })?;
+                let invalid = |e: RedisError| StoreError::Invalid {
+                    reason: format!("redis url: {e}"),
+                };
+                let mut info = redis::IntoConnectionInfo::into_connection_info(url.as_str())
+                    .map_err(invalid)?;
+                if let Some(c) = &config.credentials {
+                    let mut redis = info.redis_settings().clone().set_password(&c.password);
+                    if let Some(user) = &c.username {
+                        redis = redis.set_username(user);
+                    }
+                    info = info.set_redis_settings(redis);
+                }
+                let client = redis::Client::open(info).map_err(invalid)?;
                 let cfg = ConnectionManagerConfig::new()
                     .set_connection_timeout(Some(config.timeout))
                     // Every call is bounded as a whole (`bounded`, retry included): a
@@ -250,13 +303,18 @@ impl RedisStore {
                 (Conn::Single(m), None)
             }
             Topology::Cluster { urls } => {
-                let client = ClusterClient::builder(urls.iter().map(String::as_str))
+                let mut builder = ClusterClient::builder(urls.iter().map(String::as_str))
                     .connection_timeout(config.timeout)
-                    .response_timeout(config.timeout)
-                    .build()
-                    .map_err(|e| StoreError::Invalid {
-                        reason: format!("cluster urls: {e}"),
-                    })?;
+                    .response_timeout(config.timeout);
+                if let Some(c) = &config.credentials {
+                    builder = builder.password(c.password.clone());
+                    if let Some(user) = &c.username {
+                        builder = builder.username(user.clone());
+                    }
+                }
+                let client = builder.build().map_err(|e| StoreError::Invalid {
+                    reason: format!("cluster urls: {e}"),
+                })?;
                 let lazy = LazyCluster {
                     client: Arc::new(client),
                     conn: Arc::new(tokio::sync::OnceCell::new()),

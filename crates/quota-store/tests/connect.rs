@@ -6,7 +6,7 @@ mod common;
 use std::time::{Duration, Instant};
 
 use common::{fresh_bucket, req, tokens};
-use quota_store::{RedisStore, RedisStoreConfig, Store, StoreError};
+use quota_store::{Credentials, RedisStore, RedisStoreConfig, Store, StoreError};
 use redis_harness::RedisServer;
 
 fn down(e: &StoreError) -> bool {
@@ -61,4 +61,67 @@ fn a_malformed_address_is_refused_at_open() {
     }
     let e = RedisStore::open(RedisStoreConfig::cluster(vec!["bogus".into()])).unwrap_err();
     assert!(matches!(e, StoreError::Invalid { .. }), "{e}");
+}
+
+/// A password with every character a URL would need encoded, for `requirepass` and an ACL user.
+const PASSWORD: &str = "p@ss/w:rd#%?&= x";
+
+fn with(server: &RedisServer, username: Option<&str>, password: &str) -> RedisStoreConfig {
+    RedisStoreConfig::standalone(server.url())
+        .with_timeout(Duration::from_secs(2))
+        .with_credentials(Credentials {
+            username: username.map(str::to_string),
+            password: password.to_string(),
+        })
+}
+
+#[tokio::test]
+async fn credentials_authenticate_as_given_and_a_refusal_is_named() {
+    let redis = RedisServer::start_with(&[
+        "--requirepass",
+        PASSWORD,
+        "--user",
+        "quotad",
+        "on",
+        &format!(">{PASSWORD}"),
+        "~*",
+        "&*",
+        "+@all",
+        "--user",
+        "reader",
+        "on",
+        ">reader-pw",
+        "~*",
+        "+@read",
+        "+ping",
+    ])
+    .unwrap();
+    let b = fresh_bucket("auth");
+    let l = tokens(3, 0);
+    for user in [None, Some("quotad")] {
+        let s = RedisStore::connect(with(&redis, user, PASSWORD))
+            .await
+            .unwrap_or_else(|e| panic!("{user:?}: {e}"));
+        let d = s.check(&req(&b, l, 1, None)).await.unwrap();
+        assert!(d.allowed, "{user:?}");
+    }
+
+    let refused = |e: &StoreError| matches!(e, StoreError::Refused { .. });
+    // No password, a wrong one, an unknown user: refused, and the password is never echoed.
+    let none = RedisStoreConfig::standalone(redis.url()).with_timeout(Duration::from_secs(2));
+    for (what, cfg) in [
+        ("none", none),
+        ("wrong", with(&redis, None, "wrong")),
+        ("unknown user", with(&redis, Some("nobody"), PASSWORD)),
+    ] {
+        let e = RedisStore::connect(cfg).await.unwrap_err();
+        assert!(refused(&e), "{what}: {e}");
+        assert!(!e.to_string().contains(PASSWORD), "{what}: {e}");
+    }
+    // A user that may not run scripts connects, and its decisions are refused.
+    let s = RedisStore::connect(with(&redis, Some("reader"), "reader-pw"))
+        .await
+        .unwrap();
+    let e = s.check(&req(&b, l, 1, None)).await.unwrap_err();
+    assert!(refused(&e), "{e}");
 }

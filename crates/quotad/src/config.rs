@@ -72,6 +72,9 @@ pub struct PeerConfig {
 pub struct RedisConfig {
     /// `redis://host:port/db`, without a password.
     pub url: String,
+    /// The Redis ACL user to authenticate as; unset means the `default` user (a
+    /// `requirepass` password alone). Needs a password.
+    pub username: Option<String>,
     /// A file holding the Redis password (used when `QUOTAD_REDIS_PASSWORD` is unset).
     pub password_file: Option<PathBuf>,
     /// Per-call timeout; a slower answer counts against the circuit breaker.
@@ -212,6 +215,7 @@ impl Default for RedisConfig {
     fn default() -> Self {
         Self {
             url: "redis://127.0.0.1:6379".into(),
+            username: None,
             password_file: None,
             timeout_ms: 50,
         }
@@ -336,6 +340,7 @@ pub const ENV_OVERRIDES: &[(&str, &str)] = &[
     ("QUOTAD_API_LISTEN", "api.listen"),
     ("QUOTAD_PEER_LISTEN", "peer.listen"),
     ("QUOTAD_REDIS_URL", "redis.url"),
+    ("QUOTAD_REDIS_USERNAME", "redis.username"),
     ("QUOTAD_LOG_FORMAT", "telemetry.log_format"),
     ("QUOTAD_LOG_LEVEL", "telemetry.log_level"),
     ("QUOTAD_WORKER_THREADS", "runtime.worker_threads"),
@@ -381,6 +386,14 @@ impl Config {
                 "QUOTAD_REDIS_URL" => {
                     self.redis.get_or_insert_with(RedisConfig::default).url = value;
                 }
+                // Not a way to turn Redis on: it names whom to connect as, not where.
+                "QUOTAD_REDIS_USERNAME" => match self.redis.as_mut() {
+                    Some(redis) => redis.username = Some(value),
+                    None => problems.push(problem(
+                        *var,
+                        "is set but no Redis is configured (redis.url or QUOTAD_REDIS_URL)",
+                    )),
+                },
                 "QUOTAD_LOG_FORMAT" => match value.as_str() {
                     "text" => self.telemetry.log_format = LogFormat::Text,
                     "json" => self.telemetry.log_format = LogFormat::Json,
@@ -503,6 +516,11 @@ impl Config {
             "redis.password_file",
             self.redis.as_ref().and_then(|r| r.password_file.as_deref()),
         );
+        check_redis_username(
+            p,
+            self.redis.as_ref().and_then(|r| r.username.as_deref()),
+            redis_password.is_some(),
+        );
         if self.regions.len() > 1 && peer_token.is_none() {
             p.push(problem(
                 "peer.token_file",
@@ -602,10 +620,28 @@ fn check_redis_url(p: &mut Vec<ConfigProblem>, url: &str) {
     if authority.contains('@') {
         p.push(problem(
             "redis.url",
-            format!("must not carry credentials; set {ENV_REDIS_PASSWORD} or redis.password_file"),
+            format!("must not carry credentials; set {ENV_REDIS_PASSWORD} or redis.password_file, and redis.username"),
         ));
     } else if authority.is_empty() {
         p.push(problem("redis.url", "names no host"));
+    } else if let Err(e) = quota_store::check_url(url) {
+        p.push(problem("redis.url", e.to_string()));
+    }
+}
+
+/// An ACL user name as Redis takes it in `AUTH`: one word of printable characters.
+fn check_redis_username(p: &mut Vec<ConfigProblem>, username: Option<&str>, password: bool) {
+    let Some(name) = username else { return };
+    if name.is_empty() || name.len() > 128 || !name.chars().all(|c| c.is_ascii_graphic()) {
+        p.push(problem(
+            "redis.username",
+            "must be 1 to 128 printable ASCII characters without spaces",
+        ));
+    } else if !password {
+        p.push(problem(
+            "redis.username",
+            format!("needs a password: set {ENV_REDIS_PASSWORD} or redis.password_file"),
+        ));
     }
 }
 
@@ -819,6 +855,64 @@ peer = "127.0.0.1:3"
         assert!(!printed.contains("s3cret-token"));
         assert!(printed.contains("admin_token = <redacted> (from the environment)"));
         assert!(!format!("{s:?}").contains("s3cret-token"));
+    }
+
+    #[test]
+    fn a_redis_user_needs_a_password_and_a_plain_name() {
+        let env = |vars: &'static [(&'static str, &'static str)]| {
+            move |k: &str| {
+                vars.iter()
+                    .find(|(name, _)| *name == k)
+                    .map(|(_, v)| (*v).to_string())
+            }
+        };
+        let redis = "[redis]\nurl = \"redis://127.0.0.1:6379/0\"\n";
+        let fields = |toml: &str, vars: &'static [(&'static str, &'static str)]| {
+            Config::from_toml(toml)
+                .unwrap()
+                .resolve(&env(vars), Vec::new())
+                .err()
+                .map(|e| e.0.into_iter().map(|p| p.field).collect::<Vec<_>>())
+        };
+        let named = format!("{redis}username = \"quotad\"\n");
+        assert_eq!(
+            fields(&named, &[]),
+            Some(vec!["redis.username".to_string()]),
+            "a user without a password"
+        );
+        assert_eq!(fields(&named, &[(ENV_REDIS_PASSWORD, "pw")]), None);
+        for bad in ["", "two words", "tab\\t"] {
+            let toml = format!("{redis}username = \"{bad}\"\n");
+            assert_eq!(
+                fields(&toml, &[(ENV_REDIS_PASSWORD, "pw")]),
+                Some(vec!["redis.username".to_string()]),
+                "{bad:?}"
+            );
+        }
+        // The environment names the user of a configured Redis, and never turns one on.
+        let vars: &[(&str, &str)] = &[
+            ("QUOTAD_REDIS_USERNAME", "from-env"),
+            (ENV_REDIS_PASSWORD, "pw"),
+        ];
+        let s = Config::load(None, &env(vars));
+        assert_eq!(
+            s.unwrap_err().0[0].field,
+            "QUOTAD_REDIS_USERNAME",
+            "no Redis configured"
+        );
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("quotad.toml");
+        std::fs::write(&path, redis).unwrap();
+        let s = Config::load(Some(&path), &env(vars)).unwrap();
+        assert_eq!(
+            s.config.redis.unwrap().username.as_deref(),
+            Some("from-env")
+        );
+        // A URL that names a host but does not parse is named too.
+        assert_eq!(
+            fields("[redis]\nurl = \"redis://127.0.0.1:notaport/\"\n", &[]),
+            Some(vec!["redis.url".to_string()])
+        );
     }
 
     #[test]

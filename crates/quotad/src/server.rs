@@ -10,13 +10,13 @@ use std::time::Duration;
 
 use anyhow::Context as _;
 use metrics_exporter_prometheus::PrometheusHandle;
-use quota_store::{AnyStore, RedisStore, RedisStoreConfig};
+use quota_store::{AnyStore, Credentials, RedisStore, RedisStoreConfig, StoreError};
 use tokio::net::TcpListener;
 use tokio::sync::watch;
 
 use crate::api::{self, AppShared, AppState};
 use crate::breaker::Breaker;
-use crate::config::{Config, RuntimeConfig, Secret, Settings};
+use crate::config::{Config, RuntimeConfig, Secret, Settings, ENV_REDIS_PASSWORD};
 use crate::coordination::{Coordinator, LocalCoordinator};
 use crate::decision::{Decider, DeciderParts};
 use crate::replicated::Replicated;
@@ -57,14 +57,6 @@ fn admin_token(settings: &Settings) -> Secret {
     Secret::new(token)
 }
 
-/// The Redis URL with the password (from the environment or a file) spliced in.
-fn redis_url(url: &str, password: Option<&Secret>) -> String {
-    match (password, url.strip_prefix("redis://")) {
-        (Some(p), Some(rest)) => format!("redis://:{}@{rest}", p.expose()),
-        _ => url.to_string(),
-    }
-}
-
 /// The regional store: Redis when configured, else the embedded one, and whether it answered
 /// at start. Only a malformed Redis address stops start-up: a daemon that refused to start
 /// while its Redis is down would make a Redis outage a limiter outage (e.g. a region's
@@ -74,13 +66,26 @@ async fn build_store(settings: &Settings) -> anyhow::Result<(AnyStore, bool)> {
     let Some(redis) = &settings.config.redis else {
         return Ok((AnyStore::embedded(), true));
     };
-    let url = redis_url(&redis.url, settings.secrets.redis_password.as_ref());
-    let cfg =
-        RedisStoreConfig::standalone(url).with_timeout(Duration::from_millis(redis.timeout_ms));
+    let mut cfg = RedisStoreConfig::standalone(redis.url.clone())
+        .with_timeout(Duration::from_millis(redis.timeout_ms));
+    if let Some(password) = &settings.secrets.redis_password {
+        cfg = cfg.with_credentials(Credentials {
+            username: redis.username.clone(),
+            password: password.expose().to_string(),
+        });
+    }
     let store = RedisStore::open(cfg)
         .with_context(|| format!("the regional Redis address {}", redis.url))?;
     let reachable = match store.reachable().await {
         Ok(()) => true,
+        // Redis answers but will not serve this daemon: a configuration mistake, which
+        // waiting will not mend (unlike an outage).
+        Err(e @ StoreError::Refused { .. }) => {
+            return Err(anyhow::Error::new(e).context(format!(
+                "the regional Redis at {} refused quotad: check redis.username and the password ({ENV_REDIS_PASSWORD} or redis.password_file), and that the user may run EVALSHA, SCRIPT LOAD, INFO, SCAN and PING on every key",
+                redis.url
+            )));
+        }
         Err(e) => {
             tracing::warn!(
                 redis = %redis.url,
@@ -376,8 +381,8 @@ mod tests {
         assert_eq!(pending_timer_period(&cfg), Duration::from_millis(100));
         cfg.redis = Some(RedisConfig {
             url: "redis://127.0.0.1:1".into(),
-            password_file: None,
             timeout_ms: 50,
+            ..RedisConfig::default()
         });
         assert_eq!(pending_timer_period(&cfg), Duration::from_millis(25));
         cfg.api.request_timeout_ms = 1;

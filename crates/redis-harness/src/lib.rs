@@ -96,7 +96,8 @@ fn wait_ready(port: u16, child: &mut Child) -> Result<(), HarnessError> {
     let started = Instant::now();
     while started.elapsed() < START_TIMEOUT {
         if let Ok(reply) = inline_command(port, "PING") {
-            if reply == "+PONG" {
+            // A server started with a password answers, but refuses an unauthenticated PING.
+            if reply == "+PONG" || reply.starts_with("-NOAUTH") {
                 return Ok(());
             }
         }
