@@ -8,7 +8,7 @@ use std::time::Duration;
 
 use common::{fresh_bucket, req, tokens};
 use quota_core::keys::{self, StateKind};
-use quota_store::{Limit, RedisStore, RedisStoreConfig, SetParams, Store, StoreError};
+use quota_store::{Credentials, Limit, RedisStore, RedisStoreConfig, SetParams, Store, StoreError};
 use redis_harness::RedisCluster;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -154,4 +154,34 @@ async fn a_store_opened_while_its_seed_node_is_down_connects_on_a_later_call() {
     let d = first.expect("a check succeeds once the seed node is back");
     assert!(d.allowed);
     s.reachable().await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_password_protected_cluster_takes_the_credentials() {
+    const PASSWORD: &str = "cl@ster/pass:w#rd% x";
+    let cluster = RedisCluster::start_with_password(Some(PASSWORD)).unwrap();
+    let cfg = RedisStoreConfig::cluster(cluster.urls()).with_timeout(Duration::from_secs(5));
+    let e = RedisStore::connect(cfg.clone()).await.unwrap_err();
+    assert!(matches!(e, StoreError::Refused { .. }), "{e}");
+
+    let s = RedisStore::connect(cfg.with_credentials(Credentials {
+        username: None,
+        password: PASSWORD.into(),
+    }))
+    .await
+    .unwrap();
+    // Buckets on every master; the listing visits each.
+    let buckets: Vec<_> = (0..30).map(|_| fresh_bucket("cl-auth")).collect();
+    for b in &buckets {
+        assert!(
+            s.check(&req(b, tokens(2, 0), 1, None))
+                .await
+                .unwrap()
+                .allowed
+        );
+        s.set_params(&SetParams::new(b.clone(), tokens(3, 1)))
+            .await
+            .unwrap();
+    }
+    assert_eq!(s.list_params().await.unwrap().len(), buckets.len());
 }

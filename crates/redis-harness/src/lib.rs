@@ -252,16 +252,26 @@ impl RedisCluster {
     /// Starts three masters with `--cluster-enabled yes` and joins them with
     /// `redis-cli --cluster create … --cluster-yes`, waiting until the cluster state is ok.
     pub fn start() -> Result<Self, HarnessError> {
+        Self::start_with_password(None)
+    }
+
+    /// Like [`start`](Self::start), every node requiring `password` (`requirepass`, and
+    /// `masterauth` for the nodes among themselves).
+    pub fn start_with_password(password: Option<&str>) -> Result<Self, HarnessError> {
+        let mut args = vec![
+            "--cluster-enabled",
+            "yes",
+            "--cluster-config-file",
+            "nodes.conf",
+            "--cluster-node-timeout",
+            "5000",
+        ];
+        if let Some(pw) = password {
+            args.extend(["--requirepass", pw, "--masterauth", pw]);
+        }
         let mut nodes = Vec::new();
         for _ in 0..3 {
-            nodes.push(RedisServer::start_with(&[
-                "--cluster-enabled",
-                "yes",
-                "--cluster-config-file",
-                "nodes.conf",
-                "--cluster-node-timeout",
-                "5000",
-            ])?);
+            nodes.push(RedisServer::start_with(&args)?);
         }
         let cli = find_on_path("redis-cli").ok_or_else(|| HarnessError::NotInstalled {
             looked_for: "redis-cli on PATH (Debian package `redis-tools`)".into(),
@@ -270,7 +280,11 @@ impl RedisCluster {
             .iter()
             .map(|n| format!("127.0.0.1:{}", n.port()))
             .collect();
-        let out = Command::new(&cli)
+        let mut create = Command::new(&cli);
+        if let Some(pw) = password {
+            create.args(["--no-auth-warning", "-a", pw]);
+        }
+        let out = create
             .arg("--cluster")
             .arg("create")
             .args(&addrs)
@@ -286,7 +300,7 @@ impl RedisCluster {
         let started = Instant::now();
         loop {
             let ok = nodes.iter().all(|n| {
-                cluster_info(n.port()).is_ok_and(|info| info.contains("cluster_state:ok"))
+                cluster_info(n.port(), password).is_ok_and(|info| info.contains("cluster_state:ok"))
             });
             if ok {
                 return Ok(Self { nodes });
@@ -318,10 +332,19 @@ impl RedisCluster {
     }
 }
 
-/// The text of `CLUSTER INFO` (a bulk reply), read raw.
-fn cluster_info(port: u16) -> std::io::Result<String> {
+/// The text of `CLUSTER INFO` (a bulk reply), read raw, after `AUTH` when a password is set.
+fn cluster_info(port: u16, password: Option<&str>) -> std::io::Result<String> {
     let mut s = TcpStream::connect((Ipv4Addr::LOCALHOST, port))?;
     s.set_read_timeout(Some(Duration::from_secs(2)))?;
+    if let Some(pw) = password {
+        // A RESP array, so the password may hold spaces.
+        s.write_all(format!("*2\r\n$4\r\nAUTH\r\n${}\r\n{pw}\r\n", pw.len()).as_bytes())?;
+        let mut reply = [0u8; 5];
+        s.read_exact(&mut reply)?;
+        if &reply != b"+OK\r\n" {
+            return Err(std::io::Error::other("AUTH refused"));
+        }
+    }
     s.write_all(b"CLUSTER INFO\r\n")?;
     let mut buf = vec![0u8; 4096];
     let n = s.read(&mut buf)?;
