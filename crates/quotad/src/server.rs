@@ -58,10 +58,10 @@ fn admin_token(settings: &Settings) -> Secret {
 }
 
 /// The regional store: Redis when configured, else the embedded one, and whether it answered
-/// at start. Only a malformed Redis address stops start-up: a daemon that refused to start
-/// while its Redis is down would make a Redis outage a limiter outage (e.g. a region's
-/// daemons restarted during one). It serves with each policy's fail mode until Redis
-/// answers, and connects on its own once it does.
+/// at start. Only a malformed address or credentials Redis refuses stop start-up: a daemon
+/// that refused to start while its Redis is down would make a Redis outage a limiter outage
+/// (e.g. a region's daemons restarted during one). It serves with each policy's fail mode
+/// until Redis answers, and connects on its own once it does.
 async fn build_store(settings: &Settings) -> anyhow::Result<(AnyStore, bool)> {
     let Some(redis) = &settings.config.redis else {
         return Ok((AnyStore::embedded(), true));
@@ -82,7 +82,7 @@ async fn build_store(settings: &Settings) -> anyhow::Result<(AnyStore, bool)> {
         // waiting will not mend (unlike an outage).
         Err(e @ StoreError::Refused { .. }) => {
             return Err(anyhow::Error::new(e).context(format!(
-                "the regional Redis at {} refused quotad: check redis.username and the password ({ENV_REDIS_PASSWORD} or redis.password_file), and that the user may run EVALSHA, SCRIPT LOAD, INFO, SCAN and PING on every key",
+                "the regional Redis at {} refused quotad: check redis.username and the password ({ENV_REDIS_PASSWORD} or redis.password_file), and that the ACL user may run what quotad needs (README, Redis authentication)",
                 redis.url
             )));
         }
