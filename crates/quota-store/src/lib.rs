@@ -28,7 +28,9 @@ use quota_core::keys::{self, StateKind};
 use quota_core::{BucketParams, Decision, PolicyName, TenantId, WindowParams};
 
 pub use embedded::EmbeddedStore;
-pub use redis_store::{check_url, Credentials, RedisStore, RedisStoreConfig, Topology};
+pub use redis_store::{
+    check_url, ClientIdentity, Credentials, RedisStore, RedisStoreConfig, Tls, Topology,
+};
 
 /// The largest cost of one request in whole tokens: `cost · UT` stays exact in a double.
 pub const MAX_COST: u64 = MAX_CAPACITY_UT / UT;

@@ -53,6 +53,93 @@ pub struct RedisStoreConfig {
     /// How to authenticate (`AUTH`), if at all: kept out of the URL, so a password needs no
     /// URL encoding and never shows in an address that is logged.
     pub credentials: Option<Credentials>,
+    /// Certificates for a `rediss://` address; without them a TLS address is verified against
+    /// the system's trusted roots.
+    pub tls: Option<Tls>,
+}
+
+/// TLS material for `rediss://`, PEM-encoded.
+#[derive(Clone, Default, PartialEq, Eq)]
+pub struct Tls {
+    /// CA certificates to trust instead of the system's (e.g. a private CA).
+    pub ca_pem: Option<Vec<u8>>,
+    /// A client certificate chain and its key, for a Redis with `tls-auth-clients yes`.
+    pub client: Option<ClientIdentity>,
+}
+
+/// A client certificate chain and its private key, PEM-encoded.
+#[derive(Clone, PartialEq, Eq)]
+pub struct ClientIdentity {
+    pub cert_pem: Vec<u8>,
+    pub key_pem: Vec<u8>,
+}
+
+impl fmt::Debug for Tls {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Tls")
+            .field("ca_pem", &self.ca_pem.as_ref().map(|_| "<pem>"))
+            .field("client", &self.client)
+            .finish()
+    }
+}
+
+impl fmt::Debug for ClientIdentity {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("ClientIdentity")
+            .field("cert_pem", &"<pem>")
+            .field("key_pem", &"<redacted>")
+            .finish()
+    }
+}
+
+impl Tls {
+    /// Checks that each PEM holds what it should, naming the one that does not: redis-rs
+    /// would take a CA file without a certificate as an empty trust store.
+    pub fn check(&self) -> Result<(), StoreError> {
+        use rustls::pki_types::pem::PemObject;
+        use rustls::pki_types::{CertificateDer, PrivateKeyDer};
+        let invalid = |what: &str, e: &dyn fmt::Display| StoreError::Invalid {
+            reason: format!("{what}: {e}"),
+        };
+        let certs = |what: &str, pem: &[u8]| {
+            let n = CertificateDer::pem_slice_iter(pem)
+                .try_fold(0, |n, c| c.map(|_| n + 1))
+                .map_err(|e| invalid(what, &e))?;
+            if n == 0 {
+                return Err(invalid(what, &"no PEM certificate found"));
+            }
+            Ok(())
+        };
+        if let Some(ca) = &self.ca_pem {
+            certs("TLS CA certificates", ca)?;
+        }
+        if let Some(c) = &self.client {
+            certs("TLS client certificate", &c.cert_pem)?;
+            // The key's own error would quote nothing of it, but say only that it is bad.
+            PrivateKeyDer::from_pem_slice(&c.key_pem)
+                .map_err(|_| invalid("TLS client key", &"no PEM private key found"))?;
+        }
+        Ok(())
+    }
+
+    fn certificates(&self) -> redis::TlsCertificates {
+        redis::TlsCertificates {
+            client_tls: self.client.as_ref().map(|c| redis::ClientTlsConfig {
+                client_cert: c.cert_pem.clone(),
+                client_key: c.key_pem.clone(),
+            }),
+            root_cert: self.ca_pem.clone(),
+        }
+    }
+}
+
+/// rustls needs one process-wide crypto provider; redis-rs asks for it when it builds a TLS
+/// client. Installs ring's unless the process chose one.
+fn ensure_crypto_provider() {
+    if rustls::crypto::CryptoProvider::get_default().is_none() {
+        // Losing a race with another installer is fine: one is installed either way.
+        let _ = rustls::crypto::ring::default_provider().install_default();
+    }
 }
 
 /// An ACL user (or the `default` user when `username` is `None`) and its password.
@@ -89,6 +176,7 @@ impl RedisStoreConfig {
             timeout: DEFAULT_TIMEOUT,
             min_idle_ttl: DEFAULT_MIN_IDLE_TTL,
             credentials: None,
+            tls: None,
         }
     }
 
@@ -99,6 +187,7 @@ impl RedisStoreConfig {
             timeout: DEFAULT_TIMEOUT,
             min_idle_ttl: DEFAULT_MIN_IDLE_TTL,
             credentials: None,
+            tls: None,
         }
     }
 
@@ -117,6 +206,12 @@ impl RedisStoreConfig {
     /// The same, authenticating with `credentials` (they replace any in the URL).
     pub fn with_credentials(mut self, credentials: Credentials) -> Self {
         self.credentials = Some(credentials);
+        self
+    }
+
+    /// The same with TLS certificates (the addresses must be `rediss://`).
+    pub fn with_tls(mut self, tls: Tls) -> Self {
+        self.tls = Some(tls);
         self
     }
 }
@@ -270,8 +365,9 @@ impl RedisStore {
     /// Prepares the store without waiting for Redis: the first call connects, and one made
     /// while Redis is unreachable fails as [`StoreError::Unavailable`] (or `Timeout`) and
     /// leaves the next call to try again. A process can therefore start while its Redis is
-    /// down. Fails only on a malformed address. Scripts are loaded lazily too: the first
-    /// EVALSHA that meets NOSCRIPT loads its script.
+    /// down. Fails only on a malformed address or TLS material. Scripts are loaded lazily
+    /// too: the first EVALSHA that meets NOSCRIPT loads its script. Call it within a Tokio
+    /// runtime (the standalone connection manager spawns a task).
     pub fn open(config: RedisStoreConfig) -> Result<Self, StoreError> {
         let (conn, slot_tags) = match config.topology {
             Topology::Standalone { url } => {
@@ -287,7 +383,26 @@ impl RedisStore {
                     }
                     info = info.set_redis_settings(redis);
                 }
-                let client = redis::Client::open(info).map_err(invalid)?;
+                let tls_addr = matches!(info.addr(), redis::ConnectionAddr::TcpTls { .. });
+                if tls_addr {
+                    ensure_crypto_provider();
+                }
+                let client = match &config.tls {
+                    Some(tls) if tls_addr => {
+                        tls.check()?;
+                        redis::Client::build_with_tls(info, tls.certificates()).map_err(|e| {
+                            StoreError::Invalid {
+                                reason: format!("redis TLS settings: {e}"),
+                            }
+                        })?
+                    }
+                    Some(_) => {
+                        return Err(StoreError::Invalid {
+                            reason: "TLS certificates need a rediss:// address".into(),
+                        })
+                    }
+                    None => redis::Client::open(info).map_err(invalid)?,
+                };
                 let cfg = ConnectionManagerConfig::new()
                     .set_connection_timeout(Some(config.timeout))
                     // Every call is bounded as a whole (`bounded`, retry included): a
@@ -311,6 +426,17 @@ impl RedisStore {
                     if let Some(user) = &c.username {
                         builder = builder.username(user.clone());
                     }
+                }
+                if urls.iter().any(|u| u.starts_with("rediss://")) {
+                    ensure_crypto_provider();
+                    if let Some(tls) = &config.tls {
+                        tls.check()?;
+                        builder = builder.certs(tls.certificates());
+                    }
+                } else if config.tls.is_some() {
+                    return Err(StoreError::Invalid {
+                        reason: "TLS certificates need rediss:// addresses".into(),
+                    });
                 }
                 let client = builder.build().map_err(|e| StoreError::Invalid {
                     reason: format!("cluster urls: {e}"),

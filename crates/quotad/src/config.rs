@@ -77,6 +77,12 @@ pub struct RedisConfig {
     pub username: Option<String>,
     /// A file holding the Redis password (used when `QUOTAD_REDIS_PASSWORD` is unset).
     pub password_file: Option<PathBuf>,
+    /// PEM CA certificates to verify a `rediss://` Redis against, instead of the system's.
+    pub tls_ca_file: Option<PathBuf>,
+    /// PEM client certificate chain, for a Redis with `tls-auth-clients yes` (with the key).
+    pub tls_cert_file: Option<PathBuf>,
+    /// PEM private key of the client certificate.
+    pub tls_key_file: Option<PathBuf>,
     /// Per-call timeout; a slower answer counts against the circuit breaker.
     pub timeout_ms: u64,
 }
@@ -217,6 +223,9 @@ impl Default for RedisConfig {
             url: "redis://127.0.0.1:6379".into(),
             username: None,
             password_file: None,
+            tls_ca_file: None,
+            tls_cert_file: None,
+            tls_key_file: None,
             timeout_ms: 50,
         }
     }
@@ -322,6 +331,8 @@ pub struct Settings {
     pub peer_listen: SocketAddr,
     pub regions: Vec<RegionSettings>,
     pub secrets: Secrets,
+    /// TLS material for a `rediss://` Redis, read from the files named in `[redis]`.
+    pub redis_tls: Option<quota_store::Tls>,
 }
 
 /// A cluster member, validated.
@@ -521,6 +532,7 @@ impl Config {
             self.redis.as_ref().and_then(|r| r.username.as_deref()),
             redis_password.is_some(),
         );
+        let redis_tls = self.redis.as_ref().and_then(|r| check_redis_tls(p, r));
         if self.regions.len() > 1 && peer_token.is_none() {
             p.push(problem(
                 "peer.token_file",
@@ -535,6 +547,7 @@ impl Config {
                     api_listen,
                     peer_listen,
                     regions,
+                    redis_tls,
                     secrets: Secrets {
                         admin_token,
                         admin_token_source,
@@ -612,8 +625,14 @@ fn parse_addr(p: &mut Vec<ConfigProblem>, field: &str, s: &str) -> Option<Socket
 }
 
 fn check_redis_url(p: &mut Vec<ConfigProblem>, url: &str) {
-    let Some(rest) = url.strip_prefix("redis://") else {
-        p.push(problem("redis.url", "must start with redis://"));
+    let Some(rest) = url
+        .strip_prefix("redis://")
+        .or_else(|| url.strip_prefix("rediss://"))
+    else {
+        p.push(problem(
+            "redis.url",
+            "must start with redis:// (or rediss:// for TLS)",
+        ));
         return;
     };
     let authority = rest.split('/').next().unwrap_or_default();
@@ -627,6 +646,69 @@ fn check_redis_url(p: &mut Vec<ConfigProblem>, url: &str) {
     } else if let Err(e) = quota_store::check_url(url) {
         p.push(problem("redis.url", e.to_string()));
     }
+}
+
+/// The TLS files of `[redis]`, read and checked: they need a `rediss://` address, and a client
+/// certificate comes with its key.
+fn check_redis_tls(p: &mut Vec<ConfigProblem>, redis: &RedisConfig) -> Option<quota_store::Tls> {
+    let (ca, cert, key) = (
+        &redis.tls_ca_file,
+        &redis.tls_cert_file,
+        &redis.tls_key_file,
+    );
+    if ca.is_none() && cert.is_none() && key.is_none() {
+        return None;
+    }
+    if !redis.url.starts_with("rediss://") {
+        p.push(problem(
+            "redis.url",
+            "must start with rediss:// when redis.tls_* files are set",
+        ));
+    }
+    let mut read = |field: &str, path: &Option<PathBuf>| {
+        let path = path.as_ref()?;
+        std::fs::read(path)
+            .map_err(|e| {
+                p.push(problem(
+                    field,
+                    format!("cannot read {}: {e}", path.display()),
+                ))
+            })
+            .ok()
+    };
+    let ca_pem = read("redis.tls_ca_file", ca);
+    let cert_pem = read("redis.tls_cert_file", cert);
+    let key_pem = read("redis.tls_key_file", key);
+    let client = match (cert_pem, key_pem) {
+        (Some(cert_pem), Some(key_pem)) => Some(quota_store::ClientIdentity { cert_pem, key_pem }),
+        (None, None) => None,
+        _ => {
+            if cert.is_some() != key.is_some() {
+                p.push(problem(
+                    "redis.tls_cert_file",
+                    "a client certificate needs its key (redis.tls_key_file), and a key its certificate",
+                ));
+            }
+            None
+        }
+    };
+    let tls = quota_store::Tls { ca_pem, client };
+    let only_ca = quota_store::Tls {
+        client: None,
+        ..tls.clone()
+    };
+    if let Err(e) = only_ca.check() {
+        p.push(problem("redis.tls_ca_file", e.to_string()));
+    } else if let Err(e) = tls.check() {
+        let message = e.to_string();
+        let field = if message.contains("client key") {
+            "redis.tls_key_file"
+        } else {
+            "redis.tls_cert_file"
+        };
+        p.push(problem(field, message));
+    }
+    Some(tls)
 }
 
 /// An ACL user name as Redis takes it in `AUTH`: one word of printable characters.
@@ -912,6 +994,71 @@ peer = "127.0.0.1:3"
         assert_eq!(
             fields("[redis]\nurl = \"redis://127.0.0.1:notaport/\"\n", &[]),
             Some(vec!["redis.url".to_string()])
+        );
+    }
+
+    #[test]
+    fn redis_tls_files_are_read_checked_and_need_a_tls_address() {
+        let dir = tempfile::tempdir().unwrap();
+        let pki = redis_harness::pki::TestPki::generate(dir.path(), "cfg").unwrap();
+        let toml = |url: &str, files: &[(&str, &Path)]| {
+            let mut t = format!("[redis]\nurl = \"{url}\"\n");
+            for (field, path) in files {
+                t.push_str(&format!("{field} = {:?}\n", path.display().to_string()));
+            }
+            t
+        };
+        let resolve = |t: &str| Config::from_toml(t).unwrap().resolve(&no_env, Vec::new());
+        let fields = |t: &str| -> Vec<String> {
+            resolve(t)
+                .err()
+                .map(|e| e.0.into_iter().map(|p| p.field).collect())
+                .unwrap_or_default()
+        };
+        let all = [
+            ("tls_ca_file", pki.ca_cert.as_path()),
+            ("tls_cert_file", pki.client_cert.as_path()),
+            ("tls_key_file", pki.client_key.as_path()),
+        ];
+        let s = resolve(&toml("rediss://redis.internal:6380", &all)).unwrap();
+        let tls = s.redis_tls.expect("TLS material");
+        assert!(tls.ca_pem.is_some() && tls.client.is_some());
+        assert!(!format!("{tls:?}").contains("PRIVATE KEY"));
+        // The system's roots alone: a rediss:// address and no files.
+        assert!(resolve(&toml("rediss://redis.internal:6380", &[]))
+            .unwrap()
+            .redis_tls
+            .is_none());
+
+        assert_eq!(
+            fields(&toml("redis://redis.internal:6379", &all)),
+            ["redis.url"]
+        );
+        assert_eq!(
+            fields(&toml("rediss://r:6380", &all[..2])),
+            ["redis.tls_cert_file"],
+            "a certificate without its key"
+        );
+        let missing = dir.path().join("missing.pem");
+        assert_eq!(
+            fields(&toml("rediss://r:6380", &[("tls_ca_file", &missing)])),
+            ["redis.tls_ca_file"]
+        );
+        // Files that hold the wrong thing are named.
+        assert_eq!(
+            fields(&toml(
+                "rediss://r:6380",
+                &[("tls_ca_file", &pki.client_key)]
+            )),
+            ["redis.tls_ca_file"]
+        );
+        let swapped = [
+            ("tls_cert_file", pki.client_cert.as_path()),
+            ("tls_key_file", pki.client_cert.as_path()),
+        ];
+        assert_eq!(
+            fields(&toml("rediss://r:6380", &swapped)),
+            ["redis.tls_key_file"]
         );
     }
 

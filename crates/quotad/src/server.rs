@@ -74,6 +74,9 @@ async fn build_store(settings: &Settings) -> anyhow::Result<(AnyStore, bool)> {
             password: password.expose().to_string(),
         });
     }
+    if let Some(tls) = &settings.redis_tls {
+        cfg = cfg.with_tls(tls.clone());
+    }
     let store = RedisStore::open(cfg)
         .with_context(|| format!("the regional Redis address {}", redis.url))?;
     let reachable = match store.reachable().await {

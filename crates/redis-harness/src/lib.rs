@@ -13,6 +13,8 @@
 //! - [`RedisServer`]: one standalone server.
 //! - [`RedisCluster`]: three masters with `--cluster-enabled yes`, joined by `redis-cli`.
 
+pub mod pki;
+
 use std::io::{Read, Write};
 use std::net::{Ipv4Addr, TcpListener, TcpStream};
 use std::path::{Path, PathBuf};
@@ -39,6 +41,8 @@ pub enum HarnessError {
     NotReady { port: u16, waited_ms: u64 },
     #[error("`{command}` failed: {output}")]
     Command { command: String, output: String },
+    #[error("could not generate test certificates: {0}")]
+    Pki(#[from] rcgen::Error),
 }
 
 fn io(action: &'static str) -> impl FnOnce(std::io::Error) -> HarnessError {
@@ -138,9 +142,22 @@ fn spawn(bin: &Path, dir: &Path, port: u16, extra: &[&str]) -> Result<Child, Har
 pub struct RedisServer {
     child: Child,
     port: u16,
+    /// The TLS port, when started with [`RedisServer::start_tls`].
+    tls_port: Option<u16>,
     bin: PathBuf,
     dir: tempfile::TempDir,
     extra: Vec<String>,
+}
+
+/// PEM files for a TLS-enabled server ([`RedisServer::start_tls`]).
+#[derive(Debug, Clone)]
+pub struct TlsFiles {
+    pub cert: PathBuf,
+    pub key: PathBuf,
+    /// The CA that client certificates must chain to.
+    pub ca: PathBuf,
+    /// Whether clients must present a certificate (`tls-auth-clients`).
+    pub require_client_cert: bool,
 }
 
 impl RedisServer {
@@ -151,18 +168,56 @@ impl RedisServer {
 
     /// Like [`start`](Self::start), with extra `redis-server` arguments.
     pub fn start_with(extra: &[&str]) -> Result<Self, HarnessError> {
+        let extra: Vec<String> = extra.iter().map(|s| s.to_string()).collect();
+        Self::start_on_free_ports(|_| extra.clone(), false)
+    }
+
+    /// A server that also takes TLS connections, on [`tls_port`](Self::tls_port) (the plain
+    /// port stays open for the harness and for direct inspection).
+    pub fn start_tls(files: &TlsFiles) -> Result<Self, HarnessError> {
+        let path = |p: &Path| p.display().to_string();
+        let args = |tls_port: Option<u16>| -> Vec<String> {
+            vec![
+                "--tls-port".into(),
+                tls_port.unwrap_or_default().to_string(),
+                "--tls-cert-file".into(),
+                path(&files.cert),
+                "--tls-key-file".into(),
+                path(&files.key),
+                "--tls-ca-cert-file".into(),
+                path(&files.ca),
+                "--tls-auth-clients".into(),
+                if files.require_client_cert {
+                    "yes"
+                } else {
+                    "no"
+                }
+                .into(),
+            ]
+        };
+        Self::start_on_free_ports(args, true)
+    }
+
+    /// Starts on a free port (and a free TLS port when `tls`), retrying on others when the
+    /// server fails to bind; `extra` gives the extra arguments for the TLS port chosen.
+    fn start_on_free_ports(
+        extra: impl Fn(Option<u16>) -> Vec<String>,
+        tls: bool,
+    ) -> Result<Self, HarnessError> {
         let bin = redis_server_binary()?;
         let dir = tempfile::tempdir().map_err(io("create a temp dir"))?;
-        let extra: Vec<String> = extra.iter().map(|s| s.to_string()).collect();
         let mut last = None;
         for _ in 0..5 {
             let port = free_port()?;
+            let tls_port = if tls { Some(free_port()?) } else { None };
+            let extra = extra(tls_port);
             let mut child = spawn(&bin, dir.path(), port, &as_strs(&extra))?;
             match wait_ready(port, &mut child) {
                 Ok(()) => {
                     return Ok(Self {
                         child,
                         port,
+                        tls_port,
                         bin,
                         dir,
                         extra,
@@ -179,6 +234,11 @@ impl RedisServer {
             port: 0,
             waited_ms: 0,
         }))
+    }
+
+    /// The TLS port, for a server started with [`start_tls`](Self::start_tls).
+    pub fn tls_port(&self) -> Option<u16> {
+        self.tls_port
     }
 
     /// The port it listens on (127.0.0.1).
