@@ -346,6 +346,41 @@ pub fn metric_value(text: &str, name: &str, labels: &[(&str, &str)]) -> Option<f
     })
 }
 
+/// Whether `client`'s Redis holds this region's parameters for a tenant's policy version.
+pub async fn params_present(
+    client: &redis::Client,
+    tenant: &str,
+    policy: &str,
+    version: u64,
+) -> bool {
+    let key = quota_core::keys::params_key(
+        &quota_core::TenantId::new(tenant).expect("a tenant id"),
+        &quota_core::PolicyName::new(policy).expect("a policy name"),
+        version,
+    );
+    let Ok(mut conn) = client.get_multiplexed_async_connection().await else {
+        return false;
+    };
+    redis::cmd("EXISTS")
+        .arg(&key)
+        .query_async::<i64>(&mut conn)
+        .await
+        .unwrap_or(0)
+        == 1
+}
+
+/// How many parameter hashes `client`'s Redis holds (every tenant, policy and version).
+pub async fn params_keys(client: &redis::Client) -> usize {
+    let Ok(mut conn) = client.get_multiplexed_async_connection().await else {
+        return 0;
+    };
+    redis::cmd("KEYS")
+        .arg(quota_core::keys::PARAMS_KEY_PATTERN)
+        .query_async::<Vec<String>>(&mut conn)
+        .await
+        .map_or(0, |k| k.len())
+}
+
 /// A single-region config on the embedded store.
 pub fn embedded_config() -> String {
     r#"

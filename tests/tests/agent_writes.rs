@@ -5,24 +5,12 @@
 
 use std::time::Duration;
 
-use quotad_system_tests::{eventually, redis_config, Daemon};
+use quotad_system_tests::{eventually, params_keys, redis_config, Daemon};
 use redis::aio::MultiplexedConnection;
 use redis_harness::RedisServer;
 use serde_json::json;
 
 const POLICIES: usize = 200;
-
-/// Parameter hashes in Redis (key schema `qd:v1:{tenant}:<policy>:<version>:p`).
-async fn params_keys(redis: &RedisServer) -> usize {
-    let Ok(mut conn) = redis.client().get_multiplexed_async_connection().await else {
-        return 0;
-    };
-    redis::cmd("KEYS")
-        .arg("qd:v1:*:p")
-        .query_async::<Vec<String>>(&mut conn)
-        .await
-        .map_or(0, |k| k.len())
-}
 
 /// EVALSHA calls since the last `CONFIG RESETSTAT` (every parameter write is one).
 async fn evalsha_calls(conn: &mut MultiplexedConnection) -> anyhow::Result<u64> {
@@ -49,7 +37,7 @@ async fn delete_policy(d: &Daemon, tenant: &str) -> anyhow::Result<()> {
 
 async fn all_params_within(redis: &RedisServer, n: usize, within: Duration) -> bool {
     eventually(within, Duration::from_millis(50), || async {
-        (params_keys(redis).await == n).then_some(())
+        (params_keys(&redis.client()).await == n).then_some(())
     })
     .await
     .is_some()

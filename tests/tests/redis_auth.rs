@@ -5,7 +5,7 @@
 
 use std::time::Duration;
 
-use quotad_system_tests::{eventually, free_port, redis_config, Daemon};
+use quotad_system_tests::{eventually, free_port, params_present, redis_config, Daemon};
 use redis_harness::RedisServer;
 use serde_json::json;
 
@@ -63,30 +63,12 @@ async fn decides_through_redis(d: &Daemon, tenant: &str) -> anyhow::Result<u64> 
     Ok(stored["version"].as_u64().expect("a version"))
 }
 
-/// Whether this region's parameters for `tenant`'s policy are in Redis.
-async fn params_written(redis: &RedisServer, tenant: &str, version: u64) -> bool {
-    let client = redis::Client::open(
-        redis::IntoConnectionInfo::into_connection_info(redis.url().as_str())
-            .expect("a loopback URL")
-            .set_redis_settings(
-                redis::RedisConnectionInfo::default().set_password(DEFAULT_PASSWORD),
-            ),
-    )
-    .expect("a client");
-    let Ok(mut conn) = client.get_multiplexed_async_connection().await else {
-        return false;
-    };
-    let key = quota_core::keys::params_key(
-        &quota_core::TenantId::new(tenant).expect("a tenant id"),
-        &quota_core::PolicyName::new("writes").expect("a policy name"),
-        version,
-    );
-    redis::cmd("EXISTS")
-        .arg(&key)
-        .query_async::<i64>(&mut conn)
-        .await
-        .unwrap_or(0)
-        == 1
+/// A client of `redis` as the `default` user, to read back what quotad wrote.
+fn admin_client(redis: &RedisServer) -> redis::Client {
+    let info = redis::IntoConnectionInfo::into_connection_info(redis.url().as_str())
+        .expect("a loopback URL");
+    let settings = info.redis_settings().clone().set_password(DEFAULT_PASSWORD);
+    redis::Client::open(info.set_redis_settings(settings)).expect("a client")
 }
 
 #[tokio::test]
@@ -122,7 +104,7 @@ async fn the_default_user_and_an_acl_user_authenticate_from_env_and_file() -> an
             Duration::from_secs(5),
             Duration::from_millis(50),
             || async {
-                params_written(&redis, "globex", version)
+                params_present(&admin_client(&redis), "globex", "writes", version)
                     .await
                     .then_some(())
             }

@@ -5,29 +5,11 @@
 
 use std::time::{Duration, Instant};
 
-use quota_core::{keys, PolicyName, TenantId};
 use std::collections::HashMap;
 
-use quotad_system_tests::{eventually, metric_value, redis_config, Daemon};
+use quotad_system_tests::{eventually, metric_value, params_present, redis_config, Daemon};
 use redis_harness::RedisServer;
 use serde_json::json;
-
-async fn params_present(redis: &RedisServer, tenant: &str, policy: &str, version: u64) -> bool {
-    let key = keys::params_key(
-        &TenantId::new(tenant).unwrap(),
-        &PolicyName::new(policy).unwrap(),
-        version,
-    );
-    let Ok(mut conn) = redis.client().get_multiplexed_async_connection().await else {
-        return false;
-    };
-    redis::cmd("EXISTS")
-        .arg(&key)
-        .query_async::<i64>(&mut conn)
-        .await
-        .unwrap_or(0)
-        == 1
-}
 
 /// One policy per fail mode, each 5 tokens a minute; their versions by policy.
 async fn put_fail_mode_policies(d: &Daemon) -> anyhow::Result<HashMap<&'static str, u64>> {
@@ -128,8 +110,8 @@ async fn recovers(
         Duration::from_secs(3),
         Duration::from_millis(50),
         || async {
-            let all = params_present(redis, "acme", "p-local", versions["p-local"]).await
-                && params_present(redis, "acme", "p-closed", versions["p-closed"]).await;
+            let all = params_present(&redis.client(), "acme", "p-local", versions["p-local"]).await
+                && params_present(&redis.client(), "acme", "p-closed", versions["p-closed"]).await;
             all.then_some(())
         },
     )
@@ -166,7 +148,7 @@ async fn fail_modes_while_redis_is_down_and_recovery_after() -> anyhow::Result<(
             Duration::from_secs(5),
             Duration::from_millis(50),
             || async {
-                params_present(&redis, "acme", "p-local", versions["p-local"])
+                params_present(&redis.client(), "acme", "p-local", versions["p-local"])
                     .await
                     .then_some(())
             }

@@ -5,7 +5,7 @@
 
 use std::time::Duration;
 
-use quotad_system_tests::{eventually, redis_config, Daemon};
+use quotad_system_tests::{eventually, params_keys, redis_config, Daemon};
 use redis_harness::pki::TestPki;
 use redis_harness::RedisServer;
 use serde_json::json;
@@ -23,18 +23,6 @@ fn tls_config(redis: &RedisServer, pki: &TestPki) -> String {
             pki.client_key.display().to_string(),
         ),
     )
-}
-
-async fn params_keys(redis: &RedisServer) -> usize {
-    let Ok(mut conn) = redis.client().get_multiplexed_async_connection().await else {
-        return 0;
-    };
-    let keys: Vec<String> = redis::cmd("KEYS")
-        .arg(quota_core::keys::PARAMS_KEY_PATTERN)
-        .query_async(&mut conn)
-        .await
-        .unwrap_or_default();
-    keys.len()
 }
 
 #[tokio::test]
@@ -60,7 +48,7 @@ async fn decisions_go_over_mutual_tls_and_an_unverified_redis_is_an_outage() -> 
         eventually(
             Duration::from_secs(5),
             Duration::from_millis(50),
-            || async { (params_keys(&redis).await == 1).then_some(()) }
+            || async { (params_keys(&redis.client()).await == 1).then_some(()) }
         )
         .await
         .is_some(),
