@@ -16,6 +16,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
+use arc_swap::ArcSwap;
 use quota_core::keys::{self, StateKind};
 use quota_core::Decision;
 use redis::aio::{ConnectionManager, ConnectionManagerConfig};
@@ -226,10 +227,40 @@ pub const DEFAULT_TIMEOUT: Duration = Duration::from_millis(250);
 /// The least [`RedisStore::reachable`] waits: time for a first connection's retries.
 pub const CONNECT_WAIT: Duration = Duration::from_secs(1);
 
+/// One call's connection.
 #[derive(Clone)]
 enum Conn {
     Single(ConnectionManager),
     Cluster(LazyCluster),
+}
+
+/// Where calls get their connection.
+enum Source {
+    Single(Arc<Standalone>),
+    Cluster(LazyCluster),
+}
+
+/// The standalone connection manager, replaced after an authentication failure: redis-rs's
+/// manager reconnects after I/O errors only, so one refused once (a password changed under
+/// it, an ACL loaded late) would go on failing after Redis is put right.
+struct Standalone {
+    client: redis::Client,
+    config: ConnectionManagerConfig,
+    current: ArcSwap<ConnectionManager>,
+}
+
+impl Standalone {
+    /// Replaces `refused` (unless another call already has) with a manager that connects
+    /// afresh on first use.
+    fn replace(&self, refused: &Arc<ConnectionManager>) {
+        match ConnectionManager::new_lazy_with_config(self.client.clone(), self.config.clone()) {
+            Ok(fresh) => {
+                self.current.compare_and_swap(refused, Arc::new(fresh));
+            }
+            // The settings that built the first manager build this one.
+            Err(e) => tracing::warn!(error = %e, "Could not rebuild the Redis connection."),
+        }
+    }
 }
 
 /// A Redis Cluster connection made by the first call that needs it, so a store can be opened
@@ -307,7 +338,7 @@ struct Scripts {
 /// The Redis-backed store. Cheap to clone; clones share connections.
 #[derive(Clone)]
 pub struct RedisStore {
-    conn: Conn,
+    source: Arc<Source>,
     scripts: Arc<Scripts>,
     timeout: Duration,
     /// The minimum idle TTL argument of the decision scripts (ms, decimal).
@@ -321,9 +352,9 @@ pub struct RedisStore {
 
 impl fmt::Debug for RedisStore {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        let kind = match self.conn {
-            Conn::Single(_) => "standalone",
-            Conn::Cluster(_) => "cluster",
+        let kind = match *self.source {
+            Source::Single(_) => "standalone",
+            Source::Cluster(_) => "cluster",
         };
         f.debug_struct("RedisStore")
             .field("topology", &kind)
@@ -369,7 +400,7 @@ impl RedisStore {
     /// too: the first EVALSHA that meets NOSCRIPT loads its script. Call it within a Tokio
     /// runtime (the standalone connection manager spawns a task).
     pub fn open(config: RedisStoreConfig) -> Result<Self, StoreError> {
-        let (conn, slot_tags) = match config.topology {
+        let (source, slot_tags) = match config.topology {
             Topology::Standalone { url } => {
                 let invalid = |e: RedisError| StoreError::Invalid {
                     reason: format!("redis url: {e}"),
@@ -410,12 +441,16 @@ impl RedisStore {
                     .set_response_timeout(None)
                     .set_number_of_retries(2)
                     .set_max_delay(Duration::from_millis(500));
-                let m = ConnectionManager::new_lazy_with_config(client, cfg).map_err(|e| {
-                    StoreError::Invalid {
+                let m = ConnectionManager::new_lazy_with_config(client.clone(), cfg.clone())
+                    .map_err(|e| StoreError::Invalid {
                         reason: format!("redis connection settings: {e}"),
-                    }
-                })?;
-                (Conn::Single(m), None)
+                    })?;
+                let single = Standalone {
+                    client,
+                    config: cfg,
+                    current: ArcSwap::from_pointee(m),
+                };
+                (Source::Single(Arc::new(single)), None)
             }
             Topology::Cluster { urls } => {
                 let mut builder = ClusterClient::builder(urls.iter().map(String::as_str))
@@ -445,7 +480,7 @@ impl RedisStore {
                     client: Arc::new(client),
                     conn: Arc::new(tokio::sync::OnceCell::new()),
                 };
-                (Conn::Cluster(lazy), Some(Arc::new(keys::slot_tags())))
+                (Source::Cluster(lazy), Some(Arc::new(keys::slot_tags())))
             }
         };
         let scripts = Arc::new(Scripts {
@@ -459,7 +494,7 @@ impl RedisStore {
             .to_string()
             .into();
         Ok(Self {
-            conn,
+            source: Arc::new(source),
             scripts,
             timeout: config.timeout,
             min_idle_ttl_ms,
@@ -482,9 +517,13 @@ impl RedisStore {
     pub async fn reachable(&self) -> Result<(), StoreError> {
         let wait = self.timeout.max(CONNECT_WAIT);
         let ping = async {
-            match &self.conn {
-                Conn::Single(m) => redis::cmd("PING").query_async(&mut m.clone()).await,
-                Conn::Cluster(c) => {
+            match &*self.source {
+                Source::Single(_) => {
+                    let (mut conn, used) = self.connection();
+                    let r = redis::cmd("PING").query_async(&mut conn).await;
+                    self.after(r, used.as_ref())
+                }
+                Source::Cluster(c) => {
                     let all = RoutingInfo::MultiNode((MultipleNodeRoutingInfo::AllMasters, None));
                     c.route(redis::cmd("PING"), all).await
                 }
@@ -496,6 +535,32 @@ impl RedisStore {
                 ms: wait.as_millis() as u64,
             }),
         }
+    }
+
+    /// A connection for one call, and the standalone manager it came from.
+    fn connection(&self) -> (Conn, Option<Arc<ConnectionManager>>) {
+        match &*self.source {
+            Source::Single(s) => {
+                let m = s.current.load_full();
+                (Conn::Single((*m).clone()), Some(m))
+            }
+            Source::Cluster(c) => (Conn::Cluster(c.clone()), None),
+        }
+    }
+
+    /// Passes a call's result on, replacing the standalone manager `used` when Redis refused
+    /// its credentials (see [`Standalone`]).
+    fn after<T>(
+        &self,
+        r: redis::RedisResult<T>,
+        used: Option<&Arc<ConnectionManager>>,
+    ) -> redis::RedisResult<T> {
+        if let (Err(e), Source::Single(s), Some(used)) = (&r, &*self.source, used) {
+            if e.kind() == redis::ErrorKind::AuthenticationFailed {
+                s.replace(used);
+            }
+        }
+        r
     }
 
     /// The activity index a state key is listed in.
@@ -544,14 +609,17 @@ impl RedisStore {
             .arg(args);
         let call = async {
             let once = || async {
-                let mut conn = self.conn.clone();
-                match cmd.query_async(&mut conn).await {
+                let (mut conn, used) = self.connection();
+                let r = match cmd.query_async(&mut conn).await {
                     Err(e) if e.kind() == redis::ErrorKind::Server(ServerErrorKind::NoScript) => {
-                        script.prepare_invoke().load_async(&mut conn).await?;
-                        cmd.query_async(&mut conn).await
+                        match script.prepare_invoke().load_async(&mut conn).await {
+                            Ok(_) => cmd.query_async(&mut conn).await,
+                            Err(e) => Err(e),
+                        }
                     }
                     r => r,
-                }
+                };
+                self.after(r, used.as_ref())
             };
             match once().await {
                 // A connection found dead (e.g. Redis restarted) is replaced by the manager;
@@ -573,8 +641,9 @@ impl RedisStore {
 
     /// Runs one plain command within the timeout.
     async fn command<T: FromRedisValue>(&self, cmd: &redis::Cmd) -> Result<T, StoreError> {
-        let mut conn = self.conn.clone();
-        self.bounded(cmd.query_async(&mut conn)).await
+        let (mut conn, used) = self.connection();
+        let call = async { self.after(cmd.query_async(&mut conn).await, used.as_ref()) };
+        self.bounded(call).await
     }
 
     /// Takes up to `max` keys from one activity index; returns how many were taken and the
@@ -596,9 +665,9 @@ impl RedisStore {
     async fn run_ids(&self) -> Result<String, StoreError> {
         let mut info = redis::cmd("INFO");
         info.arg("server");
-        let reply: Value = match &self.conn {
-            Conn::Single(_) => self.command(&info).await?,
-            Conn::Cluster(c) => {
+        let reply: Value = match &*self.source {
+            Source::Single(_) => self.command(&info).await?,
+            Source::Cluster(c) => {
                 let all = RoutingInfo::MultiNode((MultipleNodeRoutingInfo::AllMasters, None));
                 self.bounded(c.route(info, all)).await?
             }
@@ -618,9 +687,9 @@ impl RedisStore {
     /// O(keys in the database), for the agent's sweeps (per store instance and hourly).
     async fn params_held(&self) -> Result<Vec<BucketRef>, StoreError> {
         let mut out = Vec::new();
-        match &self.conn {
-            Conn::Single(_) => self.scan_params(None, &mut out).await?,
-            Conn::Cluster(c) => {
+        match &*self.source {
+            Source::Single(_) => self.scan_params(None, &mut out).await?,
+            Source::Cluster(c) => {
                 // A command without a reply policy sent to every master answers with a map
                 // keyed by each node's address.
                 let all = RoutingInfo::MultiNode((MultipleNodeRoutingInfo::AllMasters, None));
@@ -659,8 +728,8 @@ impl RedisStore {
                 .arg(keys::PARAMS_KEY_PATTERN)
                 .arg("COUNT")
                 .arg(SCAN_COUNT);
-            let reply: Value = match (&self.conn, &node) {
-                (Conn::Cluster(c), Some((host, port))) => {
+            let reply: Value = match (&*self.source, &node) {
+                (Source::Cluster(c), Some((host, port))) => {
                     let at = RoutingInfo::SingleNode(SingleNodeRoutingInfo::ByAddress {
                         host: host.clone(),
                         port: *port,

@@ -125,3 +125,59 @@ async fn credentials_authenticate_as_given_and_a_refusal_is_named() {
     let e = s.check(&req(&b, l, 1, None)).await.unwrap_err();
     assert!(refused(&e), "{e}");
 }
+
+/// Runs an admin command as the `default` user with `password`.
+async fn admin(server: &RedisServer, password: &str, args: &[&str]) -> redis::Value {
+    let info = redis::IntoConnectionInfo::into_connection_info(server.url().as_str()).unwrap();
+    let settings = info.redis_settings().clone().set_password(password);
+    let client = redis::Client::open(info.set_redis_settings(settings)).unwrap();
+    let mut conn = client.get_multiplexed_async_connection().await.unwrap();
+    redis::cmd(args[0])
+        .arg(&args[1..])
+        .query_async(&mut conn)
+        .await
+        .unwrap()
+}
+
+#[tokio::test]
+async fn a_refusal_after_start_heals_once_redis_takes_the_credentials_again() {
+    let redis = RedisServer::start_with(&["--requirepass", "first"]).unwrap();
+    let s = RedisStore::connect(with(&redis, None, "first"))
+        .await
+        .unwrap();
+    let b = fresh_bucket("heal");
+    let l = tokens(100, 0);
+    assert!(s.check(&req(&b, l, 1, None)).await.unwrap().allowed);
+
+    // The password changes under the running store and its connection is dropped: the
+    // reconnection is refused.
+    admin(&redis, "first", &["CONFIG", "SET", "requirepass", "second"]).await;
+    admin(&redis, "second", &["CLIENT", "KILL", "TYPE", "normal"]).await;
+    let mut refused = false;
+    for _ in 0..3 {
+        match s.check(&req(&b, l, 1, None)).await {
+            Err(StoreError::Refused { .. }) => refused = true,
+            Err(e) => assert!(down(&e), "{e}"),
+            Ok(d) => panic!("decided with a refused password: {d:?}"),
+        }
+    }
+    assert!(refused, "the reconnection is refused");
+
+    // Put back, the same store decides again without being reopened.
+    admin(&redis, "second", &["CONFIG", "SET", "requirepass", "first"]).await;
+    let back = Instant::now();
+    let mut healed = None;
+    while back.elapsed() < Duration::from_secs(5) {
+        if let Ok(d) = s.check(&req(&b, l, 1, None)).await {
+            healed = Some(d);
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let d = healed.expect("decisions resume once Redis takes the credentials again");
+    assert!(d.allowed);
+    eprintln!(
+        "healed {:?} after the password was restored",
+        back.elapsed()
+    );
+}
