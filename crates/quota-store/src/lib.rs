@@ -29,7 +29,7 @@ use quota_core::{BucketParams, Decision, PolicyName, TenantId, WindowParams};
 
 pub use embedded::EmbeddedStore;
 pub use redis_store::{
-    check_url, ClientIdentity, Credentials, RedisStore, RedisStoreConfig, Tls, Topology,
+    check_url, ClientIdentity, Credentials, RedisStore, RedisStoreConfig, Tls, TlsPart, Topology,
 };
 
 /// The largest cost of one request in whole tokens: `cost · UT` stays exact in a double.

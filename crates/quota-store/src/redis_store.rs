@@ -93,34 +93,58 @@ impl fmt::Debug for ClientIdentity {
     }
 }
 
+/// One PEM of [`Tls`], to say which one is wrong.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum TlsPart {
+    Ca,
+    ClientCert,
+    ClientKey,
+}
+
+impl TlsPart {
+    fn name(self) -> &'static str {
+        match self {
+            Self::Ca => "TLS CA certificates",
+            Self::ClientCert => "TLS client certificate",
+            Self::ClientKey => "TLS client key",
+        }
+    }
+}
+
 impl Tls {
-    /// Checks that each PEM holds what it should, naming the one that does not: redis-rs
-    /// would take a CA file without a certificate as an empty trust store.
-    pub fn check(&self) -> Result<(), StoreError> {
+    /// The first PEM that does not hold what it should, and why: redis-rs would take a CA
+    /// file without a certificate as an empty trust store.
+    pub fn problem(&self) -> Option<(TlsPart, String)> {
         use rustls::pki_types::pem::PemObject;
         use rustls::pki_types::{CertificateDer, PrivateKeyDer};
-        let invalid = |what: &str, e: &dyn fmt::Display| StoreError::Invalid {
-            reason: format!("{what}: {e}"),
+        let certs = |pem: &[u8]| match CertificateDer::pem_slice_iter(pem)
+            .try_fold(0, |n, c| c.map(|_| n + 1))
+        {
+            Ok(0) => Some("no PEM certificate found".to_string()),
+            Ok(_) => None,
+            Err(e) => Some(e.to_string()),
         };
-        let certs = |what: &str, pem: &[u8]| {
-            let n = CertificateDer::pem_slice_iter(pem)
-                .try_fold(0, |n, c| c.map(|_| n + 1))
-                .map_err(|e| invalid(what, &e))?;
-            if n == 0 {
-                return Err(invalid(what, &"no PEM certificate found"));
-            }
-            Ok(())
-        };
-        if let Some(ca) = &self.ca_pem {
-            certs("TLS CA certificates", ca)?;
+        if let Some(why) = self.ca_pem.as_deref().and_then(certs) {
+            return Some((TlsPart::Ca, why));
         }
-        if let Some(c) = &self.client {
-            certs("TLS client certificate", &c.cert_pem)?;
-            // The key's own error would quote nothing of it, but say only that it is bad.
-            PrivateKeyDer::from_pem_slice(&c.key_pem)
-                .map_err(|_| invalid("TLS client key", &"no PEM private key found"))?;
+        let c = self.client.as_ref()?;
+        if let Some(why) = certs(&c.cert_pem) {
+            return Some((TlsPart::ClientCert, why));
         }
-        Ok(())
+        // The key's own error would quote nothing of it, but say only that it is bad.
+        PrivateKeyDer::from_pem_slice(&c.key_pem)
+            .is_err()
+            .then(|| (TlsPart::ClientKey, "no PEM private key found".to_string()))
+    }
+
+    /// [`problem`](Self::problem) as an error.
+    pub fn check(&self) -> Result<(), StoreError> {
+        match self.problem() {
+            None => Ok(()),
+            Some((part, why)) => Err(StoreError::Invalid {
+                reason: format!("{}: {why}", part.name()),
+            }),
+        }
     }
 
     fn certificates(&self) -> redis::TlsCertificates {

@@ -693,20 +693,13 @@ fn check_redis_tls(p: &mut Vec<ConfigProblem>, redis: &RedisConfig) -> Option<qu
         }
     };
     let tls = quota_store::Tls { ca_pem, client };
-    let only_ca = quota_store::Tls {
-        client: None,
-        ..tls.clone()
-    };
-    if let Err(e) = only_ca.check() {
-        p.push(problem("redis.tls_ca_file", e.to_string()));
-    } else if let Err(e) = tls.check() {
-        let message = e.to_string();
-        let field = if message.contains("client key") {
-            "redis.tls_key_file"
-        } else {
-            "redis.tls_cert_file"
+    if let Some((part, why)) = tls.problem() {
+        let field = match part {
+            quota_store::TlsPart::Ca => "redis.tls_ca_file",
+            quota_store::TlsPart::ClientCert => "redis.tls_cert_file",
+            quota_store::TlsPart::ClientKey => "redis.tls_key_file",
         };
-        p.push(problem(field, message));
+        p.push(problem(field, why));
     }
     Some(tls)
 }
