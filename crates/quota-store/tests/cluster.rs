@@ -6,7 +6,7 @@ mod common;
 
 use std::time::Duration;
 
-use common::{fresh_bucket, req, tokens};
+use common::{first_decision, fresh_bucket, req, tokens};
 use quota_core::keys::{self, StateKind};
 use quota_store::{Credentials, Limit, RedisStore, RedisStoreConfig, SetParams, Store, StoreError};
 use redis_harness::RedisCluster;
@@ -142,15 +142,7 @@ async fn a_store_opened_while_its_seed_node_is_down_connects_on_a_later_call() {
     );
 
     cluster.nodes_mut()[0].restart().unwrap();
-    let back = std::time::Instant::now();
-    let mut first = None;
-    while back.elapsed() < Duration::from_secs(10) {
-        if let Ok(d) = s.check(&req(&b, l, 1, None)).await {
-            first = Some(d);
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    let first = first_decision(&s, &req(&b, l, 1, None), Duration::from_secs(10), |_| {}).await;
     let d = first.expect("a check succeeds once the seed node is back");
     assert!(d.allowed);
     s.reachable().await.unwrap();

@@ -5,7 +5,7 @@ mod common;
 
 use std::time::{Duration, Instant};
 
-use common::{fresh_bucket, req, tokens};
+use common::{first_decision, fresh_bucket, req, tokens};
 use quota_store::{Credentials, RedisStore, RedisStoreConfig, Store, StoreError};
 use redis_harness::RedisServer;
 
@@ -35,18 +35,10 @@ async fn a_store_opened_while_redis_is_down_connects_once_it_answers() {
 
     redis.restart().unwrap();
     // The same store, never reopened: the next calls connect.
-    let back = Instant::now();
-    let mut first = None;
-    while back.elapsed() < Duration::from_secs(5) {
-        match s.check(&req(&b, l, 1, None)).await {
-            Ok(d) => {
-                first = Some(d);
-                break;
-            }
-            Err(e) => assert!(down(&e), "{e}"),
-        }
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    let first = first_decision(&s, &req(&b, l, 1, None), Duration::from_secs(5), |e| {
+        assert!(down(e), "{e}")
+    })
+    .await;
     let d = first.expect("a check succeeds within 5 s of Redis answering");
     assert!(d.allowed);
     assert_eq!(d.remaining, 2, "the failed calls spent nothing");
@@ -166,14 +158,7 @@ async fn a_refusal_after_start_heals_once_redis_takes_the_credentials_again() {
     // Put back, the same store decides again without being reopened.
     admin(&redis, "second", &["CONFIG", "SET", "requirepass", "first"]).await;
     let back = Instant::now();
-    let mut healed = None;
-    while back.elapsed() < Duration::from_secs(5) {
-        if let Ok(d) = s.check(&req(&b, l, 1, None)).await {
-            healed = Some(d);
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    let healed = first_decision(&s, &req(&b, l, 1, None), Duration::from_secs(5), |_| {}).await;
     let d = healed.expect("decisions resume once Redis takes the credentials again");
     assert!(d.allowed);
     eprintln!(

@@ -53,3 +53,23 @@ pub fn load(conn: &mut redis::Connection, src: &str) -> String {
         .query(conn)
         .unwrap()
 }
+
+/// The first decision `store` makes for `req` within `within`, retrying every 20 ms; each
+/// failed call's error goes to `on_error` (to assert what a failure may be).
+pub async fn first_decision(
+    store: &RedisStore,
+    req: &CheckRequest,
+    within: std::time::Duration,
+    on_error: impl Fn(&quota_store::StoreError),
+) -> Option<quota_core::Decision> {
+    use quota_store::Store as _;
+    let start = std::time::Instant::now();
+    while start.elapsed() < within {
+        match store.check(req).await {
+            Ok(d) => return Some(d),
+            Err(e) => on_error(&e),
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+    }
+    None
+}
