@@ -19,6 +19,29 @@ use serde_json::Value;
 /// The admin token every test daemon runs with.
 pub const TOKEN: &str = "system-test-token";
 
+/// The least an ACL user needs (after `on` and its password): quotad's keys only (`qd:v1:`),
+/// scripts, and what the scripts and the region agent call. Documented in the README.
+pub const QUOTAD_ACL: &[&str] = &[
+    "on",
+    "~qd:v1:*",
+    "resetchannels",
+    "-@all",
+    "+@read",
+    "+@write",
+    "+@scripting",
+    "-@dangerous",
+    "+info",
+    "+ping",
+    "+time",
+];
+
+/// A client of the Redis at `url` authenticating as the `default` user with `password`.
+pub fn client_with_password(url: &str, password: &str) -> redis::Client {
+    let info = redis::IntoConnectionInfo::into_connection_info(url).expect("a loopback URL");
+    let settings = info.redis_settings().clone().set_password(password);
+    redis::Client::open(info.set_redis_settings(settings)).expect("a client")
+}
+
 /// The `quotad` binary built beside this test executable.
 pub fn quotad_binary() -> anyhow::Result<PathBuf> {
     let exe = std::env::current_exe().context("locating the test executable")?;

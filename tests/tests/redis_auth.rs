@@ -5,7 +5,9 @@
 
 use std::time::Duration;
 
-use quotad_system_tests::{eventually, free_port, params_present, redis_config, Daemon};
+use quotad_system_tests::{
+    client_with_password, eventually, free_port, params_present, redis_config, Daemon, QUOTAD_ACL,
+};
 use redis_harness::RedisServer;
 use serde_json::json;
 
@@ -13,26 +15,10 @@ use serde_json::json;
 const DEFAULT_PASSWORD: &str = "d3f@ult/pass:w#rd%?&= x";
 const QUOTAD_PASSWORD: &str = "qu0tad@acl/pass:w#rd%";
 
-/// The least an ACL user needs: quotad's keys only (`qd:v1:`), scripts, and what the scripts
-/// and the region agent call. Documented in the README.
-const ACL_RULES: &[&str] = &[
-    "on",
-    "~qd:v1:*",
-    "resetchannels",
-    "-@all",
-    "+@read",
-    "+@write",
-    "+@scripting",
-    "-@dangerous",
-    "+info",
-    "+ping",
-    "+time",
-];
-
 fn secured_redis() -> anyhow::Result<RedisServer> {
     let pass = format!(">{QUOTAD_PASSWORD}");
     let mut args = vec!["--requirepass", DEFAULT_PASSWORD, "--user", "quotad", &pass];
-    args.extend_from_slice(ACL_RULES);
+    args.extend_from_slice(QUOTAD_ACL);
     Ok(RedisServer::start_with(&args)?)
 }
 
@@ -65,10 +51,7 @@ async fn decides_through_redis(d: &Daemon, tenant: &str) -> anyhow::Result<u64> 
 
 /// A client of `redis` as the `default` user, to read back what quotad wrote.
 fn admin_client(redis: &RedisServer) -> redis::Client {
-    let info = redis::IntoConnectionInfo::into_connection_info(redis.url().as_str())
-        .expect("a loopback URL");
-    let settings = info.redis_settings().clone().set_password(DEFAULT_PASSWORD);
-    redis::Client::open(info.set_redis_settings(settings)).expect("a client")
+    client_with_password(&redis.url(), DEFAULT_PASSWORD)
 }
 
 #[tokio::test]

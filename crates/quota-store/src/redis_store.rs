@@ -194,10 +194,10 @@ pub fn check_url(url: &str) -> Result<(), StoreError> {
 }
 
 impl RedisStoreConfig {
-    /// Standalone Redis at `url` with the default 250 ms timeout.
-    pub fn standalone(url: impl Into<String>) -> Self {
+    /// Redis at `topology` with the default 250 ms timeout.
+    pub fn new(topology: Topology) -> Self {
         Self {
-            topology: Topology::Standalone { url: url.into() },
+            topology,
             timeout: DEFAULT_TIMEOUT,
             min_idle_ttl: DEFAULT_MIN_IDLE_TTL,
             credentials: None,
@@ -205,15 +205,14 @@ impl RedisStoreConfig {
         }
     }
 
+    /// Standalone Redis at `url` with the default 250 ms timeout.
+    pub fn standalone(url: impl Into<String>) -> Self {
+        Self::new(Topology::Standalone { url: url.into() })
+    }
+
     /// Redis Cluster through `urls` with the default 250 ms timeout.
     pub fn cluster(urls: Vec<String>) -> Self {
-        Self {
-            topology: Topology::Cluster { urls },
-            timeout: DEFAULT_TIMEOUT,
-            min_idle_ttl: DEFAULT_MIN_IDLE_TTL,
-            credentials: None,
-            tls: None,
-        }
+        Self::new(Topology::Cluster { urls })
     }
 
     /// The same with another timeout.

@@ -70,8 +70,13 @@ pub struct PeerConfig {
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct RedisConfig {
-    /// `redis://host:port/db`, without a password.
+    /// One server, or a Redis Cluster.
+    pub mode: RedisMode,
+    /// `redis://host:port/db`, without a password; in Cluster mode, any node of the cluster
+    /// (database 0).
     pub url: String,
+    /// Cluster mode only: more nodes to discover the cluster from when `url` does not answer.
+    pub seed_urls: Vec<String>,
     /// The Redis ACL user to authenticate as; unset means the `default` user (a
     /// `requirepass` password alone). Needs a password.
     pub username: Option<String>,
@@ -85,6 +90,17 @@ pub struct RedisConfig {
     pub tls_key_file: Option<PathBuf>,
     /// Per-call timeout; a slower answer counts against the circuit breaker.
     pub timeout_ms: u64,
+}
+
+/// How the regional Redis is deployed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum RedisMode {
+    /// One server, or a primary behind one fixed address (a proxy, Sentinel-managed DNS).
+    #[default]
+    Standalone,
+    /// Redis Cluster: keys spread over its masters by slot, found through `url` and `seed_urls`.
+    Cluster,
 }
 
 /// When the circuit breaker around the regional Redis trips and how it recovers.
@@ -220,13 +236,32 @@ impl Default for PeerConfig {
 impl Default for RedisConfig {
     fn default() -> Self {
         Self {
+            mode: RedisMode::Standalone,
             url: "redis://127.0.0.1:6379".into(),
+            seed_urls: Vec::new(),
             username: None,
             password_file: None,
             tls_ca_file: None,
             tls_cert_file: None,
             tls_key_file: None,
             timeout_ms: 50,
+        }
+    }
+}
+
+impl RedisConfig {
+    /// Where the store finds this Redis.
+    pub fn topology(&self) -> quota_store::Topology {
+        match self.mode {
+            RedisMode::Standalone => quota_store::Topology::Standalone {
+                url: self.url.clone(),
+            },
+            RedisMode::Cluster => quota_store::Topology::Cluster {
+                urls: std::iter::once(&self.url)
+                    .chain(&self.seed_urls)
+                    .cloned()
+                    .collect(),
+            },
         }
     }
 }
@@ -351,6 +386,7 @@ pub const ENV_OVERRIDES: &[(&str, &str)] = &[
     ("QUOTAD_API_LISTEN", "api.listen"),
     ("QUOTAD_PEER_LISTEN", "peer.listen"),
     ("QUOTAD_REDIS_URL", "redis.url"),
+    ("QUOTAD_REDIS_MODE", "redis.mode"),
     ("QUOTAD_REDIS_USERNAME", "redis.username"),
     ("QUOTAD_LOG_FORMAT", "telemetry.log_format"),
     ("QUOTAD_LOG_LEVEL", "telemetry.log_level"),
@@ -405,6 +441,18 @@ impl Config {
                         "is set but no Redis is configured (redis.url or QUOTAD_REDIS_URL)",
                     )),
                 },
+                "QUOTAD_REDIS_MODE" => match (self.redis.as_mut(), value.as_str()) {
+                    (None, _) => problems.push(problem(
+                        *var,
+                        "is set but no Redis is configured (redis.url or QUOTAD_REDIS_URL)",
+                    )),
+                    (Some(redis), "standalone") => redis.mode = RedisMode::Standalone,
+                    (Some(redis), "cluster") => redis.mode = RedisMode::Cluster,
+                    (Some(_), other) => problems.push(problem(
+                        *var,
+                        format!("must be \"standalone\" or \"cluster\" (got {other:?})"),
+                    )),
+                },
                 "QUOTAD_LOG_FORMAT" => match value.as_str() {
                     "text" => self.telemetry.log_format = LogFormat::Text,
                     "json" => self.telemetry.log_format = LogFormat::Json,
@@ -451,7 +499,7 @@ impl Config {
         positive(p, "api.request_timeout_ms", self.api.request_timeout_ms);
         positive(p, "api.forward_timeout_ms", self.api.forward_timeout_ms);
         if let Some(redis) = &self.redis {
-            check_redis_url(p, &redis.url);
+            check_redis_addresses(p, redis);
             positive(p, "redis.timeout_ms", redis.timeout_ms);
         }
         if self.breaker.failure_threshold == 0 {
@@ -624,13 +672,60 @@ fn parse_addr(p: &mut Vec<ConfigProblem>, field: &str, s: &str) -> Option<Socket
         .ok()
 }
 
-fn check_redis_url(p: &mut Vec<ConfigProblem>, url: &str) {
+/// `redis.url` and, in Cluster mode, `redis.seed_urls`: each a Redis address without
+/// credentials; a Cluster's all on database 0 and all TLS or all plain text.
+fn check_redis_addresses(p: &mut Vec<ConfigProblem>, redis: &RedisConfig) {
+    check_redis_url(p, "redis.url", &redis.url);
+    match redis.mode {
+        RedisMode::Standalone => {
+            if !redis.seed_urls.is_empty() {
+                p.push(problem(
+                    "redis.seed_urls",
+                    "are for a Redis Cluster: set redis.mode = \"cluster\", or remove them",
+                ));
+            }
+        }
+        RedisMode::Cluster => {
+            let tls = redis.url.starts_with("rediss://");
+            for (i, url) in std::iter::once(&redis.url)
+                .chain(&redis.seed_urls)
+                .enumerate()
+            {
+                let field = match i {
+                    0 => "redis.url".to_string(),
+                    i => format!("redis.seed_urls[{}]", i - 1),
+                };
+                if i > 0 {
+                    check_redis_url(p, &field, url);
+                    if url.starts_with("rediss://") != tls {
+                        p.push(problem(
+                            &field,
+                            "must use the same scheme as redis.url (all rediss:// or all redis://)",
+                        ));
+                    }
+                }
+                let db = url
+                    .split_once("://")
+                    .and_then(|(_, rest)| rest.split_once('/'))
+                    .map(|(_, db)| db);
+                if db.is_some_and(|db| !db.is_empty() && db != "0") {
+                    p.push(problem(
+                        &field,
+                        "names a database: a Redis Cluster has only database 0",
+                    ));
+                }
+            }
+        }
+    }
+}
+
+fn check_redis_url(p: &mut Vec<ConfigProblem>, field: &str, url: &str) {
     let Some(rest) = url
         .strip_prefix("redis://")
         .or_else(|| url.strip_prefix("rediss://"))
     else {
         p.push(problem(
-            "redis.url",
+            field,
             "must start with redis:// (or rediss:// for TLS)",
         ));
         return;
@@ -638,13 +733,13 @@ fn check_redis_url(p: &mut Vec<ConfigProblem>, url: &str) {
     let authority = rest.split('/').next().unwrap_or_default();
     if authority.contains('@') {
         p.push(problem(
-            "redis.url",
+            field,
             format!("must not carry credentials; set {ENV_REDIS_PASSWORD} or redis.password_file, and redis.username"),
         ));
     } else if authority.is_empty() {
-        p.push(problem("redis.url", "names no host"));
+        p.push(problem(field, "names no host"));
     } else if let Err(e) = quota_store::check_url(url) {
-        p.push(problem("redis.url", e.to_string()));
+        p.push(problem(field, e.to_string()));
     }
 }
 
@@ -1053,6 +1148,99 @@ peer = "127.0.0.1:3"
             fields(&toml("rediss://r:6380", &swapped)),
             ["redis.tls_key_file"]
         );
+    }
+
+    #[test]
+    fn a_redis_cluster_is_found_through_its_url_and_seeds() {
+        let text = r#"
+[redis]
+mode = "cluster"
+url = "redis://10.0.0.1:7000"
+seed_urls = ["redis://10.0.0.2:7000", "redis://10.0.0.3:7000/0"]
+"#;
+        let s = Config::from_toml(text)
+            .unwrap()
+            .resolve(&no_env, Vec::new())
+            .unwrap();
+        assert_eq!(
+            s.config.redis.unwrap().topology(),
+            quota_store::Topology::Cluster {
+                urls: vec![
+                    "redis://10.0.0.1:7000".into(),
+                    "redis://10.0.0.2:7000".into(),
+                    "redis://10.0.0.3:7000/0".into(),
+                ]
+            }
+        );
+        // Standalone is the default, and the environment can switch a configured Redis.
+        let standalone = Config::from_toml("[redis]\nurl = \"redis://10.0.0.1:6379/2\"\n").unwrap();
+        assert_eq!(
+            standalone.redis.as_ref().unwrap().topology(),
+            quota_store::Topology::Standalone {
+                url: "redis://10.0.0.1:6379/2".into()
+            }
+        );
+        let mut switched = standalone.clone();
+        let mut problems = Vec::new();
+        let env = |k: &str| (k == "QUOTAD_REDIS_MODE").then(|| "cluster".to_string());
+        switched.apply_env(&env, &mut problems);
+        assert!(problems.is_empty(), "{problems:?}");
+        assert_eq!(switched.redis.as_ref().unwrap().mode, RedisMode::Cluster);
+        // ... and then names its database, which a Cluster does not have.
+        let errs = switched.resolve(&no_env, Vec::new()).unwrap_err();
+        assert_eq!(
+            errs.0.iter().map(|p| p.field.as_str()).collect::<Vec<_>>(),
+            ["redis.url"],
+            "{errs}"
+        );
+        assert!(errs.to_string().contains("only database 0"), "{errs}");
+
+        let problems_of = |text: &str| -> Vec<String> {
+            Config::from_toml(text)
+                .unwrap()
+                .resolve(&no_env, Vec::new())
+                .err()
+                .map(|e| e.0.into_iter().map(|p| p.field).collect())
+                .unwrap_or_default()
+        };
+        // Seeds without Cluster mode would be silently ignored: named instead.
+        assert_eq!(
+            problems_of("[redis]\nseed_urls = [\"redis://10.0.0.2:7000\"]\n"),
+            ["redis.seed_urls"]
+        );
+        // Each seed is checked like the URL, by its index; schemes may not mix.
+        assert_eq!(
+            problems_of(
+                r#"
+[redis]
+mode = "cluster"
+url = "rediss://10.0.0.1:7000"
+seed_urls = ["rediss://10.0.0.2:7000", "http://10.0.0.3:7000", "redis://10.0.0.4:7000", "rediss://u:pw@10.0.0.5:7000", "rediss://10.0.0.6:7000/3"]
+"#
+            ),
+            [
+                "redis.seed_urls[1]",
+                "redis.seed_urls[1]",
+                "redis.seed_urls[2]",
+                "redis.seed_urls[3]",
+                "redis.seed_urls[4]",
+            ]
+        );
+        assert!(Config::from_toml("[redis]\nmode = \"sentinel\"\n").is_err());
+        // A mode set in the environment with no Redis configured, or an unknown one.
+        for (value, redis) in [("cluster", false), ("sentinel", true)] {
+            let mut c = Config::default();
+            if redis {
+                c.redis = Some(RedisConfig::default());
+            }
+            let mut problems = Vec::new();
+            c.apply_env(
+                &|k: &str| (k == "QUOTAD_REDIS_MODE").then(|| value.to_string()),
+                &mut problems,
+            );
+            assert_eq!(problems.len(), 1, "{value}: {problems:?}");
+            assert_eq!(problems[0].field, "QUOTAD_REDIS_MODE");
+        }
     }
 
     #[test]

@@ -66,7 +66,7 @@ async fn build_store(settings: &Settings) -> anyhow::Result<(AnyStore, bool)> {
     let Some(redis) = &settings.config.redis else {
         return Ok((AnyStore::embedded(), true));
     };
-    let mut cfg = RedisStoreConfig::standalone(redis.url.clone())
+    let mut cfg = RedisStoreConfig::new(redis.topology())
         .with_timeout(Duration::from_millis(redis.timeout_ms));
     if let Some(password) = &settings.secrets.redis_password {
         cfg = cfg.with_credentials(Credentials {

@@ -318,6 +318,12 @@ impl RedisCluster {
     /// Like [`start`](Self::start), every node requiring `password` (`requirepass`, and
     /// `masterauth` for the nodes among themselves).
     pub fn start_with_password(password: Option<&str>) -> Result<Self, HarnessError> {
+        Self::start_with(password, &[])
+    }
+
+    /// Like [`start_with_password`](Self::start_with_password), every node also taking
+    /// `extra` arguments (e.g. `--user …` for an ACL user), kept across restarts.
+    pub fn start_with(password: Option<&str>, extra: &[&str]) -> Result<Self, HarnessError> {
         let mut args = vec![
             "--cluster-enabled",
             "yes",
@@ -329,6 +335,7 @@ impl RedisCluster {
         if let Some(pw) = password {
             args.extend(["--requirepass", pw, "--masterauth", pw]);
         }
+        args.extend_from_slice(extra);
         let mut nodes = Vec::new();
         for _ in 0..3 {
             nodes.push(RedisServer::start_with(&args)?);
