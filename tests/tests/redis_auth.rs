@@ -6,7 +6,8 @@
 use std::time::Duration;
 
 use quotad_system_tests::{
-    client_with_password, eventually, free_port, params_present, redis_config, Daemon, QUOTAD_ACL,
+    client_with_password, eventually, free_port, metric_value, params_present, redis_config,
+    Daemon, QUOTAD_ACL,
 };
 use redis_harness::RedisServer;
 use serde_json::json;
@@ -106,6 +107,12 @@ async fn the_default_user_and_an_acl_user_authenticate_from_env_and_file() -> an
     Ok(())
 }
 
+/// One check of `globex` admitted through Redis (not by a fail mode).
+async fn normal(d: &Daemon) -> Option<()> {
+    let r = d.check("globex", "writes", 1).await.ok()?;
+    (r.status == 200 && r.body["mode"] == "normal").then_some(())
+}
+
 /// Extra environment for a daemon.
 type Env = Vec<(&'static str, &'static str)>;
 
@@ -141,5 +148,98 @@ async fn refused_credentials_stop_start_up_by_name_without_the_password() -> any
             assert!(!log.contains(secret), "{what}: the password is in the log");
         }
     }
+    Ok(())
+}
+
+#[tokio::test]
+async fn a_new_password_in_the_file_is_taken_once_redis_accepts_it_without_a_restart(
+) -> anyhow::Result<()> {
+    const ROTATED: &str = "r0tated/pass#word";
+    let redis = secured_redis()?;
+    let dir = tempfile::tempdir()?;
+    let file = dir.path().join("redis-password");
+    std::fs::write(&file, format!("{QUOTAD_PASSWORD}\n"))?;
+    let config = with_username(&redis, "quotad").replace(
+        "[redis]\n",
+        &format!(
+            "[redis]\npassword_file = {:?}\npassword_check_ms = 100\n",
+            file.display().to_string()
+        ),
+    );
+    let d = Daemon::start(&config).await?;
+    decides_through_redis(&d, "acme").await?;
+    d.put_policy(
+        "globex",
+        "writes",
+        json!({"limit": 1000, "window_ms": 60000}),
+    )
+    .await?;
+
+    // The file changes before Redis does: the new password is refused, noted once, and
+    // decisions go on over the current connection.
+    std::fs::write(&file, format!("{ROTATED}\n"))?;
+    let noted = eventually(
+        Duration::from_secs(5),
+        Duration::from_millis(50),
+        || async {
+            d.log_text()
+                .contains("does not take the new password")
+                .then_some(())
+        },
+    )
+    .await;
+    assert!(noted.is_some(), "{}", d.log_text());
+    assert!(normal(&d).await.is_some(), "still deciding through Redis");
+
+    // Redis learns the new password beside the old one: quotad switches to it.
+    let admin = admin_client(&redis);
+    let mut conn = admin.get_multiplexed_async_connection().await?;
+    redis::cmd("ACL")
+        .arg(&["SETUSER", "quotad", &format!(">{ROTATED}")])
+        .query_async::<()>(&mut conn)
+        .await?;
+    let switched = eventually(
+        Duration::from_secs(5),
+        Duration::from_millis(50),
+        || async {
+            d.log_text()
+                .contains("Switched to the new Redis password")
+                .then_some(())
+        },
+    )
+    .await;
+    assert!(switched.is_some(), "{}", d.log_text());
+
+    // The old password goes and every connection of the user is dropped: quotad reconnects
+    // with the new one and never leaves normal decisions.
+    redis::cmd("ACL")
+        .arg(&["SETUSER", "quotad", &format!("<{QUOTAD_PASSWORD}")])
+        .query_async::<()>(&mut conn)
+        .await?;
+    redis::cmd("CLIENT")
+        .arg(&["KILL", "USER", "quotad"])
+        .query_async::<i64>(&mut conn)
+        .await?;
+    for _ in 0..20 {
+        assert!(normal(&d).await.is_some(), "{}", d.log_text());
+    }
+    let status = d.get("/v1/status").await?;
+    assert_eq!(status.body["store"]["state"], "ok", "{}", status.body);
+
+    let (_, metrics) = d.get_text("/metrics").await?;
+    for (outcome, n) in [("refused", 1.0), ("taken", 1.0)] {
+        assert_eq!(
+            metric_value(
+                &metrics,
+                "quotad_redis_password_reloads_total",
+                &[("outcome", outcome)]
+            ),
+            Some(n),
+            "{outcome}"
+        );
+    }
+    let log = d.log_text();
+    assert_eq!(log.matches("does not take the new password").count(), 1);
+    assert!(!log.contains(ROTATED) && !log.contains(QUOTAD_PASSWORD));
     Ok(())
 }

@@ -361,7 +361,10 @@ struct Scripts {
 /// The Redis-backed store. Cheap to clone; clones share connections.
 #[derive(Clone)]
 pub struct RedisStore {
-    source: Arc<Source>,
+    /// Replaced as a whole when new credentials are taken ([`RedisStore::use_credentials`]).
+    source: Arc<ArcSwap<Source>>,
+    /// What built `source`, to build it again with other credentials.
+    config: Arc<RedisStoreConfig>,
     scripts: Arc<Scripts>,
     timeout: Duration,
     /// The minimum idle TTL argument of the decision scripts (ms, decimal).
@@ -375,7 +378,7 @@ pub struct RedisStore {
 
 impl fmt::Debug for RedisStore {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        let kind = match *self.source {
+        let kind = match **self.source.load() {
             Source::Single(_) => "standalone",
             Source::Cluster(_) => "cluster",
         };
@@ -392,11 +395,20 @@ fn unavailable(e: &RedisError) -> StoreError {
     }
 }
 
+/// Whether Redis refused this client's credentials or permissions. redis-rs's Cluster client
+/// reports a refusal met while making its first connections only as text inside an I/O error.
+fn refused(e: &RedisError) -> bool {
+    const REFUSALS: [&str; 4] = ["AuthenticationFailed", "NOAUTH", "WRONGPASS", "NOPERM"];
+    e.kind() == redis::ErrorKind::AuthenticationFailed
+        || e.code().is_some_and(|code| REFUSALS.contains(&code))
+        || (e.kind() == redis::ErrorKind::Io
+            && e.detail()
+                .is_some_and(|d| REFUSALS.iter().any(|r| d.contains(r))))
+}
+
 /// Maps a Redis error: server replies (script errors) vs. transport problems.
 fn from_redis(e: &RedisError) -> StoreError {
-    if e.kind() == redis::ErrorKind::AuthenticationFailed
-        || matches!(e.code(), Some("NOAUTH" | "WRONGPASS" | "NOPERM"))
-    {
+    if refused(e) {
         return StoreError::Refused {
             reason: e.to_string(),
         };
@@ -415,6 +427,95 @@ fn from_redis(e: &RedisError) -> StoreError {
     }
 }
 
+/// The connection(s) `config` describes, made lazily: fails only on a malformed address or
+/// TLS material.
+fn build_source(config: &RedisStoreConfig) -> Result<Source, StoreError> {
+    Ok(match &config.topology {
+        Topology::Standalone { url } => {
+            let invalid = |e: RedisError| StoreError::Invalid {
+                reason: format!("redis url: {e}"),
+            };
+            let mut info =
+                redis::IntoConnectionInfo::into_connection_info(url.as_str()).map_err(invalid)?;
+            if let Some(c) = &config.credentials {
+                let mut redis = info.redis_settings().clone().set_password(&c.password);
+                if let Some(user) = &c.username {
+                    redis = redis.set_username(user);
+                }
+                info = info.set_redis_settings(redis);
+            }
+            let tls_addr = matches!(info.addr(), redis::ConnectionAddr::TcpTls { .. });
+            if tls_addr {
+                ensure_crypto_provider();
+            }
+            let client = match &config.tls {
+                Some(tls) if tls_addr => {
+                    tls.check()?;
+                    redis::Client::build_with_tls(info, tls.certificates()).map_err(|e| {
+                        StoreError::Invalid {
+                            reason: format!("redis TLS settings: {e}"),
+                        }
+                    })?
+                }
+                Some(_) => {
+                    return Err(StoreError::Invalid {
+                        reason: "TLS certificates need a rediss:// address".into(),
+                    })
+                }
+                None => redis::Client::open(info).map_err(invalid)?,
+            };
+            let cfg = ConnectionManagerConfig::new()
+                .set_connection_timeout(Some(config.timeout))
+                // Every call is bounded as a whole (`bounded`, retry included): a
+                // per-response timer as well would be a second timer per call.
+                .set_response_timeout(None)
+                .set_number_of_retries(2)
+                .set_max_delay(Duration::from_millis(500));
+            let m = ConnectionManager::new_lazy_with_config(client.clone(), cfg.clone()).map_err(
+                |e| StoreError::Invalid {
+                    reason: format!("redis connection settings: {e}"),
+                },
+            )?;
+            let single = Standalone {
+                client,
+                config: cfg,
+                current: ArcSwap::from_pointee(m),
+            };
+            Source::Single(Arc::new(single))
+        }
+        Topology::Cluster { urls } => {
+            let mut builder = ClusterClient::builder(urls.iter().map(String::as_str))
+                .connection_timeout(config.timeout)
+                .response_timeout(config.timeout);
+            if let Some(c) = &config.credentials {
+                builder = builder.password(c.password.clone());
+                if let Some(user) = &c.username {
+                    builder = builder.username(user.clone());
+                }
+            }
+            if urls.iter().any(|u| u.starts_with("rediss://")) {
+                ensure_crypto_provider();
+                if let Some(tls) = &config.tls {
+                    tls.check()?;
+                    builder = builder.certs(tls.certificates());
+                }
+            } else if config.tls.is_some() {
+                return Err(StoreError::Invalid {
+                    reason: "TLS certificates need rediss:// addresses".into(),
+                });
+            }
+            let client = builder.build().map_err(|e| StoreError::Invalid {
+                reason: format!("cluster urls: {e}"),
+            })?;
+            let lazy = LazyCluster {
+                client: Arc::new(client),
+                conn: Arc::new(tokio::sync::OnceCell::new()),
+            };
+            Source::Cluster(lazy)
+        }
+    })
+}
+
 impl RedisStore {
     /// Prepares the store without waiting for Redis: the first call connects, and one made
     /// while Redis is unreachable fails as [`StoreError::Unavailable`] (or `Timeout`) and
@@ -423,88 +524,10 @@ impl RedisStore {
     /// too: the first EVALSHA that meets NOSCRIPT loads its script. Call it within a Tokio
     /// runtime (the standalone connection manager spawns a task).
     pub fn open(config: RedisStoreConfig) -> Result<Self, StoreError> {
-        let (source, slot_tags) = match config.topology {
-            Topology::Standalone { url } => {
-                let invalid = |e: RedisError| StoreError::Invalid {
-                    reason: format!("redis url: {e}"),
-                };
-                let mut info = redis::IntoConnectionInfo::into_connection_info(url.as_str())
-                    .map_err(invalid)?;
-                if let Some(c) = &config.credentials {
-                    let mut redis = info.redis_settings().clone().set_password(&c.password);
-                    if let Some(user) = &c.username {
-                        redis = redis.set_username(user);
-                    }
-                    info = info.set_redis_settings(redis);
-                }
-                let tls_addr = matches!(info.addr(), redis::ConnectionAddr::TcpTls { .. });
-                if tls_addr {
-                    ensure_crypto_provider();
-                }
-                let client = match &config.tls {
-                    Some(tls) if tls_addr => {
-                        tls.check()?;
-                        redis::Client::build_with_tls(info, tls.certificates()).map_err(|e| {
-                            StoreError::Invalid {
-                                reason: format!("redis TLS settings: {e}"),
-                            }
-                        })?
-                    }
-                    Some(_) => {
-                        return Err(StoreError::Invalid {
-                            reason: "TLS certificates need a rediss:// address".into(),
-                        })
-                    }
-                    None => redis::Client::open(info).map_err(invalid)?,
-                };
-                let cfg = ConnectionManagerConfig::new()
-                    .set_connection_timeout(Some(config.timeout))
-                    // Every call is bounded as a whole (`bounded`, retry included): a
-                    // per-response timer as well would be a second timer per call.
-                    .set_response_timeout(None)
-                    .set_number_of_retries(2)
-                    .set_max_delay(Duration::from_millis(500));
-                let m = ConnectionManager::new_lazy_with_config(client.clone(), cfg.clone())
-                    .map_err(|e| StoreError::Invalid {
-                        reason: format!("redis connection settings: {e}"),
-                    })?;
-                let single = Standalone {
-                    client,
-                    config: cfg,
-                    current: ArcSwap::from_pointee(m),
-                };
-                (Source::Single(Arc::new(single)), None)
-            }
-            Topology::Cluster { urls } => {
-                let mut builder = ClusterClient::builder(urls.iter().map(String::as_str))
-                    .connection_timeout(config.timeout)
-                    .response_timeout(config.timeout);
-                if let Some(c) = &config.credentials {
-                    builder = builder.password(c.password.clone());
-                    if let Some(user) = &c.username {
-                        builder = builder.username(user.clone());
-                    }
-                }
-                if urls.iter().any(|u| u.starts_with("rediss://")) {
-                    ensure_crypto_provider();
-                    if let Some(tls) = &config.tls {
-                        tls.check()?;
-                        builder = builder.certs(tls.certificates());
-                    }
-                } else if config.tls.is_some() {
-                    return Err(StoreError::Invalid {
-                        reason: "TLS certificates need rediss:// addresses".into(),
-                    });
-                }
-                let client = builder.build().map_err(|e| StoreError::Invalid {
-                    reason: format!("cluster urls: {e}"),
-                })?;
-                let lazy = LazyCluster {
-                    client: Arc::new(client),
-                    conn: Arc::new(tokio::sync::OnceCell::new()),
-                };
-                (Source::Cluster(lazy), Some(Arc::new(keys::slot_tags())))
-            }
+        let source = build_source(&config)?;
+        let slot_tags = match config.topology {
+            Topology::Standalone { .. } => None,
+            Topology::Cluster { .. } => Some(Arc::new(keys::slot_tags())),
         };
         let scripts = Arc::new(Scripts {
             token_bucket: Script::new(script::TOKEN_BUCKET_LUA),
@@ -517,9 +540,10 @@ impl RedisStore {
             .to_string()
             .into();
         Ok(Self {
-            source: Arc::new(source),
-            scripts,
+            source: Arc::new(ArcSwap::from_pointee(source)),
             timeout: config.timeout,
+            config: Arc::new(config),
+            scripts,
             min_idle_ttl_ms,
             slot_tags,
             next_slot: Arc::new(AtomicUsize::new(0)),
@@ -538,13 +562,38 @@ impl RedisStore {
     /// within the call timeout but at least [`CONNECT_WAIT`]: a first connection may take
     /// longer than a call.
     pub async fn reachable(&self) -> Result<(), StoreError> {
+        self.ping(&self.source.load_full()).await
+    }
+
+    /// Switches to `credentials` once Redis takes them: a connection made with them must
+    /// answer a `PING` (every master of a Cluster) first, so a password Redis does not yet
+    /// accept never replaces one it does. Until then, and when Redis refuses them, calls go on
+    /// over the current connection; the error says why they were not taken.
+    pub async fn use_credentials(&self, credentials: Credentials) -> Result<(), StoreError> {
+        let mut config = (*self.config).clone();
+        config.credentials = Some(credentials);
+        let candidate = build_source(&config)?;
+        self.ping(&candidate).await?;
+        self.source.store(Arc::new(candidate));
+        Ok(())
+    }
+
+    /// PINGs Redis through `source`, as [`reachable`](Self::reachable) describes.
+    async fn ping(&self, source: &Source) -> Result<(), StoreError> {
         let wait = self.timeout.max(CONNECT_WAIT);
         let ping = async {
-            match &*self.source {
-                Source::Single(_) => {
-                    let (mut conn, used) = self.connection();
-                    let r = redis::cmd("PING").query_async(&mut conn).await;
-                    self.after(r, used.as_ref())
+            match source {
+                Source::Single(s) => {
+                    let used = s.current.load_full();
+                    let r = redis::cmd("PING")
+                        .query_async::<Value>(&mut (*used).clone())
+                        .await;
+                    if r.as_ref()
+                        .is_err_and(|e| e.kind() == redis::ErrorKind::AuthenticationFailed)
+                    {
+                        s.replace(&used);
+                    }
+                    r
                 }
                 Source::Cluster(c) => {
                     let all = RoutingInfo::MultiNode((MultipleNodeRoutingInfo::AllMasters, None));
@@ -562,7 +611,7 @@ impl RedisStore {
 
     /// A connection for one call, and the standalone manager it came from.
     fn connection(&self) -> (Conn, Option<Arc<ConnectionManager>>) {
-        match &*self.source {
+        match &**self.source.load() {
             Source::Single(s) => {
                 let m = s.current.load_full();
                 (Conn::Single((*m).clone()), Some(m))
@@ -578,7 +627,7 @@ impl RedisStore {
         r: redis::RedisResult<T>,
         used: Option<&Arc<ConnectionManager>>,
     ) -> redis::RedisResult<T> {
-        if let (Err(e), Source::Single(s), Some(used)) = (&r, &*self.source, used) {
+        if let (Err(e), Source::Single(s), Some(used)) = (&r, &**self.source.load(), used) {
             if e.kind() == redis::ErrorKind::AuthenticationFailed {
                 s.replace(used);
             }
@@ -688,7 +737,7 @@ impl RedisStore {
     async fn run_ids(&self) -> Result<String, StoreError> {
         let mut info = redis::cmd("INFO");
         info.arg("server");
-        let reply: Value = match &*self.source {
+        let reply: Value = match &*self.source.load_full() {
             Source::Single(_) => self.command(&info).await?,
             Source::Cluster(c) => {
                 let all = RoutingInfo::MultiNode((MultipleNodeRoutingInfo::AllMasters, None));
@@ -710,7 +759,7 @@ impl RedisStore {
     /// O(keys in the database), for the agent's sweeps (per store instance and hourly).
     async fn params_held(&self) -> Result<Vec<BucketRef>, StoreError> {
         let mut out = Vec::new();
-        match &*self.source {
+        match &*self.source.load_full() {
             Source::Single(_) => self.scan_params(None, &mut out).await?,
             Source::Cluster(c) => {
                 // A command without a reply policy sent to every master answers with a map
@@ -751,7 +800,7 @@ impl RedisStore {
                 .arg(keys::PARAMS_KEY_PATTERN)
                 .arg("COUNT")
                 .arg(SCAN_COUNT);
-            let reply: Value = match (&*self.source, &node) {
+            let reply: Value = match (&*self.source.load_full(), &node) {
                 (Source::Cluster(c), Some((host, port))) => {
                     let at = RoutingInfo::SingleNode(SingleNodeRoutingInfo::ByAddress {
                         host: host.clone(),

@@ -155,6 +155,15 @@ async fn a_password_protected_cluster_takes_the_credentials() {
     let cfg = RedisStoreConfig::cluster(cluster.urls()).with_timeout(Duration::from_secs(5));
     let e = RedisStore::connect(cfg.clone()).await.unwrap_err();
     assert!(matches!(e, StoreError::Refused { .. }), "{e}");
+    let wrong = cfg.clone().with_credentials(Credentials {
+        username: None,
+        password: "wrong".into(),
+    });
+    let e = RedisStore::connect(wrong).await.unwrap_err();
+    assert!(
+        matches!(e, StoreError::Refused { .. }),
+        "a wrong password: {e}"
+    );
 
     let s = RedisStore::connect(cfg.with_credentials(Credentials {
         username: None,
@@ -176,4 +185,45 @@ async fn a_password_protected_cluster_takes_the_credentials() {
             .unwrap();
     }
     assert_eq!(s.list_params().await.unwrap().len(), buckets.len());
+
+    // A new password: refused until every master takes it, then taken; after the old
+    // connections are dropped the store reconnects to each master with it.
+    const NEW: &str = "n3w cl@ster pass";
+    let rotated = Credentials {
+        username: None,
+        password: NEW.into(),
+    };
+    let e = s.use_credentials(rotated.clone()).await.unwrap_err();
+    assert!(matches!(e, StoreError::Refused { .. }), "{e}");
+    for node in cluster.nodes() {
+        node_command(node, PASSWORD, &["CONFIG", "SET", "requirepass", NEW]).await;
+    }
+    s.use_credentials(rotated).await.unwrap();
+    for node in cluster.nodes() {
+        node_command(node, NEW, &["CLIENT", "KILL", "TYPE", "normal"]).await;
+    }
+    for b in &buckets {
+        let d = first_decision(
+            &s,
+            &req(b, tokens(2, 0), 1, None),
+            Duration::from_secs(10),
+            |e| assert!(!matches!(e, StoreError::Refused { .. }), "{e}"),
+        )
+        .await
+        .expect("decides over the new password");
+        assert!(d.allowed && d.remaining == 0, "{d:?}");
+    }
+}
+
+/// Runs a command on one node as the `default` user with `password`.
+async fn node_command(node: &redis_harness::RedisServer, password: &str, args: &[&str]) {
+    let info = redis::IntoConnectionInfo::into_connection_info(node.url().as_str()).unwrap();
+    let settings = info.redis_settings().clone().set_password(password);
+    let client = redis::Client::open(info.set_redis_settings(settings)).unwrap();
+    let mut conn = client.get_multiplexed_async_connection().await.unwrap();
+    redis::cmd(args[0])
+        .arg(&args[1..])
+        .query_async::<redis::Value>(&mut conn)
+        .await
+        .unwrap();
 }

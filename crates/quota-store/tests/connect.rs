@@ -166,3 +166,61 @@ async fn a_refusal_after_start_heals_once_redis_takes_the_credentials_again() {
         back.elapsed()
     );
 }
+
+#[tokio::test]
+async fn new_credentials_are_taken_only_once_redis_accepts_them() {
+    let redis = RedisServer::start_with(&[
+        "--requirepass",
+        PASSWORD,
+        "--user",
+        "quotad",
+        "on",
+        ">old-password",
+        "~*",
+        "+@all",
+    ])
+    .unwrap();
+    let s = RedisStore::connect(with(&redis, Some("quotad"), "old-password"))
+        .await
+        .unwrap();
+    let b = fresh_bucket("rotate");
+    let l = tokens(100, 0);
+    assert!(s.check(&req(&b, l, 1, None)).await.unwrap().allowed);
+    let new = Credentials {
+        username: Some("quotad".into()),
+        password: "new-password".into(),
+    };
+
+    // Redis does not know the new password yet: refused, and the store goes on deciding over
+    // its current connection.
+    let e = s.use_credentials(new.clone()).await.unwrap_err();
+    assert!(matches!(e, StoreError::Refused { .. }), "{e}");
+    assert!(s.check(&req(&b, l, 1, None)).await.unwrap().allowed);
+
+    // The operator adds the new password beside the old one; the store takes it.
+    admin(
+        &redis,
+        PASSWORD,
+        &["ACL", "SETUSER", "quotad", ">new-password"],
+    )
+    .await;
+    s.use_credentials(new).await.unwrap();
+    // The old password is removed and every connection of the user dropped: the store
+    // reconnects with the new password.
+    admin(
+        &redis,
+        PASSWORD,
+        &["ACL", "SETUSER", "quotad", "<old-password"],
+    )
+    .await;
+    admin(&redis, PASSWORD, &["CLIENT", "KILL", "USER", "quotad"]).await;
+    let d = first_decision(&s, &req(&b, l, 1, None), Duration::from_secs(5), |e| {
+        assert!(down(e), "never refused: {e}")
+    })
+    .await
+    .expect("decides over the new password");
+    assert!(d.allowed);
+    assert_eq!(d.remaining, 97, "one bucket throughout");
+    // Only new-password connections exist now.
+    s.reachable().await.unwrap();
+}

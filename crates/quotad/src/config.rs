@@ -82,6 +82,9 @@ pub struct RedisConfig {
     pub username: Option<String>,
     /// A file holding the Redis password (used when `QUOTAD_REDIS_PASSWORD` is unset).
     pub password_file: Option<PathBuf>,
+    /// How often `password_file` is read again for a new password, taken once Redis accepts
+    /// it (rotation without a restart); 0 reads it at start only.
+    pub password_check_ms: u64,
     /// PEM CA certificates to verify a `rediss://` Redis against, instead of the system's.
     pub tls_ca_file: Option<PathBuf>,
     /// PEM client certificate chain, for a Redis with `tls-auth-clients yes` (with the key).
@@ -241,6 +244,7 @@ impl Default for RedisConfig {
             seed_urls: Vec::new(),
             username: None,
             password_file: None,
+            password_check_ms: 10_000,
             tls_ca_file: None,
             tls_cert_file: None,
             tls_key_file: None,
@@ -501,6 +505,12 @@ impl Config {
         if let Some(redis) = &self.redis {
             check_redis_addresses(p, redis);
             positive(p, "redis.timeout_ms", redis.timeout_ms);
+            if (1..100).contains(&redis.password_check_ms) {
+                p.push(problem(
+                    "redis.password_check_ms",
+                    "must be 0 (read at start only) or at least 100",
+                ));
+            }
         }
         if self.breaker.failure_threshold == 0 {
             p.push(problem("breaker.failure_threshold", "must be at least 1"));
@@ -1240,6 +1250,29 @@ seed_urls = ["rediss://10.0.0.2:7000", "http://10.0.0.3:7000", "redis://10.0.0.4
             );
             assert_eq!(problems.len(), 1, "{value}: {problems:?}");
             assert_eq!(problems[0].field, "QUOTAD_REDIS_MODE");
+        }
+    }
+
+    #[test]
+    fn the_password_file_is_read_again_at_a_sane_interval_or_never() {
+        for (ms, ok) in [
+            (0, true),
+            (1, false),
+            (99, false),
+            (100, true),
+            (10_000, true),
+        ] {
+            let text = format!("[redis]\npassword_check_ms = {ms}\n");
+            let fields: Vec<String> = Config::from_toml(&text)
+                .unwrap()
+                .resolve(&no_env, Vec::new())
+                .err()
+                .map(|e| e.0.into_iter().map(|p| p.field).collect())
+                .unwrap_or_default();
+            assert_eq!(fields.is_empty(), ok, "{ms}: {fields:?}");
+            if !ok {
+                assert_eq!(fields, ["redis.password_check_ms"]);
+            }
         }
     }
 

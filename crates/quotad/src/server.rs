@@ -16,11 +16,11 @@ use tokio::sync::watch;
 
 use crate::api::{self, AppShared, AppState};
 use crate::breaker::Breaker;
-use crate::config::{Config, RuntimeConfig, Secret, Settings, ENV_REDIS_PASSWORD};
+use crate::config::{Config, RuntimeConfig, Secret, SecretSource, Settings, ENV_REDIS_PASSWORD};
 use crate::coordination::{Coordinator, LocalCoordinator};
 use crate::decision::{Decider, DeciderParts};
 use crate::replicated::Replicated;
-use crate::{agent, telemetry};
+use crate::{agent, redis_password, telemetry};
 
 /// Resolves once SIGTERM or Ctrl-C arrives.
 pub async fn shutdown_signal() {
@@ -183,6 +183,36 @@ async fn keep_a_timer_pending(period: Duration, mut shutdown: watch::Receiver<bo
     }
 }
 
+/// The task re-reading `redis.password_file`, when the password comes from that file and
+/// `redis.password_check_ms` is not 0.
+fn password_watch(
+    settings: &Settings,
+    store: &AnyStore,
+    stop: &watch::Receiver<bool>,
+) -> Option<impl Future<Output = ()> + Send + 'static> {
+    let (AnyStore::Redis(store), Some(redis), Some(password)) = (
+        store,
+        settings.config.redis.as_ref(),
+        settings.secrets.redis_password.as_ref(),
+    ) else {
+        return None;
+    };
+    let path = redis.password_file.clone()?;
+    if settings.secrets.redis_password_source != SecretSource::File || redis.password_check_ms == 0
+    {
+        return None;
+    }
+    Some(redis_password::run(
+        store.clone(),
+        path,
+        redis.username.clone(),
+        password.expose().to_string(),
+        Duration::from_millis(redis.password_check_ms),
+        settings.region.to_string(),
+        stop.clone(),
+    ))
+}
+
 /// Runs the daemon until `shutdown` resolves, then drains and stops.
 pub async fn run(
     settings: Settings,
@@ -227,6 +257,9 @@ pub async fn serve(
         pending_timer_period(cfg),
         stop_rx.clone(),
     )));
+    if let Some(watch) = password_watch(&settings, state.decider.store(), &stop_rx) {
+        tasks.push(tokio::spawn(watch));
+    }
     if let Some(metrics) = state.metrics.clone() {
         tasks.push(tokio::spawn(telemetry::run_metrics_upkeep(
             metrics,

@@ -38,6 +38,9 @@ pub const RAFT_APPLIED_INDEX: &str = "quotad_raft_applied_index";
 pub const FORWARDED_TOTAL: &str = "quotad_forwarded_checks_total";
 /// HTTP requests rejected before a decision (bad input, auth), by reason.
 pub const REJECTED_REQUESTS_TOTAL: &str = "quotad_rejected_requests_total";
+/// Re-readings of `redis.password_file` that found a new password, by outcome (`taken`,
+/// `refused`, `unreachable`) and unreadable files (`unreadable`).
+pub const REDIS_PASSWORD_RELOADS_TOTAL: &str = "quotad_redis_password_reloads_total";
 /// Time to decide one check in the HTTP handler, in seconds.
 pub const CHECK_DURATION_SECONDS: &str = "quotad_check_duration_seconds";
 
