@@ -452,3 +452,95 @@ async fn a_pinned_tenant_is_decided_by_its_home() -> anyhow::Result<()> {
     );
     Ok(())
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_policy_batch_is_one_replicated_step_and_a_floor_the_regions_cannot_hold_is_a_400(
+) -> anyhow::Result<()> {
+    use quotad_system_tests::TOKEN;
+    const N: usize = 200;
+    let cluster = Cluster::start(&["a", "b", "c"], &Timings::default()).await?;
+    let policies: Vec<_> = (0..N)
+        .map(|i| json!({"tenant": format!("bulk-{i}"), "policy": "writes", "limit": 10, "window_ms": 1000}))
+        .collect();
+    let r = cluster
+        .daemon("c")
+        .request(
+            "POST",
+            "/v1/policies/batch",
+            Some(TOKEN),
+            Some(json!({ "policies": policies }).to_string()),
+        )
+        .await?;
+    assert_eq!(r.status, 200, "{}", r.body);
+    let versions: Vec<u64> = r.body["policies"]
+        .as_array()
+        .expect("the stored policies")
+        .iter()
+        .map(|p| p["version"].as_u64().expect("a version"))
+        .collect();
+    assert_eq!(versions.len(), N);
+    assert!(
+        versions.windows(2).all(|w| w[1] == w[0] + 1),
+        "consecutive versions in request order: {versions:?}"
+    );
+    // Every region applies the batch and decides its policies.
+    for region in ["a", "b", "c"] {
+        let d = cluster.daemon(region);
+        let last = format!("/v1/tenants/bulk-{}/policies/writes", N - 1);
+        let seen = eventually(
+            Duration::from_secs(10),
+            Duration::from_millis(100),
+            || async {
+                let r = d.get(&last).await.ok()?;
+                (r.body["version"].as_u64() == versions.last().copied()).then_some(())
+            },
+        )
+        .await;
+        assert!(seen.is_some(), "{region} has the whole batch");
+        let r = d.check("bulk-0", "writes", 1).await?;
+        assert_eq!(r.status, 200, "{region}: {}", r.body);
+    }
+
+    // A floor the three regions cannot all reserve: a 400 naming the field, for a single PUT
+    // and for a batch, whose valid entries are not stored either.
+    let b = cluster.daemon("b");
+    let r = b
+        .request(
+            "PUT",
+            "/v1/tenants/greedy/policies/writes",
+            Some(TOKEN),
+            Some(json!({"limit": 10, "window_ms": 1000, "floor": 0.5}).to_string()),
+        )
+        .await?;
+    assert_eq!(r.status, 400, "{}", r.body);
+    assert_eq!(r.body["code"], "INVALID_POLICY");
+    assert_eq!(r.body["errors"][0]["field"], "floor", "{}", r.body);
+    let batch = json!({"policies": [
+        {"tenant": "fine", "policy": "writes", "limit": 10, "window_ms": 1000},
+        {"tenant": "greedy", "policy": "writes", "limit": 10, "window_ms": 1000, "floor": 0.5},
+    ]});
+    let r = b
+        .request(
+            "POST",
+            "/v1/policies/batch",
+            Some(TOKEN),
+            Some(batch.to_string()),
+        )
+        .await?;
+    assert_eq!(r.status, 400, "{}", r.body);
+    assert_eq!(
+        r.body["errors"][0]["field"], "policies[1].floor",
+        "{}",
+        r.body
+    );
+    for region in ["a", "b", "c"] {
+        for tenant in ["fine", "greedy"] {
+            let r = cluster
+                .daemon(region)
+                .get(&format!("/v1/tenants/{tenant}/policies/writes"))
+                .await?;
+            assert_eq!(r.status, 404, "{region}: {tenant} was not stored");
+        }
+    }
+    Ok(())
+}

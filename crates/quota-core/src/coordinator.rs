@@ -56,6 +56,9 @@ pub const DEDUP_WINDOW: usize = 1024;
 /// How many per-entry rejections a [`Response::SharesSet`] lists (the count is always exact).
 pub const MAX_LISTED_REJECTIONS: usize = 8;
 
+/// Most policies one [`Operation::PutPolicies`] may carry: a Raft entry of a few hundred KiB.
+pub const MAX_BATCH_POLICIES: usize = 1000;
+
 /// A client-chosen id that makes a command idempotent.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
 pub struct RequestId(pub u128);
@@ -201,6 +204,20 @@ pub enum Operation {
     /// Removes a tenant's pin and the operator pins of its policies (automatic pins stay the
     /// allocator's business).
     UnpinTenant { tenant: TenantId },
+    /// Creates or replaces up to [`MAX_BATCH_POLICIES`] policies in one step, all or none: one
+    /// invalid entry refuses the batch. Each entry is stored as `PutPolicy` would store it, in
+    /// order, so versions are consecutive. One entry, one epoch and one view change per batch
+    /// instead of per policy is what makes loading many policies fast.
+    PutPolicies { entries: Vec<(PolicyKey, Policy)> },
+}
+
+/// One entry of a refused [`Operation::PutPolicies`].
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct InvalidEntry {
+    /// Its position in the batch.
+    pub index: u32,
+    /// The offending fields, as in [`Response::InvalidPolicy`].
+    pub fields: Vec<String>,
 }
 
 /// Why one [`ShareEntry`] was refused.
@@ -332,6 +349,20 @@ pub enum Response {
     },
     /// `UnpinTenant` of a tenant without a pin.
     TenantNotPinned,
+    /// A batch stored: versions `first_version .. first_version + count`, in batch order.
+    PoliciesStored {
+        first_version: u64,
+        count: u32,
+        epoch: u64,
+    },
+    /// A batch refused as a whole, nothing changed; every invalid entry is named.
+    InvalidPolicies {
+        entries: Vec<InvalidEntry>,
+    },
+    /// A batch of more than `max` policies, refused.
+    BatchTooLarge {
+        max: u32,
+    },
 }
 
 /// A broken safety invariant, found by [`CoordinatorState::check_invariant`].
@@ -409,6 +440,7 @@ impl CoordinatorState {
             },
             Operation::PinTenant { tenant, home } => self.pin_tenant(tenant, home),
             Operation::UnpinTenant { tenant } => self.unpin_tenant(tenant),
+            Operation::PutPolicies { entries } => self.put_policies(entries, now),
         };
         if self.recent.len() >= DEDUP_WINDOW {
             self.recent.pop_front();
@@ -549,6 +581,12 @@ impl CoordinatorState {
         if let Err(r) = self.check_floors(policy.floor_ppm, self.floor_regions()) {
             return r;
         }
+        let (version, epoch) = self.store_policy(key, policy, now);
+        Response::PolicyStored { version, epoch }
+    }
+
+    /// Stores a policy already checked; returns its version and the epoch of the change.
+    fn store_policy(&mut self, key: &PolicyKey, policy: &Policy, now: u64) -> (u64, u64) {
         self.last_version += 1;
         self.epoch += 1;
         let version = self.last_version;
@@ -601,7 +639,48 @@ impl CoordinatorState {
                 }
             }
         }
-        Response::PolicyStored { version, epoch }
+        (version, epoch)
+    }
+
+    /// Why `policy` cannot be stored, if it cannot: the fields at fault.
+    fn policy_problem(&self, policy: &Policy) -> Option<Vec<String>> {
+        if let Err(errors) = policy_spec(policy).validate() {
+            return Some(errors.0.iter().map(|e| e.field.to_string()).collect());
+        }
+        self.check_floors(policy.floor_ppm, self.floor_regions())
+            .err()
+            .map(|_| vec!["floor".to_string()])
+    }
+
+    fn put_policies(&mut self, entries: &[(PolicyKey, Policy)], now: u64) -> Response {
+        if entries.len() > MAX_BATCH_POLICIES {
+            return Response::BatchTooLarge {
+                max: MAX_BATCH_POLICIES as u32,
+            };
+        }
+        // Every entry is checked before any is stored, so a refused batch changes nothing.
+        let invalid: Vec<InvalidEntry> = entries
+            .iter()
+            .enumerate()
+            .filter_map(|(index, (_, policy))| {
+                self.policy_problem(policy).map(|fields| InvalidEntry {
+                    index: index as u32,
+                    fields,
+                })
+            })
+            .collect();
+        if !invalid.is_empty() {
+            return Response::InvalidPolicies { entries: invalid };
+        }
+        let first_version = self.last_version + 1;
+        for (key, policy) in entries {
+            self.store_policy(key, policy, now);
+        }
+        Response::PoliciesStored {
+            first_version,
+            count: entries.len() as u32,
+            epoch: self.epoch,
+        }
     }
 
     fn floor_flags(&self) -> Vec<bool> {

@@ -4,7 +4,8 @@ mod common;
 
 use common::{key, policy, region, Driver};
 use quota_core::coordinator::{
-    EntryRejection, HomeChange, Operation, Pin, PinSource, RegionShare, Response, ShareEntry,
+    EntryRejection, HomeChange, InvalidEntry, Operation, Pin, PinSource, RegionShare, Response,
+    ShareEntry, MAX_BATCH_POLICIES,
 };
 use quota_core::lease::{LeaseConfig, LeaseConfigError};
 use quota_core::policy::Tier;
@@ -600,4 +601,82 @@ fn a_draining_region_loses_its_floor_is_emptied_and_can_leave() {
     );
     let r = d.op(Operation::RemoveRegion { region: region(2) });
     assert!(matches!(r, Response::RegionRemoved { .. }), "{r:?}");
+}
+
+#[test]
+fn a_policy_batch_is_stored_whole_in_order_or_not_at_all() {
+    let mut d = Driver::with_regions(3);
+    d.op(Operation::PutPolicy {
+        key: key("a"),
+        policy: policy(0, Tier::Standard),
+    });
+    let before = d.state.clone();
+
+    // One invalid entry (a floor the three regions cannot all reserve, a zero window) refuses
+    // the batch: every one is named by its index and nothing changes.
+    let mut zero_window = policy(0, Tier::Standard);
+    zero_window.window_ms = 0;
+    let r = d.op(Operation::PutPolicies {
+        entries: vec![
+            (key("b"), policy(0, Tier::Standard)),
+            (key("c"), policy(400_000, Tier::Standard)),
+            (key("d"), zero_window),
+        ],
+    });
+    assert_eq!(
+        r,
+        Response::InvalidPolicies {
+            entries: vec![
+                InvalidEntry {
+                    index: 1,
+                    fields: vec!["floor".into()]
+                },
+                InvalidEntry {
+                    index: 2,
+                    fields: vec!["window_ms".into()]
+                },
+            ]
+        }
+    );
+    let mut unchanged = d.state.clone();
+    unchanged.recent = before.recent.clone();
+    unchanged.last_now_ms = before.last_now_ms;
+    assert_eq!(unchanged, before, "a refused batch changes nothing");
+
+    // A valid batch: consecutive versions in order, a replaced policy included, each entry
+    // split and stored as a single put would.
+    let epoch = d.state.epoch;
+    let r = d.op(Operation::PutPolicies {
+        entries: vec![
+            (key("b"), policy(0, Tier::Standard)),
+            (key("a"), policy(100_000, Tier::Critical)),
+            (key("c"), policy(0, Tier::Standard)),
+        ],
+    });
+    assert_eq!(
+        r,
+        Response::PoliciesStored {
+            first_version: 2,
+            count: 3,
+            epoch: epoch + 3
+        }
+    );
+    for (t, version) in [("b", 2), ("a", 3), ("c", 4)] {
+        let e = &d.state.entries[&key(t)];
+        assert_eq!(e.policy.version, version, "{t}");
+        assert_eq!(e.shares_ppm.iter().sum::<u32>(), PPM, "{t}");
+    }
+    assert_eq!(d.state.entries[&key("a")].policy.floor_ppm, 100_000);
+    assert!(d.state.check_invariant().is_ok());
+
+    let too_many = (0..=MAX_BATCH_POLICIES)
+        .map(|i| (key(&format!("t{i}")), policy(0, Tier::Standard)))
+        .collect();
+    let r = d.op(Operation::PutPolicies { entries: too_many });
+    assert_eq!(
+        r,
+        Response::BatchTooLarge {
+            max: MAX_BATCH_POLICIES as u32
+        }
+    );
 }

@@ -13,6 +13,7 @@ use std::collections::BTreeMap;
 use std::path::Path;
 use std::sync::{Arc, Mutex};
 
+use quota_core::coordinator::InvalidEntry;
 use quota_core::{Policy, PolicyName, RegionId, TenantId, PPM};
 use serde::Serialize;
 use tokio::sync::watch;
@@ -121,7 +122,14 @@ pub enum CoordError {
     Rejected { message: String },
     #[error("node {node_id} is not a member")]
     UnknownNode { node_id: u64 },
+    /// Policies the coordinator refused (e.g. a floor every region cannot reserve), by their
+    /// place in the request; nothing was stored.
+    #[error("policies refused: {entries:?}")]
+    InvalidPolicies { entries: Vec<InvalidEntry> },
 }
+
+/// One policy of a batch: whose, which, and what.
+pub type PolicyPut = (TenantId, PolicyName, Policy);
 
 /// The coordinator behind the daemon.
 #[derive(Debug)]
@@ -157,8 +165,19 @@ impl Coordinator {
         policy: Policy,
     ) -> Result<Policy, CoordError> {
         match self {
-            Coordinator::Local(c) => c.put_policy(tenant, name, policy),
+            Coordinator::Local(c) => c
+                .put_policies(vec![(tenant, name, policy)])
+                .map(|mut stored| stored.remove(0)),
             Coordinator::Replicated(c) => c.put_policy(tenant, name, policy).await,
+        }
+    }
+
+    /// Creates or replaces several policies in one step, all or none; returns them with their
+    /// new versions, in order.
+    pub async fn put_policies(&self, batch: Vec<PolicyPut>) -> Result<Vec<Policy>, CoordError> {
+        match self {
+            Coordinator::Local(c) => c.put_policies(batch),
+            Coordinator::Replicated(c) => c.put_policies(batch).await,
         }
     }
 
@@ -343,21 +362,28 @@ impl LocalCoordinator {
         Ok(out)
     }
 
-    fn put_policy(
-        &self,
-        tenant: TenantId,
-        name: PolicyName,
-        mut policy: Policy,
-    ) -> Result<Policy, CoordError> {
+    /// Stores `batch` in one transaction, with consecutive versions in order.
+    fn put_policies(&self, mut batch: Vec<PolicyPut>) -> Result<Vec<Policy>, CoordError> {
+        if batch.is_empty() {
+            return Ok(Vec::new());
+        }
         self.mutate(|s| {
-            let version = s.last_version + 1;
-            policy.version = version;
-            self.store.put_policy(&tenant, &name, &policy, version)?;
+            let mut version = s.last_version;
+            for (_, _, policy) in &mut batch {
+                version += 1;
+                policy.version = version;
+            }
+            let entries: Vec<_> = batch.iter().map(|(t, n, p)| (t, n, p)).collect();
+            self.store.put_policies(&entries, version)?;
             s.last_version = version;
-            let home = s.tenant_pins.get(&tenant).cloned();
-            let entry = Self::entry(&self.region, policy.clone(), home);
-            s.policies.insert((tenant, name), entry);
-            Ok(policy)
+            let mut stored = Vec::with_capacity(batch.len());
+            for (tenant, name, policy) in batch {
+                let home = s.tenant_pins.get(&tenant).cloned();
+                let entry = Self::entry(&self.region, policy.clone(), home);
+                s.policies.insert((tenant, name), entry);
+                stored.push(policy);
+            }
+            Ok(stored)
         })
     }
 
@@ -541,6 +567,44 @@ mod tests {
         drop(c);
         let c = Coordinator::Local(LocalCoordinator::open(eu, dir.path()).unwrap());
         assert_eq!(c.view().tenant_home(&t), None);
+    }
+
+    #[tokio::test]
+    async fn a_policy_batch_is_one_durable_step_with_consecutive_versions() {
+        let dir = tempfile::tempdir().unwrap();
+        let eu = RegionId::new("eu").unwrap();
+        let (t, p) = ids();
+        let names: Vec<_> = (0..50)
+            .map(|i| PolicyName::new(format!("p{i}")).unwrap())
+            .collect();
+        let before = {
+            let c = Coordinator::Local(LocalCoordinator::open(eu.clone(), dir.path()).unwrap());
+            c.put_policy(t.clone(), p.clone(), policy()).await.unwrap();
+            c.pin(t.clone(), eu.clone()).await.unwrap();
+            let mut rx = c.subscribe();
+            rx.borrow_and_update();
+            let batch = names
+                .iter()
+                .map(|n| (t.clone(), n.clone(), policy()))
+                .collect();
+            let stored = c.put_policies(batch).await.unwrap();
+            let versions: Vec<u64> = stored.iter().map(|p| p.version).collect();
+            assert_eq!(versions, (2..52).collect::<Vec<_>>());
+            // One view change for the whole batch, every policy in it, each pinned like a
+            // single put.
+            assert!(rx.has_changed().unwrap());
+            let view = rx.borrow_and_update().clone();
+            assert_eq!(view.policies.len(), 51);
+            assert!(names
+                .iter()
+                .all(|n| view.policy(&t, n).unwrap().home.as_ref() == Some(&eu)));
+            assert!(c.put_policies(Vec::new()).await.unwrap().is_empty());
+            c.view()
+        };
+        let c = Coordinator::Local(LocalCoordinator::open(eu, dir.path()).unwrap());
+        assert_eq!(c.view().policies, before.policies);
+        assert_eq!(c.view().last_version, 51);
+        assert_eq!(c.put_policy(t, p, policy()).await.unwrap().version, 52);
     }
 
     #[test]

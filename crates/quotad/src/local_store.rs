@@ -104,10 +104,25 @@ impl LocalStore {
         policy: &Policy,
         last_version: u64,
     ) -> Result<(), LocalStoreError> {
-        let value = self.encode(policy, "policy")?;
+        self.put_policies(&[(tenant, name, policy)], last_version)
+    }
+
+    /// Stores policies (each with its new version) and the last version issued, in one
+    /// transaction: all or none, one fsync.
+    pub fn put_policies(
+        &self,
+        entries: &[(&TenantId, &PolicyName, &Policy)],
+        last_version: u64,
+    ) -> Result<(), LocalStoreError> {
+        let values = entries
+            .iter()
+            .map(|(_, _, policy)| self.encode(policy, "policy"))
+            .collect::<Result<Vec<_>, _>>()?;
         let version = self.encode(&last_version, LAST_VERSION)?;
         self.write(|policies, _, meta| {
-            policies.insert((tenant.as_str(), name.as_str()), value.as_slice())?;
+            for ((tenant, name, _), value) in entries.iter().zip(&values) {
+                policies.insert((tenant.as_str(), name.as_str()), value.as_slice())?;
+            }
             meta.insert(LAST_VERSION, version.as_slice())?;
             Ok(())
         })

@@ -23,7 +23,9 @@ use axum::http::{header, HeaderMap, StatusCode};
 use axum::routing::post;
 use axum::Router;
 use quota_core::allocator::{self, AllocatorConfig};
-use quota_core::coordinator::{CoordinatorState, Entry, Operation, PolicyKey, RequestId, Response};
+use quota_core::coordinator::{
+    CoordinatorState, Entry, InvalidEntry, Operation, PolicyKey, RequestId, Response,
+};
 use quota_core::demand::{DemandTracker, Usage};
 use quota_core::lease::LeaseConfig;
 use quota_core::region::{RegionLease, RegionView};
@@ -38,7 +40,7 @@ use crate::clock;
 use crate::config::{Secret, Settings};
 use crate::coordination::{
     ClusterView, CoordError, Coordinator, CoordinatorStatus, Grant, MemberStatus, PolicyEntry,
-    PolicyMap,
+    PolicyMap, PolicyPut,
 };
 use crate::telemetry;
 
@@ -487,6 +489,46 @@ impl Replicated {
                 self.rebuild_view();
                 Ok(Policy { version, ..policy })
             }
+            // The coordinator's own rules beyond the API's (a floor the regions cannot all
+            // reserve): the caller's mistake, named like a batch's.
+            Response::InvalidPolicy { fields } => Err(CoordError::InvalidPolicies {
+                entries: vec![InvalidEntry { index: 0, fields }],
+            }),
+            Response::FloorsExceedBudget { .. } => Err(CoordError::InvalidPolicies {
+                entries: vec![InvalidEntry {
+                    index: 0,
+                    fields: vec!["floor".into()],
+                }],
+            }),
+            other => Err(unavailable(format!("unexpected answer {other:?}"))),
+        }
+    }
+
+    /// Stores `batch` as one replicated command: all or none, consecutive versions in order.
+    pub async fn put_policies(&self, batch: Vec<PolicyPut>) -> Result<Vec<Policy>, CoordError> {
+        if batch.is_empty() {
+            return Ok(Vec::new());
+        }
+        let mut policies = Vec::with_capacity(batch.len());
+        let entries = batch
+            .into_iter()
+            .map(|(tenant, name, policy)| {
+                policies.push(policy.clone());
+                (PolicyKey::new(tenant, name), policy)
+            })
+            .collect();
+        match self.write(Operation::PutPolicies { entries }).await? {
+            Response::PoliciesStored { first_version, .. } => {
+                self.rebuild_view();
+                for (version, policy) in (first_version..).zip(&mut policies) {
+                    policy.version = version;
+                }
+                Ok(policies)
+            }
+            Response::InvalidPolicies { entries } => Err(CoordError::InvalidPolicies { entries }),
+            Response::BatchTooLarge { max } => Err(CoordError::Rejected {
+                message: format!("a batch holds at most {max} policies"),
+            }),
             other => Err(unavailable(format!("unexpected answer {other:?}"))),
         }
     }

@@ -3,7 +3,8 @@
 //!
 //! Layout: [`edge`] (request id, body limit and timeout in front of every route), [`routes`]
 //! (`POST /v1/check` past the router, the rest through it), [`check`] (decisions), [`batch`]
-//! (batches of them), [`tenants`] (policies, pins, allowance), [`cluster`] (status,
+//! (batches of them), [`tenants`] (policies, pins, allowance), [`policy_batch`] (many
+//! policies in one step), [`cluster`] (status,
 //! membership, listing, health, metrics), [`problem`] (the one `ApiError`), [`auth`] (bearer
 //! token on mutations).
 
@@ -12,6 +13,7 @@ pub mod batch;
 pub mod check;
 pub mod cluster;
 pub mod edge;
+pub mod policy_batch;
 pub mod problem;
 pub mod routes;
 pub mod tenants;
@@ -127,6 +129,7 @@ impl HeaderText {
         check::check,
         batch::check_batch,
         tenants::put_policy,
+        policy_batch::put_policies,
         tenants::get_policy,
         tenants::delete_policy,
         tenants::put_pin,
@@ -170,6 +173,7 @@ pub(crate) fn router(state: AppState) -> Router {
             put(tenants::put_pin).delete(tenants::delete_pin),
         )
         .route("/v1/policies", get(cluster::list_policies))
+        .route("/v1/policies/batch", post(policy_batch::put_policies))
         .route("/v1/cluster/members", post(cluster::add_member))
         .route(
             "/v1/cluster/members/{node_id}/promote",

@@ -27,6 +27,7 @@ pub(crate) fn policy_name(s: &str) -> Result<PolicyName, ApiError> {
 
 pub(crate) fn coord_error(e: CoordError) -> ApiError {
     match e {
+        CoordError::InvalidPolicies { entries } => refused_policies(&entries, |_| String::new()),
         CoordError::UnknownRegion { .. } => ApiError::field("region", &e),
         CoordError::Unavailable { reason } => ApiError::CoordinatorUnavailable { reason },
         CoordError::UnknownNode { .. } => ApiError::NotFound { what: "member" },
@@ -36,6 +37,28 @@ pub(crate) fn coord_error(e: CoordError) -> ApiError {
             }
         }
     }
+}
+
+/// Policies the coordinator refused, as field problems; `prefix` names an entry's place
+/// (e.g. `policies[3].`) by its index.
+pub(crate) fn refused_policies(
+    entries: &[quota_core::coordinator::InvalidEntry],
+    prefix: impl Fn(u32) -> String,
+) -> ApiError {
+    let errors = entries
+        .iter()
+        .flat_map(|e| {
+            let at = prefix(e.index);
+            e.fields.iter().map(move |field| FieldProblem {
+                field: format!("{at}{field}"),
+                message: match field.as_str() {
+                    "floor" => "every floor-reserving region reserves this floor: together they would exceed the whole budget".into(),
+                    _ => "refused by the coordinator".into(),
+                },
+            })
+        })
+        .collect();
+    ApiError::InvalidPolicy { errors }
 }
 
 /// The policy body of PUT (documentation mirror of `quota_core::PolicySpec`).

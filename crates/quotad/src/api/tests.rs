@@ -798,3 +798,203 @@ async fn checks_past_the_router_are_answered_as_through_it() {
         }
     }
 }
+
+/// The `field`s of a problem's `errors`, in order.
+fn problem_fields(r: &Reply) -> Vec<String> {
+    r.body["errors"]
+        .as_array()
+        .map(|e| {
+            e.iter()
+                .map(|e| e["field"].as_str().unwrap_or_default().to_string())
+                .collect()
+        })
+        .unwrap_or_default()
+}
+
+#[tokio::test]
+async fn a_policy_batch_is_stored_whole_with_consecutive_versions() {
+    let router = app(state());
+    let body = json!({"policies": [
+        {"tenant": "acme", "policy": "writes", "limit": 10, "window_ms": 1000},
+        {"tenant": "acme", "policy": "reads", "limit": 50, "window_ms": 1000, "fail_mode": "closed"},
+        {"tenant": "globex", "policy": "writes", "limit": 5, "window_ms": 60000, "burst": 8},
+    ]})
+    .to_string();
+    let r = send(
+        &router,
+        "POST",
+        "/v1/policies/batch",
+        Some(TOKEN),
+        Some(&body),
+    )
+    .await;
+    assert_eq!(r.status, StatusCode::OK, "{}", r.body);
+    let stored = r.body["policies"].as_array().unwrap();
+    let summary: Vec<_> = stored
+        .iter()
+        .map(|p| {
+            (
+                p["tenant"].clone(),
+                p["policy"].clone(),
+                p["version"].clone(),
+            )
+        })
+        .collect();
+    assert_eq!(
+        summary,
+        [
+            (json!("acme"), json!("writes"), json!(1)),
+            (json!("acme"), json!("reads"), json!(2)),
+            (json!("globex"), json!("writes"), json!(3)),
+        ]
+    );
+    assert_eq!(stored[1]["fail_mode"], "closed");
+    let r = send(
+        &router,
+        "GET",
+        "/v1/tenants/globex/policies/writes",
+        None,
+        None,
+    )
+    .await;
+    assert_eq!(
+        (r.body["burst"].clone(), r.body["version"].clone()),
+        (json!(8), json!(3))
+    );
+    // Stored policies decide at once, and a later batch replaces one with a new version.
+    let check = json!({"tenant": "acme", "policy": "writes"}).to_string();
+    let r = send(&router, "POST", "/v1/check", None, Some(&check)).await;
+    assert_eq!(r.status, StatusCode::OK, "{}", r.body);
+    let again = json!({"policies": [{"tenant": "acme", "policy": "writes", "limit": 20, "window_ms": 1000}]}).to_string();
+    let r = send(
+        &router,
+        "POST",
+        "/v1/policies/batch",
+        Some(TOKEN),
+        Some(&again),
+    )
+    .await;
+    assert_eq!(r.body["policies"][0]["version"], 4, "{}", r.body);
+
+    // Without the token: 401, nothing stored.
+    let other = json!({"policies": [{"tenant": "initech", "policy": "writes", "limit": 1, "window_ms": 1}]}).to_string();
+    let r = send(&router, "POST", "/v1/policies/batch", None, Some(&other)).await;
+    assert_eq!(r.status, StatusCode::UNAUTHORIZED);
+    let r = send(
+        &router,
+        "GET",
+        "/v1/tenants/initech/policies/writes",
+        None,
+        None,
+    )
+    .await;
+    assert_eq!(r.status, StatusCode::NOT_FOUND);
+}
+
+#[tokio::test]
+async fn a_bad_policy_batch_names_every_problem_by_place_and_stores_nothing() {
+    let router = app(state());
+    let body = json!({"policies": [
+        {"tenant": "acme", "policy": "writes", "limit": 10, "window_ms": 1000},
+        {"policy": "writes", "limit": 10, "window_ms": 1000},
+        {"tenant": "ac me", "policy": 7, "limit": 10, "window_ms": 1000},
+        {"tenant": "acme", "policy": "reads", "limit": -1, "window_ms": 0},
+        {"tenant": "acme", "policy": "deletes", "limit": 1, "window_ms": 1, "colour": "red"},
+        {"tenant": "acme", "policy": "writes", "limit": 20, "window_ms": 1000},
+    ]})
+    .to_string();
+    let r = send(
+        &router,
+        "POST",
+        "/v1/policies/batch",
+        Some(TOKEN),
+        Some(&body),
+    )
+    .await;
+    assert_eq!(r.status, StatusCode::BAD_REQUEST, "{}", r.body);
+    assert!(is_problem(&r));
+    assert_eq!(r.body["code"], "INVALID_POLICY");
+    assert_eq!(
+        problem_fields(&r),
+        [
+            "policies[1].tenant",
+            "policies[2].tenant",
+            "policies[2].policy",
+            "policies[3].limit",
+            "policies[3].window_ms",
+            "policies[4]",
+            "policies[5]",
+        ]
+    );
+    let text = r.body.to_string();
+    assert!(
+        text.contains("colour") && text.contains("policies[0]"),
+        "{text}"
+    );
+    for (tenant, policy) in [("acme", "writes"), ("acme", "reads")] {
+        let r = send(
+            &router,
+            "GET",
+            &format!("/v1/tenants/{tenant}/policies/{policy}"),
+            None,
+            None,
+        )
+        .await;
+        assert_eq!(r.status, StatusCode::NOT_FOUND, "nothing stored");
+    }
+
+    for (body, field) in [
+        (json!({"policies": []}), "policies"),
+        (json!({"policies": [], "extra": 1}), ""),
+        (json!({"checks": []}), ""),
+    ] {
+        let r = send(
+            &router,
+            "POST",
+            "/v1/policies/batch",
+            Some(TOKEN),
+            Some(&body.to_string()),
+        )
+        .await;
+        assert_eq!(r.status, StatusCode::BAD_REQUEST, "{body}");
+        assert!(is_problem(&r));
+        if !field.is_empty() {
+            assert_eq!(problem_fields(&r), [field]);
+        }
+    }
+}
+
+#[tokio::test]
+async fn a_policy_batch_holds_at_most_the_coordinators_limit() {
+    let mut state = state();
+    Arc::get_mut(&mut state).unwrap().body_limit_bytes = 2 << 20;
+    let router = app(state);
+    let batch = |n: usize| {
+        let policies: Vec<_> = (0..n)
+            .map(|i| json!({"tenant": format!("t{i}"), "policy": "p", "limit": 1, "window_ms": 1000}))
+            .collect();
+        json!({ "policies": policies }).to_string()
+    };
+    let max = quota_core::coordinator::MAX_BATCH_POLICIES;
+    let r = send(
+        &router,
+        "POST",
+        "/v1/policies/batch",
+        Some(TOKEN),
+        Some(&batch(max + 1)),
+    )
+    .await;
+    assert_eq!(r.status, StatusCode::BAD_REQUEST, "{}", r.body);
+    assert_eq!(problem_fields(&r), ["policies"]);
+    let r = send(
+        &router,
+        "POST",
+        "/v1/policies/batch",
+        Some(TOKEN),
+        Some(&batch(max)),
+    )
+    .await;
+    assert_eq!(r.status, StatusCode::OK, "{}", r.body);
+    assert_eq!(r.body["policies"].as_array().unwrap().len(), max);
+    assert_eq!(r.body["policies"][max - 1]["version"], max as u64);
+}
