@@ -614,6 +614,7 @@ async fn status_health_and_openapi() {
         "/v1/tenants/{tenant}/allowance",
         "/v1/status",
         "/v1/policies",
+        "/v1/policies/batch",
     ] {
         assert!(
             paths.contains_key(p),
