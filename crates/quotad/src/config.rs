@@ -40,6 +40,30 @@ pub struct Config {
     pub regions: Vec<RegionConfig>,
     pub telemetry: TelemetryConfig,
     pub runtime: RuntimeConfig,
+    pub envoy: EnvoyConfig,
+}
+
+/// Envoy's global rate limit service (RLS v3) for Envoy-based gateways: off unless `listen` is
+/// set. Each descriptor names a tenant (and a policy, or the request's domain is the policy).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct EnvoyConfig {
+    /// The gRPC listener, e.g. `127.0.0.1:8081`.
+    pub listen: Option<String>,
+    /// The descriptor entry key whose value is the tenant id.
+    pub tenant_key: String,
+    /// The descriptor entry key whose value is the policy name.
+    pub policy_key: String,
+}
+
+impl Default for EnvoyConfig {
+    fn default() -> Self {
+        Self {
+            listen: None,
+            tenant_key: "tenant".into(),
+            policy_key: "policy".into(),
+        }
+    }
 }
 
 /// The admin and decision API listener.
@@ -210,6 +234,7 @@ impl Default for Config {
             regions: Vec::new(),
             telemetry: TelemetryConfig::default(),
             runtime: RuntimeConfig::default(),
+            envoy: EnvoyConfig::default(),
         }
     }
 }
@@ -368,6 +393,8 @@ pub struct Settings {
     pub region: RegionId,
     pub api_listen: SocketAddr,
     pub peer_listen: SocketAddr,
+    /// Envoy's rate limit service listener, if on.
+    pub envoy_listen: Option<SocketAddr>,
     pub regions: Vec<RegionSettings>,
     pub secrets: Secrets,
     /// TLS material for a `rediss://` Redis, read from the files named in `[redis]`.
@@ -389,6 +416,7 @@ pub const ENV_OVERRIDES: &[(&str, &str)] = &[
     ("QUOTAD_DATA_DIR", "data_dir"),
     ("QUOTAD_API_LISTEN", "api.listen"),
     ("QUOTAD_PEER_LISTEN", "peer.listen"),
+    ("QUOTAD_ENVOY_LISTEN", "envoy.listen"),
     ("QUOTAD_REDIS_URL", "redis.url"),
     ("QUOTAD_REDIS_MODE", "redis.mode"),
     ("QUOTAD_REDIS_USERNAME", "redis.username"),
@@ -434,6 +462,7 @@ impl Config {
                 "QUOTAD_DATA_DIR" => self.data_dir = PathBuf::from(value),
                 "QUOTAD_API_LISTEN" => self.api.listen = value,
                 "QUOTAD_PEER_LISTEN" => self.peer.listen = value,
+                "QUOTAD_ENVOY_LISTEN" => self.envoy.listen = Some(value),
                 "QUOTAD_REDIS_URL" => {
                     self.redis.get_or_insert_with(RedisConfig::default).url = value;
                 }
@@ -492,6 +521,31 @@ impl Config {
         let peer_listen = parse_addr(p, "peer.listen", &self.peer.listen);
         if api_listen.is_some() && api_listen == peer_listen {
             p.push(problem("peer.listen", "must differ from api.listen"));
+        }
+        let envoy_listen = self
+            .envoy
+            .listen
+            .as_deref()
+            .and_then(|l| parse_addr(p, "envoy.listen", l));
+        if envoy_listen.is_some() && (envoy_listen == api_listen || envoy_listen == peer_listen) {
+            p.push(problem(
+                "envoy.listen",
+                "must differ from api.listen and peer.listen",
+            ));
+        }
+        for (field, key) in [
+            ("envoy.tenant_key", &self.envoy.tenant_key),
+            ("envoy.policy_key", &self.envoy.policy_key),
+        ] {
+            if key.is_empty() {
+                p.push(problem(field, "must not be empty"));
+            }
+        }
+        if self.envoy.tenant_key == self.envoy.policy_key {
+            p.push(problem(
+                "envoy.policy_key",
+                "must differ from envoy.tenant_key",
+            ));
         }
         // The upper bound is axum's own cap on a buffered body: a larger limit would not hold.
         if self.api.body_limit_bytes < 256 || self.api.body_limit_bytes > 2 * 1024 * 1024 {
@@ -604,6 +658,7 @@ impl Config {
                     region,
                     api_listen,
                     peer_listen,
+                    envoy_listen,
                     regions,
                     redis_tls,
                     secrets: Secrets {
@@ -1274,6 +1329,41 @@ seed_urls = ["rediss://10.0.0.2:7000", "http://10.0.0.3:7000", "redis://10.0.0.4
                 assert_eq!(fields, ["redis.password_check_ms"]);
             }
         }
+    }
+
+    #[test]
+    fn the_envoy_listener_is_off_by_default_and_checked_when_on() {
+        let s = Config::load(None, &no_env).unwrap();
+        assert_eq!(s.envoy_listen, None);
+        let fields = |text: &str| -> Vec<String> {
+            Config::from_toml(text)
+                .unwrap()
+                .resolve(&no_env, Vec::new())
+                .err()
+                .map(|e| e.0.into_iter().map(|p| p.field).collect())
+                .unwrap_or_default()
+        };
+        assert!(fields("[envoy]\nlisten = \"127.0.0.1:8081\"\n").is_empty());
+        assert_eq!(
+            fields("[envoy]\nlisten = \"localhost\"\n"),
+            ["envoy.listen"]
+        );
+        assert_eq!(
+            fields("[envoy]\nlisten = \"127.0.0.1:7450\"\n"),
+            ["envoy.listen"]
+        );
+        assert_eq!(
+            fields("[envoy]\ntenant_key = \"\"\npolicy_key = \"\"\n"),
+            ["envoy.tenant_key", "envoy.policy_key", "envoy.policy_key"]
+        );
+        let mut c = Config::default();
+        let mut problems = Vec::new();
+        c.apply_env(
+            &|k: &str| (k == "QUOTAD_ENVOY_LISTEN").then(|| "127.0.0.1:9081".to_string()),
+            &mut problems,
+        );
+        let s = c.resolve(&no_env, problems).unwrap();
+        assert_eq!(s.envoy_listen.map(|a| a.port()), Some(9081));
     }
 
     #[test]

@@ -16,6 +16,7 @@
 //! - [`local_store`]: the single-region coordinator's redb file (policies, pins, versions).
 //! - [`replicated`]: the Raft-backed coordinator (quota-raft), usage reports, rebalancing.
 //! - [`agent`]: the region agent (applies shares, collects usage).
+//! - [`envoy_rls`]: Envoy's rate limit service (gRPC) over the same decision path.
 //! - [`redis_password`]: re-reading the Redis password file, for rotation without a restart.
 //! - [`telemetry`]: metric names, the Prometheus exporter, log set-up.
 //! - [`clock`]: the only place that reads real time.
@@ -28,6 +29,7 @@ pub mod clock;
 pub mod config;
 pub mod coordination;
 pub mod decision;
+pub mod envoy_rls;
 pub mod local_store;
 pub mod redis_password;
 pub mod replicated;

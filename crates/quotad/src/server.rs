@@ -20,7 +20,7 @@ use crate::config::{Config, RuntimeConfig, Secret, SecretSource, Settings, ENV_R
 use crate::coordination::{Coordinator, LocalCoordinator};
 use crate::decision::{Decider, DeciderParts};
 use crate::replicated::Replicated;
-use crate::{agent, redis_password, telemetry};
+use crate::{agent, envoy_rls, redis_password, telemetry};
 
 /// Resolves once SIGTERM or Ctrl-C arrives.
 pub async fn shutdown_signal() {
@@ -286,6 +286,20 @@ pub async fn serve(
                 .await;
             if let Err(e) = served {
                 tracing::error!(error = %e, "The peer listener failed.");
+            }
+        }));
+    }
+    if let Some(addr) = settings.envoy_listen {
+        let listener = TcpListener::bind(addr)
+            .await
+            .with_context(|| format!("binding the Envoy rate limit listener on {addr}"))?;
+        let service = envoy_rls::EnvoyRateLimit::new(state.clone(), &cfg.envoy);
+        let stop = stop_rx.clone();
+        let drain = Duration::from_millis(cfg.api.drain_timeout_ms);
+        tracing::info!(envoy = %addr, "Envoy rate limit service (RLS v3) serving.");
+        tasks.push(tokio::spawn(async move {
+            if let Err(e) = envoy_rls::serve(service, listener, stop, drain).await {
+                tracing::error!(error = %e, "The Envoy rate limit listener failed.");
             }
         }));
     }

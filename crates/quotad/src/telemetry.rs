@@ -41,6 +41,9 @@ pub const REJECTED_REQUESTS_TOTAL: &str = "quotad_rejected_requests_total";
 /// Re-readings of `redis.password_file` that found a new password, by outcome (`taken`,
 /// `refused`, `unreachable`) and unreadable files (`unreadable`).
 pub const REDIS_PASSWORD_RELOADS_TOTAL: &str = "quotad_redis_password_reloads_total";
+/// Envoy rate limit descriptors answered `OK` without a decision, by reason (`no_tenant`: no
+/// tenant entry; `unknown_policy`: no such policy for the tenant), as Envoy's convention asks.
+pub const ENVOY_UNDECIDED_DESCRIPTORS_TOTAL: &str = "quotad_envoy_undecided_descriptors_total";
 /// Time to decide one check in the HTTP handler, in seconds.
 pub const CHECK_DURATION_SECONDS: &str = "quotad_check_duration_seconds";
 

@@ -88,7 +88,7 @@ pub(crate) fn check_error(e: CheckError) -> ApiError {
     }
 }
 
-fn secs_ceil(ms: u64) -> u64 {
+pub(crate) fn secs_ceil(ms: u64) -> u64 {
     ms.div_ceil(1000)
 }
 
@@ -173,6 +173,31 @@ fn rate_limit_headers(
     v: &Verdict,
     r: &CheckResponse,
 ) {
+    let (p, l) = rate_limit_values(policy, v, r);
+    if let Some(p) = p {
+        headers.insert(RATELIMIT_POLICY.clone(), p);
+    }
+    if let Some(l) = l {
+        headers.insert(RATELIMIT.clone(), l);
+    }
+    if !r.allowed {
+        headers.insert(
+            header::RETRY_AFTER,
+            HeaderValue::from(secs_ceil(r.retry_after_ms).max(1)),
+        );
+        state
+            .decider
+            .metrics
+            .record_retry_after(policy, r.retry_after_ms as f64 / 1000.0);
+    }
+}
+
+/// The values of the RateLimit-Policy and RateLimit fields (IETF draft) for one decision.
+pub(crate) fn rate_limit_values(
+    policy: &PolicyName,
+    v: &Verdict,
+    r: &CheckResponse,
+) -> (Option<HeaderValue>, Option<HeaderValue>) {
     let name = policy.as_str();
     let window_s = secs_ceil(v.policy.window_ms).max(1);
     // Policy names are validated to [A-Za-z0-9_-], so they are valid sf-strings as they are.
@@ -197,22 +222,7 @@ fn rate_limit_headers(
         .str(";t=")
         .num(t)
         .value();
-    if let Some(p) = p {
-        headers.insert(RATELIMIT_POLICY.clone(), p);
-    }
-    if let Some(l) = l {
-        headers.insert(RATELIMIT.clone(), l);
-    }
-    if !r.allowed {
-        headers.insert(
-            header::RETRY_AFTER,
-            HeaderValue::from(secs_ceil(r.retry_after_ms).max(1)),
-        );
-        state
-            .decider
-            .metrics
-            .record_retry_after(policy, r.retry_after_ms as f64 / 1000.0);
-    }
+    (p, l)
 }
 
 pub(crate) fn rate_limited_problem(

@@ -207,4 +207,4 @@ pub(crate) fn router(state: AppState) -> Router {
 }
 
 #[cfg(test)]
-mod tests;
+pub(crate) mod tests;

@@ -23,14 +23,22 @@ use crate::decision::{Decider, DeciderParts};
 const TOKEN: &str = "test-token";
 
 fn state() -> AppState {
+    state_on(
+        quota_store::AnyStore::embedded(),
+        Breaker::new(&BreakerConfig::default(), "eu"),
+    )
+}
+
+/// Region `eu` alone, deciding through `store` behind `breaker` (other modules' tests too).
+pub(crate) fn state_on(store: quota_store::AnyStore, breaker: Breaker) -> AppState {
     let region = RegionId::new("eu").unwrap();
     let coordinator = Arc::new(Coordinator::Local(LocalCoordinator::in_temp_dir(
         region.clone(),
     )));
     let decider = Decider::new(DeciderParts {
         region: region.clone(),
-        store: quota_store::AnyStore::embedded(),
-        breaker: Breaker::new(&BreakerConfig::default(), "eu"),
+        store,
+        breaker,
         view: coordinator.subscribe(),
         homes: HashMap::new(),
         forward_timeout: Duration::from_millis(100),
