@@ -30,6 +30,7 @@ use envoy_types::pb::google::protobuf::Duration as ProtoDuration;
 use quota_core::{PolicyName, TenantId};
 use tokio::sync::watch;
 
+use crate::api::batch::MAX_BATCH;
 use crate::api::check::{rate_limit_values, secs_ceil, CheckResponse};
 use crate::api::AppState;
 use crate::config::EnvoyConfig;
@@ -67,8 +68,11 @@ impl EnvoyRateLimit {
     /// Every descriptor of `req`, checked before any is decided; the first problem, named by
     /// its place, fails the whole request.
     fn parse(&self, req: &RateLimitRequest) -> Result<Vec<Descriptor>, String> {
-        if req.descriptors.is_empty() {
-            return Err("a request needs at least one descriptor".into());
+        if req.descriptors.is_empty() || req.descriptors.len() > MAX_BATCH {
+            return Err(format!(
+                "a request carries 1 to {MAX_BATCH} descriptors (got {})",
+                req.descriptors.len()
+            ));
         }
         let request_cost = u64::from(req.hits_addend.max(1));
         req.descriptors
@@ -153,6 +157,10 @@ impl EnvoyRateLimit {
                         status(Code::Ok, Some(limit), r.remaining, r.reset_ms)
                     } else {
                         retry_after_s = retry_after_s.max(secs_ceil(r.retry_after_ms).max(1));
+                        self.state
+                            .decider
+                            .metrics
+                            .record_retry_after(&policy, r.retry_after_ms as f64 / 1000.0);
                         status(Code::OverLimit, Some(limit), r.remaining, r.retry_after_ms)
                     }
                 }
@@ -496,6 +504,10 @@ mod tests {
         });
         for (what, req) in [
             ("no descriptors", request("edge", vec![])),
+            (
+                "too many descriptors",
+                request("edge", vec![good.clone(); 101]),
+            ),
             (
                 "a bad tenant id",
                 request(
