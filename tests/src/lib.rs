@@ -404,6 +404,33 @@ pub async fn params_keys(client: &redis::Client) -> usize {
         .map_or(0, |k| k.len())
 }
 
+/// Puts `tenant`'s policy `writes` of 3 a minute and checks it four times: three admitted and
+/// one denied, all decided through Redis, with the store reported ok. Returns the version.
+pub async fn decides_through_redis(d: &Daemon, tenant: &str) -> anyhow::Result<u64> {
+    let stored = d
+        .put_policy(
+            tenant,
+            "writes",
+            serde_json::json!({"limit": 3, "window_ms": 60000}),
+        )
+        .await?;
+    for expected in [200, 200, 200, 429] {
+        let r = d.check(tenant, "writes", 1).await?;
+        if (r.status, r.body["mode"].as_str()) != (expected, Some("normal")) {
+            bail!(
+                "{tenant}: expected {expected} through Redis, got {}: {}",
+                r.status,
+                r.body
+            );
+        }
+    }
+    let status = d.get("/v1/status").await?;
+    if status.body["store"]["state"] != "ok" {
+        bail!("the store is not ok: {}", status.body);
+    }
+    stored["version"].as_u64().context("a version")
+}
+
 /// A single-region config on the embedded store.
 pub fn embedded_config() -> String {
     r#"

@@ -6,8 +6,8 @@
 use std::time::Duration;
 
 use quotad_system_tests::{
-    client_with_password, eventually, free_port, metric_value, params_present, redis_config,
-    Daemon, QUOTAD_ACL,
+    client_with_password, decides_through_redis, eventually, free_port, metric_value,
+    params_present, redis_config, Daemon, QUOTAD_ACL,
 };
 use redis_harness::RedisServer;
 use serde_json::json;
@@ -29,25 +29,6 @@ fn with_username(redis: &RedisServer, username: &str) -> String {
         "[redis]\n",
         &format!("[redis]\nusername = \"{username}\"\n"),
     )
-}
-
-/// Normal decisions through Redis; the policy's version.
-async fn decides_through_redis(d: &Daemon, tenant: &str) -> anyhow::Result<u64> {
-    let stored = d
-        .put_policy(tenant, "writes", json!({"limit": 3, "window_ms": 60000}))
-        .await?;
-    for expected in [200, 200, 200, 429] {
-        let r = d.check(tenant, "writes", 1).await?;
-        assert_eq!(
-            (r.status, r.body["mode"].as_str()),
-            (expected, Some("normal")),
-            "{}",
-            r.body
-        );
-    }
-    let status = d.get("/v1/status").await?;
-    assert_eq!(status.body["store"]["state"], "ok", "{}", status.body);
-    Ok(stored["version"].as_u64().expect("a version"))
 }
 
 /// A client of `redis` as the `default` user, to read back what quotad wrote.

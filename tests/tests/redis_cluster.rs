@@ -6,10 +6,10 @@
 use std::time::Duration;
 
 use quotad_system_tests::{
-    client_with_password, eventually, params_keys, redis_config, Daemon, QUOTAD_ACL,
+    client_with_password, decides_through_redis, eventually, params_keys, redis_config, Daemon,
+    QUOTAD_ACL,
 };
 use redis_harness::RedisCluster;
-use serde_json::json;
 
 const TENANTS: usize = 12;
 const DEFAULT_PASSWORD: &str = "cluster-d3fault#pw";
@@ -46,20 +46,8 @@ async fn a_daemon_on_a_redis_cluster_decides_and_restores_a_master_that_restarts
 
     let tenants: Vec<String> = (0..TENANTS).map(|i| format!("tenant-{i}")).collect();
     for tenant in &tenants {
-        d.put_policy(tenant, "writes", json!({"limit": 3, "window_ms": 60000}))
-            .await?;
-        for expected in [200, 200, 200, 429] {
-            let r = d.check(tenant, "writes", 1).await?;
-            assert_eq!(
-                (r.status, r.body["mode"].as_str()),
-                (expected, Some("normal")),
-                "{tenant}: {}",
-                r.body
-            );
-        }
+        decides_through_redis(&d, tenant).await?;
     }
-    let status = d.get("/v1/status").await?;
-    assert_eq!(status.body["store"]["state"], "ok", "{}", status.body);
 
     // The agent writes every bucket's parameters, each on the master that owns its slot.
     let spread = eventually(

@@ -965,6 +965,16 @@ mod tests {
         None
     }
 
+    /// The fields `text` has problems with, in order (none if it resolves).
+    fn problem_fields(text: &str) -> Vec<String> {
+        Config::from_toml(text)
+            .unwrap()
+            .resolve(&no_env, Vec::new())
+            .err()
+            .map(|e| e.0.into_iter().map(|p| p.field).collect())
+            .unwrap_or_default()
+    }
+
     #[test]
     fn the_default_config_is_valid_and_single_region() {
         let s = Config::load(None, &no_env).unwrap();
@@ -1260,22 +1270,14 @@ seed_urls = ["redis://10.0.0.2:7000", "redis://10.0.0.3:7000/0"]
         );
         assert!(errs.to_string().contains("only database 0"), "{errs}");
 
-        let problems_of = |text: &str| -> Vec<String> {
-            Config::from_toml(text)
-                .unwrap()
-                .resolve(&no_env, Vec::new())
-                .err()
-                .map(|e| e.0.into_iter().map(|p| p.field).collect())
-                .unwrap_or_default()
-        };
         // Seeds without Cluster mode would be silently ignored: named instead.
         assert_eq!(
-            problems_of("[redis]\nseed_urls = [\"redis://10.0.0.2:7000\"]\n"),
+            problem_fields("[redis]\nseed_urls = [\"redis://10.0.0.2:7000\"]\n"),
             ["redis.seed_urls"]
         );
         // Each seed is checked like the URL, by its index; schemes may not mix.
         assert_eq!(
-            problems_of(
+            problem_fields(
                 r#"
 [redis]
 mode = "cluster"
@@ -1317,13 +1319,7 @@ seed_urls = ["rediss://10.0.0.2:7000", "http://10.0.0.3:7000", "redis://10.0.0.4
             (100, true),
             (10_000, true),
         ] {
-            let text = format!("[redis]\npassword_check_ms = {ms}\n");
-            let fields: Vec<String> = Config::from_toml(&text)
-                .unwrap()
-                .resolve(&no_env, Vec::new())
-                .err()
-                .map(|e| e.0.into_iter().map(|p| p.field).collect())
-                .unwrap_or_default();
+            let fields = problem_fields(&format!("[redis]\npassword_check_ms = {ms}\n"));
             assert_eq!(fields.is_empty(), ok, "{ms}: {fields:?}");
             if !ok {
                 assert_eq!(fields, ["redis.password_check_ms"]);
@@ -1335,25 +1331,17 @@ seed_urls = ["rediss://10.0.0.2:7000", "http://10.0.0.3:7000", "redis://10.0.0.4
     fn the_envoy_listener_is_off_by_default_and_checked_when_on() {
         let s = Config::load(None, &no_env).unwrap();
         assert_eq!(s.envoy_listen, None);
-        let fields = |text: &str| -> Vec<String> {
-            Config::from_toml(text)
-                .unwrap()
-                .resolve(&no_env, Vec::new())
-                .err()
-                .map(|e| e.0.into_iter().map(|p| p.field).collect())
-                .unwrap_or_default()
-        };
-        assert!(fields("[envoy]\nlisten = \"127.0.0.1:8081\"\n").is_empty());
+        assert!(problem_fields("[envoy]\nlisten = \"127.0.0.1:8081\"\n").is_empty());
         assert_eq!(
-            fields("[envoy]\nlisten = \"localhost\"\n"),
+            problem_fields("[envoy]\nlisten = \"localhost\"\n"),
             ["envoy.listen"]
         );
         assert_eq!(
-            fields("[envoy]\nlisten = \"127.0.0.1:7450\"\n"),
+            problem_fields("[envoy]\nlisten = \"127.0.0.1:7450\"\n"),
             ["envoy.listen"]
         );
         assert_eq!(
-            fields("[envoy]\ntenant_key = \"\"\npolicy_key = \"\"\n"),
+            problem_fields("[envoy]\ntenant_key = \"\"\npolicy_key = \"\"\n"),
             ["envoy.tenant_key", "envoy.policy_key", "envoy.policy_key"]
         );
         let mut c = Config::default();

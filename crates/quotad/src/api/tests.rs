@@ -808,6 +808,18 @@ async fn checks_past_the_router_are_answered_as_through_it() {
     }
 }
 
+/// `POST /v1/policies/batch` with the admin token.
+async fn put_batch(router: &Api, body: &str) -> Reply {
+    send(
+        router,
+        "POST",
+        "/v1/policies/batch",
+        Some(TOKEN),
+        Some(body),
+    )
+    .await
+}
+
 /// The `field`s of a problem's `errors`, in order.
 fn problem_fields(r: &Reply) -> Vec<String> {
     r.body["errors"]
@@ -829,14 +841,7 @@ async fn a_policy_batch_is_stored_whole_with_consecutive_versions() {
         {"tenant": "globex", "policy": "writes", "limit": 5, "window_ms": 60000, "burst": 8},
     ]})
     .to_string();
-    let r = send(
-        &router,
-        "POST",
-        "/v1/policies/batch",
-        Some(TOKEN),
-        Some(&body),
-    )
-    .await;
+    let r = put_batch(&router, &body).await;
     assert_eq!(r.status, StatusCode::OK, "{}", r.body);
     let stored = r.body["policies"].as_array().unwrap();
     let summary: Vec<_> = stored
@@ -875,14 +880,7 @@ async fn a_policy_batch_is_stored_whole_with_consecutive_versions() {
     let r = send(&router, "POST", "/v1/check", None, Some(&check)).await;
     assert_eq!(r.status, StatusCode::OK, "{}", r.body);
     let again = json!({"policies": [{"tenant": "acme", "policy": "writes", "limit": 20, "window_ms": 1000}]}).to_string();
-    let r = send(
-        &router,
-        "POST",
-        "/v1/policies/batch",
-        Some(TOKEN),
-        Some(&again),
-    )
-    .await;
+    let r = put_batch(&router, &again).await;
     assert_eq!(r.body["policies"][0]["version"], 4, "{}", r.body);
 
     // Without the token: 401, nothing stored.
@@ -912,14 +910,7 @@ async fn a_bad_policy_batch_names_every_problem_by_place_and_stores_nothing() {
         {"tenant": "acme", "policy": "writes", "limit": 20, "window_ms": 1000},
     ]})
     .to_string();
-    let r = send(
-        &router,
-        "POST",
-        "/v1/policies/batch",
-        Some(TOKEN),
-        Some(&body),
-    )
-    .await;
+    let r = put_batch(&router, &body).await;
     assert_eq!(r.status, StatusCode::BAD_REQUEST, "{}", r.body);
     assert!(is_problem(&r));
     assert_eq!(r.body["code"], "INVALID_POLICY");
@@ -957,14 +948,7 @@ async fn a_bad_policy_batch_names_every_problem_by_place_and_stores_nothing() {
         (json!({"policies": [], "extra": 1}), ""),
         (json!({"checks": []}), ""),
     ] {
-        let r = send(
-            &router,
-            "POST",
-            "/v1/policies/batch",
-            Some(TOKEN),
-            Some(&body.to_string()),
-        )
-        .await;
+        let r = put_batch(&router, &body.to_string()).await;
         assert_eq!(r.status, StatusCode::BAD_REQUEST, "{body}");
         assert!(is_problem(&r));
         if !field.is_empty() {
@@ -985,24 +969,10 @@ async fn a_policy_batch_holds_at_most_the_coordinators_limit() {
         json!({ "policies": policies }).to_string()
     };
     let max = quota_core::coordinator::MAX_BATCH_POLICIES;
-    let r = send(
-        &router,
-        "POST",
-        "/v1/policies/batch",
-        Some(TOKEN),
-        Some(&batch(max + 1)),
-    )
-    .await;
+    let r = put_batch(&router, &batch(max + 1)).await;
     assert_eq!(r.status, StatusCode::BAD_REQUEST, "{}", r.body);
     assert_eq!(problem_fields(&r), ["policies"]);
-    let r = send(
-        &router,
-        "POST",
-        "/v1/policies/batch",
-        Some(TOKEN),
-        Some(&batch(max)),
-    )
-    .await;
+    let r = put_batch(&router, &batch(max)).await;
     assert_eq!(r.status, StatusCode::OK, "{}", r.body);
     assert_eq!(r.body["policies"].as_array().unwrap().len(), max);
     assert_eq!(r.body["policies"][max - 1]["version"], max as u64);
