@@ -6,7 +6,7 @@ mod common;
 
 use std::time::Duration;
 
-use common::{first_decision, fresh_bucket, req, tokens};
+use common::{admin, first_decision, fresh_bucket, req, tokens};
 use quota_core::keys::{self, StateKind};
 use quota_store::{Credentials, Limit, RedisStore, RedisStoreConfig, SetParams, Store, StoreError};
 use redis_harness::RedisCluster;
@@ -196,11 +196,11 @@ async fn a_password_protected_cluster_takes_the_credentials() {
     let e = s.use_credentials(rotated.clone()).await.unwrap_err();
     assert!(matches!(e, StoreError::Refused { .. }), "{e}");
     for node in cluster.nodes() {
-        node_command(node, PASSWORD, &["CONFIG", "SET", "requirepass", NEW]).await;
+        admin(node, PASSWORD, &["CONFIG", "SET", "requirepass", NEW]).await;
     }
     s.use_credentials(rotated).await.unwrap();
     for node in cluster.nodes() {
-        node_command(node, NEW, &["CLIENT", "KILL", "TYPE", "normal"]).await;
+        admin(node, NEW, &["CLIENT", "KILL", "TYPE", "normal"]).await;
     }
     for b in &buckets {
         let d = first_decision(
@@ -213,17 +213,4 @@ async fn a_password_protected_cluster_takes_the_credentials() {
         .expect("decides over the new password");
         assert!(d.allowed && d.remaining == 0, "{d:?}");
     }
-}
-
-/// Runs a command on one node as the `default` user with `password`.
-async fn node_command(node: &redis_harness::RedisServer, password: &str, args: &[&str]) {
-    let info = redis::IntoConnectionInfo::into_connection_info(node.url().as_str()).unwrap();
-    let settings = info.redis_settings().clone().set_password(password);
-    let client = redis::Client::open(info.set_redis_settings(settings)).unwrap();
-    let mut conn = client.get_multiplexed_async_connection().await.unwrap();
-    redis::cmd(args[0])
-        .arg(&args[1..])
-        .query_async::<redis::Value>(&mut conn)
-        .await
-        .unwrap();
 }

@@ -5,7 +5,7 @@ mod common;
 
 use std::time::{Duration, Instant};
 
-use common::{first_decision, fresh_bucket, req, tokens};
+use common::{admin, first_decision, fresh_bucket, req, tokens};
 use quota_store::{Credentials, RedisStore, RedisStoreConfig, Store, StoreError};
 use redis_harness::RedisServer;
 
@@ -116,19 +116,6 @@ async fn credentials_authenticate_as_given_and_a_refusal_is_named() {
         .unwrap();
     let e = s.check(&req(&b, l, 1, None)).await.unwrap_err();
     assert!(refused(&e), "{e}");
-}
-
-/// Runs an admin command as the `default` user with `password`.
-async fn admin(server: &RedisServer, password: &str, args: &[&str]) -> redis::Value {
-    let info = redis::IntoConnectionInfo::into_connection_info(server.url().as_str()).unwrap();
-    let settings = info.redis_settings().clone().set_password(password);
-    let client = redis::Client::open(info.set_redis_settings(settings)).unwrap();
-    let mut conn = client.get_multiplexed_async_connection().await.unwrap();
-    redis::cmd(args[0])
-        .arg(&args[1..])
-        .query_async(&mut conn)
-        .await
-        .unwrap()
 }
 
 #[tokio::test]

@@ -73,3 +73,16 @@ pub async fn first_decision(
     }
     None
 }
+
+/// Runs a command on `server` as the `default` user with `password` (e.g. `CONFIG SET`).
+pub async fn admin(server: &RedisServer, password: &str, args: &[&str]) -> redis::Value {
+    let info = redis::IntoConnectionInfo::into_connection_info(server.url().as_str()).unwrap();
+    let settings = info.redis_settings().clone().set_password(password);
+    let client = redis::Client::open(info.set_redis_settings(settings)).unwrap();
+    let mut conn = client.get_multiplexed_async_connection().await.unwrap();
+    redis::cmd(args[0])
+        .arg(&args[1..])
+        .query_async(&mut conn)
+        .await
+        .unwrap()
+}
