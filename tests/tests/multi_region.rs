@@ -533,6 +533,28 @@ async fn a_policy_batch_is_one_replicated_step_and_a_floor_the_regions_cannot_ho
         "{}",
         r.body
     );
+    // Many refused: the first hundred named, the rest counted.
+    let greedy: Vec<_> = (0..150)
+        .map(|i| json!({"tenant": format!("greedy-{i}"), "policy": "writes", "limit": 10, "window_ms": 1000, "floor": 0.5}))
+        .collect();
+    let r = b
+        .request(
+            "POST",
+            "/v1/policies/batch",
+            Some(TOKEN),
+            Some(json!({ "policies": greedy }).to_string()),
+        )
+        .await?;
+    let errors = r.body["errors"].as_array().expect("errors");
+    assert_eq!((r.status, errors.len()), (400, 101), "{}", r.body);
+    assert_eq!(errors[100]["field"], "policies");
+    assert!(
+        errors[100]["message"]
+            .as_str()
+            .is_some_and(|m| m.starts_with("50 more")),
+        "{}",
+        errors[100]
+    );
     for region in ["a", "b", "c"] {
         for tenant in ["fine", "greedy"] {
             let r = cluster

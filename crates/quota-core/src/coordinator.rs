@@ -59,6 +59,9 @@ pub const MAX_LISTED_REJECTIONS: usize = 8;
 /// Most policies one [`Operation::PutPolicies`] may carry: a Raft entry of a few hundred KiB.
 pub const MAX_BATCH_POLICIES: usize = 1000;
 
+/// Most invalid entries a refused batch names (the responses are kept for deduplication).
+pub const MAX_LISTED_INVALID: usize = 100;
+
 /// A client-chosen id that makes a command idempotent.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
 pub struct RequestId(pub u128);
@@ -355,9 +358,11 @@ pub enum Response {
         count: u32,
         epoch: u64,
     },
-    /// A batch refused as a whole, nothing changed; every invalid entry is named.
+    /// A batch refused as a whole, nothing changed; the first [`MAX_LISTED_INVALID`] invalid
+    /// entries are named, out of `total`.
     InvalidPolicies {
         entries: Vec<InvalidEntry>,
+        total: u32,
     },
     /// A batch of more than `max` policies, refused.
     BatchTooLarge {
@@ -659,7 +664,7 @@ impl CoordinatorState {
             };
         }
         // Every entry is checked before any is stored, so a refused batch changes nothing.
-        let invalid: Vec<InvalidEntry> = entries
+        let mut invalid = entries
             .iter()
             .enumerate()
             .filter_map(|(index, (_, policy))| {
@@ -668,9 +673,14 @@ impl CoordinatorState {
                     fields,
                 })
             })
-            .collect();
-        if !invalid.is_empty() {
-            return Response::InvalidPolicies { entries: invalid };
+            .peekable();
+        if invalid.peek().is_some() {
+            let listed: Vec<_> = invalid.by_ref().take(MAX_LISTED_INVALID).collect();
+            let total = (listed.len() + invalid.count()) as u32;
+            return Response::InvalidPolicies {
+                entries: listed,
+                total,
+            };
         }
         let first_version = self.last_version + 1;
         for (key, policy) in entries {

@@ -5,7 +5,7 @@ mod common;
 use common::{key, policy, region, Driver};
 use quota_core::coordinator::{
     EntryRejection, HomeChange, InvalidEntry, Operation, Pin, PinSource, RegionShare, Response,
-    ShareEntry, MAX_BATCH_POLICIES,
+    ShareEntry, MAX_BATCH_POLICIES, MAX_LISTED_INVALID,
 };
 use quota_core::lease::{LeaseConfig, LeaseConfigError};
 use quota_core::policy::Tier;
@@ -635,8 +635,22 @@ fn a_policy_batch_is_stored_whole_in_order_or_not_at_all() {
                     index: 2,
                     fields: vec!["window_ms".into()]
                 },
-            ]
+            ],
+            total: 2
         }
+    );
+    // Many invalid entries: the first ones are named, all are counted.
+    let many = (0..MAX_LISTED_INVALID + 50)
+        .map(|i| (key(&format!("f{i}")), policy(400_000, Tier::Standard)))
+        .collect();
+    let Response::InvalidPolicies { entries, total } =
+        d.op(Operation::PutPolicies { entries: many })
+    else {
+        panic!("a refused batch");
+    };
+    assert_eq!(
+        (entries.len(), entries[0].index, total),
+        (MAX_LISTED_INVALID, 0, MAX_LISTED_INVALID as u32 + 50)
     );
     let mut unchanged = d.state.clone();
     unchanged.recent = before.recent.clone();

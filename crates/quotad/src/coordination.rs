@@ -123,9 +123,12 @@ pub enum CoordError {
     #[error("node {node_id} is not a member")]
     UnknownNode { node_id: u64 },
     /// Policies the coordinator refused (e.g. a floor every region cannot reserve), by their
-    /// place in the request; nothing was stored.
-    #[error("policies refused: {entries:?}")]
-    InvalidPolicies { entries: Vec<InvalidEntry> },
+    /// place in the request (the first ones of `total`); nothing was stored.
+    #[error("{total} policies refused: {entries:?}")]
+    InvalidPolicies {
+        entries: Vec<InvalidEntry>,
+        total: u32,
+    },
 }
 
 /// One policy of a batch: whose, which, and what.

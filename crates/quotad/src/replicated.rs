@@ -493,12 +493,14 @@ impl Replicated {
             // reserve): the caller's mistake, named like a batch's.
             Response::InvalidPolicy { fields } => Err(CoordError::InvalidPolicies {
                 entries: vec![InvalidEntry { index: 0, fields }],
+                total: 1,
             }),
             Response::FloorsExceedBudget { .. } => Err(CoordError::InvalidPolicies {
                 entries: vec![InvalidEntry {
                     index: 0,
                     fields: vec!["floor".into()],
                 }],
+                total: 1,
             }),
             other => Err(unavailable(format!("unexpected answer {other:?}"))),
         }
@@ -525,7 +527,9 @@ impl Replicated {
                 }
                 Ok(policies)
             }
-            Response::InvalidPolicies { entries } => Err(CoordError::InvalidPolicies { entries }),
+            Response::InvalidPolicies { entries, total } => {
+                Err(CoordError::InvalidPolicies { entries, total })
+            }
             Response::BatchTooLarge { max } => Err(CoordError::Rejected {
                 message: format!("a batch holds at most {max} policies"),
             }),

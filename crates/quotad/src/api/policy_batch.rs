@@ -59,8 +59,8 @@ pub async fn put_policies(
         .put_policies(batch.clone())
         .await
         .map_err(|e| match e {
-            CoordError::InvalidPolicies { entries } => {
-                refused_policies(&entries, |i| format!("policies[{i}]."))
+            CoordError::InvalidPolicies { entries, total } => {
+                refused_policies(&entries, total, |i| format!("policies[{i}]."))
             }
             other => coord_error(other),
         })?;

@@ -27,7 +27,9 @@ pub(crate) fn policy_name(s: &str) -> Result<PolicyName, ApiError> {
 
 pub(crate) fn coord_error(e: CoordError) -> ApiError {
     match e {
-        CoordError::InvalidPolicies { entries } => refused_policies(&entries, |_| String::new()),
+        CoordError::InvalidPolicies { entries, total } => {
+            refused_policies(&entries, total, |_| String::new())
+        }
         CoordError::UnknownRegion { .. } => ApiError::field("region", &e),
         CoordError::Unavailable { reason } => ApiError::CoordinatorUnavailable { reason },
         CoordError::UnknownNode { .. } => ApiError::NotFound { what: "member" },
@@ -40,12 +42,13 @@ pub(crate) fn coord_error(e: CoordError) -> ApiError {
 }
 
 /// Policies the coordinator refused, as field problems; `prefix` names an entry's place
-/// (e.g. `policies[3].`) by its index.
+/// (e.g. `policies[3].`) by its index. Entries past those listed are counted in one more.
 pub(crate) fn refused_policies(
     entries: &[quota_core::coordinator::InvalidEntry],
+    total: u32,
     prefix: impl Fn(u32) -> String,
 ) -> ApiError {
-    let errors = entries
+    let mut errors: Vec<FieldProblem> = entries
         .iter()
         .flat_map(|e| {
             let at = prefix(e.index);
@@ -58,6 +61,16 @@ pub(crate) fn refused_policies(
             })
         })
         .collect();
+    if total as usize > entries.len() {
+        errors.push(FieldProblem {
+            field: "policies".into(),
+            message: format!(
+                "{} more entries are refused (the first {} are listed)",
+                total as usize - entries.len(),
+                entries.len()
+            ),
+        });
+    }
     ApiError::InvalidPolicy { errors }
 }
 
