@@ -1,15 +1,16 @@
 //! quotad on a Redis Cluster (`redis.mode = "cluster"`): three password-protected masters on
 //! loopback, found through `redis.url` and `redis.seed_urls`, quotad connecting as the
 //! least-privilege ACL user of the README. Decisions, the agent's parameter writes and usage
-//! collection spread over the masters; a master that restarts empty gets its shares back.
+//! collection spread over the masters; a master that restarts empty gets its shares back, and
+//! one that fails over to its replica keeps its buckets.
 
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use quotad_system_tests::{
     client_with_password, decides_through_redis, eventually, params_keys, redis_config, Daemon,
     QUOTAD_ACL,
 };
-use redis_harness::RedisCluster;
+use redis_harness::{ClusterOptions, RedisCluster};
 
 const TENANTS: usize = 12;
 const DEFAULT_PASSWORD: &str = "cluster-d3fault#pw";
@@ -113,4 +114,98 @@ async fn a_daemon_on_a_redis_cluster_decides_and_restores_a_master_that_restarts
     .await;
     assert!(resumed.is_some(), "{}", d.log_text());
     Ok(())
+}
+
+#[tokio::test]
+async fn a_master_that_fails_over_to_its_replica_keeps_its_buckets() -> anyhow::Result<()> {
+    let mut cluster = RedisCluster::start_opts(&ClusterOptions {
+        replicas: 1,
+        node_timeout_ms: 1000,
+        ..ClusterOptions::default()
+    })?;
+    let urls = cluster.urls();
+    let config = redis_config(&urls[0]).replace(
+        "[redis]\n",
+        &format!(
+            "[redis]\nmode = \"cluster\"\nseed_urls = {:?}\n",
+            &urls[1..]
+        ),
+    );
+    let d = Daemon::start(&config).await?;
+    let tenants: Vec<String> = (0..TENANTS).map(|i| format!("tenant-{i}")).collect();
+    for tenant in &tenants {
+        // Three admitted, one denied: every bucket is empty.
+        decides_through_redis(&d, tenant).await?;
+    }
+    // Replication is asynchronous: let the replicas catch up before their master goes.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+
+    // Node 0 is a master; find its replica.
+    assert_eq!(role(&cluster.nodes()[0]).await, "master");
+    let port = cluster.nodes()[0].port();
+    let mut replica = None;
+    for (i, node) in cluster.nodes().iter().enumerate().skip(3) {
+        let mut conn = node.client().get_multiplexed_async_connection().await?;
+        let info: String = redis::cmd("INFO")
+            .arg("replication")
+            .query_async(&mut conn)
+            .await?;
+        if info.contains(&format!("master_port:{port}\r\n")) {
+            replica = Some(i);
+        }
+    }
+    let replica = replica.expect("node 0 has a replica");
+
+    let failed = Instant::now();
+    cluster.nodes_mut()[0].stop();
+    // Checks of the buckets it held go to the fail modes (all checks, if the breaker opens)
+    // until the replica is promoted and the cluster client has the new slot map; then every
+    // tenant decides through Redis again, its bucket as empty as before: the replica held it.
+    let resumed = eventually(
+        Duration::from_secs(30),
+        Duration::from_millis(100),
+        || async {
+            for tenant in &tenants {
+                let r = d.check(tenant, "writes", 1).await.ok()?;
+                if r.body["mode"] != "normal" {
+                    return None;
+                }
+            }
+            Some(failed.elapsed())
+        },
+    )
+    .await;
+    let took = resumed.unwrap_or_else(|| panic!("no failover: {}", d.log_text()));
+    eprintln!("normal decisions {took:?} after the master stopped");
+    for tenant in &tenants {
+        let r = d.check(tenant, "writes", 1).await?;
+        assert_eq!(
+            (r.status, r.body["mode"].as_str()),
+            (429, Some("normal")),
+            "{tenant}: the promoted replica holds the spent bucket: {}",
+            r.body
+        );
+    }
+    assert_eq!(
+        role(&cluster.nodes()[replica]).await,
+        "master",
+        "the replica took over"
+    );
+    let status = d.get("/v1/status").await?;
+    assert_eq!(status.body["store"]["state"], "ok", "{}", status.body);
+    Ok(())
+}
+
+/// A node's `ROLE`: `master` or `slave`.
+async fn role(node: &redis_harness::RedisServer) -> String {
+    let Ok(mut conn) = node.client().get_multiplexed_async_connection().await else {
+        return "unreachable".into();
+    };
+    redis::cmd("ROLE")
+        .query_async::<Vec<redis::Value>>(&mut conn)
+        .await
+        .ok()
+        .and_then(|v| v.into_iter().next())
+        .and_then(|v| redis::from_redis_value::<String>(v).ok())
+        .unwrap_or_default()
 }

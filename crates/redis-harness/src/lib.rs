@@ -302,10 +302,25 @@ fn as_strs(v: &[String]) -> Vec<&str> {
     v.iter().map(String::as_str).collect()
 }
 
-/// A three-master Redis Cluster on loopback, each master a [`RedisServer`].
+/// A three-master Redis Cluster on loopback (optionally with replicas), each node a
+/// [`RedisServer`].
 #[derive(Debug)]
 pub struct RedisCluster {
     nodes: Vec<RedisServer>,
+}
+
+/// How a [`RedisCluster`] is built.
+#[derive(Debug, Clone, Default)]
+pub struct ClusterOptions<'a> {
+    /// `requirepass` on every node, and `masterauth` among them.
+    pub password: Option<&'a str>,
+    /// More arguments for every node (e.g. `--user …`), kept across restarts.
+    pub extra: &'a [&'a str],
+    /// Replicas per master (nodes 3.. are the replicas).
+    pub replicas: usize,
+    /// `cluster-node-timeout`: how long a master may be unreachable before a replica takes
+    /// over (5000 ms when 0).
+    pub node_timeout_ms: u64,
 }
 
 impl RedisCluster {
@@ -324,20 +339,35 @@ impl RedisCluster {
     /// Like [`start_with_password`](Self::start_with_password), every node also taking
     /// `extra` arguments (e.g. `--user …` for an ACL user), kept across restarts.
     pub fn start_with(password: Option<&str>, extra: &[&str]) -> Result<Self, HarnessError> {
+        Self::start_opts(&ClusterOptions {
+            password,
+            extra,
+            ..ClusterOptions::default()
+        })
+    }
+
+    /// Starts three masters and `opts.replicas` replicas of each, as `opts` says.
+    pub fn start_opts(opts: &ClusterOptions<'_>) -> Result<Self, HarnessError> {
+        let (password, extra) = (opts.password, opts.extra);
+        let timeout = match opts.node_timeout_ms {
+            0 => 5000,
+            ms => ms,
+        }
+        .to_string();
         let mut args = vec![
             "--cluster-enabled",
             "yes",
             "--cluster-config-file",
             "nodes.conf",
             "--cluster-node-timeout",
-            "5000",
+            &timeout,
         ];
         if let Some(pw) = password {
             args.extend(["--requirepass", pw, "--masterauth", pw]);
         }
         args.extend_from_slice(extra);
         let mut nodes = Vec::new();
-        for _ in 0..3 {
+        for _ in 0..3 * (1 + opts.replicas) {
             nodes.push(RedisServer::start_with(&args)?);
         }
         let cli = find_on_path("redis-cli").ok_or_else(|| HarnessError::NotInstalled {
@@ -355,7 +385,11 @@ impl RedisCluster {
             .arg("--cluster")
             .arg("create")
             .args(&addrs)
-            .args(["--cluster-replicas", "0", "--cluster-yes"])
+            .args([
+                "--cluster-replicas",
+                &opts.replicas.to_string(),
+                "--cluster-yes",
+            ])
             .output()
             .map_err(io("run redis-cli --cluster create"))?;
         if !out.status.success() {
@@ -366,8 +400,12 @@ impl RedisCluster {
         }
         let started = Instant::now();
         loop {
-            let ok = nodes.iter().all(|n| {
+            // Replicas count once they have synchronised with their master.
+            let ok = nodes.iter().enumerate().all(|(i, n)| {
                 cluster_info(n.port(), password).is_ok_and(|info| info.contains("cluster_state:ok"))
+                    && (i < 3
+                        || info_text(n.port(), password, "INFO replication")
+                            .is_ok_and(|info| info.contains("master_link_status:up")))
             });
             if ok {
                 return Ok(Self { nodes });
@@ -401,6 +439,12 @@ impl RedisCluster {
 
 /// The text of `CLUSTER INFO` (a bulk reply), read raw, after `AUTH` when a password is set.
 fn cluster_info(port: u16, password: Option<&str>) -> std::io::Result<String> {
+    info_text(port, password, "CLUSTER INFO")
+}
+
+/// The text of an inline command's bulk reply (`CLUSTER INFO`, `INFO replication`), read raw,
+/// after `AUTH` when a password is set.
+fn info_text(port: u16, password: Option<&str>, command: &str) -> std::io::Result<String> {
     let mut s = TcpStream::connect((Ipv4Addr::LOCALHOST, port))?;
     s.set_read_timeout(Some(Duration::from_secs(2)))?;
     if let Some(pw) = password {
@@ -412,7 +456,7 @@ fn cluster_info(port: u16, password: Option<&str>) -> std::io::Result<String> {
             return Err(std::io::Error::other("AUTH refused"));
         }
     }
-    s.write_all(b"CLUSTER INFO\r\n")?;
+    s.write_all(format!("{command}\r\n").as_bytes())?;
     let mut buf = vec![0u8; 4096];
     let n = s.read(&mut buf)?;
     Ok(String::from_utf8_lossy(&buf[..n]).into_owned())
