@@ -6,9 +6,11 @@ mod common;
 use std::time::Duration;
 
 use common::{fresh_bucket, req, tokens};
-use quota_store::{ClientIdentity, RedisStore, RedisStoreConfig, Store, StoreError, Tls};
+use quota_store::{
+    ClientIdentity, RedisStore, RedisStoreConfig, SetParams, Store, StoreError, Tls,
+};
 use redis_harness::pki::TestPki;
-use redis_harness::RedisServer;
+use redis_harness::{ClusterOptions, RedisCluster, RedisServer};
 
 fn tls_url(server: &RedisServer, host: &str) -> String {
     format!(
@@ -104,4 +106,54 @@ async fn certificates_need_a_tls_address_and_must_parse() {
         );
     }
     RedisStore::open(cfg("rediss://127.0.0.1:6379/".into()).with_tls(good)).unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_cluster_over_mutual_tls_decides_on_every_master() {
+    let dir = tempfile::tempdir().unwrap();
+    let pki = TestPki::generate(dir.path(), "cluster").unwrap();
+    // The nodes' bus connections present the client certificate too (client auth required).
+    let (cert, key) = (
+        pki.client_cert.display().to_string(),
+        pki.client_key.display().to_string(),
+    );
+    let extra = [
+        "--tls-client-cert-file",
+        cert.as_str(),
+        "--tls-client-key-file",
+        key.as_str(),
+    ];
+    let files = pki.server_files(true);
+    let cluster = RedisCluster::start_opts(&ClusterOptions {
+        tls: Some(&files),
+        extra: &extra,
+        ..ClusterOptions::default()
+    })
+    .unwrap();
+    let config = |tls: Tls| {
+        RedisStoreConfig::cluster(cluster.tls_urls("127.0.0.1"))
+            .with_timeout(Duration::from_secs(5))
+            .with_tls(tls)
+    };
+    let s = RedisStore::connect(config(tls(&pki, true))).await.unwrap();
+    // Buckets on every master; the listing visits each over TLS.
+    let buckets: Vec<_> = (0..30).map(|_| fresh_bucket("cl-tls")).collect();
+    for b in &buckets {
+        let d = s.check(&req(b, tokens(2, 0), 1, None)).await.unwrap();
+        assert!(d.allowed && d.remaining == 1, "{d:?}");
+        s.set_params(&SetParams::new(b.clone(), tokens(3, 1)))
+            .await
+            .unwrap();
+    }
+    assert_eq!(s.list_params().await.unwrap().len(), buckets.len());
+
+    let other_dir = tempfile::tempdir().unwrap();
+    let other = TestPki::generate(other_dir.path(), "other").unwrap();
+    for (what, tls) in [
+        ("no client certificate", tls(&pki, false)),
+        ("a CA that did not sign the nodes", tls(&other, true)),
+    ] {
+        let e = RedisStore::connect(config(tls)).await.unwrap_err();
+        assert!(matches!(e, StoreError::Unavailable { .. }), "{what}: {e}");
+    }
 }

@@ -175,9 +175,14 @@ impl RedisServer {
     /// A server that also takes TLS connections, on [`tls_port`](Self::tls_port) (the plain
     /// port stays open for the harness and for direct inspection).
     pub fn start_tls(files: &TlsFiles) -> Result<Self, HarnessError> {
+        Self::start_tls_with(files, &[])
+    }
+
+    /// Like [`start_tls`](Self::start_tls), with extra `redis-server` arguments.
+    pub fn start_tls_with(files: &TlsFiles, extra: &[&str]) -> Result<Self, HarnessError> {
         let path = |p: &Path| p.display().to_string();
         let args = |tls_port: Option<u16>| -> Vec<String> {
-            vec![
+            let mut args: Vec<String> = vec![
                 "--tls-port".into(),
                 tls_port.unwrap_or_default().to_string(),
                 "--tls-cert-file".into(),
@@ -193,7 +198,9 @@ impl RedisServer {
                     "no"
                 }
                 .into(),
-            ]
+            ];
+            args.extend(extra.iter().map(|s| s.to_string()));
+            args
         };
         Self::start_on_free_ports(args, true)
     }
@@ -321,6 +328,9 @@ pub struct ClusterOptions<'a> {
     /// `cluster-node-timeout`: how long a master may be unreachable before a replica takes
     /// over (5000 ms when 0).
     pub node_timeout_ms: u64,
+    /// TLS for clients and for the cluster bus (`tls-cluster yes`); the plain ports stay open
+    /// for the harness. The server certificate must also serve as the bus's client one.
+    pub tls: Option<&'a TlsFiles>,
 }
 
 impl RedisCluster {
@@ -368,7 +378,14 @@ impl RedisCluster {
         args.extend_from_slice(extra);
         let mut nodes = Vec::new();
         for _ in 0..3 * (1 + opts.replicas) {
-            nodes.push(RedisServer::start_with(&args)?);
+            nodes.push(match opts.tls {
+                None => RedisServer::start_with(&args)?,
+                Some(files) => {
+                    let mut tls_args = args.clone();
+                    tls_args.extend(["--tls-cluster", "yes", "--tls-replication", "yes"]);
+                    RedisServer::start_tls_with(files, &tls_args)?
+                }
+            });
         }
         let cli = find_on_path("redis-cli").ok_or_else(|| HarnessError::NotInstalled {
             looked_for: "redis-cli on PATH (Debian package `redis-tools`)".into(),
@@ -423,6 +440,14 @@ impl RedisCluster {
     /// The nodes' URLs, for `redis::cluster::ClusterClient`.
     pub fn urls(&self) -> Vec<String> {
         self.nodes.iter().map(RedisServer::url).collect()
+    }
+
+    /// The nodes' TLS URLs (`rediss://host:tls-port`), for a cluster started with TLS.
+    pub fn tls_urls(&self, host: &str) -> Vec<String> {
+        self.nodes
+            .iter()
+            .filter_map(|n| Some(format!("rediss://{host}:{}", n.tls_port()?)))
+            .collect()
     }
 
     /// The nodes.
