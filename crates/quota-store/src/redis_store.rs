@@ -12,17 +12,18 @@
 //! buckets) — a fixed cost per report interval, independent of the number of tenants.
 
 use std::fmt;
-use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::Arc;
-use std::time::Duration;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
 
-use arc_swap::ArcSwap;
+use arc_swap::{ArcSwap, ArcSwapOption};
 use quota_core::keys::{self, StateKind};
 use quota_core::Decision;
 use redis::aio::{ConnectionManager, ConnectionManagerConfig};
 use redis::cluster::ClusterClient;
 use redis::cluster_async::ClusterConnection;
 use redis::cluster_routing::{MultipleNodeRoutingInfo, RoutingInfo, SingleNodeRoutingInfo};
+use redis::sentinel::{SentinelClient, SentinelNodeConnectionInfo, SentinelServerType};
 use redis::{FromRedisValue, RedisError, Script, ServerErrorKind, Value};
 
 use crate::script::{self, Arg, COLLECT_BATCH_MAX};
@@ -40,6 +41,11 @@ pub enum Topology {
     Standalone { url: String },
     /// A Redis Cluster reached through any of these nodes.
     Cluster { urls: Vec<String> },
+    /// The master that these sentinels name for `master_name`, followed through failovers.
+    Sentinel {
+        urls: Vec<String>,
+        master_name: String,
+    },
 }
 
 /// How to reach Redis and how long to wait for it.
@@ -255,12 +261,70 @@ pub const CONNECT_WAIT: Duration = Duration::from_secs(1);
 enum Conn {
     Single(ConnectionManager),
     Cluster(LazyCluster),
+    Sentinel(Arc<SentinelMaster>),
 }
 
 /// Where calls get their connection.
 enum Source {
     Single(Arc<Standalone>),
     Cluster(LazyCluster),
+    Sentinel(Arc<SentinelMaster>),
+}
+
+/// How often the sentinels are asked again at most while calls keep failing (a master that
+/// is down stays named until the sentinels agree to fail it over).
+const SENTINEL_ASK_INTERVAL: Duration = Duration::from_millis(100);
+
+/// The master some sentinels name, asked for by the first call that needs it and again after
+/// a call meets a sign of failover: the master unreachable or too slow, or `READONLY` (it was
+/// demoted to a replica).
+struct SentinelMaster {
+    sentinel: tokio::sync::Mutex<SentinelClient>,
+    config: ConnectionManagerConfig,
+    current: ArcSwapOption<ConnectionManager>,
+    /// Set by a call that met a sign of failover: the next call asks the sentinels again.
+    stale: AtomicBool,
+    /// When the sentinels were last asked.
+    asked: Mutex<Option<Instant>>,
+}
+
+impl SentinelMaster {
+    /// The current master's connection, asking the sentinels first if there is none or it is
+    /// stale (at most once per [`SENTINEL_ASK_INTERVAL`]).
+    async fn manager(&self) -> redis::RedisResult<ConnectionManager> {
+        let fresh = |this: &Self| {
+            let current = this.current.load_full()?;
+            let recent = this
+                .asked
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .is_some_and(|at| at.elapsed() < SENTINEL_ASK_INTERVAL);
+            (!this.stale.load(Ordering::Relaxed) || recent).then(|| (*current).clone())
+        };
+        if let Some(m) = fresh(self) {
+            return Ok(m);
+        }
+        let mut sentinel = self.sentinel.lock().await;
+        // Another call may have asked while this one waited.
+        if let Some(m) = fresh(self) {
+            return Ok(m);
+        }
+        *self.asked.lock().unwrap_or_else(|e| e.into_inner()) = Some(Instant::now());
+        let client = sentinel.async_get_client().await?;
+        let m = ConnectionManager::new_lazy_with_config(client, self.config.clone())?;
+        self.current.store(Some(Arc::new(m.clone())));
+        self.stale.store(false, Ordering::Relaxed);
+        Ok(m)
+    }
+}
+
+/// Whether an error may mean the master changed: it is gone, or it became a replica.
+fn failover_sign(e: &RedisError) -> bool {
+    e.is_connection_dropped()
+        || e.is_connection_refusal()
+        || e.is_io_error()
+        || e.is_timeout()
+        || e.code() == Some("READONLY")
 }
 
 /// The standalone connection manager, replaced after an authentication failure: redis-rs's
@@ -322,6 +386,9 @@ impl redis::aio::ConnectionLike for Conn {
             Conn::Cluster(c) => {
                 Box::pin(async move { c.get().await?.req_packed_command(cmd).await })
             }
+            Conn::Sentinel(s) => {
+                Box::pin(async move { s.manager().await?.req_packed_command(cmd).await })
+            }
         }
     }
 
@@ -338,14 +405,20 @@ impl redis::aio::ConnectionLike for Conn {
                     async move { c.get().await?.req_packed_commands(cmd, offset, count).await },
                 )
             }
+            Conn::Sentinel(s) => Box::pin(async move {
+                s.manager()
+                    .await?
+                    .req_packed_commands(cmd, offset, count)
+                    .await
+            }),
         }
     }
 
     fn get_db(&self) -> i64 {
         match self {
             Conn::Single(c) => c.get_db(),
-            // Redis Cluster has database 0 only.
-            Conn::Cluster(_) => 0,
+            // Redis Cluster has database 0 only; the sentinels' master is used on database 0.
+            Conn::Cluster(_) | Conn::Sentinel(_) => 0,
         }
     }
 }
@@ -381,6 +454,7 @@ impl fmt::Debug for RedisStore {
         let kind = match **self.source.load() {
             Source::Single(_) => "standalone",
             Source::Cluster(_) => "cluster",
+            Source::Sentinel(_) => "sentinel",
         };
         f.debug_struct("RedisStore")
             .field("topology", &kind)
@@ -464,13 +538,7 @@ fn build_source(config: &RedisStoreConfig) -> Result<Source, StoreError> {
                 }
                 None => redis::Client::open(info).map_err(invalid)?,
             };
-            let cfg = ConnectionManagerConfig::new()
-                .set_connection_timeout(Some(config.timeout))
-                // Every call is bounded as a whole (`bounded`, retry included): a
-                // per-response timer as well would be a second timer per call.
-                .set_response_timeout(None)
-                .set_number_of_retries(2)
-                .set_max_delay(Duration::from_millis(500));
+            let cfg = manager_config(config.timeout);
             let m = ConnectionManager::new_lazy_with_config(client.clone(), cfg.clone()).map_err(
                 |e| StoreError::Invalid {
                     reason: format!("redis connection settings: {e}"),
@@ -513,7 +581,48 @@ fn build_source(config: &RedisStoreConfig) -> Result<Source, StoreError> {
             };
             Source::Cluster(lazy)
         }
+        Topology::Sentinel { urls, master_name } => {
+            if config.tls.is_some() || urls.iter().any(|u| u.starts_with("rediss://")) {
+                return Err(StoreError::Invalid {
+                    reason: "Redis behind Sentinel is supported over plain TCP only".into(),
+                });
+            }
+            let mut redis = redis::RedisConnectionInfo::default();
+            if let Some(c) = &config.credentials {
+                redis = redis.set_password(&c.password);
+                if let Some(user) = &c.username {
+                    redis = redis.set_username(user);
+                }
+            }
+            let node = SentinelNodeConnectionInfo::default().set_redis_connection_info(redis);
+            let sentinel = SentinelClient::build(
+                urls.iter().map(String::as_str).collect(),
+                master_name.as_str(),
+                Some(node),
+                SentinelServerType::Master,
+            )
+            .map_err(|e| StoreError::Invalid {
+                reason: format!("sentinel urls: {e}"),
+            })?;
+            Source::Sentinel(Arc::new(SentinelMaster {
+                sentinel: tokio::sync::Mutex::new(sentinel),
+                config: manager_config(config.timeout),
+                current: ArcSwapOption::empty(),
+                stale: AtomicBool::new(false),
+                asked: Mutex::new(None),
+            }))
+        }
     })
+}
+
+/// How a connection manager connects and retries: every call is bounded as a whole
+/// (`bounded`, retry included), so there is no per-response timer as well.
+fn manager_config(timeout: Duration) -> ConnectionManagerConfig {
+    ConnectionManagerConfig::new()
+        .set_connection_timeout(Some(timeout))
+        .set_response_timeout(None)
+        .set_number_of_retries(2)
+        .set_max_delay(Duration::from_millis(500))
 }
 
 impl RedisStore {
@@ -526,7 +635,7 @@ impl RedisStore {
     pub fn open(config: RedisStoreConfig) -> Result<Self, StoreError> {
         let source = build_source(&config)?;
         let slot_tags = match config.topology {
-            Topology::Standalone { .. } => None,
+            Topology::Standalone { .. } | Topology::Sentinel { .. } => None,
             Topology::Cluster { .. } => Some(Arc::new(keys::slot_tags())),
         };
         let scripts = Arc::new(Scripts {
@@ -599,6 +708,16 @@ impl RedisStore {
                     let all = RoutingInfo::MultiNode((MultipleNodeRoutingInfo::AllMasters, None));
                     c.route(redis::cmd("PING"), all).await
                 }
+                Source::Sentinel(s) => {
+                    let r = match s.manager().await {
+                        Ok(mut m) => redis::cmd("PING").query_async::<Value>(&mut m).await,
+                        Err(e) => Err(e),
+                    };
+                    if r.as_ref().is_err_and(failover_sign) {
+                        s.stale.store(true, Ordering::Relaxed);
+                    }
+                    r
+                }
             }
         };
         match tokio::time::timeout(wait, ping).await {
@@ -617,19 +736,29 @@ impl RedisStore {
                 (Conn::Single((*m).clone()), Some(m))
             }
             Source::Cluster(c) => (Conn::Cluster(c.clone()), None),
+            Source::Sentinel(s) => (Conn::Sentinel(s.clone()), None),
         }
     }
 
     /// Passes a call's result on, replacing the standalone manager `used` when Redis refused
-    /// its credentials (see [`Standalone`]).
+    /// its credentials (see [`Standalone`]), and having the sentinels asked again after a sign
+    /// of failover (see [`SentinelMaster`]).
     fn after<T>(
         &self,
         r: redis::RedisResult<T>,
         used: Option<&Arc<ConnectionManager>>,
     ) -> redis::RedisResult<T> {
-        if let (Err(e), Source::Single(s), Some(used)) = (&r, &**self.source.load(), used) {
-            if e.kind() == redis::ErrorKind::AuthenticationFailed {
-                s.replace(used);
+        if let Err(e) = &r {
+            match (&**self.source.load(), used) {
+                (Source::Single(s), Some(used))
+                    if e.kind() == redis::ErrorKind::AuthenticationFailed =>
+                {
+                    s.replace(used)
+                }
+                (Source::Sentinel(s), _) if failover_sign(e) => {
+                    s.stale.store(true, Ordering::Relaxed)
+                }
+                _ => {}
             }
         }
         r
@@ -652,9 +781,15 @@ impl RedisStore {
     ) -> Result<T, StoreError> {
         match tokio::time::timeout(self.timeout, call).await {
             Ok(r) => r.map_err(|e| from_redis(&e)),
-            Err(_) => Err(StoreError::Timeout {
-                ms: self.timeout.as_millis() as u64,
-            }),
+            Err(_) => {
+                // A master that stopped answering without closing its connections.
+                if let Source::Sentinel(s) = &**self.source.load() {
+                    s.stale.store(true, Ordering::Relaxed);
+                }
+                Err(StoreError::Timeout {
+                    ms: self.timeout.as_millis() as u64,
+                })
+            }
         }
     }
 
@@ -738,7 +873,7 @@ impl RedisStore {
         let mut info = redis::cmd("INFO");
         info.arg("server");
         let reply: Value = match &*self.source.load_full() {
-            Source::Single(_) => self.command(&info).await?,
+            Source::Single(_) | Source::Sentinel(_) => self.command(&info).await?,
             Source::Cluster(c) => {
                 let all = RoutingInfo::MultiNode((MultipleNodeRoutingInfo::AllMasters, None));
                 self.bounded(c.route(info, all)).await?
@@ -760,7 +895,7 @@ impl RedisStore {
     async fn params_held(&self) -> Result<Vec<BucketRef>, StoreError> {
         let mut out = Vec::new();
         match &*self.source.load_full() {
-            Source::Single(_) => self.scan_params(None, &mut out).await?,
+            Source::Single(_) | Source::Sentinel(_) => self.scan_params(None, &mut out).await?,
             Source::Cluster(c) => {
                 // A command without a reply policy sent to every master answers with a map
                 // keyed by each node's address.

@@ -97,10 +97,13 @@ pub struct RedisConfig {
     /// One server, or a Redis Cluster.
     pub mode: RedisMode,
     /// `redis://host:port/db`, without a password; in Cluster mode, any node of the cluster
-    /// (database 0).
+    /// (database 0); in Sentinel mode, a sentinel.
     pub url: String,
-    /// Cluster mode only: more nodes to discover the cluster from when `url` does not answer.
+    /// Cluster mode: more nodes to discover the cluster from when `url` does not answer.
+    /// Sentinel mode: the other sentinels.
     pub seed_urls: Vec<String>,
+    /// Sentinel mode: the name the sentinels monitor the master under.
+    pub master_name: Option<String>,
     /// The Redis ACL user to authenticate as; unset means the `default` user (a
     /// `requirepass` password alone). Needs a password.
     pub username: Option<String>,
@@ -128,6 +131,9 @@ pub enum RedisMode {
     Standalone,
     /// Redis Cluster: keys spread over its masters by slot, found through `url` and `seed_urls`.
     Cluster,
+    /// A master the sentinels at `url` and `seed_urls` name for `master_name`, followed
+    /// through failovers (database 0, plain TCP).
+    Sentinel,
 }
 
 /// When the circuit breaker around the regional Redis trips and how it recovers.
@@ -267,6 +273,7 @@ impl Default for RedisConfig {
             mode: RedisMode::Standalone,
             url: "redis://127.0.0.1:6379".into(),
             seed_urls: Vec::new(),
+            master_name: None,
             username: None,
             password_file: None,
             password_check_ms: 10_000,
@@ -285,13 +292,20 @@ impl RedisConfig {
             RedisMode::Standalone => quota_store::Topology::Standalone {
                 url: self.url.clone(),
             },
-            RedisMode::Cluster => quota_store::Topology::Cluster {
-                urls: std::iter::once(&self.url)
-                    .chain(&self.seed_urls)
-                    .cloned()
-                    .collect(),
+            RedisMode::Cluster => quota_store::Topology::Cluster { urls: self.urls() },
+            RedisMode::Sentinel => quota_store::Topology::Sentinel {
+                urls: self.urls(),
+                master_name: self.master_name.clone().unwrap_or_default(),
             },
         }
+    }
+
+    /// `url`, then `seed_urls`.
+    fn urls(&self) -> Vec<String> {
+        std::iter::once(&self.url)
+            .chain(&self.seed_urls)
+            .cloned()
+            .collect()
     }
 }
 
@@ -481,9 +495,12 @@ impl Config {
                     )),
                     (Some(redis), "standalone") => redis.mode = RedisMode::Standalone,
                     (Some(redis), "cluster") => redis.mode = RedisMode::Cluster,
+                    (Some(redis), "sentinel") => redis.mode = RedisMode::Sentinel,
                     (Some(_), other) => problems.push(problem(
                         *var,
-                        format!("must be \"standalone\" or \"cluster\" (got {other:?})"),
+                        format!(
+                            "must be \"standalone\", \"cluster\" or \"sentinel\" (got {other:?})"
+                        ),
                     )),
                 },
                 "QUOTAD_LOG_FORMAT" => match value.as_str() {
@@ -737,20 +754,55 @@ fn parse_addr(p: &mut Vec<ConfigProblem>, field: &str, s: &str) -> Option<Socket
         .ok()
 }
 
-/// `redis.url` and, in Cluster mode, `redis.seed_urls`: each a Redis address without
-/// credentials; a Cluster's all on database 0 and all TLS or all plain text.
+/// `redis.url` and, in Cluster and Sentinel mode, `redis.seed_urls`: each a Redis address
+/// without credentials; a Cluster's all on database 0 and all TLS or all plain text; sentinels
+/// in plain text, with the name of the master they watch.
 fn check_redis_addresses(p: &mut Vec<ConfigProblem>, redis: &RedisConfig) {
     check_redis_url(p, "redis.url", &redis.url);
+    let sentinel = redis.mode == RedisMode::Sentinel;
+    match (&redis.master_name, sentinel) {
+        (None, true) => p.push(problem(
+            "redis.master_name",
+            "is required with redis.mode = \"sentinel\": the name the sentinels monitor",
+        )),
+        (Some(_), false) => p.push(problem(
+            "redis.master_name",
+            "is for Sentinel: set redis.mode = \"sentinel\", or remove it",
+        )),
+        (Some(name), true) if name.is_empty() || !name.chars().all(|c| c.is_ascii_graphic()) => p
+            .push(problem(
+                "redis.master_name",
+                "must be printable ASCII without spaces",
+            )),
+        _ => {}
+    }
+    if sentinel {
+        for (i, url) in std::iter::once(&redis.url)
+            .chain(&redis.seed_urls)
+            .enumerate()
+        {
+            if url.starts_with("rediss://") {
+                let field = match i {
+                    0 => "redis.url".to_string(),
+                    i => format!("redis.seed_urls[{}]", i - 1),
+                };
+                p.push(problem(
+                    field,
+                    "Redis behind Sentinel is supported over plain TCP only (redis://)",
+                ));
+            }
+        }
+    }
     match redis.mode {
         RedisMode::Standalone => {
             if !redis.seed_urls.is_empty() {
                 p.push(problem(
                     "redis.seed_urls",
-                    "are for a Redis Cluster: set redis.mode = \"cluster\", or remove them",
+                    "are for a Redis Cluster or sentinels: set redis.mode, or remove them",
                 ));
             }
         }
-        RedisMode::Cluster => {
+        RedisMode::Cluster | RedisMode::Sentinel => {
             let tls = redis.url.starts_with("rediss://");
             for (i, url) in std::iter::once(&redis.url)
                 .chain(&redis.seed_urls)
@@ -776,7 +828,7 @@ fn check_redis_addresses(p: &mut Vec<ConfigProblem>, redis: &RedisConfig) {
                 if db.is_some_and(|db| !db.is_empty() && db != "0") {
                     p.push(problem(
                         &field,
-                        "names a database: a Redis Cluster has only database 0",
+                        "names a database: a Redis Cluster has only database 0, and quotad uses database 0 of a Sentinel's master",
                     ));
                 }
             }
@@ -1293,9 +1345,9 @@ seed_urls = ["rediss://10.0.0.2:7000", "http://10.0.0.3:7000", "redis://10.0.0.4
                 "redis.seed_urls[4]",
             ]
         );
-        assert!(Config::from_toml("[redis]\nmode = \"sentinel\"\n").is_err());
+        assert!(Config::from_toml("[redis]\nmode = \"replicated\"\n").is_err());
         // A mode set in the environment with no Redis configured, or an unknown one.
-        for (value, redis) in [("cluster", false), ("sentinel", true)] {
+        for (value, redis) in [("cluster", false), ("replicated", true)] {
             let mut c = Config::default();
             if redis {
                 c.redis = Some(RedisConfig::default());
@@ -1308,6 +1360,51 @@ seed_urls = ["rediss://10.0.0.2:7000", "http://10.0.0.3:7000", "redis://10.0.0.4
             assert_eq!(problems.len(), 1, "{value}: {problems:?}");
             assert_eq!(problems[0].field, "QUOTAD_REDIS_MODE");
         }
+    }
+
+    #[test]
+    fn sentinels_need_the_master_name_and_plain_tcp() {
+        let text = r#"
+[redis]
+mode = "sentinel"
+master_name = "quotad"
+url = "redis://10.0.0.1:26379"
+seed_urls = ["redis://10.0.0.2:26379", "redis://10.0.0.3:26379"]
+"#;
+        let s = Config::from_toml(text)
+            .unwrap()
+            .resolve(&no_env, Vec::new())
+            .unwrap();
+        assert_eq!(
+            s.config.redis.unwrap().topology(),
+            quota_store::Topology::Sentinel {
+                urls: vec![
+                    "redis://10.0.0.1:26379".into(),
+                    "redis://10.0.0.2:26379".into(),
+                    "redis://10.0.0.3:26379".into(),
+                ],
+                master_name: "quotad".into(),
+            }
+        );
+        assert_eq!(
+            problem_fields("[redis]\nmode = \"sentinel\"\n"),
+            ["redis.master_name"]
+        );
+        assert_eq!(
+            problem_fields("[redis]\nmaster_name = \"quotad\"\n"),
+            ["redis.master_name"]
+        );
+        assert_eq!(
+            problem_fields(
+                "[redis]\nmode = \"sentinel\"\nmaster_name = \"a b\"\nurl = \"rediss://10.0.0.1:26379\"\nseed_urls = [\"redis://10.0.0.2:26379/2\"]\n"
+            ),
+            [
+                "redis.master_name",
+                "redis.url",
+                "redis.seed_urls[0]",
+                "redis.seed_urls[0]"
+            ]
+        );
     }
 
     #[test]

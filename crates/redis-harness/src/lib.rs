@@ -14,6 +14,9 @@
 //! - [`RedisCluster`]: three masters with `--cluster-enabled yes`, joined by `redis-cli`.
 
 pub mod pki;
+pub mod sentinel;
+
+pub use sentinel::RedisSentinel;
 
 use std::io::{Read, Write};
 use std::net::{Ipv4Addr, TcpListener, TcpStream};

@@ -1,0 +1,95 @@
+//! Redis behind Sentinel: the store asks the sentinels for the master, and after the master
+//! fails over it finds the promoted replica by itself, its buckets as the replica holds them.
+
+mod common;
+
+use std::time::{Duration, Instant};
+
+use common::{first_decision, fresh_bucket, req, tokens};
+use quota_store::{RedisStore, RedisStoreConfig, SetParams, Store, StoreError, Topology};
+use redis_harness::RedisSentinel;
+
+fn config(sentinel: &RedisSentinel) -> RedisStoreConfig {
+    RedisStoreConfig::new(Topology::Sentinel {
+        urls: sentinel.urls(),
+        master_name: sentinel.name().to_string(),
+    })
+    .with_timeout(Duration::from_millis(500))
+}
+
+#[tokio::test]
+async fn the_store_follows_a_failover_to_the_promoted_replica() {
+    let mut sentinel = RedisSentinel::start("quotad", 1000).unwrap();
+    let s = RedisStore::connect(config(&sentinel)).await.unwrap();
+    let b = fresh_bucket("sentinel");
+    let l = tokens(3, 0);
+    for left in [2, 1, 0] {
+        let d = s.check(&req(&b, l, 1, None)).await.unwrap();
+        assert!(d.allowed && d.remaining == left, "{d:?}");
+    }
+    // The parameters gateways read; the same limit, so no refill either.
+    s.set_params(&SetParams::new(b.clone(), l)).await.unwrap();
+    let before = s.instance().await.unwrap();
+    // Replication is asynchronous: let the replica catch up before its master goes.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+
+    sentinel.master_mut().stop();
+    let stopped = Instant::now();
+    let d = first_decision(&s, &req(&b, l, 1, None), Duration::from_secs(30), |e| {
+        assert!(
+            !matches!(e, StoreError::Script { .. } | StoreError::Refused { .. }),
+            "only unavailability during a failover: {e}"
+        )
+    })
+    .await
+    .expect("decides through the promoted replica");
+    eprintln!("decided {:?} after the master stopped", stopped.elapsed());
+    assert!(!d.allowed && d.remaining == 0, "the bucket survived: {d:?}");
+    assert_ne!(s.instance().await.unwrap(), before, "another server");
+    assert!(s.list_params().await.unwrap().contains(&b));
+    // The promoted replica is the master now.
+    let mut conn = sentinel
+        .replica()
+        .client()
+        .get_multiplexed_async_connection()
+        .await
+        .unwrap();
+    let info: String = redis::cmd("INFO")
+        .arg("replication")
+        .query_async(&mut conn)
+        .await
+        .unwrap();
+    assert!(info.contains("role:master"), "{info}");
+}
+
+#[tokio::test]
+async fn sentinel_settings_are_checked_at_open() {
+    let tls = RedisStoreConfig::new(Topology::Sentinel {
+        urls: vec!["rediss://127.0.0.1:26379".into()],
+        master_name: "m".into(),
+    });
+    let e = RedisStore::open(tls).unwrap_err();
+    assert!(matches!(e, StoreError::Invalid { .. }), "{e}");
+    // Opening does not wait for the sentinels; a call fails as unavailable while none answers.
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let s = RedisStore::open(
+        RedisStoreConfig::new(Topology::Sentinel {
+            urls: vec![format!("redis://127.0.0.1:{port}")],
+            master_name: "m".into(),
+        })
+        .with_timeout(Duration::from_millis(500)),
+    )
+    .unwrap();
+    let e = s.reachable().await.unwrap_err();
+    assert!(
+        matches!(
+            e,
+            StoreError::Unavailable { .. } | StoreError::Timeout { .. }
+        ),
+        "{e}"
+    );
+}
