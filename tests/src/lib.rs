@@ -431,6 +431,42 @@ pub async fn decides_through_redis(d: &Daemon, tenant: &str) -> anyhow::Result<u
     stored["version"].as_u64().context("a version")
 }
 
+/// Waits up to `within` until one check of each tenant's `writes` policy is decided through
+/// Redis (mode `normal`, not a fail mode); how long that took, or `None`.
+pub async fn until_all_normal(
+    d: &Daemon,
+    tenants: &[String],
+    within: Duration,
+) -> Option<Duration> {
+    let started = Instant::now();
+    eventually(within, Duration::from_millis(100), || async {
+        for tenant in tenants {
+            let r = d.check(tenant, "writes", 1).await.ok()?;
+            if r.body["mode"] != "normal" {
+                return None;
+            }
+        }
+        Some(started.elapsed())
+    })
+    .await
+}
+
+/// One check of each tenant's `writes` policy is denied through Redis: its bucket is still as
+/// spent as [`decides_through_redis`] left it.
+pub async fn all_still_spent(d: &Daemon, tenants: &[String]) -> anyhow::Result<()> {
+    for tenant in tenants {
+        let r = d.check(tenant, "writes", 1).await?;
+        if (r.status, r.body["mode"].as_str()) != (429, Some("normal")) {
+            bail!(
+                "{tenant}: expected a denial through Redis, got {}: {}",
+                r.status,
+                r.body
+            );
+        }
+    }
+    Ok(())
+}
+
 /// A single-region config on the embedded store.
 pub fn embedded_config() -> String {
     r#"

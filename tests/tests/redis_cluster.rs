@@ -4,11 +4,11 @@
 //! collection spread over the masters; a master that restarts empty gets its shares back, and
 //! one that fails over to its replica keeps its buckets.
 
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use quotad_system_tests::{
-    client_with_password, decides_through_redis, eventually, params_keys, redis_config, Daemon,
-    QUOTAD_ACL,
+    all_still_spent, client_with_password, decides_through_redis, eventually, params_keys,
+    redis_config, until_all_normal, Daemon, QUOTAD_ACL,
 };
 use redis_harness::{ClusterOptions, RedisCluster};
 
@@ -98,20 +98,7 @@ async fn a_daemon_on_a_redis_cluster_decides_and_restores_a_master_that_restarts
         "the restarted master's {before} parameter hashes are written again"
     );
     // And every tenant decides through Redis again.
-    let resumed = eventually(
-        Duration::from_secs(15),
-        Duration::from_millis(100),
-        || async {
-            for tenant in &tenants {
-                let r = d.check(tenant, "writes", 1).await.ok()?;
-                if r.body["mode"] != "normal" {
-                    return None;
-                }
-            }
-            Some(())
-        },
-    )
-    .await;
+    let resumed = until_all_normal(&d, &tenants, Duration::from_secs(15)).await;
     assert!(resumed.is_some(), "{}", d.log_text());
     Ok(())
 }
@@ -156,36 +143,16 @@ async fn a_master_that_fails_over_to_its_replica_keeps_its_buckets() -> anyhow::
     }
     let replica = replica.expect("node 0 has a replica");
 
-    let failed = Instant::now();
     cluster.nodes_mut()[0].stop();
     // Checks of the buckets it held go to the fail modes (all checks, if the breaker opens)
     // until the replica is promoted and the cluster client has the new slot map; then every
     // tenant decides through Redis again, its bucket as empty as before: the replica held it.
-    let resumed = eventually(
-        Duration::from_secs(30),
-        Duration::from_millis(100),
-        || async {
-            for tenant in &tenants {
-                let r = d.check(tenant, "writes", 1).await.ok()?;
-                if r.body["mode"] != "normal" {
-                    return None;
-                }
-            }
-            Some(failed.elapsed())
-        },
-    )
-    .await;
-    let took = resumed.unwrap_or_else(|| panic!("no failover: {}", d.log_text()));
+    let took = until_all_normal(&d, &tenants, Duration::from_secs(30))
+        .await
+        .unwrap_or_else(|| panic!("no failover: {}", d.log_text()));
     eprintln!("normal decisions {took:?} after the master stopped");
-    for tenant in &tenants {
-        let r = d.check(tenant, "writes", 1).await?;
-        assert_eq!(
-            (r.status, r.body["mode"].as_str()),
-            (429, Some("normal")),
-            "{tenant}: the promoted replica holds the spent bucket: {}",
-            r.body
-        );
-    }
+    // The promoted replica holds the spent buckets.
+    all_still_spent(&d, &tenants).await?;
     assert_eq!(
         role(&cluster.nodes()[replica]).await,
         "master",
