@@ -1,5 +1,5 @@
-//! quotad on a Sentinel-managed Redis (`redis.mode = "sentinel"`): the daemon finds the master
-//! through the sentinels and, when it fails over, goes on deciding through the promoted replica
+//! quotad on a Sentinel-managed Redis (`redis.mode = "sentinel"`, the sentinels password-
+//! protected): the daemon finds the master through the sentinels and, when it fails over, goes on deciding through the promoted replica
 //! with every bucket as the replica holds it.
 
 use std::time::Duration;
@@ -11,7 +11,8 @@ use redis_harness::RedisSentinel;
 
 #[tokio::test]
 async fn a_daemon_follows_its_redis_through_a_sentinel_failover() -> anyhow::Result<()> {
-    let mut sentinel = RedisSentinel::start("quotad", 1000)?;
+    // The sentinels require a password of their own, from the environment.
+    let mut sentinel = RedisSentinel::start_with_password("quotad", 1000, Some("s3ntinel pw"))?;
     let urls = sentinel.urls();
     let config = redis_config(&urls[0]).replace(
         "[redis]\n",
@@ -21,7 +22,11 @@ async fn a_daemon_follows_its_redis_through_a_sentinel_failover() -> anyhow::Res
             &urls[1..]
         ),
     );
-    let d = Daemon::start(&config).await?;
+    let d = Daemon::start_with_env(
+        &config,
+        &[("QUOTAD_REDIS_SENTINEL_PASSWORD", "s3ntinel pw")],
+    )
+    .await?;
     let tenants: Vec<String> = (0..6).map(|i| format!("tenant-{i}")).collect();
     let mut versions = Vec::new();
     for tenant in &tenants {

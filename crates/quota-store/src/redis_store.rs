@@ -63,6 +63,9 @@ pub struct RedisStoreConfig {
     /// Certificates for a `rediss://` address; without them a TLS address is verified against
     /// the system's trusted roots.
     pub tls: Option<Tls>,
+    /// Sentinel only: how to authenticate to the sentinels themselves (`credentials` are the
+    /// master's).
+    pub sentinel_credentials: Option<Credentials>,
 }
 
 /// TLS material for `rediss://`, PEM-encoded.
@@ -208,6 +211,7 @@ impl RedisStoreConfig {
             min_idle_ttl: DEFAULT_MIN_IDLE_TTL,
             credentials: None,
             tls: None,
+            sentinel_credentials: None,
         }
     }
 
@@ -236,6 +240,12 @@ impl RedisStoreConfig {
     /// The same, authenticating with `credentials` (they replace any in the URL).
     pub fn with_credentials(mut self, credentials: Credentials) -> Self {
         self.credentials = Some(credentials);
+        self
+    }
+
+    /// The same, authenticating to the sentinels with `credentials` (Sentinel only).
+    pub fn with_sentinel_credentials(mut self, credentials: Credentials) -> Self {
+        self.sentinel_credentials = Some(credentials);
         self
     }
 
@@ -595,8 +605,27 @@ fn build_source(config: &RedisStoreConfig) -> Result<Source, StoreError> {
                 }
             }
             let node = SentinelNodeConnectionInfo::default().set_redis_connection_info(redis);
+            let sentinels = urls
+                .iter()
+                .map(|url| {
+                    let info = redis::IntoConnectionInfo::into_connection_info(url.as_str())
+                        .map_err(|e| StoreError::Invalid {
+                            reason: format!("sentinel url: {e}"),
+                        })?;
+                    Ok(match &config.sentinel_credentials {
+                        None => info,
+                        Some(c) => {
+                            let mut redis = info.redis_settings().clone().set_password(&c.password);
+                            if let Some(user) = &c.username {
+                                redis = redis.set_username(user);
+                            }
+                            info.set_redis_settings(redis)
+                        }
+                    })
+                })
+                .collect::<Result<Vec<_>, StoreError>>()?;
             let sentinel = SentinelClient::build(
-                urls.iter().map(String::as_str).collect(),
+                sentinels,
                 master_name.as_str(),
                 Some(node),
                 SentinelServerType::Master,

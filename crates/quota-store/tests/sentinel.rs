@@ -6,7 +6,9 @@ mod common;
 use std::time::{Duration, Instant};
 
 use common::{first_decision, fresh_bucket, req, tokens};
-use quota_store::{RedisStore, RedisStoreConfig, SetParams, Store, StoreError, Topology};
+use quota_store::{
+    Credentials, RedisStore, RedisStoreConfig, SetParams, Store, StoreError, Topology,
+};
 use redis_harness::RedisSentinel;
 
 fn config(sentinel: &RedisSentinel) -> RedisStoreConfig {
@@ -92,4 +94,26 @@ async fn sentinel_settings_are_checked_at_open() {
         ),
         "{e}"
     );
+}
+
+#[tokio::test]
+async fn sentinels_that_require_a_password_get_it() {
+    let sentinel =
+        RedisSentinel::start_with_password("guarded", 1000, Some("s3ntinel-pw")).unwrap();
+    let e = RedisStore::connect(config(&sentinel)).await.unwrap_err();
+    assert!(
+        matches!(e, StoreError::Refused { .. }),
+        "refused without the sentinels' password: {e}"
+    );
+    let s = RedisStore::connect(config(&sentinel).with_sentinel_credentials(Credentials {
+        username: None,
+        password: "s3ntinel-pw".into(),
+    }))
+    .await
+    .unwrap();
+    let d = s
+        .check(&req(&fresh_bucket("guarded"), tokens(2, 0), 1, None))
+        .await
+        .unwrap();
+    assert!(d.allowed && d.remaining == 1, "{d:?}");
 }

@@ -19,6 +19,8 @@ pub const ENV_ADMIN_TOKEN: &str = "QUOTAD_ADMIN_TOKEN";
 pub const ENV_PEER_TOKEN: &str = "QUOTAD_PEER_TOKEN";
 /// Environment variable holding the Redis password.
 pub const ENV_REDIS_PASSWORD: &str = "QUOTAD_REDIS_PASSWORD";
+/// The sentinels' own password (`requirepass` on the sentinels), Sentinel mode only.
+pub const ENV_REDIS_SENTINEL_PASSWORD: &str = "QUOTAD_REDIS_SENTINEL_PASSWORD";
 
 /// The whole configuration file.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -104,6 +106,9 @@ pub struct RedisConfig {
     pub seed_urls: Vec<String>,
     /// Sentinel mode: the name the sentinels monitor the master under.
     pub master_name: Option<String>,
+    /// Sentinel mode: a file holding the sentinels' own password (used when
+    /// `QUOTAD_REDIS_SENTINEL_PASSWORD` is unset); the master's is `password_file`.
+    pub sentinel_password_file: Option<PathBuf>,
     /// The Redis ACL user to authenticate as; unset means the `default` user (a
     /// `requirepass` password alone). Needs a password.
     pub username: Option<String>,
@@ -274,6 +279,7 @@ impl Default for RedisConfig {
             url: "redis://127.0.0.1:6379".into(),
             seed_urls: Vec::new(),
             master_name: None,
+            sentinel_password_file: None,
             username: None,
             password_file: None,
             password_check_ms: 10_000,
@@ -398,6 +404,8 @@ pub struct Secrets {
     pub peer_token_source: SecretSource,
     pub redis_password: Option<Secret>,
     pub redis_password_source: SecretSource,
+    pub redis_sentinel_password: Option<Secret>,
+    pub redis_sentinel_password_source: SecretSource,
 }
 
 /// A configuration checked and resolved: addresses parsed, ids validated, secrets loaded.
@@ -661,6 +669,25 @@ impl Config {
             self.redis.as_ref().and_then(|r| r.username.as_deref()),
             redis_password.is_some(),
         );
+        let (redis_sentinel_password, redis_sentinel_password_source) = secret(
+            p,
+            env,
+            ENV_REDIS_SENTINEL_PASSWORD,
+            "redis.sentinel_password_file",
+            self.redis
+                .as_ref()
+                .and_then(|r| r.sentinel_password_file.as_deref()),
+        );
+        let sentinel = self
+            .redis
+            .as_ref()
+            .is_some_and(|r| r.mode == RedisMode::Sentinel);
+        if redis_sentinel_password.is_some() && !sentinel {
+            p.push(problem(
+                "redis.sentinel_password_file",
+                format!("the sentinels' password ({ENV_REDIS_SENTINEL_PASSWORD} or redis.sentinel_password_file) is for redis.mode = \"sentinel\""),
+            ));
+        }
         let redis_tls = self.redis.as_ref().and_then(|r| check_redis_tls(p, r));
         if self.regions.len() > 1 && peer_token.is_none() {
             p.push(problem(
@@ -685,6 +712,8 @@ impl Config {
                         peer_token_source,
                         redis_password,
                         redis_password_source,
+                        redis_sentinel_password,
+                        redis_sentinel_password_source,
                     },
                 })
             }
@@ -723,6 +752,7 @@ impl Settings {
             ("admin_token", s.admin_token_source),
             ("peer_token", s.peer_token_source),
             ("redis_password", s.redis_password_source),
+            ("redis_sentinel_password", s.redis_sentinel_password_source),
         ] {
             let source = match source {
                 SecretSource::Environment => "from the environment",
@@ -1386,6 +1416,25 @@ seed_urls = ["redis://10.0.0.2:26379", "redis://10.0.0.3:26379"]
                 master_name: "quotad".into(),
             }
         );
+        // The sentinels' own password, from the environment or a file, for Sentinel only.
+        let env = |k: &str| (k == ENV_REDIS_SENTINEL_PASSWORD).then(|| "s3ntinel".to_string());
+        let s = Config::from_toml(text)
+            .unwrap()
+            .resolve(&env, Vec::new())
+            .unwrap();
+        assert_eq!(
+            s.secrets
+                .redis_sentinel_password
+                .as_ref()
+                .map(Secret::expose),
+            Some("s3ntinel")
+        );
+        assert!(!s.redacted().contains("s3ntinel"));
+        let errs = Config::from_toml("[redis]\n")
+            .unwrap()
+            .resolve(&env, Vec::new())
+            .unwrap_err();
+        assert_eq!(errs.0[0].field, "redis.sentinel_password_file");
         assert_eq!(
             problem_fields("[redis]\nmode = \"sentinel\"\n"),
             ["redis.master_name"]

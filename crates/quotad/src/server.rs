@@ -77,6 +77,12 @@ async fn build_store(settings: &Settings) -> anyhow::Result<(AnyStore, bool)> {
     if let Some(tls) = &settings.redis_tls {
         cfg = cfg.with_tls(tls.clone());
     }
+    if let Some(password) = &settings.secrets.redis_sentinel_password {
+        cfg = cfg.with_sentinel_credentials(Credentials {
+            username: None,
+            password: password.expose().to_string(),
+        });
+    }
     let store = RedisStore::open(cfg)
         .with_context(|| format!("the regional Redis address {}", redis.url))?;
     let reachable = match store.reachable().await {

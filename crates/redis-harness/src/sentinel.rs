@@ -40,6 +40,16 @@ impl RedisSentinel {
     /// other two sentinels, so a failover can happen. A master unreachable for
     /// `down_after_ms` is failed over to the replica.
     pub fn start(name: &str, down_after_ms: u64) -> Result<Self, HarnessError> {
+        Self::start_with_password(name, down_after_ms, None)
+    }
+
+    /// Like [`start`](Self::start), the sentinels requiring `password` (`requirepass`, and
+    /// `sentinel sentinel-pass` among themselves).
+    pub fn start_with_password(
+        name: &str,
+        down_after_ms: u64,
+        password: Option<&str>,
+    ) -> Result<Self, HarnessError> {
         let master = RedisServer::start()?;
         let mport = master.port().to_string();
         let replica = RedisServer::start_with(&["--replicaof", "127.0.0.1", &mport])?;
@@ -48,13 +58,18 @@ impl RedisSentinel {
         for _ in 0..3 {
             let dir = tempfile::tempdir().map_err(io("create a sentinel dir"))?;
             let conf: PathBuf = dir.path().join("sentinel.conf");
-            let text = format!(
+            let mut text = format!(
                 "sentinel monitor {name} 127.0.0.1 {mport} 2\n\
                  sentinel down-after-milliseconds {name} {down_after_ms}\n\
                  sentinel failover-timeout {name} {}\n\
                  sentinel parallel-syncs {name} 1\n",
                 (down_after_ms * 3).max(3000)
             );
+            if let Some(pw) = password {
+                text.push_str(&format!(
+                    "requirepass \"{pw}\"\nsentinel sentinel-pass \"{pw}\"\n"
+                ));
+            }
             std::fs::write(&conf, text).map_err(io("write sentinel.conf"))?;
             let port = free_port()?;
             let mut child = Command::new(&bin)
@@ -84,7 +99,7 @@ impl RedisSentinel {
         let started = Instant::now();
         loop {
             let ready = sentinels.iter().all(|s| {
-                info_text(s.port, None, "INFO sentinel")
+                info_text(s.port, password, "INFO sentinel")
                     .is_ok_and(|i| i.contains("status=ok") && i.contains("slaves=1,sentinels=3"))
             }) && info_text(replica.port(), None, "INFO replication")
                 .is_ok_and(|i| i.contains("master_link_status:up"));
