@@ -160,6 +160,7 @@ async fn a_master_that_fails_over_to_its_replica_keeps_its_buckets() -> anyhow::
     );
     let status = d.get("/v1/status").await?;
     assert_eq!(status.body["store"]["state"], "ok", "{}", status.body);
+    assert_eq!(status.body["store"]["topology"], "cluster");
     Ok(())
 }
 

@@ -71,6 +71,7 @@ async fn fail_modes_decide(d: &Daemon) -> anyhow::Result<()> {
     assert_eq!(admitted, 5, "the local bucket enforces this region's share");
     let status = d.get("/v1/status").await?;
     assert_eq!(status.body["store"]["state"], "degraded");
+    assert_eq!(status.body["store"]["topology"], "standalone");
     let (code, metrics) = d.get_text("/metrics").await?;
     assert_eq!(code, 200);
     assert_eq!(

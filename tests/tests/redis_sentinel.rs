@@ -49,5 +49,6 @@ async fn a_daemon_follows_its_redis_through_a_sentinel_failover() -> anyhow::Res
     }
     let status = d.get("/v1/status").await?;
     assert_eq!(status.body["store"]["state"], "ok", "{}", status.body);
+    assert_eq!(status.body["store"]["topology"], "sentinel");
     Ok(())
 }

@@ -461,13 +461,8 @@ pub struct RedisStore {
 
 impl fmt::Debug for RedisStore {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        let kind = match **self.source.load() {
-            Source::Single(_) => "standalone",
-            Source::Cluster(_) => "cluster",
-            Source::Sentinel(_) => "sentinel",
-        };
         f.debug_struct("RedisStore")
-            .field("topology", &kind)
+            .field("topology", &self.topology_name())
             .field("timeout", &self.timeout)
             .finish()
     }
@@ -686,6 +681,15 @@ impl RedisStore {
             slot_tags,
             next_slot: Arc::new(AtomicUsize::new(0)),
         })
+    }
+
+    /// `standalone`, `cluster` or `sentinel`, for status pages.
+    pub fn topology_name(&self) -> &'static str {
+        match **self.source.load() {
+            Source::Single(_) => "standalone",
+            Source::Cluster(_) => "cluster",
+            Source::Sentinel(_) => "sentinel",
+        }
     }
 
     /// [`open`](Self::open), then waits for Redis to answer (see [`reachable`](Self::reachable)):

@@ -47,6 +47,8 @@ impl From<&MemberStatus> for MemberView {
 pub struct StoreView {
     /// `embedded` or `redis`.
     pub kind: String,
+    /// How Redis is deployed: `standalone`, `cluster` or `sentinel` (`embedded` without Redis).
+    pub topology: String,
     /// `ok` or `degraded` (circuit breaker open: fail modes decide).
     pub state: String,
 }
@@ -109,6 +111,11 @@ pub async fn status(State(state): State<AppState>) -> axum::Json<StatusView> {
                 "embedded"
             } else {
                 "redis"
+            }
+            .to_string(),
+            topology: match state.decider.store() {
+                quota_store::AnyStore::Embedded(_) => "embedded",
+                quota_store::AnyStore::Redis(r) => r.topology_name(),
             }
             .to_string(),
             state: if state.decider.store_degraded() {

@@ -600,6 +600,7 @@ async fn status_health_and_openapi() {
     assert_eq!(r.body["region"], "eu");
     assert_eq!(r.body["raft"]["role"], "single");
     assert_eq!(r.body["store"]["kind"], "embedded");
+    assert_eq!(r.body["store"]["topology"], "embedded");
     assert_eq!(
         send(&router, "GET", "/livez", None, None).await.status,
         StatusCode::OK
