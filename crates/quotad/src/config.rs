@@ -806,23 +806,6 @@ fn check_redis_addresses(p: &mut Vec<ConfigProblem>, redis: &RedisConfig) {
             )),
         _ => {}
     }
-    if sentinel {
-        for (i, url) in std::iter::once(&redis.url)
-            .chain(&redis.seed_urls)
-            .enumerate()
-        {
-            if url.starts_with("rediss://") {
-                let field = match i {
-                    0 => "redis.url".to_string(),
-                    i => format!("redis.seed_urls[{}]", i - 1),
-                };
-                p.push(problem(
-                    field,
-                    "Redis behind Sentinel is supported over plain TCP only (redis://)",
-                ));
-            }
-        }
-    }
     match redis.mode {
         RedisMode::Standalone => {
             if !redis.seed_urls.is_empty() {
@@ -842,6 +825,12 @@ fn check_redis_addresses(p: &mut Vec<ConfigProblem>, redis: &RedisConfig) {
                     0 => "redis.url".to_string(),
                     i => format!("redis.seed_urls[{}]", i - 1),
                 };
+                if sentinel && url.starts_with("rediss://") {
+                    p.push(problem(
+                        &field,
+                        "Redis behind Sentinel is supported over plain TCP only (redis://)",
+                    ));
+                }
                 if i > 0 {
                     check_redis_url(p, &field, url);
                     if url.starts_with("rediss://") != tls {

@@ -29,6 +29,7 @@ use envoy_types::pb::envoy::service::ratelimit::v3::{RateLimitRequest, RateLimit
 use envoy_types::pb::google::protobuf::Duration as ProtoDuration;
 use quota_core::{PolicyName, TenantId};
 use tokio::sync::watch;
+use tonic::transport::server::TcpIncoming;
 
 use crate::api::batch::MAX_BATCH;
 use crate::api::check::{rate_limit_values, secs_ceil, CheckResponse};
@@ -275,9 +276,12 @@ pub async fn serve(
     let server = tonic::transport::Server::builder()
         .add_service(health_service)
         .add_service(RateLimitServiceServer::new(service))
-        .serve_with_incoming_shutdown(accepted(listener), async move {
-            let _ = graceful.changed().await;
-        });
+        .serve_with_incoming_shutdown(
+            TcpIncoming::from(listener).with_nodelay(Some(true)),
+            async move {
+                let _ = graceful.changed().await;
+            },
+        );
     tokio::select! {
         served = server => served,
         () = async {
@@ -285,19 +289,6 @@ pub async fn serve(
             tokio::time::sleep(drain).await;
         } => Ok(()),
     }
-}
-
-/// The accepted connections of `listener`, for tonic.
-fn accepted(
-    listener: tokio::net::TcpListener,
-) -> impl futures::Stream<Item = std::io::Result<tokio::net::TcpStream>> {
-    futures::stream::unfold(listener, |l| async move {
-        let conn = l.accept().await.map(|(s, _)| {
-            let _ = s.set_nodelay(true);
-            s
-        });
-        Some((conn, l))
-    })
 }
 
 #[cfg(test)]

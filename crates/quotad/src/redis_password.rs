@@ -33,18 +33,19 @@ pub fn read(path: &Path, active: &str) -> Reading {
     }
 }
 
-/// Whether two refusals or read errors are the same one, so each is logged once.
+/// The last refusal or read error seen, so each is logged once (held in memory only, as the
+/// password in use is).
 #[derive(Debug, Default)]
-struct Noted(Option<u64>);
+struct Noted(Option<String>);
 
 impl Noted {
     /// True the first time `what` is seen in a row.
     fn first(&mut self, what: &str) -> bool {
-        use std::hash::{BuildHasher, BuildHasherDefault, DefaultHasher};
-        let h = BuildHasherDefault::<DefaultHasher>::default().hash_one(what);
-        let first = self.0 != Some(h);
-        self.0 = Some(h);
-        first
+        if self.0.as_deref() == Some(what) {
+            return false;
+        }
+        self.0 = Some(what.to_string());
+        true
     }
 }
 
@@ -97,8 +98,7 @@ pub async fn run(
                 tracing::info!(file = %path.display(),
                     "Switched to the new Redis password from the password file.");
             }
-            // Logged once per password (by a hash kept in memory only); tried again each
-            // interval, as Redis may take it later.
+            // Logged once per password; tried again each interval, as Redis may take it later.
             Err(e) if refused.first(&password) => {
                 count(outcome(&e));
                 tracing::warn!(file = %path.display(), error = %e,

@@ -54,9 +54,13 @@ pub async fn put_policies(
 ) -> Result<axum::Json<PolicyBatchResponse>, ApiError> {
     let batch = parse(body)?;
     let count = batch.len();
+    let names: Vec<_> = batch
+        .iter()
+        .map(|(t, n, _)| (t.clone(), n.clone()))
+        .collect();
     let stored = state
         .coordinator
-        .put_policies(batch.clone())
+        .put_policies(batch)
         .await
         .map_err(|e| match e {
             CoordError::InvalidPolicies { entries, total } => {
@@ -69,10 +73,10 @@ pub async fn put_policies(
         first_version = stored.first().map(|p| p.version),
         "Policies stored."
     );
-    let policies = batch
+    let policies = names
         .iter()
         .zip(&stored)
-        .map(|((tenant, name, _), p)| PolicyView::new(tenant, name, p))
+        .map(|((tenant, name), p)| PolicyView::new(tenant, name, p))
         .collect();
     Ok(axum::Json(PolicyBatchResponse { policies }))
 }
