@@ -33,6 +33,7 @@ use tokio::sync::watch;
 use crate::clock;
 use crate::coordination::{ClusterView, Coordinator};
 use crate::decision::{limit_for_share, Decider};
+use crate::telemetry::{AgentMetrics, ReportMetrics, Reported};
 
 /// Most usage records drained per report: bounds one report's size.
 const MAX_USAGE_RECORDS: usize = 10_000;
@@ -364,6 +365,10 @@ pub async fn run_apply(
         lease_ms,
     };
     let mut view = coordinator.subscribe();
+    let metrics = AgentMetrics::new(
+        decider.region(),
+        matches!(coordinator.as_ref(), Coordinator::Replicated(_)),
+    );
     let mut tick = tokio::time::interval(report_interval);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
@@ -386,18 +391,33 @@ pub async fn run_apply(
                 tracing::warn!(region = %decider.region(), "Lease ran out: enforcing floors.");
             }
         }
-        let v = view.borrow().clone();
-        let all = apply_shares(&decider, &v, &mut written, pacing).await;
         if let Coordinator::Replicated(r) = coordinator.as_ref() {
-            if all {
-                r.on_applied(v.epoch);
-            } else if written.bounded_by(&v, decider.region(), clock::wall_ms()) {
-                tracing::debug!(
-                    epoch = v.epoch,
-                    "Store unreachable; its shares are within this epoch's."
-                );
-                r.on_applied(v.epoch);
+            // Here, not on a view change: a cut-off region applies nothing, and its lease
+            // must still be seen running out.
+            metrics.lease_remaining(r.lease_end_local_ms(), clock::wall_ms());
+        }
+        let v = view.borrow().clone();
+        metrics.committed_epoch.set(v.epoch as f64);
+        let (all, outcomes) = apply_shares(&decider, &v, &mut written, pacing).await;
+        metrics.share_writes(outcomes);
+        let applied = match coordinator.as_ref() {
+            Coordinator::Replicated(r) => {
+                let bounded = !all && written.bounded_by(&v, decider.region(), clock::wall_ms());
+                if bounded {
+                    tracing::debug!(
+                        epoch = v.epoch,
+                        "Store unreachable; its shares are within this epoch's."
+                    );
+                }
+                if all || bounded {
+                    r.on_applied(v.epoch);
+                }
+                all || bounded
             }
+            Coordinator::Local(_) => all,
+        };
+        if applied {
+            metrics.applied_epoch.set(v.epoch as f64);
         }
     }
 }
@@ -412,6 +432,7 @@ pub async fn run_report(
     let Coordinator::Replicated(r) = coordinator.as_ref() else {
         return;
     };
+    let metrics = ReportMetrics::new(decider.region());
     let mut tick = tokio::time::interval(report_interval);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     let mut last = clock::monotonic();
@@ -422,23 +443,31 @@ pub async fn run_report(
         }
         let interval_ms = last.elapsed().as_millis() as u64;
         last = clock::monotonic();
-        match decider.store().collect_usage(MAX_USAGE_RECORDS).await {
-            Ok(usage) => {
-                if let Err(e) = r.report_usage(&usage, interval_ms.max(1)).await {
+        let reported = match decider.store().collect_usage(MAX_USAGE_RECORDS).await {
+            Ok(usage) => match r.report_usage(&usage, interval_ms.max(1)).await {
+                Ok(()) => Reported::Delivered,
+                Err(e) => {
                     tracing::debug!(error = %e, "Usage report not delivered.");
+                    Reported::Undelivered
                 }
+            },
+            Err(e) => {
+                tracing::debug!(error = %e, "Usage collection failed.");
+                Reported::Uncollected
             }
-            Err(e) => tracing::debug!(error = %e, "Usage collection failed."),
-        }
-        if let Err(e) = r.renew_lease().await {
+        };
+        metrics.usage_report(reported);
+        let renewed = r.renew_lease().await;
+        if let Err(e) = &renewed {
             tracing::debug!(error = %e, "Lease renewal failed.");
         }
+        metrics.lease_renewal(renewed.is_ok());
     }
 }
 
 /// Brings the store in line with `view`: writes the parameters of every bucket that changed,
 /// renews those due, and rewrites everything once the store was replaced. True if every write
-/// succeeded.
+/// succeeded; with the writes that succeeded and that failed.
 ///
 /// While the lease holds, each write carries the time left on it and the floor: the store drops
 /// to the floor at the lease end by itself, so if this daemon dies, its Redis (which gateways
@@ -451,7 +480,7 @@ pub async fn apply_shares(
     view: &ClusterView,
     written: &mut Written,
     pacing: Pacing,
-) -> bool {
+) -> (bool, WriteOutcomes) {
     let store = decider.store();
     match store.instance().await {
         Ok(id) => written.observe_instance(id),
@@ -473,10 +502,16 @@ pub async fn apply_shares(
     })
     .await;
     let mut all = true;
+    let mut outcomes = WriteOutcomes::default();
     for (w, outcome) in results {
         match outcome {
             Some(ok) => {
                 all &= ok;
+                if ok {
+                    outcomes.ok += 1;
+                } else {
+                    outcomes.failed += 1;
+                }
                 written.record(w, ok);
             }
             None => all = false,
@@ -496,7 +531,14 @@ pub async fn apply_shares(
     if all {
         clear_obsolete(decider, written).await;
     }
-    all
+    (all, outcomes)
+}
+
+/// Parameter writes of one pass, by how they ended (those never started are in neither).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct WriteOutcomes {
+    pub ok: u64,
+    pub failed: u64,
 }
 
 /// Clears the buckets of deleted policies and old versions from the store, so neither their

@@ -48,6 +48,9 @@ pub struct Breaker {
 
 impl Breaker {
     pub fn new(cfg: &BreakerConfig, region: &str) -> Self {
+        // Exported from the start: a series that appears only when it turns 1 leaves
+        // dashboards and `absent()`-style checks blind while all is well.
+        metrics::gauge!(telemetry::DEGRADED, "region" => region.to_string()).set(0.0);
         Self {
             state: Mutex::new(State::Closed { failures: 0 }),
             threshold: cfg.failure_threshold.max(1),

@@ -201,7 +201,7 @@ impl RateLimitService for EnvoyRateLimit {
     ) -> Result<tonic::Response<RateLimitResponse>, tonic::Status> {
         let req = request.into_inner();
         let descriptors = self.parse(&req).map_err(|why| {
-            metrics::counter!(telemetry::REJECTED_REQUESTS_TOTAL, "reason" => "envoy_invalid")
+            metrics::counter!(telemetry::REJECTED_REQUESTS_TOTAL, "code" => "ENVOY_INVALID_ARGUMENT")
                 .increment(1);
             tonic::Status::invalid_argument(why)
         })?;

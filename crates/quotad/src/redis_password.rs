@@ -59,11 +59,15 @@ pub async fn run(
     region: String,
     mut shutdown: watch::Receiver<bool>,
 ) {
-    let count = |outcome: &'static str| {
+    let counter = |outcome: &'static str| {
         metrics::counter!(telemetry::REDIS_PASSWORD_RELOADS_TOTAL,
             "region" => region.clone(), "outcome" => outcome)
-        .increment(1);
     };
+    // Every outcome from 0, so the first refusal shows in `increase()`.
+    for outcome in ["taken", "refused", "unreachable", "unreadable"] {
+        counter(outcome).absolute(0);
+    }
+    let count = |outcome: &'static str| counter(outcome).increment(1);
     let mut tick = tokio::time::interval(every);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     tick.tick().await;

@@ -231,10 +231,6 @@ impl Replicated {
                 true
             }
         });
-        if let Some(ms) = lease_end.checked_sub(clock::wall_ms()) {
-            metrics::gauge!(telemetry::LEASE_REMAINING_MS, "region" => self.region.as_str().to_string())
-                .set(ms as f64);
-        }
     }
 
     /// Local wall-clock ms at which this region's lease (minus the margin) ends; 0 without one.

@@ -408,21 +408,10 @@ async fn replicated_loops(
                     break;
                 }
                 r.rebuild_view();
-                export_raft_metrics(r);
             }
         }
     }
     let _ = leader.await;
-}
-
-/// Raft term, leadership and applied index as gauges (labelled by region only).
-fn export_raft_metrics(r: &Replicated) {
-    let s = r.status();
-    let region = r.region().as_str().to_string();
-    metrics::gauge!(telemetry::RAFT_TERM, "region" => region.clone()).set(s.term as f64);
-    metrics::gauge!(telemetry::RAFT_IS_LEADER, "region" => region.clone())
-        .set(if s.role == "leader" { 1.0 } else { 0.0 });
-    metrics::gauge!(telemetry::RAFT_APPLIED_INDEX, "region" => region).set(s.applied_index as f64);
 }
 
 #[cfg(test)]

@@ -7,9 +7,9 @@ use std::sync::{OnceLock, RwLock};
 use std::time::Duration;
 
 use anyhow::Context as _;
-use metrics::{Counter, Histogram};
+use metrics::{Counter, Gauge, Histogram};
 use metrics_exporter_prometheus::{Matcher, PrometheusBuilder, PrometheusHandle};
-use quota_core::PolicyName;
+use quota_core::{PolicyName, RegionId};
 use tokio::sync::watch;
 
 use crate::config::{LogFormat, TelemetryConfig};
@@ -28,15 +28,10 @@ pub const RETRY_AFTER_SECONDS: &str = "quotad_retry_after_seconds";
 pub const LEASE_REMAINING_MS: &str = "quotad_lease_remaining_ms";
 /// Time one rebalance round took, in seconds.
 pub const REBALANCE_DURATION_SECONDS: &str = "quotad_rebalance_duration_seconds";
-/// Raft term as seen by this node.
-pub const RAFT_TERM: &str = "quotad_raft_term";
-/// 1 when this node is the Raft leader.
-pub const RAFT_IS_LEADER: &str = "quotad_raft_is_leader";
-/// The last applied Raft log index.
-pub const RAFT_APPLIED_INDEX: &str = "quotad_raft_applied_index";
 /// Checks forwarded to a pinned tenant's home region, by outcome.
 pub const FORWARDED_TOTAL: &str = "quotad_forwarded_checks_total";
-/// HTTP requests rejected before a decision (bad input, auth), by reason.
+/// Requests answered with a problem (HTTP) or refused as malformed (Envoy), by `code`: the
+/// problem code, or `ENVOY_INVALID_ARGUMENT`.
 pub const REJECTED_REQUESTS_TOTAL: &str = "quotad_rejected_requests_total";
 /// Re-readings of `redis.password_file` that found a new password, by outcome (`taken`,
 /// `refused`, `unreachable`) and unreadable files (`unreadable`).
@@ -44,6 +39,18 @@ pub const REDIS_PASSWORD_RELOADS_TOTAL: &str = "quotad_redis_password_reloads_to
 /// Envoy rate limit descriptors answered `OK` without a decision, by reason (`no_tenant`: no
 /// tenant entry; `unknown_policy`: no such policy for the tenant), as Envoy's convention asks.
 pub const ENVOY_UNDECIDED_DESCRIPTORS_TOTAL: &str = "quotad_envoy_undecided_descriptors_total";
+/// The coordinator epoch this region has seen committed.
+pub const COMMITTED_EPOCH: &str = "quotad_committed_epoch";
+/// The last epoch this region's store enforces (or is bounded by, while unreachable); it
+/// trails `quotad_committed_epoch` for one agent pass after each change.
+pub const APPLIED_EPOCH: &str = "quotad_applied_epoch";
+/// Bucket parameter writes to the regional store by the agent, by outcome (`ok`, `failed`).
+pub const SHARE_WRITES_TOTAL: &str = "quotad_share_writes_total";
+/// Usage reports by outcome (`delivered`, `undelivered`: the leader was not reached,
+/// `uncollected`: the store did not answer). Multi-region only.
+pub const USAGE_REPORTS_TOTAL: &str = "quotad_usage_reports_total";
+/// Lease renewals through the log by outcome (`ok`, `failed`). Multi-region only.
+pub const LEASE_RENEWALS_TOTAL: &str = "quotad_lease_renewals_total";
 /// Time to decide one check in the HTTP handler, in seconds.
 pub const CHECK_DURATION_SECONDS: &str = "quotad_check_duration_seconds";
 
@@ -59,6 +66,10 @@ pub fn install_metrics() -> anyhow::Result<PrometheusHandle> {
     let handle = metrics_builder()?
         .install_recorder()
         .context("installing the Prometheus metrics recorder")?;
+    // Alerting rules watch these codes: from 0, so the first one shows in `increase()`.
+    for code in ["UNAUTHORIZED", "INTERNAL"] {
+        metrics::counter!(REJECTED_REQUESTS_TOTAL, "code" => code).absolute(0);
+    }
     Ok(handle)
 }
 
@@ -223,6 +234,87 @@ impl DecisionMetrics {
     /// The region label value.
     pub fn region(&self) -> &str {
         &self.region
+    }
+}
+
+/// The region agent's apply loop's metrics (labelled by region only).
+#[derive(Debug, Clone)]
+pub struct AgentMetrics {
+    pub committed_epoch: Gauge,
+    pub applied_epoch: Gauge,
+    /// Multi-region only: a single region's lease never ends, and a 0 would read as "on floors".
+    lease_remaining: Option<Gauge>,
+    writes_ok: Counter,
+    writes_failed: Counter,
+}
+
+impl AgentMetrics {
+    pub fn new(region: &RegionId, leased: bool) -> Self {
+        let region = region.as_str().to_string();
+        Self {
+            committed_epoch: metrics::gauge!(COMMITTED_EPOCH, "region" => region.clone()),
+            applied_epoch: metrics::gauge!(APPLIED_EPOCH, "region" => region.clone()),
+            lease_remaining: leased
+                .then(|| metrics::gauge!(LEASE_REMAINING_MS, "region" => region.clone())),
+            writes_ok: metrics::counter!(SHARE_WRITES_TOTAL, "region" => region.clone(), "outcome" => "ok"),
+            writes_failed: metrics::counter!(SHARE_WRITES_TOTAL, "region" => region, "outcome" => "failed"),
+        }
+    }
+
+    /// Milliseconds left until local time `end_ms`, 0 once it has passed.
+    pub fn lease_remaining(&self, end_ms: u64, now_ms: u64) {
+        if let Some(g) = &self.lease_remaining {
+            g.set(end_ms.saturating_sub(now_ms) as f64);
+        }
+    }
+
+    pub fn share_writes(&self, o: crate::agent::WriteOutcomes) {
+        self.writes_ok.increment(o.ok);
+        self.writes_failed.increment(o.failed);
+    }
+}
+
+/// The report loop's metrics (multi-region only), every outcome registered at 0 from the start:
+/// a counter that first appears at 1 hides that first event from `rate()` and `increase()`.
+#[derive(Debug, Clone)]
+pub struct ReportMetrics {
+    reports: [Counter; 3],
+    renewals_ok: Counter,
+    renewals_failed: Counter,
+}
+
+/// How a usage report ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Reported {
+    Delivered,
+    /// The leader was not reached.
+    Undelivered,
+    /// The store did not answer.
+    Uncollected,
+}
+
+impl ReportMetrics {
+    pub fn new(region: &RegionId) -> Self {
+        let region = region.as_str().to_string();
+        Self {
+            reports: ["delivered", "undelivered", "uncollected"].map(|o| {
+                metrics::counter!(USAGE_REPORTS_TOTAL, "region" => region.clone(), "outcome" => o)
+            }),
+            renewals_ok: metrics::counter!(LEASE_RENEWALS_TOTAL, "region" => region.clone(), "outcome" => "ok"),
+            renewals_failed: metrics::counter!(LEASE_RENEWALS_TOTAL, "region" => region, "outcome" => "failed"),
+        }
+    }
+
+    pub fn usage_report(&self, r: Reported) {
+        self.reports[r as usize].increment(1);
+    }
+
+    pub fn lease_renewal(&self, ok: bool) {
+        if ok {
+            self.renewals_ok.increment(1);
+        } else {
+            self.renewals_failed.increment(1);
+        }
     }
 }
 
