@@ -5,6 +5,7 @@
 //!   make its alert silently never fire);
 //! - every rule evaluates without error against the real series (vector matching is checked
 //!   only at evaluation) and, while all is well, no alert is pending or firing;
+//! - every exported metric is in the README's table;
 //! - one label set per metric and daemon (two exporters of one name would double every sum);
 //! - with region b's Redis killed, `QuotadStoreDegraded` and `QuotadDegradedDecisions` go
 //!   pending for b, and with region c cut off, `QuotadOnFloors` goes pending for c once its
@@ -319,6 +320,24 @@ async fn a_real_prometheus_evaluates_the_rules_against_a_three_region_cluster() 
         .filter(|n| !exported.contains(&n.as_str()))
         .collect();
     assert!(missing.is_empty(), "not exported: {missing:?}");
+    // Every exported metric is documented in the README's table.
+    let readme =
+        std::fs::read_to_string(Path::new(env!("CARGO_MANIFEST_DIR")).join("../README.md"))?;
+    let undocumented: Vec<_> = exported
+        .iter()
+        .filter(|n| n.starts_with("quotad_"))
+        .map(|n| {
+            ["_bucket", "_sum", "_count"]
+                .iter()
+                .find_map(|s| n.strip_suffix(s))
+                .unwrap_or(n)
+        })
+        .filter(|n| !readme.contains(&format!("`{n}`")))
+        .collect();
+    assert!(
+        undocumented.is_empty(),
+        "not in the README: {undocumented:?}"
+    );
     // One label set per metric and daemon: two exporters of one name with different labels
     // would make every sum over it count twice.
     let series = prometheus.query(r#"{__name__=~"quotad_.+"}"#).await?;
