@@ -23,7 +23,7 @@ use redis::aio::{ConnectionManager, ConnectionManagerConfig};
 use redis::cluster::ClusterClient;
 use redis::cluster_async::ClusterConnection;
 use redis::cluster_routing::{MultipleNodeRoutingInfo, RoutingInfo, SingleNodeRoutingInfo};
-use redis::sentinel::{SentinelClient, SentinelNodeConnectionInfo, SentinelServerType};
+use redis::sentinel::{SentinelClient, SentinelClientBuilder, SentinelServerType};
 use redis::{FromRedisValue, RedisError, Script, ServerErrorKind, Value};
 
 use crate::script::{self, Arg, COLLECT_BATCH_MAX};
@@ -291,11 +291,17 @@ const SENTINEL_ASK_INTERVAL: Duration = Duration::from_millis(100);
 struct SentinelMaster {
     sentinel: tokio::sync::Mutex<SentinelClient>,
     config: ConnectionManagerConfig,
-    current: ArcSwapOption<ConnectionManager>,
+    current: ArcSwapOption<SentinelNamed>,
     /// Set by a call that met a sign of failover: the next call asks the sentinels again.
     stale: AtomicBool,
     /// When the sentinels were last asked.
     asked: Mutex<Option<Instant>>,
+}
+
+/// The master the sentinels last named (`host:port`) and the connection to it.
+struct SentinelNamed {
+    addr: String,
+    manager: ConnectionManager,
 }
 
 impl SentinelMaster {
@@ -309,7 +315,7 @@ impl SentinelMaster {
                 .lock()
                 .unwrap_or_else(|e| e.into_inner())
                 .is_some_and(|at| at.elapsed() < SENTINEL_ASK_INTERVAL);
-            (!this.stale.load(Ordering::Relaxed) || recent).then(|| (*current).clone())
+            (!this.stale.load(Ordering::Relaxed) || recent).then(|| current.manager.clone())
         };
         if let Some(m) = fresh(self) {
             return Ok(m);
@@ -321,10 +327,20 @@ impl SentinelMaster {
         }
         *self.asked.lock().unwrap_or_else(|e| e.into_inner()) = Some(Instant::now());
         let client = sentinel.async_get_client().await?;
-        let m = ConnectionManager::new_lazy_with_config(client, self.config.clone())?;
-        self.current.store(Some(Arc::new(m.clone())));
+        let addr = client.get_connection_info().addr().to_string();
         self.stale.store(false, Ordering::Relaxed);
-        Ok(m)
+        // The same master as before: keep its connection. A new one would start over with a
+        // handshake (a TLS one is slow), and a call timing out on that would have the
+        // sentinels asked again, another connection made, and so on without end.
+        if let Some(current) = self.current.load_full().filter(|c| c.addr == addr) {
+            return Ok(current.manager.clone());
+        }
+        let manager = ConnectionManager::new_lazy_with_config(client, self.config.clone())?;
+        self.current.store(Some(Arc::new(SentinelNamed {
+            addr,
+            manager: manager.clone(),
+        })));
+        Ok(manager)
     }
 }
 
@@ -523,7 +539,7 @@ fn build_source(config: &RedisStoreConfig) -> Result<Source, StoreError> {
                 }
                 info = info.set_redis_settings(redis);
             }
-            let tls_addr = matches!(info.addr(), redis::ConnectionAddr::TcpTls { .. });
+            let tls_addr = is_tls(info.addr());
             if tls_addr {
                 ensure_crypto_provider();
             }
@@ -587,47 +603,70 @@ fn build_source(config: &RedisStoreConfig) -> Result<Source, StoreError> {
             Source::Cluster(lazy)
         }
         Topology::Sentinel { urls, master_name } => {
-            if config.tls.is_some() || urls.iter().any(|u| u.starts_with("rediss://")) {
-                return Err(StoreError::Invalid {
-                    reason: "Redis behind Sentinel is supported over plain TCP only".into(),
-                });
-            }
-            let mut redis = redis::RedisConnectionInfo::default();
-            if let Some(c) = &config.credentials {
-                redis = redis.set_password(&c.password);
-                if let Some(user) = &c.username {
-                    redis = redis.set_username(user);
-                }
-            }
-            let node = SentinelNodeConnectionInfo::default().set_redis_connection_info(redis);
-            let sentinels = urls
+            let addrs = urls
                 .iter()
                 .map(|url| {
                     let info = redis::IntoConnectionInfo::into_connection_info(url.as_str())
                         .map_err(|e| StoreError::Invalid {
                             reason: format!("sentinel url: {e}"),
                         })?;
-                    Ok(match &config.sentinel_credentials {
-                        None => info,
-                        Some(c) => {
-                            let mut redis = info.redis_settings().clone().set_password(&c.password);
-                            if let Some(user) = &c.username {
-                                redis = redis.set_username(user);
-                            }
-                            info.set_redis_settings(redis)
-                        }
-                    })
+                    let r = info.redis_settings();
+                    if r.password().is_some() || r.username().is_some() {
+                        return Err(StoreError::Invalid {
+                            reason: "sentinel urls must not carry credentials: use \
+                                     with_sentinel_credentials"
+                                .into(),
+                        });
+                    }
+                    Ok(info.addr().clone())
                 })
                 .collect::<Result<Vec<_>, StoreError>>()?;
-            let sentinel = SentinelClient::build(
-                sentinels,
-                master_name.as_str(),
-                Some(node),
-                SentinelServerType::Master,
-            )
-            .map_err(|e| StoreError::Invalid {
-                reason: format!("sentinel urls: {e}"),
-            })?;
+            let tls = match addrs.iter().filter(|a| is_tls(a)).count() {
+                0 => false,
+                n if n == addrs.len() => true,
+                _ => {
+                    return Err(StoreError::Invalid {
+                        reason: "sentinel urls must all be rediss:// or all redis://".into(),
+                    })
+                }
+            };
+            let invalid_sentinel = |e: redis::RedisError| StoreError::Invalid {
+                reason: format!("sentinel settings: {e}"),
+            };
+            let mut b = SentinelClientBuilder::new(addrs, master_name, SentinelServerType::Master)
+                .map_err(invalid_sentinel)?;
+            if let Some(c) = &config.credentials {
+                b = b.set_client_to_redis_password(&c.password);
+                if let Some(user) = &c.username {
+                    b = b.set_client_to_redis_username(user);
+                }
+            }
+            if let Some(c) = &config.sentinel_credentials {
+                b = b.set_client_to_sentinel_password(&c.password);
+                if let Some(user) = &c.username {
+                    b = b.set_client_to_sentinel_username(user);
+                }
+            }
+            match (&config.tls, tls) {
+                // Sentinels reached over TLS name masters that serve TLS (`tls-replication`).
+                (certs, true) => {
+                    ensure_crypto_provider();
+                    b = b.set_client_to_redis_tls_mode(redis::TlsMode::Secure);
+                    if let Some(certs) = certs {
+                        certs.check()?;
+                        b = b
+                            .set_client_to_sentinel_certificates(certs.certificates())
+                            .set_client_to_redis_certificates(certs.certificates());
+                    }
+                }
+                (Some(_), false) => {
+                    return Err(StoreError::Invalid {
+                        reason: "TLS certificates need rediss:// addresses".into(),
+                    })
+                }
+                (None, false) => {}
+            }
+            let sentinel = b.build().map_err(invalid_sentinel)?;
             Source::Sentinel(Arc::new(SentinelMaster {
                 sentinel: tokio::sync::Mutex::new(sentinel),
                 config: manager_config(config.timeout),
@@ -637,6 +676,10 @@ fn build_source(config: &RedisStoreConfig) -> Result<Source, StoreError> {
             }))
         }
     })
+}
+
+fn is_tls(addr: &redis::ConnectionAddr) -> bool {
+    matches!(addr, redis::ConnectionAddr::TcpTls { .. })
 }
 
 /// How a connection manager connects and retries: every call is bounded as a whole

@@ -7,9 +7,11 @@ use std::time::{Duration, Instant};
 
 use common::{first_decision, fresh_bucket, req, tokens};
 use quota_store::{
-    Credentials, RedisStore, RedisStoreConfig, SetParams, Store, StoreError, Topology,
+    ClientIdentity, Credentials, RedisStore, RedisStoreConfig, SetParams, Store, StoreError, Tls,
+    Topology,
 };
-use redis_harness::RedisSentinel;
+use redis_harness::pki::TestPki;
+use redis_harness::{RedisSentinel, SentinelOptions};
 
 fn config(sentinel: &RedisSentinel) -> RedisStoreConfig {
     RedisStoreConfig::new(Topology::Sentinel {
@@ -17,6 +19,17 @@ fn config(sentinel: &RedisSentinel) -> RedisStoreConfig {
         master_name: sentinel.name().to_string(),
     })
     .with_timeout(Duration::from_millis(500))
+}
+
+fn tls(pki: &TestPki, client: bool) -> Tls {
+    let read = |p: &std::path::Path| std::fs::read(p).unwrap();
+    Tls {
+        ca_pem: Some(read(&pki.ca_cert)),
+        client: client.then(|| ClientIdentity {
+            cert_pem: read(&pki.client_cert),
+            key_pem: read(&pki.client_key),
+        }),
+    }
 }
 
 #[tokio::test]
@@ -66,12 +79,32 @@ async fn the_store_follows_a_failover_to_the_promoted_replica() {
 
 #[tokio::test]
 async fn sentinel_settings_are_checked_at_open() {
-    let tls = RedisStoreConfig::new(Topology::Sentinel {
-        urls: vec!["rediss://127.0.0.1:26379".into()],
-        master_name: "m".into(),
-    });
-    let e = RedisStore::open(tls).unwrap_err();
-    assert!(matches!(e, StoreError::Invalid { .. }), "{e}");
+    let sentinels = |urls: &[&str]| {
+        RedisStoreConfig::new(Topology::Sentinel {
+            urls: urls.iter().map(|u| u.to_string()).collect(),
+            master_name: "m".into(),
+        })
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let pki = TestPki::generate(dir.path(), "sentinel").unwrap();
+    for (what, config) in [
+        (
+            "mixed schemes",
+            sentinels(&["rediss://127.0.0.1:26379", "redis://127.0.0.1:26380"]),
+        ),
+        (
+            "credentials in a sentinel url",
+            sentinels(&["redis://:pw@127.0.0.1:26379"]),
+        ),
+        (
+            "certificates without TLS",
+            sentinels(&["redis://127.0.0.1:26379"]).with_tls(tls(&pki, true)),
+        ),
+    ] {
+        let e = RedisStore::open(config).unwrap_err();
+        assert!(matches!(e, StoreError::Invalid { .. }), "{what}: {e}");
+    }
+    RedisStore::open(sentinels(&["rediss://127.0.0.1:26379"]).with_tls(tls(&pki, true))).unwrap();
     // Opening does not wait for the sentinels; a call fails as unavailable while none answers.
     let port = std::net::TcpListener::bind("127.0.0.1:0")
         .unwrap()
@@ -116,4 +149,79 @@ async fn sentinels_that_require_a_password_get_it() {
         .await
         .unwrap();
     assert!(d.allowed && d.remaining == 1, "{d:?}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sentinels_and_servers_over_mutual_tls_through_a_failover() {
+    let dir = tempfile::tempdir().unwrap();
+    let pki = TestPki::generate(dir.path(), "sentinel-tls").unwrap();
+    // Replication and the sentinels' own connections present the client certificate too.
+    let (cert, key) = (
+        pki.client_cert.display().to_string(),
+        pki.client_key.display().to_string(),
+    );
+    let extra = [
+        "--tls-client-cert-file",
+        cert.as_str(),
+        "--tls-client-key-file",
+        key.as_str(),
+    ];
+    let files = pki.server_files(true);
+    let mut sentinel = RedisSentinel::start_opts(
+        "tls-master",
+        1000,
+        &SentinelOptions {
+            tls: Some(&files),
+            extra: &extra,
+            ..SentinelOptions::default()
+        },
+    )
+    .unwrap();
+    let config = |tls: Tls| {
+        RedisStoreConfig::new(Topology::Sentinel {
+            urls: sentinel.tls_urls(),
+            master_name: sentinel.name().to_string(),
+        })
+        .with_timeout(Duration::from_millis(500))
+        .with_tls(tls)
+    };
+    let s = RedisStore::connect(config(tls(&pki, true))).await.unwrap();
+    let b = fresh_bucket("sentinel-tls");
+    let l = tokens(2, 0);
+    for left in [1, 0] {
+        let d = s.check(&req(&b, l, 1, None)).await.unwrap();
+        assert!(d.allowed && d.remaining == left, "{d:?}");
+    }
+    let before = s.instance().await.unwrap();
+
+    let other_dir = tempfile::tempdir().unwrap();
+    let other = TestPki::generate(other_dir.path(), "other").unwrap();
+    for (what, tls) in [
+        ("no client certificate", tls(&pki, false)),
+        ("a CA that did not sign the sentinels", tls(&other, true)),
+    ] {
+        let e = RedisStore::connect(config(tls)).await.unwrap_err();
+        assert!(
+            matches!(
+                e,
+                StoreError::Unavailable { .. } | StoreError::Timeout { .. }
+            ),
+            "{what}: {e}"
+        );
+    }
+
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    sentinel.master_mut().stop();
+    let stopped = Instant::now();
+    let d = first_decision(&s, &req(&b, l, 1, None), Duration::from_secs(30), |e| {
+        assert!(
+            !matches!(e, StoreError::Script { .. } | StoreError::Refused { .. }),
+            "only unavailability during a failover: {e}"
+        )
+    })
+    .await
+    .expect("decides through the promoted replica, over TLS");
+    eprintln!("decided {:?} after the master stopped", stopped.elapsed());
+    assert!(!d.allowed && d.remaining == 0, "the bucket survived: {d:?}");
+    assert_ne!(s.instance().await.unwrap(), before, "another server");
 }

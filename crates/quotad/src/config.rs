@@ -137,7 +137,7 @@ pub enum RedisMode {
     /// Redis Cluster: keys spread over its masters by slot, found through `url` and `seed_urls`.
     Cluster,
     /// A master the sentinels at `url` and `seed_urls` name for `master_name`, followed
-    /// through failovers (database 0, plain TCP).
+    /// through failovers (database 0; over TLS when the sentinels' addresses are `rediss://`).
     Sentinel,
 }
 
@@ -785,8 +785,8 @@ fn parse_addr(p: &mut Vec<ConfigProblem>, field: &str, s: &str) -> Option<Socket
 }
 
 /// `redis.url` and, in Cluster and Sentinel mode, `redis.seed_urls`: each a Redis address
-/// without credentials; a Cluster's all on database 0 and all TLS or all plain text; sentinels
-/// in plain text, with the name of the master they watch.
+/// without credentials, all TLS or all plain text; a Cluster's all on database 0; sentinels
+/// with the name of the master they watch (over TLS, the master is reached over TLS too).
 fn check_redis_addresses(p: &mut Vec<ConfigProblem>, redis: &RedisConfig) {
     check_redis_url(p, "redis.url", &redis.url);
     let sentinel = redis.mode == RedisMode::Sentinel;
@@ -825,12 +825,6 @@ fn check_redis_addresses(p: &mut Vec<ConfigProblem>, redis: &RedisConfig) {
                     0 => "redis.url".to_string(),
                     i => format!("redis.seed_urls[{}]", i - 1),
                 };
-                if sentinel && url.starts_with("rediss://") {
-                    p.push(problem(
-                        &field,
-                        "Redis behind Sentinel is supported over plain TCP only (redis://)",
-                    ));
-                }
                 if i > 0 {
                     check_redis_url(p, &field, url);
                     if url.starts_with("rediss://") != tls {
@@ -1382,7 +1376,7 @@ seed_urls = ["rediss://10.0.0.2:7000", "http://10.0.0.3:7000", "redis://10.0.0.4
     }
 
     #[test]
-    fn sentinels_need_the_master_name_and_plain_tcp() {
+    fn sentinels_need_the_master_name_and_one_scheme() {
         let text = r#"
 [redis]
 mode = "sentinel"
@@ -1438,7 +1432,6 @@ seed_urls = ["redis://10.0.0.2:26379", "redis://10.0.0.3:26379"]
             ),
             [
                 "redis.master_name",
-                "redis.url",
                 "redis.seed_urls[0]",
                 "redis.seed_urls[0]"
             ]

@@ -16,7 +16,7 @@
 pub mod pki;
 pub mod sentinel;
 
-pub use sentinel::RedisSentinel;
+pub use sentinel::{RedisSentinel, SentinelOptions};
 
 use std::io::{Read, Write};
 use std::net::{Ipv4Addr, TcpListener, TcpStream};

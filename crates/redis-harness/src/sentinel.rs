@@ -6,7 +6,7 @@ use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use crate::{
-    free_port, info_text, io, redis_server_binary, wait_ready, HarnessError, RedisServer,
+    free_port, info_text, io, redis_server_binary, wait_ready, HarnessError, RedisServer, TlsFiles,
     START_TIMEOUT,
 };
 
@@ -15,6 +15,7 @@ use crate::{
 struct SentinelProcess {
     child: Child,
     port: u16,
+    tls_port: Option<u16>,
     _dir: tempfile::TempDir,
 }
 
@@ -23,6 +24,19 @@ impl Drop for SentinelProcess {
         let _ = self.child.kill();
         let _ = self.child.wait();
     }
+}
+
+/// How a [`RedisSentinel`] is built.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct SentinelOptions<'a> {
+    /// `requirepass` on the sentinels, and `sentinel sentinel-pass` among them.
+    pub password: Option<&'a str>,
+    /// TLS everywhere but the harness's own plain ports: the servers replicate over TLS, the
+    /// sentinels watch the servers' TLS ports over TLS and serve clients on
+    /// [`tls_urls`](RedisSentinel::tls_urls).
+    pub tls: Option<&'a TlsFiles>,
+    /// More arguments for the servers and the sentinels (e.g. `--tls-client-cert-file …`).
+    pub extra: &'a [&'a str],
 }
 
 /// A master, its replica and three sentinels watching them under one service name.
@@ -50,9 +64,46 @@ impl RedisSentinel {
         down_after_ms: u64,
         password: Option<&str>,
     ) -> Result<Self, HarnessError> {
-        let master = RedisServer::start()?;
-        let mport = master.port().to_string();
-        let replica = RedisServer::start_with(&["--replicaof", "127.0.0.1", &mport])?;
+        Self::start_opts(
+            name,
+            down_after_ms,
+            &SentinelOptions {
+                password,
+                ..SentinelOptions::default()
+            },
+        )
+    }
+
+    /// Like [`start`](Self::start), built as `opts` says.
+    pub fn start_opts(
+        name: &str,
+        down_after_ms: u64,
+        opts: &SentinelOptions<'_>,
+    ) -> Result<Self, HarnessError> {
+        let password = opts.password;
+        const TLS_REPLICATION: [&str; 2] = ["--tls-replication", "yes"];
+        let master = match opts.tls {
+            Some(files) => {
+                let args: Vec<&str> = TLS_REPLICATION.iter().chain(opts.extra).copied().collect();
+                RedisServer::start_tls_with(files, &args)?
+            }
+            None => RedisServer::start_with(opts.extra)?,
+        };
+        // The port replicas and sentinels reach the master on: its TLS port under TLS.
+        let mport = master.tls_port().unwrap_or(master.port()).to_string();
+        let replica = match opts.tls {
+            Some(files) => {
+                let mut args: Vec<&str> = vec![TLS_REPLICATION[0], TLS_REPLICATION[1]];
+                args.extend(["--replicaof", "127.0.0.1", &mport]);
+                args.extend(opts.extra);
+                RedisServer::start_tls_with(files, &args)?
+            }
+            None => {
+                let mut args: Vec<&str> = vec!["--replicaof", "127.0.0.1", &mport];
+                args.extend(opts.extra);
+                RedisServer::start_with(&args)?
+            }
+        };
         let bin = redis_server_binary()?;
         let mut sentinels = Vec::new();
         for _ in 0..3 {
@@ -72,10 +123,38 @@ impl RedisSentinel {
             }
             std::fs::write(&conf, text).map_err(io("write sentinel.conf"))?;
             let port = free_port()?;
+            let tls_port = opts.tls.map(|_| free_port()).transpose()?;
+            let tls_args: Vec<String> = match (opts.tls, tls_port) {
+                (Some(files), Some(tls_port)) => {
+                    let path = |p: &std::path::Path| p.display().to_string();
+                    vec![
+                        "--tls-port".into(),
+                        tls_port.to_string(),
+                        "--tls-cert-file".into(),
+                        path(&files.cert),
+                        "--tls-key-file".into(),
+                        path(&files.key),
+                        "--tls-ca-cert-file".into(),
+                        path(&files.ca),
+                        "--tls-auth-clients".into(),
+                        if files.require_client_cert {
+                            "yes"
+                        } else {
+                            "no"
+                        }
+                        .into(),
+                        TLS_REPLICATION[0].into(),
+                        TLS_REPLICATION[1].into(),
+                    ]
+                }
+                _ => Vec::new(),
+            };
             let mut child = Command::new(&bin)
                 .arg(&conf)
                 .arg("--sentinel")
                 .args(["--port", &port.to_string(), "--bind", "127.0.0.1"])
+                .args(&tls_args)
+                .args(opts.extra)
                 .args(["--protected-mode", "no", "--daemonize", "no"])
                 .args(["--loglevel", "warning"])
                 .arg("--dir")
@@ -93,6 +172,7 @@ impl RedisSentinel {
             sentinels.push(SentinelProcess {
                 child,
                 port,
+                tls_port,
                 _dir: dir,
             });
         }
@@ -126,6 +206,15 @@ impl RedisSentinel {
         self.sentinels
             .iter()
             .map(|s| format!("redis://127.0.0.1:{}", s.port))
+            .collect()
+    }
+
+    /// The sentinels' TLS URLs (`rediss://127.0.0.1:<tls port>`), for a set started with TLS.
+    pub fn tls_urls(&self) -> Vec<String> {
+        self.sentinels
+            .iter()
+            .filter_map(|s| s.tls_port)
+            .map(|p| format!("rediss://127.0.0.1:{p}"))
             .collect()
     }
 
