@@ -65,12 +65,8 @@ async fn a_daemon_follows_its_redis_through_a_failover_over_mutual_tls() -> anyh
         pki.ca_cert.display().to_string(),
     );
     // Replication and the sentinels' own connections present the client certificate too.
-    let extra = [
-        "--tls-client-cert-file",
-        cert.as_str(),
-        "--tls-client-key-file",
-        key.as_str(),
-    ];
+    let client_cert = pki.client_cert_args();
+    let extra: Vec<&str> = client_cert.iter().map(String::as_str).collect();
     let files = pki.server_files(true);
     let mut sentinel = RedisSentinel::start_opts(
         "quotad-tls",

@@ -5,10 +5,9 @@ mod common;
 
 use std::time::{Duration, Instant};
 
-use common::{first_decision, fresh_bucket, req, tokens};
+use common::{first_decision, fresh_bucket, req, tls, tokens};
 use quota_store::{
-    ClientIdentity, Credentials, RedisStore, RedisStoreConfig, SetParams, Store, StoreError, Tls,
-    Topology,
+    Credentials, RedisStore, RedisStoreConfig, SetParams, Store, StoreError, Tls, Topology,
 };
 use redis_harness::pki::TestPki;
 use redis_harness::{RedisSentinel, SentinelOptions};
@@ -21,15 +20,31 @@ fn config(sentinel: &RedisSentinel) -> RedisStoreConfig {
     .with_timeout(Duration::from_millis(500))
 }
 
-fn tls(pki: &TestPki, client: bool) -> Tls {
-    let read = |p: &std::path::Path| std::fs::read(p).unwrap();
-    Tls {
-        ca_pem: Some(read(&pki.ca_cert)),
-        client: client.then(|| ClientIdentity {
-            cert_pem: read(&pki.client_cert),
-            key_pem: read(&pki.client_key),
-        }),
-    }
+/// Stops the master and waits for `s` to decide through the promoted replica: on another
+/// server (`before` was the master's instance id), with bucket `b` (spent at limit `l`) as
+/// spent as before.
+async fn spent_after_failover(
+    sentinel: &mut RedisSentinel,
+    s: &RedisStore,
+    b: &quota_store::BucketRef,
+    l: quota_store::Limit,
+    before: String,
+) {
+    // Replication is asynchronous: let the replica catch up before its master goes.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    sentinel.master_mut().stop();
+    let stopped = Instant::now();
+    let d = first_decision(s, &req(b, l, 1, None), Duration::from_secs(30), |e| {
+        assert!(
+            !matches!(e, StoreError::Script { .. } | StoreError::Refused { .. }),
+            "only unavailability during a failover: {e}"
+        )
+    })
+    .await
+    .expect("decides through the promoted replica");
+    eprintln!("decided {:?} after the master stopped", stopped.elapsed());
+    assert!(!d.allowed && d.remaining == 0, "the bucket survived: {d:?}");
+    assert_ne!(s.instance().await.unwrap(), before, "another server");
 }
 
 #[tokio::test]
@@ -45,22 +60,7 @@ async fn the_store_follows_a_failover_to_the_promoted_replica() {
     // The parameters gateways read; the same limit, so no refill either.
     s.set_params(&SetParams::new(b.clone(), l)).await.unwrap();
     let before = s.instance().await.unwrap();
-    // Replication is asynchronous: let the replica catch up before its master goes.
-    tokio::time::sleep(Duration::from_millis(300)).await;
-
-    sentinel.master_mut().stop();
-    let stopped = Instant::now();
-    let d = first_decision(&s, &req(&b, l, 1, None), Duration::from_secs(30), |e| {
-        assert!(
-            !matches!(e, StoreError::Script { .. } | StoreError::Refused { .. }),
-            "only unavailability during a failover: {e}"
-        )
-    })
-    .await
-    .expect("decides through the promoted replica");
-    eprintln!("decided {:?} after the master stopped", stopped.elapsed());
-    assert!(!d.allowed && d.remaining == 0, "the bucket survived: {d:?}");
-    assert_ne!(s.instance().await.unwrap(), before, "another server");
+    spent_after_failover(&mut sentinel, &s, &b, l, before).await;
     assert!(s.list_params().await.unwrap().contains(&b));
     // The promoted replica is the master now.
     let mut conn = sentinel
@@ -156,16 +156,8 @@ async fn sentinels_and_servers_over_mutual_tls_through_a_failover() {
     let dir = tempfile::tempdir().unwrap();
     let pki = TestPki::generate(dir.path(), "sentinel-tls").unwrap();
     // Replication and the sentinels' own connections present the client certificate too.
-    let (cert, key) = (
-        pki.client_cert.display().to_string(),
-        pki.client_key.display().to_string(),
-    );
-    let extra = [
-        "--tls-client-cert-file",
-        cert.as_str(),
-        "--tls-client-key-file",
-        key.as_str(),
-    ];
+    let client_cert = pki.client_cert_args();
+    let extra: Vec<&str> = client_cert.iter().map(String::as_str).collect();
     let files = pki.server_files(true);
     let mut sentinel = RedisSentinel::start_opts(
         "tls-master",
@@ -210,18 +202,5 @@ async fn sentinels_and_servers_over_mutual_tls_through_a_failover() {
         );
     }
 
-    tokio::time::sleep(Duration::from_millis(300)).await;
-    sentinel.master_mut().stop();
-    let stopped = Instant::now();
-    let d = first_decision(&s, &req(&b, l, 1, None), Duration::from_secs(30), |e| {
-        assert!(
-            !matches!(e, StoreError::Script { .. } | StoreError::Refused { .. }),
-            "only unavailability during a failover: {e}"
-        )
-    })
-    .await
-    .expect("decides through the promoted replica, over TLS");
-    eprintln!("decided {:?} after the master stopped", stopped.elapsed());
-    assert!(!d.allowed && d.remaining == 0, "the bucket survived: {d:?}");
-    assert_ne!(s.instance().await.unwrap(), before, "another server");
+    spent_after_failover(&mut sentinel, &s, &b, l, before).await;
 }

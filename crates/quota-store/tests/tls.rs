@@ -5,10 +5,8 @@ mod common;
 
 use std::time::Duration;
 
-use common::{fresh_bucket, req, tokens};
-use quota_store::{
-    ClientIdentity, RedisStore, RedisStoreConfig, SetParams, Store, StoreError, Tls,
-};
+use common::{fresh_bucket, req, tls, tokens};
+use quota_store::{RedisStore, RedisStoreConfig, SetParams, Store, StoreError, Tls};
 use redis_harness::pki::TestPki;
 use redis_harness::{ClusterOptions, RedisCluster, RedisServer};
 
@@ -17,17 +15,6 @@ fn tls_url(server: &RedisServer, host: &str) -> String {
         "rediss://{host}:{}/",
         server.tls_port().expect("a TLS server")
     )
-}
-
-fn tls(pki: &TestPki, client: bool) -> Tls {
-    let read = |p: &std::path::Path| std::fs::read(p).unwrap();
-    Tls {
-        ca_pem: Some(read(&pki.ca_cert)),
-        client: client.then(|| ClientIdentity {
-            cert_pem: read(&pki.client_cert),
-            key_pem: read(&pki.client_key),
-        }),
-    }
 }
 
 fn cfg(url: String) -> RedisStoreConfig {
@@ -113,16 +100,8 @@ async fn a_cluster_over_mutual_tls_decides_on_every_master() {
     let dir = tempfile::tempdir().unwrap();
     let pki = TestPki::generate(dir.path(), "cluster").unwrap();
     // The nodes' bus connections present the client certificate too (client auth required).
-    let (cert, key) = (
-        pki.client_cert.display().to_string(),
-        pki.client_key.display().to_string(),
-    );
-    let extra = [
-        "--tls-client-cert-file",
-        cert.as_str(),
-        "--tls-client-key-file",
-        key.as_str(),
-    ];
+    let client_cert = pki.client_cert_args();
+    let extra: Vec<&str> = client_cert.iter().map(String::as_str).collect();
     let files = pki.server_files(true);
     let cluster = RedisCluster::start_opts(&ClusterOptions {
         tls: Some(&files),

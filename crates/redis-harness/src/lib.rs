@@ -163,6 +163,32 @@ pub struct TlsFiles {
     pub require_client_cert: bool,
 }
 
+impl TlsFiles {
+    /// `redis-server` arguments serving TLS on `tls_port` with these files.
+    pub fn server_args(&self, tls_port: u16) -> Vec<String> {
+        let path = |p: &Path| p.display().to_string();
+        let auth = if self.require_client_cert {
+            "yes"
+        } else {
+            "no"
+        };
+        [
+            "--tls-port",
+            &tls_port.to_string(),
+            "--tls-cert-file",
+            &path(&self.cert),
+            "--tls-key-file",
+            &path(&self.key),
+            "--tls-ca-cert-file",
+            &path(&self.ca),
+            "--tls-auth-clients",
+            auth,
+        ]
+        .map(String::from)
+        .to_vec()
+    }
+}
+
 impl RedisServer {
     /// Starts a standalone server on a free loopback port and waits until it answers PING.
     pub fn start() -> Result<Self, HarnessError> {
@@ -183,25 +209,8 @@ impl RedisServer {
 
     /// Like [`start_tls`](Self::start_tls), with extra `redis-server` arguments.
     pub fn start_tls_with(files: &TlsFiles, extra: &[&str]) -> Result<Self, HarnessError> {
-        let path = |p: &Path| p.display().to_string();
         let args = |tls_port: Option<u16>| -> Vec<String> {
-            let mut args: Vec<String> = vec![
-                "--tls-port".into(),
-                tls_port.unwrap_or_default().to_string(),
-                "--tls-cert-file".into(),
-                path(&files.cert),
-                "--tls-key-file".into(),
-                path(&files.key),
-                "--tls-ca-cert-file".into(),
-                path(&files.ca),
-                "--tls-auth-clients".into(),
-                if files.require_client_cert {
-                    "yes"
-                } else {
-                    "no"
-                }
-                .into(),
-            ];
+            let mut args = files.server_args(tls_port.unwrap_or_default());
             args.extend(extra.iter().map(|s| s.to_string()));
             args
         };

@@ -60,6 +60,18 @@ impl TestPki {
         })
     }
 
+    /// `redis-server` arguments that make a server present the client certificate on its own
+    /// outgoing connections (replication, the cluster bus, a sentinel's), where clients must
+    /// present one (the server certificate is not meant for client authentication).
+    pub fn client_cert_args(&self) -> Vec<String> {
+        vec![
+            "--tls-client-cert-file".into(),
+            self.client_cert.display().to_string(),
+            "--tls-client-key-file".into(),
+            self.client_key.display().to_string(),
+        ]
+    }
+
     /// The server side of this PKI, for [`crate::RedisServer::start_tls`].
     pub fn server_files(&self, require_client_cert: bool) -> TlsFiles {
         TlsFiles {

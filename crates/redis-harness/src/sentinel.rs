@@ -126,26 +126,9 @@ impl RedisSentinel {
             let tls_port = opts.tls.map(|_| free_port()).transpose()?;
             let tls_args: Vec<String> = match (opts.tls, tls_port) {
                 (Some(files), Some(tls_port)) => {
-                    let path = |p: &std::path::Path| p.display().to_string();
-                    vec![
-                        "--tls-port".into(),
-                        tls_port.to_string(),
-                        "--tls-cert-file".into(),
-                        path(&files.cert),
-                        "--tls-key-file".into(),
-                        path(&files.key),
-                        "--tls-ca-cert-file".into(),
-                        path(&files.ca),
-                        "--tls-auth-clients".into(),
-                        if files.require_client_cert {
-                            "yes"
-                        } else {
-                            "no"
-                        }
-                        .into(),
-                        TLS_REPLICATION[0].into(),
-                        TLS_REPLICATION[1].into(),
-                    ]
+                    let mut args = files.server_args(tls_port);
+                    args.extend(TLS_REPLICATION.map(String::from));
+                    args
                 }
                 _ => Vec::new(),
             };

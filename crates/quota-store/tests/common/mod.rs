@@ -86,3 +86,15 @@ pub async fn admin(server: &RedisServer, password: &str, args: &[&str]) -> redis
         .await
         .unwrap()
 }
+
+/// TLS settings from `pki`: its CA, and its client certificate when `client`.
+pub fn tls(pki: &redis_harness::pki::TestPki, client: bool) -> quota_store::Tls {
+    let read = |p: &std::path::Path| std::fs::read(p).unwrap();
+    quota_store::Tls {
+        ca_pem: Some(read(&pki.ca_cert)),
+        client: client.then(|| quota_store::ClientIdentity {
+            cert_pem: read(&pki.client_cert),
+            key_pem: read(&pki.client_key),
+        }),
+    }
+}
