@@ -95,7 +95,7 @@ impl BucketParams {
         }
     }
 
-    /// The whole-budget bucket of a policy (the global bucket of DESIGN.md).
+    /// The whole-budget bucket of a policy (the global bucket of docs/architecture.md).
     pub fn global(policy: &Policy) -> Self {
         Self::for_share(policy, PPM)
     }
