@@ -320,9 +320,8 @@ async fn a_real_prometheus_evaluates_the_rules_against_a_three_region_cluster() 
         .collect();
     assert!(missing.is_empty(), "not exported: {missing:?}");
     // Every exported metric is documented in the table of docs/metrics.md.
-    let doc = std::fs::read_to_string(
-        Path::new(env!("CARGO_MANIFEST_DIR")).join("../docs/metrics.md"),
-    )?;
+    let doc =
+        std::fs::read_to_string(Path::new(env!("CARGO_MANIFEST_DIR")).join("../docs/metrics.md"))?;
     let table: String = doc.lines().filter(|l| l.starts_with('|')).collect();
     let undocumented: Vec<_> = exported
         .iter()

@@ -219,8 +219,8 @@ fn every_relative_link_in_the_docs_resolves() {
     let mut problems = Vec::new();
     let mut links = 0;
     for doc in &docs {
-        let text = std::fs::read_to_string(doc)
-            .unwrap_or_else(|e| panic!("{}: {e}", doc.display()));
+        let text =
+            std::fs::read_to_string(doc).unwrap_or_else(|e| panic!("{}: {e}", doc.display()));
         for (line_no, line) in prose(&text) {
             for target in link_targets(&line) {
                 links += 1;
@@ -276,6 +276,9 @@ fn broken_links_and_anchors_are_named() {
     );
     assert!(broken(&readme, &text, "#no-such-heading").is_some());
     assert!(broken(&readme, &text, "docs/architecture.md#no-such-heading").is_some());
-    assert_eq!(broken(&readme, &text, "docs/architecture.md#lease-safety"), None);
+    assert_eq!(
+        broken(&readme, &text, "docs/architecture.md#lease-safety"),
+        None
+    );
     assert_eq!(broken(&readme, &text, "https://example.invalid/x"), None);
 }
