@@ -14,7 +14,7 @@ case $host in
     ::) host=::1 ;;
 esac
 exec 3<>"/dev/tcp/$host/$port" || exit 1
-printf 'GET /readyz HTTP/1.0\r\nHost: quotad\r\n\r\n' >&3
+printf 'GET /readyz HTTP/1.0\r\nHost: quotad\r\n\r\n' >&3 || exit 1
 IFS= read -r -t "${QUOTAD_READY_TIMEOUT_S:-2}" status <&3 || exit 1
 case $status in
     "HTTP/1."?" 200 "*) exit 0 ;;

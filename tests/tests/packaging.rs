@@ -310,7 +310,10 @@ fn kubernetes_configmaps_pass_check_config_and_name_the_service_addresses() {
 
         let mut env = image_env();
         env.extend(kubernetes_env(sts));
-        assert!(env.iter().any(|(k, _)| k == "QUOTAD_PEER_TOKEN"), "{name}");
+        assert!(
+            env.iter().any(|(k, _)| k == "QUOTAD_PEER_TOKEN"),
+            "{name} gives QUOTAD_PEER_TOKEN"
+        );
         let printed = check_config(&file, &env);
         let region = top_level(&printed, "region");
         assert_eq!(format!("quotad-{region}"), name);
@@ -343,8 +346,16 @@ fn answer_once(status_line: &'static str) -> (u16, std::thread::JoinHandle<()>) 
     let port = listener.local_addr().unwrap().port();
     let served = std::thread::spawn(move || {
         let (mut conn, _) = listener.accept().unwrap();
-        let mut request = [0u8; 256];
-        let _ = conn.read(&mut request);
+        // The whole request, as an HTTP server reads it before answering.
+        let mut request = Vec::new();
+        let mut buf = [0u8; 256];
+        while !request.ends_with(b"\r\n\r\n") {
+            match conn.read(&mut buf) {
+                Ok(0) | Err(_) => break,
+                Ok(n) => request.extend_from_slice(&buf[..n]),
+            }
+        }
+        assert!(request.starts_with(b"GET /readyz HTTP/1."), "{request:?}");
         let _ = conn.write_all(format!("{status_line}\r\ncontent-length: 0\r\n\r\n").as_bytes());
     });
     (port, served)
