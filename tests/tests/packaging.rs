@@ -1,0 +1,400 @@
+//! The packaging agrees with the daemon: every config the image, `deploy/compose.yaml` and the
+//! Kubernetes ConfigMaps hand to quotad passes `quotad check-config` with the environment they
+//! give it, each region's peers are where those files put them, and the image's health check
+//! follows `/readyz`.
+//!
+//! The manifests are read as text, not through a YAML parser: each ConfigMap holds its TOML as
+//! one literal block, and the few facts checked (mounts, variable names, addresses) sit on lines
+//! of their own. Kubernetes keeps plain manifests (`kubectl apply -k` with no generator), so
+//! kubernetes-validate in `.ci/run` checks exactly what is applied.
+
+use std::collections::BTreeMap;
+use std::io::{Read as _, Write as _};
+use std::net::TcpListener;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+use quotad_system_tests::{embedded_config, quotad_binary, Daemon};
+
+fn repo() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("..")
+}
+
+fn read(path: &Path) -> String {
+    std::fs::read_to_string(path).unwrap_or_else(|e| panic!("{}: {e}", path.display()))
+}
+
+/// The image's `ENV` settings (`KEY=value` pairs, continued over `\` lines).
+fn image_env() -> Vec<(String, String)> {
+    let text = read(&repo().join("Dockerfile")).replace("\\\n", " ");
+    let env: Vec<_> = text
+        .lines()
+        .filter_map(|l| l.strip_prefix("ENV "))
+        .flat_map(str::split_whitespace)
+        .filter_map(|kv| kv.split_once('='))
+        .map(|(k, v)| (k.to_string(), v.to_string()))
+        .collect();
+    assert!(
+        env.iter().any(|(k, _)| k == "QUOTAD_API_LISTEN"),
+        "the image sets its API address: {env:?}"
+    );
+    env
+}
+
+/// A stand-in for a secret the deployment takes from elsewhere (16 bytes or more).
+fn stand_in(name: &str) -> String {
+    format!("{}-stand-in-0123456789", name.to_lowercase())
+}
+
+/// The `QUOTAD_…` variables a Compose file sets (`QUOTAD_X: value` lines): literal values as
+/// they are, interpolated ones (`${…}`, the secrets) as stand-ins.
+fn compose_env(text: &str) -> Vec<(String, String)> {
+    text.lines()
+        .filter_map(|l| l.trim().split_once(": "))
+        .filter(|(k, _)| k.starts_with("QUOTAD_"))
+        .map(|(k, v)| {
+            let value = if v.starts_with("${") {
+                stand_in(k)
+            } else {
+                v.to_string()
+            };
+            (k.to_string(), value)
+        })
+        .collect()
+}
+
+/// The `QUOTAD_…` variables a container spec sets (`- name: QUOTAD_X`, then `value: v` or
+/// `valueFrom:`, a Secret's key, given a stand-in).
+fn kubernetes_env(doc: &str) -> Vec<(String, String)> {
+    let lines: Vec<_> = doc.lines().map(str::trim).collect();
+    lines
+        .windows(2)
+        .filter_map(|w| {
+            let name = w[0]
+                .strip_prefix("- name: ")
+                .filter(|n| n.starts_with("QUOTAD_"))?;
+            let value = match w[1].strip_prefix("value: ") {
+                Some(v) => v.trim_matches('"').to_string(),
+                None => stand_in(name),
+            };
+            Some((name.to_string(), value))
+        })
+        .collect()
+}
+
+/// The effective config `quotad check-config` prints for `file` under `env`; panics with its
+/// report when the config is refused.
+fn check_config(file: &Path, env: &[(String, String)]) -> String {
+    let out = Command::new(quotad_binary().expect("the quotad binary"))
+        .arg("check-config")
+        .arg(file)
+        .env_clear()
+        .envs(env.iter().map(|(k, v)| (k, v)))
+        .output()
+        .expect("running quotad check-config");
+    assert!(
+        out.status.success(),
+        "{} does not pass check-config with {:?}:\n{}",
+        file.display(),
+        env.iter().map(|(k, _)| k).collect::<Vec<_>>(),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let printed = String::from_utf8_lossy(&out.stdout).into_owned();
+    for (_, value) in env
+        .iter()
+        .filter(|(k, _)| k.contains("TOKEN") || k.contains("PASSWORD"))
+    {
+        assert!(!printed.contains(value.as_str()), "a secret printed");
+    }
+    printed
+}
+
+/// `key = "value"` of the effective config's top level.
+fn top_level<'a>(printed: &'a str, key: &str) -> &'a str {
+    printed
+        .lines()
+        .take_while(|l| !l.starts_with('['))
+        .find_map(|l| l.strip_prefix(key)?.strip_prefix(" = "))
+        .map(|v| v.trim_matches('"'))
+        .unwrap_or_else(|| panic!("no {key} in {printed}"))
+}
+
+/// `(id, api, peer)` of each `[[regions]]` entry of the effective config.
+fn regions(printed: &str) -> Vec<(String, String, String)> {
+    printed
+        .split("[[regions]]")
+        .skip(1)
+        .map(|entry| {
+            let field = |key: &str| {
+                entry
+                    .lines()
+                    .find_map(|l| l.strip_prefix(key)?.strip_prefix(" = "))
+                    .map(|v| v.trim_matches('"').to_string())
+                    .unwrap_or_else(|| panic!("no {key} in [[regions]]{entry}"))
+            };
+            (field("id"), field("api"), field("peer"))
+        })
+        .collect()
+}
+
+fn ip(addr: &str) -> &str {
+    addr.rsplit_once(':').map_or(addr, |(ip, _)| ip)
+}
+
+#[test]
+fn the_images_own_config_passes_check_config() {
+    let dockerfile = read(&repo().join("Dockerfile"));
+    let copied = dockerfile
+        .lines()
+        .filter_map(|l| l.strip_prefix("COPY "))
+        .find_map(|l| l.strip_suffix(" /etc/quotad/quotad.toml"))
+        .expect("the Dockerfile copies a default /etc/quotad/quotad.toml");
+    let printed = check_config(&repo().join(copied), &image_env());
+    // The image's addresses win over the file's loopback ones.
+    assert!(printed.contains("listen = \"0.0.0.0:7450\""), "{printed}");
+    assert!(
+        printed.contains("data_dir = \"/var/lib/quotad\""),
+        "{printed}"
+    );
+}
+
+#[test]
+fn compose_configs_pass_check_config_and_name_the_network_addresses() {
+    let deploy = repo().join("deploy");
+    let compose = read(&deploy.join("compose.yaml"));
+    let mut env = image_env();
+    env.extend(compose_env(&compose));
+    assert!(env.iter().any(|(k, _)| k == "QUOTAD_PEER_TOKEN"));
+
+    // Each quotad service (a key two spaces in under `services:`): the config it mounts and
+    // its fixed address on the network.
+    let mut services: BTreeMap<String, (Option<PathBuf>, Option<String>)> = BTreeMap::new();
+    let mut current = None;
+    for line in compose.lines() {
+        let indent = line.len() - line.trim_start().len();
+        if !line.trim().is_empty() && indent <= 2 {
+            current = (indent == 2)
+                .then(|| line.trim().strip_suffix(':'))
+                .flatten()
+                .filter(|name| name.starts_with("quotad-"))
+                .map(str::to_string);
+            continue;
+        }
+        let Some(service) = &current else { continue };
+        let entry = services.entry(service.clone()).or_default();
+        let line = line.trim();
+        if let Some(mount) = line.strip_prefix("- ./") {
+            if let Some(file) = mount.strip_suffix(":/etc/quotad/quotad.toml:ro") {
+                entry.0 = Some(deploy.join(file));
+            }
+        }
+        if let Some(addr) = line.strip_prefix("ipv4_address: ") {
+            entry.1 = Some(addr.to_string());
+        }
+    }
+    assert_eq!(services.len(), 3, "three regions: {services:?}");
+
+    let mut addresses = BTreeMap::new();
+    let mut named = Vec::new();
+    for (service, (file, addr)) in &services {
+        let file = file
+            .as_ref()
+            .unwrap_or_else(|| panic!("{service} mounts no config"));
+        let addr = addr
+            .clone()
+            .unwrap_or_else(|| panic!("{service} has no fixed address"));
+        let printed = check_config(file, &env);
+        let region = top_level(&printed, "region").to_string();
+        assert_eq!(format!("quotad-{region}"), *service, "{}", file.display());
+        assert!(
+            printed.contains(&format!("url = \"redis://redis-{region}:6379\""))
+                && compose.contains(&format!("\n  redis-{region}:\n")),
+            "{service} uses its region's Redis service"
+        );
+        addresses.insert(region, addr);
+        named.push(regions(&printed));
+    }
+    for members in named {
+        assert_eq!(members.len(), 3);
+        for (id, api, peer) in members {
+            assert_eq!(ip(&api), addresses[&id], "region {id}'s API address");
+            assert_eq!(ip(&peer), addresses[&id], "region {id}'s peer address");
+            assert!(
+                api.ends_with(":7450") && peer.ends_with(":7451"),
+                "{api} {peer}"
+            );
+        }
+    }
+}
+
+/// The literal block under `key: |` in one YAML document, dedented.
+fn literal_block(doc: &str, key: &str) -> Option<String> {
+    let mut lines = doc.lines().skip_while(|l| l.trim() != format!("{key}: |"));
+    let indent = lines.next()?.find(key)? + 2;
+    let block: Vec<_> = lines
+        .take_while(|l| l.trim().is_empty() || l.len() - l.trim_start().len() >= indent)
+        .map(|l| l.get(indent..).unwrap_or(""))
+        .collect();
+    Some(block.join("\n") + "\n")
+}
+
+/// `name` of a document's metadata (the first `name:` at two spaces).
+fn metadata_name(doc: &str) -> Option<&str> {
+    doc.lines().find_map(|l| l.strip_prefix("  name: "))
+}
+
+#[test]
+fn kubernetes_configmaps_pass_check_config_and_name_the_service_addresses() {
+    let dir = repo().join("deploy/kubernetes");
+    let kustomization = read(&dir.join("kustomization.yaml"));
+    let mut docs = Vec::new();
+    for entry in std::fs::read_dir(&dir).unwrap() {
+        let path = entry.unwrap().path();
+        let name = path.file_name().unwrap().to_string_lossy().into_owned();
+        if name.starts_with("region-") {
+            assert!(
+                kustomization.contains(&format!("\n  - {name}\n")),
+                "{name} is applied"
+            );
+            let text = read(&path);
+            docs.extend(text.split("\n---\n").map(str::to_string));
+        }
+    }
+    let kind = |doc: &str, k: &str| doc.lines().any(|l| l == format!("kind: {k}"));
+    // Every Service's cluster IP and its ports by name.
+    let mut services = BTreeMap::new();
+    for doc in docs.iter().filter(|d| kind(d, "Service")) {
+        let name = metadata_name(doc).unwrap().to_string();
+        let ip = doc
+            .lines()
+            .find_map(|l| l.trim().strip_prefix("clusterIP: "))
+            .unwrap_or_else(|| panic!("Service {name} has no fixed cluster IP"))
+            .to_string();
+        let lines: Vec<_> = doc.lines().map(str::trim).collect();
+        let ports: BTreeMap<_, _> = lines
+            .windows(2)
+            .filter_map(|w| Some((w[0].strip_prefix("- name: ")?, w[1].strip_prefix("port: ")?)))
+            .map(|(n, p)| (n.to_string(), p.to_string()))
+            .collect();
+        services.insert(name, (ip, ports));
+    }
+    let tmp = tempfile::tempdir().unwrap();
+    let mut regions_seen = Vec::new();
+    for sts in docs.iter().filter(|d| kind(d, "StatefulSet")) {
+        let name = metadata_name(sts).unwrap();
+        assert!(
+            sts.contains("\"/etc/quotad/quotad.toml\""),
+            "{name} runs the mounted config"
+        );
+        assert!(
+            sts.contains("mountPath: /etc/quotad\n"),
+            "{name} mounts its ConfigMap"
+        );
+        assert!(
+            sts.contains("mountPath: /var/lib/quotad\n"),
+            "{name} keeps its data on a volume"
+        );
+        let configmap = sts
+            .lines()
+            .skip_while(|l| l.trim() != "configMap:")
+            .nth(1)
+            .and_then(|l| l.trim().strip_prefix("name: "))
+            .unwrap_or_else(|| panic!("{name} mounts no ConfigMap"));
+        let toml = docs
+            .iter()
+            .filter(|d| kind(d, "ConfigMap") && metadata_name(d) == Some(configmap))
+            .find_map(|d| literal_block(d, "quotad.toml"))
+            .unwrap_or_else(|| panic!("no ConfigMap {configmap} with a quotad.toml"));
+        let file = tmp.path().join(format!("{configmap}.toml"));
+        std::fs::write(&file, toml).unwrap();
+
+        let mut env = image_env();
+        env.extend(kubernetes_env(sts));
+        assert!(
+            env.iter().any(|(k, _)| k == "QUOTAD_PEER_TOKEN"),
+            "{name} gives QUOTAD_PEER_TOKEN"
+        );
+        let printed = check_config(&file, &env);
+        let region = top_level(&printed, "region");
+        assert_eq!(format!("quotad-{region}"), name);
+        let members = regions(&printed);
+        assert_eq!(members.len(), 3, "{name}");
+        for (id, api, peer) in members {
+            for (service, port, addr) in [
+                (format!("quotad-{id}"), "api", &api),
+                (format!("quotad-{id}-peer"), "peer", &peer),
+            ] {
+                let (cluster_ip, ports) = services
+                    .get(&service)
+                    .unwrap_or_else(|| panic!("{name} names region {id}, which has no {service}"));
+                assert_eq!(
+                    *addr,
+                    format!("{cluster_ip}:{}", ports[port]),
+                    "{name}: region {id}'s {port} address is Service {service}'s"
+                );
+            }
+        }
+        regions_seen.push(region.to_string());
+    }
+    regions_seen.sort();
+    assert_eq!(regions_seen, ["a", "b", "c"]);
+}
+
+/// One connection answered with `status_line`, on a loopback port.
+fn answer_once(status_line: &'static str) -> (u16, std::thread::JoinHandle<()>) {
+    let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = listener.local_addr().unwrap().port();
+    let served = std::thread::spawn(move || {
+        let (mut conn, _) = listener.accept().unwrap();
+        // The whole request, as an HTTP server reads it before answering.
+        let mut request = Vec::new();
+        let mut buf = [0u8; 256];
+        while !request.ends_with(b"\r\n\r\n") {
+            match conn.read(&mut buf) {
+                Ok(0) | Err(_) => break,
+                Ok(n) => request.extend_from_slice(&buf[..n]),
+            }
+        }
+        assert!(request.starts_with(b"GET /readyz HTTP/1."), "{request:?}");
+        let _ = conn.write_all(format!("{status_line}\r\ncontent-length: 0\r\n\r\n").as_bytes());
+    });
+    (port, served)
+}
+
+fn ready_script(listen: &str) -> bool {
+    Command::new("bash")
+        .arg(repo().join("scripts/quotad-ready.sh"))
+        .env("QUOTAD_API_LISTEN", listen)
+        .output()
+        .expect("running bash")
+        .status
+        .success()
+}
+
+#[tokio::test]
+async fn the_images_health_check_follows_readyz() -> anyhow::Result<()> {
+    let mut daemon = Daemon::start(&embedded_config()).await?;
+    let port = daemon.api_port;
+    let script = |listen: String| tokio::task::spawn_blocking(move || ready_script(&listen));
+    assert!(script(format!("127.0.0.1:{port}")).await?, "ready daemon");
+    assert!(
+        script(format!("0.0.0.0:{port}")).await?,
+        "every interface is reached on loopback"
+    );
+    daemon.terminate(std::time::Duration::from_secs(20)).await?;
+    assert!(
+        !script(format!("127.0.0.1:{port}")).await?,
+        "nothing listening"
+    );
+
+    let (port, served) = answer_once("HTTP/1.1 503 Service Unavailable");
+    assert!(
+        !script(format!("127.0.0.1:{port}")).await?,
+        "draining answers 503"
+    );
+    served.join().unwrap();
+    let (port, served) = answer_once("HTTP/1.1 200 OK");
+    assert!(script(format!("127.0.0.1:{port}")).await?, "200 is ready");
+    served.join().unwrap();
+    Ok(())
+}
