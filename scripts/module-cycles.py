@@ -2,7 +2,7 @@
 """Checks the import structure of every crate in the workspace: no module circles, and in quotad
 no domain module importing from the API layer.
 
-Usage: python3 scripts/module-cycles.py [--include-tests] [--edges]
+Usage: python3 scripts/module-cycles.py [--include-tests] [--edges] [--root DIR]
 Exit status: 0 when clean, 1 when any crate has a circle or quotad breaks the layer rule.
 
 How it reads the code (Python 3.11 standard library only, no compiler):
@@ -15,7 +15,12 @@ How it reads the code (Python 3.11 standard library only, no compiler):
   code. The path is resolved to the longest prefix that is a module; a name re-exported by a
   `pub use` (in lib.rs or a mod.rs facade) is followed to the module that defines it, so a
   re-export is an alias, not a dependency of the re-exporting module. Comments, strings and
-  `$crate::` in macros are ignored. A parent declaring `mod child;` is not an edge.
+  `$crate::` in macros are ignored.
+- A module using its own submodules (a folder's mod.rs building its children, the crate root
+  wiring everything) is containment, not an edge: the folder owns them. Its children using
+  `super::` items (a trait, shared types) are edges, so a circle needs a path through a module
+  the parent does not contain, which is what makes two parts impossible to read or change
+  apart.
 - Test code is left out: `#[cfg(test)] mod name { ... }` blocks and files declared by
   `#[cfg(test)] mod name;`. Unit tests beside the code may import their siblings' helpers; that
   is a test-build dependency, not a circle in the product's structure. `--include-tests` counts
@@ -53,6 +58,7 @@ class Module:
     children: dict[str, str] = field(default_factory=dict)  # name -> module path
     reexports: dict[str, str] = field(default_factory=dict)  # name -> full path it aliases
     uses: list[tuple[list[str], bool, int]] = field(default_factory=list)  # (path, is_pub, pos)
+    inline_mods: list[tuple[int, int]] = field(default_factory=list)  # spans of `mod x { }`
 
 
 def strip_comments_and_strings(src: str) -> str:
@@ -233,19 +239,20 @@ def load_target(crate: str, kind: str, root_file: Path, include_tests: bool) -> 
             if any(a <= m.start() < b for a, b in use_spans):
                 continue  # already read as a use
             mod.uses.append((m.group(1).split("::"), False, m.start()))
-        mod.spans = spans  # type: ignore[attr-defined]
+        mod.inline_mods = spans
 
     load("crate", root_file, False)
     tgt = Target(crate, kind, modules)
     for mod in modules.values():
-        for segs, is_pub, _ in mod.uses:
-            if is_pub and segs[-1] != "*":
-                mod.reexports[segs[-1]] = "::".join(absolute(tgt, mod, segs, 0) or [])
+        for segs, is_pub, pos in mod.uses:
+            full = absolute(tgt, mod, segs, pos) if is_pub and segs[-1] != "*" else None
+            if full:
+                mod.reexports[segs[-1]] = "::".join(full)
     return tgt
 
 
 def inline_depth(mod: Module, pos: int) -> int:
-    return sum(1 for a, b in mod.spans if a < pos < b)  # type: ignore[attr-defined]
+    return sum(1 for a, b in mod.inline_mods if a < pos < b)
 
 
 def parent_of(path: str) -> str:
@@ -304,9 +311,14 @@ def edges(tgt: Target) -> dict[str, set[str]]:
                 # a re-export aliases its target; the importer depends on the target instead
                 continue
             dst = resolve(tgt, full)
-            if dst and dst != mod.path:
+            if dst and dst != mod.path and not contains(mod.path, dst):
                 graph[mod.path].add(dst)
     return graph
+
+
+def contains(parent: str, path: str) -> bool:
+    """True when `path` is one of `parent`'s descendants (everything is the root's)."""
+    return parent == "crate" or path.startswith(parent + "::")
 
 
 def tarjan(graph: dict[str, set[str]]) -> list[list[str]]:
@@ -382,10 +394,13 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--include-tests", action="store_true", help="count unit-test modules too")
     ap.add_argument("--edges", action="store_true", help="print every module's imports")
+    ap.add_argument("--root", type=Path, default=ROOT, help="the workspace (default: this one)")
     args = ap.parse_args()
 
-    ws = tomllib.loads((ROOT / "Cargo.toml").read_text(encoding="utf-8"))["workspace"]
-    members = [m for pat in ws["members"] for m in sorted(ROOT.glob(pat)) if (m / "Cargo.toml").exists()]
+    ws = tomllib.loads((args.root / "Cargo.toml").read_text(encoding="utf-8"))["workspace"]
+    members = [
+        m for pat in ws["members"] for m in sorted(args.root.glob(pat)) if (m / "Cargo.toml").exists()
+    ]
     failed = False
     for member in members:
         for tgt in targets_of(member, args.include_tests):

@@ -276,3 +276,27 @@ pub fn plot_scenario(dir: &Path, run: &ScenarioRun) -> Result<(), PlotError> {
     };
     draw(&dir.join(format!("{name}_overshoot.svg")), &overshoot)
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_strategy_has_its_own_colour_apart_from_the_references() {
+        let colors: Vec<RGBColor> = StrategyKind::ALL
+            .iter()
+            .map(|k| strategy_color(k.name()))
+            .collect();
+        for (i, a) in colors.iter().enumerate() {
+            // Grey (equal channels) is the ideal's and black the references'.
+            assert!(
+                !(a.0 == a.1 && a.1 == a.2),
+                "{:?} is grey",
+                StrategyKind::ALL[i]
+            );
+            for b in &colors[i + 1..] {
+                assert_ne!(a, b);
+            }
+        }
+    }
+}
