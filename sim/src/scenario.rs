@@ -439,18 +439,8 @@ impl Scenario {
         });
         let w = weights(span.n, Some(0), 0.6);
         let rate = 10.0 * limit as f64 * 1000.0 / WINDOW_MS as f64;
-        let (from, until) = (0, span.d);
-        let sources = &mut self.sources;
-        spread(
-            sources,
-            tenant,
-            rate,
-            &w,
-            from,
-            until,
-            Shape::Constant,
-            Cost::UNIT,
-        );
+        let (shape, cost) = (Shape::Constant, Cost::UNIT);
+        spread(&mut self.sources, tenant, rate, &w, 0, span.d, shape, cost);
         Ok(())
     }
 
@@ -478,17 +468,8 @@ impl Scenario {
             } else {
                 weights(n, None, 0.0)
             };
-            let sources = &mut self.sources;
-            spread(
-                sources,
-                tenant,
-                5.0,
-                &w,
-                from,
-                until,
-                Shape::Constant,
-                Cost::UNIT,
-            );
+            let (shape, cost) = (Shape::Constant, Cost::UNIT);
+            spread(&mut self.sources, tenant, 5.0, &w, from, until, shape, cost);
         }
         Ok(())
     }
@@ -511,17 +492,8 @@ impl Scenario {
         for (tenant, t) in self.tenants.iter().enumerate() {
             let rate = 3.0 * t.policy.limit as f64 * 1000.0 / WINDOW_MS as f64;
             let (shape, cost) = (Shape::Constant, Cost::UNIT);
-            let sources = &mut self.sources;
-            spread(
-                sources,
-                tenant as u32,
-                rate,
-                &w,
-                surge_from,
-                until_ms,
-                shape,
-                cost,
-            );
+            let (sources, tenant) = (&mut self.sources, tenant as u32);
+            spread(sources, tenant, rate, &w, surge_from, until_ms, shape, cost);
         }
         self.shifts_ms.push(until_ms);
     }

@@ -5,7 +5,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use axum::Router;
-use openraft::error::{CheckIsLeaderError, InitializeError, RaftError};
+use openraft::error::{CheckIsLeaderError, ClientWriteError, InitializeError, RaftError};
 use openraft::ServerState;
 use quota_core::coordinator::{Command, CoordinatorState, Response};
 use serde::Serialize;
