@@ -214,56 +214,67 @@ impl Control {
             agents: Vec::new(),
             rejected_commands: 0,
         };
+        c.boot(tenants, policies);
+        for r in 0..n {
+            c.add_agent(world, r, tenants.len());
+        }
+        c
+    }
+
+    /// Commits, at time 0, the lease config, every region and every tenant's policy, then a
+    /// first lease for each region.
+    fn boot(&mut self, tenants: &[Tenant], policies: impl Fn(&Tenant) -> Policy) {
         let lease = LeaseConfig {
-            lease_ms: cfg.lease_ms,
-            drift_margin_ms: cfg.drift_margin_ms,
+            lease_ms: self.cfg.lease_ms,
+            drift_margin_ms: self.cfg.drift_margin_ms,
         };
         let mut boot = vec![Operation::SetLeaseConfig { config: lease }];
-        for id in &c.region_ids {
+        for id in &self.region_ids {
             boot.push(Operation::PutRegion {
                 region: id.clone(),
                 reserves_floor: true,
                 draining: false,
             });
         }
-        for (key, t) in c.keys.iter().zip(tenants) {
+        for (key, t) in self.keys.iter().zip(tenants) {
             boot.push(Operation::PutPolicy {
                 key: key.clone(),
                 policy: policies(t),
             });
         }
         for op in boot {
-            c.commit_now(0, op);
+            self.commit_now(0, op);
         }
-        for r in 0..n {
-            let acked_epoch = c.committed.epoch;
-            c.commit_now(
+        for r in 0..self.region_ids.len() {
+            let acked_epoch = self.committed.epoch;
+            self.commit_now(
                 0,
                 Operation::RenewLease {
-                    region: c.region_ids[r].clone(),
+                    region: self.region_ids[r].clone(),
                     acked_epoch,
                 },
             );
         }
-        for r in 0..n {
-            let mut agent = RegionAgent {
-                replica: c.committed.clone(),
-                applied: c.log.len(),
-                view: RegionView::new(),
-                grants: Vec::new(),
-                homes: Vec::new(),
-                usage: vec![Usage::default(); tenants.len()],
-            };
-            agent.view.on_applied(c.committed.epoch);
-            agent.view.on_renewal(RegionLease {
-                epoch: c.committed.epoch,
-                start_local_ms: world.local_ms(r, 0),
-                lease_ms: cfg.lease_ms,
-            });
-            c.agents.push(agent);
-            c.refresh_grants(r);
-        }
-        c
+    }
+
+    /// Region `r`'s agent, starting from the booted state with its first lease.
+    fn add_agent(&mut self, world: &World, r: RegionIx, tenants: usize) {
+        let mut agent = RegionAgent {
+            replica: self.committed.clone(),
+            applied: self.log.len(),
+            view: RegionView::new(),
+            grants: Vec::new(),
+            homes: Vec::new(),
+            usage: vec![Usage::default(); tenants],
+        };
+        agent.view.on_applied(self.committed.epoch);
+        agent.view.on_renewal(RegionLease {
+            epoch: self.committed.epoch,
+            start_local_ms: world.local_ms(r, 0),
+            lease_ms: self.cfg.lease_ms,
+        });
+        self.agents.push(agent);
+        self.refresh_grants(r);
     }
 
     fn request_id(&mut self) -> RequestId {

@@ -3,7 +3,7 @@
 
 use serde::Serialize;
 
-use crate::world::RegionIx;
+use crate::region::RegionIx;
 
 /// One fault over the half-open virtual interval `[from_ms, until_ms)`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]

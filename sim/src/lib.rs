@@ -8,6 +8,7 @@
 //! virtual, so the same seed and options print the same bytes.
 //!
 //! # Layout
+//! - [`region`]: the region index the world and the faults share.
 //! - [`world`]: regions, latency matrix, clocks with drift, fault queries.
 //! - [`faults`]: the fault schedule (partitions, crashes, Redis outages).
 //! - [`traffic`]: tenants, sources and the arrivals of each tick.
@@ -25,6 +26,7 @@ pub mod faults;
 pub mod metrics;
 pub mod options;
 pub mod plot;
+pub mod region;
 pub mod regional_store;
 pub mod report;
 pub mod scenario;

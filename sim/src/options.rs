@@ -197,45 +197,8 @@ impl Options {
             10,
             3_600_000,
         );
-        if !(1..=100).contains(&self.tick_ms) || !1000u64.is_multiple_of(self.tick_ms) {
-            e.push(format!(
-                "--tick-ms must divide 1000 and be at most 100 (got {})",
-                self.tick_ms
-            ));
-        }
-        if !self.floor.is_finite()
-            || self.floor < 0.0
-            || self.floor * self.regions.max(1) as f64 > 1.0
-        {
-            e.push(format!(
-                "--floor must be between 0 and 1/regions = {:.4} (got {})",
-                1.0 / self.regions.max(1) as f64,
-                self.floor
-            ));
-        }
-        if self.tenants == 0 || self.tenants > 100_000 {
-            e.push(format!(
-                "--tenants must be between 1 and 100000 (got {})",
-                self.tenants
-            ));
-        }
-        for kind in self.scenarios() {
-            if self.regions < kind.min_regions() {
-                e.push(format!(
-                    "--regions {} is too few for scenario {kind} (needs {}); choose others with \
-                     --scenario",
-                    self.regions,
-                    kind.min_regions()
-                ));
-            }
-            if duration_ms < kind.min_duration_ms() {
-                e.push(format!(
-                    "--duration {} is too short for scenario {kind} (needs {} s)",
-                    self.duration,
-                    kind.min_duration_ms() / 1000
-                ));
-            }
-        }
+        self.check_counts(&mut e);
+        self.check_scenarios(duration_ms, &mut e);
         if self.jobs == Some(0) {
             e.push("--jobs must be at least 1".to_string());
         }
@@ -260,6 +223,53 @@ impl Options {
             global_fail_open: self.global_fail == GlobalFail::Open,
             warmup_ms,
         })
+    }
+
+    /// The tick, the floor and the tenant count, each problem pushed to `e`.
+    fn check_counts(&self, e: &mut Vec<String>) {
+        if !(1..=100).contains(&self.tick_ms) || !1000u64.is_multiple_of(self.tick_ms) {
+            e.push(format!(
+                "--tick-ms must divide 1000 and be at most 100 (got {})",
+                self.tick_ms
+            ));
+        }
+        if !self.floor.is_finite()
+            || self.floor < 0.0
+            || self.floor * self.regions.max(1) as f64 > 1.0
+        {
+            e.push(format!(
+                "--floor must be between 0 and 1/regions = {:.4} (got {})",
+                1.0 / self.regions.max(1) as f64,
+                self.floor
+            ));
+        }
+        if self.tenants == 0 || self.tenants > 100_000 {
+            e.push(format!(
+                "--tenants must be between 1 and 100000 (got {})",
+                self.tenants
+            ));
+        }
+    }
+
+    /// Whether every chosen scenario fits the regions and the duration.
+    fn check_scenarios(&self, duration_ms: u64, e: &mut Vec<String>) {
+        for kind in self.scenarios() {
+            if self.regions < kind.min_regions() {
+                e.push(format!(
+                    "--regions {} is too few for scenario {kind} (needs {}); choose others with \
+                     --scenario",
+                    self.regions,
+                    kind.min_regions()
+                ));
+            }
+            if duration_ms < kind.min_duration_ms() {
+                e.push(format!(
+                    "--duration {} is too short for scenario {kind} (needs {} s)",
+                    self.duration,
+                    kind.min_duration_ms() / 1000
+                ));
+            }
+        }
     }
 
     /// The command line that reproduces a run of one scenario and strategy with these options.

@@ -209,13 +209,21 @@ fn spread(
     }
 }
 
-impl Scenario {
-    /// Builds `kind` with `opts`, drawing every random choice from `rng`.
-    pub fn build(
-        kind: ScenarioKind,
-        opts: &ScenarioOptions,
-        rng: &mut ChaCha8Rng,
-    ) -> Result<Self, ScenarioError> {
+/// The shape of one run that every part of a scenario is laid out against.
+struct Span {
+    kind: ScenarioKind,
+    /// Regions.
+    n: usize,
+    /// The run's length.
+    d: u64,
+    /// Fault windows start at 30% of the run.
+    fault_from: u64,
+    /// How each tenant's steady demand is spread over the regions.
+    base_weights: Vec<f64>,
+}
+
+impl Span {
+    fn new(kind: ScenarioKind, opts: &ScenarioOptions) -> Result<Self, ScenarioError> {
         use ScenarioKind as K;
         let n = opts.regions;
         let d = opts.duration_ms;
@@ -235,240 +243,259 @@ impl Scenario {
                 duration_ms: d,
             });
         }
-        // Fault windows: start at 30% of the run, last a minute (partition) or 30 s, or less in
-        // short runs.
-        let fault_from = d * 3 / 10;
-        let fault_len = |full: u64| full.min(d * 3 / 10);
         let hot_region = (n > 1).then_some(1 % n);
         let base_weights = match kind {
             K::Skewed | K::ClockDrift => weights(n, hot_region, 0.8),
             K::LeaderCrash => weights(n, hot_region, 0.8),
             _ => weights(n, None, 0.0),
         };
+        Ok(Self {
+            kind,
+            n,
+            d,
+            fault_from: d * 3 / 10,
+            base_weights,
+        })
+    }
 
-        let mut tenants = Vec::new();
-        let mut sources = Vec::new();
-        let mut faults = Faults::default();
-        let mut shifts_ms = Vec::new();
-        let mut drift_ppm = None;
+    /// A fault lasts a minute (partition) or 30 s, or less in short runs.
+    fn fault_len(&self, full: u64) -> u64 {
+        full.min(self.d * 3 / 10)
+    }
+}
+
+impl Scenario {
+    /// Builds `kind` with `opts`, drawing every random choice from `rng`.
+    pub fn build(
+        kind: ScenarioKind,
+        opts: &ScenarioOptions,
+        rng: &mut ChaCha8Rng,
+    ) -> Result<Self, ScenarioError> {
+        let span = Span::new(kind, opts)?;
+        let mut scenario = Self {
+            kind,
+            tenants: Vec::new(),
+            sources: Vec::new(),
+            faults: Faults::default(),
+            shifts_ms: Vec::new(),
+            drift_ppm: None,
+        };
         for k in 0..opts.tenants {
-            let limit = LIMITS[k % LIMITS.len()];
-            // One tenant in eight is critical (half of them greedy): `quotad_pinned` pins it to
-            // its busiest region.
-            let critical = k % 8 == 6 || k % 16 == 7;
-            let tier = if critical {
-                Tier::Critical
-            } else {
-                Tier::Standard
-            };
-            let mut p = policy(limit, opts.floor, tier)?;
-            p.fail_mode = opts.fail_mode;
-            let greedy = k % 4 == 3;
-            let per_s = limit as f64 * 1000.0 / WINDOW_MS as f64;
-            let demand = match (kind, greedy) {
-                (K::MinuteBursts, _) => 0.0,
-                (K::Partition, _) => rng.random_range(0.3..0.8),
-                (K::RetryStorm, true) => 20.0,
-                (_, true) => 2.0,
-                (_, false) => rng.random_range(0.3..0.8),
-            };
-            let tenant = tenants.len() as u32;
-            let (cost, mean_cost) = match kind {
-                K::HeavyCost => (
-                    Cost {
-                        base: 1,
-                        heavy: 50,
-                        p_heavy: 0.02,
-                    },
-                    0.98 + 50.0 * 0.02,
-                ),
-                _ => (Cost::UNIT, 1.0),
-            };
-            let rate = demand * per_s / mean_cost;
-            tenants.push(Tenant { policy: p });
-            match kind {
-                K::FollowTheSun => {
-                    let mut from = 0;
-                    let mut period = 0;
-                    while from < d {
-                        let until = (from + SUN_PERIOD_MS).min(d);
-                        let w = weights(n, Some(period % n), 0.8);
-                        spread(
-                            &mut sources,
-                            tenant,
-                            rate,
-                            &w,
-                            from,
-                            until,
-                            Shape::Constant,
-                            cost,
-                        );
-                        from = until;
-                        period += 1;
-                    }
-                }
-                K::LeaderCrash => {
-                    let shift = fault_from + 5_000;
-                    let later = weights(n, Some(2 % n), 0.8);
+            scenario.add_tenant(&span, k, opts, rng)?;
+        }
+        scenario.add_events(&span, opts, rng)?;
+        Ok(scenario)
+    }
+
+    /// The `k`-th of the run's ordinary tenants and its traffic.
+    fn add_tenant(
+        &mut self,
+        span: &Span,
+        k: usize,
+        opts: &ScenarioOptions,
+        rng: &mut ChaCha8Rng,
+    ) -> Result<(), ScenarioError> {
+        use ScenarioKind as K;
+        let limit = LIMITS[k % LIMITS.len()];
+        // One tenant in eight is critical (half of them greedy): `quotad_pinned` pins it to
+        // its busiest region.
+        let critical = k % 8 == 6 || k % 16 == 7;
+        let tier = if critical {
+            Tier::Critical
+        } else {
+            Tier::Standard
+        };
+        let mut p = policy(limit, opts.floor, tier)?;
+        p.fail_mode = opts.fail_mode;
+        let greedy = k % 4 == 3;
+        let per_s = limit as f64 * 1000.0 / WINDOW_MS as f64;
+        let demand = match (span.kind, greedy) {
+            (K::MinuteBursts, _) => 0.0,
+            (K::Partition, _) => rng.random_range(0.3..0.8),
+            (K::RetryStorm, true) => 20.0,
+            (_, true) => 2.0,
+            (_, false) => rng.random_range(0.3..0.8),
+        };
+        let tenant = self.tenants.len() as u32;
+        let (cost, mean_cost) = match span.kind {
+            K::HeavyCost => (
+                Cost {
+                    base: 1,
+                    heavy: 50,
+                    p_heavy: 0.02,
+                },
+                0.98 + 50.0 * 0.02,
+            ),
+            _ => (Cost::UNIT, 1.0),
+        };
+        let rate = demand * per_s / mean_cost;
+        self.tenants.push(Tenant { policy: p });
+        self.add_tenant_sources(span, tenant, limit, rate, cost);
+        Ok(())
+    }
+
+    /// Where and when an ordinary tenant's demand arrives, by scenario.
+    fn add_tenant_sources(&mut self, span: &Span, tenant: u32, limit: u64, rate: f64, cost: Cost) {
+        use ScenarioKind as K;
+        let (n, d) = (span.n, span.d);
+        let sources = &mut self.sources;
+        match span.kind {
+            K::FollowTheSun => {
+                let mut from = 0;
+                let mut period = 0;
+                while from < d {
+                    let until = (from + SUN_PERIOD_MS).min(d);
+                    let w = weights(n, Some(period % n), 0.8);
                     spread(
-                        &mut sources,
+                        sources,
                         tenant,
                         rate,
-                        &base_weights,
-                        0,
-                        shift,
+                        &w,
+                        from,
+                        until,
                         Shape::Constant,
                         cost,
                     );
-                    spread(
-                        &mut sources,
-                        tenant,
-                        rate,
-                        &later,
-                        shift,
-                        d,
-                        Shape::Constant,
-                        cost,
-                    );
+                    from = until;
+                    period += 1;
                 }
-                K::MinuteBursts => {
-                    // Each region's clients try 1.5× the whole burst within the first second.
-                    let burst = vec![1.5 * limit as f64; n];
-                    let shape = Shape::MinuteBurst { burst_ms: 1_000 };
-                    spread(&mut sources, tenant, 1.0, &burst, 0, d, shape, cost);
-                }
-                _ => spread(
-                    &mut sources,
+            }
+            K::LeaderCrash => {
+                let shift = span.fault_from + 5_000;
+                let later = weights(n, Some(2 % n), 0.8);
+                let base = &span.base_weights;
+                spread(sources, tenant, rate, base, 0, shift, Shape::Constant, cost);
+                spread(
+                    sources,
                     tenant,
                     rate,
-                    &base_weights,
-                    0,
+                    &later,
+                    shift,
                     d,
                     Shape::Constant,
                     cost,
-                ),
-            }
-        }
-        match kind {
-            K::FollowTheSun => {
-                shifts_ms = (SUN_PERIOD_MS..d).step_by(SUN_PERIOD_MS as usize).collect();
-            }
-            K::HotTenant => {
-                let tenant = tenants.len() as u32;
-                let limit = 60_000;
-                tenants.push(Tenant {
-                    policy: policy(limit, opts.floor, Tier::Standard)?,
-                });
-                let w = weights(n, Some(0), 0.6);
-                let rate = 10.0 * limit as f64 * 1000.0 / WINDOW_MS as f64;
-                spread(
-                    &mut sources,
-                    tenant,
-                    rate,
-                    &w,
-                    0,
-                    d,
-                    Shape::Constant,
-                    Cost::UNIT,
                 );
             }
-            K::OneShot => {
-                let mut p = policy(10, opts.floor, Tier::Standard)?;
-                p.fail_mode = opts.fail_mode;
-                let regions: Vec<RegionIx> = (0..n).collect();
-                for k in 0..2_000u32 {
-                    let tenant = tenants.len() as u32;
-                    tenants.push(Tenant { policy: p.clone() });
-                    let from = rng.random_range(0..d.saturating_sub(2_000).max(1));
-                    let until = from + 2_000;
-                    if k % 2 == 0 {
-                        let region = *regions.choose(rng).expect("at least one region");
-                        let mut w = vec![0.0; n];
-                        w[region] = 1.0;
-                        spread(
-                            &mut sources,
-                            tenant,
-                            5.0,
-                            &w,
-                            from,
-                            until,
-                            Shape::Constant,
-                            Cost::UNIT,
-                        );
-                    } else {
-                        let w = weights(n, None, 0.0);
-                        spread(
-                            &mut sources,
-                            tenant,
-                            5.0,
-                            &w,
-                            from,
-                            until,
-                            Shape::Constant,
-                            Cost::UNIT,
-                        );
-                    }
-                }
+            K::MinuteBursts => {
+                // Each region's clients try 1.5× the whole burst within the first second.
+                let burst = vec![1.5 * limit as f64; n];
+                let shape = Shape::MinuteBurst { burst_ms: 1_000 };
+                spread(sources, tenant, 1.0, &burst, 0, d, shape, cost);
             }
-            K::Partition => {
-                let len = fault_len(90_000);
-                let until_ms = fault_from + len;
-                faults.list.push(Fault::Isolate {
-                    region: n - 1,
-                    from_ms: fault_from,
-                    until_ms,
-                });
-                // The surge comes once the majority has had time to reassign the silent
-                // region's share, with every bucket refilled: what the cut-off region still
-                // enforces then is spent twice unless it stopped at its lease.
-                let surge_from = fault_from + len * 4 / 9;
-                let w = weights(n, None, 0.0);
-                for (tenant, t) in tenants.iter().enumerate() {
-                    let rate = 3.0 * t.policy.limit as f64 * 1000.0 / WINDOW_MS as f64;
-                    let (shape, cost) = (Shape::Constant, Cost::UNIT);
-                    spread(
-                        &mut sources,
-                        tenant as u32,
-                        rate,
-                        &w,
-                        surge_from,
-                        until_ms,
-                        shape,
-                        cost,
-                    );
-                }
-                shifts_ms.push(until_ms);
+            _ => {
+                let base = &span.base_weights;
+                spread(sources, tenant, rate, base, 0, d, Shape::Constant, cost);
             }
+        }
+    }
+
+    /// What a scenario adds once its ordinary tenants exist: extra tenants, faults, shifts.
+    fn add_events(
+        &mut self,
+        span: &Span,
+        opts: &ScenarioOptions,
+        rng: &mut ChaCha8Rng,
+    ) -> Result<(), ScenarioError> {
+        use ScenarioKind as K;
+        let (n, d, fault_from) = (span.n, span.d, span.fault_from);
+        match span.kind {
+            K::FollowTheSun => {
+                self.shifts_ms = (SUN_PERIOD_MS..d).step_by(SUN_PERIOD_MS as usize).collect();
+            }
+            K::HotTenant => self.add_hot_tenant(span, opts)?,
+            K::OneShot => self.add_one_shot_tenants(span, opts, rng)?,
+            K::Partition => self.add_partition(span),
             K::LeaderCrash => {
-                let until_ms = fault_from + fault_len(30_000);
-                faults.list.push(Fault::Crash {
+                let until_ms = fault_from + span.fault_len(30_000);
+                self.faults.list.push(Fault::Crash {
                     region: 0,
                     from_ms: fault_from,
                     until_ms,
                 });
-                shifts_ms.push(fault_from + 5_000);
+                self.shifts_ms.push(fault_from + 5_000);
             }
             K::RedisOutage => {
-                let until_ms = fault_from + fault_len(30_000);
-                faults.list.push(Fault::RedisOutage {
+                let until_ms = fault_from + span.fault_len(30_000);
+                self.faults.list.push(Fault::RedisOutage {
                     region: 1,
                     from_ms: fault_from,
                     until_ms,
                 });
             }
             K::ClockDrift => {
-                drift_ppm = Some((0..n).map(|r| [2_000, -2_000, 1_000][r % 3]).collect());
+                self.drift_ppm = Some((0..n).map(|r| [2_000, -2_000, 1_000][r % 3]).collect());
             }
             _ => {}
         }
-        Ok(Self {
-            kind,
-            tenants,
-            sources,
-            faults,
-            shifts_ms,
-            drift_ppm,
-        })
+        Ok(())
+    }
+
+    /// `hot_tenant`: one more tenant sending ten times its limit, mostly in region 0.
+    fn add_hot_tenant(&mut self, span: &Span, opts: &ScenarioOptions) -> Result<(), ScenarioError> {
+        let tenant = self.tenants.len() as u32;
+        let limit = 60_000;
+        self.tenants.push(Tenant {
+            policy: policy(limit, opts.floor, Tier::Standard)?,
+        });
+        let w = weights(span.n, Some(0), 0.6);
+        let rate = 10.0 * limit as f64 * 1000.0 / WINDOW_MS as f64;
+        let (shape, cost) = (Shape::Constant, Cost::UNIT);
+        spread(&mut self.sources, tenant, rate, &w, 0, span.d, shape, cost);
+        Ok(())
+    }
+
+    /// `one_shot`: 2 000 tiny tenants, each active for two seconds, half of them in one region.
+    fn add_one_shot_tenants(
+        &mut self,
+        span: &Span,
+        opts: &ScenarioOptions,
+        rng: &mut ChaCha8Rng,
+    ) -> Result<(), ScenarioError> {
+        let (n, d) = (span.n, span.d);
+        let mut p = policy(10, opts.floor, Tier::Standard)?;
+        p.fail_mode = opts.fail_mode;
+        let regions: Vec<RegionIx> = (0..n).collect();
+        for k in 0..2_000u32 {
+            let tenant = self.tenants.len() as u32;
+            self.tenants.push(Tenant { policy: p.clone() });
+            let from = rng.random_range(0..d.saturating_sub(2_000).max(1));
+            let until = from + 2_000;
+            let w = if k % 2 == 0 {
+                let region = *regions.choose(rng).expect("at least one region");
+                let mut w = vec![0.0; n];
+                w[region] = 1.0;
+                w
+            } else {
+                weights(n, None, 0.0)
+            };
+            let (shape, cost) = (Shape::Constant, Cost::UNIT);
+            spread(&mut self.sources, tenant, 5.0, &w, from, until, shape, cost);
+        }
+        Ok(())
+    }
+
+    /// `partition`: the last region cut off, and a surge everywhere once the majority has had
+    /// time to reassign the silent region's share.
+    fn add_partition(&mut self, span: &Span) {
+        let (n, fault_from) = (span.n, span.fault_from);
+        let len = span.fault_len(90_000);
+        let until_ms = fault_from + len;
+        self.faults.list.push(Fault::Isolate {
+            region: n - 1,
+            from_ms: fault_from,
+            until_ms,
+        });
+        // The surge comes with every bucket refilled: what the cut-off region still enforces
+        // then is spent twice unless it stopped at its lease.
+        let surge_from = fault_from + len * 4 / 9;
+        let w = weights(n, None, 0.0);
+        for (tenant, t) in self.tenants.iter().enumerate() {
+            let rate = 3.0 * t.policy.limit as f64 * 1000.0 / WINDOW_MS as f64;
+            let (shape, cost) = (Shape::Constant, Cost::UNIT);
+            let (sources, tenant) = (&mut self.sources, tenant as u32);
+            spread(sources, tenant, rate, &w, surge_from, until_ms, shape, cost);
+        }
+        self.shifts_ms.push(until_ms);
     }
 }
 

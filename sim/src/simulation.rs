@@ -11,7 +11,7 @@ use serde::Serialize;
 use crate::control::ControlConfig;
 use crate::metrics::{Recorder, Second, Shadow, Summary};
 use crate::scenario::{Scenario, ScenarioError, ScenarioKind, ScenarioOptions, WINDOW_MS};
-use crate::strategy::{self, Setup, StrategyKind};
+use crate::strategy::{self, Setup, Strategy, StrategyKind};
 use crate::traffic::Arrivals;
 use crate::world::{World, WorldSpec};
 
@@ -81,20 +81,7 @@ pub fn run_scenario(
         fail_mode: cfg.fail_mode,
     };
     let scenario = Scenario::build(kind, &opts, &mut rng_for(cfg.seed, kind.name()))?;
-    let spec = WorldSpec {
-        regions: cfg.regions,
-        ..WorldSpec::default()
-    };
-    let mut world = World::new(
-        &spec,
-        scenario.faults.clone(),
-        &mut rng_for(cfg.seed, "world"),
-    );
-    if let Some(drift) = &scenario.drift_ppm {
-        for (clock, &ppm) in world.clocks.iter_mut().zip(drift) {
-            clock.drift_ppm = ppm;
-        }
-    }
+    let world = build_world(cfg, &scenario);
     let tenants = &scenario.tenants;
     let setup = Setup {
         tenants,
@@ -118,37 +105,15 @@ pub fn run_scenario(
             )
         })
         .collect();
-    let mut shadow = Shadow::new(tenants);
-    let mut arrivals = Arrivals::new(scenario.sources.clone(), rng_for(cfg.seed, "arrivals"));
-    let mut ideal_per_s = vec![0u64; cfg.duration_ms.div_ceil(1000) as usize];
-    let mut requests = Vec::new();
-    let mut shadow_ok = Vec::new();
-    let mut decisions = 0u64;
     let started = Instant::now();
-    let mut t = 0;
-    while t < cfg.duration_ms {
-        arrivals.tick(t, cfg.tick_ms, &mut requests);
-        shadow_ok.clear();
-        for r in &requests {
-            let ok = shadow.decide(t, r);
-            if ok {
-                ideal_per_s[(t / 1000) as usize] += u64::from(r.cost);
-            }
-            shadow_ok.push(ok);
-        }
-        for (s, rec) in strats.iter_mut().zip(&mut recorders) {
-            s.advance(&world, t);
-            for (r, &ok) in requests.iter().zip(&shadow_ok) {
-                let v = s.decide(&world, t, r);
-                rec.record(t, r, ok, v.allowed, v.latency_us);
-            }
-        }
-        decisions += requests.len() as u64 * (strats.len() as u64 + 1);
-        t += cfg.tick_ms;
-        if t % 1000 < cfg.tick_ms {
-            progress(1);
-        }
-    }
+    let (ideal_per_s, decisions) = run_ticks(
+        cfg,
+        &scenario,
+        &world,
+        &mut strats,
+        &mut recorders,
+        progress,
+    );
     let wall_s = started.elapsed().as_secs_f64();
     let budget_tokens_per_s = tenants
         .iter()
@@ -173,4 +138,66 @@ pub fn run_scenario(
         decisions,
         wall_s,
     })
+}
+
+/// The scenario's world: its regions and faults, with the scenario's clock drifts if any.
+fn build_world(cfg: &RunConfig, scenario: &Scenario) -> World {
+    let spec = WorldSpec {
+        regions: cfg.regions,
+        ..WorldSpec::default()
+    };
+    let mut world = World::new(
+        &spec,
+        scenario.faults.clone(),
+        &mut rng_for(cfg.seed, "world"),
+    );
+    if let Some(drift) = &scenario.drift_ppm {
+        for (clock, &ppm) in world.clocks.iter_mut().zip(drift) {
+            clock.drift_ppm = ppm;
+        }
+    }
+    world
+}
+
+/// Every tick: the arrivals, decided by the shadow bucket and then by each strategy, recorded
+/// side by side. Returns what the shadow admitted per second and the decisions made.
+fn run_ticks(
+    cfg: &RunConfig,
+    scenario: &Scenario,
+    world: &World,
+    strats: &mut [Box<dyn Strategy>],
+    recorders: &mut [Recorder],
+    progress: &mut dyn FnMut(u64),
+) -> (Vec<u64>, u64) {
+    let mut shadow = Shadow::new(&scenario.tenants);
+    let mut arrivals = Arrivals::new(scenario.sources.clone(), rng_for(cfg.seed, "arrivals"));
+    let mut ideal_per_s = vec![0u64; cfg.duration_ms.div_ceil(1000) as usize];
+    let mut requests = Vec::new();
+    let mut shadow_ok = Vec::new();
+    let mut decisions = 0u64;
+    let mut t = 0;
+    while t < cfg.duration_ms {
+        arrivals.tick(t, cfg.tick_ms, &mut requests);
+        shadow_ok.clear();
+        for r in &requests {
+            let ok = shadow.decide(t, r);
+            if ok {
+                ideal_per_s[(t / 1000) as usize] += u64::from(r.cost);
+            }
+            shadow_ok.push(ok);
+        }
+        for (s, rec) in strats.iter_mut().zip(recorders.iter_mut()) {
+            s.advance(world, t);
+            for (r, &ok) in requests.iter().zip(&shadow_ok) {
+                let v = s.decide(world, t, r);
+                rec.record(t, r, ok, v.allowed, v.latency_us);
+            }
+        }
+        decisions += requests.len() as u64 * (strats.len() as u64 + 1);
+        t += cfg.tick_ms;
+        if t % 1000 < cfg.tick_ms {
+            progress(1);
+        }
+    }
+    (ideal_per_s, decisions)
 }

@@ -7,9 +7,7 @@ use rand_chacha::ChaCha8Rng;
 use serde::Serialize;
 
 use crate::faults::Faults;
-
-/// A region's index, `0..regions`.
-pub type RegionIx = usize;
+pub use crate::region::RegionIx;
 
 /// The one-way time of a local Redis round trip, in microseconds (a decision in-region).
 pub const LOCAL_DECISION_US: u64 = 500;

@@ -118,4 +118,16 @@ fn out_dir_gets_csv_and_svg() {
         let body = std::fs::read_to_string(dir.path().join(f)).unwrap();
         assert!(body.len() > 100, "{f} is nearly empty");
     }
+    // One labelled panel per strategy; the ideal and the budget named in the key.
+    let admitted = std::fs::read_to_string(dir.path().join("skewed_admitted.svg")).unwrap();
+    for label in [
+        "quotad",
+        "independent",
+        "ideal (one global token bucket)",
+        "global budget",
+    ] {
+        assert!(admitted.contains(label), "admitted plot lacks {label:?}");
+    }
+    let overshoot = std::fs::read_to_string(dir.path().join("skewed_overshoot.svg")).unwrap();
+    assert!(overshoot.contains("bound: 1"));
 }

@@ -24,11 +24,13 @@ use serde::{Deserialize, Serialize};
 
 use crate::coordinator::{
     auto_pins, Command, CoordinatorState, Entry, HomeChange, Operation, PinSource, PolicyKey,
-    RequestId, ShareEntry, MAX_REGIONS,
+    RequestId, ShareEntry,
 };
 use crate::demand::DemandTracker;
 use crate::lease::Revocation;
 use crate::policy::PPM;
+pub use crate::split::{even_split, target_split, water_fill};
+use crate::split::{target_into, MAX_REGIONS};
 
 /// Allocator tuning. Units are last in every name.
 ///
@@ -166,107 +168,6 @@ impl Plan {
     }
 }
 
-/// Max-min fair fill: `a_r = max(lower_r, min(cap_r, L))` with the largest level `L` such that
-/// `Σ a ≤ budget`; the few ppm of rounding left go to the regions still below their cap, lowest
-/// slot first. If `Σ max(lower, cap) ≤ budget` every region simply gets that. Requires
-/// `Σ lower ≤ budget` (a smaller budget returns `lower` unchanged). Slices are cut to the
-/// shorter one.
-pub fn water_fill(lower: &[u32], cap: &[u64], budget: u32) -> Vec<u32> {
-    let n = lower.len().min(cap.len());
-    let mut out = vec![0; n];
-    water_fill_into(&lower[..n], &cap[..n], budget, &mut out);
-    out
-}
-
-fn fill_at(lower: &[u32], cap: &[u64], level: u64) -> u64 {
-    lower
-        .iter()
-        .zip(cap)
-        .map(|(&lo, &c)| u64::from(lo).max(c.min(level)))
-        .sum()
-}
-
-fn water_fill_into(lower: &[u32], cap: &[u64], budget: u32, out: &mut [u32]) {
-    debug_assert_eq!(lower.len(), cap.len());
-    let budget64 = u64::from(budget);
-    // A cap above the budget is as good as infinite; clamping keeps the sums from overflowing.
-    let full: u64 = lower
-        .iter()
-        .zip(cap)
-        .map(|(&lo, &c)| u64::from(lo).max(c.min(budget64)))
-        .sum();
-    if full <= budget64 || lower.iter().map(|&l| u64::from(l)).sum::<u64>() >= budget64 {
-        for (o, (&lo, &c)) in out.iter_mut().zip(lower.iter().zip(cap)) {
-            *o = if full <= budget64 {
-                u64::from(lo).max(c.min(budget64)) as u32
-            } else {
-                lo
-            };
-        }
-        return;
-    }
-    // fill_at(0) = Σ lower < budget < full = fill_at(budget): find the largest level that fits.
-    let (mut lo_level, mut hi_level) = (0u64, budget64);
-    while lo_level < hi_level {
-        let mid = (lo_level + hi_level).div_ceil(2);
-        if fill_at(lower, cap, mid) <= budget64 {
-            lo_level = mid;
-        } else {
-            hi_level = mid - 1;
-        }
-    }
-    let level = lo_level;
-    let mut left = budget64 - fill_at(lower, cap, level);
-    for (o, (&lo, &c)) in out.iter_mut().zip(lower.iter().zip(cap)) {
-        let mut a = u64::from(lo).max(c.min(level));
-        if left > 0 && c > level && u64::from(lo) <= level {
-            a += 1;
-            left -= 1;
-        }
-        *o = a as u32;
-    }
-}
-
-/// The target split of one policy: floors, then demand water-filled, then the rest evenly over
-/// `eligible` regions. `demand_ppm` is each region's demand in ppm of the budget.
-/// Slices are cut to the shortest of them (and [`MAX_REGIONS`]).
-pub fn target_split(floors: &[u32], demand_ppm: &[u64], eligible: &[bool]) -> Vec<u32> {
-    let n = floors
-        .len()
-        .min(demand_ppm.len())
-        .min(eligible.len())
-        .min(MAX_REGIONS);
-    let mut out = vec![0; n];
-    target_into(&floors[..n], &demand_ppm[..n], &eligible[..n], &mut out);
-    out
-}
-
-fn target_into(floors: &[u32], demand_ppm: &[u64], eligible: &[bool], out: &mut [u32]) {
-    let n = floors.len();
-    let mut cap = [0u64; MAX_REGIONS];
-    for r in 0..n {
-        cap[r] = if eligible[r] { demand_ppm[r] } else { 0 };
-    }
-    water_fill_into(floors, &cap[..n], PPM, out);
-    // Every demand is met: the spare budget is slack, split evenly so each region gets the
-    // same headroom above its demand.
-    let sum: u64 = out.iter().map(|&a| u64::from(a)).sum();
-    let takers = eligible.iter().filter(|&&e| e).count() as u64;
-    if sum < u64::from(PPM) && takers > 0 {
-        let spare = u64::from(PPM) - sum;
-        let (each, mut extra) = (spare / takers, spare % takers);
-        for (o, _) in out.iter_mut().zip(eligible).filter(|(_, &e)| e) {
-            *o += each as u32 + u32::from(extra > 0);
-            extra = extra.saturating_sub(1);
-        }
-    }
-}
-
-/// A new policy's split with no demand known: floors, the rest evenly over live regions.
-pub fn even_split(floors: &[u32], live: &[bool]) -> Vec<u32> {
-    target_split(floors, &vec![0; floors.len()], live)
-}
-
 /// The region a `critical` policy should call home, keeping `current` unless another region's
 /// demand beats it by the hysteresis. `None` when there is no demand to judge by.
 pub fn choose_home(
@@ -398,6 +299,28 @@ fn enforceable_after(
     now_enforceable.max(rev.contribution(r.acked_epoch, now_ms))
 }
 
+/// The region slots of one round: how many, which hold a region, which may take share.
+struct Slots {
+    n: usize,
+    live: [bool; MAX_REGIONS],
+    eligible: [bool; MAX_REGIONS],
+}
+
+impl Slots {
+    fn of(state: &CoordinatorState) -> Self {
+        let n = state.regions.len().min(MAX_REGIONS);
+        let mut live = [false; MAX_REGIONS];
+        let mut eligible = [false; MAX_REGIONS];
+        for r in 0..n {
+            if let Some(region) = state.region(r) {
+                live[r] = true;
+                eligible[r] = !region.draining;
+            }
+        }
+        Self { n, live, eligible }
+    }
+}
+
 /// One rebalance round over every policy: the share changes worth committing.
 ///
 /// `now_ms` is the time the leader will stamp on the resulting commands.
@@ -407,16 +330,9 @@ pub fn plan(
     config: &AllocatorConfig,
     now_ms: u64,
 ) -> Plan {
-    let n = state.regions.len().min(MAX_REGIONS);
+    let slots = Slots::of(state);
+    let n = slots.n;
     let now = now_ms.max(state.last_now_ms);
-    let mut live = [false; MAX_REGIONS];
-    let mut eligible = [false; MAX_REGIONS];
-    for r in 0..n {
-        if let Some(region) = state.region(r) {
-            live[r] = true;
-            eligible[r] = !region.draining;
-        }
-    }
     let mut plan = Plan {
         membership: state.membership,
         ..Plan::default()
@@ -446,181 +362,151 @@ pub fn plan(
                 None => break &zero[..],
             }
         };
-        let rate = entry.policy.rate_ut_per_s().max(1);
-        let mut demand_ppm = [0u64; MAX_REGIONS];
-        for (slot, &d) in demand_ppm.iter_mut().zip(rates).take(n) {
-            *slot = (u128::from(d) * u128::from(PPM) / u128::from(rate))
-                .min(u128::from(u64::MAX / 4)) as u64;
-        }
-        let demand_ppm = &demand_ppm[..n];
-        let mut floors = [0u32; MAX_REGIONS];
-        let mut current = [0u32; MAX_REGIONS];
-        for r in 0..n {
-            floors[r] = state.guaranteed_floor(&entry.policy, r);
-            current[r] = entry.share(r);
-        }
-        let (floors, current) = (&floors[..n], &current[..n]);
-
-        // Home: operator pins stay; critical policies follow their demand.
-        let mut home_change = HomeChange::Keep;
-        let home = match entry.pin {
-            Some(p) if p.source == PinSource::Operator => Some(p.home),
-            pin => {
-                let auto = pin.map(|p| p.home);
-                if auto_pins(entry.policy.tier) {
-                    let chosen =
-                        choose_home(auto, demand_ppm, &eligible[..n], config.pin_hysteresis_ppm)
-                            .or(auto);
-                    if chosen != auto {
-                        if let Some(h) = chosen {
-                            home_change = HomeChange::Auto(h);
-                        }
-                    }
-                    chosen
-                } else {
-                    if auto.is_some() {
-                        home_change = HomeChange::ClearAuto;
-                    }
-                    None
-                }
-            }
-        };
-        let home = home.map(usize::from).filter(|&h| h < n && live[h]);
-
-        let mut target = [0u32; MAX_REGIONS];
-        match home {
-            Some(h) => {
-                let others: u32 = (0..n).filter(|&r| r != h).map(|r| floors[r]).sum();
-                for r in 0..n {
-                    target[r] = if r == h {
-                        PPM - others.min(PPM)
-                    } else {
-                        floors[r]
-                    };
-                }
-            }
-            None => target_into(floors, demand_ppm, &eligible[..n], &mut target[..n]),
-        }
-
-        // Pass 1 decides the decreases; their revocations shape the room for increases.
-        let mut enforceable = [0u32; MAX_REGIONS];
-        let mut new = [0u32; MAX_REGIONS];
-        step_into(
-            current,
-            &target[..n],
-            floors,
-            current,
-            config.max_step_ppm,
-            &mut new[..n],
-        );
-        for r in 0..n {
-            enforceable[r] = enforceable_after(state, entry, r, current[r], new[r], now);
-        }
-        step_into(
-            current,
-            &target[..n],
-            floors,
-            &enforceable[..n],
-            config.max_step_ppm,
-            &mut new[..n],
-        );
-
-        // Judge by the distance to the target, not by this round's move: a move that is only
-        // the revoking half of a transfer is small but must still happen.
-        let moved = (0..n).any(|r| current[r] != new[r]);
-        let distance: u64 = (0..n)
-            .map(|r| u64::from(current[r].abs_diff(target[r])))
-            .sum();
-        let floor_repair = (0..n).any(|r| new[r] > current[r] && current[r] < floors[r]);
-        let wrong_length = entry.shares_ppm.len() != n;
-        if (moved && (distance >= u64::from(config.change_threshold_ppm.max(1)) || floor_repair))
-            || home_change != HomeChange::Keep
-            || wrong_length
-        {
-            plan.entries.push(ShareEntry {
-                key: key.clone(),
-                shares_ppm: new[..n].to_vec(),
-                home: home_change,
-            });
+        if let Some(change) = plan_entry(state, &slots, key, entry, rates, config, now) {
+            plan.entries.push(change);
         }
     }
     plan
 }
 
+/// One policy's share change this round, or `None` when it is not worth a log entry.
+fn plan_entry(
+    state: &CoordinatorState,
+    slots: &Slots,
+    key: &PolicyKey,
+    entry: &Entry,
+    rates: &[u64],
+    config: &AllocatorConfig,
+    now: u64,
+) -> Option<ShareEntry> {
+    let n = slots.n;
+    let rate = entry.policy.rate_ut_per_s().max(1);
+    let mut demand_ppm = [0u64; MAX_REGIONS];
+    for (slot, &d) in demand_ppm.iter_mut().zip(rates).take(n) {
+        *slot = (u128::from(d) * u128::from(PPM) / u128::from(rate)).min(u128::from(u64::MAX / 4))
+            as u64;
+    }
+    let demand_ppm = &demand_ppm[..n];
+    let mut floors = [0u32; MAX_REGIONS];
+    let mut current = [0u32; MAX_REGIONS];
+    for r in 0..n {
+        floors[r] = state.guaranteed_floor(&entry.policy, r);
+        current[r] = entry.share(r);
+    }
+    let (floors, current) = (&floors[..n], &current[..n]);
+
+    let (home, home_change) = plan_home(entry, demand_ppm, slots, config);
+    let mut target = [0u32; MAX_REGIONS];
+    match home {
+        Some(h) => {
+            let others: u32 = (0..n).filter(|&r| r != h).map(|r| floors[r]).sum();
+            for r in 0..n {
+                target[r] = if r == h {
+                    PPM - others.min(PPM)
+                } else {
+                    floors[r]
+                };
+            }
+        }
+        None => target_into(floors, demand_ppm, &slots.eligible[..n], &mut target[..n]),
+    }
+    let target = &target[..n];
+    let new = step_revoking_first(state, entry, current, target, floors, config, now);
+
+    // Judge by the distance to the target, not by this round's move: a move that is only
+    // the revoking half of a transfer is small but must still happen.
+    let moved = (0..n).any(|r| current[r] != new[r]);
+    let distance: u64 = (0..n)
+        .map(|r| u64::from(current[r].abs_diff(target[r])))
+        .sum();
+    let floor_repair = (0..n).any(|r| new[r] > current[r] && current[r] < floors[r]);
+    let wrong_length = entry.shares_ppm.len() != n;
+    let worth = (moved
+        && (distance >= u64::from(config.change_threshold_ppm.max(1)) || floor_repair))
+        || home_change != HomeChange::Keep
+        || wrong_length;
+    worth.then(|| ShareEntry {
+        key: key.clone(),
+        shares_ppm: new[..n].to_vec(),
+        home: home_change,
+    })
+}
+
+/// The policy's home this round (a live slot) and the change to record: operator pins stay;
+/// critical policies follow their demand.
+fn plan_home(
+    entry: &Entry,
+    demand_ppm: &[u64],
+    slots: &Slots,
+    config: &AllocatorConfig,
+) -> (Option<usize>, HomeChange) {
+    let n = slots.n;
+    let mut home_change = HomeChange::Keep;
+    let home = match entry.pin {
+        Some(p) if p.source == PinSource::Operator => Some(p.home),
+        pin => {
+            let auto = pin.map(|p| p.home);
+            if auto_pins(entry.policy.tier) {
+                let eligible = &slots.eligible[..n];
+                let chosen =
+                    choose_home(auto, demand_ppm, eligible, config.pin_hysteresis_ppm).or(auto);
+                if chosen != auto {
+                    if let Some(h) = chosen {
+                        home_change = HomeChange::Auto(h);
+                    }
+                }
+                chosen
+            } else {
+                if auto.is_some() {
+                    home_change = HomeChange::ClearAuto;
+                }
+                None
+            }
+        }
+    };
+    let home = home.map(usize::from).filter(|&h| h < n && slots.live[h]);
+    (home, home_change)
+}
+
+/// Steps `current` towards `target` in two passes: the first decides the decreases, whose
+/// revocations shape the room the second pass grants increases into.
+fn step_revoking_first(
+    state: &CoordinatorState,
+    entry: &Entry,
+    current: &[u32],
+    target: &[u32],
+    floors: &[u32],
+    config: &AllocatorConfig,
+    now: u64,
+) -> [u32; MAX_REGIONS] {
+    let n = current.len();
+    let mut enforceable = [0u32; MAX_REGIONS];
+    let mut new = [0u32; MAX_REGIONS];
+    step_into(
+        current,
+        target,
+        floors,
+        current,
+        config.max_step_ppm,
+        &mut new[..n],
+    );
+    for r in 0..n {
+        enforceable[r] = enforceable_after(state, entry, r, current[r], new[r], now);
+    }
+    step_into(
+        current,
+        target,
+        floors,
+        &enforceable[..n],
+        config.max_step_ppm,
+        &mut new[..n],
+    );
+    new
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    /// (lower, cap, budget, expected).
-    type FillCase<'a> = (&'a [u32], &'a [u64], u32, &'a [u32]);
-    /// (floors, demand, eligible, expected).
-    type TargetCase<'a> = (&'a [u32], &'a [u64], &'a [bool], &'a [u32]);
-
-    #[test]
-    fn water_fill_table() {
-        let cases: &[FillCase] = &[
-            // Everyone fits: each gets its demand.
-            (&[0, 0, 0], &[100, 200, 300], 1000, &[100, 200, 300]),
-            // Max-min: the small demand is met, the rest split evenly.
-            (&[0, 0, 0], &[100, 1000, 1000], 1000, &[100, 450, 450]),
-            // Floors are kept even without demand.
-            (&[100, 100, 100], &[0, 1000, 1000], 1000, &[100, 450, 450]),
-            // Floor above the level stays at the floor.
-            (&[300, 0, 0], &[0, 1000, 1000], 1000, &[300, 350, 350]),
-            // Rounding remainder goes to the lowest slots still below their cap.
-            (&[0, 0, 0], &[1000, 1000, 1000], 1000, &[334, 333, 333]),
-            // Budget smaller than the floors: floors come back unchanged.
-            (&[600, 600], &[0, 0], 1000, &[600, 600]),
-            // A single region takes all it asks for, bounded by the budget.
-            (&[0], &[5000], 1000, &[1000]),
-            (&[], &[], 1000, &[]),
-            // Mismatched lengths are cut, not a panic.
-            (&[0, 0], &[10], 1000, &[10]),
-        ];
-        for (i, &(lower, cap, budget, expected)) in cases.iter().enumerate() {
-            assert_eq!(water_fill(lower, cap, budget), expected, "case {i}");
-        }
-    }
-
-    #[test]
-    fn target_split_table() {
-        let p = PPM;
-        let cases: &[TargetCase] = &[
-            // No demand: even split.
-            (&[0, 0], &[0, 0], &[true, true], &[p / 2, p / 2]),
-            // Demand 3:1 with spare budget: demand met, spare split evenly.
-            (
-                &[0, 0],
-                &[300_000, 100_000],
-                &[true, true],
-                &[600_000, 400_000],
-            ),
-            // Over-subscribed: max-min fair.
-            (
-                &[0, 0, 0],
-                &[100_000, p as u64, p as u64],
-                &[true; 3],
-                &[100_000, 450_000, 450_000],
-            ),
-            // Floors of 10% and one region holding all demand.
-            (
-                &[100_000; 3],
-                &[0, 0, 2 * p as u64],
-                &[true; 3],
-                &[100_000, 100_000, 800_000],
-            ),
-            // A draining region keeps only its floor.
-            (
-                &[50_000, 50_000],
-                &[p as u64, p as u64],
-                &[false, true],
-                &[50_000, 950_000],
-            ),
-        ];
-        for (i, &(floors, demand, eligible, expected)) in cases.iter().enumerate() {
-            assert_eq!(target_split(floors, demand, eligible), expected, "case {i}");
-        }
-    }
 
     #[test]
     fn step_is_damped_and_grants_only_into_room() {

@@ -46,9 +46,9 @@ use serde::{Deserialize, Serialize};
 use crate::ids::{PolicyName, RegionId, TenantId};
 use crate::lease::{LeaseConfig, LeaseConfigError, Revocation};
 use crate::policy::{Policy, PolicySpec, Tier, PPM};
+use crate::split::even_split;
 
-/// The most region slots a cluster may have; slots are addressed by `u8`.
-pub const MAX_REGIONS: usize = 32;
+pub use crate::split::MAX_REGIONS;
 
 /// How many recent responses the state keeps to answer duplicated commands.
 pub const DEDUP_WINDOW: usize = 1024;
@@ -880,13 +880,9 @@ impl CoordinatorState {
         }
     }
 
-    /// Validates one share update and returns the revocations it creates.
-    fn check_entry(
-        &self,
-        update: &ShareEntry,
-        epoch: u64,
-        now: u64,
-    ) -> Result<Vec<Revocation>, EntryRejection> {
+    /// The checks of a share update that need no arithmetic: a live policy, one share per
+    /// slot, and a home a critical policy may move to. Returns the policy's entry.
+    fn check_entry_shape(&self, update: &ShareEntry) -> Result<&Entry, EntryRejection> {
         let entry = self
             .entries
             .get(&update.key)
@@ -910,6 +906,17 @@ impl CoordinatorState {
             }
             HomeChange::Keep | HomeChange::ClearAuto => {}
         }
+        Ok(entry)
+    }
+
+    /// Validates one share update and returns the revocations it creates.
+    fn check_entry(
+        &self,
+        update: &ShareEntry,
+        epoch: u64,
+        now: u64,
+    ) -> Result<Vec<Revocation>, EntryRejection> {
+        let entry = self.check_entry_shape(update)?;
         let mut revocations = Vec::new();
         let mut total = 0u64;
         for (r, &new) in update.shares_ppm.iter().enumerate() {
@@ -1121,7 +1128,7 @@ fn initial_split(state: &CoordinatorState, policy: &Policy) -> Vec<u32> {
         .map(|r| state.guaranteed_floor(policy, r))
         .collect();
     let live: Vec<bool> = (0..slots).map(|r| state.region(r).is_some()).collect();
-    crate::allocator::even_split(&floors, &live)
+    even_split(&floors, &live)
 }
 
 /// Adds a revocation, merging with the region's existing one.

@@ -12,8 +12,9 @@ use std::collections::BTreeMap;
 use serde::{Deserialize, Serialize};
 
 use crate::bucket::UT;
-use crate::coordinator::{CoordinatorState, PolicyKey, MAX_REGIONS};
+use crate::coordinator::{CoordinatorState, PolicyKey};
 use crate::policy::PPM;
+use crate::split::MAX_REGIONS;
 
 /// One region's usage of one policy over a report interval, in whole tokens.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default, Serialize, Deserialize)]

@@ -12,6 +12,7 @@
 //! - [`keys`]: the Redis key schema.
 //! - [`coordinator`]: the replicated state machine `apply(state, command)` and its safety rules.
 //! - [`allocator`]: one rebalance round: demand → max-min fair, damped, revoke-before-grant shares.
+//! - [`split`]: water filling, the target split and the even split of a policy's budget.
 //! - [`demand`]: the leader's smoothed demand estimates (soft state, never replicated).
 //! - [`lease`]: lease timing and revocations (what a region may still enforce).
 //! - [`region`]: what a region enforces given its grant, its lease and its own clock.
@@ -25,6 +26,7 @@ pub mod keys;
 pub mod lease;
 pub mod policy;
 pub mod region;
+pub mod split;
 pub mod window;
 
 pub use bucket::{BucketParams, BucketState, Decision};

@@ -179,6 +179,19 @@ impl RaftConfig {
     /// Checks every field and reports all problems at once.
     pub fn validate(&self) -> Result<(), ConfigErrors> {
         let mut errors = Vec::new();
+        self.check_members(&mut errors);
+        self.check_storage(&mut errors);
+        self.check_timing(&mut errors);
+        self.check_sizes(&mut errors);
+        if errors.is_empty() {
+            Ok(())
+        } else {
+            Err(ConfigErrors(errors))
+        }
+    }
+
+    /// The members: this node among them, valid regions and addresses, no peer address twice.
+    fn check_members(&self, errors: &mut Vec<ConfigError>) {
         let mut err = |field: String, message: String| errors.push(ConfigError { field, message });
         if self.members.is_empty() {
             err("members".into(), "at least one member is required".into());
@@ -205,6 +218,11 @@ impl RaftConfig {
                 err(format!("members.{id}.admin_addr"), e);
             }
         }
+    }
+
+    /// The data directory and the cluster secret.
+    fn check_storage(&self, errors: &mut Vec<ConfigError>) {
+        let mut err = |field: String, message: String| errors.push(ConfigError { field, message });
         if self.data_dir.as_os_str().is_empty() {
             err("data_dir".into(), "must not be empty".into());
         }
@@ -217,6 +235,11 @@ impl RaftConfig {
                 ),
             );
         }
+    }
+
+    /// Heartbeats, elections and request timeouts, and how they must order.
+    fn check_timing(&self, errors: &mut Vec<ConfigError>) {
+        let mut err = |field: String, message: String| errors.push(ConfigError { field, message });
         if self.heartbeat_interval_ms == 0 {
             err("heartbeat_interval_ms".into(), "must be positive".into());
         }
@@ -241,6 +264,11 @@ impl RaftConfig {
         if self.write_timeout_ms == 0 {
             err("write_timeout_ms".into(), "must be positive".into());
         }
+    }
+
+    /// Snapshot cadence and the size limits of RPC bodies.
+    fn check_sizes(&self, errors: &mut Vec<ConfigError>) {
+        let mut err = |field: String, message: String| errors.push(ConfigError { field, message });
         if self.snapshot_every_entries == 0 {
             err("snapshot_every_entries".into(), "must be positive".into());
         }
@@ -257,11 +285,6 @@ impl RaftConfig {
                 "max_snapshot_body_bytes".into(),
                 "must be at least max_rpc_body_bytes".into(),
             );
-        }
-        if errors.is_empty() {
-            Ok(())
-        } else {
-            Err(ConfigErrors(errors))
         }
     }
 

@@ -16,6 +16,8 @@
 //! - [`peer_api`]: the axum router serving the peer protocol, authenticated by a shared secret.
 //! - [`runtime`]: a tokio runtime for openraft with a seedable RNG, for repeatable tests.
 //! - [`telemetry`]: metric names and the exporter of Raft metrics to the `metrics` facade.
+//! - [`proposal`]: [`LeaderClock`] and proposing a command on this node's Raft, shared by the
+//!   coordinator's writes and the peer API's forwarded ones.
 //! - [`protocol`]: peer routes, forwarded-write messages and snapshot framing.
 //! - `src/bin/quota-raft-node.rs`: a minimal node (peer API + tiny client API) for the
 //!   multi-process test.
@@ -44,6 +46,7 @@ pub mod config;
 pub mod coordinator;
 pub mod network;
 pub mod peer_api;
+pub mod proposal;
 pub mod protocol;
 pub mod runtime;
 pub mod storage;

@@ -18,7 +18,7 @@ use openraft::raft::{AppendEntriesRequest, VoteRequest};
 use subtle::ConstantTimeEq;
 
 use crate::codec::{decode, encode, CodecError};
-use crate::coordinator::{local_write, LeaderClock};
+use crate::proposal::{local_write, LeaderClock};
 use crate::protocol::{
     unframe_snapshot, ForwardRequest, FrameError, PATH_APPEND, PATH_FORWARD, PATH_SNAPSHOT,
     PATH_VOTE,
@@ -37,7 +37,7 @@ pub struct PeerApiConfig {
     pub max_command_bytes: usize,
     /// Upper bound on how long a forwarded write may wait for its commit.
     pub write_timeout: Duration,
-    /// Stamps forwarded commands on the leader (see [`crate::coordinator::LeaderClock`]).
+    /// Stamps forwarded commands on the leader (see [`LeaderClock`]).
     pub leader_clock: Option<LeaderClock>,
 }
 

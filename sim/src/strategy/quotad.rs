@@ -8,7 +8,7 @@
 
 use quota_core::{BucketParams, Tier};
 
-use super::{quotad_pinned, Setup, Strategy, Verdict};
+use super::{Setup, Strategy, Verdict};
 use crate::control::{Control, LeaseMode};
 use crate::regional_store::RegionalStores;
 use crate::traffic::{Request, Tenant};
@@ -74,7 +74,7 @@ impl Strategy for Quotad {
                 latency_us: LOCAL_DECISION_US,
             };
         }
-        match quotad_pinned::forward(&self.control, world, t_ms, req) {
+        match forward(&self.control, world, t_ms, req) {
             Some((home, at_ms, latency_us)) => Verdict {
                 allowed: self.decide_in(world, home, at_ms, req),
                 latency_us,
@@ -118,4 +118,22 @@ impl Quotad {
         }
         allowed
     }
+}
+
+/// Where a request denied locally goes next: `(home, true time it is decided there, the
+/// caller's total latency in µs)`, or `None` when it is not pinned elsewhere or the home is
+/// unreachable.
+fn forward(
+    control: &Control,
+    world: &World,
+    t_ms: u64,
+    req: &Request,
+) -> Option<(RegionIx, u64, u64)> {
+    let here = req.region;
+    let home = control.agents[here].homes[req.tenant as usize]?;
+    if home == here || !world.link_up(here, home, t_ms) || !world.daemon_up(home, t_ms) {
+        return None;
+    }
+    let rtt = world.rtt_ms(here, home);
+    Some((home, t_ms + rtt / 2, rtt * 1000 + 2 * LOCAL_DECISION_US))
 }
