@@ -15,6 +15,7 @@
 //! - [`demand`]: the leader's smoothed demand estimates (soft state, never replicated).
 //! - [`lease`]: lease timing and revocations (what a region may still enforce).
 //! - [`region`]: what a region enforces given its grant, its lease and its own clock.
+//! - [`share`]: the limit a region enforces at a share of a policy's budget.
 
 pub mod allocator;
 pub mod bucket;
@@ -25,6 +26,7 @@ pub mod keys;
 pub mod lease;
 pub mod policy;
 pub mod region;
+pub mod share;
 pub mod window;
 
 pub use bucket::{BucketParams, BucketState, Decision};

@@ -26,14 +26,15 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use futures::stream::{self, StreamExt as _};
+use quota_core::share::limit_for_share;
 use quota_core::{PolicyName, RegionId, TenantId};
 use quota_store::{BucketRef, Limit, SetParams, Store as _};
 use tokio::sync::watch;
 
 use crate::clock;
 use crate::coordination::{ClusterView, Coordinator};
-use crate::decision::{limit_for_share, Decider};
-use crate::telemetry::{AgentMetrics, ReportMetrics, Reported};
+use crate::decision::Decider;
+use crate::telemetry::{AgentMetrics, ReportMetrics, Reported, WriteOutcomes};
 
 /// Most usage records drained per report: bounds one report's size.
 const MAX_USAGE_RECORDS: usize = 10_000;
@@ -237,10 +238,10 @@ impl Written {
         for (key, entry) in view.policies.iter() {
             let grant = entry.grants.get(region);
             let share = view.enforced_share_ppm(grant, now_ms);
-            let limit = limit_for_share(&entry.policy, share);
+            let limit: Limit = limit_for_share(&entry.policy, share).into();
             let (floor, until_ms, renew_at_ms) = match (lease_left, grant) {
                 (Some(left), Some(g)) => (
-                    Some(limit_for_share(&entry.policy, g.floor_ppm.min(g.share_ppm))),
+                    Some(limit_for_share(&entry.policy, g.floor_ppm.min(g.share_ppm)).into()),
                     now_ms + left,
                     now_ms + left / 2,
                 ),
@@ -532,13 +533,6 @@ pub async fn apply_shares(
         clear_obsolete(decider, written).await;
     }
     (all, outcomes)
-}
-
-/// Parameter writes of one pass, by how they ended (those never started are in neither).
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub struct WriteOutcomes {
-    pub ok: u64,
-    pub failed: u64,
 }
 
 /// Clears the buckets of deleted policies and old versions from the store, so neither their

@@ -13,6 +13,8 @@ use std::path::{Path, PathBuf};
 use quota_core::RegionId;
 use serde::{Deserialize, Serialize};
 
+use crate::secret::Secret;
+
 /// Environment variable holding the admin bearer token.
 pub const ENV_ADMIN_TOKEN: &str = "QUOTAD_ADMIN_TOKEN";
 /// Environment variable holding the token peers present to each other.
@@ -362,27 +364,6 @@ impl fmt::Display for ConfigProblem {
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[error("invalid configuration:\n{}", .0.iter().map(|p| format!("  - {p}")).collect::<Vec<_>>().join("\n"))]
 pub struct ConfigErrors(pub Vec<ConfigProblem>);
-
-/// A secret value: never printed, compared in constant time by its users.
-#[derive(Clone, PartialEq, Eq)]
-pub struct Secret(String);
-
-impl Secret {
-    pub fn new(s: impl Into<String>) -> Self {
-        Self(s.into())
-    }
-
-    /// The secret itself; call only where it is used, never to log.
-    pub fn expose(&self) -> &str {
-        &self.0
-    }
-}
-
-impl fmt::Debug for Secret {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str("Secret(<redacted>)")
-    }
-}
 
 /// Where a secret came from, for the effective-config printout.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]

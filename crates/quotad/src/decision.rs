@@ -11,17 +11,16 @@ use std::time::Duration;
 
 use metrics::{Counter, Histogram};
 use quota_core::policy::CostError;
-use quota_core::{
-    Algorithm, BucketParams, Decision, FailMode, Policy, PolicyName, RegionId, TenantId, PPM,
-};
+use quota_core::share::limit_for_share;
+use quota_core::{Decision, FailMode, Policy, PolicyName, RegionId, TenantId};
 use quota_store::{AnyStore, BucketRef, CheckRequest, EmbeddedStore, Limit, Store};
 use serde::{Deserialize, Serialize};
 use tokio::sync::watch;
 
 use crate::breaker::{Admission, Breaker};
 use crate::clock;
-use crate::config::Secret;
 use crate::coordination::{ClusterView, PolicyEntry};
+use crate::secret::Secret;
 use crate::telemetry::{self, DecisionMetrics, Outcome};
 
 /// Header marking a check forwarded from another region, so it is never forwarded again. Its
@@ -29,19 +28,6 @@ use crate::telemetry::{self, DecisionMetrics, Outcome};
 /// A `HeaderName`, not a `&str`: looking a `&str` up parses it on every request.
 pub const FORWARDED_HEADER: axum::http::HeaderName =
     axum::http::HeaderName::from_static("x-quotad-forwarded");
-
-/// The limit this region enforces for a policy at a share: a bucket of `s·C` refilling at
-/// `s·r`, or for a sliding window `s·limit` per window.
-pub fn limit_for_share(policy: &Policy, share_ppm: u32) -> Limit {
-    match policy.algorithm {
-        Algorithm::TokenBucket => Limit::TokenBucket(BucketParams::for_share(policy, share_ppm)),
-        Algorithm::SlidingWindow => Limit::SlidingWindow {
-            limit: (u128::from(policy.limit) * u128::from(share_ppm.min(PPM)) / u128::from(PPM))
-                as u64,
-            window_ms: policy.window_ms,
-        },
-    }
-}
 
 /// True when the store decides in process (no Redis: nothing to break).
 pub fn is_embedded(store: &AnyStore) -> bool {
@@ -216,7 +202,7 @@ impl Decider {
     /// True when a request's forwarded-header value proves it came from a peer daemon.
     pub fn is_peer_forward(&self, value: Option<&str>) -> bool {
         match (&self.peer_token, value) {
-            (Some(t), Some(v)) => crate::api::auth::token_matches(t.expose(), v),
+            (Some(t), Some(v)) => t.matches(v),
             _ => false,
         }
     }
@@ -277,7 +263,7 @@ impl Decider {
         (
             entry.policy.clone(),
             share,
-            limit_for_share(&entry.policy, share),
+            limit_for_share(&entry.policy, share).into(),
         )
     }
 
@@ -561,7 +547,7 @@ impl Decider {
             });
         }
         // Decide at this region's floor, in process, so a down home cannot be bypassed at more.
-        let limit = limit_for_share(&policy, policy.floor_ppm);
+        let limit = limit_for_share(&policy, policy.floor_ppm).into();
         let req = CheckRequest {
             bucket,
             limit,

@@ -33,5 +33,6 @@ pub mod envoy_rls;
 pub mod local_store;
 pub mod redis_password;
 pub mod replicated;
+pub mod secret;
 pub mod server;
 pub mod telemetry;

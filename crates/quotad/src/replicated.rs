@@ -35,13 +35,13 @@ use quota_store::UsageRecord;
 use serde::{Deserialize, Serialize};
 use tokio::sync::watch;
 
-use crate::api::auth::token_matches;
 use crate::clock;
-use crate::config::{Secret, Settings};
+use crate::config::Settings;
 use crate::coordination::{
     ClusterView, CoordError, Coordinator, CoordinatorStatus, Grant, MemberStatus, PolicyEntry,
     PolicyMap, PolicyPut,
 };
+use crate::secret::Secret;
 use crate::telemetry;
 
 /// The peer-port route where regions send usage reports to the leader.
@@ -812,7 +812,7 @@ async fn receive_usage(
         .and_then(|v| v.to_str().ok())
         .and_then(|v| v.strip_prefix("Bearer "))
         .unwrap_or("");
-    if !token_matches(me.peer_token.expose(), presented) {
+    if !me.peer_token.matches(presented) {
         return StatusCode::UNAUTHORIZED;
     }
     let Ok(report) = serde_json::from_slice::<UsageReport>(&body) else {

@@ -16,10 +16,11 @@ use tokio::sync::watch;
 
 use crate::api::{self, AppShared, AppState};
 use crate::breaker::Breaker;
-use crate::config::{Config, RuntimeConfig, Secret, SecretSource, Settings, ENV_REDIS_PASSWORD};
+use crate::config::{Config, RuntimeConfig, SecretSource, Settings, ENV_REDIS_PASSWORD};
 use crate::coordination::{Coordinator, LocalCoordinator};
 use crate::decision::{Decider, DeciderParts};
 use crate::replicated::Replicated;
+use crate::secret::Secret;
 use crate::{agent, envoy_rls, redis_password, telemetry};
 
 /// Resolves once SIGTERM or Ctrl-C arrives.

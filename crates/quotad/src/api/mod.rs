@@ -31,9 +31,9 @@ use tower::Layer as _;
 use utoipa::OpenApi;
 
 use crate::api::auth::BearerScheme;
-use crate::config::Secret;
 use crate::coordination::Coordinator;
 use crate::decision::Decider;
+use crate::secret::Secret;
 
 /// The whole API as one service: the [`routes`] behind the [`edge`] layer.
 pub type Api = edge::Edge<routes::Routes>;

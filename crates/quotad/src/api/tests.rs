@@ -16,9 +16,10 @@ use tower::{Layer as _, ServiceExt as _};
 use super::{app, AppShared, AppState};
 use crate::api::Api;
 use crate::breaker::Breaker;
-use crate::config::{BreakerConfig, Secret};
+use crate::config::BreakerConfig;
 use crate::coordination::{Coordinator, LocalCoordinator};
 use crate::decision::{Decider, DeciderParts};
+use crate::secret::Secret;
 
 const TOKEN: &str = "test-token";
 
