@@ -15,9 +15,9 @@ use tower::{Layer as _, ServiceExt as _};
 
 use super::{app, AppShared, AppState};
 use crate::api::Api;
-use crate::breaker::Breaker;
 use crate::config::BreakerConfig;
 use crate::coordination::{Coordinator, LocalCoordinator};
+use crate::decision::breaker::Breaker;
 use crate::decision::{Decider, DeciderParts};
 use crate::secret::Secret;
 

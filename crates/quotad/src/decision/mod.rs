@@ -4,6 +4,8 @@
 //! Nothing here holds a lock across an await: the view is an `Arc` snapshot, the breaker and
 //! the in-process buckets use short synchronous critical sections.
 
+pub mod breaker;
+
 use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -17,9 +19,9 @@ use quota_store::{AnyStore, BucketRef, CheckRequest, EmbeddedStore, Limit, Store
 use serde::{Deserialize, Serialize};
 use tokio::sync::watch;
 
-use crate::breaker::{Admission, Breaker};
 use crate::clock;
 use crate::coordination::{ClusterView, PolicyEntry};
+use crate::decision::breaker::{Admission, Breaker};
 use crate::secret::Secret;
 use crate::telemetry::{self, DecisionMetrics, Outcome};
 
