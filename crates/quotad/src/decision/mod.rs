@@ -418,13 +418,27 @@ impl Decider {
             cost,
             now_ms: None,
         };
-        let from_store = if is_embedded(&self.store) {
-            self.store.check(&req).await.ok()
+        if let Some(decision) = self.ask_store(&req).await {
+            return Ok(Verdict {
+                decision,
+                policy,
+                mode: Mode::Normal,
+                decided_by: self.region.clone(),
+            });
+        }
+        self.fail_over(req, policy).await
+    }
+
+    /// The store's decision, through the breaker (the embedded store has none); `None` when
+    /// the breaker is open or the call failed.
+    async fn ask_store(&self, req: &CheckRequest) -> Option<Decision> {
+        if is_embedded(&self.store) {
+            self.store.check(req).await.ok()
         } else if self.breaker.admit() == Admission::Call {
             let t0 = clock::monotonic();
             // The Redis store bounds every call with its configured timeout (a timeout is a
             // `StoreError`), so no second timer is armed here.
-            let r = self.store.check(&req).await;
+            let r = self.store.check(req).await;
             let took = t0.elapsed();
             self.store_latency.record(took.as_secs_f64());
             let ok = r.is_ok();
@@ -441,16 +455,11 @@ impl Decider {
             }
         } else {
             None
-        };
-        let region = self.region.clone();
-        if let Some(decision) = from_store {
-            return Ok(Verdict {
-                decision,
-                policy,
-                mode: Mode::Normal,
-                decided_by: region,
-            });
         }
+    }
+
+    /// The policy's fail mode, with the store unavailable.
+    async fn fail_over(&self, req: CheckRequest, policy: Policy) -> Result<Verdict, CheckError> {
         match policy.fail_mode {
             FailMode::Local => {
                 let decision = self
@@ -460,13 +469,13 @@ impl Decider {
                     decision,
                     policy,
                     mode: Mode::DegradedLocal,
-                    decided_by: region,
+                    decided_by: self.region.clone(),
                 })
             }
             FailMode::Open => {
                 let decision = Decision {
                     allowed: true,
-                    remaining: match limit {
+                    remaining: match req.limit {
                         Limit::TokenBucket(p) => p.capacity_ut / quota_core::bucket::UT,
                         Limit::SlidingWindow { limit, .. } => limit,
                     },
@@ -477,7 +486,7 @@ impl Decider {
                     decision,
                     policy,
                     mode: Mode::DegradedOpen,
-                    decided_by: region,
+                    decided_by: self.region.clone(),
                 })
             }
             FailMode::Closed => Err(CheckError::ReducedCapacity {
