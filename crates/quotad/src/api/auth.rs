@@ -8,7 +8,7 @@ use axum::response::Response;
 use utoipa::openapi::security::{HttpAuthScheme, HttpBuilder, SecurityScheme};
 
 use crate::api::problem::ApiError;
-use crate::api::AppState;
+use crate::api::state::AppState;
 
 /// Rejects requests without the admin bearer token.
 pub async fn require_token(

@@ -666,7 +666,7 @@ async fn status_health_and_openapi() {
 
 #[test]
 fn header_text_builds_what_format_would() {
-    use super::HeaderText;
+    use super::header_text::HeaderText;
     let v = HeaderText::new()
         .str("\"writes\";q=")
         .num(10_000)

@@ -330,7 +330,6 @@ impl Default for TelemetryConfig {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::config::Config;
 
     fn no_env(_: &str) -> Option<String> {
         None
