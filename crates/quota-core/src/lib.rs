@@ -16,6 +16,7 @@
 //! - [`demand`]: the leader's smoothed demand estimates (soft state, never replicated).
 //! - [`lease`]: lease timing and revocations (what a region may still enforce).
 //! - [`region`]: what a region enforces given its grant, its lease and its own clock.
+//! - [`share`]: the limit a region enforces at a share of a policy's budget.
 
 pub mod allocator;
 pub mod bucket;
@@ -26,6 +27,7 @@ pub mod keys;
 pub mod lease;
 pub mod policy;
 pub mod region;
+pub mod share;
 pub mod split;
 pub mod window;
 

@@ -101,6 +101,16 @@ impl Limit {
     }
 }
 
+impl From<quota_core::share::ShareLimit> for Limit {
+    fn from(l: quota_core::share::ShareLimit) -> Self {
+        use quota_core::share::ShareLimit as S;
+        match l {
+            S::TokenBucket(p) => Self::TokenBucket(p),
+            S::SlidingWindow { limit, window_ms } => Self::SlidingWindow { limit, window_ms },
+        }
+    }
+}
+
 /// One decision request.
 #[derive(Debug, Clone)]
 pub struct CheckRequest {

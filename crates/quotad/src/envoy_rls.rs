@@ -306,8 +306,8 @@ mod tests {
 
     use super::*;
     use crate::api::tests::state_on;
-    use crate::breaker::Breaker;
     use crate::config::BreakerConfig;
+    use crate::decision::breaker::Breaker;
 
     /// A running service on a loopback port and a client of it; the sender stops it.
     async fn start(

@@ -268,7 +268,7 @@ impl AgentMetrics {
         }
     }
 
-    pub fn share_writes(&self, o: crate::agent::WriteOutcomes) {
+    pub fn share_writes(&self, o: WriteOutcomes) {
         self.writes_ok.increment(o.ok);
         self.writes_failed.increment(o.failed);
     }
@@ -316,6 +316,13 @@ impl ReportMetrics {
             self.renewals_failed.increment(1);
         }
     }
+}
+
+/// Parameter writes of one pass, by how they ended (those never started are in neither).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct WriteOutcomes {
+    pub ok: u64,
+    pub failed: u64,
 }
 
 #[cfg(test)]
