@@ -54,7 +54,7 @@ redis.call('EXPIRE', KEYS[1], math.ceil(capacity / refill) * 2)
 return allowed
 "#;
 
-/// The previous token_bucket.lua (state and parameters in hashes), for comparison only.
+/// A rejected design (state and parameters in hashes), kept only for comparison.
 const HASH_TOKEN_BUCKET_LUA: &str = include_str!("token_bucket_hash.lua");
 
 /// The floor: read Redis time, read a key, write it with an expiry.
