@@ -3,8 +3,10 @@
 //! every script on its own. This test fails when a copy drifts, when a bound in Lua differs
 //! from quota-core's, or when a script defines a bound of its own outside the block.
 
-use quota_core::bucket::{MAX_CAPACITY_UT, MAX_FILL_RATIO, MAX_RATE_UT_PER_S, UT};
-use quota_core::window::{EXACT_LOG_MAX, MAX_WINDOW_LIMIT, MAX_WINDOW_MS, MAX_WINDOW_PRODUCT};
+use quota_core::bounds::{
+    EXACT_LOG_MAX, MAX_BURST, MAX_CAPACITY_UT, MAX_FILL_RATIO, MAX_RATE_UT_PER_S, MAX_WINDOW_LIMIT,
+    MAX_WINDOW_MS, MAX_WINDOW_PRODUCT, UT,
+};
 use quota_store::script::{
     COLLECT_BATCH_MAX, COLLECT_USAGE_LUA, SET_PARAMS_LUA, SLIDING_WINDOW_LUA, TOKEN_BUCKET_LUA,
 };
@@ -70,7 +72,7 @@ fn lua_bounds_equal_quota_core_bounds() {
         ("MAX_CAP", MAX_CAPACITY_UT),
         ("MAX_RATE", MAX_RATE_UT_PER_S),
         ("MAX_FILL_RATIO", MAX_FILL_RATIO),
-        ("MAX_COST", MAX_COST),
+        ("MAX_COST", MAX_BURST),
         ("MAX_WINDOW_LIMIT", MAX_WINDOW_LIMIT),
         ("MAX_WINDOW_MS", MAX_WINDOW_MS),
         ("MAX_WINDOW_PRODUCT", MAX_WINDOW_PRODUCT),
@@ -80,6 +82,8 @@ fn lua_bounds_equal_quota_core_bounds() {
         // 11 doubles (see STATE_FMT).
         ("STATE_LEN", 11 * 8),
     ];
+    // The store's own cost bound is the policy's burst bound.
+    assert_eq!(MAX_COST, MAX_BURST);
     let (block, _) = split(SCRIPTS[0].0, SCRIPTS[0].1);
     let found = constants(&block);
     for (name, value) in &found {
