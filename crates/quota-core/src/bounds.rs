@@ -46,18 +46,12 @@ pub const MAX_WINDOW_PRODUCT: u64 = 1 << 51;
 /// applies.
 pub const EXACT_LOG_MAX: u64 = 128;
 
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn bounds_keep_lua_arithmetic_below_2_pow_53() {
-        assert_eq!(MAX_BURST * UT, 9_007_199_254_000_000);
-        assert!(MAX_BURST * UT <= MAX_CAPACITY_UT);
-        assert!(MAX_BURST * u64::from(PPM) <= MAX_CAPACITY_UT);
-        assert!(MAX_RATE_UT_PER_S * 1000 <= MAX_CAPACITY_UT);
-        // prev·(w − off) + (cur + cost)·w with prev, cur, cost ≤ limit.
-        assert!(3 * MAX_WINDOW_PRODUCT < 1 << 53);
-        assert_eq!(MAX_WINDOW_PRODUCT / MAX_WINDOW_MS, 840_725);
-    }
-}
+// The bounds keep the scripts' arithmetic below 2^53; checked when the crate compiles.
+const _: () = {
+    assert!(MAX_BURST * UT <= MAX_CAPACITY_UT);
+    assert!(MAX_BURST * PPM as u64 <= MAX_CAPACITY_UT);
+    assert!(MAX_RATE_UT_PER_S * 1000 <= MAX_CAPACITY_UT);
+    // prev·(w − off) + (cur + cost)·w with prev, cur, cost ≤ limit.
+    assert!(3 * MAX_WINDOW_PRODUCT < 1 << 53);
+    assert!(MAX_WINDOW_PRODUCT / MAX_WINDOW_MS == 840_725);
+};
