@@ -322,11 +322,21 @@ async fn main() {
         scaled(40_000)
     );
     let n = scaled(40_000);
+    // QUOTAD_BENCH_COMPARE_LUA=<file>: another version of token_bucket.lua (e.g. from git),
+    // measured in the same interleaved rounds, to show what a change costs.
+    let compare = std::env::var("QUOTAD_BENCH_COMPARE_LUA")
+        .ok()
+        .map(|path| std::fs::read_to_string(&path).expect("QUOTAD_BENCH_COMPARE_LUA file"));
     for keys in [Keys::Hot, Keys::Random] {
         let (mut ours, mut hash, mut seed, mut bare) = (f64::MAX, f64::MAX, f64::MAX, f64::MAX);
+        let mut other = f64::MAX;
         for _ in 0..ROUNDS {
             let tb = quota_store::script::TOKEN_BUCKET_LUA;
             ours = ours.min(server_cpu(&server, tb, keys, n, quotad_args, quotad_keys).await);
+            if let Some(src) = &compare {
+                other =
+                    other.min(server_cpu(&server, src, keys, n, quotad_args, quotad_keys).await);
+            }
             hash = hash.min(
                 server_cpu(
                     &server,
@@ -359,5 +369,16 @@ async fn main() {
             "  ratio token_bucket / bare                {:>6.2}",
             ours / bare
         );
+        if compare.is_some() {
+            println!("  QUOTAD_BENCH_COMPARE_LUA script          {other:>6.2} µs");
+            println!(
+                "  ratio compared script / seed baseline    {:>6.2}",
+                other / seed
+            );
+            println!(
+                "  ratio token_bucket / compared script     {:>6.2}",
+                ours / other
+            );
+        }
     }
 }
