@@ -77,6 +77,35 @@ local function time_ms()
   return s * 1000 + (us - fmod(us, 1000)) / 1000
 end
 
+-- An optional explicit now in ms ('' or absent: Redis TIME); nil when invalid.
+local function arg_now(s)
+  if s == nil or s == '' then
+    return time_ms()
+  end
+  return int(s, MAX_CAP)
+end
+
+-- An optional minimum idle TTL in ms ('' or absent: the default); nil when invalid.
+local function arg_min_ttl(s)
+  if s == nil or s == '' then
+    return DEFAULT_MIN_TTL_MS
+  end
+  local n = int(s, MAX_CAP)
+  if n == nil or n < 1 then
+    return nil
+  end
+  return n
+end
+
+-- A usage counter after adding cost: saturates at MAX_CAP, so a state stays valid.
+local function add_usage(n, cost)
+  n = n + cost
+  if n > MAX_CAP then
+    return MAX_CAP
+  end
+  return n
+end
+
 -- A reply that is a Redis error (redis.pcall), e.g. WRONGTYPE: the key holds another type.
 local function failed(r)
   return type(r) == 'table' and r.err ~= nil
@@ -157,12 +186,9 @@ if not pair_ok(v1, v2) then
   end
   return err('limit and window must be integers within the window bounds')
 end
-local min_ttl = DEFAULT_MIN_TTL_MS
-if ARGV[5] ~= nil and ARGV[5] ~= '' then
-  min_ttl = int(ARGV[5], MAX_CAP)
-  if min_ttl == nil or min_ttl < 1 then
-    return err('minimum TTL must be an integer number of ms in 1..' .. MAX_CAP)
-  end
+local min_ttl = arg_min_ttl(ARGV[5])
+if min_ttl == nil then
+  return err('minimum TTL must be an integer number of ms in 1..' .. MAX_CAP)
 end
 local lease, g1, g2
 if ARGV[6] ~= nil and ARGV[6] ~= '' then
@@ -176,14 +202,9 @@ if ARGV[6] ~= nil and ARGV[6] ~= '' then
 elseif (ARGV[7] ~= nil and ARGV[7] ~= '') or (ARGV[8] ~= nil and ARGV[8] ~= '') then
   return err('a floor needs a lease')
 end
-local now
-if ARGV[9] == nil or ARGV[9] == '' then
-  now = time_ms()
-else
-  now = int(ARGV[9], MAX_CAP)
-  if now == nil then
-    return err('now must be an integer number of ms')
-  end
+local now = arg_now(ARGV[9])
+if now == nil then
+  return err('now must be an integer number of ms')
 end
 local lease_end = -1
 if lease then

@@ -74,6 +74,35 @@ local function time_ms()
   return s * 1000 + (us - fmod(us, 1000)) / 1000
 end
 
+-- An optional explicit now in ms ('' or absent: Redis TIME); nil when invalid.
+local function arg_now(s)
+  if s == nil or s == '' then
+    return time_ms()
+  end
+  return int(s, MAX_CAP)
+end
+
+-- An optional minimum idle TTL in ms ('' or absent: the default); nil when invalid.
+local function arg_min_ttl(s)
+  if s == nil or s == '' then
+    return DEFAULT_MIN_TTL_MS
+  end
+  local n = int(s, MAX_CAP)
+  if n == nil or n < 1 then
+    return nil
+  end
+  return n
+end
+
+-- A usage counter after adding cost: saturates at MAX_CAP, so a state stays valid.
+local function add_usage(n, cost)
+  n = n + cost
+  if n > MAX_CAP then
+    return MAX_CAP
+  end
+  return n
+end
+
 -- A reply that is a Redis error (redis.pcall), e.g. WRONGTYPE: the key holds another type.
 local function failed(r)
   return type(r) == 'table' and r.err ~= nil
@@ -153,22 +182,13 @@ if ARGV[2] ~= '' or ARGV[3] ~= '' then
     return err('fallback limit and window must be integers within the window bounds')
   end
 end
-local now
-if ARGV[4] == nil or ARGV[4] == '' then
-  now = time_ms()
-else
-  now = int(ARGV[4], MAX_CAP)
-  if now == nil then
-    return err('now must be an integer number of ms')
-  end
+local min_ttl = arg_min_ttl(ARGV[5])
+if min_ttl == nil then
+  return err('minimum TTL must be an integer number of ms in 1..' .. MAX_CAP)
 end
-
-local min_ttl = DEFAULT_MIN_TTL_MS
-if ARGV[5] ~= nil and ARGV[5] ~= '' then
-  min_ttl = int(ARGV[5], MAX_CAP)
-  if min_ttl == nil or min_ttl < 1 then
-    return err('minimum TTL must be an integer number of ms in 1..' .. MAX_CAP)
-  end
+local now = arg_now(ARGV[4])
+if now == nil then
+  return err('now must be an integer number of ms')
 end
 
 local limit, w
@@ -347,17 +367,9 @@ if ad + dn == 0 and failed(redis.pcall('SADD', KEYS[3], KEYS[1])) then
   return err('the activity index holds another type')
 end
 if allowed == 1 then
-  ad = ad + cost
-  if ad > MAX_CAP then
-    ad = MAX_CAP
-  end
-  out[#out + 1], out[#out + 2] = 'ad', fmt('%d', ad)
+  out[#out + 1], out[#out + 2] = 'ad', fmt('%d', add_usage(ad, cost))
 else
-  dn = dn + cost
-  if dn > MAX_CAP then
-    dn = MAX_CAP
-  end
-  out[#out + 1], out[#out + 2] = 'dn', fmt('%d', dn)
+  out[#out + 1], out[#out + 2] = 'dn', fmt('%d', add_usage(dn, cost))
 end
 -- Expiry: once the window is empty the key is not needed (a missing window is an empty one).
 local ttl = reset
