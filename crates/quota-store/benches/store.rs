@@ -326,14 +326,15 @@ async fn main() {
     // measured in the same interleaved rounds, to show what a change costs.
     let compare = std::env::var("QUOTAD_BENCH_COMPARE_LUA")
         .ok()
-        .map(|path| std::fs::read_to_string(&path).expect("QUOTAD_BENCH_COMPARE_LUA file"));
+        .map(|path| std::fs::read_to_string(&path).expect("QUOTAD_BENCH_COMPARE_LUA file"))
+        .map(|src| &*Box::leak(src.into_boxed_str()));
     for keys in [Keys::Hot, Keys::Random] {
         let (mut ours, mut hash, mut seed, mut bare) = (f64::MAX, f64::MAX, f64::MAX, f64::MAX);
         let mut other = f64::MAX;
         for _ in 0..ROUNDS {
             let tb = quota_store::script::TOKEN_BUCKET_LUA;
             ours = ours.min(server_cpu(&server, tb, keys, n, quotad_args, quotad_keys).await);
-            if let Some(src) = &compare {
+            if let Some(src) = compare {
                 other =
                     other.min(server_cpu(&server, src, keys, n, quotad_args, quotad_keys).await);
             }
