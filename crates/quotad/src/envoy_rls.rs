@@ -518,7 +518,8 @@ pub async fn serve(
                         }
                     }
                 }
-                status_tx.send_replace(ServingStatus::NotServing);
+                let not_serving = ServingStatus::NotServing;
+                status_tx.send_if_modified(|s| std::mem::replace(s, not_serving) != not_serving);
                 streams_tx.send_replace(true);
             },
         );
@@ -674,7 +675,9 @@ mod tests {
                     header_value(&r, "ratelimit").as_deref(),
                     Some("\"writes\";r=0;t=20")
                 );
-                assert_eq!(s.duration_until_reset.as_ref().unwrap().seconds, 20);
+                let until = s.duration_until_reset.as_ref().unwrap();
+                let until_ms = until.seconds * 1000 + i64::from(until.nanos) / 1_000_000;
+                assert!((19_000..=20_000).contains(&until_ms), "{until:?}");
             }
         }
         assert_eq!(codes, [(OK, 2), (OK, 1), (OK, 0), (OVER, 0)]);
