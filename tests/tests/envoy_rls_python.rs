@@ -49,10 +49,24 @@ fn crate_dir(metadata: &Value, package: &str) -> anyhow::Result<PathBuf> {
         .to_path_buf())
 }
 
+/// The crates this workspace builds for this host, offline (packages of other platforms are
+/// never downloaded here, so they are filtered out).
 async fn cargo_metadata(workspace: &Path) -> anyhow::Result<Value> {
+    let rustc = std::env::var("RUSTC").unwrap_or_else(|_| "rustc".into());
+    let version = Command::new(rustc)
+        .arg("-vV")
+        .output()
+        .await
+        .context("running rustc -vV")?;
+    let version = String::from_utf8(version.stdout)?;
+    let host = version
+        .lines()
+        .find_map(|l| l.strip_prefix("host: "))
+        .context("rustc -vV names no host")?;
     let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
     let out = Command::new(cargo)
         .args(["metadata", "--format-version", "1", "--offline", "--locked"])
+        .args(["--filter-platform", host])
         .current_dir(workspace)
         .output()
         .await
@@ -88,8 +102,12 @@ async fn a_python_grpcio_client_sees_every_point_of_the_envoy_contract() -> anyh
         ("acme", "reads", 2, HOUR_MS),
         ("acme", "small", 5, HOUR_MS),
     ] {
-        d.put_policy(tenant, policy, json!({"limit": limit, "window_ms": window_ms}))
-            .await?;
+        d.put_policy(
+            tenant,
+            policy,
+            json!({"limit": limit, "window_ms": window_ms}),
+        )
+        .await?;
     }
 
     let mut client = Command::new("python3")
@@ -127,7 +145,11 @@ async fn a_python_grpcio_client_sees_every_point_of_the_envoy_contract() -> anyh
     }
     let out = client.wait_with_output().await?;
     let stderr = String::from_utf8_lossy(&out.stderr);
-    assert!(out.status.success(), "{:?}: {said:#?}\n{stderr}", out.status);
+    assert!(
+        out.status.success(),
+        "{:?}: {said:#?}\n{stderr}",
+        out.status
+    );
     let reported: Vec<&str> = said
         .iter()
         .filter_map(|l| l.strip_prefix("ok "))
@@ -138,6 +160,9 @@ async fn a_python_grpcio_client_sees_every_point_of_the_envoy_contract() -> anyh
         println!("{line}");
     }
     let stopped_in = stopped_in.context("the client never asked for shutdown")?;
-    assert!(stopped_in < Duration::from_secs(5), "stopped in {stopped_in:?}");
+    assert!(
+        stopped_in < Duration::from_secs(5),
+        "stopped in {stopped_in:?}"
+    );
     Ok(())
 }
