@@ -273,6 +273,12 @@ impl Decider {
     /// that decides now (the in-process bucket while the breaker is open); `None` if the
     /// store cannot answer.
     pub async fn tokens_left(&self, bucket: BucketRef, limit: Limit) -> Option<u64> {
+        self.peek(bucket, limit).await.map(|d| d.remaining)
+    }
+
+    /// A bucket of this region as a check of cost 0 sees it, spending nothing, read as
+    /// [`Decider::tokens_left`] reads it; `None` if the store cannot answer.
+    pub async fn peek(&self, bucket: BucketRef, limit: Limit) -> Option<Decision> {
         let req = CheckRequest::peek(bucket, limit);
         // The store bounds every call with its own timeout.
         let r = if self.breaker.is_open() {
@@ -280,7 +286,7 @@ impl Decider {
         } else {
             self.store.check(&req).await
         };
-        r.ok().map(|d| d.remaining)
+        r.ok()
     }
 
     /// Decides one check. `forwarded` is true when another region sent it here.
