@@ -1,10 +1,11 @@
-//! Redis errors as [`StoreError`]s.
+//! Redis errors as [`StoreError`]s: the request's or its data's fault ([`StoreError::Rejected`])
+//! apart from the store's (everything [`StoreError::is_outage`] counts).
 
 use redis::RedisError;
 
 use crate::StoreError;
 
-pub(super) fn unavailable(e: &RedisError) -> StoreError {
+fn unavailable(e: &RedisError) -> StoreError {
     StoreError::Unavailable {
         reason: e.to_string(),
     }
@@ -21,7 +22,11 @@ fn refused(e: &RedisError) -> bool {
                 .is_some_and(|d| REFUSALS.iter().any(|r| d.contains(r))))
 }
 
-/// Maps a Redis error: server replies (script errors) vs. transport problems.
+/// The prefix of every error reply the scripts give for arguments or stored data they refuse.
+const SCRIPT_REJECTION: &str = "quotad: ";
+
+/// Maps a Redis error: the scripts' refusals and wrong-type keys (the request's or the data's
+/// fault) vs. other server replies vs. transport problems.
 pub(super) fn from_redis(e: &RedisError) -> StoreError {
     if refused(e) {
         return StoreError::Refused {
@@ -29,12 +34,25 @@ pub(super) fn from_redis(e: &RedisError) -> StoreError {
         };
     }
     match e.kind() {
-        redis::ErrorKind::Server(_) | redis::ErrorKind::Extension => StoreError::Script {
-            message: match (e.code(), e.detail()) {
-                (Some(code), Some(detail)) => format!("{code} {detail}"),
-                _ => e.to_string(),
-            },
-        },
+        redis::ErrorKind::Server(_) | redis::ErrorKind::Extension => {
+            match (e.code(), e.detail()) {
+                (Some("ERR"), Some(detail)) if detail.starts_with(SCRIPT_REJECTION) => {
+                    StoreError::Rejected {
+                        reason: detail[SCRIPT_REJECTION.len()..].to_string(),
+                    }
+                }
+                // Redis's text names the script and a line, never the key.
+                (Some("WRONGTYPE"), _) => StoreError::Rejected {
+                    reason: "a key of this bucket holds a value of another type".into(),
+                },
+                (Some(code), Some(detail)) => StoreError::Script {
+                    message: format!("{code} {detail}"),
+                },
+                _ => StoreError::Script {
+                    message: e.to_string(),
+                },
+            }
+        }
         redis::ErrorKind::Parse | redis::ErrorKind::UnexpectedReturnType => StoreError::Protocol {
             reason: e.to_string(),
         },
@@ -46,5 +64,75 @@ pub(super) fn from_redis(e: &RedisError) -> StoreError {
 pub(super) fn protocol(e: &redis::ParsingError) -> StoreError {
     StoreError::Protocol {
         reason: e.to_string(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The error a server reply of `wire` (RESP, e.g. `-ERR …\r\n`) gives the client.
+    fn reply(wire: &str) -> RedisError {
+        redis::parse_redis_value(wire.as_bytes())
+            .expect("a RESP error")
+            .extract_error()
+            .expect_err("an error reply")
+    }
+
+    #[test]
+    fn a_scripts_refusal_is_rejected_and_no_outage() {
+        let e = from_redis(&reply(
+            "-ERR quotad: cost must be an integer in 0..9007\r\n",
+        ));
+        assert!(
+            matches!(&e, StoreError::Rejected { reason } if reason == "cost must be an integer in 0..9007"),
+            "{e:?}"
+        );
+        assert!(!e.is_outage());
+    }
+
+    #[test]
+    fn a_wrong_type_key_is_rejected_without_quoting_redis() {
+        let e = from_redis(&reply(
+            "-WRONGTYPE Operation against a key holding the wrong kind of value script: abc, on @user_script:75.\r\n",
+        ));
+        assert!(matches!(&e, StoreError::Rejected { .. }), "{e:?}");
+        assert!(!e.to_string().contains("user_script"), "{e}");
+        assert!(!e.is_outage());
+    }
+
+    #[test]
+    fn other_server_errors_are_outages() {
+        for wire in [
+            "-OOM command not allowed when used memory > 'maxmemory'.\r\n",
+            "-BUSY Redis is busy running a script.\r\n",
+            "-ERR user_script:1: Script attempted to access nonexistent global variable\r\n",
+            "-LOADING Redis is loading the dataset in memory\r\n",
+        ] {
+            let e = from_redis(&reply(wire));
+            assert!(matches!(&e, StoreError::Script { .. }), "{wire}: {e:?}");
+            assert!(e.is_outage(), "{wire}");
+        }
+    }
+
+    #[test]
+    fn refusals_of_this_client_are_refused() {
+        for wire in [
+            "-NOAUTH Authentication required.\r\n",
+            "-WRONGPASS invalid username-password pair or user is disabled.\r\n",
+            "-NOPERM this user has no permissions to run the 'evalsha' command\r\n",
+        ] {
+            let e = from_redis(&reply(wire));
+            assert!(matches!(&e, StoreError::Refused { .. }), "{wire}: {e:?}");
+            assert!(e.is_outage(), "{wire}");
+        }
+    }
+
+    #[test]
+    fn a_dropped_connection_is_unavailable() {
+        let io = std::io::Error::new(std::io::ErrorKind::ConnectionReset, "reset");
+        let e = from_redis(&RedisError::from(io));
+        assert!(matches!(&e, StoreError::Unavailable { .. }), "{e:?}");
+        assert!(e.is_outage());
     }
 }
