@@ -40,6 +40,13 @@ async fn store_with_timeout(server: &RedisServer, ms: u64) -> RedisStore {
     RedisStore::connect(cfg).await.unwrap()
 }
 
+/// The store is fine after a rejection: a fresh bucket under `limit` is decided (and admitted).
+async fn still_decides_for_others(store: &RedisStore, limit: Limit) {
+    let other = fresh_bucket("healthy");
+    let d = store.check(&req(&other, limit, 1, None)).await;
+    assert!(d.as_ref().is_ok_and(|d| d.allowed), "{d:?}");
+}
+
 #[tokio::test]
 async fn bad_requests_are_rejected_alike_by_both_stores() {
     let server = RedisServer::start().unwrap();
@@ -75,15 +82,7 @@ async fn a_scripts_refusal_of_stored_data_is_rejected() {
         store.check(&req(&b, limit, 1, None)).await,
         "corrupt params",
     );
-    // The store is fine: another bucket is decided.
-    let other = fresh_bucket("healthy");
-    assert!(
-        store
-            .check(&req(&other, limit, 1, None))
-            .await
-            .unwrap()
-            .allowed
-    );
+    still_decides_for_others(&store, limit).await;
 }
 
 #[tokio::test]
@@ -109,14 +108,7 @@ async fn a_key_of_another_type_is_rejected() {
             store.check(&req(&b, limit, 1, None)).await,
             &format!("{kind:?} state holding a list"),
         );
-        let other = fresh_bucket("healthy");
-        assert!(
-            store
-                .check(&req(&other, limit, 1, None))
-                .await
-                .unwrap()
-                .allowed
-        );
+        still_decides_for_others(&store, limit).await;
     }
 }
 

@@ -102,28 +102,36 @@ mod tests {
     }
 
     #[test]
-    fn other_server_errors_are_outages() {
-        for wire in [
-            "-OOM command not allowed when used memory > 'maxmemory'.\r\n",
-            "-BUSY Redis is busy running a script.\r\n",
-            "-ERR user_script:1: Script attempted to access nonexistent global variable\r\n",
-            "-LOADING Redis is loading the dataset in memory\r\n",
-        ] {
+    fn other_server_errors_and_refusals_are_outages() {
+        let script = |e: &StoreError| matches!(e, StoreError::Script { .. });
+        let refused = |e: &StoreError| matches!(e, StoreError::Refused { .. });
+        let cases: [(&str, fn(&StoreError) -> bool); 7] = [
+            (
+                "-OOM command not allowed when used memory > 'maxmemory'.\r\n",
+                script,
+            ),
+            ("-BUSY Redis is busy running a script.\r\n", script),
+            (
+                "-ERR user_script:1: Script attempted to access nonexistent global variable\r\n",
+                script,
+            ),
+            (
+                "-LOADING Redis is loading the dataset in memory\r\n",
+                script,
+            ),
+            ("-NOAUTH Authentication required.\r\n", refused),
+            (
+                "-WRONGPASS invalid username-password pair or user is disabled.\r\n",
+                refused,
+            ),
+            (
+                "-NOPERM this user has no permissions to run the 'evalsha' command\r\n",
+                refused,
+            ),
+        ];
+        for (wire, class) in cases {
             let e = from_redis(&reply(wire));
-            assert!(matches!(&e, StoreError::Script { .. }), "{wire}: {e:?}");
-            assert!(e.is_outage(), "{wire}");
-        }
-    }
-
-    #[test]
-    fn refusals_of_this_client_are_refused() {
-        for wire in [
-            "-NOAUTH Authentication required.\r\n",
-            "-WRONGPASS invalid username-password pair or user is disabled.\r\n",
-            "-NOPERM this user has no permissions to run the 'evalsha' command\r\n",
-        ] {
-            let e = from_redis(&reply(wire));
-            assert!(matches!(&e, StoreError::Refused { .. }), "{wire}: {e:?}");
+            assert!(class(&e), "{wire}: {e:?}");
             assert!(e.is_outage(), "{wire}");
         }
     }
