@@ -105,7 +105,8 @@ mod tests {
     fn other_server_errors_and_refusals_are_outages() {
         let script = |e: &StoreError| matches!(e, StoreError::Script { .. });
         let refused = |e: &StoreError| matches!(e, StoreError::Refused { .. });
-        let cases: [(&str, fn(&StoreError) -> bool); 7] = [
+        type Class = fn(&StoreError) -> bool;
+        let cases: [(&str, Class); 7] = [
             (
                 "-OOM command not allowed when used memory > 'maxmemory'.\r\n",
                 script,
