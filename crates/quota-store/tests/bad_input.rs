@@ -310,7 +310,7 @@ async fn invalid_requests_never_reach_redis() {
     ];
     for r in &bad {
         assert!(
-            matches!(store.check(r).await, Err(StoreError::Invalid { .. })),
+            matches!(store.check(r).await, Err(StoreError::Rejected { .. })),
             "{r:?}"
         );
     }
@@ -327,7 +327,10 @@ async fn invalid_requests_never_reach_redis() {
     ];
     for p in &bad_params {
         let r = store.set_params(p).await;
-        assert!(matches!(r, Err(StoreError::Invalid { .. })), "{p:?}: {r:?}");
+        assert!(
+            matches!(r, Err(StoreError::Rejected { .. })),
+            "{p:?}: {r:?}"
+        );
     }
     // And a valid one does reach it, and fails as unavailable, not as invalid.
     let r = store.check(&req(&b, tokens(1, 1), 1, None)).await;
