@@ -27,7 +27,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use futures::stream::{self, StreamExt as _};
-use quota_store::{BucketRef, Store as _};
+use quota_store::{BucketRef, Store as _, StoreError};
 use tokio::sync::watch;
 
 pub use ledger::{Pacing, Written};
@@ -196,7 +196,7 @@ pub async fn apply_shares(
         if let Err(e) = &r {
             tracing::debug!(tenant = %w.req.bucket.tenant, policy = %w.req.bucket.policy, error = %e, "Applying a share failed.");
         }
-        (w, r.is_ok())
+        (w, r)
     })
     .await;
     let mut all = true;
@@ -242,7 +242,7 @@ async fn clear_obsolete(decider: &Decider, written: &mut Written) {
         if let Err(e) = &r {
             tracing::debug!(tenant = %b.tenant, policy = %b.policy, error = %e, "Clearing an old bucket failed.");
         }
-        (b, r.is_ok())
+        (b, r)
     })
     .await;
     for (b, outcome) in results {
@@ -253,12 +253,13 @@ async fn clear_obsolete(decider: &Decider, written: &mut Written) {
 }
 
 /// Runs `call` on every item, [`WRITE_CONCURRENCY`] at a time, and starts no more calls after
-/// the first that fails: a store that is down would otherwise cost a timeout per item. Each
-/// item comes back with whether its call succeeded, or `None` if it never ran.
+/// the first that finds the store out: a store that is down would otherwise cost a timeout per
+/// item. A refusal of one bucket's write (its data or its request at fault) fails that item
+/// only. Each item comes back with whether its call succeeded, or `None` if it never ran.
 async fn until_first_failure<T, F, Fut>(items: Vec<T>, call: F) -> Vec<(T, Option<bool>)>
 where
     F: Fn(T) -> Fut,
-    Fut: std::future::Future<Output = (T, bool)>,
+    Fut: std::future::Future<Output = (T, Result<(), StoreError>)>,
 {
     let failed = AtomicBool::new(false);
     stream::iter(items)
@@ -268,11 +269,11 @@ where
                 if failed.load(Ordering::Relaxed) {
                     return (item, None);
                 }
-                let (item, ok) = call(item).await;
-                if !ok {
+                let (item, r) = call(item).await;
+                if r.as_ref().is_err_and(StoreError::is_outage) {
                     failed.store(true, Ordering::Relaxed);
                 }
-                (item, Some(ok))
+                (item, Some(r.is_ok()))
             }
         })
         .buffer_unordered(WRITE_CONCURRENCY)

@@ -15,7 +15,7 @@ use metrics::{Counter, Histogram};
 use quota_core::policy::CostError;
 use quota_core::share::limit_for_share;
 use quota_core::{Decision, FailMode, Policy, PolicyName, RegionId, TenantId};
-use quota_store::{AnyStore, BucketRef, CheckRequest, EmbeddedStore, Limit, Store};
+use quota_store::{AnyStore, BucketRef, CheckRequest, EmbeddedStore, Limit, Store, StoreError};
 use serde::{Deserialize, Serialize};
 use tokio::sync::watch;
 
@@ -424,43 +424,66 @@ impl Decider {
             cost,
             now_ms: None,
         };
-        if let Some(decision) = self.ask_store(&req).await {
-            return Ok(Verdict {
+        match self.ask_store(&req).await {
+            Ok(Some(decision)) => Ok(Verdict {
                 decision,
                 policy,
                 mode: Mode::Normal,
                 decided_by: self.region.clone(),
-            });
+            }),
+            Ok(None) => self.fail_over(req, policy).await,
+            Err(e) => {
+                tracing::warn!(
+                    region = %self.region,
+                    policy = %req.bucket.policy,
+                    error = %e,
+                    "The store refused this bucket's data; other buckets are unaffected."
+                );
+                Err(CheckError::ReducedCapacity {
+                    policy: req.bucket.policy,
+                    reason: "the regional store refuses this policy's stored bucket",
+                })
+            }
         }
-        self.fail_over(req, policy).await
     }
 
-    /// The store's decision, through the breaker (the embedded store has none); `None` when
-    /// the breaker is open or the call failed.
-    async fn ask_store(&self, req: &CheckRequest) -> Option<Decision> {
+    /// The store's decision, through the breaker (the embedded store has none): `Ok(None)`
+    /// when the breaker is open or the store is out (the fail mode decides), `Err` when the
+    /// store answered but refused this request or its bucket's data. A refusal is one bucket's
+    /// fault, not an outage: it never counts against the breaker, so one tenant's bad data
+    /// cannot degrade the region for the others.
+    async fn ask_store(&self, req: &CheckRequest) -> Result<Option<Decision>, StoreError> {
         if is_embedded(&self.store) {
-            self.store.check(req).await.ok()
-        } else if self.breaker.admit() == Admission::Call {
-            let t0 = clock::monotonic();
-            // The Redis store bounds every call with its configured timeout (a timeout is a
-            // `StoreError`), so no second timer is armed here.
-            let r = self.store.check(req).await;
-            let took = t0.elapsed();
-            self.store_latency.record(took.as_secs_f64());
-            let ok = r.is_ok();
-            if !ok {
+            return match self.store.check(req).await {
+                Ok(d) => Ok(Some(d)),
+                Err(e) if !e.is_outage() => Err(e),
+                Err(_) => Ok(None),
+            };
+        }
+        if self.breaker.admit() != Admission::Call {
+            return Ok(None);
+        }
+        let t0 = clock::monotonic();
+        // The Redis store bounds every call with its configured timeout (a timeout is a
+        // `StoreError`), so no second timer is armed here.
+        let r = self.store.check(req).await;
+        let took = t0.elapsed();
+        self.store_latency.record(took.as_secs_f64());
+        match r {
+            Ok(d) => {
+                self.breaker.record(true, took);
+                Ok(Some(d))
+            }
+            Err(e) if !e.is_outage() => {
+                self.breaker.record(true, took);
+                Err(e)
+            }
+            Err(e) => {
                 self.store_errors.increment(1);
+                self.breaker.record(false, took);
+                tracing::debug!(region = %self.region, error = %e, "Store call failed.");
+                Ok(None)
             }
-            self.breaker.record(ok, took);
-            match r {
-                Ok(d) => Some(d),
-                Err(e) => {
-                    tracing::debug!(region = %self.region, error = %e, "Store call failed.");
-                    None
-                }
-            }
-        } else {
-            None
         }
     }
 
