@@ -353,13 +353,13 @@ pub async fn list_policies(
 }
 
 /// Liveness: the process answers.
-#[utoipa::path(get, path = "/livez", responses((status = 200)), tag = "health")]
+#[utoipa::path(get, path = "/livez", responses((status = 200, body = String, content_type = "text/plain")), tag = "health")]
 pub async fn livez() -> &'static str {
     "ok\n"
 }
 
 /// Readiness: 503 while starting or draining for shutdown.
-#[utoipa::path(get, path = "/readyz", responses((status = 200), (status = 503)), tag = "health")]
+#[utoipa::path(get, path = "/readyz", responses((status = 200, body = String, content_type = "text/plain"), (status = 503, description = "Starting or draining", body = String, content_type = "text/plain")), tag = "health")]
 pub async fn readyz(State(state): State<AppState>) -> (StatusCode, &'static str) {
     if state.ready.load(Ordering::Relaxed) {
         (StatusCode::OK, "ready\n")
@@ -369,7 +369,7 @@ pub async fn readyz(State(state): State<AppState>) -> (StatusCode, &'static str)
 }
 
 /// Prometheus metrics.
-#[utoipa::path(get, path = "/metrics", responses((status = 200, content_type = "text/plain")), tag = "health")]
+#[utoipa::path(get, path = "/metrics", responses((status = 200, body = String, content_type = "text/plain")), tag = "health")]
 pub async fn metrics(State(state): State<AppState>) -> Response {
     let body = state
         .metrics

@@ -12,6 +12,7 @@ pub mod auth;
 pub mod batch;
 pub mod check;
 pub mod cluster;
+pub mod contract;
 pub mod edge;
 pub mod policy_batch;
 pub mod problem;
@@ -31,6 +32,7 @@ use tower::Layer as _;
 use utoipa::OpenApi;
 
 use crate::api::auth::BearerScheme;
+use crate::api::contract::Contract;
 use crate::config::Secret;
 use crate::coordination::Coordinator;
 use crate::decision::Decider;
@@ -145,7 +147,7 @@ impl HeaderText {
         cluster::readyz,
         cluster::metrics,
     ),
-    modifiers(&BearerScheme)
+    modifiers(&BearerScheme, &Contract)
 )]
 pub struct ApiDoc;
 

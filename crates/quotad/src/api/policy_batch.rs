@@ -25,7 +25,7 @@ use crate::coordination::{CoordError, PolicyPut};
 pub struct PolicyBatchBody {
     /// 1 to 1000 objects such as `{"tenant": "acme", "policy": "writes", "limit": 100,
     /// "window_ms": 60000}`, with the optional fields of a PUT body.
-    #[schema(value_type = Vec<Object>)]
+    #[schema(value_type = Vec<Object>, min_items = 1, max_items = 1000)]
     pub policies: Vec<Map<String, Value>>,
 }
 

@@ -6,7 +6,7 @@
 use axum::body::Bytes;
 use axum::extract::path::ErrorKind;
 use axum::extract::rejection::PathRejection;
-use axum::extract::{FromRequest, FromRequestParts, Path, Request};
+use axum::extract::{FromRequest, FromRequestParts, Path, RawPathParams, Request};
 use axum::http::request::Parts;
 use axum::http::{header, HeaderMap, HeaderValue, StatusCode};
 use axum::response::{IntoResponse, Response};
@@ -319,6 +319,12 @@ pub(crate) fn data_problem(path: &str, message: &str) -> FieldProblem {
         .find_map(|p| msg.strip_prefix(p))
         .and_then(|rest| rest.rsplit_once(", expected "))
     {
+        let got = match got {
+            "sequence" => "an array",
+            "map" => "an object",
+            "unit" => "null",
+            other => other,
+        };
         (
             field_in(None),
             format!("must be {} (got {got})", json_type(expected)),
@@ -379,13 +385,23 @@ where
     async fn from_request_parts(parts: &mut Parts, state: &S) -> Result<Self, Self::Rejection> {
         match Path::<T>::from_request_parts(parts, state).await {
             Ok(Path(v)) => Ok(Self(v)),
-            Err(PathRejection::FailedToDeserializePathParams(e)) => Err(path_problem(e.kind())),
+            Err(PathRejection::FailedToDeserializePathParams(e)) => {
+                // A lone parameter's parse error does not name it: the route's one key does.
+                let only = RawPathParams::from_request_parts(parts, state)
+                    .await
+                    .ok()
+                    .and_then(|p| {
+                        let keys: Vec<String> = p.iter().map(|(k, _)| k.to_string()).collect();
+                        (keys.len() == 1).then(|| keys[0].clone())
+                    });
+                Err(path_problem(e.kind(), only.as_deref().unwrap_or("path")))
+            }
             Err(_) => Err(bad_request("path", "could not be read")),
         }
     }
 }
 
-fn path_problem(kind: &ErrorKind) -> ApiError {
+fn path_problem(kind: &ErrorKind, only: &str) -> ApiError {
     match kind {
         ErrorKind::InvalidUtf8InPathParam { key } => {
             bad_request(key.as_str(), "must be valid UTF-8 once percent-decoded")
@@ -402,7 +418,7 @@ fn path_problem(kind: &ErrorKind) -> ApiError {
             value,
             expected_type,
         } => bad_request(
-            "path",
+            only,
             format!("must be {} (got {value:?})", json_type(expected_type)),
         ),
         ErrorKind::DeserializeError { key, message, .. } => {
