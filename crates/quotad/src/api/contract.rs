@@ -153,6 +153,34 @@ impl utoipa::Modify for Contract {
                     .build();
                 set(s.get_mut("NewMember"), f, addr);
             }
+            // A batch's checks are answered one by one: an id that is not valid gets its own
+            // 400 in `results`, so the batch's schema does not hold ids to the pattern.
+            if let Some(RefOr::T(Schema::Object(check))) = s.get("CheckBody").cloned() {
+                let mut item = check;
+                for f in ["tenant", "policy"] {
+                    item.properties.insert(
+                        f.to_string(),
+                        RefOr::T(Schema::Object(
+                            ObjectBuilder::new().schema_type(Type::String).build(),
+                        )),
+                    );
+                }
+                s.insert("BatchCheck".to_string(), RefOr::T(Schema::Object(item)));
+                if let Some(RefOr::T(Schema::Object(b))) = s.get_mut("BatchBody") {
+                    b.properties.insert(
+                        "checks".to_string(),
+                        RefOr::T(Schema::Array(
+                            utoipa::openapi::schema::ArrayBuilder::new()
+                                .items(RefOr::Ref(utoipa::openapi::Ref::from_schema_name(
+                                    "BatchCheck",
+                                )))
+                                .min_items(Some(1))
+                                .max_items(Some(crate::api::batch::MAX_BATCH))
+                                .build(),
+                        )),
+                    );
+                }
+            }
             // Bodies take no field beyond those documented.
             for name in [
                 "PolicyBody",
