@@ -154,7 +154,7 @@ impl utoipa::Modify for Contract {
                 set(s.get_mut("NewMember"), f, addr);
             }
             // A batch's checks are answered one by one: an id that is not valid gets its own
-            // 400 in `results`, so the batch's schema does not hold ids to the pattern.
+            // 400 in `results`, so the batch's schema does not hold ids and costs to the bounds.
             if let Some(RefOr::T(Schema::Object(check))) = s.get("CheckBody").cloned() {
                 let mut item = check;
                 for f in ["tenant", "policy"] {
@@ -165,6 +165,14 @@ impl utoipa::Modify for Contract {
                         )),
                     );
                 }
+                item.properties.insert(
+                    "cost".to_string(),
+                    RefOr::T(Schema::Object(
+                        ObjectBuilder::new()
+                            .schema_type(SchemaType::from_iter([Type::Number, Type::Null]))
+                            .build(),
+                    )),
+                );
                 s.insert("BatchCheck".to_string(), RefOr::T(Schema::Object(item)));
                 if let Some(RefOr::T(Schema::Object(b))) = s.get_mut("BatchBody") {
                     b.properties.insert(
