@@ -22,6 +22,9 @@ pub const ID_PATTERN: &str = "^[A-Za-z0-9_-]+$";
 /// `host:port` of an IPv4 listener, as membership bodies take it.
 const SOCKET_PATTERN: &str = r"^((25[0-5]|2[0-4][0-9]|1[0-9]{2}|[1-9]?[0-9])\.){3}(25[0-5]|2[0-4][0-9]|1[0-9]{2}|[1-9]?[0-9]):([1-9][0-9]{0,3}|[1-5][0-9]{4}|6[0-4][0-9]{3}|65[0-4][0-9]{2}|655[0-2][0-9]|6553[0-5])$";
 
+/// The document's named schemas.
+type Schemas = std::collections::BTreeMap<String, RefOr<Schema>>;
+
 /// Adds the bounds and the shared statuses to the generated document.
 #[derive(Debug)]
 pub struct Contract;
@@ -58,8 +61,8 @@ fn one_of(values: &[&str]) -> Object {
         .build()
 }
 
-fn set(schema: Option<&mut RefOr<Schema>>, field: &str, to: Object) {
-    if let Some(RefOr::T(Schema::Object(o))) = schema {
+fn set(schemas: &mut Schemas, name: &str, field: &str, to: Object) {
+    if let Some(RefOr::T(Schema::Object(o))) = schemas.get_mut(name) {
         o.properties
             .insert(field.to_string(), RefOr::T(Schema::Object(to)));
     }
@@ -109,30 +112,25 @@ impl utoipa::Modify for Contract {
     fn modify(&self, doc: &mut utoipa::openapi::OpenApi) {
         if let Some(c) = doc.components.as_mut() {
             let s = &mut c.schemas;
-            set(s.get_mut("PolicyBody"), "limit", whole(1, MAX_BURST, false));
+            set(s, "PolicyBody", "limit", whole(1, MAX_BURST, false));
+            set(s, "PolicyBody", "window_ms", whole(1, MAX_WINDOW_MS, false));
+            set(s, "PolicyBody", "burst", whole(1, MAX_BURST, true));
+            set(s, "PolicyBody", "tier", one_of(&["standard", "critical"]));
             set(
-                s.get_mut("PolicyBody"),
-                "window_ms",
-                whole(1, MAX_WINDOW_MS, false),
-            );
-            set(s.get_mut("PolicyBody"), "burst", whole(1, MAX_BURST, true));
-            set(
-                s.get_mut("PolicyBody"),
-                "tier",
-                one_of(&["standard", "critical"]),
-            );
-            set(
-                s.get_mut("PolicyBody"),
+                s,
+                "PolicyBody",
                 "fail_mode",
                 one_of(&["local", "open", "closed"]),
             );
             set(
-                s.get_mut("PolicyBody"),
+                s,
+                "PolicyBody",
                 "algorithm",
                 one_of(&["token_bucket", "sliding_window"]),
             );
             set(
-                s.get_mut("PolicyBody"),
+                s,
+                "PolicyBody",
                 "floor",
                 ObjectBuilder::new()
                     .schema_type(SchemaType::from_iter([Type::Number, Type::Null]))
@@ -140,18 +138,18 @@ impl utoipa::Modify for Contract {
                     .maximum(Some(Number::Float(1.0)))
                     .build(),
             );
-            set(s.get_mut("CheckBody"), "tenant", id(TenantId::MAX_LEN));
-            set(s.get_mut("CheckBody"), "policy", id(PolicyName::MAX_LEN));
-            set(s.get_mut("CheckBody"), "cost", whole(1, MAX_COST, true));
-            set(s.get_mut("PinBody"), "region", id(RegionId::MAX_LEN));
-            set(s.get_mut("NewMember"), "node_id", whole(1, u64::MAX, false));
-            set(s.get_mut("NewMember"), "region", id(RegionId::MAX_LEN));
+            set(s, "CheckBody", "tenant", id(TenantId::MAX_LEN));
+            set(s, "CheckBody", "policy", id(PolicyName::MAX_LEN));
+            set(s, "CheckBody", "cost", whole(1, MAX_COST, true));
+            set(s, "PinBody", "region", id(RegionId::MAX_LEN));
+            set(s, "NewMember", "node_id", whole(1, u64::MAX, false));
+            set(s, "NewMember", "region", id(RegionId::MAX_LEN));
             for f in ["peer", "api"] {
                 let addr = ObjectBuilder::new()
                     .schema_type(Type::String)
                     .pattern(Some(SOCKET_PATTERN))
                     .build();
-                set(s.get_mut("NewMember"), f, addr);
+                set(s, "NewMember", f, addr);
             }
             // A batch's checks are answered one by one: an id that is not valid gets its own
             // 400 in `results`, so the batch's schema does not hold ids and costs to the bounds.

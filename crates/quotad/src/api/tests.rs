@@ -1001,7 +1001,8 @@ async fn every_status_a_route_answers_is_in_the_document() {
     let member = r#"{"node_id":2,"region":"us","peer":"127.0.0.1:1","api":"127.0.0.1:2"}"#;
     // (method, template, uri, token, body); a body of None is sent without a content type.
     let t = Some(TOKEN);
-    let cases: Vec<(&str, &str, String, Option<&str>, Option<&str>)> = vec![
+    type Case<'a> = (&'a str, &'a str, String, Option<&'a str>, Option<&'a str>);
+    let cases: Vec<Case> = vec![
         ("POST", "/v1/check", "/v1/check".into(), None, Some(check)),
         ("POST", "/v1/check", "/v1/check".into(), None, Some(check)),
         ("POST", "/v1/check", "/v1/check".into(), None, Some("[1]")),
