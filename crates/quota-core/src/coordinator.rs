@@ -352,10 +352,10 @@ pub enum Response {
     },
     /// `UnpinTenant` of a tenant without a pin.
     TenantNotPinned,
-    /// A batch stored: versions `first_version .. first_version + count`, in batch order.
+    /// A batch stored: each entry's version, in batch order (an entry equal to the live
+    /// policy keeps its version; the changed ones get consecutive new versions).
     PoliciesStored {
-        first_version: u64,
-        count: u32,
+        versions: Vec<u64>,
         epoch: u64,
     },
     /// A batch refused as a whole, nothing changed; the first [`MAX_LISTED_INVALID`] invalid
@@ -590,8 +590,15 @@ impl CoordinatorState {
         Response::PolicyStored { version, epoch }
     }
 
-    /// Stores a policy already checked; returns its version and the epoch of the change.
+    /// Stores a policy already checked; returns its version and the epoch of the change. A
+    /// policy equal to the live one (all but the version) changes nothing and keeps its
+    /// version, so its buckets keep their tokens: re-sending a policy is idempotent.
     fn store_policy(&mut self, key: &PolicyKey, policy: &Policy, now: u64) -> (u64, u64) {
+        if let Some(entry) = self.entries.get(key).filter(|e| !e.deleted) {
+            if entry.policy.same_terms(policy) {
+                return (entry.policy.version, self.epoch);
+            }
+        }
         self.last_version += 1;
         self.epoch += 1;
         let version = self.last_version;
@@ -682,13 +689,12 @@ impl CoordinatorState {
                 total,
             };
         }
-        let first_version = self.last_version + 1;
-        for (key, policy) in entries {
-            self.store_policy(key, policy, now);
-        }
+        let versions = entries
+            .iter()
+            .map(|(key, policy)| self.store_policy(key, policy, now).0)
+            .collect();
         Response::PoliciesStored {
-            first_version,
-            count: entries.len() as u32,
+            versions,
             epoch: self.epoch,
         }
     }

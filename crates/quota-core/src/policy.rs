@@ -216,6 +216,16 @@ impl Policy {
         }
     }
 
+    /// True when `other` asks for the same as `self`, whatever either's version: storing it
+    /// again changes nothing.
+    pub fn same_terms(&self, other: &Policy) -> bool {
+        *self
+            == Policy {
+                version: self.version,
+                ..other.clone()
+            }
+    }
+
     /// Whole-budget refill rate in micro-tokens per second.
     pub fn rate_ut_per_s(&self) -> u64 {
         (u128::from(self.limit) * u128::from(UT) * 1000 / u128::from(self.window_ms)) as u64

@@ -51,6 +51,60 @@ fn new_policy_starts_with_an_even_split_and_versions_never_repeat() {
 }
 
 #[test]
+fn an_identical_put_keeps_the_version_and_changes_nothing() {
+    let mut d = Driver::with_regions(3);
+    let put = |p| Operation::PutPolicy {
+        key: key("a"),
+        policy: p,
+    };
+    let r = d.op(put(policy(0, Tier::Standard)));
+    assert!(
+        matches!(r, Response::PolicyStored { version: 1, .. }),
+        "{r:?}"
+    );
+    let mut before = d.state.clone();
+    // The version a client sends is not part of what it asks for.
+    let mut same = policy(0, Tier::Standard);
+    same.version = 77;
+    let r = d.op(put(same));
+    assert_eq!(
+        r,
+        Response::PolicyStored {
+            version: 1,
+            epoch: before.epoch
+        }
+    );
+    before.recent = d.state.recent.clone();
+    before.last_now_ms = d.state.last_now_ms;
+    assert_eq!(d.state, before, "an identical put changes no state");
+
+    // A changed policy gets a new version; a batch keeps the unchanged entries' versions.
+    let r = d.op(put(policy(0, Tier::Critical)));
+    assert!(
+        matches!(r, Response::PolicyStored { version: 2, .. }),
+        "{r:?}"
+    );
+    let r = d.op(Operation::PutPolicies {
+        entries: vec![
+            (key("b"), policy(0, Tier::Standard)),
+            (key("a"), policy(0, Tier::Critical)),
+            (key("c"), policy(0, Tier::Standard)),
+        ],
+    });
+    let Response::PoliciesStored { versions, .. } = r else {
+        panic!("unexpected {r:?}");
+    };
+    assert_eq!(versions, [3, 2, 4]);
+    // After a delete the same policy is new again: a fresh version, never a reused one.
+    d.op(Operation::DeletePolicy { key: key("a") });
+    let r = d.op(put(policy(0, Tier::Critical)));
+    assert!(
+        matches!(r, Response::PolicyStored { version: 5, .. }),
+        "{r:?}"
+    );
+}
+
+#[test]
 fn floors_times_regions_above_the_budget_are_rejected() {
     let mut d = Driver::with_regions(3);
     let r = d.op(Operation::PutPolicy {
@@ -670,8 +724,7 @@ fn a_policy_batch_is_stored_whole_in_order_or_not_at_all() {
     assert_eq!(
         r,
         Response::PoliciesStored {
-            first_version: 2,
-            count: 3,
+            versions: vec![2, 3, 4],
             epoch: epoch + 3
         }
     );

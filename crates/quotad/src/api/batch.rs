@@ -14,13 +14,14 @@ use std::hash::Hash;
 use axum::extract::State;
 use axum::http::HeaderMap;
 use serde::{Deserialize, Serialize};
+use serde_json::{Map, Value};
 
 use quota_core::{PolicyName, RegionId, TenantId};
 
 use crate::api::check::{
     check_error, decide, parse, rate_limited_problem, CheckBody, CheckResponse,
 };
-use crate::api::problem::{ApiError, ApiJson, Problem};
+use crate::api::problem::{data_problem, ApiError, ApiJson, Problem};
 use crate::api::state::AppState;
 use crate::decision::{Verdict, FORWARDED_HEADER};
 
@@ -31,7 +32,37 @@ pub const MAX_BATCH: usize = 100;
 #[derive(Debug, Deserialize, utoipa::ToSchema)]
 #[serde(deny_unknown_fields)]
 pub struct BatchBody {
-    pub checks: Vec<CheckBody>,
+    /// Each one a JSON object (serde would read a check from an array of its fields too).
+    #[schema(value_type = Vec<CheckBody>, min_items = 1, max_items = 100)]
+    pub checks: Vec<Map<String, Value>>,
+}
+
+/// The checks of a batch, each read as a check body; every unreadable one named by its place.
+fn check_bodies(checks: Vec<Map<String, Value>>) -> Result<Vec<CheckBody>, ApiError> {
+    let mut errors = Vec::new();
+    let mut bodies = Vec::with_capacity(checks.len());
+    for (i, check) in checks.into_iter().enumerate() {
+        match serde_path_to_error::deserialize::<_, CheckBody>(Value::Object(check)) {
+            Ok(body) => bodies.push(body),
+            Err(e) => {
+                let path = e.path().to_string();
+                let mut problem = data_problem(&path, &e.into_inner().to_string());
+                problem.field = match problem.field.as_str() {
+                    "body" => format!("checks[{i}]"),
+                    f => format!("checks[{i}].{f}"),
+                };
+                errors.push(problem);
+            }
+        }
+    }
+    if errors.is_empty() {
+        Ok(bodies)
+    } else {
+        Err(ApiError::BadRequest {
+            detail: format!("{} checks cannot be read", errors.len()),
+            errors,
+        })
+    }
 }
 
 /// One batch result: a decision with its HTTP status, or a problem.
@@ -72,12 +103,13 @@ pub async fn check_batch(
             &format!("must hold 1 to {MAX_BATCH} checks"),
         ));
     }
+    let checks = check_bodies(body.checks)?;
     let forwarded = state
         .decider
         .is_peer_forward(headers.get(&FORWARDED_HEADER).and_then(|v| v.to_str().ok()));
     let state = &state;
     let results = in_groups(
-        body.checks,
+        checks,
         |c| route(state, c, forwarded),
         |route, group| async move {
             match route {

@@ -59,13 +59,17 @@ pub struct RateLimitedProblem {
     pub decision: CheckResponse,
 }
 
+/// Most tokens one check may ask for (`cost`), before the policy's burst is consulted: past
+/// this an `f64` no longer holds every whole number.
+pub const MAX_COST: u64 = 9_000_000_000_000_000;
+
 /// Validates a check body into typed ids (taking its strings, not copying them) and a cost.
 pub(crate) fn parse(body: CheckBody) -> Result<(TenantId, PolicyName, u64), ApiError> {
     let tenant = TenantId::new(body.tenant).map_err(|e| ApiError::field("tenant", &e))?;
     let policy = PolicyName::new(body.policy).map_err(|e| ApiError::field("policy", &e))?;
     let cost = match body.cost {
         None => 1,
-        Some(c) if c.fract() == 0.0 && (1.0..=9.0e15).contains(&c) => c as u64,
+        Some(c) if c.fract() == 0.0 && (1.0..=MAX_COST as f64).contains(&c) => c as u64,
         Some(c) => {
             return Err(ApiError::field(
                 "cost",

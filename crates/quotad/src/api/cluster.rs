@@ -2,13 +2,13 @@
 
 use std::sync::atomic::Ordering;
 
-use axum::extract::{Path, Query, State};
+use axum::extract::{Query, State};
 use axum::http::{header, HeaderValue, StatusCode};
 use axum::response::{IntoResponse, Response};
 use quota_core::{PolicyName, RegionId, TenantId};
 use serde::{Deserialize, Serialize};
 
-use crate::api::problem::{ApiError, ApiJson, Problem};
+use crate::api::problem::{bad_request, ApiError, ApiJson, ApiPath, Problem};
 use crate::api::state::AppState;
 use crate::api::tenants::{coord_error, PolicyView};
 use crate::clock;
@@ -214,7 +214,7 @@ pub async fn add_member(
 )]
 pub async fn promote_member(
     State(state): State<AppState>,
-    Path(node_id): Path<u64>,
+    ApiPath(node_id): ApiPath<u64>,
 ) -> Result<StatusCode, ApiError> {
     state
         .coordinator
@@ -235,7 +235,7 @@ pub async fn promote_member(
 )]
 pub async fn remove_member(
     State(state): State<AppState>,
-    Path(node_id): Path<u64>,
+    ApiPath(node_id): ApiPath<u64>,
 ) -> Result<StatusCode, ApiError> {
     state
         .coordinator
@@ -246,13 +246,50 @@ pub async fn remove_member(
 }
 
 /// Paging of GET /v1/policies.
-#[derive(Debug, Deserialize, utoipa::IntoParams)]
-#[serde(deny_unknown_fields)]
+#[derive(Debug, utoipa::IntoParams)]
+#[into_params(parameter_in = Query)]
+#[allow(dead_code)]
 pub struct PageQuery {
     /// Page size, 1–1000 (default 100).
-    pub limit: Option<usize>,
-    /// The `next` cursor of the previous page.
-    pub after: Option<String>,
+    #[param(minimum = 1, maximum = 1000)]
+    limit: Option<u32>,
+    /// The `next` cursor of the previous page (`tenant:policy`).
+    after: Option<String>,
+}
+
+/// Largest page of GET /v1/policies.
+pub const MAX_PAGE: usize = 1000;
+
+/// The page size and cursor of a listing, each parameter checked by name.
+fn page_query(pairs: Vec<(String, String)>) -> Result<(usize, Option<String>), ApiError> {
+    let (mut limit, mut after) = (None, None);
+    for (key, value) in pairs {
+        match key.as_str() {
+            "limit" if limit.is_none() => limit = Some(value),
+            "after" if after.is_none() => after = Some(value),
+            "limit" | "after" => return Err(bad_request(key, "is given twice")),
+            _ => {
+                return Err(bad_request(
+                    key,
+                    "is not a known parameter; expected `limit` or `after`",
+                ))
+            }
+        }
+    }
+    let limit = match limit {
+        None => 100,
+        Some(v) => v
+            .parse::<usize>()
+            .ok()
+            .filter(|n| (1..=MAX_PAGE).contains(n))
+            .ok_or_else(|| {
+                bad_request(
+                    "limit",
+                    format!("must be a whole number between 1 and {MAX_PAGE}"),
+                )
+            })?,
+    };
+    Ok((limit, after))
 }
 
 /// One page of policies.
@@ -278,16 +315,11 @@ pub struct PolicyPage {
 )]
 pub async fn list_policies(
     State(state): State<AppState>,
-    query: Result<Query<PageQuery>, axum::extract::rejection::QueryRejection>,
+    query: Result<Query<Vec<(String, String)>>, axum::extract::rejection::QueryRejection>,
 ) -> Result<axum::Json<PolicyPage>, ApiError> {
-    let Query(q) = query.map_err(|e| ApiError::BadBody {
-        detail: e.body_text(),
-    })?;
-    let limit = q.limit.unwrap_or(100);
-    if !(1..=1000).contains(&limit) {
-        return Err(ApiError::field("limit", &"must be between 1 and 1000"));
-    }
-    let after = match &q.after {
+    let Query(pairs) = query.map_err(|_| bad_request("query", "is not a valid query string"))?;
+    let (limit, after) = page_query(pairs)?;
+    let after = match &after {
         None => None,
         Some(c) => {
             let (t, p) = c
@@ -321,13 +353,13 @@ pub async fn list_policies(
 }
 
 /// Liveness: the process answers.
-#[utoipa::path(get, path = "/livez", responses((status = 200)), tag = "health")]
+#[utoipa::path(get, path = "/livez", responses((status = 200, body = String, content_type = "text/plain")), tag = "health")]
 pub async fn livez() -> &'static str {
     "ok\n"
 }
 
 /// Readiness: 503 while starting or draining for shutdown.
-#[utoipa::path(get, path = "/readyz", responses((status = 200), (status = 503)), tag = "health")]
+#[utoipa::path(get, path = "/readyz", responses((status = 200, body = String, content_type = "text/plain"), (status = 503, description = "Starting or draining", body = String, content_type = "text/plain")), tag = "health")]
 pub async fn readyz(State(state): State<AppState>) -> (StatusCode, &'static str) {
     if state.ready.load(Ordering::Relaxed) {
         (StatusCode::OK, "ready\n")
@@ -337,7 +369,7 @@ pub async fn readyz(State(state): State<AppState>) -> (StatusCode, &'static str)
 }
 
 /// Prometheus metrics.
-#[utoipa::path(get, path = "/metrics", responses((status = 200, content_type = "text/plain")), tag = "health")]
+#[utoipa::path(get, path = "/metrics", responses((status = 200, body = String, content_type = "text/plain")), tag = "health")]
 pub async fn metrics(State(state): State<AppState>) -> Response {
     let body = state
         .metrics

@@ -12,6 +12,7 @@ pub mod auth;
 pub mod batch;
 pub mod check;
 pub mod cluster;
+pub mod contract;
 pub mod edge;
 mod header_text;
 pub mod policy_batch;
@@ -21,12 +22,13 @@ pub mod state;
 pub mod tenants;
 
 use axum::middleware;
-use axum::routing::{delete, get, post, put};
+use axum::routing::{delete, get, post, put, MethodRouter};
 use axum::Router;
 use tower::Layer as _;
 use utoipa::OpenApi;
 
 use crate::api::auth::BearerScheme;
+use crate::api::contract::Contract;
 pub use crate::api::state::{AppShared, AppState};
 
 /// The whole API as one service: the [`routes`] behind the [`edge`] layer.
@@ -56,7 +58,7 @@ pub type Api = edge::Edge<routes::Routes>;
         cluster::readyz,
         cluster::metrics,
     ),
-    modifiers(&BearerScheme)
+    modifiers(&BearerScheme, &Contract)
 )]
 pub struct ApiDoc;
 
@@ -72,48 +74,49 @@ pub fn app(state: AppState) -> Api {
     edge.layer(routes::Routes::new(router(state.clone()), state))
 }
 
-/// Every route, with auth on mutations.
+/// Every route, with auth on mutations. The token is checked per method, after the router
+/// chose one, so a method a path does not serve is a 405 with or without a token.
 pub(crate) fn router(state: AppState) -> Router {
-    let guarded = Router::new()
-        .route(
-            "/v1/tenants/{tenant}/policies/{policy}",
-            put(tenants::put_policy).delete(tenants::delete_policy),
-        )
-        .route(
-            "/v1/tenants/{tenant}/pin",
-            put(tenants::put_pin).delete(tenants::delete_pin),
-        )
-        .route("/v1/policies", get(cluster::list_policies))
-        .route("/v1/policies/batch", post(policy_batch::put_policies))
-        .route("/v1/cluster/members", post(cluster::add_member))
-        .route(
-            "/v1/cluster/members/{node_id}/promote",
-            post(cluster::promote_member),
-        )
-        .route(
-            "/v1/cluster/members/{node_id}",
-            delete(cluster::remove_member),
-        )
-        .route_layer(middleware::from_fn_with_state(
-            state.clone(),
-            auth::require_token,
-        ));
-    let open = Router::new()
+    let auth = || middleware::from_fn_with_state(state.clone(), auth::require_token);
+    let guarded = |m: MethodRouter<AppState>| m.route_layer(auth());
+    Router::new()
         .route(routes::CHECK_PATH, post(check::check))
         .route("/v1/check/batch", post(batch::check_batch))
         .route(
             "/v1/tenants/{tenant}/policies/{policy}",
-            get(tenants::get_policy),
+            get(tenants::get_policy).merge(guarded(
+                put(tenants::put_policy).delete(tenants::delete_policy),
+            )),
+        )
+        .route(
+            "/v1/tenants/{tenant}/pin",
+            guarded(put(tenants::put_pin).delete(tenants::delete_pin)),
         )
         .route("/v1/tenants/{tenant}/allowance", get(tenants::allowance))
+        .route("/v1/policies", guarded(get(cluster::list_policies)))
+        .route(
+            "/v1/policies/batch",
+            guarded(post(policy_batch::put_policies)),
+        )
         .route("/v1/status", get(cluster::status))
-        .route("/v1/cluster/members", get(cluster::members))
+        .route(
+            "/v1/cluster/members",
+            get(cluster::members).merge(guarded(post(cluster::add_member))),
+        )
+        .route(
+            "/v1/cluster/members/{node_id}/promote",
+            guarded(post(cluster::promote_member)),
+        )
+        .route(
+            "/v1/cluster/members/{node_id}",
+            guarded(delete(cluster::remove_member)),
+        )
         .route("/livez", get(cluster::livez))
         .route("/readyz", get(cluster::readyz))
         .route("/metrics", get(cluster::metrics))
-        .route("/openapi.json", get(openapi));
-    open.merge(guarded)
+        .route("/openapi.json", get(openapi))
         .fallback(|| async { problem::ApiError::NotFound { what: "route" } })
+        .method_not_allowed_fallback(|| async { problem::ApiError::MethodNotAllowed })
         .with_state(state)
 }
 

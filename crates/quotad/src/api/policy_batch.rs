@@ -14,7 +14,7 @@ use serde_json::{Map, Value};
 use quota_core::coordinator::MAX_BATCH_POLICIES;
 use quota_core::{PolicyName, PolicySpec, TenantId};
 
-use crate::api::problem::{ApiError, ApiJson, FieldProblem, Problem};
+use crate::api::problem::{data_problem, ApiError, ApiJson, FieldProblem, Problem};
 use crate::api::state::AppState;
 use crate::api::tenants::{coord_error, refused_policies, PolicyView};
 use crate::coordination::{CoordError, PolicyPut};
@@ -25,7 +25,7 @@ use crate::coordination::{CoordError, PolicyPut};
 pub struct PolicyBatchBody {
     /// 1 to 1000 objects such as `{"tenant": "acme", "policy": "writes", "limit": 100,
     /// "window_ms": 60000}`, with the optional fields of a PUT body.
-    #[schema(value_type = Vec<Object>)]
+    #[schema(value_type = Vec<Object>, min_items = 1, max_items = 1000)]
     pub policies: Vec<Map<String, Value>>,
 }
 
@@ -101,18 +101,20 @@ fn parse(body: PolicyBatchBody) -> Result<Vec<PolicyPut>, ApiError> {
         };
         let tenant = id(item.remove("tenant"), TenantId::new).map_err(|m| problem("tenant", m));
         let name = id(item.remove("policy"), PolicyName::new).map_err(|m| problem("policy", m));
-        let policy = match serde_json::from_value::<PolicySpec>(Value::Object(item)) {
+        let policy = match serde_path_to_error::deserialize::<_, PolicySpec>(Value::Object(item)) {
             Ok(spec) => spec.validate().map_err(|e| {
                 for f in &e.0 {
                     problem(f.field, f.message.clone());
                 }
             }),
             Err(e) => {
-                // serde names the offending field in its message (e.g. "unknown field `limt`").
-                errors.push(FieldProblem {
-                    field: format!("policies[{i}]"),
-                    message: e.to_string(),
-                });
+                let path = e.path().to_string();
+                let p = data_problem(&path, &e.into_inner().to_string());
+                let field = match p.field.as_str() {
+                    "body" => format!("policies[{i}]"),
+                    f => format!("policies[{i}].{f}"),
+                };
+                errors.push(FieldProblem { field, ..p });
                 Err(())
             }
         };

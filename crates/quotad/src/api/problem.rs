@@ -4,8 +4,10 @@
 //! Client errors explain themselves; internal errors are logged and answered without detail.
 
 use axum::body::Bytes;
-use axum::extract::rejection::JsonRejection;
-use axum::extract::{FromRequest, Request};
+use axum::extract::path::ErrorKind;
+use axum::extract::rejection::PathRejection;
+use axum::extract::{FromRequest, FromRequestParts, Path, RawPathParams, Request};
+use axum::http::request::Parts;
 use axum::http::{header, HeaderMap, HeaderValue, StatusCode};
 use axum::response::{IntoResponse, Response};
 use quota_core::policy::FieldError;
@@ -57,14 +59,21 @@ pub struct Problem {
 pub enum ApiError {
     #[error("{field}: {message}")]
     BadField { field: String, message: String },
-    #[error("invalid request body: {detail}")]
-    BadBody { detail: String },
+    /// A body, query or path that could not be read; `errors` names each part at fault.
+    #[error("{detail}")]
+    BadRequest {
+        detail: String,
+        errors: Vec<FieldProblem>,
+    },
     #[error("invalid policy")]
     InvalidPolicy { errors: Vec<FieldProblem> },
     #[error("missing or invalid bearer token")]
     Unauthorized,
     #[error("{what} not found")]
     NotFound { what: &'static str },
+    /// The path exists, the method does not (the router adds the `Allow` header).
+    #[error("this path does not serve this method; the Allow header lists those it does")]
+    MethodNotAllowed,
     #[error("request body larger than the limit")]
     TooLarge,
     #[error("expected Content-Type: application/json")]
@@ -96,12 +105,13 @@ impl ApiError {
 
     fn status_and_code(&self) -> (StatusCode, &'static str) {
         match self {
-            ApiError::BadField { .. } | ApiError::BadBody { .. } => {
+            ApiError::BadField { .. } | ApiError::BadRequest { .. } => {
                 (StatusCode::BAD_REQUEST, "INVALID_REQUEST")
             }
             ApiError::InvalidPolicy { .. } => (StatusCode::BAD_REQUEST, "INVALID_POLICY"),
             ApiError::Unauthorized => (StatusCode::UNAUTHORIZED, "UNAUTHORIZED"),
             ApiError::NotFound { .. } => (StatusCode::NOT_FOUND, "NOT_FOUND"),
+            ApiError::MethodNotAllowed => (StatusCode::METHOD_NOT_ALLOWED, "METHOD_NOT_ALLOWED"),
             ApiError::TooLarge => (StatusCode::PAYLOAD_TOO_LARGE, "PAYLOAD_TOO_LARGE"),
             ApiError::UnsupportedMediaType => {
                 (StatusCode::UNSUPPORTED_MEDIA_TYPE, "UNSUPPORTED_MEDIA_TYPE")
@@ -136,7 +146,9 @@ impl ApiError {
             other => other.to_string(),
         };
         let errors = match self {
-            ApiError::InvalidPolicy { errors } => errors.clone(),
+            ApiError::InvalidPolicy { errors } | ApiError::BadRequest { errors, .. } => {
+                errors.clone()
+            }
             ApiError::BadField { field, message } => {
                 vec![FieldProblem {
                     field: field.clone(),
@@ -208,30 +220,211 @@ where
             if r.status() == StatusCode::PAYLOAD_TOO_LARGE {
                 ApiError::TooLarge
             } else {
-                ApiError::BadBody {
-                    detail: r.body_text(),
-                }
+                bad_request("body", "could not be read")
             }
         })?;
-        // Most bodies are valid: parse them directly, and run the parse that tracks the path to
-        // the bad field only to explain a failure.
-        if let Ok(v) = serde_json::from_slice::<T>(&body) {
-            return Ok(Self(v));
+        json_object(&body).map(Self)
+    }
+}
+
+/// A one-problem [`ApiError::BadRequest`].
+pub(crate) fn bad_request(field: impl Into<String>, message: impl Into<String>) -> ApiError {
+    let (field, message) = (field.into(), message.into());
+    ApiError::BadRequest {
+        detail: format!("{field}: {message}"),
+        errors: vec![FieldProblem { field, message }],
+    }
+}
+
+/// Parses a request body that must be a JSON object. serde also reads a struct from a JSON
+/// array of its fields in order; the API takes objects only, so field names are never
+/// guessed from positions.
+pub(crate) fn json_object<T: DeserializeOwned>(body: &[u8]) -> Result<T, ApiError> {
+    match body.iter().find(|b| !b.is_ascii_whitespace()) {
+        Some(b'{') => {}
+        Some(_) => return Err(bad_request("body", "must be a JSON object")),
+        None => return Err(bad_request("body", "is empty; it must be a JSON object")),
+    }
+    // Most bodies are valid: parse them directly, and run the parse that tracks the path to
+    // the bad field only to explain a failure.
+    if let Ok(v) = serde_json::from_slice::<T>(body) {
+        return Ok(v);
+    }
+    let mut de = serde_json::Deserializer::from_slice(body);
+    let err = match serde_path_to_error::deserialize::<_, T>(&mut de) {
+        Ok(v) => match de.end() {
+            Ok(()) => return Ok(v),
+            Err(e) => return Err(bad_request("body", json_syntax(&e))),
+        },
+        Err(e) => e,
+    };
+    let path = err.path().to_string();
+    let inner = err.into_inner();
+    if inner.is_data() {
+        let problem = data_problem(&path, &inner.to_string());
+        Err(ApiError::BadRequest {
+            detail: format!("{}: {}", problem.field, problem.message),
+            errors: vec![problem],
+        })
+    } else {
+        Err(bad_request("body", json_syntax(&inner)))
+    }
+}
+
+/// A syntax error's message, in the API's words.
+fn json_syntax(e: &serde_json::Error) -> String {
+    format!(
+        "is not valid JSON: {} (line {}, column {})",
+        strip_position(&e.to_string()),
+        e.line(),
+        e.column()
+    )
+}
+
+/// serde_json's message without its " at line L column C" tail.
+fn strip_position(msg: &str) -> &str {
+    msg.rfind(" at line ").map_or(msg, |i| &msg[..i])
+}
+
+/// One field's problem from serde's message about it at `path` (`.` for the body itself),
+/// with the JSON types named as JSON does (never a Rust type such as `f64` or `struct X`).
+pub(crate) fn data_problem(path: &str, message: &str) -> FieldProblem {
+    let msg = strip_position(message);
+    let quoted = |s: &str| s.split('`').nth(1).map(str::to_string);
+    let field_in = |name: Option<String>| match (path, name) {
+        (".", Some(name)) => name,
+        (".", None) => "body".to_string(),
+        (p, Some(name)) if !p.ends_with(&name) => format!("{p}.{name}"),
+        (p, _) => p.to_string(),
+    };
+    let (field, message) = if let Some(rest) = msg.strip_prefix("missing field ") {
+        (field_in(quoted(rest)), "is required".to_string())
+    } else if let Some(rest) = msg.strip_prefix("unknown field ") {
+        let expected = rest
+            .split_once(", expected ")
+            .map_or_else(String::new, |(_, e)| format!("; expected {e}"));
+        (
+            field_in(quoted(rest)),
+            format!("is not a known field{expected}"),
+        )
+    } else if let Some(rest) = msg.strip_prefix("duplicate field ") {
+        (field_in(quoted(rest)), "is given twice".to_string())
+    } else if let Some(rest) = msg.strip_prefix("unknown variant ") {
+        let (got, expected) = rest
+            .split_once(", expected ")
+            .unwrap_or((rest, "another value"));
+        (field_in(None), format!("must be {expected} (got {got})"))
+    } else if let Some((got, expected)) = ["invalid type: ", "invalid value: ", "invalid length "]
+        .iter()
+        .find_map(|p| msg.strip_prefix(p))
+        .and_then(|rest| rest.rsplit_once(", expected "))
+    {
+        let got = match got {
+            "sequence" => "an array",
+            "map" => "an object",
+            "unit" => "null",
+            other => other,
+        };
+        (
+            field_in(None),
+            format!("must be {} (got {got})", json_type(expected)),
+        )
+    } else {
+        (field_in(None), sanitize(msg))
+    };
+    FieldProblem { field, message }
+}
+
+/// What serde expected, in JSON's terms.
+pub(crate) fn json_type(expected: &str) -> String {
+    match expected {
+        "f64" | "f32" => "a number".into(),
+        "u8" | "u16" | "u32" | "u64" | "u128" | "usize" => "a whole number of at least 0".into(),
+        "i8" | "i16" | "i32" | "i64" | "i128" | "isize" => "a whole number".into(),
+        "a map" => "a JSON object".into(),
+        "a sequence" => "a JSON array".into(),
+        "a boolean" | "bool" => "true or false".into(),
+        "a string" | "char" | "String" => "a string".into(),
+        e if e.starts_with("struct ") || e.starts_with("map") => "a JSON object".into(),
+        e if e.starts_with("enum ") => "one of the documented values".into(),
+        e => sanitize(e),
+    }
+}
+
+/// A message with any Rust type name (`struct X`, `enum X`) replaced by what it is in JSON.
+fn sanitize(msg: &str) -> String {
+    let mut out = Vec::new();
+    let mut words = msg.split(' ').peekable();
+    while let Some(w) = words.next() {
+        match w {
+            "struct" if words.peek().is_some() => {
+                words.next();
+                out.push("a JSON object");
+            }
+            "enum" if words.peek().is_some() => {
+                words.next();
+                out.push("one of the documented values");
+            }
+            w => out.push(w),
         }
-        match axum::Json::<T>::from_bytes(&body) {
-            Ok(axum::Json(v)) => Ok(Self(v)),
-            Err(JsonRejection::JsonDataError(e)) => Err(ApiError::BadBody {
-                detail: std::error::Error::source(&e)
-                    .map_or_else(|| e.body_text(), ToString::to_string),
-            }),
-            Err(JsonRejection::JsonSyntaxError(e)) => Err(ApiError::BadBody {
-                detail: std::error::Error::source(&e)
-                    .map_or_else(|| e.body_text(), ToString::to_string),
-            }),
-            Err(e) => Err(ApiError::BadBody {
-                detail: e.body_text(),
-            }),
+    }
+    out.join(" ")
+}
+
+/// Path parameters whose rejections become problem responses naming the parameter.
+#[derive(Debug)]
+pub struct ApiPath<T>(pub T);
+
+impl<T, S> FromRequestParts<S> for ApiPath<T>
+where
+    T: DeserializeOwned + Send,
+    S: Send + Sync,
+{
+    type Rejection = ApiError;
+
+    async fn from_request_parts(parts: &mut Parts, state: &S) -> Result<Self, Self::Rejection> {
+        match Path::<T>::from_request_parts(parts, state).await {
+            Ok(Path(v)) => Ok(Self(v)),
+            Err(PathRejection::FailedToDeserializePathParams(e)) => {
+                // A lone parameter's parse error does not name it: the route's one key does.
+                let only = RawPathParams::from_request_parts(parts, state)
+                    .await
+                    .ok()
+                    .and_then(|p| {
+                        let keys: Vec<String> = p.iter().map(|(k, _)| k.to_string()).collect();
+                        (keys.len() == 1).then(|| keys[0].clone())
+                    });
+                Err(path_problem(e.kind(), only.as_deref().unwrap_or("path")))
+            }
+            Err(_) => Err(bad_request("path", "could not be read")),
         }
+    }
+}
+
+fn path_problem(kind: &ErrorKind, only: &str) -> ApiError {
+    match kind {
+        ErrorKind::InvalidUtf8InPathParam { key } => {
+            bad_request(key.as_str(), "must be valid UTF-8 once percent-decoded")
+        }
+        ErrorKind::ParseErrorAtKey {
+            key,
+            value,
+            expected_type,
+        } => bad_request(
+            key.as_str(),
+            format!("must be {} (got {value:?})", json_type(expected_type)),
+        ),
+        ErrorKind::ParseError {
+            value,
+            expected_type,
+        } => bad_request(
+            only,
+            format!("must be {} (got {value:?})", json_type(expected_type)),
+        ),
+        ErrorKind::DeserializeError { key, message, .. } => {
+            bad_request(key.as_str(), sanitize(message))
+        }
+        _ => bad_request("path", "is not valid"),
     }
 }
 

@@ -1,7 +1,7 @@
 //! Per-tenant endpoints: policies, pins and the allowance (where a tenant's budget is and what
 //! this region may spend of it).
 
-use axum::extract::{Path, State};
+use axum::extract::State;
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 use quota_core::bucket::UT;
@@ -10,7 +10,7 @@ use quota_core::{
 };
 use serde::{Deserialize, Serialize};
 
-use crate::api::problem::{ApiError, ApiJson, FieldProblem, Problem};
+use crate::api::problem::{ApiError, ApiJson, ApiPath, FieldProblem, Problem};
 use crate::api::state::AppState;
 use quota_store::{BucketRef, Limit};
 
@@ -144,7 +144,7 @@ impl PolicyView {
 )]
 pub async fn put_policy(
     State(state): State<AppState>,
-    Path((tenant, policy)): Path<(String, String)>,
+    ApiPath((tenant, policy)): ApiPath<(String, String)>,
     ApiJson(spec): ApiJson<PolicySpec>,
 ) -> Result<axum::Json<PolicyView>, ApiError> {
     let tenant = tenant_id(&tenant)?;
@@ -174,7 +174,7 @@ pub async fn put_policy(
 )]
 pub async fn get_policy(
     State(state): State<AppState>,
-    Path((tenant, policy)): Path<(String, String)>,
+    ApiPath((tenant, policy)): ApiPath<(String, String)>,
 ) -> Result<axum::Json<PolicyView>, ApiError> {
     let tenant = tenant_id(&tenant)?;
     let name = policy_name(&policy)?;
@@ -200,7 +200,7 @@ pub async fn get_policy(
 )]
 pub async fn delete_policy(
     State(state): State<AppState>,
-    Path((tenant, policy)): Path<(String, String)>,
+    ApiPath((tenant, policy)): ApiPath<(String, String)>,
 ) -> Result<StatusCode, ApiError> {
     let tenant = tenant_id(&tenant)?;
     let name = policy_name(&policy)?;
@@ -242,7 +242,7 @@ pub struct PinBody {
 )]
 pub async fn put_pin(
     State(state): State<AppState>,
-    Path(tenant): Path<String>,
+    ApiPath(tenant): ApiPath<String>,
     ApiJson(body): ApiJson<PinBody>,
 ) -> Result<StatusCode, ApiError> {
     let tenant = tenant_id(&tenant)?;
@@ -271,7 +271,7 @@ pub async fn put_pin(
 )]
 pub async fn delete_pin(
     State(state): State<AppState>,
-    Path(tenant): Path<String>,
+    ApiPath(tenant): ApiPath<String>,
 ) -> Result<StatusCode, ApiError> {
     let tenant = tenant_id(&tenant)?;
     if state.coordinator.unpin(tenant).await.map_err(coord_error)? {
@@ -351,7 +351,7 @@ pub struct AllowanceView {
 )]
 pub async fn allowance(
     State(state): State<AppState>,
-    Path(tenant): Path<String>,
+    ApiPath(tenant): ApiPath<String>,
 ) -> Result<Response, ApiError> {
     let tenant = tenant_id(&tenant)?;
     let view = state.coordinator.view();

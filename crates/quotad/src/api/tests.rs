@@ -924,7 +924,7 @@ async fn a_bad_policy_batch_names_every_problem_by_place_and_stores_nothing() {
             "policies[2].policy",
             "policies[3].limit",
             "policies[3].window_ms",
-            "policies[4]",
+            "policies[4].colour",
             "policies[5]",
         ]
     );
@@ -978,4 +978,647 @@ async fn a_policy_batch_holds_at_most_the_coordinators_limit() {
     assert_eq!(r.status, StatusCode::OK, "{}", r.body);
     assert_eq!(r.body["policies"].as_array().unwrap().len(), max);
     assert_eq!(r.body["policies"][max - 1]["version"], max as u64);
+}
+
+/// The operation of `method` at `template` in the OpenAPI document.
+fn documented_statuses(doc: &Value, method: &str, template: &str) -> Vec<String> {
+    let op = &doc["paths"][template][method.to_ascii_lowercase()];
+    assert!(op.is_object(), "{method} {template} is not in the document");
+    op["responses"]
+        .as_object()
+        .map(|r| r.keys().cloned().collect())
+        .unwrap_or_default()
+}
+
+/// Every status a route answers, gathered by sending it good and bad requests, is one the
+/// OpenAPI document lists for that route.
+#[tokio::test]
+async fn every_status_a_route_answers_is_in_the_document() {
+    let router = with_policy(json!({"limit": 1, "window_ms": 60000})).await;
+    let doc = send(&router, "GET", "/openapi.json", None, None).await.body;
+    let big = format!(r#"{{"x":"{}"}}"#, "y".repeat(5000));
+    let policy = r#"{"limit":5,"window_ms":1000}"#;
+    let check = r#"{"tenant":"acme","policy":"writes"}"#;
+    let member = r#"{"node_id":2,"region":"us","peer":"127.0.0.1:1","api":"127.0.0.1:2"}"#;
+    // (method, template, uri, token, body); a body of None is sent without a content type.
+    let t = Some(TOKEN);
+    type Case<'a> = (&'a str, &'a str, String, Option<&'a str>, Option<&'a str>);
+    let cases: Vec<Case> = vec![
+        ("POST", "/v1/check", "/v1/check".into(), None, Some(check)),
+        ("POST", "/v1/check", "/v1/check".into(), None, Some(check)),
+        ("POST", "/v1/check", "/v1/check".into(), None, Some("[1]")),
+        ("POST", "/v1/check", "/v1/check".into(), None, None),
+        ("POST", "/v1/check", "/v1/check".into(), None, Some(&big)),
+        (
+            "POST",
+            "/v1/check",
+            "/v1/check".into(),
+            None,
+            Some(r#"{"tenant":"x","policy":"y"}"#),
+        ),
+        (
+            "POST",
+            "/v1/check/batch",
+            "/v1/check/batch".into(),
+            None,
+            Some(r#"{"checks":[{"tenant":"acme","policy":"writes"}]}"#),
+        ),
+        (
+            "POST",
+            "/v1/check/batch",
+            "/v1/check/batch".into(),
+            None,
+            Some(r#"{"checks":[["acme","writes"]]}"#),
+        ),
+        (
+            "POST",
+            "/v1/check/batch",
+            "/v1/check/batch".into(),
+            None,
+            None,
+        ),
+        (
+            "POST",
+            "/v1/check/batch",
+            "/v1/check/batch".into(),
+            None,
+            Some(&big),
+        ),
+        (
+            "PUT",
+            "/v1/tenants/{tenant}/policies/{policy}",
+            "/v1/tenants/acme/policies/p2".into(),
+            t,
+            Some(policy),
+        ),
+        (
+            "PUT",
+            "/v1/tenants/{tenant}/policies/{policy}",
+            "/v1/tenants/acme/policies/p2".into(),
+            t,
+            Some(r#"{"limit":"x","window_ms":1}"#),
+        ),
+        (
+            "PUT",
+            "/v1/tenants/{tenant}/policies/{policy}",
+            "/v1/tenants/%C0%AE/policies/p2".into(),
+            t,
+            Some(policy),
+        ),
+        (
+            "PUT",
+            "/v1/tenants/{tenant}/policies/{policy}",
+            "/v1/tenants/acme/policies/p2".into(),
+            None,
+            Some(policy),
+        ),
+        (
+            "PUT",
+            "/v1/tenants/{tenant}/policies/{policy}",
+            "/v1/tenants/acme/policies/p2".into(),
+            t,
+            None,
+        ),
+        (
+            "PUT",
+            "/v1/tenants/{tenant}/policies/{policy}",
+            "/v1/tenants/acme/policies/p2".into(),
+            t,
+            Some(&big),
+        ),
+        (
+            "GET",
+            "/v1/tenants/{tenant}/policies/{policy}",
+            "/v1/tenants/acme/policies/writes".into(),
+            None,
+            None,
+        ),
+        (
+            "GET",
+            "/v1/tenants/{tenant}/policies/{policy}",
+            "/v1/tenants/acme/policies/none".into(),
+            None,
+            None,
+        ),
+        (
+            "GET",
+            "/v1/tenants/{tenant}/policies/{policy}",
+            "/v1/tenants/a.b/policies/none".into(),
+            None,
+            None,
+        ),
+        (
+            "DELETE",
+            "/v1/tenants/{tenant}/policies/{policy}",
+            "/v1/tenants/acme/policies/p2".into(),
+            t,
+            None,
+        ),
+        (
+            "DELETE",
+            "/v1/tenants/{tenant}/policies/{policy}",
+            "/v1/tenants/acme/policies/p2".into(),
+            t,
+            None,
+        ),
+        (
+            "DELETE",
+            "/v1/tenants/{tenant}/policies/{policy}",
+            "/v1/tenants/a.b/policies/p2".into(),
+            t,
+            None,
+        ),
+        (
+            "DELETE",
+            "/v1/tenants/{tenant}/policies/{policy}",
+            "/v1/tenants/acme/policies/p2".into(),
+            None,
+            None,
+        ),
+        (
+            "PUT",
+            "/v1/tenants/{tenant}/pin",
+            "/v1/tenants/acme/pin".into(),
+            t,
+            Some(r#"{"region":"eu"}"#),
+        ),
+        (
+            "PUT",
+            "/v1/tenants/{tenant}/pin",
+            "/v1/tenants/acme/pin".into(),
+            t,
+            Some(r#"{"region":"us"}"#),
+        ),
+        (
+            "PUT",
+            "/v1/tenants/{tenant}/pin",
+            "/v1/tenants/acme/pin".into(),
+            None,
+            Some(r#"{"region":"eu"}"#),
+        ),
+        (
+            "PUT",
+            "/v1/tenants/{tenant}/pin",
+            "/v1/tenants/acme/pin".into(),
+            t,
+            None,
+        ),
+        (
+            "PUT",
+            "/v1/tenants/{tenant}/pin",
+            "/v1/tenants/acme/pin".into(),
+            t,
+            Some(&big),
+        ),
+        (
+            "DELETE",
+            "/v1/tenants/{tenant}/pin",
+            "/v1/tenants/acme/pin".into(),
+            t,
+            None,
+        ),
+        (
+            "DELETE",
+            "/v1/tenants/{tenant}/pin",
+            "/v1/tenants/acme/pin".into(),
+            t,
+            None,
+        ),
+        (
+            "DELETE",
+            "/v1/tenants/{tenant}/pin",
+            "/v1/tenants/acme/pin".into(),
+            None,
+            None,
+        ),
+        (
+            "DELETE",
+            "/v1/tenants/{tenant}/pin",
+            "/v1/tenants/a.b/pin".into(),
+            t,
+            None,
+        ),
+        (
+            "GET",
+            "/v1/tenants/{tenant}/allowance",
+            "/v1/tenants/acme/allowance".into(),
+            None,
+            None,
+        ),
+        (
+            "GET",
+            "/v1/tenants/{tenant}/allowance",
+            "/v1/tenants/nobody/allowance".into(),
+            None,
+            None,
+        ),
+        (
+            "GET",
+            "/v1/tenants/{tenant}/allowance",
+            "/v1/tenants/%C0%AE/allowance".into(),
+            None,
+            None,
+        ),
+        (
+            "GET",
+            "/v1/policies",
+            "/v1/policies?limit=1".into(),
+            t,
+            None,
+        ),
+        (
+            "GET",
+            "/v1/policies",
+            "/v1/policies?limit=0".into(),
+            t,
+            None,
+        ),
+        (
+            "GET",
+            "/v1/policies",
+            "/v1/policies?limit=x".into(),
+            t,
+            None,
+        ),
+        ("GET", "/v1/policies", "/v1/policies".into(), None, None),
+        (
+            "POST",
+            "/v1/policies/batch",
+            "/v1/policies/batch".into(),
+            t,
+            Some(r#"{"policies":[{"tenant":"b","policy":"p","limit":1,"window_ms":1000}]}"#),
+        ),
+        (
+            "POST",
+            "/v1/policies/batch",
+            "/v1/policies/batch".into(),
+            t,
+            Some(r#"{"policies":[{"tenant":"b","policy":"p","limit":1.5,"window_ms":1000}]}"#),
+        ),
+        (
+            "POST",
+            "/v1/policies/batch",
+            "/v1/policies/batch".into(),
+            None,
+            Some(r#"{"policies":[]}"#),
+        ),
+        (
+            "POST",
+            "/v1/policies/batch",
+            "/v1/policies/batch".into(),
+            t,
+            None,
+        ),
+        (
+            "POST",
+            "/v1/policies/batch",
+            "/v1/policies/batch".into(),
+            t,
+            Some(&big),
+        ),
+        ("GET", "/v1/status", "/v1/status".into(), None, None),
+        (
+            "GET",
+            "/v1/cluster/members",
+            "/v1/cluster/members".into(),
+            None,
+            None,
+        ),
+        (
+            "POST",
+            "/v1/cluster/members",
+            "/v1/cluster/members".into(),
+            t,
+            Some(member),
+        ),
+        (
+            "POST",
+            "/v1/cluster/members",
+            "/v1/cluster/members".into(),
+            t,
+            Some(r#"{"node_id":-1}"#),
+        ),
+        (
+            "POST",
+            "/v1/cluster/members",
+            "/v1/cluster/members".into(),
+            None,
+            Some(member),
+        ),
+        (
+            "POST",
+            "/v1/cluster/members",
+            "/v1/cluster/members".into(),
+            t,
+            None,
+        ),
+        (
+            "POST",
+            "/v1/cluster/members",
+            "/v1/cluster/members".into(),
+            t,
+            Some(&big),
+        ),
+        (
+            "POST",
+            "/v1/cluster/members/{node_id}/promote",
+            "/v1/cluster/members/2/promote".into(),
+            t,
+            None,
+        ),
+        (
+            "POST",
+            "/v1/cluster/members/{node_id}/promote",
+            "/v1/cluster/members/-1/promote".into(),
+            t,
+            None,
+        ),
+        (
+            "POST",
+            "/v1/cluster/members/{node_id}/promote",
+            "/v1/cluster/members/2/promote".into(),
+            None,
+            None,
+        ),
+        (
+            "DELETE",
+            "/v1/cluster/members/{node_id}",
+            "/v1/cluster/members/2".into(),
+            t,
+            None,
+        ),
+        (
+            "DELETE",
+            "/v1/cluster/members/{node_id}",
+            "/v1/cluster/members/-1".into(),
+            t,
+            None,
+        ),
+        (
+            "DELETE",
+            "/v1/cluster/members/{node_id}",
+            "/v1/cluster/members/2".into(),
+            None,
+            None,
+        ),
+        ("GET", "/livez", "/livez".into(), None, None),
+        ("GET", "/readyz", "/readyz".into(), None, None),
+        ("GET", "/metrics", "/metrics".into(), None, None),
+    ];
+    let mut seen = std::collections::BTreeMap::<(&str, &str), Vec<u16>>::new();
+    for (method, template, uri, token, body) in &cases {
+        let r = send(&router, method, uri, *token, *body).await;
+        let status = r.status.as_u16();
+        let documented = documented_statuses(&doc, method, template);
+        assert!(
+            documented.contains(&status.to_string()),
+            "{method} {uri} answered {status}, which the document does not list for {template} ({documented:?}): {}",
+            r.body
+        );
+        if status >= 400 {
+            assert!(is_problem(&r), "{method} {uri} {status} is not a problem");
+            assert!(
+                r.body["errors"].is_array() || ![400].contains(&status),
+                "{method} {uri} 400 without errors[]: {}",
+                r.body
+            );
+        }
+        seen.entry((method, template)).or_default().push(status);
+    }
+    // Every documented operation was exercised, and with more than one outcome.
+    for (template, item) in doc["paths"].as_object().unwrap() {
+        for method in item.as_object().unwrap().keys() {
+            let m = method.to_ascii_uppercase();
+            let statuses = seen.get(&(m.as_str(), template.as_str()));
+            assert!(statuses.is_some(), "{m} {template} was not exercised");
+        }
+    }
+    let check = &seen[&("POST", "/v1/check")];
+    for s in [200, 429, 400, 415, 413, 404] {
+        assert!(check.contains(&s), "check never answered {s}: {check:?}");
+    }
+}
+
+/// A method a path does not serve is a 405 problem with the `Allow` header, token or not:
+/// the method is checked before the token.
+#[tokio::test]
+async fn unserved_methods_are_405_problems_before_auth() {
+    let router = app(state());
+    for (method, uri, allow) in [
+        ("TRACE", "/v1/tenants/acme/pin", "PUT,DELETE"),
+        (
+            "PATCH",
+            "/v1/tenants/acme/policies/p",
+            "GET,HEAD,PUT,DELETE",
+        ),
+        ("GET", "/v1/check", "POST"),
+        ("POST", "/v1/status", "GET,HEAD"),
+        ("TRACE", "/v1/cluster/members/3", "DELETE"),
+    ] {
+        for token in [None, Some(TOKEN)] {
+            let r = send(&router, method, uri, token, None).await;
+            assert_eq!(r.status, StatusCode::METHOD_NOT_ALLOWED, "{method} {uri}");
+            assert!(is_problem(&r), "{method} {uri}");
+            assert_eq!(r.body["code"], "METHOD_NOT_ALLOWED");
+            let mut got: Vec<_> = r.headers[header::ALLOW]
+                .to_str()
+                .unwrap()
+                .split(',')
+                .map(|m| m.trim().to_string())
+                .collect();
+            let mut want: Vec<_> = allow.split(',').map(str::to_string).collect();
+            got.sort();
+            want.sort();
+            assert_eq!(got, want, "{method} {uri}");
+        }
+    }
+}
+
+/// Arrays in place of objects are refused, and every 4xx names its fields in `errors` in
+/// JSON's terms, never a Rust type's.
+#[tokio::test]
+async fn bodies_are_objects_and_problems_name_fields_in_json_terms() {
+    let router = with_policy(json!({"limit": 5, "window_ms": 1000})).await;
+    let cases = [
+        (
+            "PUT",
+            "/v1/tenants/acme/policies/p",
+            r#"[5,1000,7,"critical","closed",0.5,"sliding_window"]"#,
+            "body",
+        ),
+        ("POST", "/v1/check", r#"["acme","writes",2]"#, "body"),
+        ("POST", "/v1/check", r#"  "acme""#, "body"),
+        (
+            "POST",
+            "/v1/check/batch",
+            r#"{"checks":[["acme","writes",2]]}"#,
+            "checks[0]",
+        ),
+        (
+            "PUT",
+            "/v1/tenants/acme/policies/p",
+            r#"{"limit":"x","window_ms":1000}"#,
+            "limit",
+        ),
+        (
+            "PUT",
+            "/v1/tenants/acme/policies/p",
+            r#"{"limit":5}"#,
+            "window_ms",
+        ),
+        (
+            "PUT",
+            "/v1/tenants/acme/policies/p",
+            r#"{"limit":5,"window_ms":1000,"tier":"gold"}"#,
+            "tier",
+        ),
+        (
+            "PUT",
+            "/v1/tenants/acme/policies/p",
+            r#"{"limit":5,"window_ms":1000,"limt":1}"#,
+            "limt",
+        ),
+        (
+            "PUT",
+            "/v1/tenants/acme/policies/p",
+            r#"{"limit":5,"window_ms":{}}"#,
+            "window_ms",
+        ),
+        (
+            "POST",
+            "/v1/check",
+            r#"{"tenant":5,"policy":"writes"}"#,
+            "tenant",
+        ),
+        (
+            "POST",
+            "/v1/check",
+            r#"{"tenant":"acme","policy":"writes","cost":"2"}"#,
+            "cost",
+        ),
+        (
+            "POST",
+            "/v1/check/batch",
+            r#"{"checks":[{"tenant":"acme","policy":"writes","cost":[]}]}"#,
+            "checks[0].cost",
+        ),
+        (
+            "POST",
+            "/v1/policies/batch",
+            r#"{"policies":[{"tenant":"a","policy":"b","limit":"x","window_ms":1}]}"#,
+            "policies[0].limit",
+        ),
+        (
+            "POST",
+            "/v1/cluster/members",
+            r#"{"node_id":-1,"region":"x","peer":"a","api":"b"}"#,
+            "node_id",
+        ),
+        (
+            "PUT",
+            "/v1/tenants/acme/pin",
+            r#"{"region":null}"#,
+            "region",
+        ),
+        ("POST", "/v1/check", "{not json", "body"),
+        ("POST", "/v1/check", "", "body"),
+    ];
+    for (method, uri, body, field) in cases {
+        let r = send(&router, method, uri, Some(TOKEN), Some(body)).await;
+        assert_eq!(
+            r.status,
+            StatusCode::BAD_REQUEST,
+            "{method} {uri} {body}: {}",
+            r.body
+        );
+        assert!(is_problem(&r));
+        let fields: Vec<_> = r.body["errors"]
+            .as_array()
+            .unwrap_or_else(|| panic!("no errors[] for {body}: {}", r.body))
+            .iter()
+            .map(|e| e["field"].as_str().unwrap().to_string())
+            .collect();
+        assert!(fields.contains(&field.to_string()), "{body}: {fields:?}");
+        let text = r.body.to_string();
+        for rust in [
+            "f64",
+            "u64",
+            "usize",
+            "struct ",
+            "enum ",
+            "PolicySpec",
+            "CheckBody",
+            "sequence",
+        ] {
+            assert!(!text.contains(rust), "{body}: {rust:?} in {text}");
+        }
+    }
+    // Path parameters that do not parse are problems naming the parameter.
+    for (method, uri, field) in [
+        ("DELETE", "/v1/cluster/members/-1", "node_id"),
+        ("POST", "/v1/cluster/members/1.5/promote", "node_id"),
+        ("GET", "/v1/tenants/%C0%AE/policies/p", "tenant"),
+        ("GET", "/v1/tenants/acme/policies/%FF", "policy"),
+    ] {
+        let r = send(&router, method, uri, Some(TOKEN), None).await;
+        assert_eq!(r.status, StatusCode::BAD_REQUEST, "{uri}: {}", r.body);
+        assert!(is_problem(&r), "{uri}");
+        assert_eq!(r.body["errors"][0]["field"], field, "{uri}: {}", r.body);
+        assert!(!r.body.to_string().contains("u64"), "{}", r.body);
+    }
+    // Nothing refused was stored.
+    let r = send(&router, "GET", "/v1/tenants/acme/policies/p", None, None).await;
+    assert_eq!(r.status, StatusCode::NOT_FOUND);
+}
+
+/// Re-sending a policy unchanged keeps its version and its bucket's level; a changed one
+/// gets a new version and a full bucket.
+#[tokio::test]
+async fn an_identical_put_keeps_the_version_and_the_tokens() {
+    let router = with_policy(json!({"limit": 2, "window_ms": 3_600_000})).await;
+    let check = r#"{"tenant":"acme","policy":"writes","cost":2}"#;
+    let r = send(&router, "POST", "/v1/check", None, Some(check)).await;
+    assert_eq!(r.status, StatusCode::OK);
+    let put = |body: &'static str| {
+        let router = router.clone();
+        async move {
+            send(
+                &router,
+                "PUT",
+                "/v1/tenants/acme/policies/writes",
+                Some(TOKEN),
+                Some(body),
+            )
+            .await
+        }
+    };
+    // The same policy, spelled with its defaults.
+    let again =
+        put(r#"{"limit":2,"window_ms":3600000,"burst":2,"tier":"standard","floor":0}"#).await;
+    assert_eq!(again.status, StatusCode::OK);
+    assert_eq!(again.body["version"], 1, "{}", again.body);
+    let r = send(&router, "POST", "/v1/check", None, Some(check)).await;
+    assert_eq!(
+        r.status,
+        StatusCode::TOO_MANY_REQUESTS,
+        "the re-put refilled the bucket"
+    );
+
+    let changed = put(r#"{"limit":3,"window_ms":3600000}"#).await;
+    assert_eq!(changed.body["version"], 2, "{}", changed.body);
+    let r = send(&router, "POST", "/v1/check", None, Some(check)).await;
+    assert_eq!(r.status, StatusCode::OK, "a changed policy starts full");
+
+    // A batch keeps an unchanged entry's version and versions the changed one anew.
+    let r = send(
+        &router,
+        "POST",
+        "/v1/policies/batch",
+        Some(TOKEN),
+        Some(r#"{"policies":[{"tenant":"acme","policy":"writes","limit":3,"window_ms":3600000},{"tenant":"acme","policy":"other","limit":1,"window_ms":1000}]}"#),
+    )
+    .await;
+    assert_eq!(r.status, StatusCode::OK, "{}", r.body);
+    assert_eq!(r.body["policies"][0]["version"], 2);
+    assert_eq!(r.body["policies"][1]["version"], 3);
 }

@@ -57,9 +57,9 @@ impl Replicated {
             })
             .collect();
         match self.write(Operation::PutPolicies { entries }).await? {
-            Response::PoliciesStored { first_version, .. } => {
+            Response::PoliciesStored { versions, .. } => {
                 self.rebuild_view();
-                for (version, policy) in (first_version..).zip(&mut policies) {
+                for (version, policy) in versions.into_iter().zip(&mut policies) {
                     policy.version = version;
                 }
                 Ok(policies)
