@@ -1,7 +1,8 @@
 //! Metrics: the shadow ideal global bucket and what each strategy is measured by.
 //!
-//! The shadow bucket is the ideal of DESIGN.md: one reference bucket per tenant with capacity
-//! C = burst and refill r = limit / window, seeing every request in the world at its true time.
+//! The shadow bucket is the ideal of docs/architecture.md: one reference bucket per tenant with
+//! capacity C = burst and refill r = limit / window, seeing every request in the world at its
+//! true time.
 //! A [`Recorder`] per strategy compares that strategy's verdict on each request with the
 //! shadow's:
 //!

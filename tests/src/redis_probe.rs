@@ -8,7 +8,8 @@ use anyhow::{bail, Context as _};
 use crate::{eventually, Daemon};
 
 /// The least an ACL user needs (after `on` and its password): quotad's keys only (`qd:v1:`),
-/// scripts, and what the scripts and the region agent call. Documented in the README.
+/// scripts, and what the scripts and the region agent call. Documented in docs/operations.md
+/// (Authentication).
 pub const QUOTAD_ACL: &[&str] = &[
     "on",
     "~qd:v1:*",

@@ -1,6 +1,6 @@
 //! quotad on a Redis Cluster (`redis.mode = "cluster"`): three password-protected masters on
 //! loopback, found through `redis.url` and `redis.seed_urls`, quotad connecting as the
-//! least-privilege ACL user of the README. Decisions, the agent's parameter writes and usage
+//! least-privilege ACL user of docs/operations.md. Decisions, the agent's parameter writes and usage
 //! collection spread over the masters; a master that restarts empty gets its shares back, and
 //! one that fails over to its replica keeps its buckets.
 

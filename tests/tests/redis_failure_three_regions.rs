@@ -966,7 +966,7 @@ async fn store_states(daemons: &[Daemon]) -> Vec<String> {
 /// A region whose Redis is down keeps its granted share in `local` fail mode for longer than a
 /// lease while the allocation epoch moves (here: a policy put on another tenant). The agent
 /// acknowledges an epoch it cannot write to Redis once Redis cannot hold more than the epoch
-/// grants (quotad/src/agent.rs, `Written::bounded_by`), so B's renewals stay usable.
+/// grants (quotad/src/agent/ledger.rs, `Written::bounded_by`), so B's renewals stay usable.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn local_fail_mode_keeps_the_share_while_redis_is_down_longer_than_a_lease(
 ) -> anyhow::Result<()> {

@@ -10,7 +10,7 @@ use quotad::{server, telemetry};
 
 /// mimalloc instead of the system allocator: a check allocates a few dozen small objects across
 /// hyper, axum, serde and redis-rs, and glibc's malloc/free took ~16 % of the server's CPU on the
-/// load bench; mimalloc cut server CPU per check by ~2.5–3 µs (README, Performance).
+/// load bench; mimalloc cut server CPU per check by ~2.5–3 µs (docs/performance.md).
 #[global_allocator]
 static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
 

@@ -92,7 +92,7 @@ async fn build_store(settings: &Settings) -> anyhow::Result<(AnyStore, bool)> {
         // waiting will not mend (unlike an outage).
         Err(e @ StoreError::Refused { .. }) => {
             return Err(anyhow::Error::new(e).context(format!(
-                "the regional Redis at {} refused quotad: check redis.username and the password ({ENV_REDIS_PASSWORD} or redis.password_file), and that the ACL user may run what quotad needs (README, Redis authentication)",
+                "the regional Redis at {} refused quotad: check redis.username and the password ({ENV_REDIS_PASSWORD} or redis.password_file), and that the ACL user may run what quotad needs (docs/operations.md, Authentication)",
                 redis.url
             )));
         }
