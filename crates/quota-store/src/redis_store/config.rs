@@ -3,6 +3,8 @@
 use std::fmt;
 use std::time::Duration;
 
+use redis::aio::ConnectionManagerConfig;
+
 use super::tls::Tls;
 use crate::{StoreError, DEFAULT_MIN_IDLE_TTL_MS};
 
@@ -129,3 +131,13 @@ pub const DEFAULT_TIMEOUT: Duration = Duration::from_millis(250);
 
 /// The least [`RedisStore::reachable`] waits: time for a first connection's retries.
 pub const CONNECT_WAIT: Duration = Duration::from_secs(1);
+
+/// How a connection manager connects and retries: every call is bounded as a whole
+/// (`bounded`, retry included), so there is no per-response timer as well.
+pub(super) fn manager_config(timeout: Duration) -> ConnectionManagerConfig {
+    ConnectionManagerConfig::new()
+        .set_connection_timeout(Some(timeout))
+        .set_response_timeout(None)
+        .set_number_of_retries(2)
+        .set_max_delay(Duration::from_millis(500))
+}

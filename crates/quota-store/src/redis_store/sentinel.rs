@@ -9,8 +9,8 @@ use redis::aio::{ConnectionManager, ConnectionManagerConfig};
 use redis::sentinel::{SentinelClient, SentinelClientBuilder, SentinelServerType};
 use redis::RedisError;
 
-use super::source::{is_tls, manager_config};
-use super::tls::ensure_crypto_provider;
+use super::config::manager_config;
+use super::tls::{ensure_crypto_provider, is_tls};
 use super::RedisStoreConfig;
 use crate::StoreError;
 

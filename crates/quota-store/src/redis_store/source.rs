@@ -2,7 +2,6 @@
 //! while Redis is down.
 
 use std::sync::Arc;
-use std::time::Duration;
 
 use arc_swap::ArcSwap;
 use redis::aio::{ConnectionManager, ConnectionManagerConfig};
@@ -11,8 +10,9 @@ use redis::cluster_async::ClusterConnection;
 use redis::cluster_routing::RoutingInfo;
 use redis::{RedisError, Value};
 
+use super::config::manager_config;
 use super::sentinel::SentinelMaster;
-use super::tls::ensure_crypto_provider;
+use super::tls::{ensure_crypto_provider, is_tls};
 use super::{RedisStoreConfig, Topology};
 use crate::StoreError;
 
@@ -216,18 +216,4 @@ fn cluster(config: &RedisStoreConfig, urls: &[String]) -> Result<Source, StoreEr
         conn: Arc::new(tokio::sync::OnceCell::new()),
     };
     Ok(Source::Cluster(lazy))
-}
-
-pub(super) fn is_tls(addr: &redis::ConnectionAddr) -> bool {
-    matches!(addr, redis::ConnectionAddr::TcpTls { .. })
-}
-
-/// How a connection manager connects and retries: every call is bounded as a whole
-/// (`bounded`, retry included), so there is no per-response timer as well.
-pub(super) fn manager_config(timeout: Duration) -> ConnectionManagerConfig {
-    ConnectionManagerConfig::new()
-        .set_connection_timeout(Some(timeout))
-        .set_response_timeout(None)
-        .set_number_of_retries(2)
-        .set_max_delay(Duration::from_millis(500))
 }

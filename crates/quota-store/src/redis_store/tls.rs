@@ -111,3 +111,8 @@ pub(super) fn ensure_crypto_provider() {
         let _ = rustls::crypto::ring::default_provider().install_default();
     }
 }
+
+/// Whether a Redis address is reached over TLS (`rediss://`).
+pub(super) fn is_tls(addr: &redis::ConnectionAddr) -> bool {
+    matches!(addr, redis::ConnectionAddr::TcpTls { .. })
+}
