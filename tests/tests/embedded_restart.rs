@@ -49,8 +49,13 @@ async fn policies_versions_and_pins_survive_a_restart() -> anyhow::Result<()> {
     second.put_policy("newco", "writes", spec.clone()).await?;
     let r = second.get("/v1/tenants/newco/allowance").await?;
     assert_eq!(r.body["pin"], "solo", "{}", r.body);
-    // Versions continue where they were (1: acme, 2: newco), never restart at 1.
-    let v = second.put_policy("acme", "writes", spec).await?;
+    // Versions continue where they were (1: acme, 2: newco), never restart at 1; the same
+    // policy again keeps its version.
+    let v = second.put_policy("acme", "writes", spec.clone()).await?;
+    assert_eq!(v["version"], 1, "{v}");
+    let mut changed = spec;
+    changed["limit"] = json!(200);
+    let v = second.put_policy("acme", "writes", changed).await?;
     assert_eq!(v["version"], 3, "{v}");
     Ok(())
 }

@@ -36,7 +36,7 @@ fn schemathesis() -> anyhow::Result<PathBuf> {
         }
     }
     bail!(
-        "schemathesis is not installed: run `pip install schemathesis=={SCHEMATHESIS_VERSION}` \
+        "schemathesis is not installed: run `pip install -r tests/python/requirements.txt` (schemathesis=={SCHEMATHESIS_VERSION}) \
          (.ci/run installs it when missing)"
     )
 }

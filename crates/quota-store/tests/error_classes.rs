@@ -14,13 +14,18 @@ use quota_store::{
 };
 use redis_harness::RedisServer;
 
-/// Requests every store refuses as they are: a window past the scripts' seven days, a limit
-/// over 10⁹, limit × window over 2^51, a cost over the largest.
+/// Requests every store refuses as they are: a window past the 31-day bound, a limit over 10⁹,
+/// limit × window over 2^51, a cost over the largest.
 fn bad_requests() -> Vec<CheckRequest> {
     let b = fresh_bucket("bad");
     let window = |limit, window_ms| Limit::SlidingWindow { limit, window_ms };
     vec![
-        req(&b, window(10, 8 * 24 * 3_600_000), 1, None),
+        req(
+            &b,
+            window(10, quota_core::bounds::MAX_WINDOW_MS + 1),
+            1,
+            None,
+        ),
         req(&b, window(1_000_000_001, 1000), 1, None),
         req(&b, window(1_000_000_000, 3_000_000), 1, None),
         req(&b, tokens(1, 1), quota_store::MAX_COST + 1, None),

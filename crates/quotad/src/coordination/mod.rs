@@ -160,8 +160,12 @@ mod tests {
     }
 
     fn policy() -> Policy {
+        policy_of(100.0)
+    }
+
+    fn policy_of(limit: f64) -> Policy {
         PolicySpec {
-            limit: 100.0,
+            limit,
             window_ms: 60_000.0,
             floor: Some(0.1),
             ..Default::default()
@@ -176,12 +180,22 @@ mod tests {
         let mut rx = c.subscribe();
         let (t, p) = ids();
         let v1 = c.put_policy(t.clone(), p.clone(), policy()).await.unwrap();
-        let v2 = c.put_policy(t.clone(), p.clone(), policy()).await.unwrap();
+        let v2 = c
+            .put_policy(t.clone(), p.clone(), policy_of(200.0))
+            .await
+            .unwrap();
         assert_eq!((v1.version, v2.version), (1, 2));
         assert!(rx.has_changed().unwrap());
         let view = rx.borrow_and_update().clone();
         let entry = view.policy(&t, &p).unwrap();
         assert_eq!(entry.grants.values().next().unwrap().share_ppm, PPM);
+        // The same policy again changes nothing: same version, so the bucket keeps its tokens.
+        let again = c
+            .put_policy(t.clone(), p.clone(), policy_of(200.0))
+            .await
+            .unwrap();
+        assert_eq!(again.version, 2);
+        assert!(!rx.has_changed().unwrap());
         assert!(c.delete_policy(t.clone(), p.clone()).await.unwrap());
         assert!(!c.delete_policy(t, p).await.unwrap());
     }
@@ -304,7 +318,10 @@ mod tests {
         let c = Coordinator::Local(LocalCoordinator::open(eu, dir.path()).unwrap());
         assert_eq!(c.view().policies, before.policies);
         assert_eq!(c.view().last_version, 51);
-        assert_eq!(c.put_policy(t, p, policy()).await.unwrap().version, 52);
+        assert_eq!(
+            c.put_policy(t, p, policy_of(200.0)).await.unwrap().version,
+            52
+        );
     }
 
     #[test]
