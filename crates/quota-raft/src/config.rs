@@ -299,7 +299,24 @@ impl RaftConfig {
             snapshot_policy: openraft::SnapshotPolicy::LogsSinceLast(self.snapshot_every_entries),
             max_in_snapshot_log_to_keep: self.log_entries_kept,
             max_payload_entries: self.max_payload_entries,
+            // quota-raft's election guard decides when to campaign (see `crate::election`).
+            enable_elect: false,
             ..Default::default()
+        }
+    }
+
+    /// The election guard's timing: quiet for openraft's leader lease (`election_timeout_max`),
+    /// jitter up to `election_timeout_max − election_timeout_min`, a pre-vote bounded by one
+    /// heartbeat interval (the same bound openraft puts on AppendEntries).
+    pub fn election_timings(&self) -> crate::election::ElectionTimings {
+        let ms = Duration::from_millis;
+        crate::election::ElectionTimings {
+            quiet: ms(self.election_timeout_max_ms),
+            jitter: ms(self
+                .election_timeout_max_ms
+                .saturating_sub(self.election_timeout_min_ms)),
+            tick: ms((self.heartbeat_interval_ms / 2).max(10)),
+            ask_timeout: ms(self.heartbeat_interval_ms),
         }
     }
 

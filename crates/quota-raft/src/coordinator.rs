@@ -14,6 +14,7 @@ use tokio::task::JoinHandle;
 use tokio::time::Instant;
 
 use crate::config::{ConfigErrors, RaftConfig};
+use crate::election;
 use crate::network::HttpNetwork;
 use crate::peer_api::{self, PeerApiConfig};
 use crate::proposal::local_write;
@@ -138,6 +139,8 @@ struct Inner {
     state: StateHandle,
     net: HttpNetwork,
     exporter: JoinHandle<()>,
+    /// The election guard ([`election`]): openraft's own election timer is off.
+    guard: JoinHandle<()>,
 }
 
 /// One running node of the replicated coordinator. Cheap to clone.
@@ -210,6 +213,12 @@ impl Coordinator {
             .map(|m| m.region.clone())
             .unwrap_or_default();
         let exporter = telemetry::spawn_exporter(&raft, config.node_id, region);
+        let guard = election::spawn_guard(
+            raft.clone(),
+            config.node_id,
+            net.clone(),
+            config.election_timings(),
+        );
         Ok(Self {
             inner: Arc::new(Inner {
                 raft,
@@ -219,6 +228,7 @@ impl Coordinator {
                 state,
                 net,
                 exporter,
+                guard,
             }),
         })
     }
@@ -235,6 +245,7 @@ impl Coordinator {
                 max_command_bytes: c.max_command_bytes(),
                 write_timeout: c.write_timeout(),
                 leader_clock: self.inner.clock.clone(),
+                election_quiet: c.election_timings().quiet,
             },
         )
     }
@@ -498,6 +509,7 @@ impl Coordinator {
     /// closed the database, so the same data directory can be opened again.
     pub async fn shutdown(&self) -> Result<(), ShutdownError> {
         self.inner.exporter.abort();
+        self.inner.guard.abort();
         self.inner
             .raft
             .shutdown()
