@@ -607,6 +607,16 @@ impl Control {
         }
     }
 
+    /// Whether region `r` enforces only its floors at its local time `local_ms`: its lease ran
+    /// out (or it never had one).
+    pub fn on_floor(&self, r: RegionIx, local_ms: u64) -> bool {
+        self.mode == LeaseMode::Leased
+            && self.agents[r]
+                .view
+                .lease()
+                .is_none_or(|l| local_ms >= l.end_local_ms(self.cfg.drift_margin_ms))
+    }
+
     /// Counts a decision in region `r`'s next usage report.
     pub fn count(&mut self, r: RegionIx, tenant: usize, cost: u32, allowed: bool) {
         let u = &mut self.agents[r].usage[tenant];
