@@ -546,6 +546,27 @@ mod tests {
     }
 
     #[test]
+    fn healthy_goodput_counts_only_healthy_regions_and_floor_time_adds_up() {
+        let tenants = [tenant(100.0, 1000.0)];
+        let mut rec = Recorder::new(&tenants, 1000, 10, 2000, 500, vec![true, false]);
+        // Region 0 (healthy) gets all it asks for; region 1 (faulted) is denied everything.
+        for i in 0..10 {
+            let region = (i % 2) as usize;
+            let r = Request { region, ..req(1) };
+            rec.record(i, &r, true, region == 0, 500);
+        }
+        for t in (0..2000).step_by(10) {
+            rec.record_floor(t, 1, 10);
+        }
+        rec.finish();
+        let s = rec.summary("x", "y", &[], 0);
+        assert_eq!(s.goodput, Some(0.5));
+        assert_eq!(s.goodput_healthy, Some(1.0));
+        // Only the time after the 500 ms warm-up counts.
+        assert_eq!(s.floor_s, vec![0.0, 1.5]);
+    }
+
+    #[test]
     fn false_denials_and_goodput_compare_with_the_shadow() {
         let tenants = [tenant(100.0, 1000.0)];
         let mut rec = Recorder::new(&tenants, 1000, 10, 1000, 0, vec![true; 3]);
