@@ -5,7 +5,8 @@
 -- ARGV[1]  how many keys to take at most, integer 1..100000
 -- returns  {taken, key, admitted tokens, denied tokens, key, admitted, denied, ...}: taken is
 --          how many keys left the index (expired ones included), so a caller knows to go on
--- errors   'ERR quotad: <what>' for an invalid argument.
+-- errors   'ERR quotad: <what>' for an invalid argument or an index of another type (nothing
+--          is taken then). A listed key that is not a valid state is taken and skipped.
 --
 -- Two state layouts: token buckets are one 88-byte string (struct '<ddddddddddd': t, c, ts, ad,
 -- dn, then the parameters; see token_bucket.lua), rewritten with ad = dn = 0 (bytes 25..40) and
@@ -18,39 +19,170 @@
 -- the minimum idle TTL of the decision scripts bounds (collect more often than it). On Redis
 -- Cluster the state keys share the index's slot, so touching them here stays within one slot.
 
+-- quotad shared helpers: begin. The same text in every script in lua/ (each script runs on its
+-- own, so the helpers are copied, not included); a test holds the copies equal and the bounds
+-- equal to quota-core's bounds.rs.
+local UT = 1000000 -- micro-tokens per token
+local MAX_CAP = 9007199254740991 -- 2^53 - 1: capacities in µt, times and TTLs in ms
+local MAX_RATE = 9007199254740 -- MAX_CAP / 1000: refill in µt per second
+local MAX_FILL_RATIO = 9000000000 -- floor(capacity / rate) stays below this
+local MAX_COST = 9007199254 -- MAX_CAP / UT: whole tokens per call
+local MAX_WINDOW_LIMIT = 1000000000 -- sliding-window limit in tokens
+local MAX_WINDOW_MS = 2678400000 -- longest window: 31 days
+local MAX_WINDOW_PRODUCT = 2251799813685248 -- 2^51: largest limit * window
+local EXACT_LOG_MAX = 128 -- largest sliding-window limit kept as an exact log
+local DEFAULT_MIN_TTL_MS = 60000 -- minimum idle TTL when none is given
+local COLLECT_MAX = 100000 -- most keys one usage collection takes
+local STATE_LEN = 88 -- bytes of a token-bucket state
+-- Token-bucket state: 11 little-endian doubles (exact for integers below 2^53): tokens (µt),
+-- carry (thousandths of a µt), ts (latest ms seen), ad / dn (tokens admitted / denied since the
+-- last collection, bytes 25..40), cap, rate, src, until, fcap, frate (see token_bucket.lua).
+local STATE_FMT = '<ddddddddddd'
+
+local fmod = math.fmod
+local find = string.find
+
 local function err(what)
   return redis.error_reply('ERR quotad: ' .. what)
 end
 
+-- A decimal integer string (1 to 16 digits: no sign, point, exponent, hex or space) at most
+-- max, as a number; nil for anything else.
+local function int(s, max)
+  if type(s) ~= 'string' or #s == 0 or #s > 16 or find(s, '%D') then
+    return nil
+  end
+  local n = tonumber(s)
+  if n > max then
+    return nil
+  end
+  return n
+end
+
+-- Redis TIME in whole ms since the epoch.
+local function time_ms()
+  local t = redis.call('TIME')
+  local s, us = tonumber(t[1]), tonumber(t[2])
+  return s * 1000 + (us - fmod(us, 1000)) / 1000
+end
+
+-- An optional explicit now in ms ('' or absent: Redis TIME); nil when invalid.
+local function arg_now(s)
+  if s == nil or s == '' then
+    return time_ms()
+  end
+  return int(s, MAX_CAP)
+end
+
+-- An optional minimum idle TTL in ms ('' or absent: the default); nil when invalid.
+local function arg_min_ttl(s)
+  if s == nil or s == '' then
+    return DEFAULT_MIN_TTL_MS
+  end
+  local n = int(s, MAX_CAP)
+  if n == nil or n < 1 then
+    return nil
+  end
+  return n
+end
+
+-- A usage counter after adding cost: saturates at MAX_CAP, so a state stays valid.
+local function add_usage(n, cost)
+  n = n + cost
+  if n > MAX_CAP then
+    return MAX_CAP
+  end
+  return n
+end
+
+-- A reply that is a Redis error (redis.pcall), e.g. WRONGTYPE: the key holds another type.
+local function failed(r)
+  return type(r) == 'table' and r.err ~= nil
+end
+
+-- Token-bucket parameters within the bounds of quota-core BucketParams::new. floor(cap / rate)
+-- >= M <=> cap >= M * rate, and the product, even rounded above 2^53, compares correctly.
+-- x % 1 == 0 is false for NaN and infinities.
+local function bucket_ok(cap, rate)
+  return cap ~= nil and rate ~= nil and cap % 1 == 0 and rate % 1 == 0 and cap >= 0
+    and cap <= MAX_CAP and rate >= 0 and rate <= MAX_RATE
+    and not (rate > 0 and cap >= MAX_FILL_RATIO * rate)
+end
+
+-- Sliding-window parameters within the bounds of quota-core WindowParams::new (integers).
+local function window_ok(limit, w)
+  return limit ~= nil and w ~= nil and limit <= MAX_WINDOW_LIMIT and w >= 1
+    and w <= MAX_WINDOW_MS and limit * w <= MAX_WINDOW_PRODUCT
+end
+
+-- The fields of a token-bucket state, or nil when v is not one (wrong length, NaN, a fraction
+-- or a value out of bounds): tokens, carry, ts, ad, dn, cap, rate, src, until, fcap, frate.
+local function state_decode(v)
+  if #v ~= STATE_LEN then
+    return nil
+  end
+  local t, c, ts, ad, dn, cap, rate, src, lease_end, fcap, frate = struct.unpack(STATE_FMT, v)
+  if t % 1 == 0 and t >= 0 and t <= MAX_CAP and c % 1 == 0 and c >= 0 and c < 1000
+      and ts % 1 == 0 and ts >= 0 and ts <= MAX_CAP and ad % 1 == 0 and ad >= 0
+      and ad <= MAX_CAP and dn % 1 == 0 and dn >= 0 and dn <= MAX_CAP
+      and bucket_ok(cap, rate) and (src == 0 or src == 1)
+      and (lease_end == -1 or (lease_end % 1 == 0 and lease_end >= 0 and lease_end <= MAX_CAP))
+      and bucket_ok(fcap, frate) then
+    return t, c, ts, ad, dn, cap, rate, src, lease_end, fcap, frate
+  end
+  return nil
+end
+
+-- v (a valid state) with its usage counters ad / dn zeroed.
+local function state_without_usage(v)
+  return v:sub(1, 24) .. struct.pack('<dd', 0, 0) .. v:sub(41)
+end
+
+-- ceil((need * 1000 - carry) / rate) without forming need * 1000 (fmod is exact).
+local function time_to(need, carry, rate)
+  local r = fmod(need, rate)
+  local n = r * 1000 - carry
+  local m = fmod(n, rate)
+  local d = (n - m) / rate
+  if m > 0 then
+    d = d + 1
+  end
+  return (need - r) / rate * 1000 + d
+end
+-- quotad shared helpers: end.
+
 if #KEYS ~= 1 or #ARGV ~= 1 then
   return err('expected 1 key and 1 argument')
 end
-local max = ARGV[1]
-if type(max) ~= 'string' or #max > 6 or not string.find(max, '^%d+$') then
-  return err('max must be an integer in 1..100000')
-end
-max = tonumber(max)
-if max < 1 or max > 100000 then
-  return err('max must be an integer in 1..100000')
+local max = int(ARGV[1], COLLECT_MAX)
+if max == nil or max < 1 then
+  return err('max must be an integer in 1..' .. COLLECT_MAX)
 end
 
-local keys = redis.call('SPOP', KEYS[1], max)
+-- pcall: an index of another type is an error reply before anything is taken.
+local keys = redis.pcall('SPOP', KEYS[1], max)
+if failed(keys) then
+  return err('the activity index holds another type')
+end
 local out = { #keys }
 for _, k in ipairs(keys) do
   local kind = redis.call('TYPE', k)['ok']
   local ad, dn = 0, 0
   if kind == 'string' then
     local v = redis.call('GET', k)
-    if #v == 88 then
-      ad, dn = struct.unpack('<dd', v, 25)
-      if ad + dn > 0 then
-        redis.call('SET', k, v:sub(1, 24) .. struct.pack('<dd', 0, 0) .. v:sub(41), 'KEEPTTL')
-      end
+    local t, c, ts
+    t, c, ts, ad, dn = state_decode(v)
+    if t == nil then
+      ad, dn = 0, 0 -- not a token-bucket state: nothing to report
+    elseif ad + dn > 0 then
+      redis.call('SET', k, state_without_usage(v), 'KEEPTTL')
     end
   elseif kind == 'hash' then
     local v = redis.call('HMGET', k, 'ad', 'dn')
-    ad, dn = tonumber(v[1]) or 0, tonumber(v[2]) or 0
-    if ad + dn > 0 then
+    ad, dn = int(v[1] or '0', MAX_CAP), int(v[2] or '0', MAX_CAP)
+    if ad == nil or dn == nil then
+      ad, dn = 0, 0 -- not a sliding-window state: nothing to report
+    elseif ad + dn > 0 then
       redis.call('HSET', k, 'ad', 0, 'dn', 0)
     end
   end

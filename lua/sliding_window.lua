@@ -14,7 +14,9 @@
 --          usage counters of an idle window until the next collection
 -- returns  {allowed 0|1, remaining tokens, retry_after_ms (-1 = never: cost above the limit),
 --           reset_ms (ms until the window is empty)}
--- errors   'ERR quotad: <what>' for every invalid argument or stored parameter.
+-- errors   'ERR quotad: <what>' for every invalid argument, repeated key, key of another type,
+--          stored parameter or state out of bounds; nothing is written then (every check
+--          comes before the first write).
 --
 -- The arithmetic is quota-core/src/window.rs exactly (a differential test holds them equal).
 -- limit <= 128: an exact log of admitted (ms, cost) entries in field l, 'ms:cost,ms:cost,...',
@@ -25,24 +27,37 @@
 -- Usage fields ad / dn and expiry deadline x as in token_bucket.lua (listed in the index while
 -- ad + dn > 0).
 
-local MAX_CAP = 9007199254740991
-local MAX_COST = 9007199254
-local MAX_LIMIT = 1000000000
-local MAX_WINDOW = 604800000
-local MAX_PRODUCT = 2251799813685248 -- 2^51
-local EXACT_LOG_MAX = 128
-local DEFAULT_MIN_TTL_MS = 60000
+-- quotad shared helpers: begin. The same text in every script in lua/ (each script runs on its
+-- own, so the helpers are copied, not included); a test holds the copies equal and the bounds
+-- equal to quota-core's bounds.rs.
+local UT = 1000000 -- micro-tokens per token
+local MAX_CAP = 9007199254740991 -- 2^53 - 1: capacities in µt, times and TTLs in ms
+local MAX_RATE = 9007199254740 -- MAX_CAP / 1000: refill in µt per second
+local MAX_FILL_RATIO = 9000000000 -- floor(capacity / rate) stays below this
+local MAX_COST = 9007199254 -- MAX_CAP / UT: whole tokens per call
+local MAX_WINDOW_LIMIT = 1000000000 -- sliding-window limit in tokens
+local MAX_WINDOW_MS = 2678400000 -- longest window: 31 days
+local MAX_WINDOW_PRODUCT = 2251799813685248 -- 2^51: largest limit * window
+local EXACT_LOG_MAX = 128 -- largest sliding-window limit kept as an exact log
+local DEFAULT_MIN_TTL_MS = 60000 -- minimum idle TTL when none is given
+local COLLECT_MAX = 100000 -- most keys one usage collection takes
+local STATE_LEN = 88 -- bytes of a token-bucket state
+-- Token-bucket state: 11 little-endian doubles (exact for integers below 2^53): tokens (µt),
+-- carry (thousandths of a µt), ts (latest ms seen), ad / dn (tokens admitted / denied since the
+-- last collection, bytes 25..40), cap, rate, src, until, fcap, frate (see token_bucket.lua).
+local STATE_FMT = '<ddddddddddd'
 
 local fmod = math.fmod
 local find = string.find
-local fmt = string.format
 
 local function err(what)
   return redis.error_reply('ERR quotad: ' .. what)
 end
 
+-- A decimal integer string (1 to 16 digits: no sign, point, exponent, hex or space) at most
+-- max, as a number; nil for anything else.
 local function int(s, max)
-  if type(s) ~= 'string' or #s == 0 or #s > 16 or not find(s, '^%d+$') then
+  if type(s) ~= 'string' or #s == 0 or #s > 16 or find(s, '%D') then
     return nil
   end
   local n = tonumber(s)
@@ -52,12 +67,105 @@ local function int(s, max)
   return n
 end
 
-local function params_ok(limit, window)
-  return limit ~= nil and window ~= nil and window >= 1 and limit * window <= MAX_PRODUCT
+-- Redis TIME in whole ms since the epoch.
+local function time_ms()
+  local t = redis.call('TIME')
+  local s, us = tonumber(t[1]), tonumber(t[2])
+  return s * 1000 + (us - fmod(us, 1000)) / 1000
 end
+
+-- An optional explicit now in ms ('' or absent: Redis TIME); nil when invalid.
+local function arg_now(s)
+  if s == nil or s == '' then
+    return time_ms()
+  end
+  return int(s, MAX_CAP)
+end
+
+-- An optional minimum idle TTL in ms ('' or absent: the default); nil when invalid.
+local function arg_min_ttl(s)
+  if s == nil or s == '' then
+    return DEFAULT_MIN_TTL_MS
+  end
+  local n = int(s, MAX_CAP)
+  if n == nil or n < 1 then
+    return nil
+  end
+  return n
+end
+
+-- A usage counter after adding cost: saturates at MAX_CAP, so a state stays valid.
+local function add_usage(n, cost)
+  n = n + cost
+  if n > MAX_CAP then
+    return MAX_CAP
+  end
+  return n
+end
+
+-- A reply that is a Redis error (redis.pcall), e.g. WRONGTYPE: the key holds another type.
+local function failed(r)
+  return type(r) == 'table' and r.err ~= nil
+end
+
+-- Token-bucket parameters within the bounds of quota-core BucketParams::new. floor(cap / rate)
+-- >= M <=> cap >= M * rate, and the product, even rounded above 2^53, compares correctly.
+-- x % 1 == 0 is false for NaN and infinities.
+local function bucket_ok(cap, rate)
+  return cap ~= nil and rate ~= nil and cap % 1 == 0 and rate % 1 == 0 and cap >= 0
+    and cap <= MAX_CAP and rate >= 0 and rate <= MAX_RATE
+    and not (rate > 0 and cap >= MAX_FILL_RATIO * rate)
+end
+
+-- Sliding-window parameters within the bounds of quota-core WindowParams::new (integers).
+local function window_ok(limit, w)
+  return limit ~= nil and w ~= nil and limit <= MAX_WINDOW_LIMIT and w >= 1
+    and w <= MAX_WINDOW_MS and limit * w <= MAX_WINDOW_PRODUCT
+end
+
+-- The fields of a token-bucket state, or nil when v is not one (wrong length, NaN, a fraction
+-- or a value out of bounds): tokens, carry, ts, ad, dn, cap, rate, src, until, fcap, frate.
+local function state_decode(v)
+  if #v ~= STATE_LEN then
+    return nil
+  end
+  local t, c, ts, ad, dn, cap, rate, src, lease_end, fcap, frate = struct.unpack(STATE_FMT, v)
+  if t % 1 == 0 and t >= 0 and t <= MAX_CAP and c % 1 == 0 and c >= 0 and c < 1000
+      and ts % 1 == 0 and ts >= 0 and ts <= MAX_CAP and ad % 1 == 0 and ad >= 0
+      and ad <= MAX_CAP and dn % 1 == 0 and dn >= 0 and dn <= MAX_CAP
+      and bucket_ok(cap, rate) and (src == 0 or src == 1)
+      and (lease_end == -1 or (lease_end % 1 == 0 and lease_end >= 0 and lease_end <= MAX_CAP))
+      and bucket_ok(fcap, frate) then
+    return t, c, ts, ad, dn, cap, rate, src, lease_end, fcap, frate
+  end
+  return nil
+end
+
+-- v (a valid state) with its usage counters ad / dn zeroed.
+local function state_without_usage(v)
+  return v:sub(1, 24) .. struct.pack('<dd', 0, 0) .. v:sub(41)
+end
+
+-- ceil((need * 1000 - carry) / rate) without forming need * 1000 (fmod is exact).
+local function time_to(need, carry, rate)
+  local r = fmod(need, rate)
+  local n = r * 1000 - carry
+  local m = fmod(n, rate)
+  local d = (n - m) / rate
+  if m > 0 then
+    d = d + 1
+  end
+  return (need - r) / rate * 1000 + d
+end
+-- quotad shared helpers: end.
+
+local fmt = string.format
 
 if #KEYS ~= 3 then
   return err('expected 3 keys')
+end
+if KEYS[1] == KEYS[2] or KEYS[1] == KEYS[3] or KEYS[2] == KEYS[3] then
+  return err('the 3 keys must be distinct')
 end
 if #ARGV < 3 or #ARGV > 5 then
   return err('expected 3 to 5 arguments')
@@ -68,43 +176,38 @@ if cost == nil then
 end
 local fb_limit, fb_window
 if ARGV[2] ~= '' or ARGV[3] ~= '' then
-  fb_limit = int(ARGV[2], MAX_LIMIT)
-  fb_window = int(ARGV[3], MAX_WINDOW)
-  if not params_ok(fb_limit, fb_window) then
+  fb_limit = int(ARGV[2], MAX_WINDOW_LIMIT)
+  fb_window = int(ARGV[3], MAX_WINDOW_MS)
+  if not window_ok(fb_limit, fb_window) then
     return err('fallback limit and window must be integers within the window bounds')
   end
 end
-local now
-if ARGV[4] == nil or ARGV[4] == '' then
-  local t = redis.call('TIME')
-  now = tonumber(t[1]) * 1000 + (t[2] - fmod(t[2], 1000)) / 1000
-else
-  now = int(ARGV[4], MAX_CAP)
-  if now == nil then
-    return err('now must be an integer number of ms')
-  end
+local min_ttl = arg_min_ttl(ARGV[5])
+if min_ttl == nil then
+  return err('minimum TTL must be an integer number of ms in 1..' .. MAX_CAP)
 end
-
-local min_ttl = DEFAULT_MIN_TTL_MS
-if ARGV[5] ~= nil and ARGV[5] ~= '' then
-  min_ttl = int(ARGV[5], MAX_CAP)
-  if min_ttl == nil or min_ttl < 1 then
-    return err('minimum TTL must be an integer number of ms in 1..9007199254740991')
-  end
+local now = arg_now(ARGV[4])
+if now == nil then
+  return err('now must be an integer number of ms')
 end
 
 local limit, w
-local p = redis.call('HMGET', KEYS[2], 'limit', 'window', 'until', 'flimit', 'fwindow')
+-- pcall: a key of another type is an error reply, not a raised WRONGTYPE.
+local p = redis.pcall('HMGET', KEYS[2], 'limit', 'window', 'until', 'flimit', 'fwindow')
+if failed(p) then
+  return err('the parameters key holds another type')
+end
 if p[1] or p[2] then
-  limit = int(p[1], MAX_LIMIT)
-  w = int(p[2], MAX_WINDOW)
-  if not params_ok(limit, w) then
+  limit = int(p[1], MAX_WINDOW_LIMIT)
+  w = int(p[2], MAX_WINDOW_MS)
+  if not window_ok(limit, w) then
     return err('stored parameters are invalid')
   end
   if p[3] or p[4] or p[5] then
     -- A lease end (see set_params.lua): the floor is in force from then on.
-    local lease_end, fl, fw = int(p[3], MAX_CAP), int(p[4], MAX_LIMIT), int(p[5], MAX_WINDOW)
-    if lease_end == nil or not params_ok(fl, fw) then
+    local lease_end = int(p[3], MAX_CAP)
+    local fl, fw = int(p[4], MAX_WINDOW_LIMIT), int(p[5], MAX_WINDOW_MS)
+    if lease_end == nil or not window_ok(fl, fw) then
       return err('stored parameters are invalid')
     end
     if now >= lease_end then
@@ -117,24 +220,47 @@ else
   return err('no parameters stored and no fallback given')
 end
 
-local h = redis.call('HMGET', KEYS[1], 'l', 'ws', 'cu', 'pv', 'ts', 'ad', 'dn', 'x')
-local seen = tonumber(h[5])
-if seen and seen > now then
+local h = redis.pcall('HMGET', KEYS[1], 'l', 'ws', 'cu', 'pv', 'ts', 'ad', 'dn', 'x')
+if failed(h) then
+  return err('the state key holds another type')
+end
+-- Every stored number is an integer within its bound (a missing field is 0), checked before
+-- anything is written.
+local function field(i, max)
+  local s = h[i]
+  if not s then
+    return 0
+  end
+  return int(s, max)
+end
+local ws, cu, pv = field(2, MAX_CAP), field(3, MAX_WINDOW_LIMIT), field(4, MAX_WINDOW_LIMIT)
+local seen, ad, dn, x = field(5, MAX_CAP), field(6, MAX_CAP), field(7, MAX_CAP), field(8, MAX_CAP)
+if not (ws and cu and pv and seen and ad and dn and x) then
+  return err('stored state is invalid')
+end
+if seen > now then
   now = seen
 end
-local ws, cu, pv = tonumber(h[2]) or 0, tonumber(h[3]) or 0, tonumber(h[4]) or 0
 local out = { 'HSET', KEYS[1], 'ts', fmt('%d', now) }
 
 local allowed, retry, remaining, reset
 if limit <= EXACT_LOG_MAX then
-  local ts_list, cost_list, used = {}, {}, 0
-  for t, c in string.gmatch(h[1] or '', '(%d+):(%d+)') do
-    t = tonumber(t)
+  local log = h[1] or ''
+  local ts_list, cost_list, used, chars = {}, {}, 0, 0
+  for a, b in string.gmatch(log, '(%d+):(%d+)') do
+    local t, c = int(a, now), int(b, MAX_COST)
+    if t == nil or c == nil or c < 1 then
+      return err('stored state is invalid')
+    end
+    chars = chars + #a + #b + 2
     if t + w > now then
       ts_list[#ts_list + 1] = t
-      cost_list[#cost_list + 1] = tonumber(c)
-      used = used + cost_list[#cost_list]
+      cost_list[#cost_list + 1] = c
+      used = used + c
     end
+  end
+  if (log ~= '' and chars - 1 ~= #log) or find(log, '[^%d:,]') or used > MAX_CAP then
+    return err('stored state is invalid')
   end
   local n = #ts_list
   if cost == 0 then
@@ -207,6 +333,11 @@ else
     end
     allowed, retry = 0, (w - off) + fade
   end
+  -- Counters left by a larger limit (a changed fallback) can exceed 2^53 in the products
+  -- above; a denial still waits at least 1 ms.
+  if allowed == 0 and retry ~= -1 and retry < 1 then
+    retry = 1
+  end
   local est = pv * (w - off) + cu * w
   remaining = 0
   if cap > est then
@@ -231,23 +362,22 @@ end
 if cost == 0 then
   return { 1, remaining, 0, reset }
 end
-local ad, dn = tonumber(h[6]) or 0, tonumber(h[7]) or 0
-if ad + dn == 0 then
-  redis.call('SADD', KEYS[3], KEYS[1])
+-- Writes, last: the index (the only write that can fail), then the state.
+if ad + dn == 0 and failed(redis.pcall('SADD', KEYS[3], KEYS[1])) then
+  return err('the activity index holds another type')
 end
 if allowed == 1 then
-  out[#out + 1], out[#out + 2] = 'ad', ad + cost
+  out[#out + 1], out[#out + 2] = 'ad', fmt('%d', add_usage(ad, cost))
 else
-  out[#out + 1], out[#out + 2] = 'dn', dn + cost
+  out[#out + 1], out[#out + 2] = 'dn', fmt('%d', add_usage(dn, cost))
 end
 -- Expiry: once the window is empty the key is not needed (a missing window is an empty one).
 local ttl = reset
 if ttl < min_ttl then
   ttl = min_ttl
 end
-local x = tonumber(h[8])
 local set_ttl
-if x == nil or now + ttl > x then
+if h[8] == nil or now + ttl > x then
   set_ttl = ttl + (ttl - fmod(ttl, 4)) / 4
   out[#out + 1], out[#out + 2] = 'x', fmt('%d', now + set_ttl)
 end

@@ -15,7 +15,9 @@
 --          usage counters of an idle bucket until the next collection
 -- returns  {allowed 0|1, remaining whole tokens, retry_after_ms (-1 = never at these
 --           parameters), reset_ms (ms until full, -1 = never)}
--- errors   'ERR quotad: <what>' for every invalid argument or stored parameter.
+-- errors   'ERR quotad: <what>' for every invalid argument, repeated key, key of another type,
+--          stored parameter or state out of bounds; nothing is written then (every check
+--          comes before the first write).
 --
 -- The arithmetic is quota-core/src/bucket.rs exactly (a differential test holds them equal):
 -- integer micro-tokens, a carry in thousandths of a micro-token, whole milliseconds. Lua numbers
@@ -47,18 +49,123 @@
 -- Cost: TIME (unless now is given), GET, SET PX per decision (a peek: TIME, GET); SADD once per
 -- bucket per report interval; HMGET of the parameters only when the bucket key is missing.
 
-local MAX_CAP = 9007199254740991 -- 2^53 - 1
-local MAX_RATE = 9007199254740 -- MAX_CAP / 1000
-local MAX_FILL_RATIO = 9000000000
-local MAX_COST = 9007199254 -- MAX_CAP / UT
-local UT = 1000000
-local DEFAULT_MIN_TTL_MS = 60000
+-- quotad shared helpers: begin. The same text in every script in lua/ (each script runs on its
+-- own, so the helpers are copied, not included); a test holds the copies equal and the bounds
+-- equal to quota-core's bounds.rs.
+local UT = 1000000 -- micro-tokens per token
+local MAX_CAP = 9007199254740991 -- 2^53 - 1: capacities in µt, times and TTLs in ms
+local MAX_RATE = 9007199254740 -- MAX_CAP / 1000: refill in µt per second
+local MAX_FILL_RATIO = 9000000000 -- floor(capacity / rate) stays below this
+local MAX_COST = 9007199254 -- MAX_CAP / UT: whole tokens per call
+local MAX_WINDOW_LIMIT = 1000000000 -- sliding-window limit in tokens
+local MAX_WINDOW_MS = 2678400000 -- longest window: 31 days
+local MAX_WINDOW_PRODUCT = 2251799813685248 -- 2^51: largest limit * window
+local EXACT_LOG_MAX = 128 -- largest sliding-window limit kept as an exact log
+local DEFAULT_MIN_TTL_MS = 60000 -- minimum idle TTL when none is given
+local COLLECT_MAX = 100000 -- most keys one usage collection takes
+local STATE_LEN = 88 -- bytes of a token-bucket state
+-- Token-bucket state: 11 little-endian doubles (exact for integers below 2^53): tokens (µt),
+-- carry (thousandths of a µt), ts (latest ms seen), ad / dn (tokens admitted / denied since the
+-- last collection, bytes 25..40), cap, rate, src, until, fcap, frate (see token_bucket.lua).
+local STATE_FMT = '<ddddddddddd'
 
 local fmod = math.fmod
 local find = string.find
 
 local function err(what)
   return redis.error_reply('ERR quotad: ' .. what)
+end
+
+-- A decimal integer string (1 to 16 digits: no sign, point, exponent, hex or space) at most
+-- max, as a number; nil for anything else.
+local function int(s, max)
+  if type(s) ~= 'string' or #s == 0 or #s > 16 or find(s, '%D') then
+    return nil
+  end
+  local n = tonumber(s)
+  if n > max then
+    return nil
+  end
+  return n
+end
+
+-- Redis TIME in whole ms since the epoch.
+local function time_ms()
+  local t = redis.call('TIME')
+  local s, us = tonumber(t[1]), tonumber(t[2])
+  return s * 1000 + (us - fmod(us, 1000)) / 1000
+end
+
+-- An optional explicit now in ms ('' or absent: Redis TIME); nil when invalid.
+local function arg_now(s)
+  if s == nil or s == '' then
+    return time_ms()
+  end
+  return int(s, MAX_CAP)
+end
+
+-- An optional minimum idle TTL in ms ('' or absent: the default); nil when invalid.
+local function arg_min_ttl(s)
+  if s == nil or s == '' then
+    return DEFAULT_MIN_TTL_MS
+  end
+  local n = int(s, MAX_CAP)
+  if n == nil or n < 1 then
+    return nil
+  end
+  return n
+end
+
+-- A usage counter after adding cost: saturates at MAX_CAP, so a state stays valid.
+local function add_usage(n, cost)
+  n = n + cost
+  if n > MAX_CAP then
+    return MAX_CAP
+  end
+  return n
+end
+
+-- A reply that is a Redis error (redis.pcall), e.g. WRONGTYPE: the key holds another type.
+local function failed(r)
+  return type(r) == 'table' and r.err ~= nil
+end
+
+-- Token-bucket parameters within the bounds of quota-core BucketParams::new. floor(cap / rate)
+-- >= M <=> cap >= M * rate, and the product, even rounded above 2^53, compares correctly.
+-- x % 1 == 0 is false for NaN and infinities.
+local function bucket_ok(cap, rate)
+  return cap ~= nil and rate ~= nil and cap % 1 == 0 and rate % 1 == 0 and cap >= 0
+    and cap <= MAX_CAP and rate >= 0 and rate <= MAX_RATE
+    and not (rate > 0 and cap >= MAX_FILL_RATIO * rate)
+end
+
+-- Sliding-window parameters within the bounds of quota-core WindowParams::new (integers).
+local function window_ok(limit, w)
+  return limit ~= nil and w ~= nil and limit <= MAX_WINDOW_LIMIT and w >= 1
+    and w <= MAX_WINDOW_MS and limit * w <= MAX_WINDOW_PRODUCT
+end
+
+-- The fields of a token-bucket state, or nil when v is not one (wrong length, NaN, a fraction
+-- or a value out of bounds): tokens, carry, ts, ad, dn, cap, rate, src, until, fcap, frate.
+local function state_decode(v)
+  if #v ~= STATE_LEN then
+    return nil
+  end
+  local t, c, ts, ad, dn, cap, rate, src, lease_end, fcap, frate = struct.unpack(STATE_FMT, v)
+  if t % 1 == 0 and t >= 0 and t <= MAX_CAP and c % 1 == 0 and c >= 0 and c < 1000
+      and ts % 1 == 0 and ts >= 0 and ts <= MAX_CAP and ad % 1 == 0 and ad >= 0
+      and ad <= MAX_CAP and dn % 1 == 0 and dn >= 0 and dn <= MAX_CAP
+      and bucket_ok(cap, rate) and (src == 0 or src == 1)
+      and (lease_end == -1 or (lease_end % 1 == 0 and lease_end >= 0 and lease_end <= MAX_CAP))
+      and bucket_ok(fcap, frate) then
+    return t, c, ts, ad, dn, cap, rate, src, lease_end, fcap, frate
+  end
+  return nil
+end
+
+-- v (a valid state) with its usage counters ad / dn zeroed.
+local function state_without_usage(v)
+  return v:sub(1, 24) .. struct.pack('<dd', 0, 0) .. v:sub(41)
 end
 
 -- ceil((need * 1000 - carry) / rate) without forming need * 1000 (fmod is exact).
@@ -72,81 +179,65 @@ local function time_to(need, carry, rate)
   end
   return (need - r) / rate * 1000 + d
 end
+-- quotad shared helpers: end.
 
 if #KEYS ~= 3 then
   return err('expected 3 keys')
+end
+if KEYS[1] == KEYS[2] or KEYS[1] == KEYS[3] or KEYS[2] == KEYS[3] then
+  return err('the 3 keys must be distinct')
 end
 local n_args = #ARGV
 if n_args < 3 or n_args > 5 then
   return err('expected 3 to 5 arguments')
 end
--- Validation: digits only (no sign, point, exponent, hex or space), at most 16 of them, then
--- numeric bounds. An empty string has no non-digit, so emptiness is checked where it matters.
-local a_cost, a_cap, a_rate = ARGV[1], ARGV[2], ARGV[3]
-local cost = tonumber(a_cost)
-if cost == nil or #a_cost > 16 or find(a_cost, '%D') or cost > MAX_COST then
+local cost = int(ARGV[1], MAX_COST)
+if cost == nil then
   return err('cost must be an integer in 0..' .. MAX_COST)
 end
-local now
-local a_now = ARGV[4]
-if a_now == nil or a_now == '' then
-  local t = redis.call('TIME')
-  now = t[1] * 1000 + (t[2] - t[2] % 1000) / 1000
-else
-  now = tonumber(a_now)
-  if now == nil or #a_now > 16 or find(a_now, '%D') or now > MAX_CAP then
-    return err('now must be an integer number of ms')
-  end
+local min_ttl = arg_min_ttl(ARGV[5])
+if min_ttl == nil then
+  return err('minimum TTL must be an integer number of ms in 1..' .. MAX_CAP)
 end
-local min_ttl = DEFAULT_MIN_TTL_MS
-local a_ttl = ARGV[5]
-if a_ttl ~= nil and a_ttl ~= '' then
-  min_ttl = tonumber(a_ttl)
-  if min_ttl == nil or #a_ttl > 16 or find(a_ttl, '%D') or min_ttl < 1 or min_ttl > MAX_CAP then
-    return err('minimum TTL must be an integer number of ms in 1..9007199254740991')
-  end
-end
--- A capacity / rate pair (strings) as numbers within the bounds of quota-core
--- BucketParams::new, or nil. floor(cap / rate) >= M  <=>  cap >= M * rate, and the product, even
--- when rounded above 2^53, compares correctly with cap < 2^53.
-local function pair(a, b)
-  local x, y = tonumber(a), tonumber(b)
-  if x == nil or y == nil or #a > 16 or #b > 16 or find(a, '%D') or find(b, '%D')
-      or x > MAX_CAP or y > MAX_RATE or (y > 0 and x >= MAX_FILL_RATIO * y) then
-    return nil
-  end
-  return x, y
+local now = arg_now(ARGV[4])
+if now == nil then
+  return err('now must be an integer number of ms')
 end
 
 local fb_cap, fb_rate
-if a_cap ~= '' or a_rate ~= '' then
-  fb_cap, fb_rate = pair(a_cap, a_rate)
-  if fb_cap == nil then
+if ARGV[2] ~= '' or ARGV[3] ~= '' then
+  fb_cap, fb_rate = int(ARGV[2], MAX_CAP), int(ARGV[3], MAX_RATE)
+  if not bucket_ok(fb_cap, fb_rate) then
     return err('fallback capacity and rate must be integers within the bucket bounds')
   end
 end
 
-local v = redis.call('GET', KEYS[1])
+-- pcall: a key of another type is an error reply, not a raised WRONGTYPE.
+local v = redis.pcall('GET', KEYS[1])
+if failed(v) then
+  return err('the state key holds another type')
+end
 local tokens, carry, ts, ad, dn, cap, rate, src, lease_end, fcap, frate
 if v then
-  if #v ~= 88 then
+  tokens, carry, ts, ad, dn, cap, rate, src, lease_end, fcap, frate = state_decode(v)
+  if tokens == nil then
     return err('stored state is invalid')
   end
-  tokens, carry, ts, ad, dn, cap, rate, src, lease_end, fcap, frate =
-    struct.unpack('<ddddddddddd', v)
 else
   -- Cold path: the stored parameters, else the fallback.
-  local p = redis.call('HMGET', KEYS[2], 'cap', 'rate', 'until', 'fcap', 'frate')
+  local p = redis.pcall('HMGET', KEYS[2], 'cap', 'rate', 'until', 'fcap', 'frate')
+  if failed(p) then
+    return err('the parameters key holds another type')
+  end
   lease_end, fcap, frate = -1, 0, 0
   if p[1] or p[2] then
-    cap, rate = pair(p[1] or '', p[2] or '')
-    if cap == nil then
+    cap, rate = int(p[1], MAX_CAP), int(p[2], MAX_RATE)
+    if not bucket_ok(cap, rate) then
       return err('stored parameters are invalid')
     end
     if p[3] or p[4] or p[5] then
-      lease_end = tonumber(p[3])
-      fcap, frate = pair(p[4] or '', p[5] or '')
-      if lease_end == nil or fcap == nil or #p[3] > 16 or find(p[3], '%D') then
+      lease_end, fcap, frate = int(p[3], MAX_CAP), int(p[4], MAX_CAP), int(p[5], MAX_RATE)
+      if lease_end == nil or not bucket_ok(fcap, frate) then
         return err('stored parameters are invalid')
       end
     end
@@ -218,15 +309,16 @@ else
   reset = time_to(cap - tokens, carry, rate)
 end
 
-if ad + dn == 0 then
-  redis.call('SADD', KEYS[3], KEYS[1])
+-- Writes, last: the index (the only write that can fail), then the state.
+if ad + dn == 0 and failed(redis.pcall('SADD', KEYS[3], KEYS[1])) then
+  return err('the activity index holds another type')
 end
 if allowed == 1 then
-  ad = ad + cost
+  ad = add_usage(ad, cost)
 else
-  dn = dn + cost
+  dn = add_usage(dn, cost)
 end
-local packed = struct.pack('<ddddddddddd', tokens, carry, ts, ad, dn, share_cap, share_rate, src,
+local packed = struct.pack(STATE_FMT, tokens, carry, ts, ad, dn, share_cap, share_rate, src,
   lease_end, fcap, frate)
 if reset == -1 then
   -- No refill and not full: expiring would hand out a full bucket, so the key must stay.

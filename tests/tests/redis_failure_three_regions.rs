@@ -261,9 +261,35 @@ async fn store_state(d: &Daemon) -> String {
 async fn regional_redis_killed_in_b_fail_modes_recovery_and_global_bound() -> anyhow::Result<()> {
     let t = Timings::default();
     let mut cluster = Cluster::start(&["a", "b", "c"], &t).await?;
-    let names = cluster.names.clone();
     let b = cluster.index("b");
+    let versions = put_one_policy_per_fail_mode(&cluster).await?;
+    every_region_applies_its_share(&cluster, &versions).await;
+    let running = Running::start(&cluster)?;
+    every_region_drains_its_local_share(&running.traffic.log, cluster.names.len()).await;
+    let run = outage_and_recovery_of_b(&mut cluster, b, &versions, running).await?;
 
+    recovery_is_within_budget(&run, &cluster);
+    b_decides_each_policy_by_its_fail_mode_while_down(&run);
+    b_admits_about_its_share_of_local_while_down(&run, &t);
+    a_and_c_are_unaffected(&run);
+    b_decides_normally_with_its_redis_up(&run);
+    the_regions_together_stay_within_the_global_bound(&run);
+    eprintln!("test body took {:?}", run.start.elapsed());
+    Ok(())
+}
+
+/// Each policy's version, as it was stored.
+type Versions = Vec<(&'static str, u64)>;
+
+fn version_of(versions: &Versions, policy: &str) -> u64 {
+    versions
+        .iter()
+        .find(|(p, _)| *p == policy)
+        .map(|(_, v)| *v)
+        .unwrap()
+}
+
+async fn put_one_policy_per_fail_mode(cluster: &Cluster) -> anyhow::Result<Versions> {
     let mut versions = Vec::new();
     for (policy, mode) in POLICIES {
         let stored = cluster
@@ -279,22 +305,19 @@ async fn regional_redis_killed_in_b_fail_modes_recovery_and_global_bound() -> an
             .expect("a stored policy has a version");
         versions.push((policy, version));
     }
-    let version_of = |policy: &str| {
-        versions
-            .iter()
-            .find(|(p, _)| *p == policy)
-            .map(|(_, v)| *v)
-            .unwrap()
-    };
+    Ok(versions)
+}
 
-    // Every region enforces a share of every policy, and its agent wrote it into its Redis.
+/// Every region enforces a share of every policy, and its agent wrote it into its Redis.
+async fn every_region_applies_its_share(cluster: &Cluster, versions: &Versions) {
     for (i, d) in cluster.daemons.iter().enumerate() {
         for (policy, _) in POLICIES {
+            let version = version_of(versions, policy);
             let applied = eventually(
                 Duration::from_secs(15),
                 Duration::from_millis(100),
                 || async {
-                    params_match_share(d, &cluster.redis[i], policy, version_of(policy))
+                    params_match_share(d, &cluster.redis[i], policy, version)
                         .await
                         .then_some(())
                 },
@@ -303,88 +326,130 @@ async fn regional_redis_killed_in_b_fail_modes_recovery_and_global_bound() -> an
             assert!(
                 applied.is_some(),
                 "region {} applies its share of {policy}: {:?} in Redis, {:?} by its allowance",
-                names[i],
-                stored_params(&cluster.redis[i], policy, version_of(policy)).await,
+                cluster.names[i],
+                stored_params(&cluster.redis[i], policy, version).await,
                 allowance(d, policy).await,
             );
         }
     }
+}
 
-    // Traffic in every region on every policy, and a sampler of what each region enforces
-    // for the `local` policy.
-    let start = Instant::now();
-    let stop = Arc::new(AtomicBool::new(false));
-    let log: Log = Arc::default();
-    let http = reqwest::Client::builder()
-        .timeout(Duration::from_secs(10))
-        .build()?;
-    let traffic = Traffic {
-        http: http.clone(),
-        start,
-        stop: stop.clone(),
-        log: log.clone(),
-    };
-    let mut drivers = Vec::new();
-    for (i, d) in cluster.daemons.iter().enumerate() {
-        for (policy, rate) in [
-            (LOCAL, LOCAL_RATE_PER_S),
-            (OPEN, OTHER_RATE_PER_S),
-            (CLOSED, OTHER_RATE_PER_S),
-        ] {
-            drivers.push(traffic.drive(d.base(), i, policy, rate));
-        }
-    }
-    let samples: Arc<Mutex<Vec<Enforced>>> = Arc::default();
-    let sampler = {
-        let (http, stop, samples) = (http.clone(), stop.clone(), samples.clone());
-        let bases: Vec<String> = cluster.daemons.iter().map(Daemon::base).collect();
-        tokio::spawn(async move {
-            while !stop.load(Ordering::Relaxed) {
-                for (region, base) in bases.iter().enumerate() {
-                    let Ok(r) = http
-                        .get(format!("{base}/v1/tenants/{TENANT}/allowance"))
-                        .send()
-                        .await
-                    else {
-                        continue;
-                    };
-                    let Ok(v) = r.json::<Value>().await else {
-                        continue;
-                    };
-                    let Some(p) = v["policies"]
-                        .as_array()
-                        .and_then(|ps| ps.iter().find(|p| p["policy"] == LOCAL))
-                    else {
-                        continue;
-                    };
-                    let p = &p["this_region"];
-                    if let (Some(s), Some(c), Some(r)) = (
-                        p["enforced_share"].as_f64(),
-                        p["capacity"].as_f64(),
-                        p["refill_per_s"].as_f64(),
-                    ) {
-                        samples.lock().unwrap().push(Enforced {
-                            region,
-                            at: start.elapsed(),
-                            enforced_share: s,
-                            capacity: c,
-                            refill_per_s: r,
-                        });
-                    }
-                }
-                tokio::time::sleep(Duration::from_millis(150)).await;
+/// Traffic in every region on every policy, and a sampler of what each region enforces for
+/// the `local` policy.
+struct Running {
+    traffic: Traffic,
+    drivers: Vec<tokio::task::JoinHandle<()>>,
+    sampler: tokio::task::JoinHandle<()>,
+    samples: Arc<Mutex<Vec<Enforced>>>,
+}
+
+impl Running {
+    fn start(cluster: &Cluster) -> anyhow::Result<Self> {
+        let start = Instant::now();
+        let stop = Arc::new(AtomicBool::new(false));
+        let http = reqwest::Client::builder()
+            .timeout(Duration::from_secs(10))
+            .build()?;
+        let traffic = Traffic {
+            http: http.clone(),
+            start,
+            stop: stop.clone(),
+            log: Arc::default(),
+        };
+        let mut drivers = Vec::new();
+        for (i, d) in cluster.daemons.iter().enumerate() {
+            for (policy, rate) in [
+                (LOCAL, LOCAL_RATE_PER_S),
+                (OPEN, OTHER_RATE_PER_S),
+                (CLOSED, OTHER_RATE_PER_S),
+            ] {
+                drivers.push(traffic.drive(d.base(), i, policy, rate));
             }
+        }
+        let samples: Arc<Mutex<Vec<Enforced>>> = Arc::default();
+        let bases: Vec<String> = cluster.daemons.iter().map(Daemon::base).collect();
+        let sampler = tokio::spawn(sample_local_allowances(
+            http,
+            bases,
+            start,
+            stop,
+            samples.clone(),
+        ));
+        Ok(Self {
+            traffic,
+            drivers,
+            sampler,
+            samples,
         })
-    };
+    }
 
-    // Warm-up: every region has drained its bucket of the `local` policy at least once (a
-    // normal 429), so B's Redis bucket holds no saved-up tokens when it dies.
+    /// Stops the traffic and the sampler; the log and the samples.
+    async fn stop(self) -> anyhow::Result<(Vec<Event>, Vec<Enforced>)> {
+        self.traffic.stop.store(true, Ordering::Relaxed);
+        for d in self.drivers {
+            d.await?;
+        }
+        self.sampler.await?;
+        let log = self.traffic.log.lock().unwrap().clone();
+        let samples = self.samples.lock().unwrap().clone();
+        Ok((log, samples))
+    }
+}
+
+/// Samples each region's allowance of the `local` policy about every 150 ms until `stop`.
+async fn sample_local_allowances(
+    http: reqwest::Client,
+    bases: Vec<String>,
+    start: Instant,
+    stop: Arc<AtomicBool>,
+    samples: Arc<Mutex<Vec<Enforced>>>,
+) {
+    while !stop.load(Ordering::Relaxed) {
+        for (region, base) in bases.iter().enumerate() {
+            let Ok(r) = http
+                .get(format!("{base}/v1/tenants/{TENANT}/allowance"))
+                .send()
+                .await
+            else {
+                continue;
+            };
+            let Ok(v) = r.json::<Value>().await else {
+                continue;
+            };
+            let Some(p) = v["policies"]
+                .as_array()
+                .and_then(|ps| ps.iter().find(|p| p["policy"] == LOCAL))
+            else {
+                continue;
+            };
+            let p = &p["this_region"];
+            if let (Some(s), Some(c), Some(r)) = (
+                p["enforced_share"].as_f64(),
+                p["capacity"].as_f64(),
+                p["refill_per_s"].as_f64(),
+            ) {
+                samples.lock().unwrap().push(Enforced {
+                    region,
+                    at: start.elapsed(),
+                    enforced_share: s,
+                    capacity: c,
+                    refill_per_s: r,
+                });
+            }
+        }
+        tokio::time::sleep(Duration::from_millis(150)).await;
+    }
+}
+
+/// Warm-up: every region has drained its bucket of the `local` policy at least once (a normal
+/// 429), so B's Redis bucket holds no saved-up tokens when it dies.
+async fn every_region_drains_its_local_share(log: &Log, regions: usize) {
     let drained = eventually(
         Duration::from_secs(15),
         Duration::from_millis(50),
         || async {
             let log = log.lock().unwrap();
-            (0..names.len())
+            (0..regions)
                 .all(|i| {
                     log.iter().any(|e| {
                         e.region == i && e.policy == LOCAL && e.status == 429 && e.mode == "normal"
@@ -398,9 +463,12 @@ async fn regional_redis_killed_in_b_fail_modes_recovery_and_global_bound() -> an
         drained.is_some(),
         "every region drains its share of {LOCAL} under 15 checks/s"
     );
-    let (_, b_metrics_before) = cluster.daemons[b].get_text("/metrics").await?;
-    let open_counted_before = metric_value(
-        &b_metrics_before,
+}
+
+/// B's fail-open admissions counted on its /metrics so far.
+fn open_admissions_counted(metrics: &str) -> f64 {
+    metric_value(
+        metrics,
         "quotad_decisions_total",
         &[
             ("policy", OPEN),
@@ -408,13 +476,157 @@ async fn regional_redis_killed_in_b_fail_modes_recovery_and_global_bound() -> an
             ("outcome", "degraded_open"),
         ],
     )
-    .unwrap_or(0.0);
+    .unwrap_or(0.0)
+}
+
+/// Everything the run saw, for the phases that check it.
+struct Run {
+    names: Vec<String>,
+    b: usize,
+    start: Instant,
+    log: Vec<Event>,
+    samples: Vec<Enforced>,
+    killed_at: Duration,
+    degraded_at: Duration,
+    restart_at: Duration,
+    back_at: Duration,
+    recovered_at: Duration,
+    /// Per policy of [`POLICIES`]: how long after Redis returned B decided it normally again.
+    resumed: Vec<Option<Duration>>,
+    /// How long after Redis returned B's shares were in it again.
+    reapplied: Option<Duration>,
+    b_local: Option<Value>,
+    open_counted_before: f64,
+    b_metrics_after: String,
+}
+
+impl Run {
+    /// Checks sent after the kill and answered before the restart began: Redis was down for
+    /// the whole of each.
+    fn while_down(&self, e: &Event) -> bool {
+        e.sent >= self.killed_at && e.done <= self.restart_at
+    }
+
+    /// Allowance samples of the outage, and of the second before it (the share in force at the
+    /// kill); each region is sampled about every 150 ms.
+    fn outage_span(&self) -> (Duration, Duration) {
+        (
+            self.killed_at.saturating_sub(Duration::from_secs(1)),
+            self.restart_at,
+        )
+    }
+
+    /// The most a region enforced (share, capacity, refill) in samples taken from `from` to
+    /// `to`: the shares may move a little between samples, and an upper bound takes the top.
+    fn enforced_by(&self, region: usize, from: Duration, to: Duration) -> (f64, f64, f64) {
+        let mine: Vec<&Enforced> = self
+            .samples
+            .iter()
+            .filter(|s| s.region == region && (from..=to).contains(&s.at))
+            .collect();
+        assert!(
+            !mine.is_empty(),
+            "no allowance samples from {}",
+            self.names[region]
+        );
+        let max = |f: fn(&Enforced) -> f64| mine.iter().map(|s| f(s)).fold(0.0, f64::max);
+        (
+            max(|s| s.enforced_share),
+            max(|s| s.capacity),
+            max(|s| s.refill_per_s),
+        )
+    }
+
+    /// Region `region`'s checks sent and answered while B's Redis was down.
+    fn down_in(&self, region: usize) -> Vec<&Event> {
+        self.log
+            .iter()
+            .filter(|e| e.region == region && self.while_down(e))
+            .collect()
+    }
+}
+
+fn of(events: &[&Event], policy: &str) -> Vec<Event> {
+    events
+        .iter()
+        .filter(|e| e.policy == policy)
+        .map(|e| (*e).clone())
+        .collect()
+}
+
+fn span(events: &[Event]) -> Duration {
+    let first = events.iter().map(|e| e.sent).min().unwrap_or_default();
+    let last = events.iter().map(|e| e.done).max().unwrap_or_default();
+    last.saturating_sub(first)
+}
+
+fn admitted(events: &[Event]) -> f64 {
+    events.iter().filter(|e| e.admitted()).count() as f64
+}
+
+/// Kills B's Redis under traffic, watches the store states for [`OUTAGE`], brings Redis back
+/// empty on the same port, waits for normal decisions and the shares re-applied, and runs
+/// [`AFTER_RECOVERY`] more of traffic.
+async fn outage_and_recovery_of_b(
+    cluster: &mut Cluster,
+    b: usize,
+    versions: &Versions,
+    running: Running,
+) -> anyhow::Result<Run> {
+    let names = cluster.names.clone();
+    let start = running.traffic.start;
+    let (_, b_metrics_before) = cluster.daemons[b].get_text("/metrics").await?;
+    let open_counted_before = open_admissions_counted(&b_metrics_before);
 
     // Kill B's Redis.
-    let killed_at = kill_redis(&mut cluster, b, start).await;
+    let killed_at = kill_redis(cluster, b, start).await;
     let degraded_at = start.elapsed();
+    only_b_is_degraded_while_its_redis_is_down(cluster, b, start, killed_at, degraded_at).await?;
 
-    // While it is down: B stays degraded, A and C stay ok, B's breaker gauge reads 1.
+    // Redis returns on the same port, empty (no persistence), as after a crash.
+    let restart_at = start.elapsed();
+    tokio::task::block_in_place(|| cluster.redis[b].restart())?;
+    let back = Instant::now();
+    let back_at = start.elapsed();
+    let resumed = until_normal_decisions_resume(cluster, b, &running.traffic, back).await;
+    let recovered_at = start.elapsed();
+    let reapplied = until_shares_reapplied(cluster, b, versions, back).await;
+    let b_local = allowance(&cluster.daemons[b], LOCAL).await;
+
+    // Keep the traffic going on B's fresh Redis, then stop.
+    let stop_at = recovered_at + AFTER_RECOVERY;
+    while start.elapsed() < stop_at {
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let (log, samples) = running.stop().await?;
+    let (_, b_metrics_after) = cluster.daemons[b].get_text("/metrics").await?;
+    Ok(Run {
+        names,
+        b,
+        start,
+        log,
+        samples,
+        killed_at,
+        degraded_at,
+        restart_at,
+        back_at,
+        recovered_at,
+        resumed,
+        reapplied,
+        b_local,
+        open_counted_before,
+        b_metrics_after,
+    })
+}
+
+/// While B's Redis is down: B stays degraded, A and C stay ok, B's breaker gauge reads 1.
+async fn only_b_is_degraded_while_its_redis_is_down(
+    cluster: &Cluster,
+    b: usize,
+    start: Instant,
+    killed_at: Duration,
+    degraded_at: Duration,
+) -> anyhow::Result<()> {
     let mut states = Vec::new();
     let mut gauge_seen = None;
     while start.elapsed() < degraded_at + OUTAGE {
@@ -432,7 +644,7 @@ async fn regional_redis_killed_in_b_fail_modes_recovery_and_global_bound() -> an
             assert_eq!(
                 s, want,
                 "region {}'s store state at {at:?} (B's Redis down since {killed_at:?})",
-                names[i]
+                cluster.names[i]
             );
         }
     }
@@ -441,13 +653,17 @@ async fn regional_redis_killed_in_b_fail_modes_recovery_and_global_bound() -> an
         Some(1.0),
         "quotad_degraded{{region=\"b\"}} on B's /metrics while its Redis is down"
     );
+    Ok(())
+}
 
-    // Redis returns on the same port, empty (no persistence), as after a crash.
-    let restart_at = start.elapsed();
-    tokio::task::block_in_place(|| cluster.redis[b].restart())?;
-    let back = Instant::now();
-    let back_at = start.elapsed();
-    // Normal decisions resume: each policy in B answered from Redis again.
+/// Sends checks to B until each policy is answered from Redis again (or 15 s pass); per
+/// policy, how long after `back` that was.
+async fn until_normal_decisions_resume(
+    cluster: &Cluster,
+    b: usize,
+    traffic: &Traffic,
+    back: Instant,
+) -> Vec<Option<Duration>> {
     let b_base = cluster.daemons[b].base();
     let mut resumed: Vec<Option<Duration>> = vec![None; POLICIES.len()];
     let deadline = back + Duration::from_secs(15);
@@ -462,9 +678,18 @@ async fn regional_redis_killed_in_b_fail_modes_recovery_and_global_bound() -> an
         }
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
-    let recovered_at = start.elapsed();
-    // The shares are re-applied to the empty Redis, consistent with what B says it enforces.
-    let reapplied = eventually(
+    resumed
+}
+
+/// Waits until the shares are re-applied to the empty Redis, consistent with what B says it
+/// enforces; how long after `back` that was.
+async fn until_shares_reapplied(
+    cluster: &Cluster,
+    b: usize,
+    versions: &Versions,
+    back: Instant,
+) -> Option<Duration> {
+    eventually(
         Duration::from_secs(10),
         Duration::from_millis(20),
         || async {
@@ -473,7 +698,7 @@ async fn regional_redis_killed_in_b_fail_modes_recovery_and_global_bound() -> an
                     &cluster.daemons[b],
                     &cluster.redis[b],
                     policy,
-                    version_of(policy),
+                    version_of(versions, policy),
                 )
                 .await
                 {
@@ -483,28 +708,17 @@ async fn regional_redis_killed_in_b_fail_modes_recovery_and_global_bound() -> an
             Some(back.elapsed())
         },
     )
-    .await;
-    let b_local = allowance(&cluster.daemons[b], LOCAL).await;
+    .await
+}
 
-    // Keep the traffic going on B's fresh Redis, then stop.
-    let stop_at = recovered_at + AFTER_RECOVERY;
-    while start.elapsed() < stop_at {
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
-    stop.store(true, Ordering::Relaxed);
-    for d in drivers {
-        d.await?;
-    }
-    sampler.await?;
-    let (_, b_metrics_after) = cluster.daemons[b].get_text("/metrics").await?;
-    let log = log.lock().unwrap().clone();
-    let samples = samples.lock().unwrap().clone();
-
-    // ---- Recovery within the budget, and the shares re-applied. ----
+/// Recovery within the budget, and the shares re-applied.
+fn recovery_is_within_budget(run: &Run, cluster: &Cluster) {
+    let (b, resumed, reapplied) = (run.b, &run.resumed, run.reapplied);
     eprintln!(
-        "B's Redis: killed at {killed_at:?}, degraded reported at {degraded_at:?}, restart at \
-         {restart_at:?}, answering at {back_at:?}; normal decisions resumed after {resumed:?} \
-         ({LOCAL}, {OPEN}, {CLOSED}); shares re-applied after {reapplied:?}; B's {LOCAL}: {b_local:?}"
+        "B's Redis: killed at {:?}, degraded reported at {:?}, restart at {:?}, answering at \
+         {:?}; normal decisions resumed after {resumed:?} ({LOCAL}, {OPEN}, {CLOSED}); shares \
+         re-applied after {reapplied:?}; B's {LOCAL}: {:?}",
+        run.killed_at, run.degraded_at, run.restart_at, run.back_at, run.b_local
     );
     for (k, (policy, _)) in POLICIES.iter().enumerate() {
         let took = resumed[k].unwrap_or_else(|| {
@@ -528,23 +742,13 @@ async fn regional_redis_killed_in_b_fail_modes_recovery_and_global_bound() -> an
         reapplied <= RECOVERY_BUDGET,
         "B's shares re-applied {reapplied:?} after Redis returned (budget {RECOVERY_BUDGET:?})"
     );
+}
 
-    // ---- B while its Redis was down. ----
-    // Checks sent after the kill and answered before the restart began: Redis was down for
-    // the whole of each.
-    let down = |e: &&Event| e.sent >= killed_at && e.done <= restart_at;
-    // Allowance samples of the outage, and of the second before it (the share in force at the
-    // kill); each region is sampled about every 150 ms.
-    let outage_from = killed_at.saturating_sub(Duration::from_secs(1));
-    let outage_to = restart_at;
-    let b_down: Vec<&Event> = log.iter().filter(|e| e.region == b).filter(down).collect();
-    let of = |events: &[&Event], policy: &str| -> Vec<Event> {
-        events
-            .iter()
-            .filter(|e| e.policy == policy)
-            .map(|e| (*e).clone())
-            .collect()
-    };
+/// B while its Redis was down: `closed` answers 503 temporary-reduced-capacity, `open` admits
+/// and counts each admission on /metrics, `local` decides from an in-process bucket.
+fn b_decides_each_policy_by_its_fail_mode_while_down(run: &Run) {
+    let (b, log) = (run.b, &run.log);
+    let b_down = run.down_in(b);
     // closed: 503 with the temporary-reduced-capacity problem type, every time.
     let closed = of(&b_down, CLOSED);
     assert!(
@@ -579,123 +783,96 @@ async fn regional_redis_killed_in_b_fail_modes_recovery_and_global_bound() -> an
         .iter()
         .filter(|e| e.region == b && e.policy == OPEN && e.status == 0)
         .count() as f64;
-    let open_counted = metric_value(
-        &b_metrics_after,
-        "quotad_decisions_total",
-        &[
-            ("policy", OPEN),
-            ("region", "b"),
-            ("outcome", "degraded_open"),
-        ],
-    )
-    .unwrap_or(0.0)
-        - open_counted_before;
+    let open_counted = open_admissions_counted(&run.b_metrics_after) - run.open_counted_before;
     eprintln!("fail-open admissions in B: {open_seen} seen by clients, {open_counted} counted");
     assert!(
         open_seen <= open_counted && open_counted <= open_seen + open_lost,
         "quotad_decisions_total{{outcome=\"degraded_open\"}} on B counted {open_counted} \
          fail-open admissions; clients saw {open_seen} ({open_lost} answers lost)"
     );
-    // local: an in-process bucket at B's share: it starts full (capacity s·C) and refills at
-    // s·r, so over the span of its decisions it admits at most s·C + s·r·span.
-    let local = of(&b_down, LOCAL);
-    for e in &local {
+    for e in &of(&b_down, LOCAL) {
         assert!(
             e.mode == "degraded_local" && (e.status == 200 || e.status == 429),
             "{LOCAL} in B while its Redis is down: {e:?}"
         );
     }
-    // The most a region enforced (share, capacity, refill) in samples taken from `from` to
-    // `to`: the shares may move a little between samples, and an upper bound takes the top.
-    let enforced_by = |region: usize, from: Duration, to: Duration| {
-        let mine: Vec<&Enforced> = samples
-            .iter()
-            .filter(|s| s.region == region && (from..=to).contains(&s.at))
-            .collect();
-        assert!(
-            !mine.is_empty(),
-            "no allowance samples from {}",
-            names[region]
-        );
-        let max = |f: fn(&Enforced) -> f64| mine.iter().map(|s| f(s)).fold(0.0, f64::max);
-        (
-            max(|s| s.enforced_share),
-            max(|s| s.capacity),
-            max(|s| s.refill_per_s),
-        )
-    };
-    let span = |events: &[Event]| -> Duration {
-        let first = events.iter().map(|e| e.sent).min().unwrap_or_default();
-        let last = events.iter().map(|e| e.done).max().unwrap_or_default();
-        last.saturating_sub(first)
-    };
-    let admitted = |events: &[Event]| events.iter().filter(|e| e.admitted()).count() as f64;
-    {
-        let (share, cap, refill) = enforced_by(b, outage_from, outage_to);
-        let d = span(&local).as_secs_f64();
-        let got = admitted(&local);
-        let bound = cap + refill * d + 1.0;
-        let denied = local.iter().filter(|e| e.status == 429).count();
-        eprintln!(
-            "B, {LOCAL}, Redis down: {got} admitted, {denied} denied in {d:.2} s \
-             (share ≤ {share:.3}: bound {bound:.1}, the whole budget would be {:.1})",
-            BURST as f64 + LIMIT as f64 * d * 1000.0 / WINDOW_MS as f64
-        );
-        assert!(
-            got <= bound,
-            "B admitted {got} of {LOCAL} in {d:.2} s with its Redis down, above its share's {bound:.1}"
-        );
-        assert!(
-            denied > 0,
-            "B's in-process bucket denies beyond its share (demand 15/s, share's refill {refill:.1}/s)"
-        );
-        // Not only denials either: it admits about what its share refills (half of that, or of
-        // what was asked if the client fell behind on a busy machine) — checked over the part
-        // of the outage that B's lease is sure to cover. Beyond it B may dip to its floor (0
-        // here) once: B reports no usage while its Redis is down, so a rebalance may cut its
-        // share, and B acknowledges a cut only when the old share's lease stored in its Redis
-        // has run out (see `local_fail_mode_keeps_the_share_while_redis_is_down_longer_than_a_lease`
-        // below for an epoch change that cuts nothing: no dip at all).
-        let covered_until = killed_at
-            + Duration::from_millis(t.lease_ms - t.drift_margin_ms - 2 * t.report_interval_ms);
-        let early: Vec<Event> = local
-            .iter()
-            .filter(|e| e.done <= covered_until)
-            .cloned()
-            .collect();
-        let early_d = span(&early).as_secs_f64();
-        let early_got = admitted(&early);
-        let floor = (refill * early_d).min(early.len() as f64) / 2.0;
-        let shares: Vec<f64> = samples
-            .iter()
-            .filter(|s| s.region == b && (killed_at..=restart_at).contains(&s.at))
-            .map(|s| s.enforced_share)
-            .collect();
-        eprintln!(
-            "B, {LOCAL}, first {early_d:.2} s of the outage: {early_got} admitted of {} \
-             (at least {floor:.1}); B's enforced share during the outage: {:.3}..{:.3}",
-            early.len(),
-            shares.iter().copied().fold(f64::INFINITY, f64::min),
-            shares.iter().copied().fold(0.0, f64::max),
-        );
-        assert!(
-            early_got >= floor,
-            "B keeps admitting at about its share's refill while its Redis is down: {early_got} \
-             of {} in {early_d:.2} s, expected at least {floor:.1}",
-            early.len()
-        );
-    }
+}
 
-    // ---- A and C: unaffected. ----
-    for (i, name) in names.iter().enumerate().filter(|(i, _)| *i != b) {
-        let mine: Vec<&Event> = log.iter().filter(|e| e.region == i).collect();
-        for e in &mine {
+/// local: an in-process bucket at B's share: it starts full (capacity s·C) and refills at
+/// s·r, so over the span of its decisions it admits at most s·C + s·r·span; and it admits
+/// about what the share refills over the part of the outage B's lease is sure to cover.
+fn b_admits_about_its_share_of_local_while_down(run: &Run, t: &Timings) {
+    let (b, killed_at, restart_at) = (run.b, run.killed_at, run.restart_at);
+    let local = of(&run.down_in(b), LOCAL);
+    let (outage_from, outage_to) = run.outage_span();
+    let (share, cap, refill) = run.enforced_by(b, outage_from, outage_to);
+    let d = span(&local).as_secs_f64();
+    let got = admitted(&local);
+    let bound = cap + refill * d + 1.0;
+    let denied = local.iter().filter(|e| e.status == 429).count();
+    eprintln!(
+        "B, {LOCAL}, Redis down: {got} admitted, {denied} denied in {d:.2} s \
+         (share ≤ {share:.3}: bound {bound:.1}, the whole budget would be {:.1})",
+        BURST as f64 + LIMIT as f64 * d * 1000.0 / WINDOW_MS as f64
+    );
+    assert!(
+        got <= bound,
+        "B admitted {got} of {LOCAL} in {d:.2} s with its Redis down, above its share's {bound:.1}"
+    );
+    assert!(
+        denied > 0,
+        "B's in-process bucket denies beyond its share (demand 15/s, share's refill {refill:.1}/s)"
+    );
+    // Not only denials either: it admits about what its share refills (half of that, or of
+    // what was asked if the client fell behind on a busy machine) — checked over the part
+    // of the outage that B's lease is sure to cover. Beyond it B may dip to its floor (0
+    // here) once: B reports no usage while its Redis is down, so a rebalance may cut its
+    // share, and B acknowledges a cut only when the old share's lease stored in its Redis
+    // has run out (see `local_fail_mode_keeps_the_share_while_redis_is_down_longer_than_a_lease`
+    // below for an epoch change that cuts nothing: no dip at all).
+    let covered_until = killed_at
+        + Duration::from_millis(t.lease_ms - t.drift_margin_ms - 2 * t.report_interval_ms);
+    let early: Vec<Event> = local
+        .iter()
+        .filter(|e| e.done <= covered_until)
+        .cloned()
+        .collect();
+    let early_d = span(&early).as_secs_f64();
+    let early_got = admitted(&early);
+    let floor = (refill * early_d).min(early.len() as f64) / 2.0;
+    let shares: Vec<f64> = run
+        .samples
+        .iter()
+        .filter(|s| s.region == b && (killed_at..=restart_at).contains(&s.at))
+        .map(|s| s.enforced_share)
+        .collect();
+    eprintln!(
+        "B, {LOCAL}, first {early_d:.2} s of the outage: {early_got} admitted of {} \
+         (at least {floor:.1}); B's enforced share during the outage: {:.3}..{:.3}",
+        early.len(),
+        shares.iter().copied().fold(f64::INFINITY, f64::min),
+        shares.iter().copied().fold(0.0, f64::max),
+    );
+    assert!(
+        early_got >= floor,
+        "B keeps admitting at about its share's refill while its Redis is down: {early_got} \
+         of {} in {early_d:.2} s, expected at least {floor:.1}",
+        early.len()
+    );
+}
+
+/// A and C decide normally throughout, admit `open` and `closed` from their own Redis while
+/// B's is down, and keep `local` within their shares.
+fn a_and_c_are_unaffected(run: &Run) {
+    let (outage_from, outage_to) = run.outage_span();
+    for (i, name) in run.names.iter().enumerate().filter(|(i, _)| *i != run.b) {
+        for e in run.log.iter().filter(|e| e.region == i) {
             assert!(
                 e.mode == "normal" && (e.status == 200 || e.status == 429),
                 "region {name} decides normally throughout: {e:?}"
             );
         }
-        let during: Vec<&Event> = mine.iter().copied().filter(down).collect();
+        let during = run.down_in(i);
         for policy in [OPEN, CLOSED] {
             let admitted_here = of(&during, policy).iter().filter(|e| e.admitted()).count();
             assert!(
@@ -704,7 +881,7 @@ async fn regional_redis_killed_in_b_fail_modes_recovery_and_global_bound() -> an
             );
         }
         let local = of(&during, LOCAL);
-        let (share, cap, refill) = enforced_by(i, outage_from, outage_to);
+        let (share, cap, refill) = run.enforced_by(i, outage_from, outage_to);
         let d = span(&local).as_secs_f64();
         let got = admitted(&local);
         let bound = cap + refill * d + 1.0;
@@ -716,19 +893,30 @@ async fn regional_redis_killed_in_b_fail_modes_recovery_and_global_bound() -> an
             "{name} admitted {got} of {LOCAL} in {d:.2} s while B's Redis was down (its share's bound {bound:.1})"
         );
     }
-    // B before the kill and after recovery decided normally too.
-    for e in log
+}
+
+/// B before the kill and after recovery decided normally too.
+fn b_decides_normally_with_its_redis_up(run: &Run) {
+    for e in run
+        .log
         .iter()
-        .filter(|e| e.region == b && (e.done < killed_at || e.sent > recovered_at))
+        .filter(|e| e.region == run.b && (e.done < run.killed_at || e.sent > run.recovered_at))
     {
         assert!(
             e.mode == "normal" && (e.status == 200 || e.status == 429),
             "B decides normally with its Redis up: {e:?}"
         );
     }
+}
 
-    // ---- The global bound on the `local` policy over the whole run. ----
-    let local_all: Vec<Event> = log.iter().filter(|e| e.policy == LOCAL).cloned().collect();
+/// The global bound on the `local` policy over the whole run.
+fn the_regions_together_stay_within_the_global_bound(run: &Run) {
+    let local_all: Vec<Event> = run
+        .log
+        .iter()
+        .filter(|e| e.policy == LOCAL)
+        .cloned()
+        .collect();
     let elapsed = span(&local_all).as_secs_f64();
     let allowed = BURST as f64 + LIMIT as f64 * elapsed * 1000.0 / WINDOW_MS as f64;
     // ε: twice in this run B's bucket starts full without anyone having saved those tokens up
@@ -740,13 +928,13 @@ async fn regional_redis_killed_in_b_fail_modes_recovery_and_global_bound() -> an
     // slack for share moves between samples, and still fails for regions enforcing the whole
     // budget each (3×), a fail-open `local`, or a stale bigger share.
     let epsilon = 0.1;
-    let (b_share, _, _) = enforced_by(b, Duration::ZERO, Duration::MAX);
+    let (b_share, _, _) = run.enforced_by(run.b, Duration::ZERO, Duration::MAX);
     let expected_excess = 2.0 * b_share * BURST as f64;
     assert!(
         expected_excess <= epsilon * allowed,
         "the run is too short for ε = {epsilon}: {expected_excess:.1} tokens of state loss on {allowed:.1} allowed"
     );
-    let per_region: Vec<f64> = (0..names.len())
+    let per_region: Vec<f64> = (0..run.names.len())
         .map(|i| {
             local_all
                 .iter()
@@ -764,8 +952,6 @@ async fn regional_redis_killed_in_b_fail_modes_recovery_and_global_bound() -> an
         total <= bound,
         "the regions admitted {total} of {LOCAL} in {elapsed:.2} s, above (1 + {epsilon}) × {allowed:.1}"
     );
-    eprintln!("test body took {:?}", start.elapsed());
-    Ok(())
 }
 
 /// The store state of each daemon, in order.

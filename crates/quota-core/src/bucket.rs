@@ -17,20 +17,9 @@
 
 use serde::{Deserialize, Serialize};
 
-use crate::policy::{Policy, PPM};
-
-/// Micro-tokens per token.
-pub const UT: u64 = 1_000_000;
-
-/// The largest capacity in micro-tokens: 2^53 − 1, the last integer a double holds exactly.
-pub const MAX_CAPACITY_UT: u64 = (1 << 53) - 1;
-
-/// The largest refill rate in micro-tokens per second, so that `rate * 1000` stays exact.
-pub const MAX_RATE_UT_PER_S: u64 = MAX_CAPACITY_UT / 1000;
-
-/// The largest `capacity / rate` (seconds to fill from empty, roughly): keeps every wait in
-/// milliseconds exact in a double.
-pub const MAX_FILL_RATIO: u64 = 9_000_000_000;
+use crate::bounds::PPM;
+pub use crate::bounds::{MAX_CAPACITY_UT, MAX_FILL_RATIO, MAX_RATE_UT_PER_S, UT};
+use crate::policy::Policy;
 
 /// The parameters a region enforces for one tenant's policy: its share of the global bucket.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]

@@ -5,6 +5,7 @@
 //! the simulator all run this same code and a seed replays any run.
 //!
 //! # Layout
+//! - [`bounds`]: the numeric bounds shared by validation, the reference code and the scripts.
 //! - [`ids`]: validated tenant, policy and region ids; one-way hashing of raw identities.
 //! - [`policy`]: policies and their validation (every problem reported at once).
 //! - [`bucket`]: the reference token bucket, bit-exact with `lua/token_bucket.lua`.
@@ -16,8 +17,10 @@
 //! - [`demand`]: the leader's smoothed demand estimates (soft state, never replicated).
 //! - [`lease`]: lease timing and revocations (what a region may still enforce).
 //! - [`region`]: what a region enforces given its grant, its lease and its own clock.
+//! - [`share`]: the limit a region enforces at a share of a policy's budget.
 
 pub mod allocator;
+pub mod bounds;
 pub mod bucket;
 pub mod coordinator;
 pub mod demand;
@@ -26,6 +29,7 @@ pub mod keys;
 pub mod lease;
 pub mod policy;
 pub mod region;
+pub mod share;
 pub mod split;
 pub mod window;
 

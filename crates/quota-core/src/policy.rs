@@ -4,20 +4,8 @@
 
 use serde::{Deserialize, Serialize};
 
-use crate::bucket::{MAX_CAPACITY_UT, MAX_RATE_UT_PER_S, UT};
-
-/// Parts per million: shares and floors are fractions of a budget in these units, so every
-/// replica and the Lua script compute with integers.
-pub const PPM: u32 = 1_000_000;
-
-/// The largest accepted window: 31 days.
-pub const MAX_WINDOW_MS: u64 = 31 * 24 * 3600 * 1000;
-
-/// The largest accepted burst: its capacity in micro-tokens must stay exact in Lua's doubles.
-pub const MAX_BURST: u64 = MAX_CAPACITY_UT / UT;
-
-/// The longest an empty bucket may take to fill: beyond this a policy is a typo.
-pub const MAX_FILL_MS: u64 = 10 * 365 * 24 * 3600 * 1000;
+pub use crate::bounds::{MAX_BURST, MAX_FILL_MS, MAX_WINDOW_MS, PPM};
+use crate::bounds::{MAX_RATE_UT_PER_S, MAX_WINDOW_LIMIT, MAX_WINDOW_PRODUCT, UT};
 
 /// Service tier. `critical` tenants are pinned to the region carrying most of their demand.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default, Serialize, Deserialize)]
@@ -169,6 +157,22 @@ impl PolicySpec {
                 }
             }
         }
+        if let (Some(limit), Some(window_ms), Some(Algorithm::SlidingWindow)) =
+            (limit, window_ms, self.algorithm)
+        {
+            // The bounds sliding_window.lua computes exactly within (window.rs holds the same).
+            let most = (MAX_WINDOW_PRODUCT / window_ms).min(MAX_WINDOW_LIMIT);
+            if limit > most {
+                errors.push(FieldError {
+                    field: "limit",
+                    message: format!(
+                        "a sliding window of {window_ms} ms holds at most {most} tokens \
+                         (limit × window_ms ≤ {MAX_WINDOW_PRODUCT}, limit ≤ {MAX_WINDOW_LIMIT}); \
+                         use a token bucket or a shorter window"
+                    ),
+                });
+            }
+        }
         match (limit, window_ms, burst, floor_ppm) {
             (Some(limit), Some(window_ms), Some(burst), Some(floor_ppm)) if errors.is_empty() => {
                 Ok(Policy {
@@ -273,6 +277,32 @@ mod tests {
             ..spec(1.0, MAX_WINDOW_MS as f64)
         };
         assert_eq!(s.validate().unwrap_err().0[0].field, "burst");
+    }
+
+    #[test]
+    fn sliding_windows_within_the_window_bounds_only() {
+        let sw = |limit: f64, window_ms: f64| PolicySpec {
+            algorithm: Some(Algorithm::SlidingWindow),
+            ..spec(limit, window_ms)
+        };
+        // 31 days works for both algorithms.
+        assert!(spec(1e9, MAX_WINDOW_MS as f64).validate().is_ok());
+        assert!(sw(840_725.0, MAX_WINDOW_MS as f64).validate().is_ok());
+        let e = sw(840_726.0, MAX_WINDOW_MS as f64)
+            .validate()
+            .unwrap_err()
+            .0;
+        assert_eq!(e[0].field, "limit");
+        assert!(
+            e[0].message.contains("at most 840725 tokens"),
+            "{}",
+            e[0].message
+        );
+        assert!(sw(1e9, 1e6).validate().is_ok());
+        assert_eq!(
+            sw(1e9 + 1.0, 1e6).validate().unwrap_err().0[0].field,
+            "limit"
+        );
     }
 
     #[test]

@@ -24,19 +24,8 @@
 
 use serde::{Deserialize, Serialize};
 
+pub use crate::bounds::{EXACT_LOG_MAX, MAX_WINDOW_LIMIT, MAX_WINDOW_MS, MAX_WINDOW_PRODUCT};
 use crate::bucket::Decision;
-
-/// Largest limit kept as an exact log; above it the counter approximation applies.
-pub const EXACT_LOG_MAX: u64 = 128;
-
-/// Largest accepted limit, in tokens.
-pub const MAX_WINDOW_LIMIT: u64 = 1_000_000_000;
-
-/// Longest accepted window: seven days.
-pub const MAX_WINDOW_MS: u64 = 7 * 24 * 3_600_000;
-
-/// Largest `limit · window_ms`: a sum of three such terms stays below 2^53.
-pub const MAX_WINDOW_PRODUCT: u64 = 1 << 51;
 
 /// A sliding-window limit.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]

@@ -54,7 +54,7 @@ redis.call('EXPIRE', KEYS[1], math.ceil(capacity / refill) * 2)
 return allowed
 "#;
 
-/// The previous token_bucket.lua (state and parameters in hashes), for comparison only.
+/// A rejected design (state and parameters in hashes), kept only for comparison.
 const HASH_TOKEN_BUCKET_LUA: &str = include_str!("token_bucket_hash.lua");
 
 /// The floor: read Redis time, read a key, write it with an expiry.
@@ -322,11 +322,22 @@ async fn main() {
         scaled(40_000)
     );
     let n = scaled(40_000);
+    // QUOTAD_BENCH_COMPARE_LUA=<file>: another version of token_bucket.lua (e.g. from git),
+    // measured in the same interleaved rounds, to show what a change costs.
+    let compare = std::env::var("QUOTAD_BENCH_COMPARE_LUA")
+        .ok()
+        .map(|path| std::fs::read_to_string(&path).expect("QUOTAD_BENCH_COMPARE_LUA file"))
+        .map(|src| &*Box::leak(src.into_boxed_str()));
     for keys in [Keys::Hot, Keys::Random] {
         let (mut ours, mut hash, mut seed, mut bare) = (f64::MAX, f64::MAX, f64::MAX, f64::MAX);
+        let mut other = f64::MAX;
         for _ in 0..ROUNDS {
             let tb = quota_store::script::TOKEN_BUCKET_LUA;
             ours = ours.min(server_cpu(&server, tb, keys, n, quotad_args, quotad_keys).await);
+            if let Some(src) = compare {
+                other =
+                    other.min(server_cpu(&server, src, keys, n, quotad_args, quotad_keys).await);
+            }
             hash = hash.min(
                 server_cpu(
                     &server,
@@ -359,5 +370,16 @@ async fn main() {
             "  ratio token_bucket / bare                {:>6.2}",
             ours / bare
         );
+        if compare.is_some() {
+            println!("  QUOTAD_BENCH_COMPARE_LUA script          {other:>6.2} µs");
+            println!(
+                "  ratio compared script / seed baseline    {:>6.2}",
+                other / seed
+            );
+            println!(
+                "  ratio token_bucket / compared script     {:>6.2}",
+                ours / other
+            );
+        }
     }
 }

@@ -1,7 +1,8 @@
--- BENCH-ONLY: the previous hash-based lua/token_bucket.lua (state and parameters in hashes,
--- HMGET params + HMGET/HSET state + PEXPIRE with slack), kept to compare against in
--- benches/store.rs. Not used by quotad.
--- token_bucket.lua: one atomic token-bucket decision for quotad.
+-- REJECTED DESIGN, kept only as a benchmark comparison: a hash-based token bucket (state and
+-- parameters in hashes: HMGET params + HMGET/HSET state + PEXPIRE with slack). quotad does not
+-- use it and its contract below is not maintained; lua/token_bucket.lua (one packed string) is
+-- the design in use. benches/store.rs runs it beside the real script to show the difference.
+-- token_bucket_hash.lua: one atomic token-bucket decision in hashes (rejected design).
 --
 -- KEYS[1]  bucket state (hash, expires when idle)  qd:v1:{tenant}:<policy>:<version>:b
 -- KEYS[2]  bucket parameters (hash, no TTL)        qd:v1:{tenant}:<policy>:<version>:p

@@ -89,14 +89,24 @@ impl Limit {
         match *self {
             Self::TokenBucket(p) => BucketParams::new(p.capacity_ut, p.rate_ut_per_s)
                 .map(|_| ())
-                .map_err(|e| StoreError::Invalid {
+                .map_err(|e| StoreError::Rejected {
                     reason: e.to_string(),
                 }),
             Self::SlidingWindow { limit, window_ms } => WindowParams::new(limit, window_ms)
                 .map(|_| ())
-                .map_err(|e| StoreError::Invalid {
+                .map_err(|e| StoreError::Rejected {
                     reason: e.to_string(),
                 }),
+        }
+    }
+}
+
+impl From<quota_core::share::ShareLimit> for Limit {
+    fn from(l: quota_core::share::ShareLimit) -> Self {
+        use quota_core::share::ShareLimit as S;
+        match l {
+            S::TokenBucket(p) => Self::TokenBucket(p),
+            S::SlidingWindow { limit, window_ms } => Self::SlidingWindow { limit, window_ms },
         }
     }
 }
@@ -128,7 +138,7 @@ impl CheckRequest {
     /// Rejects what the scripts would reject, before any I/O.
     pub fn validate(&self) -> Result<(), StoreError> {
         if self.cost > MAX_COST {
-            return Err(StoreError::Invalid {
+            return Err(StoreError::Rejected {
                 reason: format!("cost {} is outside 0..={MAX_COST}", self.cost),
             });
         }
@@ -139,7 +149,7 @@ impl CheckRequest {
 
 fn validate_now(now_ms: Option<u64>) -> Result<(), StoreError> {
     match now_ms {
-        Some(now) if now > MAX_CAPACITY_UT => Err(StoreError::Invalid {
+        Some(now) if now > MAX_CAPACITY_UT => Err(StoreError::Rejected {
             reason: format!("now {now} ms is too large"),
         }),
         _ => Ok(()),
@@ -202,13 +212,13 @@ impl SetParams {
         if let Some(lease) = &self.lease {
             lease.floor.validate()?;
             if lease.floor.kind() != self.limit.kind() {
-                return Err(StoreError::Invalid {
+                return Err(StoreError::Rejected {
                     reason: "the floor is not the same kind of limit".into(),
                 });
             }
             // The end is computed by the store from its own clock; it must stay exact.
             if lease.remaining_ms > MAX_CAPACITY_UT / 2 {
-                return Err(StoreError::Invalid {
+                return Err(StoreError::Rejected {
                     reason: format!("a lease of {} ms is too long", lease.remaining_ms),
                 });
             }
@@ -226,24 +236,56 @@ pub struct UsageRecord {
 }
 
 /// Store failures. A denial is a `Decision`, never an error.
+///
+/// Two classes, told apart by [`is_outage`](Self::is_outage): the request, its bucket's data or
+/// the configuration is at fault ([`Invalid`](Self::Invalid), [`Rejected`](Self::Rejected)),
+/// and the store is healthy; or the store itself failed (the other variants), which is what a
+/// circuit breaker counts.
 #[derive(Debug, thiserror::Error)]
 pub enum StoreError {
-    #[error("invalid request: {reason}")]
+    /// The store's configuration is malformed (an address, TLS material): found before any
+    /// I/O, when the store is opened.
+    #[error("invalid configuration: {reason}")]
     Invalid { reason: String },
+    /// This request, or the data stored under its bucket's keys, is at fault, not the store:
+    /// the request is outside the scripts' bounds (refused before any I/O, by every store
+    /// alike), a script answered `ERR quotad: …`, or a key holds a value of another type
+    /// (`WRONGTYPE`). Retrying the same request gets the same answer.
+    #[error("rejected: {reason}")]
+    Rejected { reason: String },
     #[error("store call timed out after {ms} ms")]
     Timeout { ms: u64 },
     #[error("store unavailable: {reason}")]
     Unavailable { reason: String },
     /// Redis answered but refused this client: wrong or missing credentials, or an ACL user
-    /// without the commands or keys it needs. Configuration, not an outage.
+    /// without the commands or keys it needs. Configuration, not an outage of Redis, but this
+    /// store cannot decide anything until it is put right.
     #[error("Redis refused this client: {reason}")]
     Refused { reason: String },
-    /// Redis answered with an error, e.g. a script's `ERR quotad: …` reply.
+    /// Redis answered with an error that is not the request's fault (out of memory, a script
+    /// killed or busy, a cluster slot down).
     #[error("script error: {message}")]
     Script { message: String },
     /// Redis answered something the scripts never return.
     #[error("unexpected reply: {reason}")]
     Protocol { reason: String },
+}
+
+impl StoreError {
+    /// Whether the store failed, rather than the request or its data: true for timeouts,
+    /// unreachable or refusing Redis, server errors and unexpected replies; false for
+    /// [`Invalid`](Self::Invalid) and [`Rejected`](Self::Rejected), which another store
+    /// would answer the same way.
+    pub fn is_outage(&self) -> bool {
+        match self {
+            Self::Invalid { .. } | Self::Rejected { .. } => false,
+            Self::Timeout { .. }
+            | Self::Unavailable { .. }
+            | Self::Refused { .. }
+            | Self::Script { .. }
+            | Self::Protocol { .. } => true,
+        }
+    }
 }
 
 /// A decision store. Implemented by the embedded store and the Redis store alike. A store that

@@ -183,7 +183,7 @@ fn sliding_window_rejects_every_bad_argument() {
         ("float limit", &["1", "5.5", "1000", ""]),
         ("limit above max", &["1", "1000000001", "1000", ""]),
         ("zero window", &["1", "5", "0", ""]),
-        ("window above max", &["1", "5", "604800001", ""]),
+        ("window above max", &["1", "5", "2678400001", ""]),
         ("product too large", &["1", "1000000000", "604800000", ""]),
         ("limit without window", &["1", "5", "", ""]),
         ("no params", &["1", "", "", ""]),
@@ -310,7 +310,7 @@ async fn invalid_requests_never_reach_redis() {
     ];
     for r in &bad {
         assert!(
-            matches!(store.check(r).await, Err(StoreError::Invalid { .. })),
+            matches!(store.check(r).await, Err(StoreError::Rejected { .. })),
             "{r:?}"
         );
     }
@@ -327,7 +327,10 @@ async fn invalid_requests_never_reach_redis() {
     ];
     for p in &bad_params {
         let r = store.set_params(p).await;
-        assert!(matches!(r, Err(StoreError::Invalid { .. })), "{p:?}: {r:?}");
+        assert!(
+            matches!(r, Err(StoreError::Rejected { .. })),
+            "{p:?}: {r:?}"
+        );
     }
     // And a valid one does reach it, and fails as unavailable, not as invalid.
     let r = store.check(&req(&b, tokens(1, 1), 1, None)).await;
@@ -338,4 +341,170 @@ async fn invalid_requests_never_reach_redis() {
         ),
         "{r:?}"
     );
+}
+
+/// The value of every key in `keys` (DUMP), to show a failing call changed none.
+fn dumps(c: &mut redis::Connection, keys: &[&str]) -> Vec<redis::Value> {
+    keys.iter()
+        .map(|k| redis::cmd("DUMP").arg(*k).query(c).unwrap())
+        .collect()
+}
+
+/// An 88-byte token-bucket state whose carry (field 2) is NaN.
+fn nan_carry_state() -> Vec<u8> {
+    let mut f = [0f64; 11];
+    f[0] = 1e6;
+    f[1] = f64::NAN;
+    f[2] = 1_700_000_000_000.0;
+    f[5] = 1e7;
+    f[6] = 1e6;
+    f[8] = -1.0;
+    f.iter().flat_map(|x| x.to_le_bytes()).collect()
+}
+
+#[test]
+fn wrong_types_repeated_keys_and_corrupt_state_are_errors_that_write_nothing() {
+    let server = RedisServer::start().unwrap();
+    let mut c = common::sync_conn(&server);
+    let w = "qd:v1:{bad}:x:1:w";
+    let all = [B, P, IX, w];
+    let cmd = |c: &mut redis::Connection, args: &[&str]| {
+        let mut q = redis::cmd(args[0]);
+        for a in &args[1..] {
+            q.arg(*a);
+        }
+        let _: redis::Value = q.query(c).unwrap();
+    };
+    let tb_args: &[&str] = &["1", "1000000", "1000", ""];
+    let sw_args: &[&str] = &["1", "5", "1000", ""];
+    // A list where the state, the parameters or the index should be.
+    for (i, key) in [B, P, IX].into_iter().enumerate() {
+        cmd(&mut c, &["FLUSHALL"]);
+        cmd(&mut c, &["RPUSH", key, "x"]);
+        let before = dumps(&mut c, &all);
+        assert_quotad_error(
+            eval(&mut c, TOKEN_BUCKET_LUA, &[B, P, IX], tb_args),
+            &format!("token bucket, list at key {i}"),
+        );
+        assert_eq!(dumps(&mut c, &all), before, "token bucket, list at key {i}");
+        let sw_keys = [w, P, IX];
+        let key_w = if key == B { w } else { key };
+        cmd(&mut c, &["FLUSHALL"]);
+        cmd(&mut c, &["RPUSH", key_w, "x"]);
+        let before_w = dumps(&mut c, &all);
+        assert_quotad_error(
+            eval(&mut c, SLIDING_WINDOW_LUA, &sw_keys, sw_args),
+            &format!("sliding window, list at key {i}"),
+        );
+        assert_eq!(
+            dumps(&mut c, &all),
+            before_w,
+            "sliding window, list at key {i}"
+        );
+    }
+    cmd(&mut c, &["FLUSHALL"]);
+    cmd(&mut c, &["RPUSH", B, "x"]);
+    assert_quotad_error(
+        eval(
+            &mut c,
+            SET_PARAMS_LUA,
+            &[P, B],
+            &["cap", "1000000", "rate", "1"],
+        ),
+        "set_params on a list state",
+    );
+    assert_quotad_error(
+        eval(&mut c, COLLECT_USAGE_LUA, &[B], &["10"]),
+        "collect_usage on a list index",
+    );
+    let list: Vec<String> = redis::cmd("LRANGE")
+        .arg(B)
+        .arg(0)
+        .arg(-1)
+        .query(&mut c)
+        .unwrap();
+    assert_eq!(list, ["x"]);
+    cmd(&mut c, &["DEL", B]);
+
+    // The same key twice: refused, and the state key does not become a set.
+    for keys in [[w, w, IX], [w, P, w], [w, P, P]] {
+        assert_quotad_error(
+            eval(&mut c, SLIDING_WINDOW_LUA, &keys, sw_args),
+            "repeated key",
+        );
+    }
+    for keys in [[B, B, IX], [B, P, B]] {
+        assert_quotad_error(
+            eval(&mut c, TOKEN_BUCKET_LUA, &keys, tb_args),
+            "repeated key",
+        );
+    }
+    assert_quotad_error(
+        eval(&mut c, SET_PARAMS_LUA, &[P, P], &["cap", "1", "rate", "1"]),
+        "repeated key",
+    );
+    let n: u64 = redis::cmd("DBSIZE").query(&mut c).unwrap();
+    assert_eq!(n, 0, "a refused call wrote a key");
+
+    // A NaN carry fails before the key is listed in the index, and set_params fails before
+    // replacing the parameters.
+    let _: () = redis::cmd("SET")
+        .arg(B)
+        .arg(nan_carry_state())
+        .query(&mut c)
+        .unwrap();
+    cmd(&mut c, &["HSET", P, "cap", "7000000", "rate", "10"]);
+    let before = dumps(&mut c, &all);
+    assert_quotad_error(
+        eval(&mut c, TOKEN_BUCKET_LUA, &[B, P, IX], tb_args),
+        "NaN carry",
+    );
+    assert_quotad_error(
+        eval(
+            &mut c,
+            SET_PARAMS_LUA,
+            &[P, B],
+            &["cap", "1000000", "rate", "1"],
+        ),
+        "set_params over a NaN carry",
+    );
+    assert_eq!(dumps(&mut c, &all), before);
+
+    // A listed state with corrupt counters is skipped, never reported as -2^63.
+    cmd(&mut c, &["SADD", IX, B, w]);
+    cmd(&mut c, &["HSET", w, "ad", "nan", "dn", "1"]);
+    let r: Vec<redis::Value> = redis::cmd("EVAL")
+        .arg(COLLECT_USAGE_LUA)
+        .arg(1)
+        .arg(IX)
+        .arg(10)
+        .query(&mut c)
+        .unwrap();
+    assert_eq!(
+        r,
+        vec![redis::Value::Int(2)],
+        "both taken, neither reported"
+    );
+
+    // set_params refuses sliding-window settings sliding_window.lua would refuse.
+    cmd(&mut c, &["FLUSHALL"]);
+    for (case, args) in [
+        ("product", &["limit", "1000000000", "window", "2678400000"]),
+        ("limit", &["limit", "1000000001", "window", "1"]),
+        ("window", &["limit", "1", "window", "2678400001"]),
+        ("zero window", &["limit", "1", "window", "0"]),
+    ] {
+        assert_quotad_error(eval(&mut c, SET_PARAMS_LUA, &[P, B], args), case);
+    }
+    assert_quotad_error(
+        eval(
+            &mut c,
+            SET_PARAMS_LUA,
+            &[P, B],
+            &["limit", "5", "window", "1000", "", "1000", "5", "0"],
+        ),
+        "window floor",
+    );
+    let n: u64 = redis::cmd("DBSIZE").query(&mut c).unwrap();
+    assert_eq!(n, 0);
 }

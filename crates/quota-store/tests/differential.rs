@@ -16,7 +16,9 @@ use std::cell::{Cell, RefCell};
 use proptest::prelude::*;
 use proptest::test_runner::{RngSeed, TestRunner};
 use quota_core::bucket::{self, MAX_CAPACITY_UT, MAX_FILL_RATIO, MAX_RATE_UT_PER_S, UT};
-use quota_core::window::{self, MAX_WINDOW_LIMIT, MAX_WINDOW_MS, MAX_WINDOW_PRODUCT};
+use quota_core::window::{
+    self, EXACT_LOG_MAX, MAX_WINDOW_LIMIT, MAX_WINDOW_MS, MAX_WINDOW_PRODUCT,
+};
 use quota_core::{BucketParams, BucketState, Decision, WindowParams, WindowState};
 use quota_store::script::{SET_PARAMS_LUA, SLIDING_WINDOW_LUA, TOKEN_BUCKET_LUA};
 use quota_store::{EmbeddedStore, Limit, RedisStore, SetParams, Store, UsageRecord, MAX_COST};
@@ -454,6 +456,27 @@ fn extremes_match_the_reference() {
     .map(|(dt, cost)| Step::Check { dt, cost })
     .collect();
     run_window(1_700_000_000_000, w, &steps).unwrap();
+    // 31-day windows in both modes: the exact log at its largest limit, and the approximation
+    // just above it, across two window boundaries.
+    for limit in [EXACT_LOG_MAX, EXACT_LOG_MAX + 1] {
+        let w = WindowParams::new(limit, MAX_WINDOW_MS).unwrap();
+        let day = 86_400_000;
+        let steps: Vec<Step<WindowParams>> = [
+            (0, limit - 1),
+            (day, 1),
+            (day, 1),
+            (MAX_WINDOW_MS as i64 - 2 * day, 1),
+            (day - 1, limit),
+            (1, 2),
+            (MAX_WINDOW_MS as i64, 3),
+            (-day, 1),
+            (2 * MAX_WINDOW_MS as i64, limit),
+        ]
+        .into_iter()
+        .map(|(dt, cost)| Step::Check { dt, cost })
+        .collect();
+        run_window(1_700_000_000_000, w, &steps).unwrap();
+    }
 }
 
 /// One step of the store-level comparison.

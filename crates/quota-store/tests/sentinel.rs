@@ -30,8 +30,18 @@ async fn spent_after_failover(
     l: quota_store::Limit,
     before: String,
 ) {
-    // Replication is asynchronous: let the replica catch up before its master goes.
-    tokio::time::sleep(Duration::from_millis(300)).await;
+    // Replication is asynchronous: the replica acknowledges every write (WAIT) before its
+    // master goes.
+    let mut master = sentinel.master_mut().client().get_connection().unwrap();
+    let acked: i64 = redis::cmd("WAIT")
+        .arg(1)
+        .arg(10_000)
+        .query(&mut master)
+        .unwrap();
+    assert_eq!(
+        acked, 1,
+        "the replica acknowledges the writes before the failover"
+    );
     sentinel.master_mut().stop();
     let stopped = Instant::now();
     let d = first_decision(s, &req(b, l, 1, None), Duration::from_secs(30), |e| {

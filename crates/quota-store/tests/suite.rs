@@ -454,7 +454,7 @@ async fn invalid_requests_are_rejected<S: Store>(s: &S) {
     ];
     for r in &bad {
         assert!(
-            matches!(s.check(r).await, Err(StoreError::Invalid { .. })),
+            matches!(s.check(r).await, Err(StoreError::Rejected { .. })),
             "{r:?}"
         );
     }
@@ -467,7 +467,7 @@ async fn invalid_requests_are_rejected<S: Store>(s: &S) {
             },
         ))
         .await;
-    assert!(matches!(r, Err(StoreError::Invalid { .. })));
+    assert!(matches!(r, Err(StoreError::Rejected { .. })));
 }
 
 async fn cost_above_capacity_is_a_denial<S: Store>(s: &S) {

@@ -421,14 +421,53 @@ fn env_or<T: std::str::FromStr>(name: &str, default: T) -> T {
         .unwrap_or(default)
 }
 
+/// What a run measures, from `QUOTAD_BENCH_…`.
+struct Plan {
+    secs: f64,
+    rounds: usize,
+    client_threads: usize,
+    concs: Vec<usize>,
+    /// For profiling one candidate alone: QUOTAD_BENCH_ONLY=quotad (ratios are then NaN).
+    only: Option<String>,
+}
+
+impl Plan {
+    fn from_env() -> Self {
+        Self {
+            secs: env_or("QUOTAD_BENCH_SECS", 5.0),
+            rounds: env_or("QUOTAD_BENCH_ROUNDS", 1),
+            client_threads: env_or("QUOTAD_BENCH_CLIENT_THREADS", 1),
+            concs: std::env::var("QUOTAD_BENCH_CONCURRENCY")
+                .ok()
+                .map(|s| s.split(',').filter_map(|c| c.trim().parse().ok()).collect())
+                .unwrap_or_else(|| vec![1, 64]),
+            only: std::env::var("QUOTAD_BENCH_ONLY").ok(),
+        }
+    }
+
+    fn wanted(&self, name: &str) -> bool {
+        self.only.as_deref().is_none_or(|o| o == name)
+    }
+
+    fn secs_of(&self, name: &str) -> f64 {
+        if self.wanted(name) {
+            self.secs
+        } else {
+            0.0
+        }
+    }
+}
+
+/// Where the load generator sends its calls.
+#[derive(Clone, Copy)]
+struct Targets {
+    quotad: SocketAddr,
+    bare: SocketAddr,
+    params: BucketParams,
+}
+
 fn main() -> anyhow::Result<()> {
-    let secs: f64 = env_or("QUOTAD_BENCH_SECS", 5.0);
-    let rounds: usize = env_or("QUOTAD_BENCH_ROUNDS", 1);
-    let client_threads: usize = env_or("QUOTAD_BENCH_CLIENT_THREADS", 1);
-    let concs: Vec<usize> = std::env::var("QUOTAD_BENCH_CONCURRENCY")
-        .ok()
-        .map(|s| s.split(',').filter_map(|c| c.trim().parse().ok()).collect())
-        .unwrap_or_else(|| vec![1, 64]);
+    let plan = Plan::from_env();
     let redis = RedisServer::start()?;
     REDIS_PID.store(redis.pid(), std::sync::atomic::Ordering::Relaxed);
     let params = BucketParams::new(BURST * UT, LIMIT_PER_S * UT)?;
@@ -436,13 +475,16 @@ fn main() -> anyhow::Result<()> {
     // quotad and the bare endpoint on one server runtime, as the binary runs on 2 cores.
     let listener = std::net::TcpListener::bind("127.0.0.1:0")?;
     listener.set_nonblocking(true)?;
-    let addr = listener.local_addr()?;
     let bare_listener = std::net::TcpListener::bind("127.0.0.1:0")?;
     bare_listener.set_nonblocking(true)?;
-    let bare_addr = bare_listener.local_addr()?;
-    let redis_url = redis.url();
+    let targets = Targets {
+        quotad: listener.local_addr()?,
+        bare: bare_listener.local_addr()?,
+        params,
+    };
     // The single-region coordinator keeps its policies on disk: a throwaway directory.
     let data_dir = tempfile::tempdir()?;
+    let redis_url = redis.url();
     let data_path = data_dir.path().display().to_string();
     let env = move |k: &str| match k {
         "QUOTAD_ADMIN_TOKEN" => Some(TOKEN.to_string()),
@@ -454,14 +496,41 @@ fn main() -> anyhow::Result<()> {
     let settings = Config::load(None, &env).map_err(anyhow::Error::new)?;
     // Logs as the binary writes them, at the default level.
     quotad::telemetry::init_tracing(&settings.config.telemetry)?;
-    let bare_client = redis.client();
-    let runtime = settings.config.runtime.clone();
     let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
-    // Named like the runtime's workers: a current-thread runtime runs on this thread.
-    let server = std::thread::Builder::new()
+    let bare = (bare_listener, redis.client(), params);
+    let server = spawn_server(settings, listener, bare, stop_rx)?;
+
+    // The load generator on a thread of its own, named so its CPU time can be read.
+    let client = std::thread::Builder::new()
+        .name(CLIENT_THREAD.into())
+        .spawn(move || -> anyhow::Result<()> {
+            let rt = client_runtime(plan.client_threads)?;
+            rt.block_on(run_client(&plan, &redis, targets))
+        })?;
+    let ran = client
+        .join()
+        .map_err(|_| anyhow::anyhow!("the load generator panicked"));
+    let _ = stop_tx.send(());
+    server
+        .join()
+        .map_err(|_| anyhow::anyhow!("the quotad thread panicked"))??;
+    ran??;
+    Ok(())
+}
+
+/// quotad and the bare endpoint on the runtime the binary builds (worker threads from the
+/// config's default), on a thread named like the runtime's workers: a current-thread runtime
+/// runs on this thread.
+fn spawn_server(
+    settings: quotad::config::Settings,
+    listener: std::net::TcpListener,
+    (bare_listener, bare_client, params): (std::net::TcpListener, redis::Client, BucketParams),
+    stop_rx: tokio::sync::oneshot::Receiver<()>,
+) -> std::io::Result<std::thread::JoinHandle<anyhow::Result<()>>> {
+    let runtime = settings.config.runtime.clone();
+    std::thread::Builder::new()
         .name(SERVER_THREADS.into())
         .spawn(move || -> anyhow::Result<()> {
-            // The runtime the binary builds (worker threads from the config's default).
             let rt = quotad::server::build_runtime(&runtime)?;
             rt.block_on(async move {
                 let bare = Bare {
@@ -482,45 +551,60 @@ fn main() -> anyhow::Result<()> {
                 })
                 .await
             })
-        });
+        })
+}
 
-    // The load generator on a thread of its own, named so its CPU time can be read.
-    let client = std::thread::Builder::new().name(CLIENT_THREAD.into()).spawn(move || {
-    let rt = if client_threads <= 1 {
+fn client_runtime(threads: usize) -> std::io::Result<tokio::runtime::Runtime> {
+    if threads <= 1 {
         tokio::runtime::Builder::new_current_thread()
             .enable_all()
-            .build()?
+            .build()
     } else {
         tokio::runtime::Builder::new_multi_thread()
-            .worker_threads(client_threads)
+            .worker_threads(threads)
             .thread_name(CLIENT_THREAD)
             .enable_all()
-            .build()?
-    };
-    rt.block_on(async move {
-        // Wait for readiness, then create one policy per tenant with a budget no run can spend.
-        let deadline = Instant::now() + Duration::from_secs(20);
-        let mut conn = loop {
-            match HttpConn::connect(addr).await {
-                Ok(mut c) => {
-                    if let Ok(200) = c.send(&http_request("GET", "/readyz", "", None)).await {
-                        break c;
-                    }
+            .build()
+    }
+}
+
+/// Waits for readiness, then creates one policy per tenant with a budget no run can spend.
+async fn set_up_quotad(addr: SocketAddr) -> anyhow::Result<()> {
+    let deadline = Instant::now() + Duration::from_secs(20);
+    let mut conn = loop {
+        match HttpConn::connect(addr).await {
+            Ok(mut c) => {
+                if let Ok(200) = c.send(&http_request("GET", "/readyz", "", None)).await {
+                    break c;
                 }
-                Err(_) => anyhow::ensure!(Instant::now() < deadline, "quotad did not start"),
             }
-            anyhow::ensure!(Instant::now() < deadline, "quotad did not become ready");
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        };
-        let spec = serde_json::json!({"limit": LIMIT_PER_S, "window_ms": 1000, "burst": BURST})
-            .to_string();
-        for i in 0..TENANTS {
-            let path = format!("/v1/tenants/{}/policies/bench", tenant(i));
-            let status = conn
-                .send(&http_request("PUT", &path, &spec, Some(TOKEN)))
-                .await?;
-            anyhow::ensure!((200..300).contains(&status), "PUT policy: {status}");
+            Err(_) => anyhow::ensure!(Instant::now() < deadline, "quotad did not start"),
         }
+        anyhow::ensure!(Instant::now() < deadline, "quotad did not become ready");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    };
+    let spec =
+        serde_json::json!({"limit": LIMIT_PER_S, "window_ms": 1000, "burst": BURST}).to_string();
+    for i in 0..TENANTS {
+        let path = format!("/v1/tenants/{}/policies/bench", tenant(i));
+        let status = conn
+            .send(&http_request("PUT", &path, &spec, Some(TOKEN)))
+            .await?;
+        anyhow::ensure!((200..300).contains(&status), "PUT policy: {status}");
+    }
+    Ok(())
+}
+
+/// The pre-rendered HTTP requests of each HTTP candidate.
+struct Requests {
+    quotad: Arc<Vec<Vec<u8>>>,
+    batch: Arc<Vec<Vec<u8>>>,
+    bare: Arc<Vec<Vec<u8>>>,
+    livez: Arc<Vec<Vec<u8>>>,
+}
+
+impl Requests {
+    fn new() -> Self {
         let check = |prefix: &str| -> Arc<Vec<Vec<u8>>> {
             Arc::new(
                 (0..TENANTS)
@@ -532,9 +616,8 @@ fn main() -> anyhow::Result<()> {
                     .collect(),
             )
         };
-        let quotad_requests = check("/v1/check");
         // Batches of BATCH checks, each for a different tenant.
-        let batch_requests = Arc::new(
+        let batch = Arc::new(
             (0..TENANTS)
                 .map(|w| {
                     let checks: Vec<_> = (0..BATCH)
@@ -544,145 +627,257 @@ fn main() -> anyhow::Result<()> {
                 })
                 .collect::<Vec<_>>(),
         );
-        let bare_requests = check("/check");
-        let livez_requests = Arc::new(vec![b"GET /livez HTTP/1.1\r\nhost: bench\r\n\r\n".to_vec()]);
+        Self {
+            quotad: check("/v1/check"),
+            batch,
+            bare: check("/check"),
+            livez: Arc::new(vec![b"GET /livez HTTP/1.1\r\nhost: bench\r\n\r\n".to_vec()]),
+        }
+    }
+}
 
-        // Raw EVALSHA: the same script and the same keys and arguments quota-store sends.
-        let raw_conn = redis.client().get_multiplexed_async_connection().await?;
+/// Raw EVALSHA: the same script and the same keys and arguments quota-store sends.
+struct Raw {
+    conn: redis::aio::MultiplexedConnection,
+    script: Arc<redis::Script>,
+    keys: Arc<Vec<[String; 3]>>,
+}
+
+impl Raw {
+    async fn new(redis: &RedisServer) -> anyhow::Result<Self> {
+        let conn = redis.client().get_multiplexed_async_connection().await?;
         let script = Arc::new(redis::Script::new(TOKEN_BUCKET_LUA));
         // Loaded up front: redis-benchmark sends EVALSHA only.
-        let _: String = script.prepare_invoke().load_async(&mut raw_conn.clone()).await?;
-        let raw_keys: Arc<Vec<[String; 3]>> = Arc::new(
+        let _: String = script
+            .prepare_invoke()
+            .load_async(&mut conn.clone())
+            .await?;
+        let keys = Arc::new(
             (0..TENANTS)
                 .map(|i| script_keys(&format!("raw-{}", tenant(i))))
                 .collect(),
         );
+        Ok(Self { conn, script, keys })
+    }
+}
 
-        println!(
-            "quotad load benchmark: {secs} s per scenario, {TENANTS} tenants, {rounds} round(s), \
-             load generator on {client_threads} thread(s), redis-server {}",
-            redis.port()
-        );
-        println!(
-            "{:>5} {:>7} | {:>10} {:>9} {:>9} | {:>6} {:>7} {:>9} | {:>8} {:>8} {:>8}",
-            "conc", "what", "op/s", "p50 µs", "p99 µs", "×raw", "×bare", "+p50 µs",
-            "srv cpu", "gen cpu", "redis"
-        );
-        println!("{:>73} (CPU µs per operation)", "");
-        // For profiling one candidate alone: QUOTAD_BENCH_ONLY=quotad (ratios are then NaN).
-        let only = std::env::var("QUOTAD_BENCH_ONLY").ok();
-        let wanted = |name: &str| only.as_deref().is_none_or(|o| o == name);
-        for round in 0..rounds {
-            for &conc in &concs {
-                let secs_of = |name: &str| if wanted(name) { secs } else { 0.0 };
-                // Every worker on the one multiplexed connection: calls are pipelined.
-                let shared = vec![raw_conn.clone(); conc];
-                let raw = drive_raw(conc, secs_of("raw"), &script, &raw_keys, shared, params).await;
-                // As redis-benchmark -c drives Redis: a connection per worker.
-                let mut own = Vec::with_capacity(conc);
-                for _ in 0..conc {
-                    own.push(redis.client().get_multiplexed_async_connection().await?);
-                }
-                let raw_c = drive_raw(conc, secs_of("raw-c"), &script, &raw_keys, own, params).await;
-                let bare =
-                    drive_http(conc, secs_of("bare"), bare_addr, bare_requests.clone(), 1).await;
-                let quotad =
-                    drive_http(conc, secs_of("quotad"), addr, quotad_requests.clone(), 1).await;
-                let livez =
-                    drive_http(conc, secs_of("livez"), addr, livez_requests.clone(), 1).await;
-                // The same number of checks in flight, BATCH to a request.
-                let batch_secs = if conc >= BATCH { secs_of("batch") } else { 0.0 };
-                let batch = drive_http(
-                    conc / BATCH,
-                    batch_secs,
-                    addr,
-                    batch_requests.clone(),
-                    BATCH as u64,
-                )
-                .await;
-                for (name, o) in [
-                    ("raw", &raw),
-                    ("raw-c", &raw_c),
-                    ("bare", &bare),
-                    ("quotad", &quotad),
-                    ("livez", &livez),
-                    ("batch", &batch),
-                ] {
-                    if !wanted(name) || (name == "batch" && conc < BATCH) {
-                        continue;
-                    }
-                    if only.is_some() {
-                        // For scripts/instructions.sh: the exact count, not rate × seconds.
-                        println!("{conc:>5} {name:>7} | ops {}", o.ops);
-                    }
-                    println!(
-                        "{:>5} {:>7} | {:>10.0} {:>9.1} {:>9.1} | {:>6.2} {:>7.2} {:>+9.1} | {:>8.1} {:>8.1} {:>8.1}",
-                        conc,
-                        name,
-                        o.rate(),
-                        o.p(0.5),
-                        o.p(0.99),
-                        o.rate() / raw.rate(),
-                        o.rate() / bare.rate(),
-                        o.p(0.5) - raw.p(0.5),
-                        o.per_op(o.cpu.server),
-                        o.per_op(o.cpu.client),
-                        o.per_op(o.cpu.redis),
-                    );
-                }
-                // redis-benchmark as many calls as raw-c made, so it runs about as long.
-                let rbench = if wanted("rbench") {
-                    let n = raw_c.ops.max((secs * 20_000.0) as u64);
-                    redis_benchmark(redis.port(), conc, n, script.get_hash()).await
-                } else {
-                    None
-                };
-                if let Some((rps, p50, p99)) = rbench {
-                    println!(
-                        "{:>5} {:>7} | {:>10.0} {:>9.1} {:>9.1} | {:>6.2} {:>7.2} {:>+9.1} |  (a process of its own)",
-                        conc,
-                        "rbench",
-                        rps,
-                        p50,
-                        p99,
-                        rps / raw.rate(),
-                        rps / bare.rate(),
-                        p50 - raw.p(0.5),
-                    );
-                }
-                println!(
-                    "{:>5} summary | quotad {:.2}× raw, {:.2}× raw-c, {:.2}× redis-benchmark, {:.2}× bare; \
-                     added p50 vs raw: quotad {:+.1} µs, bare {:+.1} µs{} (round {})",
-                    conc,
-                    quotad.rate() / raw.rate(),
-                    quotad.rate() / raw_c.rate(),
-                    rbench.map_or(f64::NAN, |(rps, _, _)| quotad.rate() / rps),
-                    quotad.rate() / bare.rate(),
-                    quotad.p(0.5) - raw.p(0.5),
-                    bare.p(0.5) - raw.p(0.5),
-                    if conc >= BATCH && wanted("batch") {
-                        format!(
-                            "; batches of {BATCH}: {:.2}× raw, {:.2}× raw-c",
-                            batch.rate() / raw.rate(),
-                            batch.rate() / raw_c.rate()
-                        )
-                    } else {
-                        String::new()
-                    },
-                    round + 1,
-                );
-            }
+async fn run_client(plan: &Plan, redis: &RedisServer, targets: Targets) -> anyhow::Result<()> {
+    set_up_quotad(targets.quotad).await?;
+    let requests = Requests::new();
+    let raw = Raw::new(redis).await?;
+    println!(
+        "quotad load benchmark: {} s per scenario, {TENANTS} tenants, {} round(s), \
+         load generator on {} thread(s), redis-server {}",
+        plan.secs,
+        plan.rounds,
+        plan.client_threads,
+        redis.port()
+    );
+    println!(
+        "{:>5} {:>7} | {:>10} {:>9} {:>9} | {:>6} {:>7} {:>9} | {:>8} {:>8} {:>8}",
+        "conc",
+        "what",
+        "op/s",
+        "p50 µs",
+        "p99 µs",
+        "×raw",
+        "×bare",
+        "+p50 µs",
+        "srv cpu",
+        "gen cpu",
+        "redis"
+    );
+    println!("{:>73} (CPU µs per operation)", "");
+    for round in 0..plan.rounds {
+        for &conc in &plan.concs {
+            run_scenario(plan, redis, targets, &requests, &raw, conc, round).await?;
         }
-        anyhow::Ok(())
-    })
-    })?;
-    let ran = client
-        .join()
-        .map_err(|_| anyhow::anyhow!("the load generator panicked"));
-    let _ = stop_tx.send(());
-    server?
-        .join()
-        .map_err(|_| anyhow::anyhow!("the quotad thread panicked"))??;
-    ran??;
+    }
     Ok(())
+}
+
+/// The outcomes of one concurrency's candidates.
+struct Scenario {
+    raw: Outcome,
+    raw_c: Outcome,
+    bare: Outcome,
+    quotad: Outcome,
+    livez: Outcome,
+    batch: Outcome,
+}
+
+async fn run_scenario(
+    plan: &Plan,
+    redis: &RedisServer,
+    targets: Targets,
+    requests: &Requests,
+    raw: &Raw,
+    conc: usize,
+    round: usize,
+) -> anyhow::Result<()> {
+    let s = drive_all(plan, redis, targets, requests, raw, conc).await?;
+    for (name, o) in [
+        ("raw", &s.raw),
+        ("raw-c", &s.raw_c),
+        ("bare", &s.bare),
+        ("quotad", &s.quotad),
+        ("livez", &s.livez),
+        ("batch", &s.batch),
+    ] {
+        if !plan.wanted(name) || (name == "batch" && conc < BATCH) {
+            continue;
+        }
+        print_row(plan, conc, name, o, &s);
+    }
+    // redis-benchmark as many calls as raw-c made, so it runs about as long.
+    let rbench = if plan.wanted("rbench") {
+        let n = s.raw_c.ops.max((plan.secs * 20_000.0) as u64);
+        redis_benchmark(redis.port(), conc, n, raw.script.get_hash()).await
+    } else {
+        None
+    };
+    if let Some((rps, p50, p99)) = rbench {
+        println!(
+            "{:>5} {:>7} | {:>10.0} {:>9.1} {:>9.1} | {:>6.2} {:>7.2} {:>+9.1} |  (a process of its own)",
+            conc,
+            "rbench",
+            rps,
+            p50,
+            p99,
+            rps / s.raw.rate(),
+            rps / s.bare.rate(),
+            p50 - s.raw.p(0.5),
+        );
+    }
+    print_summary(plan, conc, round, &s, rbench.map(|(rps, _, _)| rps));
+    Ok(())
+}
+
+/// Drives every candidate in turn at `conc`.
+async fn drive_all(
+    plan: &Plan,
+    redis: &RedisServer,
+    targets: Targets,
+    requests: &Requests,
+    raw: &Raw,
+    conc: usize,
+) -> anyhow::Result<Scenario> {
+    let params = targets.params;
+    // Every worker on the one multiplexed connection: calls are pipelined.
+    let shared = vec![raw.conn.clone(); conc];
+    let raw_o = drive_raw(
+        conc,
+        plan.secs_of("raw"),
+        &raw.script,
+        &raw.keys,
+        shared,
+        params,
+    )
+    .await;
+    // As redis-benchmark -c drives Redis: a connection per worker.
+    let mut own = Vec::with_capacity(conc);
+    for _ in 0..conc {
+        own.push(redis.client().get_multiplexed_async_connection().await?);
+    }
+    let raw_c = drive_raw(
+        conc,
+        plan.secs_of("raw-c"),
+        &raw.script,
+        &raw.keys,
+        own,
+        params,
+    )
+    .await;
+    let bare = drive_http(
+        conc,
+        plan.secs_of("bare"),
+        targets.bare,
+        requests.bare.clone(),
+        1,
+    )
+    .await;
+    let quotad = drive_http(
+        conc,
+        plan.secs_of("quotad"),
+        targets.quotad,
+        requests.quotad.clone(),
+        1,
+    )
+    .await;
+    let livez = drive_http(
+        conc,
+        plan.secs_of("livez"),
+        targets.quotad,
+        requests.livez.clone(),
+        1,
+    )
+    .await;
+    // The same number of checks in flight, BATCH to a request.
+    let batch_secs = if conc >= BATCH {
+        plan.secs_of("batch")
+    } else {
+        0.0
+    };
+    let batch = drive_http(
+        conc / BATCH,
+        batch_secs,
+        targets.quotad,
+        requests.batch.clone(),
+        BATCH as u64,
+    )
+    .await;
+    Ok(Scenario {
+        raw: raw_o,
+        raw_c,
+        bare,
+        quotad,
+        livez,
+        batch,
+    })
+}
+
+fn print_row(plan: &Plan, conc: usize, name: &str, o: &Outcome, s: &Scenario) {
+    if plan.only.is_some() {
+        // For scripts/instructions.sh: the exact count, not rate × seconds.
+        println!("{conc:>5} {name:>7} | ops {}", o.ops);
+    }
+    println!(
+        "{:>5} {:>7} | {:>10.0} {:>9.1} {:>9.1} | {:>6.2} {:>7.2} {:>+9.1} | {:>8.1} {:>8.1} {:>8.1}",
+        conc,
+        name,
+        o.rate(),
+        o.p(0.5),
+        o.p(0.99),
+        o.rate() / s.raw.rate(),
+        o.rate() / s.bare.rate(),
+        o.p(0.5) - s.raw.p(0.5),
+        o.per_op(o.cpu.server),
+        o.per_op(o.cpu.client),
+        o.per_op(o.cpu.redis),
+    );
+}
+
+fn print_summary(plan: &Plan, conc: usize, round: usize, s: &Scenario, rbench_rps: Option<f64>) {
+    let (quotad, raw, raw_c, bare, batch) = (&s.quotad, &s.raw, &s.raw_c, &s.bare, &s.batch);
+    println!(
+        "{:>5} summary | quotad {:.2}× raw, {:.2}× raw-c, {:.2}× redis-benchmark, {:.2}× bare; \
+         added p50 vs raw: quotad {:+.1} µs, bare {:+.1} µs{} (round {})",
+        conc,
+        quotad.rate() / raw.rate(),
+        quotad.rate() / raw_c.rate(),
+        rbench_rps.map_or(f64::NAN, |rps| quotad.rate() / rps),
+        quotad.rate() / bare.rate(),
+        quotad.p(0.5) - raw.p(0.5),
+        bare.p(0.5) - raw.p(0.5),
+        if conc >= BATCH && plan.wanted("batch") {
+            format!(
+                "; batches of {BATCH}: {:.2}× raw, {:.2}× raw-c",
+                batch.rate() / raw.rate(),
+                batch.rate() / raw_c.rate()
+            )
+        } else {
+            String::new()
+        },
+        round + 1,
+    );
 }

@@ -1,24 +1,35 @@
 //! Envoy's global rate limit service (RLS v3, `envoy.service.ratelimit.v3.RateLimitService`)
 //! on a gRPC listener of its own, so Envoy-based gateways (Envoy, Istio, Contour) call quotad
-//! from their rate limit filter with no code of their own.
+//! from their rate limit filter with no code of their own. docs/envoy.md is the reference.
 //!
-//! Each descriptor is one check, decided exactly as `POST /v1/check` decides it (shares, pins
-//! forwarded home, breaker, fail modes): the tenant is the value of the `envoy.tenant_key` entry,
-//! the policy the value of the `envoy.policy_key` entry or else the request's domain, the cost
-//! the descriptor's `hits_addend`, else the request's, else 1.
+//! Each descriptor is decided or refused on its own, and the request is `OVER_LIMIT` if any
+//! descriptor is. No descriptor's content fails the whole request: Envoy's default
+//! (`failure_mode_deny: false`) admits a request whose call errs, skipping every other limit
+//! in it. Only a request with no domain or no descriptor is `INVALID_ARGUMENT`.
 //!
-//! - Envoy's convention for a descriptor with no limit configured holds: a descriptor without a
-//!   tenant entry, or for a tenant without that policy, is `OK` with no `current_limit`, and is
-//!   counted in `quotad_envoy_undecided_descriptors_total` so it is never silent.
-//! - A policy failing `closed` (Redis down) answers `OVER_LIMIT`: a gRPC error would let Envoy's
-//!   `failure_mode_deny` (off by default) admit, turning `closed` into `open`. A cost above the
-//!   policy's burst, which no wait can admit, is `OVER_LIMIT` as well.
-//! - Malformed descriptors (a bad tenant id, a refund, a limit override) fail the whole request
-//!   with `INVALID_ARGUMENT` before any token is spent.
-//! - The response carries the IETF `RateLimit-Policy` and `RateLimit` fields of every decided
-//!   descriptor, and `Retry-After` when over the limit, for Envoy to add to its response.
+//! - A check: the tenant is the value of the `envoy.tenant_key` entry, the policy the value of
+//!   the `envoy.policy_key` entry or else the request's domain, the cost the descriptor's
+//!   `hits_addend`, else the request's, else 1; decided exactly as `POST /v1/check` decides.
+//!   A `hits_addend` of 0 reads the bucket without spending: `OK` while one hit would pass.
+//! - Undecided (Envoy's convention for a descriptor with no limit configured): no tenant
+//!   entry, or no such policy for the tenant: `OK` without `current_limit`, counted in
+//!   `quotad_envoy_undecided_descriptors_total`.
+//! - Refused (malformed, or asking for what quotad does not do): `OVER_LIMIT` without
+//!   `current_limit`, counted in `quotad_rejected_requests_total{code="ENVOY_INVALID_DESCRIPTOR"}`.
+//!   A refusal is a denial, so a client cannot slip past its limit by malforming a header.
+//! - A policy failing `closed`, and a cost above the burst, are `OVER_LIMIT` with the limit.
+//! - `current_limit` states the policy's limit per the smallest unit at least as long as its
+//!   window; the response carries the IETF `RateLimit-Policy` and `RateLimit` fields of every
+//!   decided descriptor, and `Retry-After` when over.
+//! - gRPC health answers for "", `ratelimit` and the full service name, mirrors `/readyz`,
+//!   and turns `NOT_SERVING` as soon as shutdown begins.
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
 
 use envoy_types::pb::envoy::config::core::v3::HeaderValue as EnvoyHeader;
+use envoy_types::pb::envoy::extensions::common::ratelimit::v3::RateLimitDescriptor;
 use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_response::{
     rate_limit::Unit, Code, DescriptorStatus, RateLimit,
 };
@@ -27,16 +38,32 @@ use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_service_server::{
 };
 use envoy_types::pb::envoy::service::ratelimit::v3::{RateLimitRequest, RateLimitResponse};
 use envoy_types::pb::google::protobuf::Duration as ProtoDuration;
-use quota_core::{PolicyName, TenantId};
+use futures::stream::BoxStream;
+use quota_core::{Decision, FailMode, Policy, PolicyName, TenantId};
+use quota_store::BucketRef;
 use tokio::sync::watch;
 use tonic::transport::server::TcpIncoming;
+use tonic_health::pb::health_check_response::ServingStatus;
+use tonic_health::pb::health_server::{Health, HealthServer};
+use tonic_health::pb::{HealthCheckRequest, HealthCheckResponse};
 
 use crate::api::batch::MAX_BATCH;
 use crate::api::check::{rate_limit_values, secs_ceil, CheckResponse};
 use crate::api::AppState;
 use crate::config::EnvoyConfig;
-use crate::decision::CheckError;
+use crate::decision::{CheckError, Mode, Verdict};
 use crate::telemetry;
+
+/// The names gRPC health answers for: the server as a whole, the name envoyproxy/ratelimit
+/// registers, and the full service name.
+pub const HEALTH_SERVICE_NAMES: [&str; 3] = [
+    "",
+    "ratelimit",
+    "envoy.service.ratelimit.v3.RateLimitService",
+];
+
+/// How often gRPC health re-reads readiness (the flag `/readyz` answers from).
+const READINESS_POLL: Duration = Duration::from_millis(50);
 
 /// The rate limit service over the daemon's decision path.
 #[derive(Debug, Clone)]
@@ -46,15 +73,27 @@ pub struct EnvoyRateLimit {
     policy_key: String,
 }
 
-/// One descriptor, read: a check, or nothing for quotad to decide.
+/// One descriptor, read.
 #[derive(Debug, PartialEq, Eq)]
 enum Descriptor {
+    /// A check of `cost` tokens; cost 0 reads the bucket without spending.
     Check {
         tenant: TenantId,
         policy: PolicyName,
         cost: u64,
     },
+    /// No tenant entry: nothing for quotad to decide.
     NoTenant,
+    /// Malformed, or asking for what quotad does not do; the reason is a metric-safe word.
+    Refused(&'static str),
+}
+
+/// The header values gathered over a request's descriptors.
+#[derive(Debug, Default)]
+struct Fields {
+    policies: Vec<String>,
+    limits: Vec<String>,
+    retry_after_s: u64,
 }
 
 impl EnvoyRateLimit {
@@ -66,111 +105,98 @@ impl EnvoyRateLimit {
         }
     }
 
-    /// Every descriptor of `req`, checked before any is decided; the first problem, named by
-    /// its place, fails the whole request.
-    fn parse(&self, req: &RateLimitRequest) -> Result<Vec<Descriptor>, String> {
-        if req.descriptors.is_empty() || req.descriptors.len() > MAX_BATCH {
-            return Err(format!(
-                "a request carries 1 to {MAX_BATCH} descriptors (got {})",
-                req.descriptors.len()
-            ));
+    /// Every descriptor of `req`, read; `Err` only for a request the proto calls invalid as a
+    /// whole (no domain, no descriptor), which Envoy never sends. Descriptors past the
+    /// first [`MAX_BATCH`] are refused, so one call's work stays bounded.
+    fn parse(&self, req: &RateLimitRequest) -> Result<Vec<Descriptor>, &'static str> {
+        if req.domain.is_empty() {
+            return Err("the domain is empty");
+        }
+        if req.descriptors.is_empty() {
+            return Err("the request carries no descriptor");
         }
         let request_cost = u64::from(req.hits_addend.max(1));
-        req.descriptors
+        Ok(req
+            .descriptors
             .iter()
             .enumerate()
             .map(|(i, d)| {
-                let at = |what: String| format!("descriptors[{i}]: {what}");
-                if d.is_negative_hits {
-                    return Err(at("negative hits (refunds) are not supported".into()));
+                if i < MAX_BATCH {
+                    self.descriptor(d, &req.domain, request_cost)
+                } else {
+                    Descriptor::Refused("too_many_descriptors")
                 }
-                if d.limit.is_some() {
-                    return Err(at(
-                        "limit overrides are not supported: set the policy in quotad".into(),
-                    ));
-                }
-                let entry = |key: &str| d.entries.iter().find(|e| e.key == key);
-                let Some(tenant) = entry(&self.tenant_key) else {
-                    return Ok(Descriptor::NoTenant);
-                };
-                let tenant = TenantId::new(tenant.value.as_str())
-                    .map_err(|e| at(format!("entry {:?}: {e}", self.tenant_key)))?;
-                let policy = match entry(&self.policy_key) {
-                    Some(p) => PolicyName::new(p.value.as_str())
-                        .map_err(|e| at(format!("entry {:?}: {e}", self.policy_key)))?,
-                    None => PolicyName::new(req.domain.as_str()).map_err(|e| {
-                        at(format!(
-                            "no {:?} entry, and the domain is no policy name: {e}",
-                            self.policy_key
-                        ))
-                    })?,
-                };
-                let cost = match &d.hits_addend {
-                    None => request_cost,
-                    Some(h) if h.value >= 1 => h.value,
-                    Some(_) => {
-                        return Err(at(
-                            "hits_addend 0 (a query that spends nothing) is not supported".into(),
-                        ))
-                    }
-                };
-                Ok(Descriptor::Check {
-                    tenant,
-                    policy,
-                    cost,
-                })
             })
-            .collect()
+            .collect())
+    }
+
+    /// One descriptor by the documented rule: the proto's own constraints first, then what
+    /// quotad does not do, then the entries it reads.
+    fn descriptor(&self, d: &RateLimitDescriptor, domain: &str, request_cost: u64) -> Descriptor {
+        if d.entries.is_empty() {
+            return Descriptor::Refused("no_entries");
+        }
+        if d.entries.iter().any(|e| e.key.is_empty()) {
+            return Descriptor::Refused("empty_key");
+        }
+        if d.is_negative_hits {
+            return Descriptor::Refused("negative_hits");
+        }
+        if d.limit.is_some() {
+            return Descriptor::Refused("limit_override");
+        }
+        let with_key = |key: &str| {
+            let mut found = d.entries.iter().filter(move |e| e.key == key);
+            match (found.next(), found.next()) {
+                (_, Some(_)) => Err(()),
+                (one, None) => Ok(one.map(|e| e.value.as_str())),
+            }
+        };
+        let (Ok(tenant), Ok(policy)) = (with_key(&self.tenant_key), with_key(&self.policy_key))
+        else {
+            return Descriptor::Refused("repeated_key");
+        };
+        let Some(tenant) = tenant else {
+            return Descriptor::NoTenant;
+        };
+        let Ok(tenant) = TenantId::new(tenant) else {
+            return Descriptor::Refused("bad_tenant");
+        };
+        let Ok(policy) = PolicyName::new(policy.unwrap_or(domain)) else {
+            return Descriptor::Refused("bad_policy");
+        };
+        let cost = d.hits_addend.as_ref().map_or(request_cost, |h| h.value);
+        Descriptor::Check {
+            tenant,
+            policy,
+            cost,
+        }
     }
 
     /// Decides `descriptors` in order; the response Envoy gets.
     async fn decide(&self, descriptors: Vec<Descriptor>) -> RateLimitResponse {
-        let region = self.state.decider.region().as_str();
         let mut out = RateLimitResponse {
             overall_code: Code::Ok as i32,
             ..RateLimitResponse::default()
         };
-        let (mut policies, mut limits, mut retry_after_s) = (Vec::new(), Vec::new(), 0);
+        let mut fields = Fields::default();
         for d in descriptors {
-            let Descriptor::Check {
-                tenant,
-                policy,
-                cost,
-            } = d
-            else {
-                undecided("no_tenant");
-                out.statuses.push(status(Code::Ok, None, 0, 0));
-                continue;
-            };
-            let status = match self
-                .state
-                .decider
-                .check(tenant, policy.clone(), cost, false)
-                .await
-            {
-                Ok(v) => {
-                    let r = CheckResponse::from_verdict(&v, region);
-                    let (p, l) = rate_limit_values(&policy, &v, &r);
-                    policies.extend(p.and_then(|p| p.to_str().ok().map(str::to_string)));
-                    limits.extend(l.and_then(|l| l.to_str().ok().map(str::to_string)));
-                    let limit = current_limit(&policy, v.policy.limit, v.policy.window_ms);
-                    if r.allowed {
-                        status(Code::Ok, Some(limit), r.remaining, r.reset_ms)
-                    } else {
-                        retry_after_s = retry_after_s.max(secs_ceil(r.retry_after_ms).max(1));
-                        self.state
-                            .decider
-                            .metrics
-                            .record_retry_after(&policy, r.retry_after_ms as f64 / 1000.0);
-                        status(Code::OverLimit, Some(limit), r.remaining, r.retry_after_ms)
-                    }
-                }
-                Err(CheckError::UnknownPolicy) => {
-                    undecided("unknown_policy");
-                    status(Code::Ok, None, 0, 0)
-                }
-                // Never admissible (cost above burst), or the policy fails closed.
-                Err(CheckError::Cost(_) | CheckError::ReducedCapacity { .. }) => {
+            let status = match d {
+                Descriptor::Check {
+                    tenant,
+                    policy,
+                    cost: 0,
+                } => self.read(tenant, policy, &mut fields).await,
+                Descriptor::Check {
+                    tenant,
+                    policy,
+                    cost,
+                } => self.check(tenant, policy, cost, &mut fields).await,
+                Descriptor::NoTenant => undecided("no_tenant"),
+                Descriptor::Refused(reason) => {
+                    metrics::counter!(telemetry::REJECTED_REQUESTS_TOTAL, "code" => "ENVOY_INVALID_DESCRIPTOR")
+                        .increment(1);
+                    tracing::debug!(reason, "Envoy descriptor refused.");
                     status(Code::OverLimit, None, 0, 0)
                 }
             };
@@ -179,17 +205,138 @@ impl EnvoyRateLimit {
             }
             out.statuses.push(status);
         }
-        for (key, values) in [("ratelimit-policy", policies), ("ratelimit", limits)] {
+        for (key, values) in [
+            ("ratelimit-policy", fields.policies),
+            ("ratelimit", fields.limits),
+        ] {
             if !values.is_empty() {
                 out.response_headers_to_add
                     .push(header(key, values.join(", ")));
             }
         }
-        if retry_after_s > 0 {
+        if fields.retry_after_s > 0 {
             out.response_headers_to_add
-                .push(header("retry-after", retry_after_s.to_string()));
+                .push(header("retry-after", fields.retry_after_s.to_string()));
         }
         out
+    }
+
+    /// A check that spends `cost`.
+    async fn check(
+        &self,
+        tenant: TenantId,
+        policy: PolicyName,
+        cost: u64,
+        fields: &mut Fields,
+    ) -> DescriptorStatus {
+        let decider = &self.state.decider;
+        match decider
+            .check(tenant.clone(), policy.clone(), cost, false)
+            .await
+        {
+            Ok(v) => self.decided(&policy, &v, fields),
+            Err(CheckError::UnknownPolicy) => undecided("unknown_policy"),
+            // Never admissible: denied with the bucket's level, as it stands, in the fields.
+            Err(CheckError::Cost(_)) => {
+                let Some((p, bucket, limit)) = self.bucket_of(&tenant, &policy) else {
+                    return undecided("unknown_policy");
+                };
+                let level = decider.peek(bucket, limit).await;
+                let v = self.denied(p, level.map_or(0, |d| d.remaining), None);
+                self.decided(&policy, &v, fields)
+            }
+            // The policy fails closed: denied for a window, nothing known of the bucket.
+            Err(CheckError::ReducedCapacity { .. }) => match self.bucket_of(&tenant, &policy) {
+                Some((p, _, _)) => self.decided(&policy, &self.denied(p, 0, None), fields),
+                None => status(Code::OverLimit, None, 0, 0),
+            },
+        }
+    }
+
+    /// A `hits_addend` 0 descriptor: the bucket read without spending, `OK` while a hit of 1
+    /// would be admitted now. A tenant pinned to another region has its bucket there, which
+    /// no read here can see: undecided.
+    async fn read(
+        &self,
+        tenant: TenantId,
+        policy: PolicyName,
+        fields: &mut Fields,
+    ) -> DescriptorStatus {
+        let decider = &self.state.decider;
+        if decider.home_elsewhere(&tenant, &policy, false).is_some() {
+            return undecided("pinned_elsewhere");
+        }
+        let Some((p, bucket, limit)) = self.bucket_of(&tenant, &policy) else {
+            return undecided("unknown_policy");
+        };
+        let v = match decider.peek(bucket, limit).await {
+            Some(d) if d.remaining >= 1 => Verdict {
+                decision: d,
+                policy: p,
+                mode: Mode::Normal,
+                decided_by: decider.region().clone(),
+            },
+            // Empty: certainly one hit again once full.
+            Some(d) => self.denied(p, 0, d.reset_ms),
+            None if p.fail_mode == FailMode::Closed => self.denied(p, 0, None),
+            None => return undecided("store_unavailable"),
+        };
+        self.decided(&policy, &v, fields)
+    }
+
+    /// The policy, bucket and this region's limit of `tenant`'s `policy`.
+    fn bucket_of(
+        &self,
+        tenant: &TenantId,
+        policy: &PolicyName,
+    ) -> Option<(Policy, BucketRef, quota_store::Limit)> {
+        let decider = &self.state.decider;
+        let (p, _share, limit) = decider.params_for(&decider.view(), tenant, policy)?;
+        let bucket = BucketRef {
+            tenant: tenant.clone(),
+            policy: policy.clone(),
+            version: p.version,
+        };
+        Some((p, bucket, limit))
+    }
+
+    /// A denial decided here without a store call; `retry_after_ms` `None` is one window.
+    fn denied(&self, policy: Policy, remaining: u64, retry_after_ms: Option<u64>) -> Verdict {
+        Verdict {
+            decision: Decision {
+                allowed: false,
+                remaining,
+                retry_after_ms,
+                reset_ms: retry_after_ms,
+            },
+            policy,
+            mode: Mode::Normal,
+            decided_by: self.state.decider.region().clone(),
+        }
+    }
+
+    /// The status of a decided descriptor, its header values gathered into `fields`.
+    fn decided(&self, policy: &PolicyName, v: &Verdict, fields: &mut Fields) -> DescriptorStatus {
+        let r = CheckResponse::from_verdict(v, self.state.decider.region().as_str());
+        let (p, l) = rate_limit_values(policy, v, &r);
+        fields
+            .policies
+            .extend(p.and_then(|p| p.to_str().ok().map(str::to_string)));
+        fields
+            .limits
+            .extend(l.and_then(|l| l.to_str().ok().map(str::to_string)));
+        let limit = current_limit(policy, v.policy.limit, v.policy.window_ms);
+        if r.allowed {
+            status(Code::Ok, Some(limit), r.remaining, r.reset_ms)
+        } else {
+            fields.retry_after_s = fields.retry_after_s.max(secs_ceil(r.retry_after_ms).max(1));
+            self.state
+                .decider
+                .metrics
+                .record_retry_after(policy, r.retry_after_ms as f64 / 1000.0);
+            // Envoy's convention: nothing remains for a request over the limit.
+            status(Code::OverLimit, Some(limit), 0, r.retry_after_ms)
+        }
     }
 }
 
@@ -209,9 +356,11 @@ impl RateLimitService for EnvoyRateLimit {
     }
 }
 
-fn undecided(reason: &'static str) {
+/// `OK` without a limit, counted by `reason`.
+fn undecided(reason: &'static str) -> DescriptorStatus {
     metrics::counter!(telemetry::ENVOY_UNDECIDED_DESCRIPTORS_TOTAL, "reason" => reason)
         .increment(1);
+    status(Code::Ok, None, 0, 0)
 }
 
 fn status(code: Code, limit: Option<RateLimit>, remaining: u64, reset_ms: u64) -> DescriptorStatus {
@@ -227,23 +376,29 @@ fn status(code: Code, limit: Option<RateLimit>, remaining: u64, reset_ms: u64) -
     }
 }
 
-/// The policy as Envoy's `RateLimit`: per the largest unit the window is a whole number of,
-/// else per second, rounded up (Envoy only shows it, e.g. in `x-ratelimit-limit`).
+/// Envoy's units with their lengths (a month of 30 days and a year of 365, as
+/// envoyproxy/ratelimit counts them), shortest first.
+const UNITS: [(Unit, u64); 7] = [
+    (Unit::Second, 1_000),
+    (Unit::Minute, 60_000),
+    (Unit::Hour, 3_600_000),
+    (Unit::Day, 86_400_000),
+    (Unit::Week, 7 * 86_400_000),
+    (Unit::Month, 30 * 86_400_000),
+    (Unit::Year, 365 * 86_400_000),
+];
+
+/// The policy as Envoy's `RateLimit` (Envoy builds `X-RateLimit-Limit` from it): the limit
+/// per the smallest unit at least as long as the window, scaled to that unit, e.g. 3 per
+/// 10 s is 18 per minute. Exact when the unit is a whole number of windows, else rounded
+/// down, so it never states more than the policy admits.
 fn current_limit(policy: &PolicyName, limit: u64, window_ms: u64) -> RateLimit {
-    const UNITS: [(Unit, u64); 4] = [
-        (Unit::Day, 86_400_000),
-        (Unit::Hour, 3_600_000),
-        (Unit::Minute, 60_000),
-        (Unit::Second, 1_000),
-    ];
     let window_ms = window_ms.max(1);
-    let (unit, per_unit) = UNITS
+    let (unit, unit_ms) = UNITS
         .into_iter()
-        .find(|&(_, ms)| window_ms.is_multiple_of(ms))
-        .map_or_else(
-            || (Unit::Second, limit.saturating_mul(1000).div_ceil(window_ms)),
-            |(unit, ms)| (unit, limit.div_ceil(window_ms / ms)),
-        );
+        .find(|&(_, ms)| ms >= window_ms)
+        .unwrap_or(UNITS[UNITS.len() - 1]);
+    let per_unit = u128::from(limit) * u128::from(unit_ms) / u128::from(window_ms);
     RateLimit {
         name: policy.as_str().to_string(),
         requests_per_unit: u32::try_from(per_unit).unwrap_or(u32::MAX),
@@ -259,33 +414,119 @@ fn header(key: &str, value: String) -> EnvoyHeader {
     }
 }
 
+/// gRPC health (`grpc.health.v1`) for [`HEALTH_SERVICE_NAMES`]: `Check` answers the status
+/// (`NOT_FOUND` for another name), `Watch` streams it (`SERVICE_UNKNOWN` for another name,
+/// as the spec asks, without ending the call). Every stream ends when `stop` turns true, so
+/// no open watch holds shutdown up.
+#[derive(Debug, Clone)]
+struct HealthService {
+    status: watch::Receiver<ServingStatus>,
+    stop: watch::Receiver<bool>,
+}
+
+fn health_response(status: ServingStatus) -> HealthCheckResponse {
+    HealthCheckResponse {
+        status: status as i32,
+    }
+}
+
+#[tonic::async_trait]
+impl Health for HealthService {
+    async fn check(
+        &self,
+        request: tonic::Request<HealthCheckRequest>,
+    ) -> Result<tonic::Response<HealthCheckResponse>, tonic::Status> {
+        if !HEALTH_SERVICE_NAMES.contains(&request.get_ref().service.as_str()) {
+            return Err(tonic::Status::not_found("unknown service"));
+        }
+        Ok(tonic::Response::new(health_response(*self.status.borrow())))
+    }
+
+    type WatchStream = BoxStream<'static, Result<HealthCheckResponse, tonic::Status>>;
+
+    async fn watch(
+        &self,
+        request: tonic::Request<HealthCheckRequest>,
+    ) -> Result<tonic::Response<Self::WatchStream>, tonic::Status> {
+        let known = HEALTH_SERVICE_NAMES.contains(&request.get_ref().service.as_str());
+        let (mut status, stop) = (self.status.clone(), self.stop.clone());
+        let first = if known {
+            *status.borrow_and_update()
+        } else {
+            ServingStatus::ServiceUnknown
+        };
+        // A stop already sent ends the stream after the current status.
+        let later =
+            futures::stream::unfold((status, stop), move |(mut status, mut stop)| async move {
+                let changed = tokio::select! {
+                    // A change sent before the stop is streamed before the stream ends.
+                    biased;
+                    changed = status.changed(), if known => changed.is_ok(),
+                    _ = stop.wait_for(|stopped| *stopped) => false,
+                };
+                let now = changed.then(|| *status.borrow_and_update())?;
+                Some((Ok(health_response(now)), (status, stop)))
+            });
+        let stream = futures::StreamExt::chain(
+            futures::stream::once(async move { Ok(health_response(first)) }),
+            later,
+        );
+        Ok(tonic::Response::new(Box::pin(stream)))
+    }
+}
+
+fn serving_status(ready: &AtomicBool) -> ServingStatus {
+    if ready.load(Ordering::Relaxed) {
+        ServingStatus::Serving
+    } else {
+        ServingStatus::NotServing
+    }
+}
+
 /// Serves the rate limit service and gRPC health on `listener` until `stop` turns true, then
 /// lets in-flight calls finish for at most `drain` (an Envoy keeps its HTTP/2 connection open;
-/// shutdown must not wait on it).
+/// shutdown must not wait on it). Health mirrors readiness: `NOT_SERVING` while starting and
+/// from the moment shutdown begins (readiness turns false before the API drains), then, on
+/// `stop`, every watch stream ends.
 pub async fn serve(
     service: EnvoyRateLimit,
     listener: tokio::net::TcpListener,
     stop: watch::Receiver<bool>,
-    drain: std::time::Duration,
+    drain: Duration,
 ) -> Result<(), tonic::transport::Error> {
-    let (health, health_service) = tonic_health::server::health_reporter();
-    health
-        .set_serving::<RateLimitServiceServer<EnvoyRateLimit>>()
-        .await;
+    let ready: Arc<AtomicBool> = service.state.ready.clone();
+    let (status_tx, status) = watch::channel(serving_status(&ready));
+    let (streams_tx, streams_stop) = watch::channel(false);
+    let health = HealthService {
+        status,
+        stop: streams_stop,
+    };
     let (mut graceful, mut deadline) = (stop.clone(), stop);
     let server = tonic::transport::Server::builder()
-        .add_service(health_service)
+        .add_service(HealthServer::new(health))
         .add_service(RateLimitServiceServer::new(service))
         .serve_with_incoming_shutdown(
             TcpIncoming::from(listener).with_nodelay(Some(true)),
             async move {
-                let _ = graceful.changed().await;
+                let mut poll = tokio::time::interval(READINESS_POLL);
+                loop {
+                    tokio::select! {
+                        _ = graceful.wait_for(|stopped| *stopped) => break,
+                        _ = poll.tick() => {
+                            let now = serving_status(&ready);
+                            status_tx.send_if_modified(|s| std::mem::replace(s, now) != now);
+                        }
+                    }
+                }
+                let not_serving = ServingStatus::NotServing;
+                status_tx.send_if_modified(|s| std::mem::replace(s, not_serving) != not_serving);
+                streams_tx.send_replace(true);
             },
         );
     tokio::select! {
         served = server => served,
         () = async {
-            let _ = deadline.changed().await;
+            let _ = deadline.wait_for(|stopped| *stopped).await;
             tokio::time::sleep(drain).await;
         } => Ok(()),
     }
@@ -301,13 +542,15 @@ mod tests {
     use envoy_types::pb::envoy::extensions::common::ratelimit::v3::RateLimitDescriptor;
     use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_service_client::RateLimitServiceClient;
     use envoy_types::pb::google::protobuf::UInt64Value;
+    use futures::StreamExt;
     use quota_core::{FailMode, Policy, PolicySpec};
     use tonic::transport::Channel;
+    use tonic_health::pb::health_client::HealthClient;
 
     use super::*;
     use crate::api::tests::state_on;
-    use crate::breaker::Breaker;
     use crate::config::BreakerConfig;
+    use crate::decision::breaker::Breaker;
 
     /// A running service on a loopback port and a client of it; the sender stops it.
     async fn start(
@@ -331,6 +574,13 @@ mod tests {
             RateLimitServiceClient::new(channel.clone()),
             channel,
             stop_tx,
+        )
+    }
+
+    fn embedded() -> AppState {
+        state_on(
+            quota_store::AnyStore::embedded(),
+            Breaker::new(&BreakerConfig::default(), "eu"),
         )
     }
 
@@ -367,6 +617,11 @@ mod tests {
         }
     }
 
+    fn with_hits(mut d: RateLimitDescriptor, hits: u64) -> RateLimitDescriptor {
+        d.hits_addend = Some(UInt64Value { value: hits });
+        d
+    }
+
     fn request(domain: &str, descriptors: Vec<RateLimitDescriptor>) -> RateLimitRequest {
         RateLimitRequest {
             domain: domain.into(),
@@ -382,155 +637,286 @@ mod tests {
             .collect()
     }
 
+    fn header_value(r: &RateLimitResponse, key: &str) -> Option<String> {
+        headers(r).into_iter().find(|(k, _)| k == key).map(|h| h.1)
+    }
+
+    const OK: i32 = Code::Ok as i32;
+    const OVER: i32 = Code::OverLimit as i32;
+
+    async fn call(
+        client: &mut RateLimitServiceClient<Channel>,
+        req: RateLimitRequest,
+    ) -> RateLimitResponse {
+        client.should_rate_limit(req).await.unwrap().into_inner()
+    }
+
     #[tokio::test]
     async fn descriptors_are_decided_as_checks_with_the_ietf_fields() {
-        let state = state_on(
-            quota_store::AnyStore::embedded(),
-            Breaker::new(&BreakerConfig::default(), "eu"),
-        );
+        let state = embedded();
         put(&state, "acme", "writes", spec(3, 60_000)).await;
         put(&state, "acme", "api", spec(100, 1_000)).await;
-        let (mut client, channel, _stop) = start(state.clone()).await;
+        let (mut client, _channel, _stop) = start(state.clone()).await;
 
         let acme_writes = descriptor(&[("tenant", "acme"), ("policy", "writes")]);
         let mut codes = Vec::new();
         for _ in 0..4 {
-            let r = client
-                .should_rate_limit(request("edge", vec![acme_writes.clone()]))
-                .await
-                .unwrap()
-                .into_inner();
-            codes.push((r.overall_code, r.statuses[0].limit_remaining));
-            if r.overall_code == Code::OverLimit as i32 {
-                let h = headers(&r);
-                assert!(h.contains(&("retry-after".into(), "20".into())), "{h:?}");
-                assert!(
-                    h.contains(&("ratelimit".into(), "\"writes\";r=0;t=20".into())),
-                    "{h:?}"
+            let r = call(&mut client, request("edge", vec![acme_writes.clone()])).await;
+            let s = &r.statuses[0];
+            let limit = s.current_limit.clone().unwrap();
+            assert_eq!(
+                (limit.requests_per_unit, limit.unit),
+                (3, Unit::Minute as i32)
+            );
+            codes.push((r.overall_code, s.limit_remaining));
+            if r.overall_code == OVER {
+                assert_eq!(header_value(&r, "retry-after").as_deref(), Some("20"));
+                assert_eq!(
+                    header_value(&r, "ratelimit").as_deref(),
+                    Some("\"writes\";r=0;t=20")
                 );
+                let until = s.duration_until_reset.as_ref().unwrap();
+                let until_ms = until.seconds * 1000 + i64::from(until.nanos) / 1_000_000;
+                assert!((19_000..=20_000).contains(&until_ms), "{until:?}");
             }
         }
-        let (ok, over) = (Code::Ok as i32, Code::OverLimit as i32);
-        assert_eq!(codes, [(ok, 2), (ok, 1), (ok, 0), (over, 0)]);
+        assert_eq!(codes, [(OK, 2), (OK, 1), (OK, 0), (OVER, 0)]);
 
         // The domain names the policy when no entry does; `hits_addend` is the cost; every
         // decided descriptor's fields are listed, and a descriptor over its limit makes the
         // whole request over.
-        let mut by_domain = descriptor(&[("tenant", "acme")]);
-        by_domain.hits_addend = Some(UInt64Value { value: 40 });
-        let r = client
-            .should_rate_limit(request("api", vec![by_domain, acme_writes.clone()]))
-            .await
-            .unwrap()
-            .into_inner();
-        assert_eq!(r.overall_code, over);
+        let by_domain = with_hits(descriptor(&[("tenant", "acme")]), 40);
+        let r = call(
+            &mut client,
+            request("api", vec![by_domain, acme_writes.clone()]),
+        )
+        .await;
+        assert_eq!(r.overall_code, OVER);
         assert_eq!(
             (r.statuses[0].code, r.statuses[0].limit_remaining),
-            (ok, 60)
+            (OK, 60)
         );
         let limit = r.statuses[0].current_limit.clone().unwrap();
         assert_eq!(
             (limit.name.as_str(), limit.requests_per_unit, limit.unit),
             ("api", 100, Unit::Second as i32)
         );
-        assert_eq!(r.statuses[1].code, over);
-        let policy_field = headers(&r)
-            .into_iter()
-            .find(|(k, _)| k == "ratelimit-policy")
-            .unwrap()
-            .1;
-        assert_eq!(policy_field, "\"api\";q=100;w=1, \"writes\";q=3;w=60");
+        assert_eq!(
+            (r.statuses[1].code, r.statuses[1].limit_remaining),
+            (OVER, 0)
+        );
+        assert_eq!(
+            header_value(&r, "ratelimit-policy").unwrap(),
+            "\"api\";q=100;w=1, \"writes\";q=3;w=60"
+        );
+
+        // The request's hits_addend is the cost of a descriptor without its own.
+        let mut req = request("api", vec![descriptor(&[("tenant", "acme")])]);
+        req.hits_addend = 10;
+        let r = call(&mut client, req).await;
+        assert_eq!(r.statuses[0].limit_remaining, 50);
 
         // No tenant entry, or no such policy: OK without a limit, as Envoy expects of a
         // descriptor nothing is configured for.
-        let r = client
-            .should_rate_limit(request(
+        let r = call(
+            &mut client,
+            request(
                 "edge",
                 vec![
                     descriptor(&[("remote_address", "10.0.0.1")]),
                     descriptor(&[("tenant", "globex"), ("policy", "writes")]),
                 ],
-            ))
-            .await
-            .unwrap()
-            .into_inner();
-        assert_eq!(r.overall_code, ok);
+            ),
+        )
+        .await;
+        assert_eq!(r.overall_code, OK);
         assert!(r
             .statuses
             .iter()
-            .all(|s| s.code == ok && s.current_limit.is_none()));
-
-        // gRPC health reports the service serving.
-        let mut health = tonic_health::pb::health_client::HealthClient::new(channel);
-        let served = health
-            .check(tonic_health::pb::HealthCheckRequest {
-                service: "envoy.service.ratelimit.v3.RateLimitService".into(),
-            })
-            .await
-            .unwrap()
-            .into_inner();
-        assert_eq!(
-            served.status,
-            tonic_health::pb::health_check_response::ServingStatus::Serving as i32
-        );
+            .all(|s| s.code == OK && s.current_limit.is_none()));
     }
 
-    #[tokio::test]
-    async fn malformed_descriptors_fail_the_request_before_any_token_is_spent() {
-        let state = state_on(
-            quota_store::AnyStore::embedded(),
-            Breaker::new(&BreakerConfig::default(), "eu"),
-        );
-        put(&state, "acme", "writes", spec(5, 60_000)).await;
-        let (mut client, _channel, _stop) = start(state).await;
+    #[test]
+    fn each_malformed_descriptor_is_refused_by_its_own_rule() {
+        let svc = EnvoyRateLimit::new(embedded(), &EnvoyConfig::default());
         let good = descriptor(&[("tenant", "acme"), ("policy", "writes")]);
         let mut refund = good.clone();
         refund.is_negative_hits = true;
-        let mut zero = good.clone();
-        zero.hits_addend = Some(UInt64Value { value: 0 });
         let mut overridden = good.clone();
         overridden.limit = Some(RateLimitOverride {
             requests_per_unit: 1,
             unit: 1,
         });
-        for (what, req) in [
-            ("no descriptors", request("edge", vec![])),
+        let cases = [
+            (descriptor(&[]), "no_entries"),
+            (descriptor(&[("tenant", "acme"), ("", "x")]), "empty_key"),
+            (refund, "negative_hits"),
+            (overridden, "limit_override"),
             (
-                "too many descriptors",
-                request("edge", vec![good.clone(); 101]),
+                descriptor(&[("tenant", "acme"), ("tenant", "globex")]),
+                "repeated_key",
             ),
             (
-                "a bad tenant id",
-                request(
-                    "edge",
-                    vec![
-                        good.clone(),
-                        descriptor(&[("tenant", "ac me"), ("policy", "writes")]),
-                    ],
-                ),
+                descriptor(&[("tenant", "acme"), ("policy", "a"), ("policy", "b")]),
+                "repeated_key",
             ),
+            (descriptor(&[("tenant", "ac.me")]), "bad_tenant"),
+            (descriptor(&[("tenant", "")]), "bad_tenant"),
             (
-                "a domain that is no policy name",
-                request("not a name", vec![descriptor(&[("tenant", "acme")])]),
+                descriptor(&[("tenant", "acme"), ("policy", "no such")]),
+                "bad_policy",
             ),
-            ("a refund", request("edge", vec![good.clone(), refund])),
-            ("hits_addend 0", request("edge", vec![good.clone(), zero])),
-            (
-                "a limit override",
-                request("edge", vec![good.clone(), overridden]),
-            ),
-        ] {
-            let e = client.should_rate_limit(req).await.unwrap_err();
-            assert_eq!(e.code(), tonic::Code::InvalidArgument, "{what}: {e:?}");
-            assert!(!e.message().is_empty(), "{what}");
+        ];
+        for (d, reason) in cases {
+            let what = format!("{d:?}");
+            let parsed = svc.parse(&request("edge", vec![good.clone(), d])).unwrap();
+            assert_eq!(parsed.len(), 2, "{what}");
+            assert!(
+                matches!(parsed[0], Descriptor::Check { cost: 1, .. }),
+                "{what}"
+            );
+            assert_eq!(parsed[1], Descriptor::Refused(reason), "{what}");
         }
-        // The valid descriptor sent beside each bad one spent nothing.
-        let r = client
-            .should_rate_limit(request("edge", vec![good]))
+        // The domain stands in for a missing policy entry only when it is a policy name.
+        let by_domain = descriptor(&[("tenant", "acme")]);
+        assert_eq!(
+            svc.parse(&request("not a name", vec![by_domain.clone()]))
+                .unwrap(),
+            [Descriptor::Refused("bad_policy")]
+        );
+        assert_eq!(
+            svc.parse(&request("edge", vec![by_domain])).unwrap(),
+            [Descriptor::Check {
+                tenant: TenantId::new("acme").unwrap(),
+                policy: PolicyName::new("edge").unwrap(),
+                cost: 1
+            }]
+        );
+        // Other keys may repeat; a descriptor without the tenant key is undecided.
+        assert_eq!(
+            svc.parse(&request(
+                "edge",
+                vec![descriptor(&[("path", "/a"), ("path", "/b")])]
+            ))
+            .unwrap(),
+            [Descriptor::NoTenant]
+        );
+        // Only a request the proto calls invalid as a whole is an error.
+        assert!(svc.parse(&request("", vec![good.clone()])).is_err());
+        assert!(svc.parse(&request("edge", vec![])).is_err());
+        let many = svc
+            .parse(&request("edge", vec![good.clone(); MAX_BATCH + 2]))
+            .unwrap();
+        assert!(many[..MAX_BATCH]
+            .iter()
+            .all(|d| matches!(d, Descriptor::Check { .. })));
+        assert_eq!(
+            many[MAX_BATCH..],
+            [
+                Descriptor::Refused("too_many_descriptors"),
+                Descriptor::Refused("too_many_descriptors")
+            ]
+        );
+    }
+
+    #[tokio::test]
+    async fn a_malformed_descriptor_is_over_the_limit_and_the_others_are_still_decided() {
+        let state = embedded();
+        put(&state, "acme", "writes", spec(5, 60_000)).await;
+        put(&state, "all", "global", spec(1, 60_000)).await;
+        let (mut client, _channel, _stop) = start(state).await;
+        let good = descriptor(&[("tenant", "acme"), ("policy", "writes")]);
+        let global = descriptor(&[("tenant", "all"), ("policy", "global")]);
+        let bad = descriptor(&[("tenant", "ac.me"), ("policy", "writes")]);
+        // The global limit of one is spent.
+        assert_eq!(
+            call(&mut client, request("edge", vec![global.clone()]))
+                .await
+                .overall_code,
+            OK
+        );
+
+        let r = call(
+            &mut client,
+            request("edge", vec![bad.clone(), global.clone(), good.clone()]),
+        )
+        .await;
+        assert_eq!(r.overall_code, OVER);
+        let s: Vec<_> = r
+            .statuses
+            .iter()
+            .map(|s| (s.code, s.current_limit.is_some(), s.limit_remaining))
+            .collect();
+        assert_eq!(s, [(OVER, false, 0), (OVER, true, 0), (OK, true, 4)]);
+
+        // A malformed descriptor alone is a denial too, not an error Envoy would admit.
+        let r = call(&mut client, request("edge", vec![bad])).await;
+        assert_eq!((r.overall_code, r.statuses.len()), (OVER, 1));
+
+        // A request invalid as a whole is an error, and spends nothing.
+        let e = client
+            .should_rate_limit(request("", vec![good.clone()]))
             .await
-            .unwrap()
-            .into_inner();
-        assert_eq!(r.statuses[0].limit_remaining, 4);
+            .unwrap_err();
+        assert_eq!(e.code(), tonic::Code::InvalidArgument);
+        let r = call(&mut client, request("edge", vec![good])).await;
+        assert_eq!(r.statuses[0].limit_remaining, 3);
+    }
+
+    #[tokio::test]
+    async fn hits_addend_zero_reads_the_bucket_without_spending() {
+        let state = embedded();
+        put(&state, "acme", "writes", spec(2, 60_000)).await;
+        let (mut client, _channel, _stop) = start(state).await;
+        let spend = descriptor(&[("tenant", "acme"), ("policy", "writes")]);
+        let read = with_hits(spend.clone(), 0);
+        for _ in 0..3 {
+            let r = call(&mut client, request("edge", vec![read.clone()])).await;
+            let s = &r.statuses[0];
+            assert_eq!((r.overall_code, s.limit_remaining), (OK, 2));
+            assert!(s.current_limit.is_some());
+            assert!(header_value(&r, "ratelimit-policy").is_some());
+        }
+        call(&mut client, request("edge", vec![spend.clone()])).await;
+        let r = call(&mut client, request("edge", vec![read.clone()])).await;
+        assert_eq!((r.overall_code, r.statuses[0].limit_remaining), (OK, 1));
+        call(&mut client, request("edge", vec![spend.clone()])).await;
+        // Empty: one hit would be refused, so the reading is over the limit.
+        let r = call(&mut client, request("edge", vec![read])).await;
+        assert_eq!((r.overall_code, r.statuses[0].limit_remaining), (OVER, 0));
+        assert!(header_value(&r, "retry-after").is_some());
+        // A request-level hits_addend of 0 is Envoy's "not set": one hit.
+        let r = call(&mut client, request("edge", vec![spend])).await;
+        assert_eq!(r.overall_code, OVER);
+    }
+
+    #[tokio::test]
+    async fn a_cost_above_the_burst_is_over_the_limit_with_the_limit_and_fields() {
+        let state = embedded();
+        put(&state, "acme", "writes", spec(5, 60_000)).await;
+        let (mut client, _channel, _stop) = start(state).await;
+        let d = descriptor(&[("tenant", "acme"), ("policy", "writes")]);
+        call(&mut client, request("edge", vec![d.clone()])).await;
+        let r = call(&mut client, request("edge", vec![with_hits(d.clone(), 6)])).await;
+        let s = &r.statuses[0];
+        assert_eq!((r.overall_code, s.limit_remaining), (OVER, 0));
+        let limit = s.current_limit.clone().unwrap();
+        assert_eq!(
+            (limit.requests_per_unit, limit.unit),
+            (5, Unit::Minute as i32)
+        );
+        assert_eq!(
+            header_value(&r, "ratelimit-policy").as_deref(),
+            Some("\"writes\";q=5;w=60")
+        );
+        // The field states the tokens the bucket holds; nothing was spent.
+        assert_eq!(
+            header_value(&r, "ratelimit").as_deref(),
+            Some("\"writes\";r=4;t=60")
+        );
+        assert_eq!(header_value(&r, "retry-after").as_deref(), Some("60"));
+        let r = call(&mut client, request("edge", vec![d])).await;
+        assert_eq!(r.statuses[0].limit_remaining, 3);
     }
 
     #[tokio::test]
@@ -553,44 +939,150 @@ mod tests {
         put(&state, "acme", "strict", closed).await;
         put(&state, "acme", "lenient", spec(5, 60_000)).await;
         let (mut client, _channel, _stop) = start(state).await;
-        let r = client
-            .should_rate_limit(request(
-                "edge",
-                vec![descriptor(&[("tenant", "acme"), ("policy", "strict")])],
-            ))
-            .await
-            .unwrap()
-            .into_inner();
-        assert_eq!(
-            r.overall_code,
-            Code::OverLimit as i32,
-            "closed must deny, not error"
-        );
-        let r = client
-            .should_rate_limit(request(
-                "edge",
-                vec![descriptor(&[("tenant", "acme"), ("policy", "lenient")])],
-            ))
-            .await
-            .unwrap()
-            .into_inner();
-        assert_eq!(
-            (r.overall_code, r.statuses[0].limit_remaining),
-            (Code::Ok as i32, 4)
-        );
+        let strict = descriptor(&[("tenant", "acme"), ("policy", "strict")]);
+        let r = call(&mut client, request("edge", vec![strict])).await;
+        assert_eq!(r.overall_code, OVER, "closed must deny, not error");
+        let s = &r.statuses[0];
+        assert_eq!(s.limit_remaining, 0);
+        assert_eq!(s.current_limit.as_ref().unwrap().requests_per_unit, 5);
+        assert!(header_value(&r, "retry-after").is_some());
+        let lenient = descriptor(&[("tenant", "acme"), ("policy", "lenient")]);
+        let r = call(&mut client, request("edge", vec![lenient])).await;
+        assert_eq!((r.overall_code, r.statuses[0].limit_remaining), (OK, 4));
     }
 
     #[test]
-    fn a_window_is_shown_in_the_largest_whole_unit() {
+    fn the_limit_is_stated_per_the_smallest_unit_as_long_as_the_window() {
         let p = PolicyName::new("p").unwrap();
         let shown = |limit, window_ms| {
             let l = current_limit(&p, limit, window_ms);
-            (l.requests_per_unit, l.unit)
+            (l.requests_per_unit, Unit::try_from(l.unit).unwrap())
         };
-        assert_eq!(shown(10_000, 60_000), (10_000, Unit::Minute as i32));
-        assert_eq!(shown(100, 120_000), (50, Unit::Minute as i32));
-        assert_eq!(shown(7, 86_400_000), (7, Unit::Day as i32));
-        assert_eq!(shown(5, 3_000), (2, Unit::Second as i32));
-        assert_eq!(shown(3, 500), (6, Unit::Second as i32));
+        const DAY_MS: u64 = 86_400_000;
+        let table = [
+            ((3, 10_000), (18, Unit::Minute)),
+            ((1, 7 * DAY_MS), (1, Unit::Week)),
+            ((10_000, 60_000), (10_000, Unit::Minute)),
+            ((100, 1_000), (100, Unit::Second)),
+            ((3, 500), (6, Unit::Second)),
+            ((5, 3_000), (100, Unit::Minute)),
+            ((100, 120_000), (3_000, Unit::Hour)),
+            ((7, DAY_MS), (7, Unit::Day)),
+            ((2, 2 * DAY_MS), (7, Unit::Week)),
+            ((10, 30 * DAY_MS), (10, Unit::Month)),
+            // Not a whole number of windows per unit: rounded down.
+            ((1, 7_000), (8, Unit::Minute)),
+            ((1, 31 * DAY_MS), (11, Unit::Year)),
+            // Beyond what the field holds: saturated.
+            ((1_000_000_000, 1), (u32::MAX, Unit::Second)),
+        ];
+        for ((limit, window_ms), want) in table {
+            assert_eq!(shown(limit, window_ms), want, "{limit} per {window_ms} ms");
+        }
+    }
+
+    #[tokio::test]
+    async fn health_answers_for_ratelimit_too_and_turns_not_serving_at_shutdown() {
+        let state = embedded();
+        let (_client, channel, stop) = start(state.clone()).await;
+        let mut health = HealthClient::new(channel);
+        let serving = ServingStatus::Serving as i32;
+        for name in HEALTH_SERVICE_NAMES {
+            let r = health
+                .check(HealthCheckRequest {
+                    service: name.into(),
+                })
+                .await
+                .unwrap()
+                .into_inner();
+            assert_eq!(r.status, serving, "{name:?}");
+        }
+        let e = health
+            .check(HealthCheckRequest {
+                service: "other".into(),
+            })
+            .await
+            .unwrap_err();
+        assert_eq!(e.code(), tonic::Code::NotFound);
+
+        // Watch on an unknown name streams SERVICE_UNKNOWN and keeps the call open.
+        let mut unknown = health
+            .watch(HealthCheckRequest {
+                service: "other".into(),
+            })
+            .await
+            .unwrap()
+            .into_inner();
+        let first = unknown.message().await.unwrap().unwrap();
+        assert_eq!(first.status, ServingStatus::ServiceUnknown as i32);
+        assert!(
+            tokio::time::timeout(Duration::from_millis(200), unknown.message())
+                .await
+                .is_err(),
+            "the call stays open"
+        );
+
+        let mut watch = health
+            .watch(HealthCheckRequest {
+                service: "ratelimit".into(),
+            })
+            .await
+            .unwrap()
+            .into_inner();
+        assert_eq!(watch.message().await.unwrap().unwrap().status, serving);
+        // Shutdown begins: readiness turns false before the listener stops.
+        state.ready.store(false, Ordering::Relaxed);
+        let next = tokio::time::timeout(Duration::from_secs(2), watch.message())
+            .await
+            .unwrap()
+            .unwrap()
+            .unwrap();
+        assert_eq!(next.status, ServingStatus::NotServing as i32);
+        let r = health
+            .check(HealthCheckRequest {
+                service: "ratelimit".into(),
+            })
+            .await
+            .unwrap()
+            .into_inner();
+        assert_eq!(r.status, ServingStatus::NotServing as i32);
+        // Then the listener stops, and every watch ends.
+        stop.send_replace(true);
+        for stream in [&mut watch, &mut unknown] {
+            let end = tokio::time::timeout(Duration::from_secs(2), stream.message())
+                .await
+                .unwrap();
+            assert!(!matches!(end, Ok(Some(_))), "{end:?}");
+        }
+    }
+
+    #[tokio::test]
+    async fn a_watch_sees_not_serving_even_when_the_stop_comes_at_once() {
+        let state = embedded();
+        let (_client, channel, stop) = start(state.clone()).await;
+        let mut health = HealthClient::new(channel);
+        let mut watch = health
+            .watch(HealthCheckRequest {
+                service: String::new(),
+            })
+            .await
+            .unwrap()
+            .into_inner();
+        assert_eq!(
+            watch.message().await.unwrap().unwrap().status,
+            ServingStatus::Serving as i32
+        );
+        state.ready.store(false, Ordering::Relaxed);
+        stop.send_replace(true);
+        let seen: Vec<i32> = tokio::time::timeout(
+            Duration::from_secs(2),
+            futures::stream::unfold(watch, |mut w| async move {
+                Some((w.message().await.ok()??.status, w))
+            })
+            .collect::<Vec<_>>(),
+        )
+        .await
+        .unwrap();
+        assert_eq!(seen, [ServingStatus::NotServing as i32]);
     }
 }

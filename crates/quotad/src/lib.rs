@@ -8,14 +8,16 @@
 //! # Layout
 //! - [`cli`]: the command line (`run`, `check-config`, `--version`).
 //! - [`config`]: TOML config, `QUOTAD_…` overrides, one-pass validation, secrets.
+//! - [`secret`]: secret values and the one constant-time token comparison.
 //! - [`server`]: start-up, serving, graceful shutdown.
 //! - [`api`]: the axum router (`app(state)`), handlers and the one `ApiError`.
-//! - [`decision`]: the decision path: pins, shares, breaker, fail modes.
-//! - [`breaker`]: the circuit breaker around the regional store.
-//! - [`coordination`]: the coordinator behind the daemon and its view snapshots.
-//! - [`local_store`]: the single-region coordinator's redb file (policies, pins, versions).
-//! - [`replicated`]: the Raft-backed coordinator (quota-raft), usage reports, rebalancing.
-//! - [`agent`]: the region agent (applies shares, collects usage).
+//! - [`decision`]: the decision path: pins, shares, fail modes, and the circuit breaker
+//!   around the regional store.
+//! - [`coordination`]: the coordinator behind the daemon and its view snapshots: the
+//!   single-region one on its redb file, and the Raft-backed one (quota-raft) with its usage
+//!   reports, lease renewals and the leader's rebalancing.
+//! - [`agent`]: the region agent (applies shares, collects usage) and its ledger of what the
+//!   store was told.
 //! - [`envoy_rls`]: Envoy's rate limit service (gRPC) over the same decision path.
 //! - [`redis_password`]: re-reading the Redis password file, for rotation without a restart.
 //! - [`telemetry`]: metric names, the Prometheus exporter, log set-up.
@@ -23,15 +25,13 @@
 
 pub mod agent;
 pub mod api;
-pub mod breaker;
 pub mod cli;
 pub mod clock;
 pub mod config;
 pub mod coordination;
 pub mod decision;
 pub mod envoy_rls;
-pub mod local_store;
 pub mod redis_password;
-pub mod replicated;
+pub mod secret;
 pub mod server;
 pub mod telemetry;

@@ -13,13 +13,14 @@ use metrics_exporter_prometheus::PrometheusHandle;
 use quota_store::{AnyStore, Credentials, RedisStore, RedisStoreConfig, StoreError};
 use tokio::net::TcpListener;
 use tokio::sync::watch;
+use tokio::task::JoinHandle;
 
 use crate::api::{self, AppShared, AppState};
-use crate::breaker::Breaker;
-use crate::config::{Config, RuntimeConfig, Secret, SecretSource, Settings, ENV_REDIS_PASSWORD};
-use crate::coordination::{Coordinator, LocalCoordinator};
+use crate::config::{Config, RuntimeConfig, SecretSource, Settings, ENV_REDIS_PASSWORD};
+use crate::coordination::{Coordinator, LocalCoordinator, Replicated};
+use crate::decision::breaker::Breaker;
 use crate::decision::{Decider, DeciderParts};
-use crate::replicated::Replicated;
+use crate::secret::Secret;
 use crate::{agent, envoy_rls, redis_password, telemetry};
 
 /// Resolves once SIGTERM or Ctrl-C arrives.
@@ -107,25 +108,36 @@ async fn build_store(settings: &Settings) -> anyhow::Result<(AnyStore, bool)> {
     Ok((AnyStore::Redis(store), reachable))
 }
 
-/// Everything the API serves from, built from settings.
+/// The coordinator, and the replicated member itself when there is one (its loops and the
+/// peer listener need it, not the API).
+async fn build_coordinator(
+    settings: &Settings,
+) -> anyhow::Result<(Arc<Coordinator>, Option<Arc<Replicated>>)> {
+    if settings.is_single_region() {
+        let local = LocalCoordinator::open(settings.region.clone(), &settings.config.data_dir)
+            .context("opening the single-region coordinator's state")?;
+        return Ok((Arc::new(Coordinator::Local(local)), None));
+    }
+    let replicated = Arc::new(Replicated::start(settings).await?);
+    Ok((
+        Arc::new(Coordinator::Replicated(replicated.clone())),
+        Some(replicated),
+    ))
+}
+
+/// Everything the API serves from, built from settings, with the replicated member of a
+/// multi-region cluster.
 pub async fn build_state(
     settings: &Settings,
     metrics: Option<PrometheusHandle>,
-) -> anyhow::Result<AppState> {
+) -> anyhow::Result<(AppState, Option<Arc<Replicated>>)> {
     let cfg = &settings.config;
     let (store, reachable) = build_store(settings).await?;
     let breaker = Breaker::new(&cfg.breaker, settings.region.as_str());
     if !reachable {
         breaker.trip();
     }
-    let coordinator = if settings.is_single_region() {
-        Arc::new(Coordinator::Local(
-            LocalCoordinator::open(settings.region.clone(), &cfg.data_dir)
-                .context("opening the single-region coordinator's state")?,
-        ))
-    } else {
-        Arc::new(Coordinator::Replicated(Replicated::start(settings).await?))
-    };
+    let (coordinator, replicated) = build_coordinator(settings).await?;
     let homes: HashMap<_, _> = settings
         .regions
         .iter()
@@ -140,7 +152,7 @@ pub async fn build_state(
         forward_timeout: Duration::from_millis(cfg.api.forward_timeout_ms),
         peer_token: settings.secrets.peer_token.clone(),
     }));
-    Ok(Arc::new(AppShared {
+    let state = Arc::new(AppShared {
         decider,
         coordinator,
         admin_token: Arc::new(admin_token(settings)),
@@ -149,7 +161,8 @@ pub async fn build_state(
         drift_margin_ms: cfg.coordination.drift_margin_ms,
         body_limit_bytes: cfg.api.body_limit_bytes,
         request_timeout: Duration::from_millis(cfg.api.request_timeout_ms),
-    }))
+    });
+    Ok((state, replicated))
 }
 
 /// The tokio runtime the daemon runs on, sized by `runtime.worker_threads`.
@@ -238,32 +251,60 @@ pub async fn serve(
     metrics: Option<PrometheusHandle>,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> anyhow::Result<()> {
-    let state = build_state(&settings, metrics).await?;
-    let cfg = &settings.config;
+    let (state, replicated) = build_state(&settings, metrics).await?;
     let (stop_tx, stop_rx) = watch::channel(false);
+    let mut tasks = background_tasks(&settings, &state, replicated.as_ref(), &stop_rx);
+    if let Some(r) = &replicated {
+        tasks.extend(replicated_tasks(&settings, r, &stop_rx).await?);
+    }
+    if let Some(task) = envoy_task(&settings, &state, &stop_rx).await? {
+        tasks.push(task);
+    }
+    let served = serve_api(&settings, listener, state, replicated.clone(), shutdown).await;
+    let _ = stop_tx.send(true);
+    for t in tasks {
+        let _ = t.await;
+    }
+    if let Some(r) = &replicated {
+        r.shutdown().await;
+    }
+    tracing::info!("quotad stopped.");
+    served
+}
+
+/// The region agent's loops and the daemon's upkeep: the timer kept pending, the password
+/// file watch, the metrics upkeep.
+fn background_tasks(
+    settings: &Settings,
+    state: &AppState,
+    replicated: Option<&Arc<Replicated>>,
+    stop_rx: &watch::Receiver<bool>,
+) -> Vec<JoinHandle<()>> {
+    let cfg = &settings.config;
     let report_interval = Duration::from_millis(cfg.coordination.report_interval_ms);
-    let mut tasks = vec![
-        tokio::spawn(agent::run_apply(
+    let mut tasks = vec![tokio::spawn(agent::run_apply(
+        state.decider.clone(),
+        state.coordinator.clone(),
+        replicated.cloned(),
+        report_interval,
+        // The longest lease an earlier run may have written (renewals carry only the
+        // configured lease).
+        cfg.coordination.lease_ms,
+        stop_rx.clone(),
+    ))];
+    if let Some(r) = replicated {
+        tasks.push(tokio::spawn(agent::run_report(
             state.decider.clone(),
-            state.coordinator.clone(),
-            report_interval,
-            // The longest lease an earlier run may have written (renewals carry only the
-            // configured lease).
-            cfg.coordination.lease_ms,
-            stop_rx.clone(),
-        )),
-        tokio::spawn(agent::run_report(
-            state.decider.clone(),
-            state.coordinator.clone(),
+            r.clone(),
             report_interval,
             stop_rx.clone(),
-        )),
-    ];
+        )));
+    }
     tasks.push(tokio::spawn(keep_a_timer_pending(
         pending_timer_period(cfg),
         stop_rx.clone(),
     )));
-    if let Some(watch) = password_watch(&settings, state.decider.store(), &stop_rx) {
+    if let Some(watch) = password_watch(settings, state.decider.store(), stop_rx) {
         tasks.push(tokio::spawn(watch));
     }
     if let Some(metrics) = state.metrics.clone() {
@@ -272,45 +313,72 @@ pub async fn serve(
             stop_rx.clone(),
         )));
     }
-    if let Coordinator::Replicated(r) = state.coordinator.as_ref() {
-        let peer = TcpListener::bind(settings.peer_listen)
-            .await
-            .with_context(|| format!("binding the peer listener on {}", settings.peer_listen))?;
-        let coordinator = state.coordinator.clone();
-        tasks.push(tokio::spawn(replicated_loops(
-            coordinator,
-            Duration::from_millis(cfg.coordination.rebalance_interval_ms),
-            stop_rx.clone(),
-        )));
-        let mut stop = stop_rx.clone();
-        let router = r.peer_router_arc(&state.coordinator);
-        tasks.push(tokio::spawn(async move {
-            let served = axum::serve(peer, router)
-                .with_graceful_shutdown(async move {
-                    let _ = stop.changed().await;
-                })
-                .await;
-            if let Err(e) = served {
-                tracing::error!(error = %e, "The peer listener failed.");
-            }
-        }));
-    }
-    if let Some(addr) = settings.envoy_listen {
-        let listener = TcpListener::bind(addr)
-            .await
-            .with_context(|| format!("binding the Envoy rate limit listener on {addr}"))?;
-        let service = envoy_rls::EnvoyRateLimit::new(state.clone(), &cfg.envoy);
-        let stop = stop_rx.clone();
-        let drain = Duration::from_millis(cfg.api.drain_timeout_ms);
-        tracing::info!(envoy = %addr, "Envoy rate limit service (RLS v3) serving.");
-        tasks.push(tokio::spawn(async move {
-            if let Err(e) = envoy_rls::serve(service, listener, stop, drain).await {
-                tracing::error!(error = %e, "The Envoy rate limit listener failed.");
-            }
-        }));
-    }
+    tasks
+}
+
+/// The replicated member's loops and its peer listener (Raft and usage reports).
+async fn replicated_tasks(
+    settings: &Settings,
+    r: &Arc<Replicated>,
+    stop_rx: &watch::Receiver<bool>,
+) -> anyhow::Result<Vec<JoinHandle<()>>> {
+    let peer = TcpListener::bind(settings.peer_listen)
+        .await
+        .with_context(|| format!("binding the peer listener on {}", settings.peer_listen))?;
+    let loops = tokio::spawn(replicated_loops(
+        r.clone(),
+        Duration::from_millis(settings.config.coordination.rebalance_interval_ms),
+        stop_rx.clone(),
+    ));
+    let mut stop = stop_rx.clone();
+    let router = r.peer_router();
+    let listener = tokio::spawn(async move {
+        let served = axum::serve(peer, router)
+            .with_graceful_shutdown(async move {
+                let _ = stop.changed().await;
+            })
+            .await;
+        if let Err(e) = served {
+            tracing::error!(error = %e, "The peer listener failed.");
+        }
+    });
+    Ok(vec![loops, listener])
+}
+
+/// Envoy's rate limit service, when `envoy.listen` is set.
+async fn envoy_task(
+    settings: &Settings,
+    state: &AppState,
+    stop_rx: &watch::Receiver<bool>,
+) -> anyhow::Result<Option<JoinHandle<()>>> {
+    let Some(addr) = settings.envoy_listen else {
+        return Ok(None);
+    };
+    let cfg = &settings.config;
+    let listener = TcpListener::bind(addr)
+        .await
+        .with_context(|| format!("binding the Envoy rate limit listener on {addr}"))?;
+    let service = envoy_rls::EnvoyRateLimit::new(state.clone(), &cfg.envoy);
+    let stop = stop_rx.clone();
+    let drain = Duration::from_millis(cfg.api.drain_timeout_ms);
+    tracing::info!(envoy = %addr, "Envoy rate limit service (RLS v3) serving.");
+    Ok(Some(tokio::spawn(async move {
+        if let Err(e) = envoy_rls::serve(service, listener, stop, drain).await {
+            tracing::error!(error = %e, "The Envoy rate limit listener failed.");
+        }
+    })))
+}
+
+/// Serves the API until `shutdown` resolves (or Raft stops for good), then turns /readyz to
+/// 503 and drains in-flight requests for up to `api.drain_timeout_ms`.
+async fn serve_api(
+    settings: &Settings,
+    listener: TcpListener,
+    state: AppState,
+    replicated: Option<Arc<Replicated>>,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+) -> anyhow::Result<()> {
     let ready = state.ready.clone();
-    let coordinator = state.coordinator.clone();
     let router = api::app(state);
     ready.store(true, Ordering::Relaxed);
     let local = listener
@@ -324,13 +392,10 @@ pub async fn serve(
     // its supervisor restarts it from the durable state.
     let fatal = Arc::new(std::sync::Mutex::new(None::<String>));
     let fatal_seen = fatal.clone();
-    let raft_stopped = {
-        let coordinator = coordinator.clone();
-        async move {
-            match coordinator.as_ref() {
-                Coordinator::Replicated(r) => r.wait_fatal().await,
-                Coordinator::Local(_) => std::future::pending().await,
-            }
+    let raft_stopped = async move {
+        match replicated {
+            Some(r) => r.wait_fatal().await,
+            None => std::future::pending().await,
         }
     };
     let graceful = async move {
@@ -347,7 +412,7 @@ pub async fn serve(
     };
     let server = axum::serve(listener, axum::ServiceExt::into_make_service(router))
         .with_graceful_shutdown(graceful);
-    let drain_timeout = Duration::from_millis(cfg.api.drain_timeout_ms);
+    let drain_timeout = Duration::from_millis(settings.config.api.drain_timeout_ms);
     let served = tokio::select! {
         r = server => r.context("serving the API"),
         () = async {
@@ -358,38 +423,25 @@ pub async fn serve(
             Ok(())
         }
     };
-    let _ = stop_tx.send(true);
-    for t in tasks {
-        let _ = t.await;
-    }
-    if let Coordinator::Replicated(r) = coordinator.as_ref() {
-        r.shutdown().await;
-    }
-    tracing::info!("quotad stopped.");
     if let Some(message) = fatal.lock().unwrap_or_else(|e| e.into_inner()).take() {
-        anyhow::bail!("the Raft coordinator stopped: {message}");
+        // The background tasks stop, and Raft shuts down, in `serve` before this is seen.
+        return Err(anyhow::anyhow!("the Raft coordinator stopped: {message}"));
     }
     served
 }
 
 /// Keeps the replicated view fresh (on every applied entry) and runs the leader's rounds.
 async fn replicated_loops(
-    coordinator: Arc<Coordinator>,
+    r: Arc<Replicated>,
     rebalance_interval: Duration,
     mut shutdown: watch::Receiver<bool>,
 ) {
-    let Coordinator::Replicated(r) = coordinator.as_ref() else {
-        return;
-    };
     let mut applied = r.subscribe_applied();
     r.rebuild_view();
     let leader = {
-        let coordinator = coordinator.clone();
+        let r = r.clone();
         let mut shutdown = shutdown.clone();
         tokio::spawn(async move {
-            let Coordinator::Replicated(r) = coordinator.as_ref() else {
-                return;
-            };
             let mut tick = tokio::time::interval(rebalance_interval);
             tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
             loop {

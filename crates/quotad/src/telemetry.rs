@@ -31,13 +31,14 @@ pub const REBALANCE_DURATION_SECONDS: &str = "quotad_rebalance_duration_seconds"
 /// Checks forwarded to a pinned tenant's home region, by outcome.
 pub const FORWARDED_TOTAL: &str = "quotad_forwarded_checks_total";
 /// Requests answered with a problem (HTTP) or refused as malformed (Envoy), by `code`: the
-/// problem code, or `ENVOY_INVALID_ARGUMENT`.
+/// problem code, `ENVOY_INVALID_ARGUMENT` (a request) or `ENVOY_INVALID_DESCRIPTOR` (one descriptor).
 pub const REJECTED_REQUESTS_TOTAL: &str = "quotad_rejected_requests_total";
 /// Re-readings of `redis.password_file` that found a new password, by outcome (`taken`,
 /// `refused`, `unreachable`) and unreadable files (`unreadable`).
 pub const REDIS_PASSWORD_RELOADS_TOTAL: &str = "quotad_redis_password_reloads_total";
 /// Envoy rate limit descriptors answered `OK` without a decision, by reason (`no_tenant`: no
-/// tenant entry; `unknown_policy`: no such policy for the tenant), as Envoy's convention asks.
+/// tenant entry; `unknown_policy`: no such policy for the tenant; for a reading, `hits_addend`
+/// 0: `pinned_elsewhere`, `store_unavailable`), as Envoy's convention asks.
 pub const ENVOY_UNDECIDED_DESCRIPTORS_TOTAL: &str = "quotad_envoy_undecided_descriptors_total";
 /// The coordinator epoch this region has seen committed.
 pub const COMMITTED_EPOCH: &str = "quotad_committed_epoch";
@@ -268,7 +269,7 @@ impl AgentMetrics {
         }
     }
 
-    pub fn share_writes(&self, o: crate::agent::WriteOutcomes) {
+    pub fn share_writes(&self, o: WriteOutcomes) {
         self.writes_ok.increment(o.ok);
         self.writes_failed.increment(o.failed);
     }
@@ -316,6 +317,13 @@ impl ReportMetrics {
             self.renewals_failed.increment(1);
         }
     }
+}
+
+/// Parameter writes of one pass, by how they ended (those never started are in neither).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct WriteOutcomes {
+    pub ok: u64,
+    pub failed: u64,
 }
 
 #[cfg(test)]

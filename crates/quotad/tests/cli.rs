@@ -40,3 +40,33 @@ fn check_config_accepts_the_example_and_rejects_nonsense() {
     assert_eq!(out.status.code(), Some(2));
     assert!(String::from_utf8_lossy(&out.stderr).contains("cannot read"));
 }
+
+#[test]
+fn check_config_of_a_cluster_region_names_the_peer_token_it_needs() {
+    let example = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../../config/three-regions-a.toml"
+    );
+    let out = Command::new(BIN)
+        .args(["check-config", example])
+        .env_remove("QUOTAD_PEER_TOKEN")
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(2));
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        stderr.contains("QUOTAD_PEER_TOKEN") && stderr.contains("the same on every region"),
+        "{stderr}"
+    );
+    let out = Command::new(BIN)
+        .args(["check-config", example])
+        .env("QUOTAD_PEER_TOKEN", "peer-secret")
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(!String::from_utf8_lossy(&out.stdout).contains("peer-secret"));
+}

@@ -1,23 +1,14 @@
-//! Bearer-token authentication of mutations. The comparison is constant-time over SHA-256
-//! digests, so neither the token's bytes nor its length leak through timing.
+//! Bearer-token authentication of mutations, compared through [`crate::secret::Secret::matches`]
+//! (constant-time).
 
 use axum::extract::{Request, State};
 use axum::http::header;
 use axum::middleware::Next;
 use axum::response::Response;
-use sha2::{Digest, Sha256};
-use subtle::ConstantTimeEq;
 use utoipa::openapi::security::{HttpAuthScheme, HttpBuilder, SecurityScheme};
 
 use crate::api::problem::ApiError;
-use crate::api::AppState;
-
-/// True when `presented` equals the expected token, compared in constant time.
-pub fn token_matches(expected: &str, presented: &str) -> bool {
-    let a = Sha256::digest(expected.as_bytes());
-    let b = Sha256::digest(presented.as_bytes());
-    a.ct_eq(&b).into()
-}
+use crate::api::state::AppState;
 
 /// Rejects requests without the admin bearer token.
 pub async fn require_token(
@@ -31,7 +22,7 @@ pub async fn require_token(
         .and_then(|v| v.to_str().ok())
         .and_then(|v| v.strip_prefix("Bearer "))
         .unwrap_or("");
-    if presented.is_empty() || !token_matches(state.admin_token.expose(), presented) {
+    if presented.is_empty() || !state.admin_token.matches(presented) {
         return Err(ApiError::Unauthorized);
     }
     Ok(next.run(req).await)
@@ -48,18 +39,5 @@ impl utoipa::Modify for BearerScheme {
             "bearer",
             SecurityScheme::Http(HttpBuilder::new().scheme(HttpAuthScheme::Bearer).build()),
         );
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn compares_whole_tokens() {
-        assert!(token_matches("abc", "abc"));
-        assert!(!token_matches("abc", "abd"));
-        assert!(!token_matches("abc", "ab"));
-        assert!(!token_matches("abc", ""));
     }
 }

@@ -21,7 +21,7 @@ use crate::api::check::{
     check_error, decide, parse, rate_limited_problem, CheckBody, CheckResponse,
 };
 use crate::api::problem::{ApiError, ApiJson, Problem};
-use crate::api::AppState;
+use crate::api::state::AppState;
 use crate::decision::{Verdict, FORWARDED_HEADER};
 
 /// Most checks in one batch: bounds the work one request can ask for.

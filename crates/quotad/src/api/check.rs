@@ -10,8 +10,9 @@ use axum::response::Response;
 use quota_core::{PolicyName, TenantId};
 use serde::{Deserialize, Serialize};
 
+use crate::api::header_text::HeaderText;
 use crate::api::problem::{problem_response, ApiError, ApiJson, Problem, QUOTA_EXCEEDED_TYPE};
-use crate::api::{AppState, HeaderText};
+use crate::api::state::AppState;
 use crate::decision::{CheckError, Mode, Verdict, FORWARDED_HEADER};
 
 static RATELIMIT_POLICY: HeaderName = HeaderName::from_static("ratelimit-policy");

@@ -9,8 +9,8 @@ use quota_core::{PolicyName, RegionId, TenantId};
 use serde::{Deserialize, Serialize};
 
 use crate::api::problem::{ApiError, ApiJson, Problem};
+use crate::api::state::AppState;
 use crate::api::tenants::{coord_error, PolicyView};
-use crate::api::AppState;
 use crate::clock;
 use crate::coordination::MemberStatus;
 

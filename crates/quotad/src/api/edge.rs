@@ -20,8 +20,8 @@ use axum::response::{IntoResponse as _, Response};
 use http_body_util::Limited;
 use tower::{Layer, Service};
 
+use crate::api::header_text::HeaderText;
 use crate::api::problem::ApiError;
-use crate::api::HeaderText;
 
 /// The request id header: echoed when the client sent one, generated otherwise.
 pub const REQUEST_ID: HeaderName = HeaderName::from_static("x-request-id");

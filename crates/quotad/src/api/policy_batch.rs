@@ -15,8 +15,8 @@ use quota_core::coordinator::MAX_BATCH_POLICIES;
 use quota_core::{PolicyName, PolicySpec, TenantId};
 
 use crate::api::problem::{ApiError, ApiJson, FieldProblem, Problem};
+use crate::api::state::AppState;
 use crate::api::tenants::{coord_error, refused_policies, PolicyView};
-use crate::api::AppState;
 use crate::coordination::{CoordError, PolicyPut};
 
 /// Policies to create or replace: each one is a PUT body plus `tenant` and `policy`.

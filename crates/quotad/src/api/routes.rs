@@ -19,7 +19,8 @@ use axum::response::{IntoResponse as _, Response};
 use axum::Router;
 use tower::Service;
 
-use crate::api::{check, AppState};
+use crate::api::check;
+use crate::api::state::AppState;
 
 /// The path the fast path serves (with `POST`).
 pub const CHECK_PATH: &str = "/v1/check";

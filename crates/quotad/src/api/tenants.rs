@@ -11,7 +11,7 @@ use quota_core::{
 use serde::{Deserialize, Serialize};
 
 use crate::api::problem::{ApiError, ApiJson, FieldProblem, Problem};
-use crate::api::AppState;
+use crate::api::state::AppState;
 use quota_store::{BucketRef, Limit};
 
 use crate::clock;

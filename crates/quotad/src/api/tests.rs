@@ -15,10 +15,11 @@ use tower::{Layer as _, ServiceExt as _};
 
 use super::{app, AppShared, AppState};
 use crate::api::Api;
-use crate::breaker::Breaker;
-use crate::config::{BreakerConfig, Secret};
+use crate::config::BreakerConfig;
 use crate::coordination::{Coordinator, LocalCoordinator};
+use crate::decision::breaker::Breaker;
 use crate::decision::{Decider, DeciderParts};
+use crate::secret::Secret;
 
 const TOKEN: &str = "test-token";
 
@@ -665,7 +666,7 @@ async fn status_health_and_openapi() {
 
 #[test]
 fn header_text_builds_what_format_would() {
-    use super::HeaderText;
+    use super::header_text::HeaderText;
     let v = HeaderText::new()
         .str("\"writes\";q=")
         .num(10_000)

@@ -4,6 +4,8 @@
 //! Nothing here holds a lock across an await: the view is an `Arc` snapshot, the breaker and
 //! the in-process buckets use short synchronous critical sections.
 
+pub mod breaker;
+
 use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -11,17 +13,16 @@ use std::time::Duration;
 
 use metrics::{Counter, Histogram};
 use quota_core::policy::CostError;
-use quota_core::{
-    Algorithm, BucketParams, Decision, FailMode, Policy, PolicyName, RegionId, TenantId, PPM,
-};
-use quota_store::{AnyStore, BucketRef, CheckRequest, EmbeddedStore, Limit, Store};
+use quota_core::share::limit_for_share;
+use quota_core::{Decision, FailMode, Policy, PolicyName, RegionId, TenantId};
+use quota_store::{AnyStore, BucketRef, CheckRequest, EmbeddedStore, Limit, Store, StoreError};
 use serde::{Deserialize, Serialize};
 use tokio::sync::watch;
 
-use crate::breaker::{Admission, Breaker};
 use crate::clock;
-use crate::config::Secret;
 use crate::coordination::{ClusterView, PolicyEntry};
+use crate::decision::breaker::{Admission, Breaker};
+use crate::secret::Secret;
 use crate::telemetry::{self, DecisionMetrics, Outcome};
 
 /// Header marking a check forwarded from another region, so it is never forwarded again. Its
@@ -29,19 +30,6 @@ use crate::telemetry::{self, DecisionMetrics, Outcome};
 /// A `HeaderName`, not a `&str`: looking a `&str` up parses it on every request.
 pub const FORWARDED_HEADER: axum::http::HeaderName =
     axum::http::HeaderName::from_static("x-quotad-forwarded");
-
-/// The limit this region enforces for a policy at a share: a bucket of `s·C` refilling at
-/// `s·r`, or for a sliding window `s·limit` per window.
-pub fn limit_for_share(policy: &Policy, share_ppm: u32) -> Limit {
-    match policy.algorithm {
-        Algorithm::TokenBucket => Limit::TokenBucket(BucketParams::for_share(policy, share_ppm)),
-        Algorithm::SlidingWindow => Limit::SlidingWindow {
-            limit: (u128::from(policy.limit) * u128::from(share_ppm.min(PPM)) / u128::from(PPM))
-                as u64,
-            window_ms: policy.window_ms,
-        },
-    }
-}
 
 /// True when the store decides in process (no Redis: nothing to break).
 pub fn is_embedded(store: &AnyStore) -> bool {
@@ -216,7 +204,7 @@ impl Decider {
     /// True when a request's forwarded-header value proves it came from a peer daemon.
     pub fn is_peer_forward(&self, value: Option<&str>) -> bool {
         match (&self.peer_token, value) {
-            (Some(t), Some(v)) => crate::api::auth::token_matches(t.expose(), v),
+            (Some(t), Some(v)) => t.matches(v),
             _ => false,
         }
     }
@@ -277,7 +265,7 @@ impl Decider {
         (
             entry.policy.clone(),
             share,
-            limit_for_share(&entry.policy, share),
+            limit_for_share(&entry.policy, share).into(),
         )
     }
 
@@ -285,6 +273,12 @@ impl Decider {
     /// that decides now (the in-process bucket while the breaker is open); `None` if the
     /// store cannot answer.
     pub async fn tokens_left(&self, bucket: BucketRef, limit: Limit) -> Option<u64> {
+        self.peek(bucket, limit).await.map(|d| d.remaining)
+    }
+
+    /// A bucket of this region as a check of cost 0 sees it, spending nothing, read as
+    /// [`Decider::tokens_left`] reads it; `None` if the store cannot answer.
+    pub async fn peek(&self, bucket: BucketRef, limit: Limit) -> Option<Decision> {
         let req = CheckRequest::peek(bucket, limit);
         // The store bounds every call with its own timeout.
         let r = if self.breaker.is_open() {
@@ -292,7 +286,7 @@ impl Decider {
         } else {
             self.store.check(&req).await
         };
-        r.ok().map(|d| d.remaining)
+        r.ok()
     }
 
     /// Decides one check. `forwarded` is true when another region sent it here.
@@ -430,39 +424,71 @@ impl Decider {
             cost,
             now_ms: None,
         };
-        let from_store = if is_embedded(&self.store) {
-            self.store.check(&req).await.ok()
-        } else if self.breaker.admit() == Admission::Call {
-            let t0 = clock::monotonic();
-            // The Redis store bounds every call with its configured timeout (a timeout is a
-            // `StoreError`), so no second timer is armed here.
-            let r = self.store.check(&req).await;
-            let took = t0.elapsed();
-            self.store_latency.record(took.as_secs_f64());
-            let ok = r.is_ok();
-            if !ok {
-                self.store_errors.increment(1);
-            }
-            self.breaker.record(ok, took);
-            match r {
-                Ok(d) => Some(d),
-                Err(e) => {
-                    tracing::debug!(region = %self.region, error = %e, "Store call failed.");
-                    None
-                }
-            }
-        } else {
-            None
-        };
-        let region = self.region.clone();
-        if let Some(decision) = from_store {
-            return Ok(Verdict {
+        match self.ask_store(&req).await {
+            Ok(Some(decision)) => Ok(Verdict {
                 decision,
                 policy,
                 mode: Mode::Normal,
-                decided_by: region,
-            });
+                decided_by: self.region.clone(),
+            }),
+            Ok(None) => self.fail_over(req, policy).await,
+            Err(e) => {
+                tracing::warn!(
+                    region = %self.region,
+                    policy = %req.bucket.policy,
+                    error = %e,
+                    "The store refused this bucket's data; other buckets are unaffected."
+                );
+                Err(CheckError::ReducedCapacity {
+                    policy: req.bucket.policy,
+                    reason: "the regional store refuses this policy's stored bucket",
+                })
+            }
         }
+    }
+
+    /// The store's decision, through the breaker (the embedded store has none): `Ok(None)`
+    /// when the breaker is open or the store is out (the fail mode decides), `Err` when the
+    /// store answered but refused this request or its bucket's data. A refusal is one bucket's
+    /// fault, not an outage: it never counts against the breaker, so one tenant's bad data
+    /// cannot degrade the region for the others.
+    async fn ask_store(&self, req: &CheckRequest) -> Result<Option<Decision>, StoreError> {
+        if is_embedded(&self.store) {
+            return match self.store.check(req).await {
+                Ok(d) => Ok(Some(d)),
+                Err(e) if !e.is_outage() => Err(e),
+                Err(_) => Ok(None),
+            };
+        }
+        if self.breaker.admit() != Admission::Call {
+            return Ok(None);
+        }
+        let t0 = clock::monotonic();
+        // The Redis store bounds every call with its configured timeout (a timeout is a
+        // `StoreError`), so no second timer is armed here.
+        let r = self.store.check(req).await;
+        let took = t0.elapsed();
+        self.store_latency.record(took.as_secs_f64());
+        match r {
+            Ok(d) => {
+                self.breaker.record(true, took);
+                Ok(Some(d))
+            }
+            Err(e) if !e.is_outage() => {
+                self.breaker.record(true, took);
+                Err(e)
+            }
+            Err(e) => {
+                self.store_errors.increment(1);
+                self.breaker.record(false, took);
+                tracing::debug!(region = %self.region, error = %e, "Store call failed.");
+                Ok(None)
+            }
+        }
+    }
+
+    /// The policy's fail mode, with the store unavailable.
+    async fn fail_over(&self, req: CheckRequest, policy: Policy) -> Result<Verdict, CheckError> {
         match policy.fail_mode {
             FailMode::Local => {
                 let decision = self
@@ -472,13 +498,13 @@ impl Decider {
                     decision,
                     policy,
                     mode: Mode::DegradedLocal,
-                    decided_by: region,
+                    decided_by: self.region.clone(),
                 })
             }
             FailMode::Open => {
                 let decision = Decision {
                     allowed: true,
-                    remaining: match limit {
+                    remaining: match req.limit {
                         Limit::TokenBucket(p) => p.capacity_ut / quota_core::bucket::UT,
                         Limit::SlidingWindow { limit, .. } => limit,
                     },
@@ -489,7 +515,7 @@ impl Decider {
                     decision,
                     policy,
                     mode: Mode::DegradedOpen,
-                    decided_by: region,
+                    decided_by: self.region.clone(),
                 })
             }
             FailMode::Closed => Err(CheckError::ReducedCapacity {
@@ -561,7 +587,7 @@ impl Decider {
             });
         }
         // Decide at this region's floor, in process, so a down home cannot be bypassed at more.
-        let limit = limit_for_share(&policy, policy.floor_ppm);
+        let limit = limit_for_share(&policy, policy.floor_ppm).into();
         let req = CheckRequest {
             bucket,
             limit,

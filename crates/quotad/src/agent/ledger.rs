@@ -1,49 +1,14 @@
-//! The region agent: applies this region's grants to its store, collects usage, reports it and
-//! keeps the lease.
-//!
-//! Two loops, so a slow coordinator write never delays enforcement:
-//!
-//! - **apply**: on every view change, every report interval and at the moment the lease runs
-//!   out, brings the bucket parameters this region enforces (`for_share(policy, enforced
-//!   share)`) in its store in line with the view, so any caller of the store (this daemon, or a
-//!   gateway running the Lua script directly) enforces the current share; once every write
-//!   succeeded it acknowledges the view's epoch. A pass writes only buckets whose parameters
-//!   changed, renewals that are due, and everything when the store is a new instance (a
-//!   restarted Redis is empty), [`WRITE_CONCURRENCY`] at a time. Each write carries the lease
-//!   end and the floor, so the store falls back on its own if this daemon dies. With the store
-//!   unreachable it still acknowledges once the store cannot hold more than the epoch grants
-//!   (no share was cut, or the cut share's stored lease ran out): the `local` fail mode
-//!   enforces the granted share in process, and the region's lease must not lapse meanwhile.
-//!   Once per store instance and hourly, after a pass that wrote everything and while the
-//!   lease holds (the view is then current), it sweeps the store for parameters the view has
-//!   no use for (a policy deleted or replaced while this daemon was down) and clears them.
-//! - **report** (multi-region only): every report interval, drains usage from the store and
-//!   sends it to the leader, then renews the lease through the log with the acknowledged epoch.
+//! What the store was last told for each bucket, and the writes a pass makes from it: pure
+//! bookkeeping with no I/O, so every rule about what to write, renew, sweep and acknowledge is
+//! tested here.
 
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::Arc;
-use std::time::Duration;
 
-use futures::stream::{self, StreamExt as _};
+use quota_core::share::limit_for_share;
 use quota_core::{PolicyName, RegionId, TenantId};
-use quota_store::{BucketRef, Limit, SetParams, Store as _};
-use tokio::sync::watch;
+use quota_store::{BucketRef, Limit, SetParams};
 
-use crate::clock;
-use crate::coordination::{ClusterView, Coordinator};
-use crate::decision::{limit_for_share, Decider};
-use crate::telemetry::{AgentMetrics, ReportMetrics, Reported};
-
-/// Most usage records drained per report: bounds one report's size.
-const MAX_USAGE_RECORDS: usize = 10_000;
-
-/// How long to sleep when no lease end is coming (a single region's lease never ends).
-const FAR: Duration = Duration::from_secs(3600);
-
-/// Parameter writes in flight at once: pipelined on the store's connection, so a pass over many
-/// buckets costs Redis time, not round trips.
-const WRITE_CONCURRENCY: usize = 64;
+use crate::coordination::view::ClusterView;
 
 /// Without a lease nothing a bucket holds runs out, but a store emptied without a restart (a
 /// `FLUSHALL`, say) is still refilled: every bucket is rewritten at least this often.
@@ -54,7 +19,7 @@ const REFRESH_WITHOUT_LEASE_MS: u64 = 10 * 60 * 1000;
 const SWEEP_EVERY_MS: u64 = 60 * 60 * 1000;
 
 /// How soon a sweep that failed is tried again.
-const SWEEP_RETRY_MS: u64 = 60 * 1000;
+pub(super) const SWEEP_RETRY_MS: u64 = 60 * 1000;
 
 /// Fewest lease renewals one pass may make, so small deployments renew all at once.
 const MIN_RENEWALS_PER_PASS: usize = 1024;
@@ -79,7 +44,7 @@ impl Pacing {
 
 /// What the store was last told for one bucket.
 #[derive(Debug, Clone, PartialEq, Eq)]
-struct Held {
+pub(super) struct Held {
     version: u64,
     limit: Limit,
     /// The floor from the lease end on; `None` without a lease.
@@ -87,7 +52,7 @@ struct Held {
     /// The share the store may hold, until when (local wall-clock ms; `u64::MAX` = no end).
     /// After a failed write: the larger of what it held and what was sent.
     share: u32,
-    until_ms: u64,
+    pub(super) until_ms: u64,
     /// When to rewrite it unchanged, to renew the lease end it carries.
     renew_at_ms: u64,
     /// The store instance (see [`Written::generation`]) it was written to.
@@ -100,9 +65,9 @@ struct Held {
 
 /// One parameter write a pass makes.
 #[derive(Debug, Clone)]
-struct Write {
-    req: SetParams,
-    held: Held,
+pub(super) struct Write {
+    pub(super) req: SetParams,
+    pub(super) held: Held,
 }
 
 impl Write {
@@ -126,7 +91,7 @@ pub struct Written {
     generation: u64,
     /// Buckets the view no longer has (deleted policies, old versions), still to be cleared
     /// from the store.
-    to_clear: Vec<BucketRef>,
+    pub(super) to_clear: Vec<BucketRef>,
     /// The generation whose store was last swept for buckets this daemon never saw go, and
     /// when (local wall-clock ms).
     swept: Option<(u64, u64)>,
@@ -147,7 +112,7 @@ impl Written {
     }
 
     /// Notes the store instance; a new one (not the first seen) means everything is rewritten.
-    fn observe_instance(&mut self, id: String) {
+    pub(super) fn observe_instance(&mut self, id: String) {
         if self.instance.as_ref() != Some(&id) {
             if self.instance.is_some() {
                 self.generation += 1;
@@ -185,7 +150,7 @@ impl Written {
 
     /// Whether to sweep the store now: only while the lease holds (the view is recent), once
     /// it has settled, then once per store instance and every [`SWEEP_EVERY_MS`].
-    fn sweep_due(&mut self, view: &ClusterView, now_ms: u64) -> bool {
+    pub(super) fn sweep_due(&mut self, view: &ClusterView, now_ms: u64) -> bool {
         if now_ms >= view.lease_end_local_ms {
             return false;
         }
@@ -200,7 +165,7 @@ impl Written {
 
     /// Puts the next sweep off after one failed (a `SCAN` refused or timed out): not every
     /// pass, since a sweep is a walk over the whole keyspace.
-    fn sweep_failed(&mut self, now_ms: u64) {
+    pub(super) fn sweep_failed(&mut self, now_ms: u64) {
         self.sweep_from_ms = Some(now_ms.saturating_add(SWEEP_RETRY_MS));
     }
 
@@ -208,7 +173,7 @@ impl Written {
     /// gone for good: at a version `view` has issued but does not hold. That is what a policy
     /// deleted or replaced while this daemon was down left behind. A bucket above the view's
     /// last version belongs to a change the view has not caught up with, and stays.
-    fn sweep(&mut self, view: &ClusterView, held: Vec<BucketRef>, now_ms: u64) {
+    pub(super) fn sweep(&mut self, view: &ClusterView, held: Vec<BucketRef>, now_ms: u64) {
         let gone = held.into_iter().filter(|b| {
             b.version <= view.last_version
                 && view
@@ -223,7 +188,7 @@ impl Written {
     /// the store was told (or whose write failed, or that was written to an older store
     /// instance), then the renewals that are due, earliest lease end first, up to the budget
     /// (and past it for any lease end within two report intervals).
-    fn plan(
+    pub(super) fn plan(
         &self,
         view: &ClusterView,
         region: &RegionId,
@@ -237,10 +202,10 @@ impl Written {
         for (key, entry) in view.policies.iter() {
             let grant = entry.grants.get(region);
             let share = view.enforced_share_ppm(grant, now_ms);
-            let limit = limit_for_share(&entry.policy, share);
+            let limit: Limit = limit_for_share(&entry.policy, share).into();
             let (floor, until_ms, renew_at_ms) = match (lease_left, grant) {
                 (Some(left), Some(g)) => (
-                    Some(limit_for_share(&entry.policy, g.floor_ppm.min(g.share_ppm))),
+                    Some(limit_for_share(&entry.policy, g.floor_ppm.min(g.share_ppm)).into()),
                     now_ms + left,
                     now_ms + left / 2,
                 ),
@@ -300,7 +265,7 @@ impl Written {
 
     /// Records the outcome of a write. A failed one may or may not have reached the store:
     /// the larger share and later end are kept, and it is rewritten next pass.
-    fn record(&mut self, w: Write, ok: bool) {
+    pub(super) fn record(&mut self, w: Write, ok: bool) {
         let (key, sent) = w.into_key();
         if ok {
             self.held.insert(key, sent);
@@ -345,250 +310,6 @@ impl Written {
     }
 }
 
-/// Runs the apply loop until `shutdown` fires.
-pub async fn run_apply(
-    decider: Arc<Decider>,
-    coordinator: Arc<Coordinator>,
-    report_interval: Duration,
-    lease_ms: u64,
-    mut shutdown: watch::Receiver<bool>,
-) {
-    // A replicated daemon's view may lag the log at start; after a lease of renewals going
-    // through it, it has caught up with everything committed before this daemon started.
-    let settle = match coordinator.as_ref() {
-        Coordinator::Replicated(_) => lease_ms,
-        Coordinator::Local(_) => 0,
-    };
-    let mut written = Written::new(clock::wall_ms(), lease_ms).with_sweep_settle(settle);
-    let pacing = Pacing {
-        report_interval_ms: report_interval.as_millis() as u64,
-        lease_ms,
-    };
-    let mut view = coordinator.subscribe();
-    let metrics = AgentMetrics::new(
-        decider.region(),
-        matches!(coordinator.as_ref(), Coordinator::Replicated(_)),
-    );
-    let mut tick = tokio::time::interval(report_interval);
-    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-    loop {
-        let current = view.borrow_and_update().clone();
-        let now = clock::wall_ms();
-        let until_lease_end = if current.lease_end_local_ms > now {
-            Duration::from_millis(current.lease_end_local_ms - now).min(FAR)
-        } else {
-            FAR
-        };
-        tokio::select! {
-            _ = shutdown.changed() => break,
-            changed = view.changed() => {
-                if changed.is_err() {
-                    break;
-                }
-            }
-            _ = tick.tick() => {}
-            () = tokio::time::sleep(until_lease_end) => {
-                tracing::warn!(region = %decider.region(), "Lease ran out: enforcing floors.");
-            }
-        }
-        if let Coordinator::Replicated(r) = coordinator.as_ref() {
-            // Here, not on a view change: a cut-off region applies nothing, and its lease
-            // must still be seen running out.
-            metrics.lease_remaining(r.lease_end_local_ms(), clock::wall_ms());
-        }
-        let v = view.borrow().clone();
-        metrics.committed_epoch.set(v.epoch as f64);
-        let (all, outcomes) = apply_shares(&decider, &v, &mut written, pacing).await;
-        metrics.share_writes(outcomes);
-        let applied = match coordinator.as_ref() {
-            Coordinator::Replicated(r) => {
-                let bounded = !all && written.bounded_by(&v, decider.region(), clock::wall_ms());
-                if bounded {
-                    tracing::debug!(
-                        epoch = v.epoch,
-                        "Store unreachable; its shares are within this epoch's."
-                    );
-                }
-                if all || bounded {
-                    r.on_applied(v.epoch);
-                }
-                all || bounded
-            }
-            Coordinator::Local(_) => all,
-        };
-        if applied {
-            metrics.applied_epoch.set(v.epoch as f64);
-        }
-    }
-}
-
-/// Runs the report loop (multi-region) until `shutdown` fires.
-pub async fn run_report(
-    decider: Arc<Decider>,
-    coordinator: Arc<Coordinator>,
-    report_interval: Duration,
-    mut shutdown: watch::Receiver<bool>,
-) {
-    let Coordinator::Replicated(r) = coordinator.as_ref() else {
-        return;
-    };
-    let metrics = ReportMetrics::new(decider.region());
-    let mut tick = tokio::time::interval(report_interval);
-    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-    let mut last = clock::monotonic();
-    loop {
-        tokio::select! {
-            _ = shutdown.changed() => break,
-            _ = tick.tick() => {}
-        }
-        let interval_ms = last.elapsed().as_millis() as u64;
-        last = clock::monotonic();
-        let reported = match decider.store().collect_usage(MAX_USAGE_RECORDS).await {
-            Ok(usage) => match r.report_usage(&usage, interval_ms.max(1)).await {
-                Ok(()) => Reported::Delivered,
-                Err(e) => {
-                    tracing::debug!(error = %e, "Usage report not delivered.");
-                    Reported::Undelivered
-                }
-            },
-            Err(e) => {
-                tracing::debug!(error = %e, "Usage collection failed.");
-                Reported::Uncollected
-            }
-        };
-        metrics.usage_report(reported);
-        let renewed = r.renew_lease().await;
-        if let Err(e) = &renewed {
-            tracing::debug!(error = %e, "Lease renewal failed.");
-        }
-        metrics.lease_renewal(renewed.is_ok());
-    }
-}
-
-/// Brings the store in line with `view`: writes the parameters of every bucket that changed,
-/// renews those due, and rewrites everything once the store was replaced. True if every write
-/// succeeded; with the writes that succeeded and that failed.
-///
-/// While the lease holds, each write carries the time left on it and the floor: the store drops
-/// to the floor at the lease end by itself, so if this daemon dies, its Redis (which gateways
-/// may call directly) stops holding share the coordinator gives elsewhere. A bucket's stored
-/// end is renewed once half of it has passed, so it trails the lease by at most about half a
-/// lease and never runs out while the daemon lives; that costs `buckets / (lease / 2)` writes
-/// a second, spread out, instead of every bucket every report interval.
-pub async fn apply_shares(
-    decider: &Decider,
-    view: &ClusterView,
-    written: &mut Written,
-    pacing: Pacing,
-) -> (bool, WriteOutcomes) {
-    let store = decider.store();
-    match store.instance().await {
-        Ok(id) => written.observe_instance(id),
-        Err(e) => tracing::debug!(error = %e, "Store instance unknown."),
-    }
-    written.retain_in(view);
-    let writes = written.plan(view, decider.region(), clock::wall_ms(), pacing);
-    let results = until_first_failure(writes, |mut w: Write| async move {
-        let r = store.set_params(&w.req).await;
-        // The store counts the lease from when it ran the write, no later than now: what it
-        // holds ends by now + the time sent, an upper bound even if the call failed.
-        if let Some(lease) = &w.req.lease {
-            w.held.until_ms = clock::wall_ms().saturating_add(lease.remaining_ms);
-        }
-        if let Err(e) = &r {
-            tracing::debug!(tenant = %w.req.bucket.tenant, policy = %w.req.bucket.policy, error = %e, "Applying a share failed.");
-        }
-        (w, r.is_ok())
-    })
-    .await;
-    let mut all = true;
-    let mut outcomes = WriteOutcomes::default();
-    for (w, outcome) in results {
-        match outcome {
-            Some(ok) => {
-                all &= ok;
-                if ok {
-                    outcomes.ok += 1;
-                } else {
-                    outcomes.failed += 1;
-                }
-                written.record(w, ok);
-            }
-            None => all = false,
-        }
-    }
-    if all && written.sweep_due(view, clock::wall_ms()) {
-        // With the view applied: leftovers of what was deleted while this daemon was down (a
-        // restarted Redis is empty, and the sweep then finds nothing).
-        match store.list_params().await {
-            Ok(held) => written.sweep(view, held, clock::wall_ms()),
-            Err(e) => {
-                tracing::warn!(error = %e, retry_in_ms = SWEEP_RETRY_MS, "Sweeping stored parameters failed.");
-                written.sweep_failed(clock::wall_ms());
-            }
-        }
-    }
-    if all {
-        clear_obsolete(decider, written).await;
-    }
-    (all, outcomes)
-}
-
-/// Parameter writes of one pass, by how they ended (those never started are in neither).
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub struct WriteOutcomes {
-    pub ok: u64,
-    pub failed: u64,
-}
-
-/// Clears the buckets of deleted policies and old versions from the store, so neither their
-/// parameters nor their state stay behind; those it could not clear wait for the next pass.
-async fn clear_obsolete(decider: &Decider, written: &mut Written) {
-    let store = decider.store();
-    let buckets = std::mem::take(&mut written.to_clear);
-    let results = until_first_failure(buckets, |b: BucketRef| async move {
-        let r = store.clear_params(&b).await;
-        if let Err(e) = &r {
-            tracing::debug!(tenant = %b.tenant, policy = %b.policy, error = %e, "Clearing an old bucket failed.");
-        }
-        (b, r.is_ok())
-    })
-    .await;
-    for (b, outcome) in results {
-        if outcome != Some(true) {
-            written.to_clear.push(b);
-        }
-    }
-}
-
-/// Runs `call` on every item, [`WRITE_CONCURRENCY`] at a time, and starts no more calls after
-/// the first that fails: a store that is down would otherwise cost a timeout per item. Each
-/// item comes back with whether its call succeeded, or `None` if it never ran.
-async fn until_first_failure<T, F, Fut>(items: Vec<T>, call: F) -> Vec<(T, Option<bool>)>
-where
-    F: Fn(T) -> Fut,
-    Fut: std::future::Future<Output = (T, bool)>,
-{
-    let failed = AtomicBool::new(false);
-    stream::iter(items)
-        .map(|item| {
-            let (failed, call) = (&failed, &call);
-            async move {
-                if failed.load(Ordering::Relaxed) {
-                    return (item, None);
-                }
-                let (item, ok) = call(item).await;
-                if !ok {
-                    failed.store(true, Ordering::Relaxed);
-                }
-                (item, Some(ok))
-            }
-        })
-        .buffer_unordered(WRITE_CONCURRENCY)
-        .collect()
-        .await
-}
-
 #[cfg(test)]
 mod tests {
     use std::collections::BTreeMap;
@@ -596,7 +317,7 @@ mod tests {
     use quota_core::{PolicySpec, PPM};
 
     use super::*;
-    use crate::coordination::{Grant, PolicyEntry};
+    use crate::coordination::view::{Grant, PolicyEntry};
 
     const PACING: Pacing = Pacing {
         report_interval_ms: 1_000,

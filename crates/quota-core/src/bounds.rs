@@ -1,0 +1,57 @@
+//! The numeric bounds of quotad, defined once: policy validation (`policy`), the reference
+//! bucket and window (`bucket`, `window`) and the Lua scripts (a
+//! test in quota-store holds the scripts' copies equal to these) all use them, so nothing a
+//! policy `PUT` accepts can fail when it is decided. A leaf: it imports nothing from the crate.
+//!
+//! Lua numbers are doubles, exact for integers below 2^53; every bound keeps the scripts'
+//! intermediates there.
+
+/// Micro-tokens per token.
+pub const UT: u64 = 1_000_000;
+
+/// Parts per million: shares and floors are fractions of a budget in these units, so every
+/// replica and the Lua script compute with integers.
+pub const PPM: u32 = 1_000_000;
+
+/// The largest capacity in micro-tokens: 2^53 − 1, the last integer a double holds exactly.
+/// Also the bound of every time and TTL in ms the scripts take.
+pub const MAX_CAPACITY_UT: u64 = (1 << 53) - 1;
+
+/// The largest refill rate in micro-tokens per second, so that `rate * 1000` stays exact.
+pub const MAX_RATE_UT_PER_S: u64 = MAX_CAPACITY_UT / 1000;
+
+/// The largest `capacity / rate` (seconds to fill from empty, roughly): keeps every wait in
+/// milliseconds exact in a double.
+pub const MAX_FILL_RATIO: u64 = 9_000_000_000;
+
+/// The largest burst, and the largest cost of one request, in whole tokens: its capacity in
+/// micro-tokens must stay exact in a double.
+pub const MAX_BURST: u64 = MAX_CAPACITY_UT / UT;
+
+/// The longest window of either algorithm: 31 days.
+pub const MAX_WINDOW_MS: u64 = 31 * 24 * 3_600_000;
+
+/// The longest an empty bucket may take to fill: beyond this a policy is a typo.
+pub const MAX_FILL_MS: u64 = 10 * 365 * 24 * 3600 * 1000;
+
+/// The largest sliding-window limit, in tokens.
+pub const MAX_WINDOW_LIMIT: u64 = 1_000_000_000;
+
+/// The largest sliding-window `limit · window_ms`: the script sums three such terms (the
+/// previous window's weight, the current count with the cost), which stays below 2^53. A
+/// 31-day window holds up to 840 725 tokens.
+pub const MAX_WINDOW_PRODUCT: u64 = 1 << 51;
+
+/// The largest sliding-window limit kept as an exact log; above it the counter approximation
+/// applies.
+pub const EXACT_LOG_MAX: u64 = 128;
+
+// The bounds keep the scripts' arithmetic below 2^53; checked when the crate compiles.
+const _: () = {
+    assert!(MAX_BURST * UT <= MAX_CAPACITY_UT);
+    assert!(MAX_BURST * PPM as u64 <= MAX_CAPACITY_UT);
+    assert!(MAX_RATE_UT_PER_S * 1000 <= MAX_CAPACITY_UT);
+    // prev·(w − off) + (cur + cost)·w with prev, cur, cost ≤ limit.
+    assert!(3 * MAX_WINDOW_PRODUCT < 1 << 53);
+    assert!(MAX_WINDOW_PRODUCT / MAX_WINDOW_MS == 840_725);
+};

@@ -1,0 +1,72 @@
+//! Nothing a policy `PUT` accepts fails at decision time: for every policy validation accepts
+//! and every share, the region's bucket or window parameters are within the bounds the
+//! reference code and the Lua scripts enforce, and its largest cost is one they take.
+
+use proptest::prelude::*;
+use quota_core::bounds::{MAX_BURST, MAX_WINDOW_MS, PPM};
+use quota_core::{window, Algorithm, BucketParams, PolicySpec, WindowParams};
+
+fn spec() -> impl Strategy<Value = PolicySpec> {
+    let limit = prop_oneof![
+        1u64..=200,
+        1u64..=2_000_000,
+        1u64..=2_000_000_000,
+        (MAX_BURST - 10)..=(MAX_BURST + 10),
+    ];
+    let window = prop_oneof![
+        1u64..=1000,
+        1u64..=MAX_WINDOW_MS + 10,
+        (MAX_WINDOW_MS - 10)..=(MAX_WINDOW_MS + 10)
+    ];
+    let burst = prop_oneof![Just(None), (1u64..=MAX_BURST + 10).prop_map(Some)];
+    let algorithm = prop_oneof![Just(Algorithm::TokenBucket), Just(Algorithm::SlidingWindow)];
+    (limit, window, burst, algorithm).prop_map(|(l, w, b, a)| PolicySpec {
+        limit: l as f64,
+        window_ms: w as f64,
+        burst: b.map(|b| b as f64),
+        algorithm: Some(a),
+        ..PolicySpec::default()
+    })
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(4000))]
+
+    #[test]
+    fn every_accepted_policy_has_decidable_shares(s in spec(), share in 0u32..=PPM) {
+        let Ok(policy) = s.validate() else { return Ok(()); };
+        for share in [0, 1, 10_000, share, PPM] {
+            match policy.algorithm {
+                Algorithm::TokenBucket => {
+                    let p = BucketParams::for_share(&policy, share);
+                    prop_assert!(BucketParams::new(p.capacity_ut, p.rate_ut_per_s).is_ok(), "{policy:?} at {share}: {p:?}");
+                }
+                Algorithm::SlidingWindow => {
+                    let limit = policy.limit * u64::from(share) / u64::from(PPM);
+                    let p = WindowParams::new(limit, policy.window_ms);
+                    prop_assert!(p.is_ok(), "{policy:?} at {share}: {p:?}");
+                    // The largest cost the policy allows is decided, not refused.
+                    let (d, _) = window::decide(0, &p.unwrap(), None, policy.burst);
+                    prop_assert!(d.retry_after_ms.is_none() || d.allowed || policy.burst <= limit);
+                }
+            }
+            prop_assert!(policy.burst <= MAX_BURST);
+        }
+    }
+}
+
+#[test]
+fn the_limits_users_write_first_are_accepted() {
+    // One a month and 100 000 a month, in both algorithms.
+    for algorithm in [Algorithm::TokenBucket, Algorithm::SlidingWindow] {
+        for limit in [1.0, 100_000.0] {
+            let s = PolicySpec {
+                limit,
+                window_ms: MAX_WINDOW_MS as f64,
+                algorithm: Some(algorithm),
+                ..PolicySpec::default()
+            };
+            assert!(s.validate().is_ok(), "{s:?}");
+        }
+    }
+}

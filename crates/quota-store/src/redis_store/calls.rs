@@ -1,0 +1,376 @@
+//! Calls to Redis: every one bounded by the store's timeout, scripts by SHA with a reload on
+//! NOSCRIPT, and the decoding of the replies that are not decisions.
+
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+
+use quota_core::keys;
+use redis::aio::ConnectionManager;
+use redis::cluster_routing::{MultipleNodeRoutingInfo, RoutingInfo, SingleNodeRoutingInfo};
+use redis::{FromRedisValue, Script, ServerErrorKind, Value};
+
+use super::error::{from_redis, protocol};
+use super::sentinel::failover_sign;
+use super::source::{Conn, Source};
+use super::{RedisStore, CONNECT_WAIT};
+use crate::script::{Arg, COLLECT_BATCH_MAX};
+use crate::{BucketRef, StoreError, UsageRecord};
+
+/// Keys one `SCAN` step looks at: large enough that a sweep of a big keyspace takes few round
+/// trips, small enough that no step holds Redis for long.
+const SCAN_COUNT: usize = 1000;
+
+impl RedisStore {
+    /// PINGs Redis through `source`, as [`reachable`](Self::reachable) describes.
+    pub(super) async fn ping(&self, source: &Source) -> Result<(), StoreError> {
+        let wait = self.timeout.max(CONNECT_WAIT);
+        let ping = async {
+            match source {
+                Source::Single(s) => {
+                    let used = s.current.load_full();
+                    let r = redis::cmd("PING")
+                        .query_async::<Value>(&mut (*used).clone())
+                        .await;
+                    if r.as_ref()
+                        .is_err_and(|e| e.kind() == redis::ErrorKind::AuthenticationFailed)
+                    {
+                        s.replace(&used);
+                    }
+                    r
+                }
+                Source::Cluster(c) => {
+                    let all = RoutingInfo::MultiNode((MultipleNodeRoutingInfo::AllMasters, None));
+                    c.route(redis::cmd("PING"), all).await
+                }
+                Source::Sentinel(s) => {
+                    let r = match s.manager().await {
+                        Ok(mut m) => redis::cmd("PING").query_async::<Value>(&mut m).await,
+                        Err(e) => Err(e),
+                    };
+                    if r.as_ref().is_err_and(failover_sign) {
+                        s.stale.store(true, Ordering::Relaxed);
+                    }
+                    r
+                }
+            }
+        };
+        match tokio::time::timeout(wait, ping).await {
+            Ok(r) => r.map(drop).map_err(|e| from_redis(&e)),
+            Err(_) => Err(StoreError::Timeout {
+                ms: wait.as_millis() as u64,
+            }),
+        }
+    }
+
+    /// A connection for one call, and the standalone manager it came from.
+    pub(super) fn connection(&self) -> (Conn, Option<Arc<ConnectionManager>>) {
+        match &**self.source.load() {
+            Source::Single(s) => {
+                let m = s.current.load_full();
+                (Conn::Single((*m).clone()), Some(m))
+            }
+            Source::Cluster(c) => (Conn::Cluster(c.clone()), None),
+            Source::Sentinel(s) => (Conn::Sentinel(s.clone()), None),
+        }
+    }
+
+    /// Passes a call's result on, replacing the standalone manager `used` when Redis refused
+    /// its credentials (see [`Standalone`]), and having the sentinels asked again after a sign
+    /// of failover (see [`SentinelMaster`]).
+    pub(super) fn after<T>(
+        &self,
+        r: redis::RedisResult<T>,
+        used: Option<&Arc<ConnectionManager>>,
+    ) -> redis::RedisResult<T> {
+        if let Err(e) = &r {
+            match (&**self.source.load(), used) {
+                (Source::Single(s), Some(used))
+                    if e.kind() == redis::ErrorKind::AuthenticationFailed =>
+                {
+                    s.replace(used)
+                }
+                (Source::Sentinel(s), _) if failover_sign(e) => {
+                    s.stale.store(true, Ordering::Relaxed)
+                }
+                _ => {}
+            }
+        }
+        r
+    }
+
+    /// The activity index a state key is listed in.
+    pub(super) fn index_key(&self, state_key: &str) -> String {
+        match &self.slot_tags {
+            None => keys::ACTIVE_INDEX.to_string(),
+            Some(tags) => {
+                keys::slot_index_key_for_tag(&tags[usize::from(keys::key_slot(state_key))])
+            }
+        }
+    }
+
+    /// Awaits a Redis call within the configured timeout, mapping its errors.
+    pub(super) async fn bounded<T>(
+        &self,
+        call: impl std::future::Future<Output = redis::RedisResult<T>>,
+    ) -> Result<T, StoreError> {
+        match tokio::time::timeout(self.timeout, call).await {
+            Ok(r) => r.map_err(|e| from_redis(&e)),
+            Err(_) => {
+                // A master that stopped answering without closing its connections.
+                if let Source::Sentinel(s) = &**self.source.load() {
+                    s.stale.store(true, Ordering::Relaxed);
+                }
+                Err(StoreError::Timeout {
+                    ms: self.timeout.as_millis() as u64,
+                })
+            }
+        }
+    }
+
+    /// Runs `script` with EVALSHA (loading it on NOSCRIPT) within the timeout.
+    ///
+    /// The command is built straight into one `Cmd` (a `ScriptInvocation` would first copy every
+    /// key and argument into a vector of its own): this is the decision hot path.
+    pub(super) async fn invoke<T: FromRedisValue>(
+        &self,
+        script: &Script,
+        keys: &[&str],
+        args: &[Arg<'_>],
+    ) -> Result<T, StoreError> {
+        let hash = script.get_hash();
+        let len = keys.iter().map(|k| k.len()).sum::<usize>()
+            + args.iter().map(Arg::max_len).sum::<usize>()
+            + hash.len()
+            + 16;
+        let mut cmd = redis::Cmd::with_capacity(3 + keys.len() + args.len(), len);
+        cmd.arg("EVALSHA")
+            .arg(hash)
+            .arg(keys.len())
+            .arg(keys)
+            .arg(args);
+        let call = async {
+            let once = || async {
+                let (mut conn, used) = self.connection();
+                let r = match cmd.query_async(&mut conn).await {
+                    Err(e) if e.kind() == redis::ErrorKind::Server(ServerErrorKind::NoScript) => {
+                        match script.prepare_invoke().load_async(&mut conn).await {
+                            Ok(_) => cmd.query_async(&mut conn).await,
+                            Err(e) => Err(e),
+                        }
+                    }
+                    r => r,
+                };
+                self.after(r, used.as_ref())
+            };
+            match once().await {
+                // A connection found dead (e.g. Redis restarted) is replaced by the manager;
+                // one retry on the new connection hides that from the caller. If the script did
+                // run before the connection broke, the retry counts the cost twice: that errs
+                // towards denying, never towards over-admitting.
+                Err(e)
+                    if e.is_connection_dropped()
+                        || e.is_connection_refusal()
+                        || e.is_io_error() =>
+                {
+                    once().await
+                }
+                r => r,
+            }
+        };
+        self.bounded(call).await
+    }
+
+    /// Runs one plain command within the timeout.
+    pub(super) async fn command<T: FromRedisValue>(
+        &self,
+        cmd: &redis::Cmd,
+    ) -> Result<T, StoreError> {
+        let (mut conn, used) = self.connection();
+        let call = async { self.after(cmd.query_async(&mut conn).await, used.as_ref()) };
+        self.bounded(call).await
+    }
+
+    /// Takes up to `max` keys from one activity index; returns how many were taken and the
+    /// usage of those still alive.
+    pub(super) async fn collect_index(
+        &self,
+        index: &str,
+        max: usize,
+    ) -> Result<(usize, Vec<UsageRecord>), StoreError> {
+        let n = Arg::Num(max.clamp(1, COLLECT_BATCH_MAX) as u64);
+        let reply: Vec<Value> = self
+            .invoke(&self.scripts.collect_usage, &[index], &[n])
+            .await?;
+        parse_usage(reply)
+    }
+
+    /// The run ids of the servers behind this store, sorted and joined (every master of a
+    /// Cluster). A restarted or failed-over server has a new one.
+    pub(super) async fn run_ids(&self) -> Result<String, StoreError> {
+        let mut info = redis::cmd("INFO");
+        info.arg("server");
+        let reply: Value = match &*self.source.load_full() {
+            Source::Single(_) | Source::Sentinel(_) => self.command(&info).await?,
+            Source::Cluster(c) => {
+                let all = RoutingInfo::MultiNode((MultipleNodeRoutingInfo::AllMasters, None));
+                self.bounded(c.route(info, all)).await?
+            }
+        };
+        let mut ids = Vec::new();
+        info_values(&reply, "run_id", &mut ids);
+        if ids.is_empty() {
+            return Err(StoreError::Protocol {
+                reason: "INFO server reported no run_id".into(),
+            });
+        }
+        ids.sort_unstable();
+        Ok(ids.join(","))
+    }
+
+    /// Every bucket whose parameters this Redis holds, on every master of a Cluster, by `SCAN`:
+    /// O(keys in the database), for the agent's sweeps (per store instance and hourly).
+    pub(super) async fn params_held(&self) -> Result<Vec<BucketRef>, StoreError> {
+        let mut out = Vec::new();
+        match &*self.source.load_full() {
+            Source::Single(_) | Source::Sentinel(_) => self.scan_params(None, &mut out).await?,
+            Source::Cluster(c) => {
+                // A command without a reply policy sent to every master answers with a map
+                // keyed by each node's address.
+                let all = RoutingInfo::MultiNode((MultipleNodeRoutingInfo::AllMasters, None));
+                let reply: Value = self.bounded(c.route(redis::cmd("PING"), all)).await?;
+                let Value::Map(nodes) = reply else {
+                    return Err(StoreError::Protocol {
+                        reason: "PING to every master gave no map of nodes".into(),
+                    });
+                };
+                for (addr, _) in nodes {
+                    let addr: String = redis::from_redis_value(addr).map_err(|e| protocol(&e))?;
+                    let node = addr
+                        .rsplit_once(':')
+                        .and_then(|(host, port)| Some((host.to_string(), port.parse().ok()?)))
+                        .ok_or_else(|| StoreError::Protocol {
+                            reason: format!("node address {addr:?}"),
+                        })?;
+                    self.scan_params(Some(node), &mut out).await?;
+                }
+            }
+        }
+        Ok(out)
+    }
+
+    /// SCANs one server (a Cluster node by address) for parameters keys into `out`.
+    async fn scan_params(
+        &self,
+        node: Option<(String, u16)>,
+        out: &mut Vec<BucketRef>,
+    ) -> Result<(), StoreError> {
+        let mut cursor: u64 = 0;
+        loop {
+            let mut scan = redis::cmd("SCAN");
+            scan.arg(cursor)
+                .arg("MATCH")
+                .arg(keys::PARAMS_KEY_PATTERN)
+                .arg("COUNT")
+                .arg(SCAN_COUNT);
+            let reply: Value = match (&*self.source.load_full(), &node) {
+                (Source::Cluster(c), Some((host, port))) => {
+                    let at = RoutingInfo::SingleNode(SingleNodeRoutingInfo::ByAddress {
+                        host: host.clone(),
+                        port: *port,
+                    });
+                    self.bounded(c.route(scan, at)).await?
+                }
+                _ => self.command(&scan).await?,
+            };
+            let (next, found): (u64, Vec<String>) =
+                redis::from_redis_value(reply).map_err(|e| protocol(&e))?;
+            out.extend(found.iter().filter_map(|k| {
+                let (tenant, policy, version) = keys::parse_params_key(k)?;
+                Some(BucketRef {
+                    tenant,
+                    policy,
+                    version,
+                })
+            }));
+            if next == 0 {
+                return Ok(());
+            }
+            cursor = next;
+        }
+    }
+
+    /// Reads one field of `INFO` (e.g. `used_memory`) from a standalone server.
+    pub async fn info_field(
+        &self,
+        section: &str,
+        field: &str,
+    ) -> Result<Option<String>, StoreError> {
+        let info: Value = self.command(redis::cmd("INFO").arg(section)).await?;
+        let mut values = Vec::new();
+        info_values(&info, field, &mut values);
+        Ok(values.into_iter().next())
+    }
+}
+
+/// The values of every `field:` line in an `INFO` reply: one text, or a map or array of them
+/// (one per node of a Cluster).
+fn info_values(v: &Value, field: &str, out: &mut Vec<String>) {
+    let mut from_text = |text: &str| {
+        out.extend(text.lines().filter_map(|l| {
+            l.strip_prefix(field)
+                .and_then(|rest| rest.strip_prefix(':'))
+                .map(|v| v.trim().to_string())
+        }));
+    };
+    match v {
+        Value::BulkString(b) => from_text(&String::from_utf8_lossy(b)),
+        Value::VerbatimString { text, .. } => from_text(text),
+        Value::Array(items) | Value::Set(items) => {
+            items.iter().for_each(|i| info_values(i, field, out));
+        }
+        Value::Map(pairs) => pairs.iter().for_each(|(_, i)| info_values(i, field, out)),
+        _ => {}
+    }
+}
+
+/// Decodes `{taken, key, admitted, denied, …}`; keys this schema did not write are skipped.
+fn parse_usage(reply: Vec<Value>) -> Result<(usize, Vec<UsageRecord>), StoreError> {
+    let parse = |e: redis::ParsingError| protocol(&e);
+    let mut it = reply.into_iter();
+    let taken: usize = match it.next() {
+        Some(v) => redis::from_redis_value(v).map_err(parse)?,
+        None => {
+            return Err(StoreError::Protocol {
+                reason: "empty usage reply".into(),
+            })
+        }
+    };
+    let reply: Vec<Value> = it.collect();
+    if !reply.len().is_multiple_of(3) {
+        return Err(StoreError::Protocol {
+            reason: format!("usage reply of {} items", reply.len()),
+        });
+    }
+    let mut out = Vec::with_capacity(reply.len() / 3);
+    let mut it = reply.into_iter();
+    while let (Some(k), Some(a), Some(d)) = (it.next(), it.next(), it.next()) {
+        let key: String = redis::from_redis_value(k).map_err(parse)?;
+        let admitted: u64 = redis::from_redis_value(a).map_err(parse)?;
+        let denied: u64 = redis::from_redis_value(d).map_err(parse)?;
+        match keys::parse_state_key(&key) {
+            Some((_, tenant, policy, version)) => {
+                out.push(UsageRecord {
+                    bucket: BucketRef {
+                        tenant,
+                        policy,
+                        version,
+                    },
+                    admitted,
+                    denied,
+                });
+            }
+            None => tracing::warn!("Skipped a foreign key in the activity index."),
+        }
+    }
+    Ok((taken, out))
+}

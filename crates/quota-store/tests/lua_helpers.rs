@@ -1,0 +1,149 @@
+//! The Lua scripts share one block of helpers (bounds, the error reply, integer validation,
+//! `TIME` to ms, the token-bucket state layout), copied into each script because gateways run
+//! every script on its own. This test fails when a copy drifts, when a bound in Lua differs
+//! from quota-core's, or when a script defines a bound of its own outside the block.
+
+use quota_core::bounds::{
+    EXACT_LOG_MAX, MAX_BURST, MAX_CAPACITY_UT, MAX_FILL_RATIO, MAX_RATE_UT_PER_S, MAX_WINDOW_LIMIT,
+    MAX_WINDOW_MS, MAX_WINDOW_PRODUCT, UT,
+};
+use quota_store::script::{
+    COLLECT_BATCH_MAX, COLLECT_USAGE_LUA, SET_PARAMS_LUA, SLIDING_WINDOW_LUA, TOKEN_BUCKET_LUA,
+};
+use quota_store::{DEFAULT_MIN_IDLE_TTL_MS, MAX_COST};
+
+const BEGIN: &str = "-- quotad shared helpers: begin.";
+const END: &str = "-- quotad shared helpers: end.";
+
+const SCRIPTS: [(&str, &str); 4] = [
+    ("token_bucket.lua", TOKEN_BUCKET_LUA),
+    ("sliding_window.lua", SLIDING_WINDOW_LUA),
+    ("set_params.lua", SET_PARAMS_LUA),
+    ("collect_usage.lua", COLLECT_USAGE_LUA),
+];
+
+/// The helper block of `src` (from the begin line to the end line) and the text around it.
+fn split(name: &str, src: &str) -> (String, String) {
+    let b = src
+        .find(BEGIN)
+        .unwrap_or_else(|| panic!("{name}: no '{BEGIN}' line"));
+    let e = src[b..]
+        .find(END)
+        .unwrap_or_else(|| panic!("{name}: no '{END}' line"))
+        + b
+        + END.len();
+    assert_eq!(src.matches(BEGIN).count(), 1, "{name}: one helper block");
+    (src[b..e].to_string(), format!("{}{}", &src[..b], &src[e..]))
+}
+
+/// `local NAME = <integer>` lines of the block, by name.
+fn constants(block: &str) -> Vec<(String, u64)> {
+    block
+        .lines()
+        .filter_map(|l| {
+            let rest = l.strip_prefix("local ")?;
+            let (name, value) = rest.split_once(" = ")?;
+            if !name.chars().all(|c| c.is_ascii_uppercase() || c == '_') {
+                return None;
+            }
+            let digits = value.split_whitespace().next()?;
+            digits.parse().ok().map(|v| (name.to_string(), v))
+        })
+        .collect()
+}
+
+#[test]
+fn every_script_carries_the_same_helper_block() {
+    let (first, _) = split(SCRIPTS[0].0, SCRIPTS[0].1);
+    for (name, src) in &SCRIPTS[1..] {
+        let (block, _) = split(name, src);
+        assert!(
+            block == first,
+            "{name}: the helper block differs from {}'s; copy it verbatim",
+            SCRIPTS[0].0
+        );
+    }
+}
+
+#[test]
+fn lua_bounds_equal_quota_core_bounds() {
+    let expected: &[(&str, u64)] = &[
+        ("UT", UT),
+        ("MAX_CAP", MAX_CAPACITY_UT),
+        ("MAX_RATE", MAX_RATE_UT_PER_S),
+        ("MAX_FILL_RATIO", MAX_FILL_RATIO),
+        ("MAX_COST", MAX_BURST),
+        ("MAX_WINDOW_LIMIT", MAX_WINDOW_LIMIT),
+        ("MAX_WINDOW_MS", MAX_WINDOW_MS),
+        ("MAX_WINDOW_PRODUCT", MAX_WINDOW_PRODUCT),
+        ("EXACT_LOG_MAX", EXACT_LOG_MAX),
+        ("DEFAULT_MIN_TTL_MS", DEFAULT_MIN_IDLE_TTL_MS),
+        ("COLLECT_MAX", COLLECT_BATCH_MAX as u64),
+        // 11 doubles (see STATE_FMT).
+        ("STATE_LEN", 11 * 8),
+    ];
+    // The store's own cost bound is the policy's burst bound.
+    assert_eq!(MAX_COST, MAX_BURST);
+    let (block, _) = split(SCRIPTS[0].0, SCRIPTS[0].1);
+    let found = constants(&block);
+    for (name, value) in &found {
+        let want = expected
+            .iter()
+            .find(|(n, _)| n == name)
+            .unwrap_or_else(|| panic!("Lua bound {name} has no quota-core counterpart here"));
+        assert_eq!(*value, want.1, "Lua {name} differs from quota-core");
+    }
+    for (name, _) in expected {
+        assert!(
+            found.iter().any(|(n, _)| n == name),
+            "{name} missing from the helper block"
+        );
+    }
+    assert!(block.contains("local STATE_FMT = '<ddddddddddd'"));
+}
+
+#[test]
+fn no_script_defines_bounds_or_helpers_outside_the_block() {
+    for (name, src) in SCRIPTS {
+        let (_, rest) = split(name, src);
+        for l in rest.lines() {
+            let t = l.trim_start();
+            if t.starts_with("--") {
+                continue; // a comment may name what the block holds
+            }
+            if let Some(r) = t.strip_prefix("local ") {
+                let ident: String = r
+                    .chars()
+                    .take_while(|c| c.is_ascii_alphanumeric() || *c == '_')
+                    .collect();
+                assert!(
+                    !(ident.len() > 1 && ident.chars().all(|c| c.is_ascii_uppercase() || c == '_')),
+                    "{name}: bound {ident} outside the helper block"
+                );
+            }
+            for helper in [
+                "function err(",
+                "function int(",
+                "function time_to(",
+                "'TIME'",
+            ] {
+                assert!(
+                    !t.contains(helper),
+                    "{name}: {helper} outside the helper block"
+                );
+            }
+            assert!(
+                !t.contains("'<dd"),
+                "{name}: state layout outside the helper block"
+            );
+        }
+    }
+}
+
+#[test]
+fn the_block_is_found_by_the_checks() {
+    // The checks above would pass vacuously on an empty block.
+    let (block, _) = split(SCRIPTS[0].0, SCRIPTS[0].1);
+    assert!(constants(&block).len() >= 12);
+    assert!(block.contains("local function err(") && block.contains("local function int("));
+}

@@ -1,0 +1,282 @@
+//! The region agent: applies this region's grants to its store, collects usage, reports it and
+//! keeps the lease.
+//!
+//! Two loops, so a slow coordinator write never delays enforcement:
+//!
+//! - **apply**: on every view change, every report interval and at the moment the lease runs
+//!   out, brings the bucket parameters this region enforces (`for_share(policy, enforced
+//!   share)`) in its store in line with the view, so any caller of the store (this daemon, or a
+//!   gateway running the Lua script directly) enforces the current share; once every write
+//!   succeeded it acknowledges the view's epoch. A pass writes only buckets whose parameters
+//!   changed, renewals that are due, and everything when the store is a new instance (a
+//!   restarted Redis is empty), [`WRITE_CONCURRENCY`] at a time. Each write carries the lease
+//!   end and the floor, so the store falls back on its own if this daemon dies. With the store
+//!   unreachable it still acknowledges once the store cannot hold more than the epoch grants
+//!   (no share was cut, or the cut share's stored lease ran out): the `local` fail mode
+//!   enforces the granted share in process, and the region's lease must not lapse meanwhile.
+//!   Once per store instance and hourly, after a pass that wrote everything and while the
+//!   lease holds (the view is then current), it sweeps the store for parameters the view has
+//!   no use for (a policy deleted or replaced while this daemon was down) and clears them.
+//! - **report** (multi-region only): every report interval, drains usage from the store and
+//!   sends it to the leader, then renews the lease through the log with the acknowledged epoch.
+
+mod ledger;
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use futures::stream::{self, StreamExt as _};
+use quota_store::{BucketRef, Store as _, StoreError};
+use tokio::sync::watch;
+
+pub use ledger::{Pacing, Written};
+
+use crate::clock;
+use crate::coordination::{ClusterView, Coordinator, Replicated};
+use crate::decision::Decider;
+use crate::telemetry::{AgentMetrics, ReportMetrics, Reported, WriteOutcomes};
+use ledger::{Write, SWEEP_RETRY_MS};
+
+/// Most usage records drained per report: bounds one report's size.
+const MAX_USAGE_RECORDS: usize = 10_000;
+
+/// How long to sleep when no lease end is coming (a single region's lease never ends).
+const FAR: Duration = Duration::from_secs(3600);
+
+/// Parameter writes in flight at once: pipelined on the store's connection, so a pass over many
+/// buckets costs Redis time, not round trips.
+const WRITE_CONCURRENCY: usize = 64;
+
+/// Runs the apply loop until `shutdown` fires.
+///
+/// `replicated` is the replicated member of a multi-region cluster (`None` for a single
+/// region): it is told each epoch the store enforces, and its lease is watched.
+pub async fn run_apply(
+    decider: Arc<Decider>,
+    coordinator: Arc<Coordinator>,
+    replicated: Option<Arc<Replicated>>,
+    report_interval: Duration,
+    lease_ms: u64,
+    mut shutdown: watch::Receiver<bool>,
+) {
+    // A replicated daemon's view may lag the log at start; after a lease of renewals going
+    // through it, it has caught up with everything committed before this daemon started.
+    let settle = if replicated.is_some() { lease_ms } else { 0 };
+    let mut written = Written::new(clock::wall_ms(), lease_ms).with_sweep_settle(settle);
+    let pacing = Pacing {
+        report_interval_ms: report_interval.as_millis() as u64,
+        lease_ms,
+    };
+    let mut view = coordinator.subscribe();
+    let metrics = AgentMetrics::new(decider.region(), replicated.is_some());
+    let mut tick = tokio::time::interval(report_interval);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        let current = view.borrow_and_update().clone();
+        let now = clock::wall_ms();
+        let until_lease_end = if current.lease_end_local_ms > now {
+            Duration::from_millis(current.lease_end_local_ms - now).min(FAR)
+        } else {
+            FAR
+        };
+        tokio::select! {
+            _ = shutdown.changed() => break,
+            changed = view.changed() => {
+                if changed.is_err() {
+                    break;
+                }
+            }
+            _ = tick.tick() => {}
+            () = tokio::time::sleep(until_lease_end) => {
+                tracing::warn!(region = %decider.region(), "Lease ran out: enforcing floors.");
+            }
+        }
+        if let Some(r) = &replicated {
+            // Here, not on a view change: a cut-off region applies nothing, and its lease
+            // must still be seen running out.
+            metrics.lease_remaining(r.lease_end_local_ms(), clock::wall_ms());
+        }
+        let v = view.borrow().clone();
+        metrics.committed_epoch.set(v.epoch as f64);
+        let (all, outcomes) = apply_shares(&decider, &v, &mut written, pacing).await;
+        metrics.share_writes(outcomes);
+        let applied = match &replicated {
+            Some(r) => {
+                let bounded = !all && written.bounded_by(&v, decider.region(), clock::wall_ms());
+                if bounded {
+                    tracing::debug!(
+                        epoch = v.epoch,
+                        "Store unreachable; its shares are within this epoch's."
+                    );
+                }
+                if all || bounded {
+                    r.on_applied(v.epoch);
+                }
+                all || bounded
+            }
+            None => all,
+        };
+        if applied {
+            metrics.applied_epoch.set(v.epoch as f64);
+        }
+    }
+}
+
+/// Runs the report loop (multi-region) until `shutdown` fires.
+pub async fn run_report(
+    decider: Arc<Decider>,
+    r: Arc<Replicated>,
+    report_interval: Duration,
+    mut shutdown: watch::Receiver<bool>,
+) {
+    let metrics = ReportMetrics::new(decider.region());
+    let mut tick = tokio::time::interval(report_interval);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let mut last = clock::monotonic();
+    loop {
+        tokio::select! {
+            _ = shutdown.changed() => break,
+            _ = tick.tick() => {}
+        }
+        let interval_ms = last.elapsed().as_millis() as u64;
+        last = clock::monotonic();
+        let reported = match decider.store().collect_usage(MAX_USAGE_RECORDS).await {
+            Ok(usage) => match r.report_usage(&usage, interval_ms.max(1)).await {
+                Ok(()) => Reported::Delivered,
+                Err(e) => {
+                    tracing::debug!(error = %e, "Usage report not delivered.");
+                    Reported::Undelivered
+                }
+            },
+            Err(e) => {
+                tracing::debug!(error = %e, "Usage collection failed.");
+                Reported::Uncollected
+            }
+        };
+        metrics.usage_report(reported);
+        let renewed = r.renew_lease().await;
+        if let Err(e) = &renewed {
+            tracing::debug!(error = %e, "Lease renewal failed.");
+        }
+        metrics.lease_renewal(renewed.is_ok());
+    }
+}
+
+/// Brings the store in line with `view`: writes the parameters of every bucket that changed,
+/// renews those due, and rewrites everything once the store was replaced. True if every write
+/// succeeded; with the writes that succeeded and that failed.
+///
+/// While the lease holds, each write carries the time left on it and the floor: the store drops
+/// to the floor at the lease end by itself, so if this daemon dies, its Redis (which gateways
+/// may call directly) stops holding share the coordinator gives elsewhere. A bucket's stored
+/// end is renewed once half of it has passed, so it trails the lease by at most about half a
+/// lease and never runs out while the daemon lives; that costs `buckets / (lease / 2)` writes
+/// a second, spread out, instead of every bucket every report interval.
+pub async fn apply_shares(
+    decider: &Decider,
+    view: &ClusterView,
+    written: &mut Written,
+    pacing: Pacing,
+) -> (bool, WriteOutcomes) {
+    let store = decider.store();
+    match store.instance().await {
+        Ok(id) => written.observe_instance(id),
+        Err(e) => tracing::debug!(error = %e, "Store instance unknown."),
+    }
+    written.retain_in(view);
+    let writes = written.plan(view, decider.region(), clock::wall_ms(), pacing);
+    let results = until_first_failure(writes, |mut w: Write| async move {
+        let r = store.set_params(&w.req).await;
+        // The store counts the lease from when it ran the write, no later than now: what it
+        // holds ends by now + the time sent, an upper bound even if the call failed.
+        if let Some(lease) = &w.req.lease {
+            w.held.until_ms = clock::wall_ms().saturating_add(lease.remaining_ms);
+        }
+        if let Err(e) = &r {
+            tracing::debug!(tenant = %w.req.bucket.tenant, policy = %w.req.bucket.policy, error = %e, "Applying a share failed.");
+        }
+        (w, r)
+    })
+    .await;
+    let mut all = true;
+    let mut outcomes = WriteOutcomes::default();
+    for (w, outcome) in results {
+        match outcome {
+            Some(ok) => {
+                all &= ok;
+                if ok {
+                    outcomes.ok += 1;
+                } else {
+                    outcomes.failed += 1;
+                }
+                written.record(w, ok);
+            }
+            None => all = false,
+        }
+    }
+    if all && written.sweep_due(view, clock::wall_ms()) {
+        // With the view applied: leftovers of what was deleted while this daemon was down (a
+        // restarted Redis is empty, and the sweep then finds nothing).
+        match store.list_params().await {
+            Ok(held) => written.sweep(view, held, clock::wall_ms()),
+            Err(e) => {
+                tracing::warn!(error = %e, retry_in_ms = SWEEP_RETRY_MS, "Sweeping stored parameters failed.");
+                written.sweep_failed(clock::wall_ms());
+            }
+        }
+    }
+    if all {
+        clear_obsolete(decider, written).await;
+    }
+    (all, outcomes)
+}
+
+/// Clears the buckets of deleted policies and old versions from the store, so neither their
+/// parameters nor their state stay behind; those it could not clear wait for the next pass.
+async fn clear_obsolete(decider: &Decider, written: &mut Written) {
+    let store = decider.store();
+    let buckets = std::mem::take(&mut written.to_clear);
+    let results = until_first_failure(buckets, |b: BucketRef| async move {
+        let r = store.clear_params(&b).await;
+        if let Err(e) = &r {
+            tracing::debug!(tenant = %b.tenant, policy = %b.policy, error = %e, "Clearing an old bucket failed.");
+        }
+        (b, r)
+    })
+    .await;
+    for (b, outcome) in results {
+        if outcome != Some(true) {
+            written.to_clear.push(b);
+        }
+    }
+}
+
+/// Runs `call` on every item, [`WRITE_CONCURRENCY`] at a time, and starts no more calls after
+/// the first that finds the store out: a store that is down would otherwise cost a timeout per
+/// item. A refusal of one bucket's write (its data or its request at fault) fails that item
+/// only. Each item comes back with whether its call succeeded, or `None` if it never ran.
+async fn until_first_failure<T, F, Fut>(items: Vec<T>, call: F) -> Vec<(T, Option<bool>)>
+where
+    F: Fn(T) -> Fut,
+    Fut: std::future::Future<Output = (T, Result<(), StoreError>)>,
+{
+    let failed = AtomicBool::new(false);
+    stream::iter(items)
+        .map(|item| {
+            let (failed, call) = (&failed, &call);
+            async move {
+                if failed.load(Ordering::Relaxed) {
+                    return (item, None);
+                }
+                let (item, r) = call(item).await;
+                if r.as_ref().is_err_and(StoreError::is_outage) {
+                    failed.store(true, Ordering::Relaxed);
+                }
+                (item, Some(r.is_ok()))
+            }
+        })
+        .buffer_unordered(WRITE_CONCURRENCY)
+        .collect()
+        .await
+}

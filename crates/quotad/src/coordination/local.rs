@@ -1,0 +1,204 @@
+//! The single-region coordinator: one node, no Raft, its state in `<data_dir>/local.redb`
+//! ([`crate::coordination::local_store`]).
+
+use std::collections::BTreeMap;
+use std::path::Path;
+use std::sync::{Arc, Mutex};
+
+use quota_core::{Policy, PolicyName, RegionId, TenantId, PPM};
+use tokio::sync::watch;
+
+use crate::coordination::local_store::{LocalStore, LocalStoreError};
+use crate::coordination::mutation::{CoordError, PolicyPut};
+use crate::coordination::status::{CoordinatorStatus, MemberStatus};
+use crate::coordination::view::{tenant_keys, ClusterView, Grant, PolicyEntry, PolicyMap};
+
+/// A one-node coordinator: the single region holds every policy's whole budget under a lease
+/// that never expires.
+///
+/// Every mutation is committed to its redb file before the in-memory view changes and before
+/// the caller gets an answer; a failed write fails the mutation (`Unavailable`) and changes
+/// nothing. Mutations are serialized by one lock, held across the write (they are rare).
+#[derive(Debug)]
+pub struct LocalCoordinator {
+    region: RegionId,
+    store: LocalStore,
+    /// The view, whose `last_version` is the version counter: versions are never reused, so a
+    /// re-put policy gets fresh Redis keys instead of a deleted one's bucket.
+    view: Mutex<ClusterView>,
+    tx: watch::Sender<Arc<ClusterView>>,
+    /// Keeps a test's data directory alive as long as the coordinator.
+    #[cfg(test)]
+    _dir: Option<tempfile::TempDir>,
+}
+
+impl LocalCoordinator {
+    /// A receiver of view snapshots; changes wake `changed()`.
+    pub fn subscribe(&self) -> watch::Receiver<Arc<ClusterView>> {
+        self.tx.subscribe()
+    }
+
+    /// The current view.
+    pub fn view(&self) -> Arc<ClusterView> {
+        self.tx.borrow().clone()
+    }
+
+    /// Opens (or creates) `data_dir/local.redb` and publishes what it holds. Fails, naming the
+    /// file, on anything it cannot read: starting empty would forget policies.
+    pub fn open(region: RegionId, data_dir: &Path) -> Result<Self, LocalStoreError> {
+        let (store, loaded) = LocalStore::open(data_dir)?;
+        let mut policies = PolicyMap::new();
+        for ((tenant, name), policy) in loaded.policies {
+            let home = loaded.pins.get(&tenant).cloned();
+            let entry = Self::entry(&region, policy, home);
+            policies.insert((tenant, name), entry);
+        }
+        let view = ClusterView {
+            lease_end_local_ms: u64::MAX,
+            policies,
+            tenant_pins: Arc::new(loaded.pins),
+            region_leases: BTreeMap::from([(region.clone(), u64::MAX)]),
+            last_version: loaded.last_version,
+            ..ClusterView::default()
+        };
+        tracing::info!(
+            path = %store.path().display(),
+            policies = view.policies.len(),
+            pins = view.tenant_pins.len(),
+            last_version = loaded.last_version,
+            "Single-region coordinator state loaded."
+        );
+        let (tx, _) = watch::channel(Arc::new(view.clone()));
+        Ok(Self {
+            region,
+            store,
+            view: Mutex::new(view),
+            tx,
+            #[cfg(test)]
+            _dir: None,
+        })
+    }
+
+    /// A coordinator on a fresh temporary directory, removed when it is dropped.
+    #[cfg(test)]
+    pub(crate) fn in_temp_dir(region: RegionId) -> Self {
+        let dir = tempfile::tempdir().unwrap();
+        let mut c = Self::open(region, dir.path()).unwrap();
+        c._dir = Some(dir);
+        c
+    }
+
+    fn entry(region: &RegionId, policy: Policy, home: Option<RegionId>) -> PolicyEntry {
+        let grant = Grant {
+            share_ppm: PPM,
+            floor_ppm: policy.floor_ppm,
+        };
+        PolicyEntry {
+            policy,
+            grants: BTreeMap::from([(region.clone(), grant)]),
+            home,
+        }
+    }
+
+    /// Runs `f` under the lock: it writes to the store first and then changes the view; on
+    /// success the new view is published.
+    fn mutate<T>(
+        &self,
+        f: impl FnOnce(&mut ClusterView) -> Result<T, LocalStoreError>,
+    ) -> Result<T, CoordError> {
+        let mut view = self.view.lock().unwrap_or_else(|e| e.into_inner());
+        let out = f(&mut view).map_err(|e| {
+            tracing::error!(error = %e, "Writing the single-region coordinator state failed.");
+            CoordError::Unavailable {
+                reason: e.to_string(),
+            }
+        })?;
+        view.epoch += 1;
+        self.tx.send_replace(Arc::new(view.clone()));
+        Ok(out)
+    }
+
+    /// Stores `batch` in one transaction, with consecutive versions in order.
+    pub fn put_policies(&self, mut batch: Vec<PolicyPut>) -> Result<Vec<Policy>, CoordError> {
+        if batch.is_empty() {
+            return Ok(Vec::new());
+        }
+        self.mutate(|s| {
+            let mut version = s.last_version;
+            for (_, _, policy) in &mut batch {
+                version += 1;
+                policy.version = version;
+            }
+            let entries: Vec<_> = batch.iter().map(|(t, n, p)| (t, n, p)).collect();
+            self.store.put_policies(&entries, version)?;
+            s.last_version = version;
+            let mut stored = Vec::with_capacity(batch.len());
+            for (tenant, name, policy) in batch {
+                let home = s.tenant_pins.get(&tenant).cloned();
+                let entry = Self::entry(&self.region, policy.clone(), home);
+                s.policies.insert((tenant, name), entry);
+                stored.push(policy);
+            }
+            Ok(stored)
+        })
+    }
+
+    pub fn delete_policy(&self, tenant: &TenantId, name: &PolicyName) -> Result<bool, CoordError> {
+        let key = (tenant.clone(), name.clone());
+        self.mutate(|s| {
+            if !s.policies.contains_key(&key) {
+                return Ok(false);
+            }
+            self.store.delete_policy(tenant, name)?;
+            s.policies.remove(&key);
+            Ok(true)
+        })
+    }
+
+    pub fn pin(&self, tenant: &TenantId, region: RegionId) -> Result<(), CoordError> {
+        if region != self.region {
+            return Err(CoordError::UnknownRegion { region });
+        }
+        self.mutate(|s| {
+            self.store.put_pin(tenant, &region)?;
+            Arc::make_mut(&mut s.tenant_pins).insert(tenant.clone(), region.clone());
+            for key in tenant_keys(&s.policies, tenant) {
+                if let Some(e) = s.policies.get_mut(&key) {
+                    e.home = Some(region.clone());
+                }
+            }
+            Ok(())
+        })
+    }
+
+    pub fn unpin(&self, tenant: &TenantId) -> Result<bool, CoordError> {
+        self.mutate(|s| {
+            if !s.tenant_pins.contains_key(tenant) {
+                return Ok(false);
+            }
+            self.store.delete_pin(tenant)?;
+            Arc::make_mut(&mut s.tenant_pins).remove(tenant);
+            for key in tenant_keys(&s.policies, tenant) {
+                if let Some(e) = s.policies.get_mut(&key) {
+                    e.home = None;
+                }
+            }
+            Ok(true)
+        })
+    }
+
+    pub fn status(&self) -> CoordinatorStatus {
+        let applied_index = self.view.lock().unwrap_or_else(|e| e.into_inner()).epoch;
+        CoordinatorStatus {
+            role: "single",
+            leader: Some(self.region.clone()),
+            term: 0,
+            applied_index,
+            members: vec![MemberStatus {
+                region: self.region.clone(),
+                node_id: 1,
+                voter: true,
+            }],
+        }
+    }
+}

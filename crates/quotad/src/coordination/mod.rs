@@ -1,0 +1,321 @@
+//! The daemon's view of the coordinator: policies, pins and each region's share with its lease.
+//!
+//! Handlers and the region agent read an immutable [`ClusterView`] snapshot (an `Arc` behind a
+//! `watch` channel: one short read lock, never held across an await) and send mutations through
+//! [`Coordinator`]: either [`LocalCoordinator`], a one-node coordinator for a single region
+//! that keeps its state in `<data_dir>/local.redb` ([`local_store`]), or the
+//! Raft-backed [`Replicated`] one ([`replicated`]); the API and the decision path do not tell them apart.
+//!
+//! Pins are per tenant: a pinned tenant's policies, including ones created later, are decided
+//! by its home region (other regions forward their checks there).
+//!
+//! Nothing outside this module tells the two apart by matching [`Coordinator`]: what needs
+//! the replicated member itself (the region agent's reports, the peer listener, the leader's
+//! rounds) is handed an `Arc<Replicated>` by the server.
+
+mod local;
+pub mod local_store;
+mod mutation;
+pub mod replicated;
+mod status;
+pub mod view;
+
+use std::sync::Arc;
+
+use quota_core::{Policy, PolicyName, RegionId, TenantId};
+use tokio::sync::watch;
+
+pub use local::LocalCoordinator;
+pub use mutation::{CoordError, PolicyPut};
+pub use replicated::Replicated;
+pub use status::{CoordinatorStatus, MemberStatus};
+pub use view::{tenant_policies, ClusterView, Grant, PolicyEntry, PolicyMap};
+
+/// The coordinator behind the daemon.
+#[derive(Debug)]
+pub enum Coordinator {
+    /// One region, no Raft.
+    Local(LocalCoordinator),
+    /// A member of a Raft-replicated multi-region cluster.
+    Replicated(Arc<Replicated>),
+}
+
+impl Coordinator {
+    /// A receiver of view snapshots; changes wake `changed()`.
+    pub fn subscribe(&self) -> watch::Receiver<Arc<ClusterView>> {
+        match self {
+            Coordinator::Local(c) => c.subscribe(),
+            Coordinator::Replicated(c) => c.subscribe(),
+        }
+    }
+
+    /// The current view.
+    pub fn view(&self) -> Arc<ClusterView> {
+        match self {
+            Coordinator::Local(c) => c.view(),
+            Coordinator::Replicated(c) => c.view(),
+        }
+    }
+
+    /// Creates or replaces a policy; returns it with its new version.
+    pub async fn put_policy(
+        &self,
+        tenant: TenantId,
+        name: PolicyName,
+        policy: Policy,
+    ) -> Result<Policy, CoordError> {
+        match self {
+            Coordinator::Local(c) => c
+                .put_policies(vec![(tenant, name, policy)])
+                .map(|mut stored| stored.remove(0)),
+            Coordinator::Replicated(c) => c.put_policy(tenant, name, policy).await,
+        }
+    }
+
+    /// Creates or replaces several policies in one step, all or none; returns them with their
+    /// new versions, in order.
+    pub async fn put_policies(&self, batch: Vec<PolicyPut>) -> Result<Vec<Policy>, CoordError> {
+        match self {
+            Coordinator::Local(c) => c.put_policies(batch),
+            Coordinator::Replicated(c) => c.put_policies(batch).await,
+        }
+    }
+
+    /// Deletes a policy; `false` if there was none.
+    pub async fn delete_policy(
+        &self,
+        tenant: TenantId,
+        name: PolicyName,
+    ) -> Result<bool, CoordError> {
+        match self {
+            Coordinator::Local(c) => c.delete_policy(&tenant, &name),
+            Coordinator::Replicated(c) => c.delete_policy(tenant, name).await,
+        }
+    }
+
+    /// Pins a tenant to a home region: its policies, present and future, are decided there.
+    /// A tenant without policies may be pinned.
+    pub async fn pin(&self, tenant: TenantId, region: RegionId) -> Result<(), CoordError> {
+        match self {
+            Coordinator::Local(c) => c.pin(&tenant, region),
+            Coordinator::Replicated(c) => c.pin(tenant, region).await,
+        }
+    }
+
+    /// Removes a tenant's pin; `false` if there was none.
+    pub async fn unpin(&self, tenant: TenantId) -> Result<bool, CoordError> {
+        match self {
+            Coordinator::Local(c) => c.unpin(&tenant),
+            Coordinator::Replicated(c) => c.unpin(tenant).await,
+        }
+    }
+
+    /// Adds a node as a learner (leader only); it catches up, then may be promoted.
+    pub async fn add_member(
+        &self,
+        node_id: u64,
+        member: quota_raft::Member,
+    ) -> Result<(), CoordError> {
+        match self {
+            Coordinator::Local(_) => Err(CoordError::NotClustered),
+            Coordinator::Replicated(c) => c.add_member(node_id, member).await,
+        }
+    }
+
+    /// Makes a learner a voter (leader only).
+    pub async fn promote_member(&self, node_id: u64) -> Result<(), CoordError> {
+        match self {
+            Coordinator::Local(_) => Err(CoordError::NotClustered),
+            Coordinator::Replicated(c) => c.promote_member(node_id).await,
+        }
+    }
+
+    /// Removes a node from the Raft group (leader only).
+    pub async fn remove_member(&self, node_id: u64) -> Result<(), CoordError> {
+        match self {
+            Coordinator::Local(_) => Err(CoordError::NotClustered),
+            Coordinator::Replicated(c) => c.remove_member(node_id).await,
+        }
+    }
+
+    /// Role, leader, term and members.
+    pub fn status(&self) -> CoordinatorStatus {
+        match self {
+            Coordinator::Local(c) => c.status(),
+            Coordinator::Replicated(c) => c.status(),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use quota_core::{PolicySpec, PPM};
+
+    fn ids() -> (TenantId, PolicyName) {
+        (
+            TenantId::new("acme").unwrap(),
+            PolicyName::new("writes").unwrap(),
+        )
+    }
+
+    fn policy() -> Policy {
+        PolicySpec {
+            limit: 100.0,
+            window_ms: 60_000.0,
+            floor: Some(0.1),
+            ..Default::default()
+        }
+        .validate()
+        .unwrap()
+    }
+
+    #[tokio::test]
+    async fn local_coordinator_versions_policies_and_notifies() {
+        let c = Coordinator::Local(LocalCoordinator::in_temp_dir(RegionId::new("eu").unwrap()));
+        let mut rx = c.subscribe();
+        let (t, p) = ids();
+        let v1 = c.put_policy(t.clone(), p.clone(), policy()).await.unwrap();
+        let v2 = c.put_policy(t.clone(), p.clone(), policy()).await.unwrap();
+        assert_eq!((v1.version, v2.version), (1, 2));
+        assert!(rx.has_changed().unwrap());
+        let view = rx.borrow_and_update().clone();
+        let entry = view.policy(&t, &p).unwrap();
+        assert_eq!(entry.grants.values().next().unwrap().share_ppm, PPM);
+        assert!(c.delete_policy(t.clone(), p.clone()).await.unwrap());
+        assert!(!c.delete_policy(t, p).await.unwrap());
+    }
+
+    #[tokio::test]
+    async fn pins_only_to_known_regions() {
+        let c = Coordinator::Local(LocalCoordinator::in_temp_dir(RegionId::new("eu").unwrap()));
+        let (t, p) = ids();
+        c.put_policy(t.clone(), p, policy()).await.unwrap();
+        let err = c
+            .pin(t.clone(), RegionId::new("us").unwrap())
+            .await
+            .unwrap_err();
+        assert!(matches!(err, CoordError::UnknownRegion { .. }));
+        c.pin(t.clone(), RegionId::new("eu").unwrap())
+            .await
+            .unwrap();
+        assert_eq!(c.view().tenant_home(&t).map(RegionId::as_str), Some("eu"));
+        assert!(c.unpin(t.clone()).await.unwrap());
+        assert!(!c.unpin(t).await.unwrap());
+    }
+
+    #[tokio::test]
+    async fn a_tenant_pin_covers_policies_created_later() {
+        let c = Coordinator::Local(LocalCoordinator::in_temp_dir(RegionId::new("eu").unwrap()));
+        let (t, p) = ids();
+        // No policy yet: pinning still succeeds.
+        c.pin(t.clone(), RegionId::new("eu").unwrap())
+            .await
+            .unwrap();
+        c.put_policy(t.clone(), p.clone(), policy()).await.unwrap();
+        let view = c.view();
+        assert_eq!(
+            view.policy(&t, &p)
+                .unwrap()
+                .home
+                .as_ref()
+                .map(RegionId::as_str),
+            Some("eu")
+        );
+        assert!(c.unpin(t.clone()).await.unwrap());
+        assert_eq!(c.view().policy(&t, &p).unwrap().home, None);
+        assert_eq!(c.view().tenant_home(&t), None);
+    }
+
+    #[tokio::test]
+    async fn a_restart_keeps_policies_versions_and_pins() {
+        let dir = tempfile::tempdir().unwrap();
+        let eu = RegionId::new("eu").unwrap();
+        let (t, p) = ids();
+        let other = PolicyName::new("reads").unwrap();
+        let before = {
+            let c = Coordinator::Local(LocalCoordinator::open(eu.clone(), dir.path()).unwrap());
+            c.put_policy(t.clone(), p.clone(), policy()).await.unwrap();
+            c.put_policy(t.clone(), other.clone(), policy())
+                .await
+                .unwrap();
+            c.pin(t.clone(), eu.clone()).await.unwrap();
+            // Delete and re-put: a new version, never a reused one (fresh Redis keys).
+            assert!(c.delete_policy(t.clone(), p.clone()).await.unwrap());
+            let again = c.put_policy(t.clone(), p.clone(), policy()).await.unwrap();
+            assert_eq!(again.version, 3);
+            c.view()
+        };
+        let c = Coordinator::Local(LocalCoordinator::open(eu.clone(), dir.path()).unwrap());
+        let after = c.view();
+        assert_eq!(after.policies, before.policies);
+        assert_eq!((before.last_version, after.last_version), (3, 3));
+        assert_eq!(after.tenant_pins, before.tenant_pins);
+        assert_eq!(after.tenant_home(&t), Some(&eu));
+        assert_eq!(after.policy(&t, &p).unwrap().policy.version, 3);
+        assert_eq!(after.policy(&t, &other).unwrap().home.as_ref(), Some(&eu));
+        // The counter survived too: the next version is 4, even after deleting everything.
+        assert!(c.delete_policy(t.clone(), p.clone()).await.unwrap());
+        assert!(c.delete_policy(t.clone(), other.clone()).await.unwrap());
+        drop(c);
+        let c = Coordinator::Local(LocalCoordinator::open(eu.clone(), dir.path()).unwrap());
+        assert!(c.view().policies.is_empty());
+        let v = c.put_policy(t.clone(), p, policy()).await.unwrap();
+        assert_eq!(v.version, 4);
+        // An unpin is durable as well.
+        assert!(c.unpin(t.clone()).await.unwrap());
+        drop(c);
+        let c = Coordinator::Local(LocalCoordinator::open(eu, dir.path()).unwrap());
+        assert_eq!(c.view().tenant_home(&t), None);
+    }
+
+    #[tokio::test]
+    async fn a_policy_batch_is_one_durable_step_with_consecutive_versions() {
+        let dir = tempfile::tempdir().unwrap();
+        let eu = RegionId::new("eu").unwrap();
+        let (t, p) = ids();
+        let names: Vec<_> = (0..50)
+            .map(|i| PolicyName::new(format!("p{i}")).unwrap())
+            .collect();
+        let before = {
+            let c = Coordinator::Local(LocalCoordinator::open(eu.clone(), dir.path()).unwrap());
+            c.put_policy(t.clone(), p.clone(), policy()).await.unwrap();
+            c.pin(t.clone(), eu.clone()).await.unwrap();
+            let mut rx = c.subscribe();
+            rx.borrow_and_update();
+            let batch = names
+                .iter()
+                .map(|n| (t.clone(), n.clone(), policy()))
+                .collect();
+            let stored = c.put_policies(batch).await.unwrap();
+            let versions: Vec<u64> = stored.iter().map(|p| p.version).collect();
+            assert_eq!(versions, (2..52).collect::<Vec<_>>());
+            // One view change for the whole batch, every policy in it, each pinned like a
+            // single put.
+            assert!(rx.has_changed().unwrap());
+            let view = rx.borrow_and_update().clone();
+            assert_eq!(view.policies.len(), 51);
+            assert!(names
+                .iter()
+                .all(|n| view.policy(&t, n).unwrap().home.as_ref() == Some(&eu)));
+            assert!(c.put_policies(Vec::new()).await.unwrap().is_empty());
+            c.view()
+        };
+        let c = Coordinator::Local(LocalCoordinator::open(eu, dir.path()).unwrap());
+        assert_eq!(c.view().policies, before.policies);
+        assert_eq!(c.view().last_version, 51);
+        assert_eq!(c.put_policy(t, p, policy()).await.unwrap().version, 52);
+    }
+
+    #[test]
+    fn a_file_that_is_not_a_store_fails_start_up_by_name() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join(local_store::DB_FILE);
+        std::fs::write(&path, b"this is not a redb file, and never was one").unwrap();
+        let err = LocalCoordinator::open(RegionId::new("eu").unwrap(), dir.path()).unwrap_err();
+        assert!(
+            err.to_string().contains(&path.display().to_string()),
+            "{err}"
+        );
+    }
+}

@@ -1,0 +1,31 @@
+//! What a mutation takes and why one did not commit, for either coordinator.
+
+use quota_core::coordinator::InvalidEntry;
+use quota_core::{Policy, PolicyName, RegionId, TenantId};
+
+/// Why a mutation did not commit. Business answers ("no such policy") are values, not errors.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum CoordError {
+    #[error("region {region} is not a member of this cluster")]
+    UnknownRegion { region: RegionId },
+    #[error("the coordinator is unavailable: {reason}")]
+    Unavailable { reason: String },
+    #[error("a single-region daemon has no cluster membership")]
+    NotClustered,
+    #[error("only the leader changes membership (leader: node {leader:?})")]
+    NotLeader { leader: Option<u64> },
+    #[error("membership change rejected: {message}")]
+    Rejected { message: String },
+    #[error("node {node_id} is not a member")]
+    UnknownNode { node_id: u64 },
+    /// Policies the coordinator refused (e.g. a floor every region cannot reserve), by their
+    /// place in the request (the first ones of `total`); nothing was stored.
+    #[error("{total} policies refused: {entries:?}")]
+    InvalidPolicies {
+        entries: Vec<InvalidEntry>,
+        total: u32,
+    },
+}
+
+/// One policy of a batch: whose, which, and what.
+pub type PolicyPut = (TenantId, PolicyName, Policy);

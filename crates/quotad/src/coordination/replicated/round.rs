@@ -1,0 +1,115 @@
+//! The leader's round: register missing regions and the lease timing, then rebalance.
+
+use quota_core::allocator;
+use quota_core::coordinator::{Operation, Response};
+use quota_core::RegionId;
+
+use super::Replicated;
+use crate::{clock, telemetry};
+
+impl Replicated {
+    /// One leader round: register missing regions and the lease timing, then rebalance.
+    /// A no-op on followers.
+    pub async fn leader_round(&self) {
+        if !self.raft.is_leader() {
+            return;
+        }
+        let started = clock::monotonic();
+        if !self.register_regions_and_lease().await {
+            return;
+        }
+        self.rebalance(clock::wall_ms()).await;
+        metrics::histogram!(telemetry::REBALANCE_DURATION_SECONDS, "region" => self.region.as_str().to_string())
+            .record(started.elapsed().as_secs_f64());
+    }
+
+    /// Registers the configured regions the state does not hold yet, and this region's lease
+    /// timing if the state's differs; false once a write failed.
+    async fn register_regions_and_lease(&self) -> bool {
+        let (missing, lease) = self.raft.read(|s| {
+            let missing: Vec<RegionId> = self
+                .regions
+                .iter()
+                .filter(|r| s.region_index(r).is_none())
+                .cloned()
+                .collect();
+            (missing, s.lease)
+        });
+        for region in missing {
+            let op = Operation::PutRegion {
+                region,
+                reserves_floor: true,
+                draining: false,
+            };
+            if let Err(e) = self.write(op).await {
+                tracing::warn!(error = %e, "Registering a region failed.");
+                return false;
+            }
+        }
+        if lease != self.lease_config {
+            if let Err(e) = self
+                .write(Operation::SetLeaseConfig {
+                    config: self.lease_config,
+                })
+                .await
+            {
+                tracing::warn!(error = %e, "Setting the lease timing failed.");
+                return false;
+            }
+        }
+        true
+    }
+
+    /// The slots of regions whose lease ran out at `now` (coordinator time).
+    fn silent_regions(&self, now: u64) -> Vec<u8> {
+        self.raft.read(|s| {
+            s.regions
+                .iter()
+                .enumerate()
+                .filter_map(|(i, r)| r.as_ref().map(|r| (i, r)))
+                .filter(|(_, r)| {
+                    now > r
+                        .lease_expires_at_ms
+                        .saturating_add(s.lease.drift_margin_ms)
+                })
+                .map(|(i, _)| i as u8)
+                .collect()
+        })
+    }
+
+    /// Plans shares from the demand estimates and commits them, stopping at the first failed
+    /// write.
+    async fn rebalance(&self, now: u64) {
+        // A region whose lease ran out cannot report (it is cut off or down): count it as
+        // having no demand, so the allocator hands its non-floor share to regions that do.
+        let silent = self.silent_regions(now);
+        let plan = {
+            let mut demand = self.demand.lock().unwrap_or_else(|e| e.into_inner());
+            for slot in silent {
+                demand.record(slot, self.rebalance_interval_ms, &[]);
+            }
+            self.raft
+                .read(|s| allocator::plan(s, &demand, &self.allocator, now))
+        };
+        let commands = plan.into_commands(now, self.allocator.max_entries_per_command, || {
+            self.request_id()
+        });
+        for cmd in commands {
+            match self.raft.write(cmd).await {
+                Ok(Response::SharesSet {
+                    epoch,
+                    accepted,
+                    rejected_total,
+                    ..
+                }) => {
+                    tracing::debug!(epoch, accepted, rejected_total, "Shares committed.");
+                }
+                Ok(_) => {}
+                Err(e) => {
+                    tracing::warn!(error = %e, "Committing shares failed.");
+                    break;
+                }
+            }
+        }
+    }
+}

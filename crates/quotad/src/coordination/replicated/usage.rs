@@ -1,0 +1,136 @@
+//! Usage reports: soft state for the leader's demand estimates, sent over the peer listener
+//! (never through the log), and the leader's handler for them.
+
+use std::sync::Arc;
+
+use axum::extract::State;
+use axum::http::{header, HeaderMap, StatusCode};
+use axum::routing::post;
+use axum::Router;
+use quota_core::coordinator::PolicyKey;
+use quota_core::demand::Usage;
+use quota_core::{PolicyName, RegionId, TenantId};
+use quota_raft::Role;
+use quota_store::UsageRecord;
+use serde::{Deserialize, Serialize};
+
+use super::{unavailable, Replicated};
+use crate::coordination::mutation::CoordError;
+
+/// The peer-port route where regions send usage reports to the leader.
+pub const PATH_USAGE: &str = "/quotad/v1/usage";
+
+/// A usage report: soft state for the leader's demand estimates.
+#[derive(Debug, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct UsageReport {
+    pub region: RegionId,
+    pub interval_ms: u64,
+    /// `(tenant, policy, admitted, denied)`.
+    pub usage: Vec<(TenantId, PolicyName, u64, u64)>,
+}
+
+impl Replicated {
+    /// Sends this region's usage to the leader (or records it, on the leader).
+    pub async fn report_usage(
+        &self,
+        usage: &[UsageRecord],
+        interval_ms: u64,
+    ) -> Result<(), CoordError> {
+        let report = UsageReport {
+            region: self.region.clone(),
+            interval_ms,
+            usage: usage
+                .iter()
+                .map(|u| {
+                    (
+                        u.bucket.tenant.clone(),
+                        u.bucket.policy.clone(),
+                        u.admitted,
+                        u.denied,
+                    )
+                })
+                .collect(),
+        };
+        let status = self.raft.status();
+        if status.role == Role::Leader {
+            self.record_report(&report);
+            return Ok(());
+        }
+        let leader = status
+            .leader_id
+            .and_then(|id| status.members.get(&id).cloned())
+            .ok_or_else(|| unavailable("no leader known"))?;
+        let resp = self
+            .http
+            .post(format!("http://{}{PATH_USAGE}", leader.peer_addr))
+            .bearer_auth(self.peer_token.expose())
+            .json(&report)
+            .send()
+            .await
+            .map_err(unavailable)?;
+        if resp.status().is_success() {
+            Ok(())
+        } else {
+            Err(unavailable(format!(
+                "the leader answered {}",
+                resp.status()
+            )))
+        }
+    }
+
+    fn record_report(&self, report: &UsageReport) {
+        let Some(slot) = self.raft.read(|s| s.region_index(&report.region)) else {
+            return;
+        };
+        let usage: Vec<(PolicyKey, Usage)> = report
+            .usage
+            .iter()
+            .map(|(t, p, admitted, denied)| {
+                (
+                    PolicyKey::new(t.clone(), p.clone()),
+                    Usage {
+                        admitted: *admitted,
+                        denied: *denied,
+                    },
+                )
+            })
+            .collect();
+        self.demand
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .record(slot, report.interval_ms, &usage);
+    }
+
+    /// The peer listener's router: Raft's protocol plus the usage endpoint.
+    pub fn peer_router(self: &Arc<Self>) -> Router {
+        let usage = Router::new()
+            .route(PATH_USAGE, post(receive_usage))
+            .with_state(self.clone());
+        self.raft.peer_router().merge(usage)
+    }
+}
+
+/// POST /quotad/v1/usage on the leader, authenticated with the peer token.
+async fn receive_usage(
+    State(me): State<Arc<Replicated>>,
+    headers: HeaderMap,
+    body: axum::body::Bytes,
+) -> StatusCode {
+    let presented = headers
+        .get(header::AUTHORIZATION)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.strip_prefix("Bearer "))
+        .unwrap_or("");
+    if !me.peer_token.matches(presented) {
+        return StatusCode::UNAUTHORIZED;
+    }
+    let Ok(report) = serde_json::from_slice::<UsageReport>(&body) else {
+        return StatusCode::BAD_REQUEST;
+    };
+    if !me.raft.is_leader() {
+        return StatusCode::MISDIRECTED_REQUEST;
+    }
+    me.record_report(&report);
+    StatusCode::NO_CONTENT
+}

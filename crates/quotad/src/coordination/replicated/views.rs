@@ -1,0 +1,427 @@
+//! Views built from the applied state: only what changed is rebuilt.
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+
+use quota_core::coordinator::{CoordinatorState, Entry, PolicyKey};
+use quota_core::{PolicyName, RegionId, TenantId};
+
+use super::{Derived, Replicated};
+use crate::coordination::view::{ClusterView, Grant, PolicyEntry, PolicyMap};
+
+impl Replicated {
+    /// Rebuilds the view from the applied state and this region's lease; publishes it if it
+    /// changed.
+    pub fn rebuild_view(&self) {
+        let lease_end = {
+            let lease = self.lease.lock().unwrap_or_else(|e| e.into_inner());
+            lease
+                .lease()
+                .map_or(0, |l| l.end_local_ms(self.lease_config.drift_margin_ms))
+        };
+        let view = self.raft.read_revised(|s, revision| {
+            let mut derived = self.derived.lock().unwrap_or_else(|e| e.into_inner());
+            view_of(&mut derived, s, revision, lease_end)
+        });
+        self.tx.send_if_modified(|old| {
+            if **old == view {
+                false
+            } else {
+                *old = Arc::new(view);
+                true
+            }
+        });
+    }
+}
+
+/// The view of `s` at `revision`. Its policies are `derived`'s as they are when built at the
+/// same revision (lease renewals leave it alone: O(regions) per view), and otherwise brought
+/// in line entry by entry ([`sync_policies`]: an allocation-free walk, and only changed
+/// entries rebuilt), never rebuilt whole after the first view.
+fn view_of(
+    derived: &mut Option<Derived>,
+    s: &CoordinatorState,
+    revision: u64,
+    lease_end_local_ms: u64,
+) -> ClusterView {
+    let d = match derived.take() {
+        Some(d) if d.revision == revision => d,
+        Some(mut d) => {
+            sync_policies(&mut d.policies, s);
+            d.tenant_pins = Arc::new(pins_of(s));
+            d.revision = revision;
+            d
+        }
+        None => {
+            let mut policies = PolicyMap::new();
+            sync_policies(&mut policies, s);
+            Derived {
+                revision,
+                policies,
+                tenant_pins: Arc::new(pins_of(s)),
+            }
+        }
+    };
+    let view = ClusterView {
+        policies: d.policies.clone(),
+        tenant_pins: d.tenant_pins.clone(),
+        region_leases: region_leases_of(s),
+        epoch: s.epoch,
+        lease_end_local_ms,
+        last_version: s.last_version,
+    };
+    *derived = Some(d);
+    view
+}
+
+/// The view's entry for a live policy: its grant in every region, and its home.
+fn entry_of(s: &CoordinatorState, entry: &Entry) -> PolicyEntry {
+    let mut grants = BTreeMap::new();
+    for (i, slot) in s.regions.iter().enumerate() {
+        if let Some(r) = slot {
+            grants.insert(r.id.clone(), grant_of(s, entry, i));
+        }
+    }
+    let home = entry
+        .pin
+        .and_then(|p| s.region(usize::from(p.home)))
+        .map(|r| r.id.clone());
+    PolicyEntry {
+        policy: entry.policy.clone(),
+        grants,
+        home,
+    }
+}
+
+fn grant_of(s: &CoordinatorState, entry: &Entry, slot: usize) -> Grant {
+    let share_ppm = entry.share(slot);
+    Grant {
+        share_ppm,
+        floor_ppm: s.floor_of(&entry.policy, slot).min(share_ppm),
+    }
+}
+
+/// Whether `old` is what [`entry_of`] would build now, without building it.
+fn entry_matches(s: &CoordinatorState, entry: &Entry, old: &PolicyEntry) -> bool {
+    let home = entry
+        .pin
+        .and_then(|p| s.region(usize::from(p.home)))
+        .map(|r| &r.id);
+    if old.policy != entry.policy || old.home.as_ref() != home {
+        return false;
+    }
+    let mut regions = 0;
+    for (i, slot) in s.regions.iter().enumerate() {
+        if let Some(r) = slot {
+            regions += 1;
+            if old.grants.get(&r.id) != Some(&grant_of(s, entry, i)) {
+                return false;
+            }
+        }
+    }
+    regions == old.grants.len()
+}
+
+/// Brings `map` in line with the live policies of `s`: one walk over both in key order, which
+/// allocates nothing for an unchanged entry; changed, new and gone entries are then updated in
+/// place, each O(log n).
+fn sync_policies(map: &mut PolicyMap, s: &CoordinatorState) {
+    use std::cmp::Ordering;
+    let order = |k: &(TenantId, PolicyName), key: &PolicyKey| {
+        k.0.cmp(&key.tenant).then_with(|| k.1.cmp(&key.policy))
+    };
+    let mut upserts = Vec::new();
+    let mut removals = Vec::new();
+    let mut old = map.iter().peekable();
+    for (key, entry) in s.entries.iter().filter(|(_, e)| !e.deleted) {
+        loop {
+            match old.peek() {
+                Some((k, v)) => match order(k, key) {
+                    Ordering::Less => {
+                        removals.push((*k).clone());
+                        old.next();
+                    }
+                    Ordering::Equal => {
+                        if !entry_matches(s, entry, v) {
+                            upserts.push((key, entry));
+                        }
+                        old.next();
+                        break;
+                    }
+                    Ordering::Greater => {
+                        upserts.push((key, entry));
+                        break;
+                    }
+                },
+                None => {
+                    upserts.push((key, entry));
+                    break;
+                }
+            }
+        }
+    }
+    removals.extend(old.map(|(k, _)| k.clone()));
+    for k in removals {
+        map.remove(&k);
+    }
+    for (key, entry) in upserts {
+        map.insert((key.tenant.clone(), key.policy.clone()), entry_of(s, entry));
+    }
+}
+
+/// Pinned tenants and their home region.
+fn pins_of(s: &CoordinatorState) -> BTreeMap<TenantId, RegionId> {
+    s.tenant_pins
+        .iter()
+        .filter_map(|(t, &home)| {
+            s.region(usize::from(home))
+                .map(|r| (t.clone(), r.id.clone()))
+        })
+        .collect()
+}
+
+/// Every region's lease end (coordinator time), for display.
+fn region_leases_of(s: &CoordinatorState) -> BTreeMap<RegionId, u64> {
+    s.regions
+        .iter()
+        .flatten()
+        .map(|r| (r.id.clone(), r.lease_expires_at_ms))
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use quota_core::coordinator::{
+        Command, HomeChange, Operation, PolicyKey, RequestId, Response, ShareEntry,
+    };
+    use quota_core::{PolicySpec, PPM};
+    use rand::{Rng as _, SeedableRng as _};
+
+    use super::*;
+
+    fn apply(s: &mut CoordinatorState, id: u128, now_ms: u64, op: Operation) -> Response {
+        s.apply(&Command {
+            request: RequestId(id),
+            now_ms,
+            op,
+        })
+    }
+
+    fn key(tenant: &str, policy: &str) -> PolicyKey {
+        PolicyKey::new(
+            TenantId::new(tenant).unwrap(),
+            PolicyName::new(policy).unwrap(),
+        )
+    }
+
+    fn put_policy(s: &mut CoordinatorState, id: u128, tenant: &str) {
+        let policy = PolicySpec {
+            limit: 100.0,
+            window_ms: 1000.0,
+            ..Default::default()
+        }
+        .validate()
+        .unwrap();
+        let r = apply(
+            s,
+            id,
+            1_000,
+            Operation::PutPolicy {
+                key: key(tenant, "w"),
+                policy,
+            },
+        );
+        assert!(matches!(r, Response::PolicyStored { .. }), "{r:?}");
+    }
+
+    fn put_region(s: &mut CoordinatorState, id: u128, name: &str) {
+        let op = Operation::PutRegion {
+            region: RegionId::new(name).unwrap(),
+            reserves_floor: true,
+            draining: false,
+        };
+        apply(s, id, 1_000, op);
+    }
+
+    /// The reference: every live policy built from scratch.
+    fn full(s: &CoordinatorState) -> PolicyMap {
+        s.entries
+            .iter()
+            .filter(|(_, e)| !e.deleted)
+            .map(|(k, e)| ((k.tenant.clone(), k.policy.clone()), entry_of(s, e)))
+            .collect()
+    }
+
+    #[test]
+    fn renewals_reuse_the_policies_and_other_changes_update_them() {
+        let mut s = CoordinatorState::default();
+        put_region(&mut s, 1, "eu");
+        put_region(&mut s, 2, "us");
+        for i in 0..3 {
+            put_policy(&mut s, 10 + i, &format!("t{i}"));
+        }
+        let mut derived = None;
+        let v1 = view_of(&mut derived, &s, 7, 100);
+        assert_eq!(v1.policies, full(&s));
+        assert_eq!(v1.policies.len(), 3);
+
+        let eu = RegionId::new("eu").unwrap();
+        let renew = Operation::RenewLease {
+            region: eu.clone(),
+            acked_epoch: s.epoch,
+        };
+        apply(&mut s, 20, 5_000, renew);
+        let v2 = view_of(&mut derived, &s, 7, 200);
+        assert!(v1.policies.ptr_eq(&v2.policies), "kept across a renewal");
+        assert!(Arc::ptr_eq(&v1.tenant_pins, &v2.tenant_pins));
+        assert_eq!(v2.lease_end_local_ms, 200);
+        assert!(v2.region_leases[&eu] > v1.region_leases[&eu], "{v2:?}");
+        assert_eq!(v2.policies, full(&s), "and still what a full build gives");
+
+        put_policy(&mut s, 30, "t9");
+        let v3 = view_of(&mut derived, &s, 8, 200);
+        assert_eq!(v3.policies.len(), 4);
+        assert_eq!(v3.policies, full(&s));
+        // The version counter comes with the view, for the agent's sweep.
+        assert_eq!((v1.last_version, v3.last_version), (3, 4));
+        assert_eq!(v2.policies.len(), 3, "an earlier view is not changed");
+    }
+
+    #[test]
+    fn a_removed_region_leaves_every_entry() {
+        let mut s = CoordinatorState::default();
+        for (i, r) in ["eu", "us", "ap"].iter().enumerate() {
+            put_region(&mut s, i as u128, r);
+        }
+        for i in 0..4 {
+            put_policy(&mut s, 10 + i, &format!("t{i}"));
+        }
+        let mut derived = None;
+        let v1 = view_of(&mut derived, &s, 1, 0);
+        assert!(v1.policies.values().all(|e| e.grants.len() == 3));
+        // Drain ap: no floor, its shares cut to nothing, then removed.
+        let ap = RegionId::new("ap").unwrap();
+        let drain = Operation::PutRegion {
+            region: ap.clone(),
+            reserves_floor: false,
+            draining: true,
+        };
+        apply(&mut s, 20, 2_000, drain);
+        let entries = s
+            .entries
+            .iter()
+            .map(|(k, e)| ShareEntry {
+                key: k.clone(),
+                shares_ppm: vec![e.share(0), e.share(1), 0],
+                home: HomeChange::Keep,
+            })
+            .collect();
+        let membership = s.membership;
+        let r = apply(
+            &mut s,
+            21,
+            3_000,
+            Operation::SetShares {
+                membership,
+                entries,
+            },
+        );
+        assert!(
+            matches!(r, Response::SharesSet { accepted: 4, .. }),
+            "{r:?}"
+        );
+        let r = apply(&mut s, 22, 4_000, Operation::RemoveRegion { region: ap });
+        assert!(matches!(r, Response::RegionRemoved { .. }), "{r:?}");
+        let v2 = view_of(&mut derived, &s, 2, 0);
+        assert!(v2.policies.values().all(|e| e.grants.len() == 2), "{v2:?}");
+        assert_eq!(v2.policies, full(&s));
+    }
+
+    /// Seeded random commands of every kind that changes the view; after every few, the view
+    /// brought in line entry by entry equals a full rebuild.
+    #[test]
+    fn entry_by_entry_updates_equal_a_full_rebuild() {
+        let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(7);
+        let mut s = CoordinatorState::default();
+        put_region(&mut s, 1, "eu");
+        put_region(&mut s, 2, "us");
+        let mut derived = None;
+        let regions = ["eu", "us", "ap"];
+        let mut id = 100u128;
+        let mut now = 1_000u64;
+        let mut shares_moved = 0;
+        for round in 0..400u64 {
+            id += 1;
+            now += 10;
+            let tenant = format!("t{}", rng.random_range(0..30));
+            let policy = ["a", "b", "c"][rng.random_range(0..3)];
+            let op = match rng.random_range(0..9) {
+                0 | 1 => Operation::PutPolicy {
+                    key: key(&tenant, policy),
+                    policy: PolicySpec {
+                        limit: f64::from(rng.random_range(1..1000u32)),
+                        window_ms: 1000.0,
+                        floor: Some(0.05),
+                        ..Default::default()
+                    }
+                    .validate()
+                    .unwrap(),
+                },
+                2 => Operation::DeletePolicy {
+                    key: key(&tenant, policy),
+                },
+                3 => Operation::PinTenant {
+                    tenant: TenantId::new(&tenant).unwrap(),
+                    home: RegionId::new(regions[rng.random_range(0..2)]).unwrap(),
+                },
+                4 => Operation::UnpinTenant {
+                    tenant: TenantId::new(&tenant).unwrap(),
+                },
+                5 | 6 => {
+                    // A small cut of one region's share of every live policy.
+                    let slots = s.regions.len();
+                    let entries = s
+                        .entries
+                        .iter()
+                        .filter(|(_, e)| !e.deleted)
+                        .map(|(k, e)| {
+                            let mut shares: Vec<u32> = (0..slots).map(|i| e.share(i)).collect();
+                            // Cuts only: always safe, so the state takes them.
+                            let from = rng.random_range(0..slots);
+                            let step = shares[from].min(rng.random_range(1..PPM / 10));
+                            shares[from] -= step;
+                            ShareEntry {
+                                key: k.clone(),
+                                shares_ppm: shares,
+                                home: HomeChange::Keep,
+                            }
+                        })
+                        .collect();
+                    Operation::SetShares {
+                        membership: s.membership,
+                        entries,
+                    }
+                }
+                7 => Operation::PutRegion {
+                    region: RegionId::new(regions[rng.random_range(0..3)]).unwrap(),
+                    reserves_floor: rng.random_bool(0.5),
+                    draining: false,
+                },
+                _ => Operation::RenewLease {
+                    region: RegionId::new(regions[rng.random_range(0..2)]).unwrap(),
+                    acked_epoch: s.epoch,
+                },
+            };
+            if let Response::SharesSet { accepted, .. } = apply(&mut s, id, now, op) {
+                shares_moved += accepted;
+            }
+            if round % 3 == 0 {
+                let v = view_of(&mut derived, &s, round, 0);
+                assert_eq!(v.policies, full(&s), "round {round}");
+                assert_eq!(*v.tenant_pins, pins_of(&s), "round {round}");
+            }
+        }
+        assert!(!full(&s).is_empty(), "the run left policies to compare");
+        assert!(shares_moved > 50, "shares moved {shares_moved} times");
+    }
+}

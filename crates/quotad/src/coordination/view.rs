@@ -1,0 +1,115 @@
+//! The view snapshots handlers and the region agent read: policies, pins and each region's
+//! share with its lease. A leaf: both coordinators build these, and nothing here knows them.
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+
+use quota_core::{Policy, PolicyName, RegionId, TenantId};
+use serde::Serialize;
+
+/// One region's grant for a tenant's policy.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+pub struct Grant {
+    pub share_ppm: u32,
+    /// What the region falls back to once its lease is over (never above the share).
+    pub floor_ppm: u32,
+}
+
+/// A tenant's policy with every region's grant.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PolicyEntry {
+    pub policy: Policy,
+    pub grants: BTreeMap<RegionId, Grant>,
+    /// The home region of a pinned policy (its tenant's pin, or the allocator's automatic pin
+    /// of a `critical` policy).
+    pub home: Option<RegionId>,
+}
+
+/// Every tenant's policies with their grants, in key order.
+pub type PolicyMap = imbl::OrdMap<(TenantId, PolicyName), PolicyEntry>;
+
+/// An immutable snapshot of coordinator state, as this region sees it.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct ClusterView {
+    /// A persistent map: views share it, and a new view after a change copies only the
+    /// changed entries' paths (lease renewals change only `region_leases` and
+    /// `lease_end_local_ms`, and share it whole).
+    pub policies: PolicyMap,
+    /// Pinned tenants and their home region.
+    pub tenant_pins: Arc<BTreeMap<TenantId, RegionId>>,
+    /// Coordinator time (wall-clock ms) each region's lease ends, for display; `u64::MAX` =
+    /// never. Regions count their own lease, see [`ClusterView::lease_end_local_ms`].
+    pub region_leases: BTreeMap<RegionId, u64>,
+    /// Bumped on every committed change regions must apply.
+    pub epoch: u64,
+    /// Local wall-clock ms at which this region must stop enforcing more than its floors (its
+    /// lease end minus the drift margin, counted by its own clock); `u64::MAX` = never.
+    pub lease_end_local_ms: u64,
+    /// The last policy version issued when this view was taken. Versions are never reused, so
+    /// a bucket at a version up to this one that the view does not hold is gone for good;
+    /// one above it belongs to a change this view has not seen yet.
+    pub last_version: u64,
+}
+
+impl ClusterView {
+    /// A tenant's policy, if any.
+    pub fn policy(&self, tenant: &TenantId, policy: &PolicyName) -> Option<&PolicyEntry> {
+        // BTreeMap lookups need an owned key; ids are short, and this avoids a second map.
+        self.policies.get(&(tenant.clone(), policy.clone()))
+    }
+
+    /// The share this region enforces for a grant at local time `now_ms`: the grant while the
+    /// lease holds, the floor after.
+    pub fn enforced_share_ppm(&self, grant: Option<&Grant>, now_ms: u64) -> u32 {
+        match grant {
+            Some(g) if now_ms < self.lease_end_local_ms => g.share_ppm,
+            Some(g) => g.floor_ppm.min(g.share_ppm),
+            None => 0,
+        }
+    }
+
+    /// The home a tenant is pinned to, if any.
+    pub fn tenant_home(&self, tenant: &TenantId) -> Option<&RegionId> {
+        self.tenant_pins.get(tenant)
+    }
+}
+
+/// The keys of one tenant's policies.
+pub(crate) fn tenant_keys(policies: &PolicyMap, tenant: &TenantId) -> Vec<(TenantId, PolicyName)> {
+    tenant_policies(policies, tenant)
+        .map(|(k, _)| k.clone())
+        .collect()
+}
+
+/// One tenant's policies in name order: a range of the map, not a scan of it.
+pub fn tenant_policies<'a>(
+    policies: &'a PolicyMap,
+    tenant: &'a TenantId,
+) -> impl Iterator<Item = (&'a (TenantId, PolicyName), &'a PolicyEntry)> + 'a {
+    // "-" is the least valid name: '-' sorts before every other allowed character.
+    let first = PolicyName::new("-").ok();
+    first
+        .into_iter()
+        .flat_map(move |first| policies.range((tenant.clone(), first)..))
+        .take_while(move |((t, _), _)| t == tenant)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn an_expired_lease_falls_back_to_the_floor() {
+        let g = Grant {
+            share_ppm: 600_000,
+            floor_ppm: 100_000,
+        };
+        let view = ClusterView {
+            lease_end_local_ms: 1_000,
+            ..ClusterView::default()
+        };
+        assert_eq!(view.enforced_share_ppm(Some(&g), 999), 600_000);
+        assert_eq!(view.enforced_share_ppm(Some(&g), 1_000), 100_000);
+        assert_eq!(view.enforced_share_ppm(None, 0), 0);
+    }
+}

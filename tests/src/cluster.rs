@@ -1,0 +1,251 @@
+//! Several regions on loopback: a redis-server, a quotad and a fault proxy per region, and
+//! the cuts between them.
+
+use std::time::Duration;
+
+use anyhow::Context as _;
+
+use crate::fault_proxy::FaultProxy;
+use crate::{eventually, free_port, Daemon};
+
+/// The peer token every test cluster shares.
+pub const PEER_TOKEN: &str = "system-test-peer-token-0123456789";
+
+/// Three (or more) regions on loopback: one redis-server, one quotad and one fault proxy in
+/// front of each daemon's peer listener.
+#[derive(Debug)]
+pub struct Cluster {
+    /// Held while the cluster lives: clusters of different test processes run one at a time,
+    /// so nine daemons never compete for two cores.
+    _serial: std::fs::File,
+    pub names: Vec<String>,
+    pub daemons: Vec<Daemon>,
+    pub redis: Vec<redis_harness::RedisServer>,
+    pub proxies: Vec<FaultProxy>,
+}
+
+/// Timings of test clusters: short so rounds are quick, long enough for 2 cores in debug.
+#[derive(Debug)]
+pub struct Timings {
+    pub report_interval_ms: u64,
+    pub rebalance_interval_ms: u64,
+    pub lease_ms: u64,
+    pub drift_margin_ms: u64,
+}
+
+impl Default for Timings {
+    fn default() -> Self {
+        Self {
+            report_interval_ms: 200,
+            rebalance_interval_ms: 400,
+            lease_ms: 3_000,
+            drift_margin_ms: 300,
+        }
+    }
+}
+
+impl Cluster {
+    /// Starts regions `names` and waits until every daemon is ready and a leader exists.
+    pub async fn start(names: &[&str], t: &Timings) -> anyhow::Result<Self> {
+        let lock_path = std::env::temp_dir().join("quotad-system-tests-cluster.lock");
+        let serial = std::fs::OpenOptions::new()
+            .create(true)
+            .truncate(false)
+            .write(true)
+            .open(&lock_path)
+            .with_context(|| format!("opening {}", lock_path.display()))?;
+        let serial = tokio::task::spawn_blocking(move || serial.lock().map(|()| serial))
+            .await?
+            .context("locking the cluster lock file")?;
+        let mut redis = Vec::new();
+        for _ in names {
+            redis.push(redis_harness::RedisServer::start()?);
+        }
+        // Ports are picked free and then bound by the daemons: another process can take one in
+        // between, and that daemon exits at once. Such a start is retried on fresh ports.
+        let mut attempt = 0;
+        let (daemons, proxies) = loop {
+            attempt += 1;
+            match Self::spawn_regions(names, t, &redis).await {
+                Ok(started) => break started,
+                Err(e) if attempt < 3 && format!("{e:#}").contains("exited during start-up") => {
+                    eprintln!("cluster start attempt {attempt} failed, retrying: {e:#}");
+                }
+                Err(e) => return Err(e),
+            }
+        };
+        let cluster = Self {
+            _serial: serial,
+            names: names.iter().map(|s| s.to_string()).collect(),
+            daemons,
+            redis,
+            proxies,
+        };
+        let leader = eventually(
+            Duration::from_secs(20),
+            Duration::from_millis(100),
+            || async {
+                let s = cluster.daemons[0].get("/v1/status").await.ok()?;
+                s.body["raft"]["leader"].as_str().map(str::to_string)
+            },
+        )
+        .await;
+        anyhow::ensure!(
+            leader.is_some(),
+            "no Raft leader elected: {}",
+            cluster.daemons[0].log_text()
+        );
+        // Every region registered and holding a lease: the cluster is ready for policies.
+        for d in &cluster.daemons {
+            let leased = eventually(
+                Duration::from_secs(20),
+                Duration::from_millis(100),
+                || async {
+                    let s = d.get("/v1/status").await.ok()?;
+                    (s.body["lease"]["remaining_ms"].as_u64()? > 0).then_some(())
+                },
+            )
+            .await;
+            anyhow::ensure!(
+                leased.is_some(),
+                "a region never got a lease: {}",
+                d.log_text()
+            );
+        }
+        Ok(cluster)
+    }
+
+    /// Spawns one daemon per region (with a fault proxy in front of each peer port) and waits
+    /// until all are ready. A daemon that fails is killed when its `Daemon` drops.
+    async fn spawn_regions(
+        names: &[&str],
+        t: &Timings,
+        redis: &[redis_harness::RedisServer],
+    ) -> anyhow::Result<(Vec<Daemon>, Vec<FaultProxy>)> {
+        let api: Vec<u16> = names
+            .iter()
+            .map(|_| free_port())
+            .collect::<anyhow::Result<_>>()?;
+        let peer: Vec<u16> = names
+            .iter()
+            .map(|_| free_port())
+            .collect::<anyhow::Result<_>>()?;
+        let mut proxies = Vec::new();
+        for p in &peer {
+            proxies.push(FaultProxy::start(([127, 0, 0, 1], *p).into()).await?);
+        }
+        let mut members = String::new();
+        for (i, n) in names.iter().enumerate() {
+            members.push_str(&format!(
+                "[[regions]]\nid = \"{n}\"\nnode_id = {}\napi = \"127.0.0.1:{}\"\npeer = \"{}\"\n\n",
+                i + 1,
+                api[i],
+                proxies[i].addr
+            ));
+        }
+        let mut daemons = Vec::new();
+        for (i, n) in names.iter().enumerate() {
+            let config = format!(
+                r#"region = "{n}"
+[api]
+listen = "127.0.0.1:{api}"
+forward_timeout_ms = 300
+[peer]
+listen = "127.0.0.1:{peer}"
+[redis]
+url = "{redis}"
+timeout_ms = 200
+[breaker]
+failure_threshold = 3
+slow_call_ms = 200
+open_ms = 300
+[coordination]
+report_interval_ms = {ri}
+rebalance_interval_ms = {rb}
+lease_ms = {lease}
+drift_margin_ms = {margin}
+[raft]
+heartbeat_interval_ms = 100
+election_timeout_min_ms = 400
+election_timeout_max_ms = 800
+write_timeout_ms = 1500
+[telemetry]
+log_level = "info"
+
+{members}"#,
+                api = api[i],
+                peer = peer[i],
+                redis = redis[i].url(),
+                ri = t.report_interval_ms,
+                rb = t.rebalance_interval_ms,
+                lease = t.lease_ms,
+                margin = t.drift_margin_ms,
+            );
+            daemons.push(Daemon::spawn(
+                &config,
+                api[i],
+                &[("QUOTAD_PEER_TOKEN", PEER_TOKEN)],
+            )?);
+        }
+        let pids: Vec<u32> = daemons.iter().filter_map(Daemon::pid).collect();
+        for p in &proxies {
+            p.set_candidates(&pids);
+        }
+        for d in &mut daemons {
+            if let Err(e) = d.wait_ready(Duration::from_secs(30)).await {
+                return Err(e.context(d.log_text()));
+            }
+        }
+        Ok((daemons, proxies))
+    }
+
+    /// Index of a region by name.
+    pub fn index(&self, name: &str) -> usize {
+        self.names
+            .iter()
+            .position(|n| n == name)
+            .unwrap_or_else(|| panic!("no region {name}"))
+    }
+
+    /// The daemon of a region.
+    pub fn daemon(&self, name: &str) -> &Daemon {
+        &self.daemons[self.index(name)]
+    }
+
+    /// Cuts region `name` off from every other region, both ways.
+    pub fn isolate(&self, name: &str) {
+        let i = self.index(name);
+        let me: Vec<u32> = self.daemons[i].pid().into_iter().collect();
+        let others: Vec<u32> = self
+            .daemons
+            .iter()
+            .enumerate()
+            .filter(|(j, _)| *j != i)
+            .filter_map(|(_, d)| d.pid())
+            .collect();
+        self.proxies[i].block(&others);
+        for (j, p) in self.proxies.iter().enumerate() {
+            if j != i {
+                p.block(&me);
+            }
+        }
+    }
+
+    /// Heals every cut.
+    pub fn heal(&self) {
+        for p in &self.proxies {
+            p.heal();
+        }
+    }
+
+    /// Region `name`'s share of a tenant's policy, as `name` itself reports it.
+    pub async fn share(&self, name: &str, tenant: &str) -> Option<(f64, f64)> {
+        let r = self
+            .daemon(name)
+            .get(&format!("/v1/tenants/{tenant}/allowance"))
+            .await
+            .ok()?;
+        let p = &r.body["policies"][0]["this_region"];
+        Some((p["share"].as_f64()?, p["enforced_share"].as_f64()?))
+    }
+}

@@ -1,0 +1,168 @@
+//! Envoy's rate limit service driven from outside the Rust stack: a Python grpcio client
+//! (tests/python/envoy_rls_client.py) with stubs generated at run time from the .proto files
+//! that ship in the envoy-types and tonic-health crates, against a real quotad and Redis.
+//! The script covers every point of the service's contract and prints `ok <point>` for each;
+//! this test puts the policies it expects, sends SIGTERM when it asks (the drain) and holds
+//! every point to have passed.
+
+use std::path::{Path, PathBuf};
+use std::process::Stdio;
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Context};
+use quotad_system_tests::{free_port, redis_config, Daemon};
+use redis_harness::RedisServer;
+use serde_json::{json, Value};
+use tokio::io::{AsyncBufReadExt, BufReader};
+use tokio::process::Command;
+
+/// The points the script reports, in order.
+const POINTS: [&str; 12] = [
+    "five_then_over",
+    "concurrent",
+    "malformed_beside_spent_global",
+    "malformed_each_on_its_own",
+    "invalid_requests",
+    "current_limit",
+    "headers",
+    "cost_above_burst",
+    "hits_addend_zero",
+    "latency",
+    "health",
+    "drain",
+];
+
+const HOUR_MS: u64 = 3_600_000;
+
+/// The source directory of `package` as Cargo resolved it for this workspace.
+fn crate_dir(metadata: &Value, package: &str) -> anyhow::Result<PathBuf> {
+    let manifest = metadata["packages"]
+        .as_array()
+        .context("cargo metadata has no packages")?
+        .iter()
+        .find(|p| p["name"] == package)
+        .and_then(|p| p["manifest_path"].as_str())
+        .with_context(|| format!("{package} is not in the dependency graph"))?;
+    Ok(Path::new(manifest)
+        .parent()
+        .context("a manifest path without a parent")?
+        .to_path_buf())
+}
+
+/// The crates this workspace builds for this host, offline (packages of other platforms are
+/// never downloaded here, so they are filtered out).
+async fn cargo_metadata(workspace: &Path) -> anyhow::Result<Value> {
+    let rustc = std::env::var("RUSTC").unwrap_or_else(|_| "rustc".into());
+    let version = Command::new(rustc)
+        .arg("-vV")
+        .output()
+        .await
+        .context("running rustc -vV")?;
+    let version = String::from_utf8(version.stdout)?;
+    let host = version
+        .lines()
+        .find_map(|l| l.strip_prefix("host: "))
+        .context("rustc -vV names no host")?;
+    let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
+    let out = Command::new(cargo)
+        .args(["metadata", "--format-version", "1", "--offline", "--locked"])
+        .args(["--filter-platform", host])
+        .current_dir(workspace)
+        .output()
+        .await
+        .context("running cargo metadata")?;
+    if !out.status.success() {
+        bail!("cargo metadata: {}", String::from_utf8_lossy(&out.stderr));
+    }
+    Ok(serde_json::from_slice(&out.stdout)?)
+}
+
+#[tokio::test]
+async fn a_python_grpcio_client_sees_every_point_of_the_envoy_contract() -> anyhow::Result<()> {
+    let workspace = Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
+    let metadata = cargo_metadata(&workspace).await?;
+    let envoy_proto = crate_dir(&metadata, "envoy-types")?.join("proto");
+    let health_proto = crate_dir(&metadata, "tonic-health")?.join("proto");
+    let script = workspace.join("tests/python/envoy_rls_client.py");
+    let stubs = tempfile::tempdir()?;
+
+    let redis = RedisServer::start()?;
+    let envoy_port = free_port()?;
+    let config = format!(
+        "{}[envoy]\nlisten = \"127.0.0.1:{envoy_port}\"\n",
+        redis_config(&redis.url())
+    );
+    let mut d = Daemon::start(&config).await?;
+    for (tenant, policy, limit, window_ms) in [
+        ("acme", "five", 5, HOUR_MS),
+        ("acme", "crowd", 20, HOUR_MS),
+        ("all", "global", 1, HOUR_MS),
+        ("acme", "tensec", 3, 10_000),
+        ("acme", "weekly", 1, 7 * 24 * HOUR_MS),
+        ("acme", "reads", 2, HOUR_MS),
+        ("acme", "small", 5, HOUR_MS),
+    ] {
+        d.put_policy(
+            tenant,
+            policy,
+            json!({"limit": limit, "window_ms": window_ms}),
+        )
+        .await?;
+    }
+
+    let mut client = Command::new("python3")
+        .arg(&script)
+        .arg("--target")
+        .arg(format!("127.0.0.1:{envoy_port}"))
+        .arg("--envoy-proto")
+        .arg(&envoy_proto)
+        .arg("--health-proto")
+        .arg(&health_proto)
+        .arg("--stubs")
+        .arg(stubs.path())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .kill_on_drop(true)
+        .spawn()
+        .context("starting python3 (grpcio and grpcio-tools: tests/python/requirements.txt)")?;
+    let mut lines = BufReader::new(client.stdout.take().context("no stdout")?).lines();
+    let mut said = Vec::new();
+    let mut stopped_in = None;
+    let deadline = Instant::now() + Duration::from_secs(120);
+    loop {
+        let left = deadline.saturating_duration_since(Instant::now());
+        let Ok(line) = tokio::time::timeout(left, lines.next_line()).await else {
+            bail!("the client did not finish in time; it said: {said:#?}");
+        };
+        let Some(line) = line? else { break };
+        if line == "awaiting shutdown" {
+            let stopping = Instant::now();
+            let status = d.terminate(Duration::from_secs(15)).await?;
+            assert!(status.success(), "{status:?}: {}", d.log_text());
+            stopped_in = Some(stopping.elapsed());
+        }
+        said.push(line);
+    }
+    let out = client.wait_with_output().await?;
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        out.status.success(),
+        "{:?}: {said:#?}\n{stderr}",
+        out.status
+    );
+    let reported: Vec<&str> = said
+        .iter()
+        .filter_map(|l| l.strip_prefix("ok "))
+        .filter_map(|l| l.split(':').next())
+        .collect();
+    assert_eq!(reported, POINTS, "{said:#?}");
+    for line in &said {
+        println!("{line}");
+    }
+    let stopped_in = stopped_in.context("the client never asked for shutdown")?;
+    assert!(
+        stopped_in < Duration::from_secs(5),
+        "stopped in {stopped_in:?}"
+    );
+    Ok(())
+}
