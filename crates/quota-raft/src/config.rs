@@ -327,6 +327,20 @@ impl RaftConfig {
         self.max_rpc_body_bytes / entries / 4 * 3
     }
 
+    /// How long one forwarded write may wait for the leader's answer: a live leader commits
+    /// within a quorum round trip (under a heartbeat interval), so after
+    /// `election_timeout_max_ms` the leader is taken for gone and the write is retried, against
+    /// a new leader once one is known.
+    pub fn forward_attempt_timeout(&self) -> Duration {
+        Duration::from_millis(self.election_timeout_max_ms)
+    }
+
+    /// The longest a healthy majority waits for a new leader after the old one stops: the
+    /// election guard's worst case ([`crate::election::ElectionTimings::worst_case_failover`]).
+    pub fn failover_worst_case(&self) -> Duration {
+        self.election_timings().worst_case_failover()
+    }
+
     /// The write deadline as a duration.
     pub fn write_timeout(&self) -> Duration {
         Duration::from_millis(self.write_timeout_ms)
