@@ -17,9 +17,12 @@
 //! region that reaches a majority; the new leader starts with empty demand estimates (they are
 //! soft state) and relearns them. Proposals not committed when leadership changes are lost.
 //!
-//! The leader treats a region it has not heard from for three report intervals as having no
-//! demand (it records empty reports for it), so the allocator moves that region's share to the
-//! others — after its lease ran out, since `apply` enforces revoke before grant. In
+//! Elections model quotad's election guard (a pre-vote): a node campaigns only when a majority
+//! has lost its leader, so a cut-off or flapping follower never unseats a leader that reaches a
+//! majority. In [`LeaseMode::Leased`] a region whose lease has lapsed stops counting in the
+//! allocator (quota-core's rule), so its share, all but the floor, moves to the others. Without
+//! leases there is no such signal, so the leader treats a region it has not heard from for
+//! three report intervals as having no demand (it records empty reports for it). In
 //! [`LeaseMode::NoLease`] every share decrease is acknowledged on the region's behalf as soon
 //! as it commits (the coordinator does not wait), and regions ignore leases and keep enforcing
 //! their last grant.
@@ -75,7 +78,7 @@ pub enum LeaseMode {
     NoLease,
 }
 
-/// Reports missed before the leader counts a region's demand as zero.
+/// Reports missed before the leader counts a region's demand as zero ([`LeaseMode::NoLease`]).
 const SILENT_REPORTS: u64 = 3;
 
 #[derive(Debug)]
@@ -414,7 +417,7 @@ impl Control {
         if !self.has_quorum(world, l, at_ms) {
             return;
         }
-        for r in 0..world.regions {
+        for r in (0..world.regions).filter(|_| self.mode == LeaseMode::NoLease) {
             if at_ms > self.last_report_ms[r] + SILENT_REPORTS * self.cfg.report_ms {
                 self.demand.record(r as u8, self.cfg.rebalance_ms, &[]);
             }
@@ -605,6 +608,16 @@ impl Control {
             }
             LeaseMode::NoLease => grant.share_ppm,
         }
+    }
+
+    /// Whether region `r` enforces only its floors at its local time `local_ms`: its lease ran
+    /// out (or it never had one).
+    pub fn on_floor(&self, r: RegionIx, local_ms: u64) -> bool {
+        self.mode == LeaseMode::Leased
+            && self.agents[r]
+                .view
+                .lease()
+                .is_none_or(|l| local_ms >= l.end_local_ms(self.cfg.drift_margin_ms))
     }
 
     /// Counts a decision in region `r`'s next usage report.

@@ -44,6 +44,15 @@ pub struct Faults {
 }
 
 impl Faults {
+    /// Whether `region` is never cut off nor crashed during the run: its goodput is the one a
+    /// fault elsewhere must not cost anything.
+    pub fn healthy(&self, region: RegionIx) -> bool {
+        !self.list.iter().any(|f| match *f {
+            Fault::Isolate { region: r, .. } | Fault::Crash { region: r, .. } => r == region,
+            Fault::RedisOutage { .. } => false,
+        })
+    }
+
     /// Whether `region` is cut off from every other region at `t_ms`.
     pub fn isolated(&self, region: RegionIx, t_ms: u64) -> bool {
         self.list.iter().any(|f| match *f {

@@ -10,7 +10,11 @@
 //!   ÷ (C + r·W), maximised over tenants too, for W = the policy window and W = 1 s. Windows are
 //!   kept as sliding sums of bins (a tick for 1 s, W/600 for the policy window), so a window is
 //!   between W − one bin and W long: the figure can read low by at most one bin's admissions;
-//! - goodput = tokens both admitted ÷ tokens the shadow admitted;
+//! - goodput = tokens both admitted ÷ tokens the shadow admitted; healthy goodput is the same,
+//!   counted only over requests in regions no fault touches (matched per tenant and bin over
+//!   those regions together);
+//! - floor time: seconds after warm-up each region spent enforcing only its floors (its lease
+//!   ran out), for the strategies that have leases;
 //! - false denial rate = requests the shadow admits but the strategy denies ÷ requests the
 //!   shadow admits.
 //!
@@ -171,6 +175,10 @@ pub struct Recorder {
     open: Vec<TenantSecond>,
     /// Per second of the run.
     secs: Vec<Second>,
+    /// Which regions no fault touches.
+    healthy: Vec<bool>,
+    /// Per region: ms after warm-up on floors only.
+    floor_ms: Vec<u64>,
 }
 
 /// One tenant's counts in its current matching bin, compared with the shadow when it closes.
@@ -179,6 +187,9 @@ struct TenantSecond {
     sec: usize,
     shadow_tokens: u64,
     shadow_requests: u64,
+    /// Shadow and strategy tokens in healthy regions.
+    healthy_shadow_tokens: u64,
+    healthy_tokens: u64,
     tokens: u64,
     requests: u64,
 }
@@ -191,6 +202,8 @@ pub struct Second {
     pub both_tokens: u64,
     pub shadow_requests: u64,
     pub false_denials: u64,
+    pub healthy_shadow_tokens: u64,
+    pub healthy_both_tokens: u64,
     /// The largest overshoot(W) of any window ending in this second.
     pub overshoot_w: f64,
 }
@@ -204,6 +217,7 @@ impl Recorder {
         tick_ms: u64,
         duration_ms: u64,
         warmup_ms: u64,
+        healthy: Vec<bool>,
     ) -> Self {
         let bin_w = (window_ms / 600).max(tick_ms).div_ceil(tick_ms) * tick_ms;
         let len_w = window_ms.div_ceil(bin_w) as usize;
@@ -233,6 +247,17 @@ impl Recorder {
             decisions: 0,
             open: vec![TenantSecond::default(); tenants.len()],
             secs: vec![Second::default(); duration_ms.div_ceil(1000) as usize],
+            floor_ms: vec![0; healthy.len()],
+            healthy,
+        }
+    }
+
+    /// Counts `dt_ms` at true time `t_ms` during which `region` enforced only its floors.
+    pub fn record_floor(&mut self, t_ms: u64, region: usize, dt_ms: u64) {
+        if t_ms >= self.warmup_ms {
+            if let Some(f) = self.floor_ms.get_mut(region) {
+                *f += dt_ms;
+            }
         }
     }
 
@@ -250,13 +275,20 @@ impl Recorder {
             self.close(tenant);
             self.open[tenant].sec = bin_sec;
         }
+        let healthy = self.healthy.get(req.region).copied().unwrap_or(false);
         let open = &mut self.open[tenant];
         if shadow_ok {
             open.shadow_tokens += cost;
             open.shadow_requests += 1;
+            if healthy {
+                open.healthy_shadow_tokens += cost;
+            }
         }
         if ok {
             open.tokens += cost;
+            if healthy {
+                open.healthy_tokens += cost;
+            }
             open.requests += 1;
             let sec = &mut self.secs[now_sec];
             sec.admitted_tokens += cost;
@@ -282,6 +314,8 @@ impl Recorder {
             sec.shadow_requests += o.shadow_requests;
             sec.both_tokens += o.shadow_tokens.min(o.tokens);
             sec.false_denials += o.shadow_requests.saturating_sub(o.requests);
+            sec.healthy_shadow_tokens += o.healthy_shadow_tokens;
+            sec.healthy_both_tokens += o.healthy_shadow_tokens.min(o.healthy_tokens);
         }
     }
 
@@ -382,6 +416,11 @@ impl Recorder {
                 total(|s| s.false_denials, from..n),
                 total(|s| s.shadow_requests, from..n),
             ),
+            goodput_healthy: ratio(
+                total(|s| s.healthy_both_tokens, from..n),
+                total(|s| s.healthy_shadow_tokens, from..n),
+            ),
+            floor_s: self.floor_ms.iter().map(|&ms| ms as f64 / 1000.0).collect(),
             goodput_converged: ratio(masked(|s| s.both_tokens), masked(|s| s.shadow_tokens)),
             false_denial_converged: ratio(
                 masked(|s| s.false_denials),
@@ -431,6 +470,10 @@ pub struct Summary {
     pub overshoot_1s: f64,
     /// `None` when the ideal admitted nothing.
     pub goodput: Option<f64>,
+    /// Goodput in the regions no fault touches; `None` when the ideal admitted nothing there.
+    pub goodput_healthy: Option<f64>,
+    /// Seconds after warm-up each region enforced only its floors.
+    pub floor_s: Vec<f64>,
     pub false_denial_rate: Option<f64>,
     /// Goodput counted only once converged after each shift.
     pub goodput_converged: Option<f64>,
@@ -490,7 +533,7 @@ mod tests {
     fn admitting_twice_the_budget_in_one_window_reads_two() {
         // C = 100, r = 100/s, W = 1 s: the bound over 1 s is 200.
         let tenants = [tenant(100.0, 1000.0)];
-        let mut rec = Recorder::new(&tenants, 1000, 10, 2000, 0);
+        let mut rec = Recorder::new(&tenants, 1000, 10, 2000, 0, vec![true; 3]);
         for i in 0..400 {
             rec.record(i, &req(1), i < 200, true, 500);
         }
@@ -504,9 +547,30 @@ mod tests {
     }
 
     #[test]
+    fn healthy_goodput_counts_only_healthy_regions_and_floor_time_adds_up() {
+        let tenants = [tenant(100.0, 1000.0)];
+        let mut rec = Recorder::new(&tenants, 1000, 10, 2000, 500, vec![true, false]);
+        // Region 0 (healthy) gets all it asks for; region 1 (faulted) is denied everything.
+        for i in 0..10 {
+            let region = (i % 2) as usize;
+            let r = Request { region, ..req(1) };
+            rec.record(i, &r, true, region == 0, 500);
+        }
+        for t in (0..2000).step_by(10) {
+            rec.record_floor(t, 1, 10);
+        }
+        rec.finish();
+        let s = rec.summary("x", "y", &[], 0);
+        assert_eq!(s.goodput, Some(0.5));
+        assert_eq!(s.goodput_healthy, Some(1.0));
+        // Only the time after the 500 ms warm-up counts.
+        assert_eq!(s.floor_s, vec![0.0, 1.5]);
+    }
+
+    #[test]
     fn false_denials_and_goodput_compare_with_the_shadow() {
         let tenants = [tenant(100.0, 1000.0)];
-        let mut rec = Recorder::new(&tenants, 1000, 10, 1000, 0);
+        let mut rec = Recorder::new(&tenants, 1000, 10, 1000, 0, vec![true; 3]);
         // Shadow admits 4 requests of cost 2; the strategy denies one of them.
         for i in 0..4 {
             rec.record(i, &req(2), true, i != 0, 500);
@@ -521,7 +585,7 @@ mod tests {
     fn the_shadow_itself_never_overshoots() {
         let tenants = [tenant(600.0, 60_000.0)];
         let mut shadow = Shadow::new(&tenants);
-        let mut rec = Recorder::new(&tenants, 60_000, 10, 180_000, 0);
+        let mut rec = Recorder::new(&tenants, 60_000, 10, 180_000, 0, vec![true; 3]);
         for t in (0..180_000).step_by(10) {
             for _ in 0..3 {
                 let ok = shadow.decide(t, &req(1));
@@ -561,7 +625,7 @@ mod tests {
     #[test]
     fn matching_per_second_ignores_which_request_got_the_token() {
         let tenants = [tenant(100.0, 1000.0)];
-        let mut rec = Recorder::new(&tenants, 1000, 10, 1000, 0);
+        let mut rec = Recorder::new(&tenants, 1000, 10, 1000, 0, vec![true; 3]);
         // Shadow admits the first two, the strategy the last two: same second, same count.
         for i in 0..4 {
             rec.record(i, &req(1), i < 2, i >= 2, 500);

@@ -8,11 +8,23 @@ use crate::simulation::ScenarioRun;
 
 /// The CSV header, also the column order of the table.
 pub const CSV_HEADER: &str = "scenario,strategy,overshoot_window,overshoot_1s,goodput,\
-false_denial_rate,goodput_converged,false_denial_converged,p50_decision_ms,p99_decision_ms,\
+goodput_healthy,floor_s,false_denial_rate,goodput_converged,false_denial_converged,p50_decision_ms,p99_decision_ms,\
 convergence_s,decisions,admitted_tokens,ideal_tokens";
 
 fn opt(v: Option<f64>, digits: usize) -> String {
     v.map_or_else(|| "-".to_string(), |x| format!("{x:.digits$}"))
+}
+
+/// Seconds on floors per region (`a/b/c`), or `0` when no region was ever on its floors.
+fn floors(s: &Summary) -> String {
+    if s.floor_s.iter().all(|&f| f == 0.0) {
+        return "0".to_string();
+    }
+    s.floor_s
+        .iter()
+        .map(|f| format!("{f:.0}"))
+        .collect::<Vec<_>>()
+        .join("/")
 }
 
 fn conv(s: &Summary) -> String {
@@ -28,12 +40,14 @@ pub fn table(runs: &[ScenarioRun]) -> String {
     let mut out = String::new();
     let _ = writeln!(
         out,
-        "{:<15} {:<19} {:>8} {:>8} {:>8} {:>8} {:>8} {:>7} {:>7} {:>6}",
+        "{:<16} {:<19} {:>8} {:>8} {:>8} {:>8} {:>9} {:>8} {:>8} {:>7} {:>7} {:>6}",
         "scenario",
         "strategy",
         "over(W)",
         "over(1s)",
         "goodput",
+        "good_ok",
+        "floor_s",
         "false_dn",
         "fd_conv",
         "p50_ms",
@@ -44,12 +58,14 @@ pub fn table(runs: &[ScenarioRun]) -> String {
         for s in run.strategies.iter().map(|r| &r.summary) {
             let _ = writeln!(
                 out,
-                "{:<15} {:<19} {:>8.3} {:>8.3} {:>8} {:>8} {:>8} {:>7.1} {:>7.1} {:>6}",
+                "{:<16} {:<19} {:>8.3} {:>8.3} {:>8} {:>8} {:>9} {:>8} {:>8} {:>7.1} {:>7.1} {:>6}",
                 s.scenario,
                 s.strategy,
                 s.overshoot_window,
                 s.overshoot_1s,
                 opt(s.goodput, 3),
+                opt(s.goodput_healthy, 3),
+                floors(s),
                 opt(s.false_denial_rate.map(|x| 100.0 * x), 2) + "%",
                 opt(s.false_denial_converged.map(|x| 100.0 * x), 2) + "%",
                 s.p50_decision_ms,
@@ -64,12 +80,18 @@ pub fn table(runs: &[ScenarioRun]) -> String {
 fn csv_row(s: &Summary) -> String {
     let o = |v: Option<f64>| v.map_or_else(String::new, |x| format!("{x:.6}"));
     format!(
-        "{},{},{:.6},{:.6},{},{},{},{},{:.3},{:.3},{},{},{},{}",
+        "{},{},{:.6},{:.6},{},{},{},{},{},{},{:.3},{:.3},{},{},{},{}",
         s.scenario,
         s.strategy,
         s.overshoot_window,
         s.overshoot_1s,
         o(s.goodput),
+        o(s.goodput_healthy),
+        s.floor_s
+            .iter()
+            .map(|f| format!("{f:.1}"))
+            .collect::<Vec<_>>()
+            .join("/"),
         o(s.false_denial_rate),
         o(s.goodput_converged),
         o(s.false_denial_converged),
@@ -152,6 +174,8 @@ mod tests {
             overshoot_window: 1.0,
             overshoot_1s: 0.5,
             goodput: Some(0.99),
+            goodput_healthy: Some(1.0),
+            floor_s: vec![0.0, 2.5],
             false_denial_rate: None,
             goodput_converged: Some(1.0),
             false_denial_converged: Some(0.0),
@@ -169,6 +193,6 @@ mod tests {
     fn csv_rows_match_the_header() {
         let row = csv_row(&summary());
         assert_eq!(row.split(',').count(), CSV_HEADER.split(',').count());
-        assert!(row.starts_with("steady,quotad,1.000000,0.500000,0.990000,,"));
+        assert!(row.starts_with("steady,quotad,1.000000,0.500000,0.990000,1.000000,0.0/2.5,,"));
     }
 }

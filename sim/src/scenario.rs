@@ -17,6 +17,9 @@ use crate::world::RegionIx;
 pub const WINDOW_MS: u64 = 60_000;
 /// Limits, per window, that tenants are drawn from.
 const LIMITS: [u64; 5] = [600, 1_200, 3_000, 6_000, 12_000];
+/// A `flapping` region is cut off for the first half of each period.
+const FLAP_PERIOD_MS: u64 = 6_000;
+
 /// Demand moves to the next region this often in `follow_the_sun`.
 const SUN_PERIOD_MS: u64 = 120_000;
 
@@ -46,6 +49,13 @@ pub enum ScenarioKind {
     Partition,
     /// The leader's daemon crashes for 30 s, and demand moves while it is down.
     LeaderCrash,
+    /// The leader's region (region 0) is cut off from the others for 90 s; 40 s in, every
+    /// tenant surges to 3× its limit in every region.
+    LeaderPartition,
+    /// The last region is cut off for 3 s of every 6 s, for 90 s.
+    Flapping,
+    /// The last region is cut off for 180 s (at most 60% of the run), then heals.
+    Heal,
     /// Region 1's Redis is unreachable for 30 s (fail mode per `--fail-mode`, default
     /// `local`).
     RedisOutage,
@@ -54,7 +64,7 @@ pub enum ScenarioKind {
 }
 
 impl ScenarioKind {
-    pub const ALL: [ScenarioKind; 12] = [
+    pub const ALL: [ScenarioKind; 15] = [
         Self::Steady,
         Self::Skewed,
         Self::FollowTheSun,
@@ -65,23 +75,41 @@ impl ScenarioKind {
         Self::RetryStorm,
         Self::Partition,
         Self::LeaderCrash,
+        Self::LeaderPartition,
+        Self::Flapping,
+        Self::Heal,
         Self::RedisOutage,
         Self::ClockDrift,
     ];
 
+    /// Whether the scenario cuts regions off or crashes daemons.
+    fn faulty(self) -> bool {
+        matches!(
+            self,
+            Self::Partition
+                | Self::LeaderCrash
+                | Self::LeaderPartition
+                | Self::Flapping
+                | Self::Heal
+                | Self::RedisOutage
+        )
+    }
+
     /// The fewest regions the scenario makes sense with (a majority must survive a fault).
     pub fn min_regions(self) -> usize {
-        match self {
-            Self::Partition | Self::LeaderCrash | Self::RedisOutage => 3,
-            _ => 1,
+        if self.faulty() {
+            3
+        } else {
+            1
         }
     }
 
     /// The shortest run the scenario fits in, in ms.
     pub fn min_duration_ms(self) -> u64 {
-        match self {
-            Self::Partition | Self::LeaderCrash | Self::RedisOutage => 20_000,
-            _ => 1_000,
+        if self.faulty() {
+            20_000
+        } else {
+            1_000
         }
     }
 
@@ -98,6 +126,9 @@ impl ScenarioKind {
             Self::RetryStorm => "retry_storm",
             Self::Partition => "partition",
             Self::LeaderCrash => "leader_crash",
+            Self::LeaderPartition => "leader_partition",
+            Self::Flapping => "flapping",
+            Self::Heal => "heal",
             Self::RedisOutage => "redis_outage",
             Self::ClockDrift => "clock_drift",
         }
@@ -311,7 +342,7 @@ impl Scenario {
         let per_s = limit as f64 * 1000.0 / WINDOW_MS as f64;
         let demand = match (span.kind, greedy) {
             (K::MinuteBursts, _) => 0.0,
-            (K::Partition, _) => rng.random_range(0.3..0.8),
+            (K::Partition | K::LeaderPartition, _) => rng.random_range(0.3..0.8),
             (K::RetryStorm, true) => 20.0,
             (_, true) => 2.0,
             (_, false) => rng.random_range(0.3..0.8),
@@ -404,7 +435,28 @@ impl Scenario {
             }
             K::HotTenant => self.add_hot_tenant(span, opts)?,
             K::OneShot => self.add_one_shot_tenants(span, opts, rng)?,
-            K::Partition => self.add_partition(span),
+            K::Partition => self.add_partition(span, n - 1),
+            K::LeaderPartition => self.add_partition(span, 0),
+            K::Flapping => {
+                let until_ms = fault_from + span.fault_len(90_000);
+                for from_ms in (fault_from..until_ms).step_by(FLAP_PERIOD_MS as usize) {
+                    self.faults.list.push(Fault::Isolate {
+                        region: n - 1,
+                        from_ms,
+                        until_ms: (from_ms + FLAP_PERIOD_MS / 2).min(until_ms),
+                    });
+                }
+                self.shifts_ms.push(until_ms);
+            }
+            K::Heal => {
+                let until_ms = fault_from + (180_000u64).min(d * 6 / 10);
+                self.faults.list.push(Fault::Isolate {
+                    region: n - 1,
+                    from_ms: fault_from,
+                    until_ms,
+                });
+                self.shifts_ms.push(until_ms);
+            }
             K::LeaderCrash => {
                 let until_ms = fault_from + span.fault_len(30_000);
                 self.faults.list.push(Fault::Crash {
@@ -476,12 +528,13 @@ impl Scenario {
 
     /// `partition`: the last region cut off, and a surge everywhere once the majority has had
     /// time to reassign the silent region's share.
-    fn add_partition(&mut self, span: &Span) {
+    /// Cuts `region` off for 90 s with a surge 40 s in.
+    fn add_partition(&mut self, span: &Span, region: RegionIx) {
         let (n, fault_from) = (span.n, span.fault_from);
         let len = span.fault_len(90_000);
         let until_ms = fault_from + len;
         self.faults.list.push(Fault::Isolate {
-            region: n - 1,
+            region,
             from_ms: fault_from,
             until_ms,
         });

@@ -102,6 +102,9 @@ pub fn run_scenario(
                 cfg.tick_ms,
                 cfg.duration_ms,
                 cfg.warmup_ms,
+                (0..world.regions)
+                    .map(|r| scenario.faults.healthy(r))
+                    .collect(),
             )
         })
         .collect();
@@ -191,6 +194,11 @@ fn run_ticks(
             for (r, &ok) in requests.iter().zip(&shadow_ok) {
                 let v = s.decide(world, t, r);
                 rec.record(t, r, ok, v.allowed, v.latency_us);
+            }
+            for region in 0..world.regions {
+                if s.on_floor(world, t, region) {
+                    rec.record_floor(t, region, cfg.tick_ms);
+                }
             }
         }
         decisions += requests.len() as u64 * (strats.len() as u64 + 1);

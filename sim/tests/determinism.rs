@@ -10,9 +10,10 @@ fn run(args: &[&str]) -> std::process::Output {
         .expect("sim runs")
 }
 
-/// Short runs of three scenarios with every kind of event (shifts, a partition, a crash), so
-/// the test stays quick in debug builds.
-const SHORT: [&str; 16] = [
+/// Short runs of the scenarios with every kind of event (shifts, partitions of a follower and
+/// of the leader, a flapping link, a long partition that heals, a crash), so the test stays
+/// quick in debug builds.
+const SHORT: [&str; 22] = [
     "--duration",
     "30",
     "--warmup",
@@ -25,6 +26,12 @@ const SHORT: [&str; 16] = [
     "partition",
     "--scenario",
     "leader_crash",
+    "--scenario",
+    "leader_partition",
+    "--scenario",
+    "flapping",
+    "--scenario",
+    "heal",
     "--format",
     "csv",
     "--jobs",
@@ -52,7 +59,7 @@ fn same_seed_same_bytes() {
     assert_eq!(run(&one_job).stdout, a.stdout);
     // Every scenario and strategy has a row.
     let text = String::from_utf8(a.stdout).unwrap();
-    assert_eq!(text.lines().count(), 1 + 3 * 7);
+    assert_eq!(text.lines().count(), 1 + 6 * 7);
 }
 
 #[test]

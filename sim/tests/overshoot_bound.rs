@@ -1,5 +1,6 @@
 //! quotad's overshoot bound, over a fixed set of seeds and the scenarios that stress it
-//! (skew, shifting demand, bursts, a partition, a leader crash, clock drift). Short runs, so
+//! (skew, shifting demand, bursts, partitions of a follower and of the leader, a flapping
+//! link, a long partition that heals, a leader crash, clock drift). Short runs, so
 //! the test stays fast in debug builds. A failure prints the command that reproduces it.
 
 use clap::Parser;
@@ -11,11 +12,14 @@ use sim::strategy::StrategyKind;
 /// quotad's promise: at most 2% over the ideal in any window.
 const BOUND: f64 = 1.02;
 const SEEDS: [u64; 4] = [1, 2, 3, 4];
-const SCENARIOS: [ScenarioKind; 6] = [
+const SCENARIOS: [ScenarioKind; 9] = [
     ScenarioKind::Skewed,
     ScenarioKind::FollowTheSun,
     ScenarioKind::MinuteBursts,
     ScenarioKind::Partition,
+    ScenarioKind::LeaderPartition,
+    ScenarioKind::Flapping,
+    ScenarioKind::Heal,
     ScenarioKind::LeaderCrash,
     ScenarioKind::ClockDrift,
 ];

@@ -11,7 +11,13 @@
 //!    left by what regions may still enforce ([`CoordinatorState::enforceable`]), so share taken
 //!    from A reaches B a round after A acknowledged the decrease (or its lease ran out).
 //!    Regions below their floor are served first.
-//! 4. **Threshold**: a policy is emitted only if its shares are at least
+//! 4. **Lapsed regions**: a region whose lease ended more than the drift margin ago (it stopped
+//!    renewing: cut off or down) enforces only its floors, so its demand stops counting, it takes
+//!    no spare budget, and its share drops to the floor at once; the others take what it held
+//!    in the next round (while a region is lapsed, neither move is damped: `apply` still counts
+//!    the old share in the round of the decrease). The floor stays reserved, and a renewal makes
+//!    the region count again at the next round.
+//! 5. **Threshold**: a policy is emitted only if its shares are at least
 //!    `change_threshold_ppm` (Σ |target − share| over regions) from the target (or a floor is
 //!    repaired, or its home changes), so the log grows with real changes, not with noise.
 //!
@@ -24,7 +30,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::coordinator::{
     auto_pins, Command, CoordinatorState, Entry, HomeChange, Operation, PinSource, PolicyKey,
-    RequestId, ShareEntry,
+    RegionState, RequestId, ShareEntry,
 };
 use crate::demand::DemandTracker;
 use crate::lease::Revocation;
@@ -214,28 +220,39 @@ pub fn step_towards(
         &target[..n],
         &floors[..n],
         &enforceable_after_decrease[..n],
+        &[false; MAX_REGIONS][..n],
         max_step_ppm,
         &mut out,
     );
     out
 }
 
+/// [`step_towards`]; a `lapsed` region's decrease is not damped (it enforces only its floor),
+/// nor are the other regions' increases while one is lapsed.
 fn step_into(
     current: &[u32],
     target: &[u32],
     floors: &[u32],
     enforceable: &[u32],
+    lapsed: &[bool],
     max_step_ppm: u32,
     out: &mut [u32],
 ) {
     let n = current.len();
     let mut desired = [0u32; MAX_REGIONS];
+    // What a lapsed region held goes to the others as soon as there is room for it.
+    let up_step = if lapsed.iter().any(|&l| l) {
+        PPM
+    } else {
+        max_step_ppm
+    };
     for r in 0..n {
         let (c, t) = (current[r], target[r]);
+        let down_step = if lapsed[r] { c } else { max_step_ppm };
         desired[r] = if t >= c {
-            t.min(c.saturating_add(max_step_ppm))
+            t.min(c.saturating_add(up_step))
         } else {
-            t.max(c.saturating_sub(max_step_ppm)).max(floors[r].min(c))
+            t.max(c.saturating_sub(down_step)).max(floors[r].min(c))
         };
         out[r] = desired[r].min(c);
     }
@@ -299,26 +316,45 @@ fn enforceable_after(
     now_enforceable.max(rev.contribution(r.acked_epoch, now_ms))
 }
 
-/// The region slots of one round: how many, which hold a region, which may take share.
+/// The region slots of one round: how many, which hold a region, which may take share, whose
+/// lease has lapsed.
 struct Slots {
     n: usize,
     live: [bool; MAX_REGIONS],
     eligible: [bool; MAX_REGIONS],
+    lapsed: [bool; MAX_REGIONS],
 }
 
 impl Slots {
-    fn of(state: &CoordinatorState) -> Self {
+    fn of(state: &CoordinatorState, now_ms: u64) -> Self {
         let n = state.regions.len().min(MAX_REGIONS);
         let mut live = [false; MAX_REGIONS];
         let mut eligible = [false; MAX_REGIONS];
+        let mut lapsed = [false; MAX_REGIONS];
         for r in 0..n {
             if let Some(region) = state.region(r) {
                 live[r] = true;
-                eligible[r] = !region.draining;
+                lapsed[r] = lease_lapsed(state, region, now_ms);
+                eligible[r] = !region.draining && !lapsed[r];
             }
         }
-        Self { n, live, eligible }
+        Self {
+            n,
+            live,
+            eligible,
+            lapsed,
+        }
     }
+}
+
+/// Whether `region` held a lease that ended more than the drift margin before `now_ms`: it
+/// enforces only its floors until it renews, so its demand no longer counts.
+pub fn lease_lapsed(state: &CoordinatorState, region: &RegionState, now_ms: u64) -> bool {
+    region.lease_expires_at_ms > 0
+        && now_ms
+            > region
+                .lease_expires_at_ms
+                .saturating_add(state.lease.drift_margin_ms)
 }
 
 /// One rebalance round over every policy: the share changes worth committing.
@@ -330,9 +366,9 @@ pub fn plan(
     config: &AllocatorConfig,
     now_ms: u64,
 ) -> Plan {
-    let slots = Slots::of(state);
-    let n = slots.n;
     let now = now_ms.max(state.last_now_ms);
+    let slots = Slots::of(state, now);
+    let n = slots.n;
     let mut plan = Plan {
         membership: state.membership,
         ..Plan::default()
@@ -382,9 +418,11 @@ fn plan_entry(
     let n = slots.n;
     let rate = entry.policy.rate_ut_per_s().max(1);
     let mut demand_ppm = [0u64; MAX_REGIONS];
-    for (slot, &d) in demand_ppm.iter_mut().zip(rates).take(n) {
-        *slot = (u128::from(d) * u128::from(PPM) / u128::from(rate)).min(u128::from(u64::MAX / 4))
-            as u64;
+    for ((slot, &d), &lapsed) in demand_ppm.iter_mut().zip(rates).zip(&slots.lapsed).take(n) {
+        if !lapsed {
+            *slot = (u128::from(d) * u128::from(PPM) / u128::from(rate))
+                .min(u128::from(u64::MAX / 4)) as u64;
+        }
     }
     let demand_ppm = &demand_ppm[..n];
     let mut floors = [0u32; MAX_REGIONS];
@@ -411,7 +449,13 @@ fn plan_entry(
         None => target_into(floors, demand_ppm, &slots.eligible[..n], &mut target[..n]),
     }
     let target = &target[..n];
-    let new = step_revoking_first(state, entry, current, target, floors, config, now);
+    let round = Round {
+        state,
+        slots,
+        config,
+        now,
+    };
+    let new = step_revoking_first(&round, entry, current, target, floors);
 
     // Judge by the distance to the target, not by this round's move: a move that is only
     // the revoking half of a transfer is small but must still happen.
@@ -470,16 +514,29 @@ fn plan_home(
 
 /// Steps `current` towards `target` in two passes: the first decides the decreases, whose
 /// revocations shape the room the second pass grants increases into.
+/// What one round's steps share: the state, its slots, the tuning and the time.
+struct Round<'a> {
+    state: &'a CoordinatorState,
+    slots: &'a Slots,
+    config: &'a AllocatorConfig,
+    now: u64,
+}
+
 fn step_revoking_first(
-    state: &CoordinatorState,
+    round: &Round<'_>,
     entry: &Entry,
     current: &[u32],
     target: &[u32],
     floors: &[u32],
-    config: &AllocatorConfig,
-    now: u64,
 ) -> [u32; MAX_REGIONS] {
     let n = current.len();
+    let Round {
+        state,
+        slots,
+        config,
+        now,
+    } = *round;
+    let lapsed = &slots.lapsed[..n];
     let mut enforceable = [0u32; MAX_REGIONS];
     let mut new = [0u32; MAX_REGIONS];
     step_into(
@@ -487,6 +544,7 @@ fn step_revoking_first(
         target,
         floors,
         current,
+        lapsed,
         config.max_step_ppm,
         &mut new[..n],
     );
@@ -498,6 +556,7 @@ fn step_revoking_first(
         target,
         floors,
         &enforceable[..n],
+        lapsed,
         config.max_step_ppm,
         &mut new[..n],
     );

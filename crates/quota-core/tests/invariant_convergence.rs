@@ -232,3 +232,74 @@ fn a_cut_off_region_loses_share_once_its_lease_runs_out() {
         [50_000, 475_000, 475_000]
     );
 }
+
+/// A region cut off while its demand is high: its last estimate stays in the tracker (it cannot
+/// report), yet once its lease plus the margin has passed, the majority holds everything but
+/// its floor within two rounds, never above the budget.
+#[test]
+fn a_cut_off_regions_demand_stops_counting_once_its_lease_lapsed() {
+    let config = AllocatorConfig::default();
+    let mut d = Driver::with_regions(3);
+    d.op(Operation::PutPolicy {
+        key: key("a"),
+        policy: policy(50_000, Tier::Standard),
+    });
+    let mut demand = DemandTracker::new(config.ewma_alpha_ppm);
+    demand.set(key("a"), vec![RATE_UT_PER_S; 3]);
+    for _ in 0..round_bound(&config) {
+        round(&mut d, &demand, &config);
+    }
+    let even = d.state.entries[&key("a")].shares_ppm.clone();
+    assert!(
+        even.iter().all(|&s| s > 300_000),
+        "even split first: {even:?}"
+    );
+    // Region 0 is cut off from now on; its lease runs from its last renewal.
+    let lapse_ms =
+        d.state.regions[0].as_ref().unwrap().lease_expires_at_ms + d.state.lease.drift_margin_ms;
+    let mut lapsed_rounds = 0;
+    for _ in 0..60 {
+        d.now_ms += 1_000;
+        let p = plan(&d.state, &demand, &config, d.now_ms);
+        let mut id = d.next_id;
+        for cmd in p.into_commands(d.now_ms, 100, || {
+            id += 1;
+            RequestId(id)
+        }) {
+            d.state.apply(&cmd);
+            d.state.check_invariant().unwrap();
+        }
+        d.next_id = id;
+        let epoch = d.state.epoch;
+        for r in 1..3 {
+            d.op(Operation::RenewLease {
+                region: common::region(r),
+                acked_epoch: epoch,
+            });
+        }
+        let shares = d.state.entries[&key("a")].shares_ppm.clone();
+        if d.now_ms <= lapse_ms {
+            assert_eq!(
+                shares, even,
+                "nothing moves while the lease may be in force"
+            );
+            continue;
+        }
+        lapsed_rounds += 1;
+        assert!(shares[0] >= 50_000, "the floor stays reserved");
+        if lapsed_rounds >= 2 {
+            assert_eq!(
+                shares,
+                [50_000, 475_000, 475_000],
+                "two rounds after the lapse"
+            );
+        }
+    }
+    assert!(lapsed_rounds > 10);
+    // Back again: it renews and its demand counts once more.
+    d.renew_all();
+    for _ in 0..round_bound(&config) {
+        round(&mut d, &demand, &config);
+    }
+    assert!(d.state.entries[&key("a")].shares_ppm[0] > 300_000);
+}

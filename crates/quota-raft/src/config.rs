@@ -299,7 +299,24 @@ impl RaftConfig {
             snapshot_policy: openraft::SnapshotPolicy::LogsSinceLast(self.snapshot_every_entries),
             max_in_snapshot_log_to_keep: self.log_entries_kept,
             max_payload_entries: self.max_payload_entries,
+            // quota-raft's election guard decides when to campaign (see `crate::election`).
+            enable_elect: false,
             ..Default::default()
+        }
+    }
+
+    /// The election guard's timing: quiet for openraft's leader lease (`election_timeout_max`),
+    /// jitter up to `election_timeout_max − election_timeout_min`, a pre-vote bounded by one
+    /// heartbeat interval (the same bound openraft puts on AppendEntries).
+    pub fn election_timings(&self) -> crate::election::ElectionTimings {
+        let ms = Duration::from_millis;
+        crate::election::ElectionTimings {
+            quiet: ms(self.election_timeout_max_ms),
+            jitter: ms(self
+                .election_timeout_max_ms
+                .saturating_sub(self.election_timeout_min_ms)),
+            tick: ms((self.heartbeat_interval_ms / 2).max(10)),
+            ask_timeout: ms(self.heartbeat_interval_ms),
         }
     }
 
@@ -308,6 +325,20 @@ impl RaftConfig {
         let entries = usize::try_from(self.max_payload_entries.max(1)).unwrap_or(usize::MAX);
         // Leave a quarter for the entry and request framing around each command.
         self.max_rpc_body_bytes / entries / 4 * 3
+    }
+
+    /// How long one forwarded write may wait for the leader's answer: a live leader commits
+    /// within a quorum round trip (under a heartbeat interval), so after
+    /// `election_timeout_max_ms` the leader is taken for gone and the write is retried, against
+    /// a new leader once one is known.
+    pub fn forward_attempt_timeout(&self) -> Duration {
+        Duration::from_millis(self.election_timeout_max_ms)
+    }
+
+    /// The longest a healthy majority waits for a new leader after the old one stops: the
+    /// election guard's worst case ([`crate::election::ElectionTimings::worst_case_failover`]).
+    pub fn failover_worst_case(&self) -> Duration {
+        self.election_timings().worst_case_failover()
     }
 
     /// The write deadline as a duration.

@@ -14,6 +14,7 @@ use tokio::task::JoinHandle;
 use tokio::time::Instant;
 
 use crate::config::{ConfigErrors, RaftConfig};
+use crate::election;
 use crate::network::HttpNetwork;
 use crate::peer_api::{self, PeerApiConfig};
 use crate::proposal::local_write;
@@ -138,6 +139,8 @@ struct Inner {
     state: StateHandle,
     net: HttpNetwork,
     exporter: JoinHandle<()>,
+    /// The election guard ([`election`]): openraft's own election timer is off.
+    guard: JoinHandle<()>,
 }
 
 /// One running node of the replicated coordinator. Cheap to clone.
@@ -210,6 +213,12 @@ impl Coordinator {
             .map(|m| m.region.clone())
             .unwrap_or_default();
         let exporter = telemetry::spawn_exporter(&raft, config.node_id, region);
+        let guard = election::spawn_guard(
+            raft.clone(),
+            config.node_id,
+            net.clone(),
+            config.election_timings(),
+        );
         Ok(Self {
             inner: Arc::new(Inner {
                 raft,
@@ -219,6 +228,7 @@ impl Coordinator {
                 state,
                 net,
                 exporter,
+                guard,
             }),
         })
     }
@@ -235,6 +245,7 @@ impl Coordinator {
                 max_command_bytes: c.max_command_bytes(),
                 write_timeout: c.write_timeout(),
                 leader_clock: self.inner.clock.clone(),
+                election_quiet: c.election_timings().quiet,
             },
         )
     }
@@ -245,7 +256,21 @@ impl Coordinator {
     /// with backoff. Everything is bounded by `write_timeout_ms`: a 0.9 leader cut off from its
     /// majority does not step down, so its writes would otherwise hang.
     pub async fn write(&self, command: Command) -> Result<Response, WriteError> {
-        let timeout = self.inner.config.write_timeout();
+        self.write_within(command, self.inner.config.write_timeout())
+            .await
+    }
+
+    /// [`Coordinator::write`] within `timeout` instead of `write_timeout_ms`: for writes whose
+    /// use runs out sooner (a lease renewal must fail and be retried well within its lease).
+    ///
+    /// Each forwarding attempt is bounded by [`RaftConfig::forward_attempt_timeout`], so a
+    /// leader that stopped answering costs one attempt, and the write goes to the next leader
+    /// as soon as this node learns of one.
+    pub async fn write_within(
+        &self,
+        command: Command,
+        timeout: Duration,
+    ) -> Result<Response, WriteError> {
         let timeout_ms = timeout.as_millis() as u64;
         let deadline = Instant::now() + timeout;
         let mut pause = RETRY_MIN;
@@ -302,7 +327,9 @@ impl Coordinator {
         let Some(member) = self.member(leader) else {
             return Ok(None);
         };
-        let remaining = deadline.saturating_duration_since(Instant::now());
+        let remaining = deadline
+            .saturating_duration_since(Instant::now())
+            .min(self.inner.config.forward_attempt_timeout());
         let req = ForwardRequest {
             command: command.clone(),
             timeout_ms: remaining.as_millis() as u64,
@@ -318,9 +345,25 @@ impl Coordinator {
             }
             Err(e) => {
                 tracing::debug!(leader, error = %e, "Forwarding failed; retrying.");
+                // Retry at once if this node has meanwhile heard of another leader.
+                self.wait_leader_change(leader, RETRY_MAX).await;
                 Ok(None)
             }
         }
+    }
+
+    /// Waits up to `at_most` for this node to know a leader other than `old`.
+    async fn wait_leader_change(&self, old: NodeId, at_most: Duration) {
+        let mut rx = self.inner.raft.metrics();
+        let changed = async {
+            loop {
+                let now = rx.borrow_and_update().current_leader;
+                if now.is_some_and(|l| l != old) || rx.changed().await.is_err() {
+                    return;
+                }
+            }
+        };
+        let _ = tokio::time::timeout(at_most, changed).await;
     }
 
     fn member(&self, id: NodeId) -> Option<Member> {
@@ -498,6 +541,7 @@ impl Coordinator {
     /// closed the database, so the same data directory can be opened again.
     pub async fn shutdown(&self) -> Result<(), ShutdownError> {
         self.inner.exporter.abort();
+        self.inner.guard.abort();
         self.inner
             .raft
             .shutdown()

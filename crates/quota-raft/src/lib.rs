@@ -9,6 +9,7 @@
 //! - [`config`]: [`RaftConfig`], static members, timeouts, `validate()`.
 //! - [`coordinator`]: [`Coordinator`], the API the daemon uses: start, write, read, status,
 //!   membership, shutdown.
+//! - [`election`]: the election guard (a pre-vote on openraft 0.9): when to campaign.
 //! - [`types`]: the openraft type configuration and [`Member`].
 //! - [`storage`]: redb-backed log, vote and state machine with snapshots.
 //! - [`codec`]: postcard behind a version byte, on disk and on the wire.
@@ -44,6 +45,7 @@
 pub mod codec;
 pub mod config;
 pub mod coordinator;
+pub mod election;
 pub mod network;
 pub mod peer_api;
 pub mod proposal;

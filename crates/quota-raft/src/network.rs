@@ -18,9 +18,10 @@ use serde::de::DeserializeOwned;
 use serde::Serialize;
 
 use crate::codec::{decode, encode, CodecError};
+use crate::election::{PreVoteAnswer, PreVoteRequest, PreVoteTransport};
 use crate::protocol::{
     frame_snapshot, ForwardReply, ForwardRequest, SnapshotHeader, PATH_APPEND, PATH_FORWARD,
-    PATH_SNAPSHOT, PATH_VOTE,
+    PATH_PRE_VOTE, PATH_SNAPSHOT, PATH_VOTE,
 };
 use crate::types::alias::{Snapshot, Vote};
 use crate::types::{Member, NodeId, TypeConfig};
@@ -154,6 +155,24 @@ impl HttpNetwork {
     ) -> Result<ForwardReply, PeerError> {
         self.post(&member.peer_addr, PATH_FORWARD, req, timeout)
             .await
+    }
+}
+
+impl PreVoteTransport for HttpNetwork {
+    async fn pre_vote(
+        &self,
+        target: NodeId,
+        member: &Member,
+        req: &PreVoteRequest,
+        timeout: Duration,
+    ) -> Option<PreVoteAnswer> {
+        let answer: Result<Option<PreVoteAnswer>, PeerError> = self
+            .post(&member.peer_addr, PATH_PRE_VOTE, req, timeout)
+            .await;
+        answer
+            .inspect_err(|e| tracing::debug!(target, error = %e, "Pre-vote unanswered."))
+            .ok()
+            .flatten()
     }
 }
 

@@ -18,10 +18,11 @@ use openraft::raft::{AppendEntriesRequest, VoteRequest};
 use subtle::ConstantTimeEq;
 
 use crate::codec::{decode, encode, CodecError};
+use crate::election::{self, PreVoteRequest};
 use crate::proposal::{local_write, LeaderClock};
 use crate::protocol::{
-    unframe_snapshot, ForwardRequest, FrameError, PATH_APPEND, PATH_FORWARD, PATH_SNAPSHOT,
-    PATH_VOTE,
+    unframe_snapshot, ForwardRequest, FrameError, PATH_APPEND, PATH_FORWARD, PATH_PRE_VOTE,
+    PATH_SNAPSHOT, PATH_VOTE,
 };
 use crate::types::alias::{Raft, Snapshot};
 use crate::types::{NodeId, TypeConfig};
@@ -39,6 +40,9 @@ pub struct PeerApiConfig {
     pub write_timeout: Duration,
     /// Stamps forwarded commands on the leader (see [`LeaderClock`]).
     pub leader_clock: Option<LeaderClock>,
+    /// How recently a leader must have been heard for a pre-vote to be refused
+    /// ([`crate::election::ElectionTimings::quiet`]).
+    pub election_quiet: Duration,
 }
 
 impl std::fmt::Debug for PeerApiConfig {
@@ -49,6 +53,7 @@ impl std::fmt::Debug for PeerApiConfig {
             .field("max_snapshot_body_bytes", &self.max_snapshot_body_bytes)
             .field("max_command_bytes", &self.max_command_bytes)
             .field("write_timeout", &self.write_timeout)
+            .field("election_quiet", &self.election_quiet)
             .finish()
     }
 }
@@ -60,6 +65,7 @@ struct PeerState {
     write_timeout: Duration,
     max_command_bytes: usize,
     leader_clock: Option<LeaderClock>,
+    election_quiet: Duration,
 }
 
 /// A peer request that was refused before reaching Raft.
@@ -107,10 +113,12 @@ pub fn router(raft: Raft, config: &PeerApiConfig) -> Router {
         write_timeout: config.write_timeout,
         max_command_bytes: config.max_command_bytes,
         leader_clock: config.leader_clock.clone(),
+        election_quiet: config.election_quiet,
     };
     let rpc = Router::new()
         .route(PATH_APPEND, post(append))
         .route(PATH_VOTE, post(vote))
+        .route(PATH_PRE_VOTE, post(pre_vote))
         .route(PATH_FORWARD, post(forward))
         .layer(DefaultBodyLimit::max(config.max_rpc_body_bytes));
     let snapshot = Router::new()
@@ -143,6 +151,11 @@ async fn append(State(s): State<PeerState>, bytes: Bytes) -> PeerResult {
 async fn vote(State(s): State<PeerState>, bytes: Bytes) -> PeerResult {
     let req: VoteRequest<NodeId> = body(&bytes)?;
     answer(&s.raft.vote(req).await)
+}
+
+async fn pre_vote(State(s): State<PeerState>, bytes: Bytes) -> PeerResult {
+    let req: PreVoteRequest = body(&bytes)?;
+    answer(&election::answer(&s.raft, &req, s.election_quiet).await)
 }
 
 async fn snapshot(State(s): State<PeerState>, bytes: Bytes) -> PeerResult {

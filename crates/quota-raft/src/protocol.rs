@@ -18,6 +18,8 @@ pub const PATH_APPEND: &str = "/raft/v1/append";
 pub const PATH_VOTE: &str = "/raft/v1/vote";
 /// A whole snapshot in one message.
 pub const PATH_SNAPSHOT: &str = "/raft/v1/snapshot";
+/// The election guard's pre-vote question ([`crate::election`]).
+pub const PATH_PRE_VOTE: &str = "/raft/v1/pre-vote";
 /// A client write forwarded by a follower to the leader.
 pub const PATH_FORWARD: &str = "/raft/v1/forward";
 

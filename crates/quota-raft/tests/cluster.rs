@@ -1,8 +1,10 @@
 //! In-process clusters over a fault-injecting in-memory network, on a paused tokio clock with a
 //! seeded runtime: every run of a test is the same run.
 //!
-//! Covered: leader loss, minority partitions, catch-up by log and by snapshot, full restart
-//! from disk, and repeatability under one seed.
+//! Every node runs quota-raft's election guard (openraft's own election timer off), as in
+//! production. Covered: leader loss, minority partitions, catch-up by log and by snapshot, full
+//! restart from disk, repeatability under one seed, a healed follower that must not unseat the
+//! leader, and failover times after repeated leader loss.
 
 mod common;
 
@@ -21,11 +23,16 @@ use openraft::raft::{
 };
 use openraft::{Config, OptionalSend, ServerState, SnapshotPolicy};
 use quota_core::coordinator::{CoordinatorState, Response};
+use quota_raft::election::{
+    self, ElectionTimings, PreVoteAnswer, PreVoteRequest, PreVoteTransport,
+};
 use quota_raft::runtime::seed_thread_rng;
 use quota_raft::storage::{self, StateHandle};
 use quota_raft::types::alias::{Raft, Snapshot, Vote};
 use quota_raft::{Member, NodeId, TypeConfig};
 use tempfile::TempDir;
+use tokio::task::JoinHandle;
+use tokio::time::Instant;
 
 /// The in-memory network: which nodes are up, which links are cut, how slow delivery is.
 #[derive(Clone, Default)]
@@ -120,6 +127,31 @@ impl RaftNetworkFactory<TypeConfig> for NodeNet {
     }
 }
 
+/// The guard's pre-vote over the in-memory router, with the same cuts as Raft's traffic.
+struct RouterPreVote {
+    router: Router,
+    source: NodeId,
+    quiet: Duration,
+}
+
+impl PreVoteTransport for RouterPreVote {
+    async fn pre_vote(
+        &self,
+        target: NodeId,
+        _member: &Member,
+        req: &PreVoteRequest,
+        timeout: Duration,
+    ) -> Option<PreVoteAnswer> {
+        let ask = async {
+            let raft = self.router.reach(self.source, target).await.ok()?;
+            let a = election::answer(&raft, req, self.quiet).await?;
+            self.router.back(self.source, target).ok()?;
+            Some(a)
+        };
+        tokio::time::timeout(timeout, ask).await.ok().flatten()
+    }
+}
+
 struct Conn {
     router: Router,
     source: NodeId,
@@ -200,8 +232,21 @@ struct Cluster {
     dir: TempDir,
     config: Arc<Config>,
     states: BTreeMap<NodeId, StateHandle>,
+    /// Election guards by node; empty when the cluster runs openraft's own election timer.
+    guards: BTreeMap<NodeId, JoinHandle<()>>,
+    guarded: bool,
     ids: Vec<NodeId>,
     next_request: u128,
+}
+
+/// The guard's timing for the test timeouts below (the same rule as `RaftConfig`).
+fn timings() -> ElectionTimings {
+    ElectionTimings {
+        quiet: Duration::from_millis(300),
+        jitter: Duration::from_millis(150),
+        tick: Duration::from_millis(25),
+        ask_timeout: Duration::from_millis(50),
+    }
 }
 
 fn member(id: NodeId) -> Member {
@@ -215,12 +260,18 @@ fn member(id: NodeId) -> Member {
 impl Cluster {
     /// A fresh cluster of `n` voters; snapshots every `snapshot_every` entries, keeping no log.
     async fn new(n: u64, snapshot_every: u64) -> Self {
+        Self::build(n, snapshot_every, true).await
+    }
+
+    /// Like [`Cluster::new`]; `guarded: false` runs openraft 0.9's own election timer instead.
+    async fn build(n: u64, snapshot_every: u64, guarded: bool) -> Self {
         let config = Config {
             heartbeat_interval: 50,
             election_timeout_min: 150,
             election_timeout_max: 300,
             snapshot_policy: SnapshotPolicy::LogsSinceLast(snapshot_every),
             max_in_snapshot_log_to_keep: 0,
+            enable_elect: !guarded,
             ..Default::default()
         };
         let mut c = Cluster {
@@ -228,6 +279,8 @@ impl Cluster {
             dir: TempDir::new().unwrap(),
             config: Arc::new(config.validate().unwrap()),
             states: BTreeMap::new(),
+            guards: BTreeMap::new(),
+            guarded,
             ids: (1..=n).collect(),
             next_request: 1,
         };
@@ -249,10 +302,22 @@ impl Cluster {
         let raft = Raft::new(id, self.config.clone(), net, log, sm)
             .await
             .unwrap();
+        if self.guarded {
+            let transport = RouterPreVote {
+                router: self.router.clone(),
+                source: id,
+                quiet: timings().quiet,
+            };
+            let guard = election::spawn_guard(raft.clone(), id, transport, timings());
+            self.guards.insert(id, guard);
+        }
         self.router.add(id, raft);
     }
 
     async fn stop(&mut self, id: NodeId) {
+        if let Some(g) = self.guards.remove(&id) {
+            g.abort();
+        }
         let raft = self.router.remove(id).unwrap();
         raft.shutdown().await.unwrap();
         self.states.remove(&id);
@@ -511,4 +576,97 @@ async fn restart_of_every_node_recovers_identical_state() {
         c.write(l2, 40).await.is_some(),
         "the restarted cluster accepts writes"
     );
+}
+
+fn term(c: &Cluster, id: NodeId) -> u64 {
+    c.raft(id).metrics().borrow().current_term
+}
+
+/// A follower cut off for many election timeouts and then healed: returns the leader and term
+/// before the cut, the isolated node's term at the end of the cut, and the leader and term after
+/// the heal.
+async fn isolate_and_heal(c: &mut Cluster) -> ((NodeId, u64), u64, (NodeId, u64)) {
+    let l = c.leader(&[1, 2, 3]).await;
+    for n in 0..5 {
+        assert!(c.write(l, n).await.is_some());
+    }
+    let before = (l, term(c, l));
+    let f = c.ids.iter().copied().find(|&id| id != l).unwrap();
+    let rest: Vec<NodeId> = c.ids.iter().copied().filter(|&id| id != f).collect();
+    c.router.partition(&[&[f], &rest]);
+    // Ten times openraft's leader lease (election_timeout_max = 300 ms).
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    let isolated_term = term(c, f);
+    c.router.heal();
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let l2 = c.leader(&[1, 2, 3]).await;
+    for n in 5..10 {
+        assert!(c.write(l2, n).await.is_some(), "the healed cluster commits");
+    }
+    (before, isolated_term, (l2, term(c, l2)))
+}
+
+#[tokio::test(flavor = "current_thread", start_paused = true)]
+async fn healed_follower_does_not_unseat_the_leader() {
+    seed_thread_rng(6);
+    let mut c = Cluster::new(3, 10_000).await;
+    let ((l, t), isolated_term, after) = isolate_and_heal(&mut c).await;
+    assert_eq!(isolated_term, t, "the isolated follower never campaigned");
+    assert_eq!(after, (l, t), "same leader, same term after the heal");
+}
+
+/// The same run on openraft's own timer: the isolated follower raises its term and unseats the
+/// leader on heal. This is what the guard prevents, and shows the test above can fail.
+#[tokio::test(flavor = "current_thread", start_paused = true)]
+async fn without_the_guard_a_healed_follower_raises_the_term() {
+    seed_thread_rng(6);
+    let mut c = Cluster::build(3, 10_000, false).await;
+    let ((_, t), isolated_term, (_, t2)) = isolate_and_heal(&mut c).await;
+    assert!(isolated_term > t + 3, "the cut-off node kept campaigning");
+    assert!(t2 > t, "the leader's term changed on heal");
+}
+
+/// Stops the leader again and again; every time a new leader must come within twice the
+/// election timeout maximum plus openraft's leader lease of the stop, with every committed
+/// write kept. Prints p50 and max (paused clock: these are model times of the real openraft).
+#[tokio::test(flavor = "current_thread", start_paused = true)]
+async fn repeated_leader_loss_fails_over_within_the_bound() {
+    seed_thread_rng(7);
+    const ROUNDS: usize = 30;
+    let election_timeout_max = Duration::from_millis(300);
+    let bound = 2 * election_timeout_max + election_timeout_max;
+    let mut c = Cluster::new(3, 10_000).await;
+    let mut times = Vec::new();
+    let mut written = 0;
+    for _ in 0..ROUNDS {
+        let l = c.leader(&[1, 2, 3]).await;
+        for _ in 0..5 {
+            assert!(c.write(l, written).await.is_some());
+            written += 1;
+        }
+        c.stop(l).await;
+        let stopped = Instant::now();
+        let survivors: Vec<NodeId> = c.ids.iter().copied().filter(|&id| id != l).collect();
+        let new = loop {
+            let leads = survivors
+                .iter()
+                .copied()
+                .find(|&id| c.raft(id).metrics().borrow().state == ServerState::Leader);
+            if let Some(n) = leads {
+                break n;
+            }
+            assert!(stopped.elapsed() < Duration::from_secs(10), "no new leader");
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        };
+        times.push(stopped.elapsed());
+        assert!(c.write(new, written).await.is_some());
+        written += 1;
+        c.start(l).await;
+        let s = c.caught_up(l, c.last_log(new)).await;
+        assert!(stored(&s, 0..written), "a committed write was lost");
+    }
+    times.sort();
+    let (p50, max) = (times[ROUNDS / 2], times[ROUNDS - 1]);
+    println!("failover over {ROUNDS} rounds: p50 {p50:?} max {max:?} (bound {bound:?})");
+    assert!(max <= bound, "failover took {max:?}, bound {bound:?}");
 }

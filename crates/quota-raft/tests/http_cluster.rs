@@ -441,3 +441,50 @@ async fn the_leader_stamps_commands_with_its_own_clock() {
         );
     }
 }
+
+/// The leader stops answering without closing connections (a black hole, as when its region is
+/// cut off): a write issued on a follower that still believes in the old leader gives up on it
+/// after one forwarding attempt and commits on the new leader, well inside its deadline.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_write_fails_over_from_a_leader_that_stopped_answering() {
+    let dir = TempDir::new().unwrap();
+    let (members, nodes) = three_nodes(&dir).await;
+    let cs: Vec<&Coordinator> = nodes.iter().map(|n| &n.coordinator).collect();
+    let leader = leader_of(&cs).await;
+    let old = nodes
+        .iter()
+        .find(|n| n.coordinator.status().node_id == leader)
+        .unwrap();
+    old.server.abort();
+    old.coordinator.shutdown().await.unwrap();
+    // Accept every connection on the old leader's address and never answer.
+    let hole = TcpListener::bind(&members[&leader].peer_addr)
+        .await
+        .unwrap();
+    let held = tokio::spawn(async move {
+        let mut held = Vec::new();
+        while let Ok((socket, _)) = hole.accept().await {
+            held.push(socket);
+        }
+    });
+    let follower = cs.iter().find(|c| c.status().node_id != leader).unwrap();
+    assert_eq!(follower.status().leader_id, Some(leader), "still believed");
+    let deadline = Duration::from_secs(3);
+    let started = tokio::time::Instant::now();
+    let r = follower
+        .write_within(put_policy(7, 7, 8), deadline)
+        .await
+        .unwrap();
+    let took = started.elapsed();
+    assert!(matches!(r, Response::PolicyStored { .. }));
+    let cfg = follower.config();
+    let bound = cfg.failover_worst_case() + cfg.forward_attempt_timeout() * 2;
+    println!("write failed over in {took:?} (bound {bound:?})");
+    assert!(took <= bound, "took {took:?}, bound {bound:?}");
+    let new = follower.status().leader_id.unwrap();
+    assert_ne!(new, leader);
+    held.abort();
+    for n in &nodes {
+        n.server.abort();
+    }
+}

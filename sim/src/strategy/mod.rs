@@ -18,7 +18,7 @@ use serde::Serialize;
 
 use crate::control::ControlConfig;
 use crate::traffic::{Request, Tenant};
-use crate::world::World;
+use crate::world::{RegionIx, World};
 
 /// A strategy's answer to one request and how long the caller waited for it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -33,6 +33,11 @@ pub trait Strategy {
     fn advance(&mut self, world: &World, t_ms: u64);
     /// Decides one request arriving at true time `t_ms` in `req.region`.
     fn decide(&mut self, world: &World, t_ms: u64, req: &Request) -> Verdict;
+    /// Whether `region` enforces only its floors at true time `t_ms` (its lease ran out).
+    /// Strategies without leases never do.
+    fn on_floor(&self, _world: &World, _t_ms: u64, _region: RegionIx) -> bool {
+        false
+    }
 }
 
 /// The strategies the simulator knows, in the order tables list them.

@@ -66,6 +66,10 @@ impl Strategy for Quotad {
         self.control.advance(world, t_ms);
     }
 
+    fn on_floor(&self, world: &World, t_ms: u64, region: RegionIx) -> bool {
+        self.control.on_floor(region, world.local_ms(region, t_ms))
+    }
+
     fn decide(&mut self, world: &World, t_ms: u64, req: &Request) -> Verdict {
         let local = self.decide_in(world, req.region, t_ms, req);
         if local || !self.pinned {

@@ -4,7 +4,10 @@
 //! ```text
 //! QUOTA_RAFT_SECRET=... quota-raft-node --id 1 --data-dir /tmp/n1 \
 //!     --members 1=127.0.0.1:7001,2=127.0.0.1:7002,3=127.0.0.1:7003 [--loopback-timeouts]
+//!     [--election-timeout-max-ms N]
 //! ```
+//! `--election-timeout-max-ms` (after `--loopback-timeouts`) sets the election timeout to
+//! N/2..N and the heartbeat to N/8.
 //! Client routes (unauthenticated; loopback test tool only): `POST /client/write` (body: an
 //! encoded `Command`, answer: encoded `Result<Response, String>`), `GET /client/state` (encoded
 //! `CoordinatorState`), `GET /client/status` (JSON).
@@ -27,6 +30,7 @@ struct Args {
     data_dir: PathBuf,
     members: BTreeMap<u64, Member>,
     loopback_timeouts: bool,
+    election_timeout_max_ms: Option<u64>,
 }
 
 fn parse_args() -> anyhow::Result<Args> {
@@ -34,6 +38,7 @@ fn parse_args() -> anyhow::Result<Args> {
     let mut data_dir = None;
     let mut members = BTreeMap::new();
     let mut loopback_timeouts = false;
+    let mut election_timeout_max_ms = None;
     let mut args = std::env::args().skip(1);
     while let Some(arg) = args.next() {
         match arg.as_str() {
@@ -60,6 +65,12 @@ fn parse_args() -> anyhow::Result<Args> {
                 }
             }
             "--loopback-timeouts" => loopback_timeouts = true,
+            "--election-timeout-max-ms" => {
+                let v = args
+                    .next()
+                    .context("--election-timeout-max-ms needs a value")?;
+                election_timeout_max_ms = Some(v.parse()?);
+            }
             other => bail!("unknown argument {other:?}"),
         }
     }
@@ -68,6 +79,7 @@ fn parse_args() -> anyhow::Result<Args> {
         data_dir: data_dir.context("--data-dir is required")?,
         members,
         loopback_timeouts,
+        election_timeout_max_ms,
     })
 }
 
@@ -86,6 +98,11 @@ async fn main() -> anyhow::Result<()> {
         config = config.with_loopback_timeouts();
         config.snapshot_every_entries = 500;
         config.log_entries_kept = 100;
+    }
+    if let Some(max) = args.election_timeout_max_ms {
+        config.election_timeout_max_ms = max;
+        config.election_timeout_min_ms = max / 2;
+        config.heartbeat_interval_ms = (max / 8).max(1);
     }
     let coordinator = Coordinator::start(config)
         .await

@@ -72,6 +72,9 @@ pub async fn run_apply(
     let metrics = AgentMetrics::new(decider.region(), replicated.is_some());
     let mut tick = tokio::time::interval(report_interval);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    // Whether the lease held at the last look: the warning is logged on the change, however
+    // the loop came to notice it.
+    let mut leased = false;
     loop {
         let current = view.borrow_and_update().clone();
         let now = clock::wall_ms();
@@ -88,14 +91,20 @@ pub async fn run_apply(
                 }
             }
             _ = tick.tick() => {}
-            () = tokio::time::sleep(until_lease_end) => {
-                tracing::warn!(region = %decider.region(), "Lease ran out: enforcing floors.");
-            }
+            () = tokio::time::sleep(until_lease_end) => {}
         }
         if let Some(r) = &replicated {
             // Here, not on a view change: a cut-off region applies nothing, and its lease
             // must still be seen running out.
-            metrics.lease_remaining(r.lease_end_local_ms(), clock::wall_ms());
+            let (end, now) = (r.lease_end_local_ms(), clock::wall_ms());
+            metrics.lease_remaining(end, now);
+            let holds = end > now;
+            if leased && !holds {
+                tracing::warn!(region = %decider.region(), "Lease ran out: enforcing floors.");
+            } else if !leased && holds {
+                tracing::info!(region = %decider.region(), "Lease granted: enforcing shares.");
+            }
+            leased = holds;
         }
         let v = view.borrow().clone();
         metrics.committed_epoch.set(v.epoch as f64);
@@ -141,21 +150,25 @@ pub async fn run_report(
         }
         let interval_ms = last.elapsed().as_millis() as u64;
         last = clock::monotonic();
-        let reported = match decider.store().collect_usage(MAX_USAGE_RECORDS).await {
-            Ok(usage) => match r.report_usage(&usage, interval_ms.max(1)).await {
-                Ok(()) => Reported::Delivered,
+        // Side by side: a report stuck on a leader that stopped answering must not hold up
+        // the renewal, nor the renewal the report (each is bounded on its own).
+        let report = async {
+            match decider.store().collect_usage(MAX_USAGE_RECORDS).await {
+                Ok(usage) => match r.report_usage(&usage, interval_ms.max(1)).await {
+                    Ok(()) => Reported::Delivered,
+                    Err(e) => {
+                        tracing::debug!(error = %e, "Usage report not delivered.");
+                        Reported::Undelivered
+                    }
+                },
                 Err(e) => {
-                    tracing::debug!(error = %e, "Usage report not delivered.");
-                    Reported::Undelivered
+                    tracing::debug!(error = %e, "Usage collection failed.");
+                    Reported::Uncollected
                 }
-            },
-            Err(e) => {
-                tracing::debug!(error = %e, "Usage collection failed.");
-                Reported::Uncollected
             }
         };
+        let (reported, renewed) = tokio::join!(report, r.renew_lease());
         metrics.usage_report(reported);
-        let renewed = r.renew_lease().await;
         if let Err(e) = &renewed {
             tracing::debug!(error = %e, "Lease renewal failed.");
         }

@@ -144,6 +144,47 @@ impl Config {
                 "must exceed coordination.rebalance_interval_ms so leases are renewed in time",
             ));
         }
+        if self.regions.len() > 1 {
+            self.check_failover_fits_the_lease(p);
+        }
+    }
+
+    /// A renewal must get through before the lease runs out even when the leader dies just
+    /// after the last one: `lease_ms − drift_margin_ms ≥ report_interval_ms + failover + one
+    /// forwarding attempt`, where failover is the election guard's worst case
+    /// (`election_timeout_max + (max − min) + heartbeat / 2 + 2 × heartbeat`) and an attempt on
+    /// a leader that stopped answering gives up after `election_timeout_max_ms`.
+    fn check_failover_fits_the_lease(&self, p: &mut Vec<ConfigProblem>) {
+        let c = &self.coordination;
+        let mut raft = quota_raft::RaftConfig::new(0, Default::default(), "", "");
+        let t = &self.raft;
+        if let Some(v) = t.heartbeat_interval_ms {
+            raft.heartbeat_interval_ms = v;
+        }
+        if let Some(v) = t.election_timeout_min_ms {
+            raft.election_timeout_min_ms = v;
+        }
+        if let Some(v) = t.election_timeout_max_ms {
+            raft.election_timeout_max_ms = v;
+        }
+        let needed_ms = c.report_interval_ms
+            + raft.failover_worst_case().as_millis() as u64
+            + raft.forward_attempt_timeout().as_millis() as u64;
+        let usable_ms = c.lease_ms.saturating_sub(c.drift_margin_ms);
+        if usable_ms < needed_ms {
+            p.push(problem(
+                "coordination.lease_ms",
+                format!(
+                    "lease_ms − drift_margin_ms ({usable_ms} ms) must cover report_interval_ms + \
+                     a Raft failover + one forwarding attempt ({needed_ms} ms with \
+                     raft.heartbeat_interval_ms {}, raft.election_timeout_min_ms {}, \
+                     raft.election_timeout_max_ms {}), or a leader's death ends every lease",
+                    raft.heartbeat_interval_ms,
+                    raft.election_timeout_min_ms,
+                    raft.election_timeout_max_ms
+                ),
+            ));
+        }
     }
 
     fn check_raft_runtime_and_logs(&self, p: &mut Vec<ConfigProblem>) {
@@ -459,6 +500,35 @@ peer = "127.0.0.1:3"
         }
         // The password in the URL is named as a problem but never echoed.
         assert!(!errs.to_string().contains("hunter2"));
+    }
+
+    #[test]
+    fn a_lease_must_outlast_a_failover_in_a_multi_region_cluster() {
+        let text = |lease: u64, margin: u64, raft: &str| {
+            format!(
+                "[coordination]\nreport_interval_ms = 500\nlease_ms = {lease}\n\
+                 drift_margin_ms = {margin}\n[raft]\n{raft}\n\
+                 [[regions]]\nid = \"a\"\nnode_id = 1\napi = \"127.0.0.1:1\"\npeer = \"127.0.0.1:2\"\n\
+                 [[regions]]\nid = \"b\"\nnode_id = 2\napi = \"127.0.0.1:3\"\npeer = \"127.0.0.1:4\"\n"
+            )
+        };
+        let refused = |t: String| problem_fields(&t).contains(&"coordination.lease_ms".to_string());
+        // 6 s leases with the default Raft timings: 5.5 s usable, 9.25 s needed.
+        assert!(refused(text(6_000, 500, "")));
+        assert!(!refused(text(30_000, 2_000, "")));
+        // Faster elections make the short lease work: 500 + 1 450 + 800 ≤ 5 500.
+        let fast = "heartbeat_interval_ms = 100\nelection_timeout_min_ms = 400\n\
+                    election_timeout_max_ms = 800";
+        assert!(!refused(text(6_000, 500, fast)));
+        let message = Config::from_toml(&text(6_000, 500, ""))
+            .unwrap()
+            .resolve(&no_env, Vec::new())
+            .unwrap_err()
+            .to_string();
+        assert!(
+            message.contains("raft.election_timeout_max_ms 3000"),
+            "{message}"
+        );
     }
 
     #[test]

@@ -1,5 +1,7 @@
 //! This region's lease: counted by its own clock, renewed through the log with the acknowledged epoch.
 
+use std::time::Duration;
+
 use quota_core::coordinator::{Operation, Response};
 use quota_core::lease::LeaseConfig;
 use quota_core::region::RegionLease;
@@ -24,6 +26,17 @@ impl Replicated {
             .unwrap_or_else(|e| e.into_inner())
             .on_applied(epoch);
         self.rebuild_view();
+    }
+
+    /// How long one renewal may take, forwarding retries to a new leader included: half of
+    /// what the region may use of a lease (`lease − margin`), at most the write timeout, so a
+    /// renewal that fails still leaves time for the next before the lease runs out.
+    pub fn renewal_timeout(&self) -> Duration {
+        let usable = self
+            .lease_config
+            .lease_ms
+            .saturating_sub(self.lease_config.drift_margin_ms);
+        Duration::from_millis(usable / 2).min(self.raft.config().write_timeout())
     }
 
     /// Renews this region's lease through the log, acknowledging the applied epoch.
@@ -56,7 +69,7 @@ impl Replicated {
             region: self.region.clone(),
             acked_epoch,
         };
-        match self.write(op).await? {
+        match self.write_within(op, self.renewal_timeout()).await? {
             Response::LeaseRenewed {
                 epoch, lease_ms, ..
             } => {

@@ -159,12 +159,21 @@ impl Replicated {
     }
 
     async fn write(&self, op: Operation) -> Result<Response, CoordError> {
+        self.write_within(op, self.raft.config().write_timeout())
+            .await
+    }
+
+    /// [`Replicated::write`] bounded by `timeout` (forwarding retries included).
+    async fn write_within(&self, op: Operation, timeout: Duration) -> Result<Response, CoordError> {
         let cmd = Command {
             request: self.request_id(),
             now_ms: clock::wall_ms(),
             op,
         };
-        self.raft.write(cmd).await.map_err(unavailable)
+        self.raft
+            .write_within(cmd, timeout)
+            .await
+            .map_err(unavailable)
     }
 
     /// Raft role, leader, term and members for /v1/status.

@@ -65,6 +65,9 @@ impl Replicated {
             .http
             .post(format!("http://{}{PATH_USAGE}", leader.peer_addr))
             .bearer_auth(self.peer_token.expose())
+            // A leader that stopped answering costs one attempt; the next report goes to the
+            // leader known then.
+            .timeout(self.raft.config().forward_attempt_timeout())
             .json(&report)
             .send()
             .await
