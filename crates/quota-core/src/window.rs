@@ -107,12 +107,10 @@ pub fn decide(
     }
 }
 
-fn decide_exact(
-    now: u64,
-    p: &WindowParams,
-    mut s: WindowState,
-    cost: u64,
-) -> (Decision, WindowState) {
+/// A decision and the state to store.
+type Outcome = (Decision, WindowState);
+
+fn decide_exact(now: u64, p: &WindowParams, mut s: WindowState, cost: u64) -> Outcome {
     let w = p.window_ms;
     s.log.retain(|&(ts, _)| ts + w > now);
     let used: u64 = s.log.iter().map(|&(_, c)| c).sum();
@@ -154,12 +152,7 @@ fn merge_last(log: &mut Vec<(u64, u64)>) {
     }
 }
 
-fn decide_approx(
-    now: u64,
-    p: &WindowParams,
-    mut s: WindowState,
-    cost: u64,
-) -> (Decision, WindowState) {
+fn decide_approx(now: u64, p: &WindowParams, mut s: WindowState, cost: u64) -> Outcome {
     let w = p.window_ms;
     let start = now - now % w;
     if s.win_start_ms + w == start {

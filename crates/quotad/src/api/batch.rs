@@ -88,7 +88,7 @@ pub struct BatchResponse {
     request_body = BatchBody,
     responses(
         (status = 200, description = "One result per check, in request order", body = BatchResponse),
-        (status = 400, description = "Invalid request", body = Problem, content_type = "application/problem+json"),
+        (status = 400, description = "Invalid request", body = Problem),
     ),
     tag = "decisions"
 )]

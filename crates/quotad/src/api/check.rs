@@ -272,10 +272,10 @@ pub(crate) async fn decide(
     request_body = CheckBody,
     responses(
         (status = 200, description = "Allowed", body = CheckResponse),
-        (status = 429, description = "Quota exceeded", body = RateLimitedProblem, content_type = "application/problem+json"),
-        (status = 400, description = "Invalid request", body = Problem, content_type = "application/problem+json"),
-        (status = 404, description = "Unknown tenant policy", body = Problem, content_type = "application/problem+json"),
-        (status = 503, description = "Temporarily reduced capacity", body = Problem, content_type = "application/problem+json"),
+        (status = 429, description = "Quota exceeded", body = RateLimitedProblem),
+        (status = 400, description = "Invalid request", body = Problem),
+        (status = 404, description = "Unknown tenant policy", body = Problem),
+        (status = 503, description = "Temporarily reduced capacity", body = Problem),
     ),
     tag = "decisions"
 )]

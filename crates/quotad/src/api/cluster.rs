@@ -172,8 +172,8 @@ pub struct NewMember {
     request_body = NewMember,
     responses(
         (status = 204, description = "Added as a learner"),
-        (status = 400, body = Problem, content_type = "application/problem+json"),
-        (status = 409, description = "Not the leader, or a single-region daemon", body = Problem, content_type = "application/problem+json"),
+        (status = 400, body = Problem),
+        (status = 409, description = "Not the leader, or a single-region daemon", body = Problem),
     ),
     security(("bearer" = [])),
     tag = "cluster"
@@ -208,7 +208,7 @@ pub async fn add_member(
     post,
     path = "/v1/cluster/members/{node_id}/promote",
     params(("node_id" = u64, Path)),
-    responses((status = 204), (status = 404, body = Problem, content_type = "application/problem+json"), (status = 409, body = Problem, content_type = "application/problem+json")),
+    responses((status = 204), (status = 404, body = Problem), (status = 409, body = Problem)),
     security(("bearer" = [])),
     tag = "cluster"
 )]
@@ -229,7 +229,7 @@ pub async fn promote_member(
     delete,
     path = "/v1/cluster/members/{node_id}",
     params(("node_id" = u64, Path)),
-    responses((status = 204), (status = 404, body = Problem, content_type = "application/problem+json"), (status = 409, body = Problem, content_type = "application/problem+json")),
+    responses((status = 204), (status = 404, body = Problem), (status = 409, body = Problem)),
     security(("bearer" = [])),
     tag = "cluster"
 )]
@@ -307,8 +307,7 @@ pub struct PolicyPage {
     params(PageQuery),
     responses(
         (status = 200, body = PolicyPage),
-        (status = 400, body = Problem, content_type = "application/problem+json"),
-        (status = 401, body = Problem, content_type = "application/problem+json"),
+        (status = 400, body = Problem),
     ),
     security(("bearer" = [])),
     tag = "policies"

@@ -82,6 +82,29 @@ fn problem(description: &str) -> RefOr<utoipa::openapi::Response> {
     )
 }
 
+/// Problem bodies are `application/problem+json`, so a handler names only `body = Problem`.
+fn problem_content_type(op: &mut Operation) {
+    let is_problem = |c: &Content| {
+        matches!(&c.schema, Some(RefOr::Ref(r)) if ["Problem", "RateLimitedProblem"]
+            .iter()
+            .any(|name| r.ref_location == format!("#/components/schemas/{name}")))
+    };
+    for response in op.responses.responses.values_mut() {
+        let RefOr::T(response) = response else {
+            continue;
+        };
+        if response
+            .content
+            .get("application/json")
+            .is_some_and(is_problem)
+        {
+            if let Some(c) = response.content.shift_remove("application/json") {
+                response.content.insert(PROBLEM_JSON.to_string(), c);
+            }
+        }
+    }
+}
+
 fn add(op: &mut Operation, status: u16, description: &str) {
     op.responses
         .responses
@@ -212,6 +235,7 @@ impl utoipa::Modify for Contract {
             .into_iter()
             .flatten()
             {
+                problem_content_type(op);
                 let mut has_path_params = false;
                 for p in op.parameters.iter_mut().flatten() {
                     bound_param(p);

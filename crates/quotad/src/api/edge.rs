@@ -208,12 +208,17 @@ mod tests {
         assert_eq!(resp.headers()[&REQUEST_ID], "client-chosen-7");
     }
 
+    /// A POST to /echo declaring `length`.
+    fn post_echo(length: &str, body: Vec<u8>) -> Request<Body> {
+        Request::post("/echo")
+            .header(header::CONTENT_LENGTH, length)
+            .body(Body::from(body))
+            .unwrap()
+    }
+
     #[tokio::test]
     async fn a_body_declared_over_the_limit_is_413_before_the_handler() {
-        let req = Request::post("/echo")
-            .header(header::CONTENT_LENGTH, "65")
-            .body(Body::from(vec![b'x'; 65]))
-            .unwrap();
+        let req = post_echo("65", vec![b'x'; 65]);
         let resp = service().oneshot(req).await.unwrap();
         assert_eq!(resp.status(), StatusCode::PAYLOAD_TOO_LARGE);
         assert!(resp.headers().contains_key(&REQUEST_ID));
@@ -237,10 +242,7 @@ mod tests {
         }
 
         // At the limit, the handler runs.
-        let req = Request::post("/echo")
-            .header(header::CONTENT_LENGTH, "64")
-            .body(Body::from(vec![b'y'; 64]))
-            .unwrap();
+        let req = post_echo("64", vec![b'y'; 64]);
         let resp = service().oneshot(req).await.unwrap();
         assert_eq!(resp.status(), StatusCode::OK);
         let body = resp.into_body().collect().await.unwrap().to_bytes();

@@ -42,8 +42,7 @@ pub struct PolicyBatchResponse {
     request_body = PolicyBatchBody,
     responses(
         (status = 200, description = "Every policy stored, in request order", body = PolicyBatchResponse),
-        (status = 400, description = "Nothing stored: every problem listed by its place (`policies[3].limit`)", body = Problem, content_type = "application/problem+json"),
-        (status = 401, description = "Missing or wrong token", body = Problem, content_type = "application/problem+json"),
+        (status = 400, description = "Nothing stored: every problem listed by its place (`policies[3].limit`)", body = Problem),
     ),
     security(("bearer" = [])),
     tag = "policies"

@@ -136,8 +136,7 @@ impl PolicyView {
     request_body = PolicyBody,
     responses(
         (status = 200, description = "Stored", body = PolicyView),
-        (status = 400, description = "Invalid policy: every field problem listed", body = Problem, content_type = "application/problem+json"),
-        (status = 401, description = "Missing or wrong token", body = Problem, content_type = "application/problem+json"),
+        (status = 400, description = "Invalid policy: every field problem listed", body = Problem),
     ),
     security(("bearer" = [])),
     tag = "policies"
@@ -168,7 +167,7 @@ pub async fn put_policy(
     params(("tenant" = String, Path), ("policy" = String, Path)),
     responses(
         (status = 200, description = "The policy", body = PolicyView),
-        (status = 404, description = "No such policy", body = Problem, content_type = "application/problem+json"),
+        (status = 404, description = "No such policy", body = Problem),
     ),
     tag = "policies"
 )]
@@ -192,8 +191,7 @@ pub async fn get_policy(
     params(("tenant" = String, Path), ("policy" = String, Path)),
     responses(
         (status = 204, description = "Deleted"),
-        (status = 404, description = "No such policy", body = Problem, content_type = "application/problem+json"),
-        (status = 401, description = "Missing or wrong token", body = Problem, content_type = "application/problem+json"),
+        (status = 404, description = "No such policy", body = Problem),
     ),
     security(("bearer" = [])),
     tag = "policies"
@@ -234,8 +232,7 @@ pub struct PinBody {
     request_body = PinBody,
     responses(
         (status = 204, description = "Pinned"),
-        (status = 400, description = "Invalid or unknown region", body = Problem, content_type = "application/problem+json"),
-        (status = 401, description = "Missing or wrong token", body = Problem, content_type = "application/problem+json"),
+        (status = 400, description = "Invalid or unknown region", body = Problem),
     ),
     security(("bearer" = [])),
     tag = "pins"
@@ -263,8 +260,7 @@ pub async fn put_pin(
     params(("tenant" = String, Path)),
     responses(
         (status = 204, description = "Unpinned"),
-        (status = 404, description = "Not pinned", body = Problem, content_type = "application/problem+json"),
-        (status = 401, description = "Missing or wrong token", body = Problem, content_type = "application/problem+json"),
+        (status = 404, description = "Not pinned", body = Problem),
     ),
     security(("bearer" = [])),
     tag = "pins"
@@ -345,7 +341,7 @@ pub struct AllowanceView {
     params(("tenant" = String, Path)),
     responses(
         (status = 200, description = "The allowance", body = AllowanceView),
-        (status = 404, description = "The tenant has no policies", body = Problem, content_type = "application/problem+json"),
+        (status = 404, description = "The tenant has no policies", body = Problem),
     ),
     tag = "policies"
 )]

@@ -459,6 +459,15 @@ mod tests {
             .unwrap_or_default()
     }
 
+    /// The Redis topology `text` resolves to.
+    fn topology(text: &str) -> quota_store::Topology {
+        let resolved = Config::from_toml(text)
+            .unwrap()
+            .resolve(&no_env, Vec::new())
+            .unwrap();
+        resolved.config.redis.unwrap().topology()
+    }
+
     #[test]
     fn every_problem_is_reported_at_once() {
         let text = r#"
@@ -682,12 +691,8 @@ mode = "cluster"
 url = "redis://10.0.0.1:7000"
 seed_urls = ["redis://10.0.0.2:7000", "redis://10.0.0.3:7000/0"]
 "#;
-        let s = Config::from_toml(text)
-            .unwrap()
-            .resolve(&no_env, Vec::new())
-            .unwrap();
         assert_eq!(
-            s.config.redis.unwrap().topology(),
+            topology(text),
             quota_store::Topology::Cluster {
                 urls: vec![
                     "redis://10.0.0.1:7000".into(),
@@ -768,12 +773,8 @@ master_name = "quotad"
 url = "redis://10.0.0.1:26379"
 seed_urls = ["redis://10.0.0.2:26379", "redis://10.0.0.3:26379"]
 "#;
-        let s = Config::from_toml(text)
-            .unwrap()
-            .resolve(&no_env, Vec::new())
-            .unwrap();
         assert_eq!(
-            s.config.redis.unwrap().topology(),
+            topology(text),
             quota_store::Topology::Sentinel {
                 urls: vec![
                     "redis://10.0.0.1:26379".into(),

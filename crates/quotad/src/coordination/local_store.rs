@@ -284,8 +284,12 @@ mod tests {
         txn.commit().unwrap();
     }
 
-    fn open_err(dir: &Path) -> String {
-        LocalStore::open(dir).unwrap_err().to_string()
+    /// The error opening a fresh store after `f` damaged it.
+    fn open_damaged(f: impl FnOnce(&redb::WriteTransaction)) -> String {
+        let dir = tempfile::tempdir().unwrap();
+        drop(LocalStore::open(dir.path()).unwrap());
+        tamper(dir.path(), f);
+        LocalStore::open(dir.path()).unwrap_err().to_string()
     }
 
     #[test]
@@ -314,18 +318,15 @@ mod tests {
 
     #[test]
     fn an_unknown_format_version_fails_by_name() {
-        let dir = tempfile::tempdir().unwrap();
-        drop(LocalStore::open(dir.path()).unwrap());
         let mut bytes = encode(&policy(1)).unwrap();
         bytes[0] = 99;
-        tamper(dir.path(), |txn| {
+        let err = open_damaged(|txn| {
             let mut meta = txn.open_table(META).unwrap();
             meta.insert(LAST_VERSION, encode(&1u64).unwrap().as_slice())
                 .unwrap();
             let mut t = txn.open_table(POLICIES).unwrap();
             t.insert(("acme", "writes"), bytes.as_slice()).unwrap();
         });
-        let err = open_err(dir.path());
         assert!(err.contains(DB_FILE), "{err}");
         assert!(err.contains("policy acme/writes"), "{err}");
         assert!(err.contains("unknown format version 99"), "{err}");
@@ -334,20 +335,15 @@ mod tests {
     #[test]
     fn inconsistent_records_fail_by_name() {
         // A policy newer than the counter: re-issuing its version would reuse its Redis keys.
-        let dir = tempfile::tempdir().unwrap();
-        drop(LocalStore::open(dir.path()).unwrap());
-        tamper(dir.path(), |txn| {
+        let err = open_damaged(|txn| {
             let mut t = txn.open_table(POLICIES).unwrap();
             t.insert(("acme", "writes"), encode(&policy(5)).unwrap().as_slice())
                 .unwrap();
         });
-        let err = open_err(dir.path());
         assert!(err.contains("last version issued is 0"), "{err}");
 
         // An id the API would never accept.
-        let dir = tempfile::tempdir().unwrap();
-        drop(LocalStore::open(dir.path()).unwrap());
-        tamper(dir.path(), |txn| {
+        let err = open_damaged(|txn| {
             let mut t = txn.open_table(PINS).unwrap();
             t.insert(
                 "no spaces",
@@ -355,18 +351,14 @@ mod tests {
             )
             .unwrap();
         });
-        let err = open_err(dir.path());
         assert!(err.contains("pin of tenant no spaces"), "{err}");
 
         // Truncated bytes.
-        let dir = tempfile::tempdir().unwrap();
-        drop(LocalStore::open(dir.path()).unwrap());
-        tamper(dir.path(), |txn| {
+        let err = open_damaged(|txn| {
             let mut t = txn.open_table(META).unwrap();
             t.insert(LAST_VERSION, [quota_raft::codec::FORMAT_VERSION].as_slice())
                 .unwrap();
         });
-        let err = open_err(dir.path());
         assert!(err.contains("last_version"), "{err}");
     }
 }

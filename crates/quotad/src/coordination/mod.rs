@@ -174,6 +174,11 @@ mod tests {
         .unwrap()
     }
 
+    /// A single-region coordinator on the state in `dir`.
+    fn open_local(region: &RegionId, dir: &std::path::Path) -> Coordinator {
+        Coordinator::Local(LocalCoordinator::open(region.clone(), dir).unwrap())
+    }
+
     #[tokio::test]
     async fn local_coordinator_versions_policies_and_notifies() {
         let c = Coordinator::Local(LocalCoordinator::in_temp_dir(RegionId::new("eu").unwrap()));
@@ -248,7 +253,7 @@ mod tests {
         let (t, p) = ids();
         let other = PolicyName::new("reads").unwrap();
         let before = {
-            let c = Coordinator::Local(LocalCoordinator::open(eu.clone(), dir.path()).unwrap());
+            let c = open_local(&eu, dir.path());
             c.put_policy(t.clone(), p.clone(), policy()).await.unwrap();
             c.put_policy(t.clone(), other.clone(), policy())
                 .await
@@ -260,7 +265,7 @@ mod tests {
             assert_eq!(again.version, 3);
             c.view()
         };
-        let c = Coordinator::Local(LocalCoordinator::open(eu.clone(), dir.path()).unwrap());
+        let c = open_local(&eu, dir.path());
         let after = c.view();
         assert_eq!(after.policies, before.policies);
         assert_eq!((before.last_version, after.last_version), (3, 3));
@@ -272,14 +277,14 @@ mod tests {
         assert!(c.delete_policy(t.clone(), p.clone()).await.unwrap());
         assert!(c.delete_policy(t.clone(), other.clone()).await.unwrap());
         drop(c);
-        let c = Coordinator::Local(LocalCoordinator::open(eu.clone(), dir.path()).unwrap());
+        let c = open_local(&eu, dir.path());
         assert!(c.view().policies.is_empty());
         let v = c.put_policy(t.clone(), p, policy()).await.unwrap();
         assert_eq!(v.version, 4);
         // An unpin is durable as well.
         assert!(c.unpin(t.clone()).await.unwrap());
         drop(c);
-        let c = Coordinator::Local(LocalCoordinator::open(eu, dir.path()).unwrap());
+        let c = open_local(&eu, dir.path());
         assert_eq!(c.view().tenant_home(&t), None);
     }
 
@@ -292,7 +297,7 @@ mod tests {
             .map(|i| PolicyName::new(format!("p{i}")).unwrap())
             .collect();
         let before = {
-            let c = Coordinator::Local(LocalCoordinator::open(eu.clone(), dir.path()).unwrap());
+            let c = open_local(&eu, dir.path());
             c.put_policy(t.clone(), p.clone(), policy()).await.unwrap();
             c.pin(t.clone(), eu.clone()).await.unwrap();
             let mut rx = c.subscribe();
@@ -315,7 +320,7 @@ mod tests {
             assert!(c.put_policies(Vec::new()).await.unwrap().is_empty());
             c.view()
         };
-        let c = Coordinator::Local(LocalCoordinator::open(eu, dir.path()).unwrap());
+        let c = open_local(&eu, dir.path());
         assert_eq!(c.view().policies, before.policies);
         assert_eq!(c.view().last_version, 51);
         assert_eq!(

@@ -226,6 +226,16 @@ impl Decider {
 
     /// Decides in process, at this region's share, when the regional store or the tenant's home
     /// region cannot; a failure there is reduced capacity (503), never an allow.
+    /// A verdict this region decided.
+    fn verdict_here(&self, decision: Decision, policy: Policy, mode: Mode) -> Verdict {
+        Verdict {
+            decision,
+            policy,
+            mode,
+            decided_by: self.region.clone(),
+        }
+    }
+
     async fn decide_in_process(
         &self,
         req: &CheckRequest,
@@ -425,12 +435,7 @@ impl Decider {
             now_ms: None,
         };
         match self.ask_store(&req).await {
-            Ok(Some(decision)) => Ok(Verdict {
-                decision,
-                policy,
-                mode: Mode::Normal,
-                decided_by: self.region.clone(),
-            }),
+            Ok(Some(decision)) => Ok(self.verdict_here(decision, policy, Mode::Normal)),
             Ok(None) => self.fail_over(req, policy).await,
             Err(e) => {
                 tracing::warn!(
@@ -494,12 +499,7 @@ impl Decider {
                 let decision = self
                     .decide_in_process(&req, "the regional store is unavailable")
                     .await?;
-                Ok(Verdict {
-                    decision,
-                    policy,
-                    mode: Mode::DegradedLocal,
-                    decided_by: self.region.clone(),
-                })
+                Ok(self.verdict_here(decision, policy, Mode::DegradedLocal))
             }
             FailMode::Open => {
                 let decision = Decision {
@@ -511,12 +511,7 @@ impl Decider {
                     retry_after_ms: Some(0),
                     reset_ms: Some(0),
                 };
-                Ok(Verdict {
-                    decision,
-                    policy,
-                    mode: Mode::DegradedOpen,
-                    decided_by: self.region.clone(),
-                })
+                Ok(self.verdict_here(decision, policy, Mode::DegradedOpen))
             }
             FailMode::Closed => Err(CheckError::ReducedCapacity {
                 policy: req.bucket.policy,
@@ -597,12 +592,7 @@ impl Decider {
         let decision = self
             .decide_in_process(&req, "the tenant's home region is unreachable")
             .await?;
-        Ok(Verdict {
-            decision,
-            policy,
-            mode: Mode::HomeUnreachableFloor,
-            decided_by: self.region.clone(),
-        })
+        Ok(self.verdict_here(decision, policy, Mode::HomeUnreachableFloor))
     }
 }
 
