@@ -88,6 +88,41 @@ impl Shard {
         self.since_sweep = 0;
         self.len_after_sweep = self.states.len();
     }
+
+    /// Keeps a decision's new state and counts its tokens, listing the bucket as active.
+    fn record(
+        &mut self,
+        key: StateKey,
+        now: u64,
+        state: State,
+        expires_at_ms: Option<u64>,
+        admitted: u64,
+        denied: u64,
+    ) {
+        match self.states.get_mut(&key).filter(|e| e.live_at(now)) {
+            Some(e) => {
+                e.state = state;
+                e.expires_at_ms = expires_at_ms;
+                e.admitted += admitted;
+                e.denied += denied;
+                if !e.listed {
+                    e.listed = true;
+                    self.active.push(key);
+                }
+            }
+            None => {
+                let e = Entry {
+                    state,
+                    expires_at_ms,
+                    admitted,
+                    denied,
+                    listed: true,
+                };
+                self.states.insert(key.clone(), e);
+                self.active.push(key);
+            }
+        }
+    }
 }
 
 /// The in-process store. Cheap to clone (the state is shared).
@@ -188,44 +223,11 @@ impl EmbeddedStore {
         }
         let key = (req.bucket.clone(), kind);
         let entry = shard.states.get(&key).filter(|e| e.live_at(now));
+        let (decision, state, ttl) = self.step(now, limit, entry.map(|e| &e.state), req.cost);
         if req.cost == 0 {
             // A peek: describe the state, keep nothing.
-            return Ok(match (limit, entry.map(|e| &e.state)) {
-                (Limit::TokenBucket(p), Some(State::Bucket(s))) => {
-                    bucket::decide(now, &p, Some(s), 0).0
-                }
-                (Limit::TokenBucket(p), _) => bucket::decide(now, &p, None, 0).0,
-                (Limit::SlidingWindow { limit, window_ms }, state) => {
-                    let prev = match state {
-                        Some(State::Window(s)) => Some(s),
-                        _ => None,
-                    };
-                    window::decide(now, &WindowParams { limit, window_ms }, prev, 0).0
-                }
-            });
+            return Ok(decision);
         }
-        let (decision, state, ttl) = match limit {
-            Limit::TokenBucket(p) => {
-                let prev = match entry.as_ref().map(|e| &e.state) {
-                    Some(State::Bucket(s)) => Some(s),
-                    _ => None,
-                };
-                let (d, s) = bucket::decide(now, &p, prev, req.cost);
-                let ttl = bucket::idle_ttl_ms(&p, &s);
-                let ttl = (ttl != u64::MAX).then_some(ttl.max(self.min_idle_ttl_ms));
-                (d, State::Bucket(s), ttl)
-            }
-            Limit::SlidingWindow { limit, window_ms } => {
-                let prev = match entry.as_ref().map(|e| &e.state) {
-                    Some(State::Window(s)) => Some(s),
-                    _ => None,
-                };
-                let p = WindowParams { limit, window_ms };
-                let (d, s) = window::decide(now, &p, prev, req.cost);
-                let ttl = window::idle_ttl_ms(&p, &s);
-                (d, State::Window(s), Some(ttl.max(self.min_idle_ttl_ms)))
-            }
-        };
         // Idle time counts from the latest time the state has seen: a request with a clock
         // stepping back must not bring the expiry forward.
         let latest = match &state {
@@ -238,30 +240,41 @@ impl EmbeddedStore {
         } else {
             (0, req.cost)
         };
-        match shard.states.get_mut(&key).filter(|e| e.live_at(now)) {
-            Some(e) => {
-                e.state = state;
-                e.expires_at_ms = expires_at_ms;
-                e.admitted += admitted;
-                e.denied += denied;
-                if !e.listed {
-                    e.listed = true;
-                    shard.active.push(key);
-                }
-            }
-            None => {
-                let e = Entry {
-                    state,
-                    expires_at_ms,
-                    admitted,
-                    denied,
-                    listed: true,
+        shard.record(key, now, state, expires_at_ms, admitted, denied);
+        Ok(decision)
+    }
+
+    /// One decision on `prev` (a state of the other kind counts as none): the decision, the
+    /// new state and its idle TTL (`None`: it must not expire).
+    fn step(
+        &self,
+        now: u64,
+        limit: Limit,
+        prev: Option<&State>,
+        cost: u64,
+    ) -> (Decision, State, Option<u64>) {
+        match limit {
+            Limit::TokenBucket(p) => {
+                let prev = match prev {
+                    Some(State::Bucket(s)) => Some(s),
+                    _ => None,
                 };
-                shard.states.insert(key.clone(), e);
-                shard.active.push(key);
+                let (d, s) = bucket::decide(now, &p, prev, cost);
+                let ttl = bucket::idle_ttl_ms(&p, &s);
+                let ttl = (ttl != u64::MAX).then_some(ttl.max(self.min_idle_ttl_ms));
+                (d, State::Bucket(s), ttl)
+            }
+            Limit::SlidingWindow { limit, window_ms } => {
+                let prev = match prev {
+                    Some(State::Window(s)) => Some(s),
+                    _ => None,
+                };
+                let p = WindowParams { limit, window_ms };
+                let (d, s) = window::decide(now, &p, prev, cost);
+                let ttl = window::idle_ttl_ms(&p, &s);
+                (d, State::Window(s), Some(ttl.max(self.min_idle_ttl_ms)))
             }
         }
-        Ok(decision)
     }
 }
 

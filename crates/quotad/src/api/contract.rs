@@ -135,130 +135,150 @@ impl utoipa::Modify for Contract {
     fn modify(&self, doc: &mut utoipa::openapi::OpenApi) {
         if let Some(c) = doc.components.as_mut() {
             let s = &mut c.schemas;
-            set(s, "PolicyBody", "limit", whole(1, MAX_BURST, false));
-            set(s, "PolicyBody", "window_ms", whole(1, MAX_WINDOW_MS, false));
-            set(s, "PolicyBody", "burst", whole(1, MAX_BURST, true));
-            set(s, "PolicyBody", "tier", one_of(&["standard", "critical"]));
-            set(
-                s,
-                "PolicyBody",
-                "fail_mode",
-                one_of(&["local", "open", "closed"]),
+            bound_bodies(s);
+            batch_checks_one_by_one(s);
+            close_bodies(s);
+        }
+        add_shared_statuses(doc);
+    }
+}
+
+/// The server's bounds, patterns and enums on the bodies' fields.
+fn bound_bodies(s: &mut Schemas) {
+    set(s, "PolicyBody", "limit", whole(1, MAX_BURST, false));
+    set(s, "PolicyBody", "window_ms", whole(1, MAX_WINDOW_MS, false));
+    set(s, "PolicyBody", "burst", whole(1, MAX_BURST, true));
+    set(s, "PolicyBody", "tier", one_of(&["standard", "critical"]));
+    set(
+        s,
+        "PolicyBody",
+        "fail_mode",
+        one_of(&["local", "open", "closed"]),
+    );
+    set(
+        s,
+        "PolicyBody",
+        "algorithm",
+        one_of(&["token_bucket", "sliding_window"]),
+    );
+    set(
+        s,
+        "PolicyBody",
+        "floor",
+        ObjectBuilder::new()
+            .schema_type(SchemaType::from_iter([Type::Number, Type::Null]))
+            .minimum(Some(Number::Float(0.0)))
+            .maximum(Some(Number::Float(1.0)))
+            .build(),
+    );
+    set(s, "CheckBody", "tenant", id(TenantId::MAX_LEN));
+    set(s, "CheckBody", "policy", id(PolicyName::MAX_LEN));
+    set(s, "CheckBody", "cost", whole(1, MAX_COST, true));
+    set(s, "PinBody", "region", id(RegionId::MAX_LEN));
+    set(s, "NewMember", "node_id", whole(1, u64::MAX, false));
+    set(s, "NewMember", "region", id(RegionId::MAX_LEN));
+    for f in ["peer", "api"] {
+        let addr = ObjectBuilder::new()
+            .schema_type(Type::String)
+            .pattern(Some(SOCKET_PATTERN))
+            .build();
+        set(s, "NewMember", f, addr);
+    }
+}
+
+/// A batch's checks get their own schema, without the bounds a single check is held to.
+fn batch_checks_one_by_one(s: &mut Schemas) {
+    // A batch's checks are answered one by one: an id that is not valid gets its own
+    // 400 in `results`, so the batch's schema does not hold ids and costs to the bounds.
+    if let Some(RefOr::T(Schema::Object(check))) = s.get("CheckBody").cloned() {
+        let mut item = check;
+        for f in ["tenant", "policy"] {
+            item.properties.insert(
+                f.to_string(),
+                RefOr::T(Schema::Object(
+                    ObjectBuilder::new().schema_type(Type::String).build(),
+                )),
             );
-            set(
-                s,
-                "PolicyBody",
-                "algorithm",
-                one_of(&["token_bucket", "sliding_window"]),
-            );
-            set(
-                s,
-                "PolicyBody",
-                "floor",
+        }
+        item.properties.insert(
+            "cost".to_string(),
+            RefOr::T(Schema::Object(
                 ObjectBuilder::new()
                     .schema_type(SchemaType::from_iter([Type::Number, Type::Null]))
-                    .minimum(Some(Number::Float(0.0)))
-                    .maximum(Some(Number::Float(1.0)))
                     .build(),
+            )),
+        );
+        s.insert("BatchCheck".to_string(), RefOr::T(Schema::Object(item)));
+        if let Some(RefOr::T(Schema::Object(b))) = s.get_mut("BatchBody") {
+            b.properties.insert(
+                "checks".to_string(),
+                RefOr::T(Schema::Array(
+                    utoipa::openapi::schema::ArrayBuilder::new()
+                        .items(RefOr::Ref(utoipa::openapi::Ref::from_schema_name(
+                            "BatchCheck",
+                        )))
+                        .min_items(Some(1))
+                        .max_items(Some(crate::api::batch::MAX_BATCH))
+                        .build(),
+                )),
             );
-            set(s, "CheckBody", "tenant", id(TenantId::MAX_LEN));
-            set(s, "CheckBody", "policy", id(PolicyName::MAX_LEN));
-            set(s, "CheckBody", "cost", whole(1, MAX_COST, true));
-            set(s, "PinBody", "region", id(RegionId::MAX_LEN));
-            set(s, "NewMember", "node_id", whole(1, u64::MAX, false));
-            set(s, "NewMember", "region", id(RegionId::MAX_LEN));
-            for f in ["peer", "api"] {
-                let addr = ObjectBuilder::new()
-                    .schema_type(Type::String)
-                    .pattern(Some(SOCKET_PATTERN))
-                    .build();
-                set(s, "NewMember", f, addr);
-            }
-            // A batch's checks are answered one by one: an id that is not valid gets its own
-            // 400 in `results`, so the batch's schema does not hold ids and costs to the bounds.
-            if let Some(RefOr::T(Schema::Object(check))) = s.get("CheckBody").cloned() {
-                let mut item = check;
-                for f in ["tenant", "policy"] {
-                    item.properties.insert(
-                        f.to_string(),
-                        RefOr::T(Schema::Object(
-                            ObjectBuilder::new().schema_type(Type::String).build(),
-                        )),
-                    );
-                }
-                item.properties.insert(
-                    "cost".to_string(),
-                    RefOr::T(Schema::Object(
-                        ObjectBuilder::new()
-                            .schema_type(SchemaType::from_iter([Type::Number, Type::Null]))
-                            .build(),
-                    )),
-                );
-                s.insert("BatchCheck".to_string(), RefOr::T(Schema::Object(item)));
-                if let Some(RefOr::T(Schema::Object(b))) = s.get_mut("BatchBody") {
-                    b.properties.insert(
-                        "checks".to_string(),
-                        RefOr::T(Schema::Array(
-                            utoipa::openapi::schema::ArrayBuilder::new()
-                                .items(RefOr::Ref(utoipa::openapi::Ref::from_schema_name(
-                                    "BatchCheck",
-                                )))
-                                .min_items(Some(1))
-                                .max_items(Some(crate::api::batch::MAX_BATCH))
-                                .build(),
-                        )),
-                    );
-                }
-            }
-            // Bodies take no field beyond those documented.
-            for name in [
-                "PolicyBody",
-                "CheckBody",
-                "PinBody",
-                "NewMember",
-                "BatchBody",
-            ] {
-                if let Some(RefOr::T(Schema::Object(o))) = s.get_mut(name) {
-                    o.additional_properties = Some(Box::new(
-                        utoipa::openapi::schema::AdditionalProperties::FreeForm(false),
-                    ));
-                }
-            }
         }
-        for item in doc.paths.paths.values_mut() {
-            for op in [
-                &mut item.get,
-                &mut item.put,
-                &mut item.post,
-                &mut item.delete,
-            ]
-            .into_iter()
-            .flatten()
-            {
-                problem_content_type(op);
-                let mut has_path_params = false;
-                for p in op.parameters.iter_mut().flatten() {
-                    bound_param(p);
-                    has_path_params |=
-                        matches!(p.parameter_in, utoipa::openapi::path::ParameterIn::Path);
-                }
-                if op.request_body.is_some() {
-                    add(op, 400, "The body is not a JSON object of the documented fields: every problem named in `errors`");
-                    add(op, 413, "The body is larger than the configured limit");
-                    add(op, 415, "The body is not declared as JSON");
-                }
-                if has_path_params {
-                    add(op, 400, "A path parameter is not valid: named in `errors`");
-                }
-                if op.security.as_ref().is_some_and(|s| !s.is_empty()) {
-                    add(op, 401, "Missing or wrong token");
-                }
-                add(
-                    op,
-                    503,
-                    "The request did not complete within the configured request timeout",
-                );
+    }
+}
+
+/// Bodies take no field beyond those documented.
+fn close_bodies(s: &mut Schemas) {
+    for name in [
+        "PolicyBody",
+        "CheckBody",
+        "PinBody",
+        "NewMember",
+        "BatchBody",
+    ] {
+        if let Some(RefOr::T(Schema::Object(o))) = s.get_mut(name) {
+            o.additional_properties = Some(Box::new(
+                utoipa::openapi::schema::AdditionalProperties::FreeForm(false),
+            ));
+        }
+    }
+}
+
+/// The statuses every operation shares: the problems of the shared layers (body, path
+/// parameters, auth, timeout), each with the problem content type.
+fn add_shared_statuses(doc: &mut utoipa::openapi::OpenApi) {
+    for item in doc.paths.paths.values_mut() {
+        for op in [
+            &mut item.get,
+            &mut item.put,
+            &mut item.post,
+            &mut item.delete,
+        ]
+        .into_iter()
+        .flatten()
+        {
+            problem_content_type(op);
+            let mut has_path_params = false;
+            for p in op.parameters.iter_mut().flatten() {
+                bound_param(p);
+                has_path_params |=
+                    matches!(p.parameter_in, utoipa::openapi::path::ParameterIn::Path);
             }
+            if op.request_body.is_some() {
+                add(op, 400, "The body is not a JSON object of the documented fields: every problem named in `errors`");
+                add(op, 413, "The body is larger than the configured limit");
+                add(op, 415, "The body is not declared as JSON");
+            }
+            if has_path_params {
+                add(op, 400, "A path parameter is not valid: named in `errors`");
+            }
+            if op.security.as_ref().is_some_and(|s| !s.is_empty()) {
+                add(op, 401, "Missing or wrong token");
+            }
+            add(
+                op,
+                503,
+                "The request did not complete within the configured request timeout",
+            );
         }
     }
 }
