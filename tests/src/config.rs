@@ -44,3 +44,11 @@ log_level = "info"
 "#
     )
 }
+
+/// [`redis_config`] with Envoy's rate limit service listening on `envoy_port`.
+pub fn redis_config_with_envoy(redis_url: &str, envoy_port: u16) -> String {
+    format!(
+        "{}[envoy]\nlisten = \"127.0.0.1:{envoy_port}\"\n",
+        redis_config(redis_url)
+    )
+}

@@ -26,7 +26,7 @@ pub mod poll;
 pub mod redis_probe;
 
 pub use cluster::{Cluster, Timings, PEER_TOKEN};
-pub use config::{config_dir, embedded_config, redis_config};
+pub use config::{config_dir, embedded_config, redis_config, redis_config_with_envoy};
 pub use daemon::{free_port, quotad_binary, Daemon, TOKEN};
 pub use http::Reply;
 pub use metrics::metric_value;

@@ -9,7 +9,7 @@ use envoy_types::pb::envoy::extensions::common::ratelimit::v3::RateLimitDescript
 use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_response::Code;
 use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_service_client::RateLimitServiceClient;
 use envoy_types::pb::envoy::service::ratelimit::v3::RateLimitRequest;
-use quotad_system_tests::{free_port, redis_config, Daemon};
+use quotad_system_tests::{free_port, redis_config_with_envoy, Daemon};
 use redis_harness::RedisServer;
 use serde_json::json;
 
@@ -33,10 +33,7 @@ async fn envoy_descriptors_share_buckets_with_http_checks_and_sigterm_still_stop
 ) -> anyhow::Result<()> {
     let redis = RedisServer::start()?;
     let envoy_port = free_port()?;
-    let config = format!(
-        "{}[envoy]\nlisten = \"127.0.0.1:{envoy_port}\"\n",
-        redis_config(&redis.url())
-    );
+    let config = redis_config_with_envoy(&redis.url(), envoy_port);
     let mut d = Daemon::start(&config).await?;
     d.put_policy("acme", "writes", json!({"limit": 4, "window_ms": 60000}))
         .await?;

@@ -10,7 +10,7 @@ use std::process::Stdio;
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context};
-use quotad_system_tests::{free_port, redis_config, Daemon};
+use quotad_system_tests::{free_port, redis_config_with_envoy, Daemon};
 use redis_harness::RedisServer;
 use serde_json::{json, Value};
 use tokio::io::{AsyncBufReadExt, BufReader};
@@ -88,10 +88,7 @@ async fn a_python_grpcio_client_sees_every_point_of_the_envoy_contract() -> anyh
 
     let redis = RedisServer::start()?;
     let envoy_port = free_port()?;
-    let config = format!(
-        "{}[envoy]\nlisten = \"127.0.0.1:{envoy_port}\"\n",
-        redis_config(&redis.url())
-    );
+    let config = redis_config_with_envoy(&redis.url(), envoy_port);
     let mut d = Daemon::start(&config).await?;
     for (tenant, policy, limit, window_ms) in [
         ("acme", "five", 5, HOUR_MS),
