@@ -382,6 +382,16 @@ impl Coordinator {
         self.inner.state.read_revised(f)
     }
 
+    /// Runs `f` on the applied state, its revision and what changed since `since`
+    /// ([`StateHandle::read_changes`]).
+    pub fn read_changes<R>(
+        &self,
+        since: Option<u64>,
+        f: impl FnOnce(&CoordinatorState, u64, crate::storage::Changes) -> R,
+    ) -> R {
+        self.inner.state.read_changes(since, f)
+    }
+
     /// Runs `f` on a state that includes every write committed before this call (a ReadIndex
     /// round: one quorum round trip). Leader only; bounded by `write_timeout_ms`.
     pub async fn read_linearizable<R>(

@@ -60,5 +60,5 @@ pub use coordinator::{
     Coordinator, LeaderClock, MembershipError, ReadError, Role, ShutdownError, StartError, Status,
     WriteError,
 };
-pub use storage::StateHandle;
+pub use storage::{Changes, StateHandle};
 pub use types::{Member, NodeId, Reply, TypeConfig};

@@ -21,9 +21,11 @@ use redb::{Database, TableDefinition};
 
 use crate::codec::CodecError;
 
+mod changes;
 mod log;
 mod state_machine;
 
+pub use changes::Changes;
 pub use log::LogStore;
 pub use state_machine::{SnapshotBuilder, StateHandle, StateMachineStore};
 

@@ -9,6 +9,7 @@ use quota_core::coordinator::{CoordinatorState, Operation};
 use redb::{Database, Durability, ReadableDatabase};
 use tokio::sync::watch;
 
+use super::changes::{Changes, Journal};
 use super::{any, blocking, snapshot_key, OpenError, SNAPSHOT};
 use crate::codec::{decode, encode};
 use crate::types::alias::{Entry, LogId, Snapshot, SnapshotMeta, StorageError, StoredMembership};
@@ -22,6 +23,8 @@ struct Applied {
     membership: StoredMembership,
     /// Bumped by every change other than a lease renewal (see [`StateHandle::read_revised`]).
     revision: u64,
+    /// What each recent revision touched (see [`StateHandle::read_changes`]).
+    journal: Journal,
 }
 
 #[derive(Debug)]
@@ -66,6 +69,22 @@ impl StateHandle {
         f(&applied.state, applied.revision)
     }
 
+    /// Runs `f` on the applied state, its revision, and what changed since revision `since`
+    /// (`None`: everything): a reader that derives something per policy updates only the
+    /// policies a command touched, so one admin write costs it O(what changed).
+    pub fn read_changes<R>(
+        &self,
+        since: Option<u64>,
+        f: impl FnOnce(&CoordinatorState, u64, Changes) -> R,
+    ) -> R {
+        let applied = self.shared.read();
+        let changes = match since {
+            Some(since) => applied.journal.since(since, applied.revision),
+            None => Changes::everything(),
+        };
+        f(&applied.state, applied.revision, changes)
+    }
+
     /// The log id of the last applied entry.
     pub fn last_applied(&self) -> Option<LogId> {
         self.shared.read().last_applied
@@ -94,6 +113,7 @@ impl StateMachineStore {
                     last_applied: meta.last_log_id,
                     membership: meta.last_membership,
                     revision: 0,
+                    journal: Journal::default(),
                 },
                 None => Applied::default(),
             };
@@ -207,11 +227,15 @@ impl RaftStateMachine<TypeConfig> for StateMachineStore {
                     EntryPayload::Normal(ref cmd) => {
                         if !matches!(cmd.op, Operation::RenewLease { .. }) {
                             applied.revision += 1;
+                            let revision = applied.revision;
+                            applied.journal.record(revision, Some(&cmd.op));
                         }
                         Some(applied.state.apply(cmd))
                     }
                     EntryPayload::Membership(ref m) => {
                         applied.revision += 1;
+                        let revision = applied.revision;
+                        applied.journal.record(revision, None);
                         applied.membership =
                             StoredMembership::new(Some(*entry.get_log_id()), m.clone());
                         None
@@ -248,6 +272,7 @@ impl RaftStateMachine<TypeConfig> for StateMachineStore {
             let mut applied = self.shared.write();
             applied.state = state;
             applied.revision += 1;
+            applied.journal.clear();
             applied.last_applied = meta.last_log_id;
             applied.membership = meta.last_membership.clone();
         }

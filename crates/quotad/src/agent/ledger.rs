@@ -2,13 +2,17 @@
 //! bookkeeping with no I/O, so every rule about what to write, renew, sweep and acknowledge is
 //! tested here.
 
-use std::collections::HashMap;
+use std::collections::{BTreeSet, HashMap};
+
+use imbl::ordmap::DiffItem;
 
 use quota_core::share::limit_for_share;
 use quota_core::{PolicyName, RegionId, TenantId};
 use quota_store::{BucketRef, Limit, SetParams};
 
-use crate::coordination::view::ClusterView;
+use crate::coordination::view::{ClusterView, PolicyEntry, PolicyMap};
+
+type Key = (TenantId, PolicyName);
 
 /// Without a lease nothing a bucket holds runs out, but a store emptied without a restart (a
 /// `FLUSHALL`, say) is still refilled: every bucket is rewritten at least this often.
@@ -82,7 +86,14 @@ impl Write {
 /// due for renewal, and everything after the store was replaced (a restarted Redis is empty).
 #[derive(Debug, Default)]
 pub struct Written {
-    held: HashMap<(TenantId, PolicyName), Held>,
+    held: HashMap<Key, Held>,
+    /// `(renew_at_ms, key)` of every held bucket: the renewals due are a range, not a walk.
+    renewals: BTreeSet<(u64, Key)>,
+    /// Held buckets whose last write failed.
+    dirty: BTreeSet<Key>,
+    /// What the last complete pass accounted for (see [`Written::planned`]): a pass compares
+    /// the view with it and plans only the entries that changed, failed or are due.
+    planned: Option<Planned>,
     /// Until when shares written by an earlier run of this daemon may hold in the store.
     unknown_until_ms: u64,
     /// The store instance last seen ([`quota_store::Store::instance`]).
@@ -101,6 +112,23 @@ pub struct Written {
     sweep_from_ms: Option<u64>,
 }
 
+/// The view a complete pass planned from, and what its per-bucket answers depended on.
+#[derive(Debug, Clone)]
+struct Planned {
+    policies: PolicyMap,
+    leased: bool,
+    lease_ends: bool,
+    generation: u64,
+}
+
+/// Whether the lease holds at `now_ms`, and whether it ends at all.
+fn lease_state(view: &ClusterView, now_ms: u64) -> (bool, bool) {
+    (
+        view.lease_end_local_ms > now_ms,
+        view.lease_end_local_ms != u64::MAX,
+    )
+}
+
 impl Written {
     /// Before anything is written, the store may hold shares from a previous run of this
     /// daemon for up to one lease.
@@ -109,6 +137,72 @@ impl Written {
             unknown_until_ms: now_ms.saturating_add(lease_ms),
             ..Self::default()
         }
+    }
+
+    fn put_held(&mut self, key: Key, h: Held) {
+        if let Some(old) = self.held.get(&key) {
+            self.renewals.remove(&(old.renew_at_ms, key.clone()));
+        }
+        self.renewals.insert((h.renew_at_ms, key.clone()));
+        if h.dirty {
+            self.dirty.insert(key.clone());
+        } else {
+            self.dirty.remove(&key);
+        }
+        self.held.insert(key, h);
+    }
+
+    /// Notes that a pass planned from `view` at `now_ms` has recorded every write it made
+    /// (`complete`), so the next pass need only look at what changed since; after an
+    /// incomplete one (a write failed or was not tried) the next pass looks at everything.
+    pub(super) fn planned(&mut self, view: &ClusterView, now_ms: u64, complete: bool) {
+        self.planned = complete.then(|| {
+            let (leased, lease_ends) = lease_state(view, now_ms);
+            Planned {
+                policies: view.policies.clone(),
+                leased,
+                lease_ends,
+                generation: self.generation,
+            }
+        });
+    }
+
+    /// The entries a pass at `now_ms` must look at: all of them, or, after a complete pass
+    /// under the same lease state and store instance, those that changed since, failed, or
+    /// are due for renewal (O(changed · log n) with the view's shared structure).
+    fn candidates<'a>(
+        &self,
+        view: &'a ClusterView,
+        now_ms: u64,
+    ) -> Option<Vec<(&'a Key, &'a PolicyEntry)>> {
+        let p = self.planned.as_ref()?;
+        if (p.leased, p.lease_ends) != lease_state(view, now_ms) || p.generation != self.generation
+        {
+            return None;
+        }
+        let mut keys: BTreeSet<&Key> = BTreeSet::new();
+        for d in p.policies.diff(&view.policies) {
+            match d {
+                DiffItem::Add(k, _) | DiffItem::Update { new: (k, _), .. } => {
+                    keys.insert(k);
+                }
+                DiffItem::Remove(..) => {}
+            }
+        }
+        let due = self
+            .renewals
+            .iter()
+            .take_while(|(at, _)| *at <= now_ms)
+            .map(|(_, k)| k);
+        let mut out: Vec<_> = keys
+            .into_iter()
+            .chain(self.dirty.iter())
+            .chain(due)
+            .filter_map(|k| view.policies.get_key_value(k))
+            .collect();
+        out.sort_unstable_by(|a, b| a.0.cmp(b.0));
+        out.dedup_by(|a, b| a.0 == b.0);
+        Some(out)
     }
 
     /// Notes the store instance; a new one (not the first seen) means everything is rewritten.
@@ -124,21 +218,42 @@ impl Written {
     /// Forgets buckets `view` no longer has (deleted policies, old versions) and queues them
     /// to be cleared from the store.
     pub fn retain_in(&mut self, view: &ClusterView) {
-        let to_clear = &mut self.to_clear;
-        self.held.retain(|k, h| {
-            let keep = view
+        // After a complete pass the held buckets are exactly that pass's view: only what left
+        // the view since, or changed version, can be gone.
+        let gone: Vec<Key> = match &self.planned {
+            Some(p) => p
                 .policies
-                .get(k)
-                .is_some_and(|e| e.policy.version == h.version);
-            if !keep {
-                to_clear.push(BucketRef {
-                    tenant: k.0.clone(),
-                    policy: k.1.clone(),
+                .diff(&view.policies)
+                .filter_map(|d| match d {
+                    DiffItem::Remove(k, _) => Some(k.clone()),
+                    DiffItem::Update {
+                        old: (k, o),
+                        new: (_, n),
+                    } if o.policy.version != n.policy.version => Some(k.clone()),
+                    _ => None,
+                })
+                .collect(),
+            None => self.held.keys().cloned().collect(),
+        };
+        for k in gone {
+            let keep = |h: &Held| {
+                view.policies
+                    .get(&k)
+                    .is_some_and(|e| e.policy.version == h.version)
+            };
+            if self.held.get(&k).is_none_or(keep) {
+                continue;
+            }
+            if let Some(h) = self.held.remove(&k) {
+                self.renewals.remove(&(h.renew_at_ms, k.clone()));
+                self.dirty.remove(&k);
+                self.to_clear.push(BucketRef {
+                    tenant: k.0,
+                    policy: k.1,
                     version: h.version,
                 });
             }
-            keep
-        });
+        }
     }
 
     /// Waits `ms` after the lease first holds before the first sweep (a replicated daemon's
@@ -199,7 +314,12 @@ impl Written {
             .then(|| view.lease_end_local_ms - now_ms);
         let mut writes = Vec::new();
         let mut due = Vec::new();
-        for (key, entry) in view.policies.iter() {
+        let candidates = self.candidates(view, now_ms);
+        let entries: Box<dyn Iterator<Item = (&Key, &PolicyEntry)>> = match &candidates {
+            Some(c) => Box::new(c.iter().copied()),
+            None => Box::new(view.policies.iter()),
+        };
+        for (key, entry) in entries {
             let grant = entry.grants.get(region);
             let share = view.enforced_share_ppm(grant, now_ms);
             let limit: Limit = limit_for_share(&entry.policy, share).into();
@@ -268,7 +388,7 @@ impl Written {
     pub(super) fn record(&mut self, w: Write, ok: bool) {
         let (key, sent) = w.into_key();
         if ok {
-            self.held.insert(key, sent);
+            self.put_held(key, sent);
             return;
         }
         let h = match self.held.get(&key).filter(|h| h.version == sent.version) {
@@ -285,7 +405,7 @@ impl Written {
                 ..sent
             },
         };
-        self.held.insert(key, h);
+        self.put_held(key, h);
     }
 
     /// Whether the store cannot enforce more than `view` grants at `now_ms`, though some writes
@@ -613,5 +733,95 @@ mod tests {
             lease_ms: 1_000,
         };
         assert!(short.renewal_budget(10_000) >= 10_000 * 100 / 250);
+    }
+
+    /// A ledger that plans only what changed since its last complete pass makes exactly the
+    /// writes, and clears exactly the buckets, of one that looks at everything every pass:
+    /// over seeded random share moves, new versions, added and deleted policies, leases
+    /// renewed and lapsing, failed writes and a replaced store.
+    #[test]
+    fn planning_what_changed_equals_planning_everything() {
+        use rand::{Rng as _, SeedableRng as _};
+        let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(11);
+        let lease = PACING.lease_ms;
+        let (mut delta, mut full) = (Written::new(0, lease), Written::new(0, lease));
+        for w in [&mut delta, &mut full] {
+            w.observe_instance("r1".into());
+        }
+        let mut v = view_of(300, PPM / 3, lease);
+        let mut next_key = 300;
+        let (mut delta_passes, mut writes_seen) = (0, 0);
+        for step in 1..=600u64 {
+            let now = step * 250;
+            let k = key(rng.random_range(0..next_key));
+            match rng.random_range(0..10) {
+                0 => {
+                    if let Some(e) = v.policies.get(&k).cloned() {
+                        let share = rng.random_range(0..=PPM);
+                        v.policies.insert(k, entry(e.policy.version, share));
+                    }
+                }
+                1 => {
+                    if let Some(e) = v.policies.get(&k).cloned() {
+                        v.policies.insert(k, entry(e.policy.version + 1, PPM / 3));
+                    }
+                }
+                2 => {
+                    v.policies.insert(key(next_key), entry(7, PPM / 4));
+                    next_key += 1;
+                }
+                3 => {
+                    v.policies.remove(&k);
+                }
+                4 if step % 97 == 0 => {
+                    let id = format!("r{step}");
+                    delta.observe_instance(id.clone());
+                    full.observe_instance(id);
+                }
+                _ => {}
+            }
+            // Renewed most intervals; now and then it lapses for a while.
+            if step % 150 < 120 && rng.random_bool(0.8) {
+                v.lease_end_local_ms = now + lease;
+            }
+            delta.retain_in(&v);
+            full.retain_in(&v);
+            let sorted = |w: &mut Written| {
+                let mut c: Vec<_> = std::mem::take(&mut w.to_clear)
+                    .into_iter()
+                    .map(|b| format!("{b:?}"))
+                    .collect();
+                c.sort();
+                c
+            };
+            assert_eq!(sorted(&mut delta), sorted(&mut full), "step {step}");
+            delta_passes += usize::from(delta.candidates(&v, now).is_some());
+            let a = delta.plan(&v, &region(), now, PACING);
+            let b = full.plan(&v, &region(), now, PACING);
+            assert_eq!(format!("{a:?}"), format!("{b:?}"), "step {step}");
+            writes_seen += a.len();
+            let fail_from = if rng.random_bool(0.05) {
+                rng.random_range(0..=a.len())
+            } else {
+                usize::MAX
+            };
+            let complete = fail_from >= a.len();
+            // As a pass records them: the writes after the first failure are not tried.
+            for (i, (x, y)) in a
+                .into_iter()
+                .zip(b)
+                .enumerate()
+                .take(fail_from.saturating_add(1))
+            {
+                delta.record(x, i < fail_from);
+                full.record(y, i < fail_from);
+            }
+            delta.planned(&v, now, complete);
+        }
+        assert!(
+            delta_passes > 300,
+            "{delta_passes} passes planned from the changes"
+        );
+        assert!(writes_seen > 1_000, "{writes_seen} writes compared");
     }
 }

@@ -198,7 +198,8 @@ pub async fn apply_shares(
         Err(e) => tracing::debug!(error = %e, "Store instance unknown."),
     }
     written.retain_in(view);
-    let writes = written.plan(view, decider.region(), clock::wall_ms(), pacing);
+    let planned_at = clock::wall_ms();
+    let writes = written.plan(view, decider.region(), planned_at, pacing);
     let results = until_first_failure(writes, |mut w: Write| async move {
         let r = store.set_params(&w.req).await;
         // The store counts the lease from when it ran the write, no later than now: what it
@@ -228,6 +229,7 @@ pub async fn apply_shares(
             None => all = false,
         }
     }
+    written.planned(view, planned_at, all);
     if all && written.sweep_due(view, clock::wall_ms()) {
         // With the view applied: leftovers of what was deleted while this daemon was down (a
         // restarted Redis is empty, and the sweep then finds nothing).

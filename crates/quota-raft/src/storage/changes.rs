@@ -1,0 +1,211 @@
+//! Which policies each applied command may have changed, so readers that derive something
+//! per policy (the daemon's view) update what changed instead of walking every policy.
+
+use std::collections::{BTreeSet, VecDeque};
+
+use quota_core::coordinator::{Operation, PolicyKey};
+use quota_core::TenantId;
+
+/// Revisions the journal remembers; a reader further behind rebuilds whole.
+const JOURNAL_REVISIONS: usize = 1024;
+/// Policy keys the journal holds at most (batches name up to 1000 each).
+const JOURNAL_KEYS: usize = 65_536;
+
+/// What one command may have changed in the policies, their shares, floors and pins.
+#[derive(Debug, Clone, PartialEq, Eq)]
+enum Touched {
+    Nothing,
+    Keys(Vec<PolicyKey>),
+    /// Every policy of a tenant, and the tenant's pin.
+    Tenant(TenantId),
+    /// Anything: membership, region slots, a snapshot.
+    All,
+}
+
+/// What changed between two revisions.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Changes {
+    /// Every policy may have changed: rebuild whole.
+    pub all: bool,
+    pub keys: BTreeSet<PolicyKey>,
+    /// Tenants whose every policy and whose pin may have changed.
+    pub tenants: BTreeSet<TenantId>,
+}
+
+impl Changes {
+    /// A change set that asks for a whole rebuild.
+    pub fn everything() -> Self {
+        Self {
+            all: true,
+            ..Self::default()
+        }
+    }
+
+    pub fn is_empty(&self) -> bool {
+        !self.all && self.keys.is_empty() && self.tenants.is_empty()
+    }
+
+    /// What applying `op` may change.
+    pub fn of(op: &Operation) -> Self {
+        let mut c = Self::default();
+        c.add(&touched(op));
+        c
+    }
+
+    /// Adds what another change set names.
+    pub fn merge(&mut self, other: Changes) {
+        self.all |= other.all;
+        self.keys.extend(other.keys);
+        self.tenants.extend(other.tenants);
+    }
+
+    fn add(&mut self, t: &Touched) {
+        match t {
+            Touched::Nothing => {}
+            Touched::Keys(keys) => self.keys.extend(keys.iter().cloned()),
+            Touched::Tenant(t) => {
+                self.tenants.insert(t.clone());
+            }
+            Touched::All => self.all = true,
+        }
+    }
+}
+
+/// What `op` may change. No wildcard arm: a new operation must say what it touches.
+fn touched(op: &Operation) -> Touched {
+    match op {
+        Operation::PutPolicy { key, .. }
+        | Operation::DeletePolicy { key }
+        | Operation::Pin { key, .. }
+        | Operation::Unpin { key } => Touched::Keys(vec![key.clone()]),
+        Operation::SetShares { entries, .. } => {
+            Touched::Keys(entries.iter().map(|e| e.key.clone()).collect())
+        }
+        Operation::Forget { keys } => Touched::Keys(keys.clone()),
+        Operation::PutPolicies { entries } => {
+            Touched::Keys(entries.iter().map(|(k, _)| k.clone()).collect())
+        }
+        Operation::PinTenant { tenant, .. } | Operation::UnpinTenant { tenant } => {
+            Touched::Tenant(tenant.clone())
+        }
+        // Region slots and floors: every grant may change.
+        Operation::PutRegion { .. } | Operation::RemoveRegion { .. } => Touched::All,
+        Operation::RenewLease { .. } | Operation::SetLeaseConfig { .. } => Touched::Nothing,
+    }
+}
+
+/// The last [`JOURNAL_REVISIONS`] revisions and what each touched.
+#[derive(Debug, Default)]
+pub(super) struct Journal {
+    /// `(revision, touched)`, oldest first, consecutive revisions.
+    entries: VecDeque<(u64, Touched)>,
+    /// Policy keys held in `entries`.
+    keys: usize,
+}
+
+fn key_count(t: &Touched) -> usize {
+    match t {
+        Touched::Keys(k) => k.len(),
+        _ => 0,
+    }
+}
+
+impl Journal {
+    /// Records revision `revision`, made by `op` (`None`: anything may have changed).
+    pub(super) fn record(&mut self, revision: u64, op: Option<&Operation>) {
+        let t = op.map_or(Touched::All, touched);
+        self.keys += key_count(&t);
+        self.entries.push_back((revision, t));
+        while self.entries.len() > JOURNAL_REVISIONS || self.keys > JOURNAL_KEYS {
+            let Some((_, old)) = self.entries.pop_front() else {
+                break;
+            };
+            self.keys -= key_count(&old);
+        }
+    }
+
+    /// Drops everything: after a snapshot install nothing before it can be diffed.
+    pub(super) fn clear(&mut self) {
+        self.entries.clear();
+        self.keys = 0;
+    }
+
+    /// What changed after revision `since` up to `now` (the current revision).
+    pub(super) fn since(&self, since: u64, now: u64) -> Changes {
+        if since == now {
+            return Changes::default();
+        }
+        let oldest = self.entries.front().map_or(u64::MAX, |(r, _)| *r);
+        if since > now || since + 1 < oldest {
+            return Changes::everything();
+        }
+        let mut changes = Changes::default();
+        for (_, t) in self.entries.iter().filter(|(r, _)| *r > since) {
+            if *t == Touched::All {
+                return Changes::everything();
+            }
+            changes.add(t);
+        }
+        changes
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use quota_core::PolicyName;
+
+    fn key(t: &str) -> PolicyKey {
+        PolicyKey::new(TenantId::new(t).unwrap(), PolicyName::new("p").unwrap())
+    }
+
+    fn unpin(t: &str) -> Operation {
+        Operation::Unpin { key: key(t) }
+    }
+
+    #[test]
+    fn changes_since_a_revision_collect_the_keys_after_it() {
+        let mut j = Journal::default();
+        j.record(1, Some(&unpin("a")));
+        j.record(2, Some(&unpin("b")));
+        j.record(
+            3,
+            Some(&Operation::UnpinTenant {
+                tenant: TenantId::new("c").unwrap(),
+            }),
+        );
+        let c = j.since(1, 3);
+        assert!(!c.all);
+        assert_eq!(c.keys, BTreeSet::from([key("b")]));
+        assert_eq!(c.tenants, BTreeSet::from([TenantId::new("c").unwrap()]));
+        assert!(j.since(3, 3).is_empty());
+    }
+
+    #[test]
+    fn a_region_change_or_a_reader_too_far_behind_rebuilds_whole() {
+        let mut j = Journal::default();
+        j.record(1, Some(&unpin("a")));
+        j.record(
+            2,
+            Some(&Operation::RemoveRegion {
+                region: quota_core::RegionId::new("x").unwrap(),
+            }),
+        );
+        assert!(j.since(1, 2).all);
+        assert!(!j.since(2, 2).all);
+        let mut j = Journal::default();
+        for r in 1..=(JOURNAL_REVISIONS as u64 + 10) {
+            j.record(r, Some(&unpin("a")));
+        }
+        assert!(j.since(1, JOURNAL_REVISIONS as u64 + 10).all);
+        assert!(!j.since(20, JOURNAL_REVISIONS as u64 + 10).all);
+        // A membership entry or anything unknown (None) asks for everything.
+        j.record(JOURNAL_REVISIONS as u64 + 11, None);
+        assert!(
+            j.since(JOURNAL_REVISIONS as u64 + 10, JOURNAL_REVISIONS as u64 + 11)
+                .all
+        );
+        j.clear();
+        assert!(j.since(5, JOURNAL_REVISIONS as u64 + 11).all);
+    }
+}
