@@ -370,6 +370,8 @@ pub async fn readyz(State(state): State<AppState>) -> (StatusCode, &'static str)
 /// Prometheus metrics.
 #[utoipa::path(get, path = "/metrics", responses((status = 200, body = String, content_type = "text/plain")), tag = "health")]
 pub async fn metrics(State(state): State<AppState>) -> Response {
+    // The time left on the lease as of this scrape, not as of the agent's last look.
+    state.coordinator.observe_lease();
     let body = state
         .metrics
         .as_ref()

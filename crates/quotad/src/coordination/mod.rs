@@ -57,6 +57,14 @@ impl Coordinator {
         }
     }
 
+    /// Looks at this region's lease (multi-region): logs a lapse not told yet and brings
+    /// `quotad_lease_remaining_ms` up to date. A single region's lease never ends.
+    pub fn observe_lease(&self) {
+        if let Coordinator::Replicated(c) = self {
+            c.observe_lease();
+        }
+    }
+
     /// Creates or replaces a policy; returns it with its new version.
     pub async fn put_policy(
         &self,
