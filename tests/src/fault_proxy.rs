@@ -53,7 +53,15 @@ impl FaultProxy {
                     source_pid(peer.port(), addr.port(), &candidates)
                 };
                 let mut g = s.lock().unwrap();
-                if pid.is_some_and(|p| g.blocked.contains(&p)) {
+                // While a cut is in force, a connection whose sender could not be told (the
+                // read of /proc/net/tcp can miss a socket while others open and close) is
+                // refused too: let through, it would slip past the cut for its lifetime. Its
+                // sender reconnects and is identified then.
+                let refused = match pid {
+                    Some(p) => g.blocked.contains(&p),
+                    None => !g.blocked.is_empty(),
+                };
+                if refused {
                     drop(inbound);
                     continue;
                 }
@@ -76,8 +84,11 @@ impl FaultProxy {
         let mut g = self.shared.lock().unwrap();
         g.blocked.extend(pids.iter().copied());
         let port = self.addr.port();
+        g.conns.retain(|(_, h)| !h.is_finished());
         for (src, h) in &g.conns {
-            if source_pid(*src, port, pids).is_some() {
+            // An open connection from a sender that cannot be told goes too (see `start`).
+            let from = source_pid(*src, port, &g.candidates);
+            if from.is_none_or(|p| pids.contains(&p)) {
                 h.abort();
             }
         }
