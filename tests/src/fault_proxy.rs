@@ -125,8 +125,21 @@ async fn relay(mut inbound: TcpStream, target: SocketAddr) {
     }
 }
 
-/// The pid among `candidates` owning the loopback socket `src_port → dst_port`.
+/// The pid among `candidates` owning the loopback socket `src_port → dst_port`, looked up three
+/// times: a read of `/proc/net/tcp` can miss a socket while others open and close.
 fn source_pid(src_port: u16, dst_port: u16, candidates: &[u32]) -> Option<u32> {
+    for attempt in 0..3 {
+        if attempt > 0 {
+            std::thread::sleep(std::time::Duration::from_millis(attempt));
+        }
+        if let Some(pid) = source_pid_once(src_port, dst_port, candidates) {
+            return Some(pid);
+        }
+    }
+    None
+}
+
+fn source_pid_once(src_port: u16, dst_port: u16, candidates: &[u32]) -> Option<u32> {
     let inode = socket_inode(src_port, dst_port)?;
     let needle = format!("socket:[{inode}]");
     candidates.iter().copied().find(|pid| {

@@ -4,7 +4,7 @@
 //!
 //! - The leader's region cut off: the other two never fall to their floors, their admissions
 //!   never pause, and together the regions stay within 1.02 of the global bucket.
-//! - A follower cut off for several election timeouts, then healed: the leader keeps its term,
+//! - A follower cut off for three election timeouts, then healed: the leader keeps its term,
 //!   and no region's admissions pause.
 //! - A follower cut off past its lease: the majority holds its share (all but its floor)
 //!   within two rebalance rounds of the lease's end; the cut-off region says "Lease ran out"
@@ -201,14 +201,23 @@ fn never_on_floors(looks: &BTreeMap<String, Vec<Look>>, cluster: &Cluster) {
     }
 }
 
+/// The lease the measurements used (6 s), with Raft timings that tolerate a loaded
+/// debug build on two cores (a 200 ms heartbeat is also the timeout of each AppendEntries and
+/// pre-vote call). A failover takes at most `1.2 + 0.6 + 0.1 + 2 × 0.2` = 2.3 s, so a renewal
+/// needs `0.2 + 2.3 + 1.2` = 3.7 s of the 5.7 s the lease leaves (the `check-config` rule).
+fn slow_raft() -> Timings {
+    Timings {
+        lease_ms: 6_000,
+        heartbeat_interval_ms: 200,
+        election_timeout_min_ms: 600,
+        election_timeout_max_ms: 1_200,
+        ..Timings::default()
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn cutting_off_the_leaders_region_costs_the_others_nothing() -> anyhow::Result<()> {
-    // The lease the measurements used (6 s): a failover (at most 1.45 s with these
-    // Raft timings) fits with room for a loaded debug build on two cores.
-    let t = Timings {
-        lease_ms: 6_000,
-        ..Timings::default()
-    };
+    let t = slow_raft();
     let cluster = Arc::new(Cluster::start(&["a", "b", "c"], &t).await?);
     policy_everywhere(&cluster).await?;
     let (old, term) = leader(&cluster, "a").await.expect("a leader");
@@ -262,12 +271,9 @@ async fn cutting_off_the_leaders_region_costs_the_others_nothing() -> anyhow::Re
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_follower_cut_off_and_healed_unseats_no_leader() -> anyhow::Result<()> {
-    // A lease long enough that the cut-off follower keeps it through a cut of five election
-    // timeouts (at most 800 ms each): every region must keep admitting, before and after.
-    let t = Timings {
-        lease_ms: 6_000,
-        ..Timings::default()
-    };
+    // The cut-off follower keeps its lease through a cut of three election timeouts (at most
+    // 1.2 s each): every region must keep admitting, before and after.
+    let t = slow_raft();
     let cluster = Arc::new(Cluster::start(&["a", "b", "c"], &t).await?);
     policy_everywhere(&cluster).await?;
     let (lead, term) = leader(&cluster, "a").await.expect("a leader");
@@ -280,7 +286,7 @@ async fn a_follower_cut_off_and_healed_unseats_no_leader() -> anyhow::Result<()>
     tokio::time::sleep(Duration::from_secs(2)).await;
     let cut_at = start.elapsed();
     cluster.isolate(follower);
-    tokio::time::sleep(Duration::from_secs(4)).await;
+    tokio::time::sleep(Duration::from_millis(3_600)).await;
     cluster.heal();
     let healed_at = start.elapsed();
     let looks = watch(
