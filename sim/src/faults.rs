@@ -53,6 +53,19 @@ impl Faults {
         })
     }
 
+    /// The same schedule without the cuts and crashes that make a region unhealthy: the run a
+    /// fault-free baseline of healthy goodput is measured in.
+    pub fn without_cuts(&self) -> Faults {
+        Faults {
+            list: self
+                .list
+                .iter()
+                .filter(|f| matches!(f, Fault::RedisOutage { .. }))
+                .copied()
+                .collect(),
+        }
+    }
+
     /// Whether `region` is cut off from every other region at `t_ms`.
     pub fn isolated(&self, region: RegionIx, t_ms: u64) -> bool {
         self.list.iter().any(|f| match *f {

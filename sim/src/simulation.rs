@@ -109,7 +109,7 @@ pub fn run_scenario(
         })
         .collect();
     let started = Instant::now();
-    let (ideal_per_s, decisions) = run_ticks(
+    let (ideal_per_s, mut decisions) = run_ticks(
         cfg,
         &scenario,
         &world,
@@ -117,6 +117,53 @@ pub fn run_scenario(
         &mut recorders,
         progress,
     );
+    let healthy: Vec<bool> = (0..world.regions)
+        .map(|r| scenario.faults.healthy(r))
+        .collect();
+    if healthy.contains(&false) {
+        // Healthy goodput is what the cut or crash costs the other regions: the same
+        // strategies again on the same arrivals without it.
+        let calm = Scenario {
+            faults: scenario.faults.without_cuts(),
+            ..scenario.clone()
+        };
+        let calm_world = build_world(cfg, &calm);
+        let setup = Setup {
+            world: &calm_world,
+            ..setup
+        };
+        let mut calm_strats: Vec<_> = strategies
+            .iter()
+            .map(|&k| strategy::build(k, &setup))
+            .collect();
+        let mut baselines: Vec<_> = strategies
+            .iter()
+            .map(|_| {
+                Recorder::new(
+                    tenants,
+                    WINDOW_MS,
+                    cfg.tick_ms,
+                    cfg.duration_ms,
+                    cfg.warmup_ms,
+                    healthy.clone(),
+                )
+            })
+            .collect();
+        let (_, calm_decisions) = run_ticks(
+            cfg,
+            &calm,
+            &calm_world,
+            &mut calm_strats,
+            &mut baselines,
+            &mut |_| {},
+        );
+        decisions += calm_decisions;
+        for (rec, mut base) in recorders.iter_mut().zip(baselines) {
+            rec.finish();
+            base.finish();
+            rec.against_baseline(&base);
+        }
+    }
     let wall_s = started.elapsed().as_secs_f64();
     let budget_tokens_per_s = tenants
         .iter()

@@ -31,6 +31,10 @@ pub struct Timings {
     pub rebalance_interval_ms: u64,
     pub lease_ms: u64,
     pub drift_margin_ms: u64,
+    /// Raft's heartbeat, also the timeout of each AppendEntries and pre-vote call.
+    pub heartbeat_interval_ms: u64,
+    pub election_timeout_min_ms: u64,
+    pub election_timeout_max_ms: u64,
 }
 
 impl Default for Timings {
@@ -40,6 +44,9 @@ impl Default for Timings {
             rebalance_interval_ms: 400,
             lease_ms: 3_000,
             drift_margin_ms: 300,
+            heartbeat_interval_ms: 100,
+            election_timeout_min_ms: 400,
+            election_timeout_max_ms: 800,
         }
     }
 }
@@ -165,9 +172,9 @@ rebalance_interval_ms = {rb}
 lease_ms = {lease}
 drift_margin_ms = {margin}
 [raft]
-heartbeat_interval_ms = 100
-election_timeout_min_ms = 400
-election_timeout_max_ms = 800
+heartbeat_interval_ms = {hb}
+election_timeout_min_ms = {el_min}
+election_timeout_max_ms = {el_max}
 write_timeout_ms = 1500
 [telemetry]
 log_level = "info"
@@ -180,6 +187,9 @@ log_level = "info"
                 rb = t.rebalance_interval_ms,
                 lease = t.lease_ms,
                 margin = t.drift_margin_ms,
+                hb = t.heartbeat_interval_ms,
+                el_min = t.election_timeout_min_ms,
+                el_max = t.election_timeout_max_ms,
             );
             daemons.push(Daemon::spawn(
                 &config,

@@ -53,7 +53,15 @@ impl FaultProxy {
                     source_pid(peer.port(), addr.port(), &candidates)
                 };
                 let mut g = s.lock().unwrap();
-                if pid.is_some_and(|p| g.blocked.contains(&p)) {
+                // While a cut is in force, a connection whose sender could not be told (the
+                // read of /proc/net/tcp can miss a socket while others open and close) is
+                // refused too: let through, it would slip past the cut for its lifetime. Its
+                // sender reconnects and is identified then.
+                let refused = match pid {
+                    Some(p) => g.blocked.contains(&p),
+                    None => !g.blocked.is_empty(),
+                };
+                if refused {
                     drop(inbound);
                     continue;
                 }
@@ -76,8 +84,11 @@ impl FaultProxy {
         let mut g = self.shared.lock().unwrap();
         g.blocked.extend(pids.iter().copied());
         let port = self.addr.port();
+        g.conns.retain(|(_, h)| !h.is_finished());
         for (src, h) in &g.conns {
-            if source_pid(*src, port, pids).is_some() {
+            // An open connection from a sender that cannot be told goes too (see `start`).
+            let from = source_pid(*src, port, &g.candidates);
+            if from.is_none_or(|p| pids.contains(&p)) {
                 h.abort();
             }
         }
@@ -114,8 +125,21 @@ async fn relay(mut inbound: TcpStream, target: SocketAddr) {
     }
 }
 
-/// The pid among `candidates` owning the loopback socket `src_port → dst_port`.
+/// The pid among `candidates` owning the loopback socket `src_port → dst_port`, looked up three
+/// times: a read of `/proc/net/tcp` can miss a socket while others open and close.
 fn source_pid(src_port: u16, dst_port: u16, candidates: &[u32]) -> Option<u32> {
+    for attempt in 0..3 {
+        if attempt > 0 {
+            std::thread::sleep(std::time::Duration::from_millis(attempt));
+        }
+        if let Some(pid) = source_pid_once(src_port, dst_port, candidates) {
+            return Some(pid);
+        }
+    }
+    None
+}
+
+fn source_pid_once(src_port: u16, dst_port: u16, candidates: &[u32]) -> Option<u32> {
     let inode = socket_inode(src_port, dst_port)?;
     let needle = format!("socket:[{inode}]");
     candidates.iter().copied().find(|pid| {

@@ -1066,21 +1066,27 @@ impl CoordinatorState {
         }
     }
 
+    /// Whether the region in slot `index` may still enforce anything at `now_ms` (a share, a
+    /// live revocation or a floor it has not acknowledged giving up) or is the home of a pin:
+    /// [`Operation::RemoveRegion`] refuses it until this is false.
+    pub fn region_in_use(&self, index: u8, now_ms: u64) -> bool {
+        let r = usize::from(index);
+        // A tenant pin is in use even without policies: the slot may be reused by another
+        // region, which the tenant's future policies must not be pinned to.
+        self.tenant_pins.values().any(|&home| home == index)
+            || self.entries.values().any(|e| {
+                self.enforceable(e, r, now_ms) > 0 || e.pin.is_some_and(|p| p.home == index)
+            })
+    }
+
     fn remove_region(&mut self, id: &RegionId, now: u64) -> Response {
         let Some(index) = self.region_index(id) else {
             return Response::UnknownRegion { region: id.clone() };
         };
-        let r = usize::from(index);
-        // A tenant pin is in use even without policies: the slot may be reused by another
-        // region, which the tenant's future policies must not be pinned to.
-        let in_use = self.tenant_pins.values().any(|&home| home == index)
-            || self
-                .entries
-                .values()
-                .any(|e| self.enforceable(e, r, now) > 0 || e.pin.is_some_and(|p| p.home == index));
-        if in_use {
+        if self.region_in_use(index, now) {
             return Response::RegionInUse { region: id.clone() };
         }
+        let r = usize::from(index);
         self.regions[r] = None;
         for entry in self.entries.values_mut() {
             entry.revocations.retain(|v| usize::from(v.region) != r);

@@ -657,6 +657,112 @@ fn a_draining_region_loses_its_floor_is_emptied_and_can_leave() {
     assert!(matches!(r, Response::RegionRemoved { .. }), "{r:?}");
 }
 
+/// Rounds of the allocator with no demand, each committed entry by entry; the regions in
+/// `renewing` renew their leases (acknowledging the epoch) after every round. The invariant
+/// holds after every command.
+fn drain_rounds(d: &mut Driver, rounds: usize, renewing: &[usize]) {
+    use quota_core::allocator::{plan, AllocatorConfig};
+    use quota_core::demand::DemandTracker;
+    let config = AllocatorConfig::default();
+    let demand = DemandTracker::new(config.ewma_alpha_ppm);
+    for _ in 0..rounds {
+        d.now_ms += 1_000;
+        let p = plan(&d.state, &demand, &config, d.now_ms);
+        for e in p.entries {
+            let membership = d.state.membership;
+            d.op(Operation::SetShares {
+                membership,
+                entries: vec![e],
+            });
+            d.state.check_invariant().unwrap();
+        }
+        let epoch = d.state.epoch;
+        for &i in renewing {
+            d.op(Operation::RenewLease {
+                region: region(i),
+                acked_epoch: epoch,
+            });
+        }
+        d.state.check_invariant().unwrap();
+    }
+}
+
+#[test]
+fn a_removed_region_leaves_the_whole_budget_and_its_floor_to_the_others() {
+    let mut d = Driver::with_regions(3);
+    d.op(Operation::PutPolicy {
+        key: key("a"),
+        policy: policy(100_000, Tier::Standard),
+    });
+    d.renew_all();
+    // Three regions cannot all reserve half the budget.
+    assert!(matches!(
+        d.op(Operation::PutPolicy {
+            key: key("half"),
+            policy: policy(500_000, Tier::Standard),
+        }),
+        Response::FloorsExceedBudget { .. }
+    ));
+    d.op(Operation::PutRegion {
+        region: region(2),
+        reserves_floor: true,
+        draining: true,
+    });
+    assert!(
+        d.state.region_in_use(2, d.now_ms),
+        "it still holds its share"
+    );
+    drain_rounds(&mut d, 30, &[0, 1, 2]);
+    assert!(
+        !d.state.region_in_use(2, d.now_ms),
+        "emptied and acknowledged"
+    );
+    let r = d.op(Operation::RemoveRegion { region: region(2) });
+    assert!(matches!(r, Response::RegionRemoved { .. }), "{r:?}");
+
+    // The budget is whole in the two regions left, and the floor of the third is free.
+    let entry = &d.state.entries[&key("a")];
+    assert_eq!(entry.shares_ppm.iter().sum::<u32>(), 1_000_000);
+    assert_eq!(d.state.enforceable_total(entry, d.now_ms), 1_000_000);
+    assert_eq!(d.state.floor_regions(), 2);
+    assert!(matches!(
+        d.op(Operation::PutPolicy {
+            key: key("half"),
+            policy: policy(500_000, Tier::Standard),
+        }),
+        Response::PolicyStored { .. }
+    ));
+    assert_eq!(d.state.entries[&key("half")].shares_ppm, [500_000, 500_000]);
+    d.state.check_invariant().unwrap();
+}
+
+#[test]
+fn a_draining_region_that_never_acknowledges_keeps_its_floor_reserved() {
+    // Down or cut off, it may still fall back to its floor: only its acknowledgement says it
+    // stopped. Its share above the floor goes to the others once its lease has run out.
+    let mut d = Driver::with_regions(3);
+    d.op(Operation::PutPolicy {
+        key: key("a"),
+        policy: policy(100_000, Tier::Standard),
+    });
+    d.renew_all();
+    d.op(Operation::PutRegion {
+        region: region(2),
+        reserves_floor: true,
+        draining: true,
+    });
+    drain_rounds(&mut d, 60, &[0, 1]);
+    let entry = &d.state.entries[&key("a")];
+    let others = entry.share(0) + entry.share(1);
+    assert!((899_990..=900_000).contains(&others), "{others}");
+    assert_eq!(d.state.enforceable(entry, 2, d.now_ms), 100_000);
+    assert!(d.state.region_in_use(2, d.now_ms));
+    assert_eq!(
+        d.op(Operation::RemoveRegion { region: region(2) }),
+        Response::RegionInUse { region: region(2) }
+    );
+}
+
 #[test]
 fn a_policy_batch_is_stored_whole_in_order_or_not_at_all() {
     let mut d = Driver::with_regions(3);

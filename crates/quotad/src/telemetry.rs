@@ -243,29 +243,18 @@ impl DecisionMetrics {
 pub struct AgentMetrics {
     pub committed_epoch: Gauge,
     pub applied_epoch: Gauge,
-    /// Multi-region only: a single region's lease never ends, and a 0 would read as "on floors".
-    lease_remaining: Option<Gauge>,
     writes_ok: Counter,
     writes_failed: Counter,
 }
 
 impl AgentMetrics {
-    pub fn new(region: &RegionId, leased: bool) -> Self {
+    pub fn new(region: &RegionId) -> Self {
         let region = region.as_str().to_string();
         Self {
             committed_epoch: metrics::gauge!(COMMITTED_EPOCH, "region" => region.clone()),
             applied_epoch: metrics::gauge!(APPLIED_EPOCH, "region" => region.clone()),
-            lease_remaining: leased
-                .then(|| metrics::gauge!(LEASE_REMAINING_MS, "region" => region.clone())),
             writes_ok: metrics::counter!(SHARE_WRITES_TOTAL, "region" => region.clone(), "outcome" => "ok"),
             writes_failed: metrics::counter!(SHARE_WRITES_TOTAL, "region" => region, "outcome" => "failed"),
-        }
-    }
-
-    /// Milliseconds left until local time `end_ms`, 0 once it has passed.
-    pub fn lease_remaining(&self, end_ms: u64, now_ms: u64) {
-        if let Some(g) = &self.lease_remaining {
-            g.set(end_ms.saturating_sub(now_ms) as f64);
         }
     }
 

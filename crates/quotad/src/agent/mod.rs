@@ -69,12 +69,9 @@ pub async fn run_apply(
         lease_ms,
     };
     let mut view = coordinator.subscribe();
-    let metrics = AgentMetrics::new(decider.region(), replicated.is_some());
+    let metrics = AgentMetrics::new(decider.region());
     let mut tick = tokio::time::interval(report_interval);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-    // Whether the lease held at the last look: the warning is logged on the change, however
-    // the loop came to notice it.
-    let mut leased = false;
     loop {
         let current = view.borrow_and_update().clone();
         let now = clock::wall_ms();
@@ -95,16 +92,8 @@ pub async fn run_apply(
         }
         if let Some(r) = &replicated {
             // Here, not on a view change: a cut-off region applies nothing, and its lease
-            // must still be seen running out.
-            let (end, now) = (r.lease_end_local_ms(), clock::wall_ms());
-            metrics.lease_remaining(end, now);
-            let holds = end > now;
-            if leased && !holds {
-                tracing::warn!(region = %decider.region(), "Lease ran out: enforcing floors.");
-            } else if !leased && holds {
-                tracing::info!(region = %decider.region(), "Lease granted: enforcing shares.");
-            }
-            leased = holds;
+            // must still be seen running out (a lapse this misses, the next renewal tells).
+            r.observe_lease();
         }
         let v = view.borrow().clone();
         metrics.committed_epoch.set(v.epoch as f64);

@@ -12,7 +12,7 @@ use crate::api::problem::{bad_request, ApiError, ApiJson, ApiPath, Problem};
 use crate::api::state::AppState;
 use crate::api::tenants::{coord_error, PolicyView};
 use crate::clock;
-use crate::coordination::MemberStatus;
+use crate::coordination::{MemberStatus, Removal};
 
 /// Raft state as seen by this node.
 #[derive(Debug, Serialize, utoipa::ToSchema)]
@@ -224,12 +224,18 @@ pub async fn promote_member(
     Ok(StatusCode::NO_CONTENT)
 }
 
-/// Removes a node from the Raft group (on the leader).
+/// Removes a member (on the leader): its region drains (its shares and floors go to the other
+/// regions, revoke before grant), then leaves the coordinator's state and the Raft group.
 #[utoipa::path(
     delete,
     path = "/v1/cluster/members/{node_id}",
     params(("node_id" = u64, Path)),
-    responses((status = 204), (status = 404, body = Problem), (status = 409, body = Problem)),
+    responses(
+        (status = 202, description = "The region drains; the leader removes it once it enforces nothing"),
+        (status = 204, description = "Removed (its region had left already)"),
+        (status = 404, body = Problem),
+        (status = 409, description = "Not the leader, a single-region daemon, or tenants pinned to the region", body = Problem),
+    ),
     security(("bearer" = [])),
     tag = "cluster"
 )]
@@ -237,12 +243,15 @@ pub async fn remove_member(
     State(state): State<AppState>,
     ApiPath(node_id): ApiPath<u64>,
 ) -> Result<StatusCode, ApiError> {
-    state
+    match state
         .coordinator
         .remove_member(node_id)
         .await
-        .map_err(coord_error)?;
-    Ok(StatusCode::NO_CONTENT)
+        .map_err(coord_error)?
+    {
+        Removal::Draining => Ok(StatusCode::ACCEPTED),
+        Removal::Removed => Ok(StatusCode::NO_CONTENT),
+    }
 }
 
 /// Paging of GET /v1/policies.
@@ -370,6 +379,8 @@ pub async fn readyz(State(state): State<AppState>) -> (StatusCode, &'static str)
 /// Prometheus metrics.
 #[utoipa::path(get, path = "/metrics", responses((status = 200, body = String, content_type = "text/plain")), tag = "health")]
 pub async fn metrics(State(state): State<AppState>) -> Response {
+    // The time left on the lease as of this scrape, not as of the agent's last look.
+    state.coordinator.observe_lease();
     let body = state
         .metrics
         .as_ref()

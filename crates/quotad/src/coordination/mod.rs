@@ -26,7 +26,7 @@ use quota_core::{Policy, PolicyName, RegionId, TenantId};
 use tokio::sync::watch;
 
 pub use local::LocalCoordinator;
-pub use mutation::{CoordError, PolicyPut};
+pub use mutation::{CoordError, PolicyPut, Removal};
 pub use replicated::Replicated;
 pub use status::{CoordinatorStatus, MemberStatus};
 pub use view::{tenant_policies, ClusterView, Grant, PolicyEntry, PolicyMap};
@@ -54,6 +54,14 @@ impl Coordinator {
         match self {
             Coordinator::Local(c) => c.view(),
             Coordinator::Replicated(c) => c.view(),
+        }
+    }
+
+    /// Looks at this region's lease (multi-region): logs a lapse not told yet and brings
+    /// `quotad_lease_remaining_ms` up to date. A single region's lease never ends.
+    pub fn observe_lease(&self) {
+        if let Coordinator::Replicated(c) = self {
+            c.observe_lease();
         }
     }
 
@@ -130,8 +138,9 @@ impl Coordinator {
         }
     }
 
-    /// Removes a node from the Raft group (leader only).
-    pub async fn remove_member(&self, node_id: u64) -> Result<(), CoordError> {
+    /// Removes a member (leader only): its region drains, then leaves the coordinator's state
+    /// and the Raft group.
+    pub async fn remove_member(&self, node_id: u64) -> Result<Removal, CoordError> {
         match self {
             Coordinator::Local(_) => Err(CoordError::NotClustered),
             Coordinator::Replicated(c) => c.remove_member(node_id).await,

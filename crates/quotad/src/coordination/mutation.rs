@@ -27,5 +27,15 @@ pub enum CoordError {
     },
 }
 
+/// Where the removal of a member stands once the request is answered.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Removal {
+    /// Its region is draining: the leader's rounds move its shares and floors to the others
+    /// (revoke before grant), then remove the region and the Raft node.
+    Draining,
+    /// Its region had left the coordinator's state already; the Raft node is gone now.
+    Removed,
+}
+
 /// One policy of a batch: whose, which, and what.
 pub type PolicyPut = (TenantId, PolicyName, Policy);

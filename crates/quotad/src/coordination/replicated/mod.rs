@@ -32,7 +32,6 @@ use quota_core::allocator::AllocatorConfig;
 use quota_core::coordinator::{Operation, RequestId, Response};
 use quota_core::demand::DemandTracker;
 use quota_core::lease::LeaseConfig;
-use quota_core::region::RegionView;
 use quota_core::{Command, RegionId, TenantId};
 use quota_raft::{Member, RaftConfig, Role};
 use tokio::sync::watch;
@@ -51,7 +50,7 @@ pub struct Replicated {
     region: RegionId,
     regions: Vec<RegionId>,
     tx: watch::Sender<Arc<ClusterView>>,
-    lease: Mutex<RegionView>,
+    lease: Mutex<lease::LeaseClock>,
     lease_config: LeaseConfig,
     demand: Mutex<DemandTracker>,
     allocator: AllocatorConfig,
@@ -109,7 +108,7 @@ impl Replicated {
             region: settings.region.clone(),
             regions: settings.regions.iter().map(|r| r.id.clone()).collect(),
             tx,
-            lease: Mutex::new(RegionView::new()),
+            lease: Mutex::new(lease::LeaseClock::default()),
             lease_config: LeaseConfig {
                 lease_ms: cfg.coordination.lease_ms,
                 drift_margin_ms: cfg.coordination.drift_margin_ms,

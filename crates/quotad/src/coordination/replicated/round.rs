@@ -1,4 +1,5 @@
-//! The leader's round: register missing regions and the lease timing, then rebalance.
+//! The leader's round: register missing regions and the lease timing, finish removing
+//! drained regions, then rebalance.
 
 use quota_core::allocator;
 use quota_core::coordinator::{Operation, Response};
@@ -18,19 +19,23 @@ impl Replicated {
         if !self.register_regions_and_lease().await {
             return;
         }
+        self.finish_removals(clock::wall_ms()).await;
         self.rebalance(clock::wall_ms()).await;
         metrics::histogram!(telemetry::REBALANCE_DURATION_SECONDS, "region" => self.region.as_str().to_string())
             .record(started.elapsed().as_secs_f64());
     }
 
-    /// Registers the configured regions the state does not hold yet, and this region's lease
-    /// timing if the state's differs; false once a write failed.
+    /// Registers the configured regions the state does not hold yet (those still in the Raft
+    /// group: a removed member's region stays out), and this region's lease timing if the
+    /// state's differs; false once a write failed.
     async fn register_regions_and_lease(&self) -> bool {
+        let members = self.raft.status().members;
         let (missing, lease) = self.raft.read(|s| {
             let missing: Vec<RegionId> = self
                 .regions
                 .iter()
                 .filter(|r| s.region_index(r).is_none())
+                .filter(|r| members.values().any(|m| m.region == r.as_str()))
                 .cloned()
                 .collect();
             (missing, s.lease)
@@ -58,6 +63,51 @@ impl Replicated {
             }
         }
         true
+    }
+
+    /// Removes every draining region that enforces nothing any more (it acknowledged giving up
+    /// its shares and floors, or their revocations ended): first its Raft node, so no round
+    /// registers it again, then the region, which releases its slot. A region that cannot
+    /// acknowledge (down, cut off) keeps its floors reserved until it does: only it knows it
+    /// stopped enforcing them.
+    pub(super) async fn finish_removals(&self, now: u64) {
+        let done: Vec<RegionId> = self.raft.read(|s| {
+            s.regions
+                .iter()
+                .enumerate()
+                .filter_map(|(i, r)| r.as_ref().map(|r| (i, r)))
+                .filter(|(i, r)| r.draining && !s.region_in_use(*i as u8, now))
+                .map(|(_, r)| r.id.clone())
+                .collect()
+        });
+        for region in done {
+            let node = self
+                .raft
+                .status()
+                .members
+                .into_iter()
+                .find(|(_, m)| m.region == region.as_str())
+                .map(|(id, _)| id);
+            if let Some(node) = node {
+                if let Err(e) = self.raft.remove(node).await {
+                    tracing::warn!(%region, node, error = %e, "Removing a drained region's node failed.");
+                    continue;
+                }
+            }
+            match self
+                .write(Operation::RemoveRegion {
+                    region: region.clone(),
+                })
+                .await
+            {
+                Ok(Response::RegionRemoved { membership }) => {
+                    tracing::info!(%region, membership, "Region removed: the others hold the whole budget.");
+                    self.rebuild_view();
+                }
+                Ok(other) => tracing::debug!(%region, ?other, "Region not removed."),
+                Err(e) => tracing::warn!(%region, error = %e, "Removing a drained region failed."),
+            }
+        }
     }
 
     /// The slots of regions whose lease ran out at `now` (coordinator time).

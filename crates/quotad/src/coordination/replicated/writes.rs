@@ -1,11 +1,11 @@
 //! Policy, pin and membership commands: each one Raft write, the view rebuilt on success.
 
-use quota_core::coordinator::{InvalidEntry, Operation, PolicyKey, Response};
+use quota_core::coordinator::{InvalidEntry, Operation, PinSource, PolicyKey, Response};
 use quota_core::{Policy, PolicyName, RegionId, TenantId};
 use quota_raft::Member;
 
 use super::{unavailable, Replicated};
-use crate::coordination::mutation::{CoordError, PolicyPut};
+use crate::coordination::mutation::{CoordError, PolicyPut, Removal};
 
 impl Replicated {
     pub async fn put_policy(
@@ -138,9 +138,60 @@ impl Replicated {
         self.raft.promote(node_id).await.map_err(membership_error)
     }
 
-    /// Removes a node from the Raft group (its region's share stays until drained).
-    pub async fn remove_member(&self, node_id: u64) -> Result<(), CoordError> {
-        self.raft.remove(node_id).await.map_err(membership_error)
+    /// Starts removing a member (on the leader): its region drains (`PutRegion { draining }`:
+    /// no floor guaranteed any more, the allocator moves everything it holds to the others,
+    /// revoke before grant), and once it enforces nothing the leader's round removes the Raft
+    /// node and then the region ([`Replicated::finish_removals`]). A region an operator pinned
+    /// tenants or policies to is refused: unpin them first.
+    pub async fn remove_member(&self, node_id: u64) -> Result<Removal, CoordError> {
+        let status = self.raft.status();
+        let member = status
+            .members
+            .get(&node_id)
+            .ok_or(CoordError::UnknownNode { node_id })?;
+        if !self.raft.is_leader() {
+            return Err(CoordError::NotLeader {
+                leader: status.leader_id,
+            });
+        }
+        let region = RegionId::new(member.region.as_str()).map_err(|e| CoordError::Rejected {
+            message: e.to_string(),
+        })?;
+        let found = self.raft.read(|s| {
+            let index = s.region_index(&region)?;
+            let pinned = s.tenant_pins.values().any(|&h| h == index)
+                || s.entries.values().any(|e| {
+                    e.pin
+                        .is_some_and(|p| p.home == index && p.source == PinSource::Operator)
+                });
+            Some((s.region(usize::from(index))?.reserves_floor, pinned))
+        });
+        let Some((reserves_floor, pinned)) = found else {
+            self.raft.remove(node_id).await.map_err(membership_error)?;
+            return Ok(Removal::Removed);
+        };
+        if pinned {
+            return Err(CoordError::Rejected {
+                message: format!(
+                    "tenants or policies are pinned to region {region}: unpin them first"
+                ),
+            });
+        }
+        match self
+            .write(Operation::PutRegion {
+                region: region.clone(),
+                reserves_floor,
+                draining: true,
+            })
+            .await?
+        {
+            Response::RegionStored { .. } => {
+                tracing::info!(%region, node_id, "Region draining: its shares and floors go to the others, then it leaves.");
+                self.rebuild_view();
+                Ok(Removal::Draining)
+            }
+            other => Err(unavailable(format!("unexpected answer {other:?}"))),
+        }
     }
 }
 

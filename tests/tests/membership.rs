@@ -1,0 +1,145 @@
+//! Removing a region: `DELETE /v1/cluster/members/{id}` drains its region (shares and floors
+//! move to the others, revoke before grant), then takes it out of the coordinator's state and
+//! the Raft group, so the budget is whole again in the regions that remain.
+
+use std::time::Duration;
+
+use quotad_system_tests::{eventually, Cluster, Timings, TOKEN};
+use serde_json::{json, Value};
+
+/// The grants in the allowance `from` serves: region name and share.
+async fn grants(cluster: &Cluster, from: &str) -> Option<Vec<(String, f64)>> {
+    let r = cluster
+        .daemon(from)
+        .get("/v1/tenants/acme/allowance")
+        .await
+        .ok()?;
+    r.body["policies"][0]["regions"]
+        .as_array()?
+        .iter()
+        .map(|g| Some((g["region"].as_str()?.to_string(), g["share"].as_f64()?)))
+        .collect()
+}
+
+fn this_region(allowance: &Value) -> &Value {
+    &allowance["policies"][0]["this_region"]
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_removed_region_leaves_the_whole_budget_to_the_others() -> anyhow::Result<()> {
+    let cluster = Cluster::start(&["a", "b", "c"], &Timings::default()).await?;
+    cluster
+        .daemon("a")
+        .put_policy(
+            "acme",
+            "writes",
+            json!({"limit": 60, "window_ms": 1000, "floor": 0.1}),
+        )
+        .await?;
+    let status = cluster.daemon("a").get("/v1/status").await?;
+    let lead = status.body["raft"]["leader"]
+        .as_str()
+        .expect("a leader")
+        .to_string();
+    let gone = ["c", "b", "a"].into_iter().find(|n| *n != lead).unwrap();
+    let kept: Vec<&str> = ["a", "b", "c"].into_iter().filter(|n| *n != gone).collect();
+    let node_id = cluster.index(gone) + 1;
+    let held = eventually(
+        Duration::from_secs(15),
+        Duration::from_millis(100),
+        || async {
+            let g = grants(&cluster, &lead).await?;
+            (g.len() == 3 && g.iter().all(|(_, s)| *s > 0.1)).then_some(g)
+        },
+    )
+    .await;
+    eprintln!("before: {held:?}");
+    assert!(held.is_some(), "every region holds a share");
+
+    // Only the leader changes membership; a follower says who leads.
+    let follower = kept.iter().find(|n| **n != lead).unwrap();
+    let path = format!("/v1/cluster/members/{node_id}");
+    let r = cluster
+        .daemon(follower)
+        .request("DELETE", &path, Some(TOKEN), None)
+        .await?;
+    assert_eq!(r.status, 409, "{}", r.body);
+    let r = cluster
+        .daemon(&lead)
+        .request("DELETE", &path, Some(TOKEN), None)
+        .await?;
+    assert_eq!(r.status, 202, "the region drains: {}", r.body);
+
+    // While it drains, the granted shares never sum above the budget; then the region is gone
+    // and the two left hold all of it.
+    let samples = std::sync::Mutex::new(Vec::new());
+    let done = eventually(
+        Duration::from_secs(20),
+        Duration::from_millis(100),
+        || async {
+            let g = grants(&cluster, &lead).await?;
+            samples.lock().unwrap().push(g.clone());
+            let sum: f64 = g.iter().map(|(_, s)| s).sum();
+            (g.len() == 2 && (sum - 1.0).abs() < 1e-6).then_some(g)
+        },
+    )
+    .await;
+    let samples = samples.into_inner().unwrap();
+    eprintln!("after: {done:?} ({} samples)", samples.len());
+    for g in &samples {
+        let sum: f64 = g.iter().map(|(_, s)| s).sum();
+        assert!(
+            sum <= 1.0 + 1e-6,
+            "shares above the budget while draining: {g:?}"
+        );
+    }
+    assert!(
+        done.is_some(),
+        "{gone} leaves and the others hold the whole budget: {:?}\n{}",
+        samples.last(),
+        cluster.daemon(&lead).log_text()
+    );
+    let members = cluster.daemon(&lead).get("/v1/cluster/members").await?;
+    let regions: Vec<&str> = members.body["members"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter_map(|m| m["region"].as_str())
+        .collect();
+    assert_eq!(regions, kept, "{gone}'s Raft node is gone too");
+
+    // Each region left enforces its share under a lease: together the whole burst, 60.
+    let whole = eventually(
+        Duration::from_secs(10),
+        Duration::from_millis(100),
+        || async {
+            let mut capacity = 0.0;
+            for n in &kept {
+                let a = cluster
+                    .daemon(n)
+                    .get("/v1/tenants/acme/allowance")
+                    .await
+                    .ok()?;
+                let t = this_region(&a.body);
+                if t["enforced_share"] != t["share"] {
+                    return None;
+                }
+                capacity += t["capacity"].as_f64()?;
+            }
+            ((capacity - 60.0).abs() < 1e-3).then_some(capacity)
+        },
+    )
+    .await;
+    assert!(
+        whole.is_some(),
+        "the regions left enforce the whole burst between them"
+    );
+
+    // The node is no member any more: a second removal finds nothing.
+    let r = cluster
+        .daemon(&lead)
+        .request("DELETE", &path, Some(TOKEN), None)
+        .await?;
+    assert_eq!(r.status, 404, "{}", r.body);
+    Ok(())
+}
