@@ -115,6 +115,7 @@ async fn main() -> anyhow::Result<()> {
         rebalance_interval_ms: 2_000,
         lease_ms: 30_000,
         drift_margin_ms: 500,
+        ..Timings::default()
     };
     let cluster = Cluster::start(&["a", "b", "c"], &timings).await?;
     let s = cluster.daemons[0].get("/v1/status").await?;
