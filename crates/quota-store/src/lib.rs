@@ -87,11 +87,13 @@ impl Limit {
     /// caller can build an out-of-range value).
     pub fn validate(&self) -> Result<(), StoreError> {
         match *self {
-            Self::TokenBucket(p) => BucketParams::new(p.capacity_ut, p.rate_ut_per_s)
-                .map(|_| ())
-                .map_err(|e| StoreError::Rejected {
-                    reason: e.to_string(),
-                }),
+            Self::TokenBucket(p) => {
+                BucketParams::per_period(p.capacity_ut, p.refill_ut, p.period_ms)
+                    .map(|_| ())
+                    .map_err(|e| StoreError::Rejected {
+                        reason: e.to_string(),
+                    })
+            }
             Self::SlidingWindow { limit, window_ms } => WindowParams::new(limit, window_ms)
                 .map(|_| ())
                 .map_err(|e| StoreError::Rejected {
@@ -215,6 +217,13 @@ impl SetParams {
                 return Err(StoreError::Rejected {
                     reason: "the floor is not the same kind of limit".into(),
                 });
+            }
+            if let (Limit::TokenBucket(p), Limit::TokenBucket(f)) = (self.limit, lease.floor) {
+                if p.period_ms != f.period_ms {
+                    return Err(StoreError::Rejected {
+                        reason: "the floor refills over another period".into(),
+                    });
+                }
             }
             // The end is computed by the store from its own clock; it must stay exact.
             if lease.remaining_ms > MAX_CAPACITY_UT / 2 {

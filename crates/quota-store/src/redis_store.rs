@@ -163,12 +163,13 @@ impl Store for RedisStore {
         let state = req.bucket.state_key(kind);
         let params = req.bucket.params_key();
         let index = self.index_key(&state);
-        let args = script::decision_args(req, &self.min_idle_ttl_ms);
+        let (args, n) = script::decision_args(req, &self.min_idle_ttl_ms);
+        let args = &args[..n];
         let s = match kind {
             StateKind::Bucket => &self.scripts.token_bucket,
             StateKind::Window => &self.scripts.sliding_window,
         };
-        let reply: Vec<i64> = self.invoke(s, &[&state, &params, &index], &args).await?;
+        let reply: Vec<i64> = self.invoke(s, &[&state, &params, &index], args).await?;
         script::decision_from_reply(&reply)
     }
 

@@ -428,7 +428,7 @@ async fn invalid_requests_are_rejected<S: Store>(s: &S) {
             &b,
             Limit::TokenBucket(BucketParams {
                 capacity_ut: 1 << 53,
-                rate_ut_per_s: 1,
+                ..BucketParams::per_period(0, 1, 1000).unwrap()
             }),
             1,
             None,
@@ -437,7 +437,7 @@ async fn invalid_requests_are_rejected<S: Store>(s: &S) {
             &b,
             Limit::TokenBucket(BucketParams {
                 capacity_ut: 1 << 40,
-                rate_ut_per_s: 1,
+                ..BucketParams::per_period(0, 1, 1000).unwrap()
             }),
             1,
             None,
