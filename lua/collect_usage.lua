@@ -219,6 +219,26 @@ local function time_to(need, carry, rate, per)
   end
   return t
 end
+-- A bucket's tokens and carry clipped to cap and refilled from ts to now at rate per per ms
+-- (nothing when now <= ts: a clock stepping back), and the latest time seen.
+local function refilled(tokens, carry, ts, cap, rate, per, now)
+  if tokens >= cap then
+    tokens, carry = cap, 0
+  end
+  if now <= ts then
+    return tokens, carry, ts
+  end
+  if tokens < cap and rate > 0 then
+    local e = now - ts
+    if enough(e, cap - tokens, carry, rate, per) then
+      return cap, 0, now
+    end
+    local add
+    add, carry = accrue(e, carry, rate, per)
+    return tokens + add, carry, now
+  end
+  return tokens, carry, now
+end
 -- quotad shared helpers: end.
 
 if #KEYS ~= 1 or #ARGV ~= 1 then

@@ -3,6 +3,8 @@
 --
 -- KEYS[1]  parameters (hash, no TTL)   qd:v1:{tenant}:<policy>:<version>:p
 -- KEYS[2]  token-bucket state (string) qd:v1:{tenant}:<policy>:<version>:b
+-- KEYS[3]  optional: the token-bucket state of the version this one replaces (a changed policy),
+--          qd:v1:{tenant}:<policy>:<old version>:b
 -- ARGV[1..4]  'cap', capacity µt, 'rate', µt per period    (token bucket)
 --          or 'limit', tokens, 'window', ms                  (sliding window)
 -- ARGV[5]  optional minimum idle TTL in ms ('' or absent: 60000)
@@ -33,6 +35,14 @@
 -- level only grows with time, so that is an upper bound), and removed if the bucket can no
 -- longer refill; it is never shortened. Parameters must be written through this script, never
 -- with a bare HSET.
+--
+-- A changed policy (KEYS[3], token-bucket parameters): what the old bucket had spent stays
+-- spent. Both buckets refilled to now under the parameters in force for each, the new level is
+-- max(0, new level - (old capacity - old level)), the new level being the capacity when the new
+-- bucket has no state yet. This applies while the new state does not exist or is still on the
+-- fallback (src = 0: decided before its parameters were written), so a repeated call never
+-- takes the tokens twice; a missing old state is a full bucket (nothing spent). The old state
+-- is left as it is (its usage is still collected; the daemon clears it afterwards).
 
 -- quotad shared helpers: begin. The same text in every script in lua/ (each script runs on its
 -- own, so the helpers are copied, not included); a test holds the copies equal and the bounds
@@ -233,13 +243,33 @@ local function time_to(need, carry, rate, per)
   end
   return t
 end
+-- A bucket's tokens and carry clipped to cap and refilled from ts to now at rate per per ms
+-- (nothing when now <= ts: a clock stepping back), and the latest time seen.
+local function refilled(tokens, carry, ts, cap, rate, per, now)
+  if tokens >= cap then
+    tokens, carry = cap, 0
+  end
+  if now <= ts then
+    return tokens, carry, ts
+  end
+  if tokens < cap and rate > 0 then
+    local e = now - ts
+    if enough(e, cap - tokens, carry, rate, per) then
+      return cap, 0, now
+    end
+    local add
+    add, carry = accrue(e, carry, rate, per)
+    return tokens + add, carry, now
+  end
+  return tokens, carry, now
+end
 -- quotad shared helpers: end.
 
-if #KEYS ~= 2 or #ARGV < 4 or #ARGV > 10 then
-  return err('expected 2 keys and 4 to 10 arguments')
+if (#KEYS ~= 2 and #KEYS ~= 3) or #ARGV < 4 or #ARGV > 10 then
+  return err('expected 2 or 3 keys and 4 to 10 arguments')
 end
-if KEYS[1] == KEYS[2] then
-  return err('the 2 keys must be distinct')
+if KEYS[1] == KEYS[2] or (KEYS[3] and (KEYS[3] == KEYS[1] or KEYS[3] == KEYS[2])) then
+  return err('the keys must be distinct')
 end
 local f1, v1, f2, v2 = ARGV[1], int(ARGV[2], MAX_CAP), ARGV[3], int(ARGV[4], MAX_CAP)
 local bucket = f1 == 'cap' and f2 == 'rate'
@@ -305,11 +335,30 @@ local v = redis.pcall('GET', KEYS[2])
 if failed(v) then
   return err('the state key holds another type')
 end
-local tokens, carry, ts, ad, dn, cap, rate, src0, until0, fcap0, frate0, cper
+local tokens, carry, ts, ad, dn, cap, rate, src0, _, cper
 if v then
-  tokens, carry, ts, ad, dn, cap, rate, src0, until0, fcap0, frate0, cper = state_decode(v)
+  tokens, carry, ts, ad, dn, cap, rate, src0, _, _, _, cper = state_decode(v)
   if tokens == nil then
     return err('stored state is invalid')
+  end
+end
+-- What the replaced bucket had spent by now (nil: nothing to carry over).
+local spent
+if KEYS[3] and bucket and (not v or src0 == 0) then
+  local o = redis.pcall('GET', KEYS[3])
+  if failed(o) then
+    return err('the replaced state key holds another type')
+  end
+  if o then
+    local t, c, ots, _, _, ocap, orate, osrc, ountil, ofcap, ofrate, oper = state_decode(o)
+    if t == nil then
+      return err('the replaced state is invalid')
+    end
+    if osrc == 1 and ountil >= 0 and now >= ountil then
+      ocap, orate = ofcap, ofrate
+    end
+    t = refilled(t, c, ots, ocap, orate, oper, now)
+    spent = ocap - t
   end
 end
 
@@ -327,6 +376,28 @@ else
   redis.call('HSET', KEYS[1], f1, v1, f2, v2)
 end
 
+-- The parameters in force now.
+local icap, irate = v1, v2
+if lease and now >= lease_end then
+  icap, irate = g1, g2
+end
+if spent and spent > 0 and (v or icap > 0) then
+  if v then
+    if cper ~= per then
+      carry = 0
+    end
+    cper = per
+    tokens, carry, ts = refilled(tokens, carry, ts, icap, irate, per, now)
+  else
+    -- A new bucket is full, less what was spent (a bucket of capacity 0 needs no state).
+    tokens, carry, ts, ad, dn, cper = icap, 0, now, 0, 0, per
+    v = true
+  end
+  tokens = tokens - spent
+  if tokens < 0 then
+    tokens = 0
+  end
+end
 if not v then
   return 1
 end
@@ -342,10 +413,7 @@ local fcap, frate = g1 or 0, g2 or 0
 redis.call('SET', KEYS[2],
   struct.pack(STATE_FMT, tokens, carry, ts, ad, dn, v1, v2, 1, lease_end, fcap, frate, per),
   'KEEPTTL')
-cap, rate = v1, v2
-if lease and now >= lease_end then
-  cap, rate = fcap, frate
-end
+cap, rate = icap, irate
 if tokens >= cap then
   return 1
 end

@@ -258,6 +258,26 @@ local function time_to(need, carry, rate, per)
   end
   return t
 end
+-- A bucket's tokens and carry clipped to cap and refilled from ts to now at rate per per ms
+-- (nothing when now <= ts: a clock stepping back), and the latest time seen.
+local function refilled(tokens, carry, ts, cap, rate, per, now)
+  if tokens >= cap then
+    tokens, carry = cap, 0
+  end
+  if now <= ts then
+    return tokens, carry, ts
+  end
+  if tokens < cap and rate > 0 then
+    local e = now - ts
+    if enough(e, cap - tokens, carry, rate, per) then
+      return cap, 0, now
+    end
+    local add
+    add, carry = accrue(e, carry, rate, per)
+    return tokens + add, carry, now
+  end
+  return tokens, carry, now
+end
 -- quotad shared helpers: end.
 
 if #KEYS ~= 3 then
@@ -346,22 +366,7 @@ end
 if tokens < 0 then
   tokens = cap -- a new bucket is full
 end
-if tokens >= cap then
-  tokens, carry = cap, 0
-end
-if now > ts then
-  if tokens < cap and rate > 0 then
-    local elapsed = now - ts
-    if enough(elapsed, cap - tokens, carry, rate, per) then
-      tokens, carry = cap, 0
-    else
-      local add
-      add, carry = accrue(elapsed, carry, rate, per)
-      tokens = tokens + add
-    end
-  end
-  ts = now
-end
+tokens, carry, ts = refilled(tokens, carry, ts, cap, rate, per, now)
 
 local cost_ut = cost * UT
 local allowed, retry

@@ -254,6 +254,25 @@ pub fn decide(
     (decision, s)
 }
 
+/// The state of a bucket of `new` parameters that replaces a bucket of `old` ones (a changed
+/// policy, whose new version has a bucket of its own) at `now_ms`: what the old bucket had spent
+/// stays spent. Both refilled to now, the new level is the new bucket's level (full when it has
+/// no state yet) less `old capacity − old level`, at least 0. So a drained bucket stays drained
+/// across a change of terms, and a raised limit gives only the difference. `lua/set_params.lua`
+/// computes exactly this.
+pub fn carry_over(
+    now_ms: u64,
+    old: &BucketParams,
+    old_state: &BucketState,
+    new: &BucketParams,
+    new_state: Option<&BucketState>,
+) -> BucketState {
+    let spent = old.capacity_ut - refill(now_ms, old, Some(old_state)).tokens_ut;
+    let mut s = refill(now_ms, new, new_state);
+    s.tokens_ut = s.tokens_ut.saturating_sub(spent);
+    s
+}
+
 /// Idle time after which a bucket may be forgotten: at least the time to refill completely, so
 /// an expired bucket (read as full) never grants more than the live one would.
 pub fn idle_ttl_ms(params: &BucketParams, state: &BucketState) -> u64 {
@@ -457,6 +476,27 @@ mod tests {
         // floor(cap / refill) · period at the bound: refused; just below: accepted.
         assert!(BucketParams::per_period(MAX_FILL_BOUND_MS / 1000, 1, 1000).is_err());
         assert!(BucketParams::per_period(MAX_FILL_BOUND_MS / 1000 - 1, 1, 1000).is_ok());
+    }
+
+    #[test]
+    fn a_changed_policy_keeps_what_was_spent() {
+        let old = params(10, 1);
+        let (_, drained) = decide(0, &old, None, 10);
+        // The same terms again: still drained; refilled by what accrued meanwhile.
+        let s = carry_over(2000, &old, &drained, &old, None);
+        assert_eq!(s.tokens_ut, 2 * UT);
+        // A raised burst gives only the difference.
+        let s = carry_over(0, &old, &drained, &params(15, 1), None);
+        assert_eq!(s.tokens_ut, 5 * UT);
+        // A lowered one cannot go below empty.
+        let (_, half) = decide(0, &old, None, 5);
+        let s = carry_over(0, &old, &half, &params(3, 1), None);
+        assert_eq!(s.tokens_ut, 0);
+        // A new bucket already spent from (decided before its parameters): both spendings count.
+        let new = params(20, 1);
+        let (_, spent_new) = decide(0, &new, None, 4);
+        let s = carry_over(0, &old, &half, &new, Some(&spent_new));
+        assert_eq!(s.tokens_ut, 11 * UT);
     }
 
     #[test]

@@ -179,6 +179,11 @@ pub struct SetParams {
     pub lease: Option<LeaseEnd>,
     /// Explicit time for tests and the simulator; `None` uses the store's clock.
     pub now_ms: Option<u64>,
+    /// The version of the same tenant's policy this bucket replaces (its terms changed): for a
+    /// token bucket, what the old bucket had spent stays spent
+    /// ([`quota_core::bucket::carry_over`]), while the new bucket has no state yet or was only
+    /// decided on the fallback.
+    pub replaces: Option<u64>,
 }
 
 impl SetParams {
@@ -189,7 +194,24 @@ impl SetParams {
             limit,
             lease: None,
             now_ms: None,
+            replaces: None,
         }
+    }
+
+    /// The same, replacing the bucket of `version` (see [`SetParams::replaces`]).
+    pub fn replacing(mut self, version: u64) -> Self {
+        self.replaces = Some(version);
+        self
+    }
+
+    /// The bucket this one replaces, if any, and not itself.
+    pub fn replaced(&self) -> Option<BucketRef> {
+        self.replaces
+            .filter(|&v| v != self.bucket.version)
+            .map(|version| BucketRef {
+                version,
+                ..self.bucket.clone()
+            })
     }
 
     /// The same, holding for `remaining_ms` and then falling back to `floor`.

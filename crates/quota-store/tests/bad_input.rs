@@ -436,6 +436,35 @@ fn wrong_types_repeated_keys_and_corrupt_state_are_errors_that_write_nothing() {
         ),
         "set_params on a list state",
     );
+    // The replaced version's state (KEYS[3]): another type, or not a state, is an error that
+    // writes nothing; so is naming it twice.
+    let old = "qd:v1:{bad}:x:0:b";
+    for (case, seed) in [("a list", "RPUSH"), ("not a state", "SET")] {
+        cmd(&mut c, &["FLUSHALL"]);
+        cmd(&mut c, &[seed, old, "x"]);
+        let before = dumps(&mut c, &[P, B, old]);
+        assert_quotad_error(
+            eval(
+                &mut c,
+                SET_PARAMS_LUA,
+                &[P, B, old],
+                &["cap", "1000000", "rate", "1"],
+            ),
+            &format!("set_params replacing {case}"),
+        );
+        assert_eq!(dumps(&mut c, &[P, B, old]), before, "{case}");
+    }
+    assert_quotad_error(
+        eval(
+            &mut c,
+            SET_PARAMS_LUA,
+            &[P, B, B],
+            &["cap", "1", "rate", "1"],
+        ),
+        "set_params replacing its own state",
+    );
+    cmd(&mut c, &["FLUSHALL"]);
+    cmd(&mut c, &["RPUSH", B, "x"]);
     assert_quotad_error(
         eval(&mut c, COLLECT_USAGE_LUA, &[B], &["10"]),
         "collect_usage on a list index",

@@ -748,6 +748,11 @@ enum StoreStep {
         limit: Limit,
         lease: Option<(u64, Limit)>,
     },
+    /// The same, for the policy's next version, replacing the current one (a changed policy).
+    Replace {
+        limit: Limit,
+        lease: Option<(u64, Limit)>,
+    },
     Collect,
 }
 
@@ -778,16 +783,19 @@ fn store_steps(
     let check = (dt, cost).prop_map(|(dt, cost)| StoreStep::Check { dt, cost });
     let ms = prop_oneof![0u64..=5_000, (0u64..=40).prop_map(|k| k * 50)];
     let lease = proptest::option::of((ms, limit.clone()));
-    let set = (limit, lease).prop_map(|(limit, lease)| StoreStep::Set { limit, lease });
+    let set =
+        (limit.clone(), lease.clone()).prop_map(|(limit, lease)| StoreStep::Set { limit, lease });
+    let replace = (limit, lease).prop_map(|(limit, lease)| StoreStep::Replace { limit, lease });
     proptest::collection::vec(
-        prop_oneof![12 => check, 2 => set, 1 => Just(StoreStep::Collect)],
+        prop_oneof![12 => check, 2 => set, 1 => replace, 1 => Just(StoreStep::Collect)],
         1..120,
     )
 }
 
 /// The embedded store (the no-Redis default) against the Redis store, through the `Store`
 /// trait with explicit time: every decision, peek and usage report equal, with parameters
-/// written with and without lease ends (the floor takes over at the end by itself).
+/// written with and without lease ends (the floor takes over at the end by itself), and across
+/// changed policies (a new version replacing the bucket, keeping what it had spent).
 fn run_stores(
     rt: &tokio::runtime::Runtime,
     redis: &RedisStore,
@@ -797,7 +805,7 @@ fn run_stores(
 ) -> Result<(), TestCaseError> {
     rt.block_on(async {
         let embedded = EmbeddedStore::new();
-        let b = common::fresh_bucket("emb");
+        let mut b = common::fresh_bucket("emb");
         let mut now = start;
         for (i, step) in steps.iter().enumerate() {
             match step {
@@ -814,6 +822,16 @@ fn run_stores(
                 }
                 StoreStep::Set { limit, lease } => {
                     let mut p = SetParams::new(b.clone(), *limit).at(now);
+                    if let Some((ms, floor)) = lease {
+                        p = p.with_lease(*ms, *floor);
+                    }
+                    embedded.set_params(&p).await.unwrap();
+                    redis.set_params(&p).await.unwrap();
+                }
+                StoreStep::Replace { limit, lease } => {
+                    let old = b.version;
+                    b.version += 1;
+                    let mut p = SetParams::new(b.clone(), *limit).at(now).replacing(old);
                     if let Some((ms, floor)) = lease {
                         p = p.with_lease(*ms, *floor);
                     }

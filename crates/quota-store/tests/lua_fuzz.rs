@@ -166,7 +166,15 @@ fn role_keys(script: Script, rng: &mut ChaCha8Rng) -> Vec<&'static str> {
     match script {
         Script::TokenBucket => vec![k(&format!("{t}:b")), k(&format!("{t}:p")), k(":ix")],
         Script::SlidingWindow => vec![k(&format!("{t}:w")), k(&format!("{t}:p")), k(":ix")],
-        Script::SetParams => vec![k(&format!("{t}:p")), k(&format!("{t}:b"))],
+        Script::SetParams => {
+            let mut keys = vec![k(&format!("{t}:p")), k(&format!("{t}:b"))];
+            if rng.random_bool(0.3) {
+                // The replaced version's state: the other bucket.
+                let o = if t == "a" { "b" } else { "a" };
+                keys.push(k(&format!("{o}:b")));
+            }
+            keys
+        }
         Script::CollectUsage => vec![k(":ix")],
     }
 }

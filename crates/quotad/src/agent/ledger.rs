@@ -92,6 +92,9 @@ pub struct Written {
     /// Buckets the view no longer has (deleted policies, old versions), still to be cleared
     /// from the store.
     pub(super) to_clear: Vec<BucketRef>,
+    /// Policies whose terms changed: the version held before, until the new version's first
+    /// write succeeds (it carries what the old bucket had spent, [`SetParams::replacing`]).
+    replaced: HashMap<(TenantId, PolicyName), u64>,
     /// The generation whose store was last swept for buckets this daemon never saw go, and
     /// when (local wall-clock ms).
     swept: Option<(u64, u64)>,
@@ -125,12 +128,16 @@ impl Written {
     /// to be cleared from the store.
     pub fn retain_in(&mut self, view: &ClusterView) {
         let to_clear = &mut self.to_clear;
+        let replaced = &mut self.replaced;
+        replaced.retain(|k, _| view.policies.contains_key(k));
         self.held.retain(|k, h| {
-            let keep = view
-                .policies
-                .get(k)
-                .is_some_and(|e| e.policy.version == h.version);
+            let now_at = view.policies.get(k).map(|e| e.policy.version);
+            let keep = now_at == Some(h.version);
             if !keep {
+                if now_at.is_some() {
+                    // Written before the old bucket is cleared: clearing waits for every write.
+                    replaced.entry(k.clone()).or_insert(h.version);
+                }
                 to_clear.push(BucketRef {
                     tenant: k.0.clone(),
                     policy: k.1.clone(),
@@ -232,6 +239,9 @@ impl Written {
             if let (Some(left), Some(floor)) = (lease_left, floor) {
                 req = req.with_lease(left, floor);
             }
+            if let Some(&v) = self.replaced.get(key).filter(|&&v| v != version) {
+                req = req.replacing(v);
+            }
             let w = Write {
                 req,
                 held: Held {
@@ -268,6 +278,7 @@ impl Written {
     pub(super) fn record(&mut self, w: Write, ok: bool) {
         let (key, sent) = w.into_key();
         if ok {
+            self.replaced.remove(&key);
             self.held.insert(key, sent);
             return;
         }
@@ -417,6 +428,12 @@ mod tests {
             .collect();
         keys.sort();
         assert_eq!(keys, vec![key(100), key(3), key(4)]);
+        // Only the changed policy's write replaces a version: the one it held.
+        let replacing: Vec<_> = writes
+            .iter()
+            .filter_map(|x| x.req.replaces.map(|v| (x.req.bucket.tenant.clone(), v)))
+            .collect();
+        assert_eq!(replacing, vec![(key(4).0, 7)]);
         assert_eq!(
             writes
                 .iter()
@@ -430,6 +447,7 @@ mod tests {
         for x in writes {
             w.record(x, true);
         }
+        assert!(w.replaced.is_empty(), "written: nothing left to replace");
         assert_eq!(pass(&mut w, &v2, 4_000), 0);
         // Without a lease the parameters are still refreshed, rarely.
         assert_eq!(pass(&mut w, &v2, 4_000 + REFRESH_WITHOUT_LEASE_MS), 100);
