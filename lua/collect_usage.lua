@@ -43,6 +43,8 @@ local STATE_LEN_NO_PERIOD = 88 -- bytes of a state written without its period (p
 -- A state of the first 11 alone (88 bytes) has per = 1000: rate and frate are µt per second.
 local STATE_FMT = '<dddddddddddd'
 local STATE_FMT_NO_PERIOD = '<ddddddddddd'
+-- Usage counters ad = dn = 0 as they sit in a state (bytes 25..40): two doubles 0.0.
+local ZERO_USAGE = '\0\0\0\0\0\0\0\0\0\0\0\0\0\0\0\0'
 
 local fmod = math.fmod
 local ceil = math.ceil
@@ -65,50 +67,24 @@ local function int(s, max)
   return n
 end
 
--- Redis TIME in whole ms since the epoch.
-local function time_ms()
-  local t = redis.call('TIME')
-  local s, us = tonumber(t[1]), tonumber(t[2])
-  return s * 1000 + (us - fmod(us, 1000)) / 1000
-end
-
--- An optional explicit now in ms ('' or absent: Redis TIME); nil when invalid.
+-- An optional explicit now in ms ('' or absent: Redis TIME, in whole ms); nil when invalid.
 local function arg_now(s)
   if s == nil or s == '' then
-    return time_ms()
+    local t = redis.call('TIME')
+    local us = tonumber(t[2])
+    return tonumber(t[1]) * 1000 + (us - fmod(us, 1000)) / 1000
   end
   return int(s, MAX_CAP)
 end
 
--- An optional minimum idle TTL in ms ('' or absent: the default); nil when invalid.
-local function arg_min_ttl(s)
+-- An optional integer argument in 1..max ('' or absent: default); nil when invalid.
+local function opt_int(s, default, max)
   if s == nil or s == '' then
-    return DEFAULT_MIN_TTL_MS
+    return default
   end
-  local n = int(s, MAX_CAP)
+  local n = int(s, max)
   if n == nil or n < 1 then
     return nil
-  end
-  return n
-end
-
--- An optional refill period in ms ('' or absent: per second); nil when invalid.
-local function arg_period(s)
-  if s == nil or s == '' then
-    return DEFAULT_PERIOD_MS
-  end
-  local n = int(s, MAX_PERIOD)
-  if n == nil or n < 1 then
-    return nil
-  end
-  return n
-end
-
--- A usage counter after adding cost: saturates at MAX_CAP, so a state stays valid.
-local function add_usage(n, cost)
-  n = n + cost
-  if n > MAX_CAP then
-    return MAX_CAP
   end
   return n
 end
@@ -138,8 +114,8 @@ local function window_ok(limit, w)
 end
 
 -- The fields of a token-bucket state, or nil when v is not one (wrong length, NaN, a fraction
--- or a value out of bounds): tokens, carry, ts, ad, dn, cap, rate, src, until, fcap, frate,
--- per.
+-- or a value out of bounds; without a lease, until = -1 and the floor 0, 0): tokens, carry, ts,
+-- ad, dn, cap, rate, src, until, fcap, frate, per.
 local function state_decode(v)
   local t, c, ts, ad, dn, cap, rate, src, lease_end, fcap, frate, per
   if #v == STATE_LEN then
@@ -155,16 +131,11 @@ local function state_decode(v)
       and ad % 1 == 0 and ad >= 0 and ad <= MAX_CAP and dn % 1 == 0 and dn >= 0
       and dn <= MAX_CAP and bucket_ok(cap, rate, per) and c % 1 == 0 and c >= 0 and c < per
       and (src == 0 or src == 1)
-      and (lease_end == -1 or (lease_end % 1 == 0 and lease_end >= 0 and lease_end <= MAX_CAP))
-      and bucket_ok(fcap, frate, per) then
+      and ((lease_end == -1 and fcap == 0 and frate == 0) or (lease_end % 1 == 0
+        and lease_end >= 0 and lease_end <= MAX_CAP and bucket_ok(fcap, frate, per))) then
     return t, c, ts, ad, dn, cap, rate, src, lease_end, fcap, frate, per
   end
   return nil
-end
-
--- v (a valid state) with its usage counters ad / dn zeroed.
-local function state_without_usage(v)
-  return v:sub(1, 24) .. struct.pack('<dd', 0, 0) .. v:sub(41)
 end
 
 -- floor((a * b + c) / p) and its remainder for integers a, b, c < p <= MAX_PERIOD (< 2^32),
@@ -183,17 +154,11 @@ local function muldiv(a, b, c, p)
   return (x - xr) / p * 65536 + (y - yr) / p, yr
 end
 
--- The micro-tokens e ms add from carry c at rate µt per per ms, floor((e * rate + c) / per),
--- and the new carry, exact while the sum stays below 2^53: e = q * per + e0 and
--- rate = a * per + b, so e * rate + c = q * rate * per + e0 * a * per + (e0 * b + c).
-local function accrue(e, c, rate, per)
-  local e0, b = fmod(e, per), fmod(rate, per)
-  local q, r = muldiv(e0, b, c, per)
-  return (e - e0) / per * rate + e0 * ((rate - b) / per) + q, r
-end
-
--- Whether e ms from carry c add at least need µt (need > 0): the terms of accrue are taken off
--- need one by one, so a product above 2^53 (inexact) only ever stands for "more than enough".
+-- Whether e ms from carry c add at least need µt (need > 0) at rate µt per per ms, i.e.
+-- need <= floor((e * rate + c) / per), exact for any e: with e = q * per + e0 and
+-- rate = a * per + b, e * rate + c = (q * rate + e0 * a) * per + (e0 * b + c), and the terms are
+-- taken off need one by one, so a product above 2^53 (inexact) only ever stands for "more than
+-- enough".
 local function enough(e, need, c, rate, per)
   local e0, b = fmod(e, per), fmod(rate, per)
   need = need - (e - e0) / per * rate
@@ -208,9 +173,19 @@ local function enough(e, need, c, rate, per)
 end
 
 -- ceil((need * per - carry) / rate), the ms until need more µt accrue (need > 0, rate > 0):
--- estimated in doubles (off by less than 1 below the fill bound), then made exact.
+-- directly when need * per is exact, else estimated in doubles (off by less than 1 below the
+-- fill bound) and made exact with enough.
 local function time_to(need, carry, rate, per)
-  local t = ceil((need * per - carry) / rate)
+  local n = need * per
+  if n <= MAX_CAP then
+    n = n - carry
+    local r = fmod(n, rate)
+    if r > 0 then
+      return (n - r) / rate + 1
+    end
+    return n / rate
+  end
+  local t = ceil((n - carry) / rate)
   if not enough(t, need, carry, rate, per) then
     return t + 1
   end
@@ -219,8 +194,11 @@ local function time_to(need, carry, rate, per)
   end
   return t
 end
+
 -- A bucket's tokens and carry clipped to cap and refilled from ts to now at rate per per ms
--- (nothing when now <= ts: a clock stepping back), and the latest time seen.
+-- (nothing when now <= ts: a clock stepping back), and the latest time seen. The µt added are
+-- floor((e * rate + c) / per), the carry its remainder: directly when e * rate + c is exact,
+-- else split as in enough (the sum stays below cap - tokens there, so every term is exact).
 local function refilled(tokens, carry, ts, cap, rate, per, now)
   if tokens >= cap then
     tokens, carry = cap, 0
@@ -230,12 +208,21 @@ local function refilled(tokens, carry, ts, cap, rate, per, now)
   end
   if tokens < cap and rate > 0 then
     local e = now - ts
+    local n = e * rate + carry
+    if n <= MAX_CAP then
+      local r = fmod(n, per)
+      local add = (n - r) / per
+      if add >= cap - tokens then
+        return cap, 0, now
+      end
+      return tokens + add, r, now
+    end
     if enough(e, cap - tokens, carry, rate, per) then
       return cap, 0, now
     end
-    local add
-    add, carry = accrue(e, carry, rate, per)
-    return tokens + add, carry, now
+    local e0, b = fmod(e, per), fmod(rate, per)
+    local q, r = muldiv(e0, b, carry, per)
+    return tokens + (e - e0) / per * rate + e0 * ((rate - b) / per) + q, r, now
   end
   return tokens, carry, now
 end
@@ -265,7 +252,7 @@ for _, k in ipairs(keys) do
     if t == nil then
       ad, dn = 0, 0 -- not a token-bucket state: nothing to report
     elseif ad + dn > 0 then
-      redis.call('SET', k, state_without_usage(v), 'KEEPTTL')
+      redis.call('SET', k, v:sub(1, 24) .. ZERO_USAGE .. v:sub(41), 'KEEPTTL')
     end
   elseif kind == 'hash' then
     local v = redis.call('HMGET', k, 'ad', 'dn')

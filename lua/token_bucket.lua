@@ -18,9 +18,10 @@
 --          so ARGV[3] is per second)
 -- returns  {allowed 0|1, remaining whole tokens, retry_after_ms (-1 = never at these
 --           parameters), reset_ms (ms until full, -1 = never)}
--- errors   'ERR quotad: <what>' for every invalid argument, repeated key, key of another type,
---          stored parameter or state out of bounds; nothing is written then (every check
---          comes before the first write).
+-- errors   'ERR quotad: <what>' for every invalid argument (the fallback ARGV[2], ARGV[3],
+--          ARGV[6] only when it is used: no stored parameters and no state copy of them),
+--          repeated key, key of another type, stored parameter or state out of bounds; nothing
+--          is written then (every check comes before the first write).
 --
 -- The arithmetic is quota-core/src/bucket.rs exactly (a differential test holds them equal):
 -- integer micro-tokens, whole milliseconds, and a rational refill: rate µt every per ms (a
@@ -57,7 +58,9 @@
 -- that refills (any nonzero share) expires.
 --
 -- Cost: TIME (unless now is given), GET, SET PX per decision (a peek: TIME, GET); SADD once per
--- bucket per report interval; HMGET of the parameters only when the bucket key is missing.
+-- bucket per report interval; HMGET of the parameters only when the bucket key is missing. The
+-- helpers above are closures Lua creates on every call, so the block keeps few of them, and the
+-- refill and waits take their exact direct forms whenever the products stay below 2^53.
 
 -- quotad shared helpers: begin. The same text in every script in lua/ (each script runs on its
 -- own, so the helpers are copied, not included); a test holds the copies equal and the bounds
@@ -82,6 +85,8 @@ local STATE_LEN_NO_PERIOD = 88 -- bytes of a state written without its period (p
 -- A state of the first 11 alone (88 bytes) has per = 1000: rate and frate are µt per second.
 local STATE_FMT = '<dddddddddddd'
 local STATE_FMT_NO_PERIOD = '<ddddddddddd'
+-- Usage counters ad = dn = 0 as they sit in a state (bytes 25..40): two doubles 0.0.
+local ZERO_USAGE = '\0\0\0\0\0\0\0\0\0\0\0\0\0\0\0\0'
 
 local fmod = math.fmod
 local ceil = math.ceil
@@ -104,50 +109,24 @@ local function int(s, max)
   return n
 end
 
--- Redis TIME in whole ms since the epoch.
-local function time_ms()
-  local t = redis.call('TIME')
-  local s, us = tonumber(t[1]), tonumber(t[2])
-  return s * 1000 + (us - fmod(us, 1000)) / 1000
-end
-
--- An optional explicit now in ms ('' or absent: Redis TIME); nil when invalid.
+-- An optional explicit now in ms ('' or absent: Redis TIME, in whole ms); nil when invalid.
 local function arg_now(s)
   if s == nil or s == '' then
-    return time_ms()
+    local t = redis.call('TIME')
+    local us = tonumber(t[2])
+    return tonumber(t[1]) * 1000 + (us - fmod(us, 1000)) / 1000
   end
   return int(s, MAX_CAP)
 end
 
--- An optional minimum idle TTL in ms ('' or absent: the default); nil when invalid.
-local function arg_min_ttl(s)
+-- An optional integer argument in 1..max ('' or absent: default); nil when invalid.
+local function opt_int(s, default, max)
   if s == nil or s == '' then
-    return DEFAULT_MIN_TTL_MS
+    return default
   end
-  local n = int(s, MAX_CAP)
+  local n = int(s, max)
   if n == nil or n < 1 then
     return nil
-  end
-  return n
-end
-
--- An optional refill period in ms ('' or absent: per second); nil when invalid.
-local function arg_period(s)
-  if s == nil or s == '' then
-    return DEFAULT_PERIOD_MS
-  end
-  local n = int(s, MAX_PERIOD)
-  if n == nil or n < 1 then
-    return nil
-  end
-  return n
-end
-
--- A usage counter after adding cost: saturates at MAX_CAP, so a state stays valid.
-local function add_usage(n, cost)
-  n = n + cost
-  if n > MAX_CAP then
-    return MAX_CAP
   end
   return n
 end
@@ -177,8 +156,8 @@ local function window_ok(limit, w)
 end
 
 -- The fields of a token-bucket state, or nil when v is not one (wrong length, NaN, a fraction
--- or a value out of bounds): tokens, carry, ts, ad, dn, cap, rate, src, until, fcap, frate,
--- per.
+-- or a value out of bounds; without a lease, until = -1 and the floor 0, 0): tokens, carry, ts,
+-- ad, dn, cap, rate, src, until, fcap, frate, per.
 local function state_decode(v)
   local t, c, ts, ad, dn, cap, rate, src, lease_end, fcap, frate, per
   if #v == STATE_LEN then
@@ -194,16 +173,11 @@ local function state_decode(v)
       and ad % 1 == 0 and ad >= 0 and ad <= MAX_CAP and dn % 1 == 0 and dn >= 0
       and dn <= MAX_CAP and bucket_ok(cap, rate, per) and c % 1 == 0 and c >= 0 and c < per
       and (src == 0 or src == 1)
-      and (lease_end == -1 or (lease_end % 1 == 0 and lease_end >= 0 and lease_end <= MAX_CAP))
-      and bucket_ok(fcap, frate, per) then
+      and ((lease_end == -1 and fcap == 0 and frate == 0) or (lease_end % 1 == 0
+        and lease_end >= 0 and lease_end <= MAX_CAP and bucket_ok(fcap, frate, per))) then
     return t, c, ts, ad, dn, cap, rate, src, lease_end, fcap, frate, per
   end
   return nil
-end
-
--- v (a valid state) with its usage counters ad / dn zeroed.
-local function state_without_usage(v)
-  return v:sub(1, 24) .. struct.pack('<dd', 0, 0) .. v:sub(41)
 end
 
 -- floor((a * b + c) / p) and its remainder for integers a, b, c < p <= MAX_PERIOD (< 2^32),
@@ -222,17 +196,11 @@ local function muldiv(a, b, c, p)
   return (x - xr) / p * 65536 + (y - yr) / p, yr
 end
 
--- The micro-tokens e ms add from carry c at rate µt per per ms, floor((e * rate + c) / per),
--- and the new carry, exact while the sum stays below 2^53: e = q * per + e0 and
--- rate = a * per + b, so e * rate + c = q * rate * per + e0 * a * per + (e0 * b + c).
-local function accrue(e, c, rate, per)
-  local e0, b = fmod(e, per), fmod(rate, per)
-  local q, r = muldiv(e0, b, c, per)
-  return (e - e0) / per * rate + e0 * ((rate - b) / per) + q, r
-end
-
--- Whether e ms from carry c add at least need µt (need > 0): the terms of accrue are taken off
--- need one by one, so a product above 2^53 (inexact) only ever stands for "more than enough".
+-- Whether e ms from carry c add at least need µt (need > 0) at rate µt per per ms, i.e.
+-- need <= floor((e * rate + c) / per), exact for any e: with e = q * per + e0 and
+-- rate = a * per + b, e * rate + c = (q * rate + e0 * a) * per + (e0 * b + c), and the terms are
+-- taken off need one by one, so a product above 2^53 (inexact) only ever stands for "more than
+-- enough".
 local function enough(e, need, c, rate, per)
   local e0, b = fmod(e, per), fmod(rate, per)
   need = need - (e - e0) / per * rate
@@ -247,9 +215,19 @@ local function enough(e, need, c, rate, per)
 end
 
 -- ceil((need * per - carry) / rate), the ms until need more µt accrue (need > 0, rate > 0):
--- estimated in doubles (off by less than 1 below the fill bound), then made exact.
+-- directly when need * per is exact, else estimated in doubles (off by less than 1 below the
+-- fill bound) and made exact with enough.
 local function time_to(need, carry, rate, per)
-  local t = ceil((need * per - carry) / rate)
+  local n = need * per
+  if n <= MAX_CAP then
+    n = n - carry
+    local r = fmod(n, rate)
+    if r > 0 then
+      return (n - r) / rate + 1
+    end
+    return n / rate
+  end
+  local t = ceil((n - carry) / rate)
   if not enough(t, need, carry, rate, per) then
     return t + 1
   end
@@ -258,8 +236,11 @@ local function time_to(need, carry, rate, per)
   end
   return t
 end
+
 -- A bucket's tokens and carry clipped to cap and refilled from ts to now at rate per per ms
--- (nothing when now <= ts: a clock stepping back), and the latest time seen.
+-- (nothing when now <= ts: a clock stepping back), and the latest time seen. The µt added are
+-- floor((e * rate + c) / per), the carry its remainder: directly when e * rate + c is exact,
+-- else split as in enough (the sum stays below cap - tokens there, so every term is exact).
 local function refilled(tokens, carry, ts, cap, rate, per, now)
   if tokens >= cap then
     tokens, carry = cap, 0
@@ -269,12 +250,21 @@ local function refilled(tokens, carry, ts, cap, rate, per, now)
   end
   if tokens < cap and rate > 0 then
     local e = now - ts
+    local n = e * rate + carry
+    if n <= MAX_CAP then
+      local r = fmod(n, per)
+      local add = (n - r) / per
+      if add >= cap - tokens then
+        return cap, 0, now
+      end
+      return tokens + add, r, now
+    end
     if enough(e, cap - tokens, carry, rate, per) then
       return cap, 0, now
     end
-    local add
-    add, carry = accrue(e, carry, rate, per)
-    return tokens + add, carry, now
+    local e0, b = fmod(e, per), fmod(rate, per)
+    local q, r = muldiv(e0, b, carry, per)
+    return tokens + (e - e0) / per * rate + e0 * ((rate - b) / per) + q, r, now
   end
   return tokens, carry, now
 end
@@ -294,7 +284,7 @@ local cost = int(ARGV[1], MAX_COST)
 if cost == nil then
   return err('cost must be an integer in 0..' .. MAX_COST)
 end
-local min_ttl = arg_min_ttl(ARGV[5])
+local min_ttl = opt_int(ARGV[5], DEFAULT_MIN_TTL_MS, MAX_CAP)
 if min_ttl == nil then
   return err('minimum TTL must be an integer number of ms in 1..' .. MAX_CAP)
 end
@@ -303,19 +293,10 @@ if now == nil then
   return err('now must be an integer number of ms')
 end
 
-local fb_cap, fb_rate, fb_per
-if ARGV[2] ~= '' or ARGV[3] ~= '' then
-  fb_cap, fb_rate, fb_per = int(ARGV[2], MAX_CAP), int(ARGV[3], MAX_CAP), arg_period(ARGV[6])
-  if not bucket_ok(fb_cap, fb_rate, fb_per) then
-    return err('fallback capacity, refill and period must be integers within the bucket bounds')
-  end
-elseif ARGV[6] ~= nil and ARGV[6] ~= '' then
-  return err('a fallback period needs a fallback capacity and refill')
-end
-
--- pcall: a key of another type is an error reply, not a raised WRONGTYPE.
+-- pcall: a key of another type is an error reply, not a raised WRONGTYPE (GET answers a string
+-- or false otherwise).
 local v = redis.pcall('GET', KEYS[1])
-if failed(v) then
+if type(v) == 'table' then
   return err('the state key holds another type')
 end
 local tokens, carry, ts, ad, dn, cap, rate, src, lease_end, fcap, frate, per, cper
@@ -333,7 +314,8 @@ else
   end
   lease_end, fcap, frate = -1, 0, 0
   if p[1] or p[2] then
-    cap, rate, per = int(p[1], MAX_CAP), int(p[2], MAX_CAP), arg_period(p[6] or '')
+    cap, rate = int(p[1], MAX_CAP), int(p[2], MAX_CAP)
+    per = opt_int(p[6] or '', DEFAULT_PERIOD_MS, MAX_PERIOD)
     if not bucket_ok(cap, rate, per) then
       return err('stored parameters are invalid')
     end
@@ -345,15 +327,24 @@ else
     end
     src = 1
   else
-    cap, rate, per, src = 0, 0, DEFAULT_PERIOD_MS, 0
+    src = 0
   end
-  tokens, carry, ts, ad, dn, cper = -1, 0, now, 0, 0, per
+  tokens, carry, ts, ad, dn = -1, 0, now, 0, 0
 end
 if src == 0 then
-  if fb_cap == nil then
+  -- The fallback, checked only where it is used (stored parameters make it unused).
+  local a, b, c = ARGV[2], ARGV[3], ARGV[6]
+  if a == '' and b == '' then
+    if c ~= nil and c ~= '' then
+      return err('a fallback period needs a fallback capacity and refill')
+    end
     return err('no parameters stored and no fallback given')
   end
-  cap, rate, per = fb_cap, fb_rate, fb_per
+  cap, rate, per = int(a, MAX_CAP), int(b, MAX_CAP), opt_int(c, DEFAULT_PERIOD_MS, MAX_PERIOD)
+  if not bucket_ok(cap, rate, per) then
+    return err('fallback capacity, refill and period must be integers within the bucket bounds')
+  end
+  cper = cper or per
 end
 if per ~= cper then
   carry = 0 -- counted in another period's units: less than 1 µt, dropped
@@ -400,10 +391,17 @@ end
 if ad + dn == 0 and failed(redis.pcall('SADD', KEYS[3], KEYS[1])) then
   return err('the activity index holds another type')
 end
+-- Usage counters saturate at MAX_CAP, so a state stays valid.
 if allowed == 1 then
-  ad = add_usage(ad, cost)
+  ad = ad + cost
+  if ad > MAX_CAP then
+    ad = MAX_CAP
+  end
 else
-  dn = add_usage(dn, cost)
+  dn = dn + cost
+  if dn > MAX_CAP then
+    dn = MAX_CAP
+  end
 end
 local packed = struct.pack(STATE_FMT, tokens, carry, ts, ad, dn, share_cap, share_rate, src,
   lease_end, fcap, frate, per)
