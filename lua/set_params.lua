@@ -3,40 +3,55 @@
 --
 -- KEYS[1]  parameters (hash, no TTL)   qd:v1:{tenant}:<policy>:<version>:p
 -- KEYS[2]  token-bucket state (string) qd:v1:{tenant}:<policy>:<version>:b
--- ARGV[1..4]  'cap', capacity µt, 'rate', µt per second     (token bucket)
+-- KEYS[3]  optional: the token-bucket state of the version this one replaces (a changed policy),
+--          qd:v1:{tenant}:<policy>:<old version>:b
+-- ARGV[1..4]  'cap', capacity µt, 'rate', µt per period    (token bucket)
 --          or 'limit', tokens, 'window', ms                  (sliding window)
 -- ARGV[5]  optional minimum idle TTL in ms ('' or absent: 60000)
 -- ARGV[6]  optional lease: ms from now the parameters hold ('' or absent: no end)
 -- ARGV[7], ARGV[8]  with a lease: the floor in force after it, of the same kind as ARGV[1..4]
 --          (capacity and rate, or limit and window)
 -- ARGV[9]  optional explicit now in ms since the epoch ('' or absent: Redis TIME)
+-- ARGV[10] optional token-bucket refill period in ms, 1..2678400000, of the parameters and the
+--          floor alike ('' or absent: 1000, rate per second); '' for a sliding window
 -- returns  1
 -- errors   'ERR quotad: <what>' for an invalid argument (token-bucket pairs within the bucket
 --          bounds, sliding-window pairs within the window bounds sliding_window.lua applies),
 --          repeated keys, a key of another type or an invalid stored state; every check comes
 --          before the first write, so nothing is written then.
 --
--- The hash is replaced (DEL + HSET): cap, rate [, until, fcap, frate] or limit, window [, until,
--- flimit, fwindow], until = now + lease in this server's clock. The decision scripts enforce
+-- The hash is replaced (DEL + HSET): cap, rate, per [, until, fcap, frate] or limit, window
+-- [, until, flimit, fwindow], until = now + lease in this server's clock. The decision scripts enforce
 -- the floor from until on by themselves: the region agent renews until once half of it has
 -- passed, so a region whose daemon died falls back to its floor when its stored lease ends
 -- (at the latest when its lease does) even while gateways keep calling this Redis directly.
 --
 -- If the token-bucket state exists, its parameter copy is rewritten in place (SET ... KEEPTTL),
 -- so the decision script never reads KEYS[1] while the bucket lives: src = 1 for token-bucket
--- parameters, src = 0 (back to each call's fallback) otherwise. The expiry is then lengthened
+-- parameters, src = 0 (back to each call's fallback) otherwise. A state written with another
+-- period loses its carry (less than 1 µt; see token_bucket.lua); an 88-byte state is read with
+-- period 1000 and rewritten in the 96-byte layout. The expiry is then lengthened
 -- if the parameters in force now need longer to refill the bucket from its stored level (the
 -- level only grows with time, so that is an upper bound), and removed if the bucket can no
 -- longer refill; it is never shortened. Parameters must be written through this script, never
 -- with a bare HSET.
+--
+-- A changed policy (KEYS[3], token-bucket parameters): what the old bucket had spent stays
+-- spent. Both buckets refilled to now under the parameters in force for each, the new level is
+-- max(0, new level - (old capacity - old level)), the new level being the capacity when the new
+-- bucket has no state yet. This applies while the new state does not exist or is still on the
+-- fallback (src = 0: decided before its parameters were written), so a repeated call never
+-- takes the tokens twice; a missing old state is a full bucket (nothing spent). The old state
+-- is left as it is (its usage is still collected; the daemon clears it afterwards).
 
 -- quotad shared helpers: begin. The same text in every script in lua/ (each script runs on its
 -- own, so the helpers are copied, not included); a test holds the copies equal and the bounds
 -- equal to quota-core's bounds.rs.
 local UT = 1000000 -- micro-tokens per token
-local MAX_CAP = 9007199254740991 -- 2^53 - 1: capacities in µt, times and TTLs in ms
-local MAX_RATE = 9007199254740 -- MAX_CAP / 1000: refill in µt per second
-local MAX_FILL_RATIO = 9000000000 -- floor(capacity / rate) stays below this
+local MAX_CAP = 9007199254740991 -- 2^53 - 1: capacities and refills in µt, times and TTLs in ms
+local MAX_PERIOD = 2678400000 -- longest refill period in ms (31 days, below 2^32)
+local DEFAULT_PERIOD_MS = 1000 -- period of a refill given per second, and of old states
+local MAX_FILL = 9000000000000 -- floor(capacity / refill) * period stays below this
 local MAX_COST = 9007199254 -- MAX_CAP / UT: whole tokens per call
 local MAX_WINDOW_LIMIT = 1000000000 -- sliding-window limit in tokens
 local MAX_WINDOW_MS = 2678400000 -- longest window: 31 days
@@ -44,13 +59,19 @@ local MAX_WINDOW_PRODUCT = 2251799813685248 -- 2^51: largest limit * window
 local EXACT_LOG_MAX = 128 -- largest sliding-window limit kept as an exact log
 local DEFAULT_MIN_TTL_MS = 60000 -- minimum idle TTL when none is given
 local COLLECT_MAX = 100000 -- most keys one usage collection takes
-local STATE_LEN = 88 -- bytes of a token-bucket state
--- Token-bucket state: 11 little-endian doubles (exact for integers below 2^53): tokens (µt),
--- carry (thousandths of a µt), ts (latest ms seen), ad / dn (tokens admitted / denied since the
--- last collection, bytes 25..40), cap, rate, src, until, fcap, frate (see token_bucket.lua).
-local STATE_FMT = '<ddddddddddd'
+local STATE_LEN = 96 -- bytes of a token-bucket state
+local STATE_LEN_NO_PERIOD = 88 -- bytes of a state written without its period (period 1000)
+-- Token-bucket state: 12 little-endian doubles (exact for integers below 2^53): tokens (µt),
+-- carry (1/per µt), ts (latest ms seen), ad / dn (tokens admitted / denied since the last
+-- collection, bytes 25..40), cap, rate, src, until, fcap, frate, per (see token_bucket.lua).
+-- A state of the first 11 alone (88 bytes) has per = 1000: rate and frate are µt per second.
+local STATE_FMT = '<dddddddddddd'
+local STATE_FMT_NO_PERIOD = '<ddddddddddd'
+-- Usage counters ad = dn = 0 as they sit in a state (bytes 25..40): two doubles 0.0.
+local ZERO_USAGE = '\0\0\0\0\0\0\0\0\0\0\0\0\0\0\0\0'
 
 local fmod = math.fmod
+local ceil = math.ceil
 local find = string.find
 
 local function err(what)
@@ -70,38 +91,24 @@ local function int(s, max)
   return n
 end
 
--- Redis TIME in whole ms since the epoch.
-local function time_ms()
-  local t = redis.call('TIME')
-  local s, us = tonumber(t[1]), tonumber(t[2])
-  return s * 1000 + (us - fmod(us, 1000)) / 1000
-end
-
--- An optional explicit now in ms ('' or absent: Redis TIME); nil when invalid.
+-- An optional explicit now in ms ('' or absent: Redis TIME, in whole ms); nil when invalid.
 local function arg_now(s)
   if s == nil or s == '' then
-    return time_ms()
+    local t = redis.call('TIME')
+    local us = tonumber(t[2])
+    return tonumber(t[1]) * 1000 + (us - fmod(us, 1000)) / 1000
   end
   return int(s, MAX_CAP)
 end
 
--- An optional minimum idle TTL in ms ('' or absent: the default); nil when invalid.
-local function arg_min_ttl(s)
+-- An optional integer argument in 1..max ('' or absent: default); nil when invalid.
+local function opt_int(s, default, max)
   if s == nil or s == '' then
-    return DEFAULT_MIN_TTL_MS
+    return default
   end
-  local n = int(s, MAX_CAP)
+  local n = int(s, max)
   if n == nil or n < 1 then
     return nil
-  end
-  return n
-end
-
--- A usage counter after adding cost: saturates at MAX_CAP, so a state stays valid.
-local function add_usage(n, cost)
-  n = n + cost
-  if n > MAX_CAP then
-    return MAX_CAP
   end
   return n
 end
@@ -111,13 +118,17 @@ local function failed(r)
   return type(r) == 'table' and r.err ~= nil
 end
 
--- Token-bucket parameters within the bounds of quota-core BucketParams::new. floor(cap / rate)
--- >= M <=> cap >= M * rate, and the product, even rounded above 2^53, compares correctly.
--- x % 1 == 0 is false for NaN and infinities.
-local function bucket_ok(cap, rate)
-  return cap ~= nil and rate ~= nil and cap % 1 == 0 and rate % 1 == 0 and cap >= 0
-    and cap <= MAX_CAP and rate >= 0 and rate <= MAX_RATE
-    and not (rate > 0 and cap >= MAX_FILL_RATIO * rate)
+-- Token-bucket parameters within the bounds of quota-core BucketParams::per_period: cap µt,
+-- refilling rate µt every per ms. floor(cap / rate) * per is compared with MAX_FILL, below
+-- 2^53, so even a product rounded above 2^53 compares correctly. x % 1 == 0 is false for NaN
+-- and infinities.
+local function bucket_ok(cap, rate, per)
+  if cap == nil or rate == nil or per == nil or cap % 1 ~= 0 or rate % 1 ~= 0 or per % 1 ~= 0
+      or cap < 0 or cap > MAX_CAP or rate < 0 or rate > MAX_CAP or per < 1
+      or per > MAX_PERIOD then
+    return false
+  end
+  return rate == 0 or (cap - fmod(cap, rate)) / rate * per < MAX_FILL
 end
 
 -- Sliding-window parameters within the bounds of quota-core WindowParams::new (integers).
@@ -127,66 +138,154 @@ local function window_ok(limit, w)
 end
 
 -- The fields of a token-bucket state, or nil when v is not one (wrong length, NaN, a fraction
--- or a value out of bounds): tokens, carry, ts, ad, dn, cap, rate, src, until, fcap, frate.
+-- or a value out of bounds; without a lease, until = -1 and the floor 0, 0): tokens, carry, ts,
+-- ad, dn, cap, rate, src, until, fcap, frate, per.
 local function state_decode(v)
-  if #v ~= STATE_LEN then
+  local t, c, ts, ad, dn, cap, rate, src, lease_end, fcap, frate, per
+  if #v == STATE_LEN then
+    t, c, ts, ad, dn, cap, rate, src, lease_end, fcap, frate, per = struct.unpack(STATE_FMT, v)
+  elseif #v == STATE_LEN_NO_PERIOD then
+    t, c, ts, ad, dn, cap, rate, src, lease_end, fcap, frate =
+      struct.unpack(STATE_FMT_NO_PERIOD, v)
+    per = DEFAULT_PERIOD_MS
+  else
     return nil
   end
-  local t, c, ts, ad, dn, cap, rate, src, lease_end, fcap, frate = struct.unpack(STATE_FMT, v)
-  if t % 1 == 0 and t >= 0 and t <= MAX_CAP and c % 1 == 0 and c >= 0 and c < 1000
-      and ts % 1 == 0 and ts >= 0 and ts <= MAX_CAP and ad % 1 == 0 and ad >= 0
-      and ad <= MAX_CAP and dn % 1 == 0 and dn >= 0 and dn <= MAX_CAP
-      and bucket_ok(cap, rate) and (src == 0 or src == 1)
-      and (lease_end == -1 or (lease_end % 1 == 0 and lease_end >= 0 and lease_end <= MAX_CAP))
-      and bucket_ok(fcap, frate) then
-    return t, c, ts, ad, dn, cap, rate, src, lease_end, fcap, frate
+  if t % 1 == 0 and t >= 0 and t <= MAX_CAP and ts % 1 == 0 and ts >= 0 and ts <= MAX_CAP
+      and ad % 1 == 0 and ad >= 0 and ad <= MAX_CAP and dn % 1 == 0 and dn >= 0
+      and dn <= MAX_CAP and bucket_ok(cap, rate, per) and c % 1 == 0 and c >= 0 and c < per
+      and (src == 0 or src == 1)
+      and ((lease_end == -1 and fcap == 0 and frate == 0) or (lease_end % 1 == 0
+        and lease_end >= 0 and lease_end <= MAX_CAP and bucket_ok(fcap, frate, per))) then
+    return t, c, ts, ad, dn, cap, rate, src, lease_end, fcap, frate, per
   end
   return nil
 end
 
--- v (a valid state) with its usage counters ad / dn zeroed.
-local function state_without_usage(v)
-  return v:sub(1, 24) .. struct.pack('<dd', 0, 0) .. v:sub(41)
+-- floor((a * b + c) / p) and its remainder for integers a, b, c < p <= MAX_PERIOD (< 2^32),
+-- exact: when a * b + c could pass 2^53, b is split at 2^16 so no product does.
+local function muldiv(a, b, c, p)
+  local n = a * b + c
+  if n <= MAX_CAP then
+    local r = fmod(n, p)
+    return (n - r) / p, r
+  end
+  local bl = fmod(b, 65536)
+  local x = a * ((b - bl) / 65536)
+  local xr = fmod(x, p)
+  local y = xr * 65536 + a * bl + c
+  local yr = fmod(y, p)
+  return (x - xr) / p * 65536 + (y - yr) / p, yr
 end
 
--- ceil((need * 1000 - carry) / rate) without forming need * 1000 (fmod is exact).
-local function time_to(need, carry, rate)
-  local r = fmod(need, rate)
-  local n = r * 1000 - carry
-  local m = fmod(n, rate)
-  local d = (n - m) / rate
-  if m > 0 then
-    d = d + 1
+-- Whether e ms from carry c add at least need µt (need > 0) at rate µt per per ms, i.e.
+-- need <= floor((e * rate + c) / per), exact for any e: with e = q * per + e0 and
+-- rate = a * per + b, e * rate + c = (q * rate + e0 * a) * per + (e0 * b + c), and the terms are
+-- taken off need one by one, so a product above 2^53 (inexact) only ever stands for "more than
+-- enough".
+local function enough(e, need, c, rate, per)
+  local e0, b = fmod(e, per), fmod(rate, per)
+  need = need - (e - e0) / per * rate
+  if need <= 0 then
+    return true
   end
-  return (need - r) / rate * 1000 + d
+  need = need - e0 * ((rate - b) / per)
+  if need <= 0 then
+    return true
+  end
+  return need <= muldiv(e0, b, c, per)
+end
+
+-- ceil((need * per - carry) / rate), the ms until need more µt accrue (need > 0, rate > 0):
+-- directly when need * per is exact, else estimated in doubles (off by less than 1 below the
+-- fill bound) and made exact with enough.
+local function time_to(need, carry, rate, per)
+  local n = need * per
+  if n <= MAX_CAP then
+    n = n - carry
+    local r = fmod(n, rate)
+    if r > 0 then
+      return (n - r) / rate + 1
+    end
+    return n / rate
+  end
+  local t = ceil((n - carry) / rate)
+  if not enough(t, need, carry, rate, per) then
+    return t + 1
+  end
+  if t > 1 and enough(t - 1, need, carry, rate, per) then
+    return t - 1
+  end
+  return t
+end
+
+-- A bucket's tokens and carry clipped to cap and refilled from ts to now at rate per per ms
+-- (nothing when now <= ts: a clock stepping back), and the latest time seen. The µt added are
+-- floor((e * rate + c) / per), the carry its remainder: directly when e * rate + c is exact,
+-- else split as in enough (the sum stays below cap - tokens there, so every term is exact).
+local function refilled(tokens, carry, ts, cap, rate, per, now)
+  if tokens >= cap then
+    tokens, carry = cap, 0
+  end
+  if now <= ts then
+    return tokens, carry, ts
+  end
+  if tokens < cap and rate > 0 then
+    local e = now - ts
+    local n = e * rate + carry
+    if n <= MAX_CAP then
+      local r = fmod(n, per)
+      local add = (n - r) / per
+      if add >= cap - tokens then
+        return cap, 0, now
+      end
+      return tokens + add, r, now
+    end
+    if enough(e, cap - tokens, carry, rate, per) then
+      return cap, 0, now
+    end
+    local e0, b = fmod(e, per), fmod(rate, per)
+    local q, r = muldiv(e0, b, carry, per)
+    return tokens + (e - e0) / per * rate + e0 * ((rate - b) / per) + q, r, now
+  end
+  return tokens, carry, now
 end
 -- quotad shared helpers: end.
 
-if #KEYS ~= 2 or #ARGV < 4 or #ARGV > 9 then
-  return err('expected 2 keys and 4 to 9 arguments')
+if (#KEYS ~= 2 and #KEYS ~= 3) or #ARGV < 4 or #ARGV > 10 then
+  return err('expected 2 or 3 keys and 4 to 10 arguments')
 end
-if KEYS[1] == KEYS[2] then
-  return err('the 2 keys must be distinct')
+if KEYS[1] == KEYS[2] or (KEYS[3] and (KEYS[3] == KEYS[1] or KEYS[3] == KEYS[2])) then
+  return err('the keys must be distinct')
 end
 local f1, v1, f2, v2 = ARGV[1], int(ARGV[2], MAX_CAP), ARGV[3], int(ARGV[4], MAX_CAP)
 local bucket = f1 == 'cap' and f2 == 'rate'
 if not (bucket or (f1 == 'limit' and f2 == 'window')) or v1 == nil or v2 == nil then
   return err('expected cap, rate or limit, window with integer values')
 end
+local per = DEFAULT_PERIOD_MS
+if bucket then
+  per = opt_int(ARGV[10], DEFAULT_PERIOD_MS, MAX_PERIOD)
+  if per == nil then
+    return err('the period must be an integer number of ms in 1..' .. MAX_PERIOD)
+  end
+elseif ARGV[10] ~= nil and ARGV[10] ~= '' then
+  return err('a period is for token-bucket parameters only')
+end
 -- The pair as the decision script would accept it.
 local function pair_ok(a, b)
   if bucket then
-    return bucket_ok(a, b)
+    return bucket_ok(a, b, per)
   end
   return window_ok(a, b)
 end
 if not pair_ok(v1, v2) then
   if bucket then
-    return err('capacity and rate must be integers within the bucket bounds')
+    return err('capacity, refill and period must be integers within the bucket bounds')
   end
   return err('limit and window must be integers within the window bounds')
 end
-local min_ttl = arg_min_ttl(ARGV[5])
+local min_ttl = opt_int(ARGV[5], DEFAULT_MIN_TTL_MS, MAX_CAP)
 if min_ttl == nil then
   return err('minimum TTL must be an integer number of ms in 1..' .. MAX_CAP)
 end
@@ -223,41 +322,85 @@ local v = redis.pcall('GET', KEYS[2])
 if failed(v) then
   return err('the state key holds another type')
 end
-local tokens, carry, ts, ad, dn, cap, rate
+local tokens, carry, ts, ad, dn, cap, rate, src0, _, cper
 if v then
-  tokens, carry, ts, ad, dn, cap, rate = state_decode(v)
+  tokens, carry, ts, ad, dn, cap, rate, src0, _, _, _, cper = state_decode(v)
   if tokens == nil then
     return err('stored state is invalid')
   end
 end
+-- What the replaced bucket had spent by now (nil: nothing to carry over).
+local spent
+if KEYS[3] and bucket and (not v or src0 == 0) then
+  local o = redis.pcall('GET', KEYS[3])
+  if failed(o) then
+    return err('the replaced state key holds another type')
+  end
+  if o then
+    local t, c, ots, _, _, ocap, orate, osrc, ountil, ofcap, ofrate, oper = state_decode(o)
+    if t == nil then
+      return err('the replaced state is invalid')
+    end
+    if osrc == 1 and ountil >= 0 and now >= ountil then
+      ocap, orate = ofcap, ofrate
+    end
+    t = refilled(t, c, ots, ocap, orate, oper, now)
+    spent = ocap - t
+  end
+end
 
 redis.call('DEL', KEYS[1])
-if lease then
-  local p1, p2 = 'fcap', 'frate'
-  if not bucket then
-    p1, p2 = 'flimit', 'fwindow'
+if bucket then
+  if lease then
+    redis.call('HSET', KEYS[1], f1, v1, f2, v2, 'per', per, 'until', lease_end, 'fcap', g1,
+      'frate', g2)
+  else
+    redis.call('HSET', KEYS[1], f1, v1, f2, v2, 'per', per)
   end
-  redis.call('HSET', KEYS[1], f1, v1, f2, v2, 'until', lease_end, p1, g1, p2, g2)
+elseif lease then
+  redis.call('HSET', KEYS[1], f1, v1, f2, v2, 'until', lease_end, 'flimit', g1, 'fwindow', g2)
 else
   redis.call('HSET', KEYS[1], f1, v1, f2, v2)
 end
 
+-- The parameters in force now.
+local icap, irate = v1, v2
+if lease and now >= lease_end then
+  icap, irate = g1, g2
+end
+if spent and spent > 0 and (v or icap > 0) then
+  if v then
+    if cper ~= per then
+      carry = 0
+    end
+    cper = per
+    tokens, carry, ts = refilled(tokens, carry, ts, icap, irate, per, now)
+  else
+    -- A new bucket is full, less what was spent (a bucket of capacity 0 needs no state).
+    tokens, carry, ts, ad, dn, cper = icap, 0, now, 0, 0, per
+    v = true
+  end
+  tokens = tokens - spent
+  if tokens < 0 then
+    tokens = 0
+  end
+end
 if not v then
   return 1
 end
 if not bucket then
   redis.call('SET', KEYS[2],
-    struct.pack(STATE_FMT, tokens, carry, ts, ad, dn, cap, rate, 0, -1, 0, 0), 'KEEPTTL')
+    struct.pack(STATE_FMT, tokens, carry, ts, ad, dn, cap, rate, 0, -1, 0, 0, cper), 'KEEPTTL')
   return 1
+end
+if cper ~= per then
+  carry = 0 -- counted in another period's units: less than 1 µt, dropped
 end
 local fcap, frate = g1 or 0, g2 or 0
 redis.call('SET', KEYS[2],
-  struct.pack(STATE_FMT, tokens, carry, ts, ad, dn, v1, v2, 1, lease_end, fcap, frate),
+  struct.pack(STATE_FMT, tokens, carry, ts, ad, dn, v1, v2, 1, lease_end, fcap, frate, per),
   'KEEPTTL')
-cap, rate = v1, v2
-if lease and now >= lease_end then
-  cap, rate = fcap, frate
-end
+cap, rate = icap, irate
 if tokens >= cap then
   return 1
 end
@@ -265,7 +408,7 @@ if rate == 0 then
   redis.call('PERSIST', KEYS[2])
   return 1
 end
-local need = time_to(cap - tokens, carry, rate)
+local need = time_to(cap - tokens, carry, rate, per)
 if need < min_ttl then
   need = min_ttl
 end

@@ -2,36 +2,46 @@
 --
 -- KEYS[1]  bucket state (string, expires when idle)  qd:v1:{tenant}:<policy>:<version>:b
 -- KEYS[2]  bucket parameters (hash, no TTL)          qd:v1:{tenant}:<policy>:<version>:p
---          fields: cap (capacity, micro-tokens), rate (refill, micro-tokens per second), and
---          with a lease end: until (ms, this server's clock), fcap / frate (the floor, in force
---          from until on); written by set_params.lua, read here only when KEYS[1] does not exist
+--          fields: cap (capacity, micro-tokens), rate (refill, micro-tokens per period), per
+--          (the period in ms; absent: 1000, rate per second), and with a lease end: until (ms,
+--          this server's clock), fcap / frate (the floor, same period, in force from until on);
+--          written by set_params.lua, read here only when KEYS[1] does not exist
 -- KEYS[3]  activity index (set of state keys decided since the last usage collection)
 -- ARGV[1]  cost in whole tokens, integer 0..9007199254; 0 is a peek: the bucket's level now,
 --          nothing written, nothing counted (returns allowed 1, retry 0)
 -- ARGV[2]  fallback capacity in micro-tokens, used when no parameters are stored ('' = none)
--- ARGV[3]  fallback refill in micro-tokens per second ('' = none; given together with ARGV[2])
+-- ARGV[3]  fallback refill in micro-tokens per period ('' = none; given together with ARGV[2])
 -- ARGV[4]  optional explicit now in ms since the epoch ('' or absent: Redis TIME)
 -- ARGV[5]  optional minimum idle TTL in ms, integer 1..2^53-1 ('' or absent: 60000); keeps the
 --          usage counters of an idle bucket until the next collection
+-- ARGV[6]  optional fallback refill period in ms, integer 1..2678400000 ('' or absent: 1000,
+--          so ARGV[3] is per second)
 -- returns  {allowed 0|1, remaining whole tokens, retry_after_ms (-1 = never at these
 --           parameters), reset_ms (ms until full, -1 = never)}
--- errors   'ERR quotad: <what>' for every invalid argument, repeated key, key of another type,
---          stored parameter or state out of bounds; nothing is written then (every check
---          comes before the first write).
+-- errors   'ERR quotad: <what>' for every invalid argument (the fallback ARGV[2], ARGV[3],
+--          ARGV[6] only when it is used: no stored parameters and no state copy of them),
+--          repeated key, key of another type, stored parameter or state out of bounds; nothing
+--          is written then (every check comes before the first write).
 --
 -- The arithmetic is quota-core/src/bucket.rs exactly (a differential test holds them equal):
--- integer micro-tokens, a carry in thousandths of a micro-token, whole milliseconds. Lua numbers
--- are doubles, so every intermediate is kept below 2^53: products that could exceed it are
--- split, and divisions use math.fmod, which is exact.
+-- integer micro-tokens, whole milliseconds, and a rational refill: rate µt every per ms (a
+-- policy's share refills share * limit µt per window, so no share's rate is rounded). The part
+-- of a micro-token not yet credited is a carry in 1/per µt (< per). Lua numbers are doubles,
+-- so every intermediate is kept below 2^53: elapsed * rate is never formed (accrue splits
+-- elapsed at per and rate into whole and fraction per ms; the product of two numbers below
+-- per < 2^32 splits one of them at 2^16, muldiv), divisions use math.fmod, which is exact, and
+-- waits are estimated in doubles, then corrected to the exact ceiling (time_to).
 --
--- State: ONE string, struct.pack('<ddddddddddd', t, c, ts, ad, dn, cap, rate, src, until, fcap,
--- frate) (88 bytes, little-endian doubles, exact for integers below 2^53): t tokens (µt), c
--- carry, ts latest time seen (ms), ad / dn tokens admitted / denied since the last collection,
--- cap / rate the parameters, src 1 when cap / rate are a copy of the stored parameters (KEYS[2])
--- or 0 when they came from the fallback (then this call's fallback applies, as the reference
--- does), until the lease end (-1 = none) after which fcap / frate are in force instead.
--- set_params.lua rewrites the copy when the parameters change, so the hot path never reads
--- KEYS[2].
+-- State: ONE string, struct.pack('<dddddddddddd', t, c, ts, ad, dn, cap, rate, src, until,
+-- fcap, frate, per) (96 bytes, little-endian doubles, exact for integers below 2^53): t tokens
+-- (µt), c carry, ts latest time seen (ms), ad / dn tokens admitted / denied since the last
+-- collection, cap / rate / per the parameters, src 1 when they are a copy of the stored
+-- parameters (KEYS[2]) or 0 when they came from the fallback (then this call's fallback
+-- applies, as the reference does), until the lease end (-1 = none) after which fcap / frate
+-- are in force instead. The carry is in 1/per µt of the state's per: parameters of another
+-- period drop it (less than 1 µt). An 88-byte state (the same without per) is read with
+-- per = 1000, which is what it meant; every write stores 96 bytes. set_params.lua rewrites the
+-- copy when the parameters change, so the hot path never reads KEYS[2].
 --
 -- Lease end: a region's share holds only while its daemon's lease does. The daemon rewrites
 -- the parameters when they change and renews until once half of it has passed; if the daemon
@@ -44,18 +54,22 @@
 --
 -- Expiry: every decision writes the state with SET ... PX max(time to refill fully, minimum
 -- idle TTL): an expired bucket reads as full, so it must not expire before it would be full.
--- With no refill and not full, the SET carries no expiry (the key must stay).
+-- With no refill and not full, the SET carries no expiry (the key must stay); every bucket
+-- that refills (any nonzero share) expires.
 --
 -- Cost: TIME (unless now is given), GET, SET PX per decision (a peek: TIME, GET); SADD once per
--- bucket per report interval; HMGET of the parameters only when the bucket key is missing.
+-- bucket per report interval; HMGET of the parameters only when the bucket key is missing. The
+-- helpers above are closures Lua creates on every call, so the block keeps few of them, and the
+-- refill and waits take their exact direct forms whenever the products stay below 2^53.
 
 -- quotad shared helpers: begin. The same text in every script in lua/ (each script runs on its
 -- own, so the helpers are copied, not included); a test holds the copies equal and the bounds
 -- equal to quota-core's bounds.rs.
 local UT = 1000000 -- micro-tokens per token
-local MAX_CAP = 9007199254740991 -- 2^53 - 1: capacities in µt, times and TTLs in ms
-local MAX_RATE = 9007199254740 -- MAX_CAP / 1000: refill in µt per second
-local MAX_FILL_RATIO = 9000000000 -- floor(capacity / rate) stays below this
+local MAX_CAP = 9007199254740991 -- 2^53 - 1: capacities and refills in µt, times and TTLs in ms
+local MAX_PERIOD = 2678400000 -- longest refill period in ms (31 days, below 2^32)
+local DEFAULT_PERIOD_MS = 1000 -- period of a refill given per second, and of old states
+local MAX_FILL = 9000000000000 -- floor(capacity / refill) * period stays below this
 local MAX_COST = 9007199254 -- MAX_CAP / UT: whole tokens per call
 local MAX_WINDOW_LIMIT = 1000000000 -- sliding-window limit in tokens
 local MAX_WINDOW_MS = 2678400000 -- longest window: 31 days
@@ -63,13 +77,19 @@ local MAX_WINDOW_PRODUCT = 2251799813685248 -- 2^51: largest limit * window
 local EXACT_LOG_MAX = 128 -- largest sliding-window limit kept as an exact log
 local DEFAULT_MIN_TTL_MS = 60000 -- minimum idle TTL when none is given
 local COLLECT_MAX = 100000 -- most keys one usage collection takes
-local STATE_LEN = 88 -- bytes of a token-bucket state
--- Token-bucket state: 11 little-endian doubles (exact for integers below 2^53): tokens (µt),
--- carry (thousandths of a µt), ts (latest ms seen), ad / dn (tokens admitted / denied since the
--- last collection, bytes 25..40), cap, rate, src, until, fcap, frate (see token_bucket.lua).
-local STATE_FMT = '<ddddddddddd'
+local STATE_LEN = 96 -- bytes of a token-bucket state
+local STATE_LEN_NO_PERIOD = 88 -- bytes of a state written without its period (period 1000)
+-- Token-bucket state: 12 little-endian doubles (exact for integers below 2^53): tokens (µt),
+-- carry (1/per µt), ts (latest ms seen), ad / dn (tokens admitted / denied since the last
+-- collection, bytes 25..40), cap, rate, src, until, fcap, frate, per (see token_bucket.lua).
+-- A state of the first 11 alone (88 bytes) has per = 1000: rate and frate are µt per second.
+local STATE_FMT = '<dddddddddddd'
+local STATE_FMT_NO_PERIOD = '<ddddddddddd'
+-- Usage counters ad = dn = 0 as they sit in a state (bytes 25..40): two doubles 0.0.
+local ZERO_USAGE = '\0\0\0\0\0\0\0\0\0\0\0\0\0\0\0\0'
 
 local fmod = math.fmod
+local ceil = math.ceil
 local find = string.find
 
 local function err(what)
@@ -89,38 +109,24 @@ local function int(s, max)
   return n
 end
 
--- Redis TIME in whole ms since the epoch.
-local function time_ms()
-  local t = redis.call('TIME')
-  local s, us = tonumber(t[1]), tonumber(t[2])
-  return s * 1000 + (us - fmod(us, 1000)) / 1000
-end
-
--- An optional explicit now in ms ('' or absent: Redis TIME); nil when invalid.
+-- An optional explicit now in ms ('' or absent: Redis TIME, in whole ms); nil when invalid.
 local function arg_now(s)
   if s == nil or s == '' then
-    return time_ms()
+    local t = redis.call('TIME')
+    local us = tonumber(t[2])
+    return tonumber(t[1]) * 1000 + (us - fmod(us, 1000)) / 1000
   end
   return int(s, MAX_CAP)
 end
 
--- An optional minimum idle TTL in ms ('' or absent: the default); nil when invalid.
-local function arg_min_ttl(s)
+-- An optional integer argument in 1..max ('' or absent: default); nil when invalid.
+local function opt_int(s, default, max)
   if s == nil or s == '' then
-    return DEFAULT_MIN_TTL_MS
+    return default
   end
-  local n = int(s, MAX_CAP)
+  local n = int(s, max)
   if n == nil or n < 1 then
     return nil
-  end
-  return n
-end
-
--- A usage counter after adding cost: saturates at MAX_CAP, so a state stays valid.
-local function add_usage(n, cost)
-  n = n + cost
-  if n > MAX_CAP then
-    return MAX_CAP
   end
   return n
 end
@@ -130,13 +136,17 @@ local function failed(r)
   return type(r) == 'table' and r.err ~= nil
 end
 
--- Token-bucket parameters within the bounds of quota-core BucketParams::new. floor(cap / rate)
--- >= M <=> cap >= M * rate, and the product, even rounded above 2^53, compares correctly.
--- x % 1 == 0 is false for NaN and infinities.
-local function bucket_ok(cap, rate)
-  return cap ~= nil and rate ~= nil and cap % 1 == 0 and rate % 1 == 0 and cap >= 0
-    and cap <= MAX_CAP and rate >= 0 and rate <= MAX_RATE
-    and not (rate > 0 and cap >= MAX_FILL_RATIO * rate)
+-- Token-bucket parameters within the bounds of quota-core BucketParams::per_period: cap µt,
+-- refilling rate µt every per ms. floor(cap / rate) * per is compared with MAX_FILL, below
+-- 2^53, so even a product rounded above 2^53 compares correctly. x % 1 == 0 is false for NaN
+-- and infinities.
+local function bucket_ok(cap, rate, per)
+  if cap == nil or rate == nil or per == nil or cap % 1 ~= 0 or rate % 1 ~= 0 or per % 1 ~= 0
+      or cap < 0 or cap > MAX_CAP or rate < 0 or rate > MAX_CAP or per < 1
+      or per > MAX_PERIOD then
+    return false
+  end
+  return rate == 0 or (cap - fmod(cap, rate)) / rate * per < MAX_FILL
 end
 
 -- Sliding-window parameters within the bounds of quota-core WindowParams::new (integers).
@@ -146,38 +156,117 @@ local function window_ok(limit, w)
 end
 
 -- The fields of a token-bucket state, or nil when v is not one (wrong length, NaN, a fraction
--- or a value out of bounds): tokens, carry, ts, ad, dn, cap, rate, src, until, fcap, frate.
+-- or a value out of bounds; without a lease, until = -1 and the floor 0, 0): tokens, carry, ts,
+-- ad, dn, cap, rate, src, until, fcap, frate, per.
 local function state_decode(v)
-  if #v ~= STATE_LEN then
+  local t, c, ts, ad, dn, cap, rate, src, lease_end, fcap, frate, per
+  if #v == STATE_LEN then
+    t, c, ts, ad, dn, cap, rate, src, lease_end, fcap, frate, per = struct.unpack(STATE_FMT, v)
+  elseif #v == STATE_LEN_NO_PERIOD then
+    t, c, ts, ad, dn, cap, rate, src, lease_end, fcap, frate =
+      struct.unpack(STATE_FMT_NO_PERIOD, v)
+    per = DEFAULT_PERIOD_MS
+  else
     return nil
   end
-  local t, c, ts, ad, dn, cap, rate, src, lease_end, fcap, frate = struct.unpack(STATE_FMT, v)
-  if t % 1 == 0 and t >= 0 and t <= MAX_CAP and c % 1 == 0 and c >= 0 and c < 1000
-      and ts % 1 == 0 and ts >= 0 and ts <= MAX_CAP and ad % 1 == 0 and ad >= 0
-      and ad <= MAX_CAP and dn % 1 == 0 and dn >= 0 and dn <= MAX_CAP
-      and bucket_ok(cap, rate) and (src == 0 or src == 1)
-      and (lease_end == -1 or (lease_end % 1 == 0 and lease_end >= 0 and lease_end <= MAX_CAP))
-      and bucket_ok(fcap, frate) then
-    return t, c, ts, ad, dn, cap, rate, src, lease_end, fcap, frate
+  if t % 1 == 0 and t >= 0 and t <= MAX_CAP and ts % 1 == 0 and ts >= 0 and ts <= MAX_CAP
+      and ad % 1 == 0 and ad >= 0 and ad <= MAX_CAP and dn % 1 == 0 and dn >= 0
+      and dn <= MAX_CAP and bucket_ok(cap, rate, per) and c % 1 == 0 and c >= 0 and c < per
+      and (src == 0 or src == 1)
+      and ((lease_end == -1 and fcap == 0 and frate == 0) or (lease_end % 1 == 0
+        and lease_end >= 0 and lease_end <= MAX_CAP and bucket_ok(fcap, frate, per))) then
+    return t, c, ts, ad, dn, cap, rate, src, lease_end, fcap, frate, per
   end
   return nil
 end
 
--- v (a valid state) with its usage counters ad / dn zeroed.
-local function state_without_usage(v)
-  return v:sub(1, 24) .. struct.pack('<dd', 0, 0) .. v:sub(41)
+-- floor((a * b + c) / p) and its remainder for integers a, b, c < p <= MAX_PERIOD (< 2^32),
+-- exact: when a * b + c could pass 2^53, b is split at 2^16 so no product does.
+local function muldiv(a, b, c, p)
+  local n = a * b + c
+  if n <= MAX_CAP then
+    local r = fmod(n, p)
+    return (n - r) / p, r
+  end
+  local bl = fmod(b, 65536)
+  local x = a * ((b - bl) / 65536)
+  local xr = fmod(x, p)
+  local y = xr * 65536 + a * bl + c
+  local yr = fmod(y, p)
+  return (x - xr) / p * 65536 + (y - yr) / p, yr
 end
 
--- ceil((need * 1000 - carry) / rate) without forming need * 1000 (fmod is exact).
-local function time_to(need, carry, rate)
-  local r = fmod(need, rate)
-  local n = r * 1000 - carry
-  local m = fmod(n, rate)
-  local d = (n - m) / rate
-  if m > 0 then
-    d = d + 1
+-- Whether e ms from carry c add at least need µt (need > 0) at rate µt per per ms, i.e.
+-- need <= floor((e * rate + c) / per), exact for any e: with e = q * per + e0 and
+-- rate = a * per + b, e * rate + c = (q * rate + e0 * a) * per + (e0 * b + c), and the terms are
+-- taken off need one by one, so a product above 2^53 (inexact) only ever stands for "more than
+-- enough".
+local function enough(e, need, c, rate, per)
+  local e0, b = fmod(e, per), fmod(rate, per)
+  need = need - (e - e0) / per * rate
+  if need <= 0 then
+    return true
   end
-  return (need - r) / rate * 1000 + d
+  need = need - e0 * ((rate - b) / per)
+  if need <= 0 then
+    return true
+  end
+  return need <= muldiv(e0, b, c, per)
+end
+
+-- ceil((need * per - carry) / rate), the ms until need more µt accrue (need > 0, rate > 0):
+-- directly when need * per is exact, else estimated in doubles (off by less than 1 below the
+-- fill bound) and made exact with enough.
+local function time_to(need, carry, rate, per)
+  local n = need * per
+  if n <= MAX_CAP then
+    n = n - carry
+    local r = fmod(n, rate)
+    if r > 0 then
+      return (n - r) / rate + 1
+    end
+    return n / rate
+  end
+  local t = ceil((n - carry) / rate)
+  if not enough(t, need, carry, rate, per) then
+    return t + 1
+  end
+  if t > 1 and enough(t - 1, need, carry, rate, per) then
+    return t - 1
+  end
+  return t
+end
+
+-- A bucket's tokens and carry clipped to cap and refilled from ts to now at rate per per ms
+-- (nothing when now <= ts: a clock stepping back), and the latest time seen. The µt added are
+-- floor((e * rate + c) / per), the carry its remainder: directly when e * rate + c is exact,
+-- else split as in enough (the sum stays below cap - tokens there, so every term is exact).
+local function refilled(tokens, carry, ts, cap, rate, per, now)
+  if tokens >= cap then
+    tokens, carry = cap, 0
+  end
+  if now <= ts then
+    return tokens, carry, ts
+  end
+  if tokens < cap and rate > 0 then
+    local e = now - ts
+    local n = e * rate + carry
+    if n <= MAX_CAP then
+      local r = fmod(n, per)
+      local add = (n - r) / per
+      if add >= cap - tokens then
+        return cap, 0, now
+      end
+      return tokens + add, r, now
+    end
+    if enough(e, cap - tokens, carry, rate, per) then
+      return cap, 0, now
+    end
+    local e0, b = fmod(e, per), fmod(rate, per)
+    local q, r = muldiv(e0, b, carry, per)
+    return tokens + (e - e0) / per * rate + e0 * ((rate - b) / per) + q, r, now
+  end
+  return tokens, carry, now
 end
 -- quotad shared helpers: end.
 
@@ -188,14 +277,14 @@ if KEYS[1] == KEYS[2] or KEYS[1] == KEYS[3] or KEYS[2] == KEYS[3] then
   return err('the 3 keys must be distinct')
 end
 local n_args = #ARGV
-if n_args < 3 or n_args > 5 then
-  return err('expected 3 to 5 arguments')
+if n_args < 3 or n_args > 6 then
+  return err('expected 3 to 6 arguments')
 end
 local cost = int(ARGV[1], MAX_COST)
 if cost == nil then
   return err('cost must be an integer in 0..' .. MAX_COST)
 end
-local min_ttl = arg_min_ttl(ARGV[5])
+local min_ttl = opt_int(ARGV[5], DEFAULT_MIN_TTL_MS, MAX_CAP)
 if min_ttl == nil then
   return err('minimum TTL must be an integer number of ms in 1..' .. MAX_CAP)
 end
@@ -204,54 +293,61 @@ if now == nil then
   return err('now must be an integer number of ms')
 end
 
-local fb_cap, fb_rate
-if ARGV[2] ~= '' or ARGV[3] ~= '' then
-  fb_cap, fb_rate = int(ARGV[2], MAX_CAP), int(ARGV[3], MAX_RATE)
-  if not bucket_ok(fb_cap, fb_rate) then
-    return err('fallback capacity and rate must be integers within the bucket bounds')
-  end
-end
-
--- pcall: a key of another type is an error reply, not a raised WRONGTYPE.
+-- pcall: a key of another type is an error reply, not a raised WRONGTYPE (GET answers a string
+-- or false otherwise).
 local v = redis.pcall('GET', KEYS[1])
-if failed(v) then
+if type(v) == 'table' then
   return err('the state key holds another type')
 end
-local tokens, carry, ts, ad, dn, cap, rate, src, lease_end, fcap, frate
+local tokens, carry, ts, ad, dn, cap, rate, src, lease_end, fcap, frate, per, cper
 if v then
-  tokens, carry, ts, ad, dn, cap, rate, src, lease_end, fcap, frate = state_decode(v)
+  tokens, carry, ts, ad, dn, cap, rate, src, lease_end, fcap, frate, per = state_decode(v)
   if tokens == nil then
     return err('stored state is invalid')
   end
+  cper = per
 else
   -- Cold path: the stored parameters, else the fallback.
-  local p = redis.pcall('HMGET', KEYS[2], 'cap', 'rate', 'until', 'fcap', 'frate')
+  local p = redis.pcall('HMGET', KEYS[2], 'cap', 'rate', 'until', 'fcap', 'frate', 'per')
   if failed(p) then
     return err('the parameters key holds another type')
   end
   lease_end, fcap, frate = -1, 0, 0
   if p[1] or p[2] then
-    cap, rate = int(p[1], MAX_CAP), int(p[2], MAX_RATE)
-    if not bucket_ok(cap, rate) then
+    cap, rate = int(p[1], MAX_CAP), int(p[2], MAX_CAP)
+    per = opt_int(p[6] or '', DEFAULT_PERIOD_MS, MAX_PERIOD)
+    if not bucket_ok(cap, rate, per) then
       return err('stored parameters are invalid')
     end
     if p[3] or p[4] or p[5] then
-      lease_end, fcap, frate = int(p[3], MAX_CAP), int(p[4], MAX_CAP), int(p[5], MAX_RATE)
-      if lease_end == nil or not bucket_ok(fcap, frate) then
+      lease_end, fcap, frate = int(p[3], MAX_CAP), int(p[4], MAX_CAP), int(p[5], MAX_CAP)
+      if lease_end == nil or not bucket_ok(fcap, frate, per) then
         return err('stored parameters are invalid')
       end
     end
     src = 1
   else
-    cap, rate, src = 0, 0, 0
+    src = 0
   end
   tokens, carry, ts, ad, dn = -1, 0, now, 0, 0
 end
 if src == 0 then
-  if fb_cap == nil then
+  -- The fallback, checked only where it is used (stored parameters make it unused).
+  local a, b, c = ARGV[2], ARGV[3], ARGV[6]
+  if a == '' and b == '' then
+    if c ~= nil and c ~= '' then
+      return err('a fallback period needs a fallback capacity and refill')
+    end
     return err('no parameters stored and no fallback given')
   end
-  cap, rate = fb_cap, fb_rate
+  cap, rate, per = int(a, MAX_CAP), int(b, MAX_CAP), opt_int(c, DEFAULT_PERIOD_MS, MAX_PERIOD)
+  if not bucket_ok(cap, rate, per) then
+    return err('fallback capacity, refill and period must be integers within the bucket bounds')
+  end
+  cper = cper or per
+end
+if per ~= cper then
+  carry = 0 -- counted in another period's units: less than 1 µt, dropped
 end
 -- The stored parameters pack the lease end with the floor; the fallback has no lease.
 local share_cap, share_rate = cap, rate
@@ -261,25 +357,7 @@ end
 if tokens < 0 then
   tokens = cap -- a new bucket is full
 end
-if tokens >= cap then
-  tokens, carry = cap, 0
-end
-if now > ts then
-  if tokens < cap and rate > 0 then
-    local elapsed = now - ts
-    if elapsed >= time_to(cap - tokens, carry, rate) then
-      tokens, carry = cap, 0
-    else
-      -- elapsed = e1 * 1000 + e0, so elapsed * rate never has to be formed.
-      local e0 = fmod(elapsed, 1000)
-      local part = e0 * rate + carry
-      local c0 = fmod(part, 1000)
-      tokens = tokens + (elapsed - e0) / 1000 * rate + (part - c0) / 1000
-      carry = c0
-    end
-  end
-  ts = now
-end
+tokens, carry, ts = refilled(tokens, carry, ts, cap, rate, per, now)
 
 local cost_ut = cost * UT
 local allowed, retry
@@ -288,7 +366,7 @@ if cost == 0 then
   if tokens >= cap then
     reset = 0
   elseif rate > 0 then
-    reset = time_to(cap - tokens, carry, rate)
+    reset = time_to(cap - tokens, carry, rate, per)
   end
   return { 1, (tokens - fmod(tokens, UT)) / UT, 0, reset }
 end
@@ -298,7 +376,7 @@ if cost_ut <= tokens then
 elseif cost_ut > cap or rate == 0 then
   allowed, retry = 0, -1
 else
-  allowed, retry = 0, time_to(cost_ut - tokens, carry, rate)
+  allowed, retry = 0, time_to(cost_ut - tokens, carry, rate, per)
 end
 local reset
 if tokens >= cap then
@@ -306,20 +384,27 @@ if tokens >= cap then
 elseif rate == 0 then
   reset = -1
 else
-  reset = time_to(cap - tokens, carry, rate)
+  reset = time_to(cap - tokens, carry, rate, per)
 end
 
 -- Writes, last: the index (the only write that can fail), then the state.
 if ad + dn == 0 and failed(redis.pcall('SADD', KEYS[3], KEYS[1])) then
   return err('the activity index holds another type')
 end
+-- Usage counters saturate at MAX_CAP, so a state stays valid.
 if allowed == 1 then
-  ad = add_usage(ad, cost)
+  ad = ad + cost
+  if ad > MAX_CAP then
+    ad = MAX_CAP
+  end
 else
-  dn = add_usage(dn, cost)
+  dn = dn + cost
+  if dn > MAX_CAP then
+    dn = MAX_CAP
+  end
 end
 local packed = struct.pack(STATE_FMT, tokens, carry, ts, ad, dn, share_cap, share_rate, src,
-  lease_end, fcap, frate)
+  lease_end, fcap, frate, per)
 if reset == -1 then
   -- No refill and not full: expiring would hand out a full bucket, so the key must stay.
   redis.call('SET', KEYS[1], packed)

@@ -17,12 +17,26 @@ pub const PPM: u32 = 1_000_000;
 /// Also the bound of every time and TTL in ms the scripts take.
 pub const MAX_CAPACITY_UT: u64 = (1 << 53) - 1;
 
-/// The largest refill rate in micro-tokens per second, so that `rate * 1000` stays exact.
+/// The largest whole-budget refill rate of a policy in micro-tokens per second (policy
+/// validation): 9 · 10^6 tokens a second.
 pub const MAX_RATE_UT_PER_S: u64 = MAX_CAPACITY_UT / 1000;
 
-/// The largest `capacity / rate` (seconds to fill from empty, roughly): keeps every wait in
-/// milliseconds exact in a double.
-pub const MAX_FILL_RATIO: u64 = 9_000_000_000;
+/// The largest refill amount of a bucket in micro-tokens per period: a bucket refills
+/// `refill_ut` every `period_ms` (a policy's share refills `share · limit` µt per window).
+pub const MAX_REFILL_UT: u64 = MAX_CAPACITY_UT;
+
+/// The longest refill period of a bucket, in ms: the longest window. Below 2^32, so the
+/// scripts multiply two numbers below the period exactly by splitting one at 2^16.
+pub const MAX_PERIOD_MS: u64 = MAX_WINDOW_MS;
+
+/// The refill period of parameters given as micro-tokens per second (and of every state and
+/// parameter hash written without a period).
+pub const DEFAULT_PERIOD_MS: u64 = 1000;
+
+/// Bounds the fill time of a bucket: `floor(capacity / refill) · period` stays below this, so
+/// filling an empty bucket takes under `MAX_FILL_BOUND_MS + MAX_PERIOD_MS` < 2^44 ms and every
+/// wait a script computes is exact (its first estimate in doubles is off by less than 1 ms).
+pub const MAX_FILL_BOUND_MS: u64 = 9_000_000_000_000;
 
 /// The largest burst, and the largest cost of one request, in whole tokens: its capacity in
 /// micro-tokens must stay exact in a double.
@@ -51,6 +65,12 @@ const _: () = {
     assert!(MAX_BURST * UT <= MAX_CAPACITY_UT);
     assert!(MAX_BURST * PPM as u64 <= MAX_CAPACITY_UT);
     assert!(MAX_RATE_UT_PER_S * 1000 <= MAX_CAPACITY_UT);
+    // A policy's share refills share · limit µt per window.
+    assert!(MAX_BURST * PPM as u64 <= MAX_REFILL_UT);
+    assert!(MAX_PERIOD_MS < 1 << 32);
+    assert!(MAX_FILL_BOUND_MS + MAX_PERIOD_MS < 1 << 44);
+    // Every policy's fill time is within the bucket bound.
+    assert!(MAX_FILL_MS < MAX_FILL_BOUND_MS);
     // prev·(w − off) + (cur + cost)·w with prev, cur, cost ≤ limit.
     assert!(3 * MAX_WINDOW_PRODUCT < 1 << 53);
     assert!(MAX_WINDOW_PRODUCT / MAX_WINDOW_MS == 840_725);

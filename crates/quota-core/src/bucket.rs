@@ -3,22 +3,29 @@
 //! Everything is an integer so the Lua script (whose numbers are doubles, exact below 2^53) and
 //! this code agree bit for bit, which the differential test checks:
 //!
-//! - tokens are held in micro-tokens (`UT` per token), plus a `carry` of thousandths of a
-//!   micro-token, so refilling by small steps loses nothing;
-//! - the refill rate is micro-tokens per second; `elapsed_ms * rate` is in thousandths of a
-//!   micro-token, hence the carry;
+//! - tokens are held in micro-tokens (`UT` per token);
+//! - the refill is a rational rate, `refill_ut` micro-tokens every `period_ms` (a policy's
+//!   share refills `share · limit` µt per window: exact, whatever the window), so
+//!   `elapsed_ms · refill_ut` is in `1/period_ms` micro-tokens, and the part not yet credited is
+//!   kept as a `carry` in those units;
 //! - time is whole milliseconds, and a clock stepping back refills nothing.
 //!
 //! ```text
-//! refill:  tokens += (elapsed * rate + carry) / 1000,  carry = (elapsed * rate + carry) % 1000
+//! refill:  tokens += (elapsed · R + carry) / P,  carry = (elapsed · R + carry) % P
 //! full:    once elapsed >= time_to(cap - tokens): tokens = cap, carry = 0
-//! time_to(need) = ceil((need * 1000 - carry) / rate)   [ms]
+//! time_to(need) = ceil((need · P - carry) / R)   [ms]
 //! ```
+//!
+//! A carry is counted in the period of the parameters that made it: refilling under parameters
+//! with another period first drops it (less than one micro-token).
 
 use serde::{Deserialize, Serialize};
 
 use crate::bounds::PPM;
-pub use crate::bounds::{MAX_CAPACITY_UT, MAX_FILL_RATIO, MAX_RATE_UT_PER_S, UT};
+pub use crate::bounds::{
+    DEFAULT_PERIOD_MS, MAX_CAPACITY_UT, MAX_FILL_BOUND_MS, MAX_PERIOD_MS, MAX_RATE_UT_PER_S,
+    MAX_REFILL_UT, UT,
+};
 use crate::policy::Policy;
 
 /// The parameters a region enforces for one tenant's policy: its share of the global bucket.
@@ -26,8 +33,10 @@ use crate::policy::Policy;
 pub struct BucketParams {
     /// Capacity in micro-tokens.
     pub capacity_ut: u64,
-    /// Refill in micro-tokens per second.
-    pub rate_ut_per_s: u64,
+    /// Refill: `refill_ut` micro-tokens every `period_ms`.
+    pub refill_ut: u64,
+    /// The refill period in ms (≥ 1).
+    pub period_ms: u64,
 }
 
 /// Why bucket parameters are unusable.
@@ -35,52 +44,78 @@ pub struct BucketParams {
 pub enum ParamsError {
     #[error("capacity {capacity_ut} µt exceeds the maximum {MAX_CAPACITY_UT}")]
     Capacity { capacity_ut: u64 },
-    #[error("refill rate {rate_ut_per_s} µt/s exceeds the maximum {MAX_RATE_UT_PER_S}")]
-    Rate { rate_ut_per_s: u64 },
-    #[error("capacity {capacity_ut} µt at {rate_ut_per_s} µt/s takes too long to fill")]
+    #[error("refill {refill_ut} µt per period exceeds the maximum {MAX_REFILL_UT}")]
+    Refill { refill_ut: u64 },
+    #[error("refill period {period_ms} ms is outside 1..={MAX_PERIOD_MS}")]
+    Period { period_ms: u64 },
+    #[error(
+        "capacity {capacity_ut} µt at {refill_ut} µt per {period_ms} ms takes too long to fill"
+    )]
     FillTime {
         capacity_ut: u64,
-        rate_ut_per_s: u64,
+        refill_ut: u64,
+        period_ms: u64,
     },
 }
 
 impl BucketParams {
-    /// Checked constructor: the bounds that keep the arithmetic exact in Lua.
+    /// No capacity, no refill (a region without a share).
+    pub const EMPTY: Self = Self {
+        capacity_ut: 0,
+        refill_ut: 0,
+        period_ms: DEFAULT_PERIOD_MS,
+    };
+
+    /// Checked constructor for a refill in micro-tokens per second.
     pub fn new(capacity_ut: u64, rate_ut_per_s: u64) -> Result<Self, ParamsError> {
+        Self::per_period(capacity_ut, rate_ut_per_s, DEFAULT_PERIOD_MS)
+    }
+
+    /// Checked constructor: `refill_ut` micro-tokens every `period_ms`, within the bounds that
+    /// keep the arithmetic exact in Lua.
+    pub fn per_period(
+        capacity_ut: u64,
+        refill_ut: u64,
+        period_ms: u64,
+    ) -> Result<Self, ParamsError> {
         if capacity_ut > MAX_CAPACITY_UT {
             return Err(ParamsError::Capacity { capacity_ut });
         }
-        if rate_ut_per_s > MAX_RATE_UT_PER_S {
-            return Err(ParamsError::Rate { rate_ut_per_s });
+        if refill_ut > MAX_REFILL_UT {
+            return Err(ParamsError::Refill { refill_ut });
         }
-        if rate_ut_per_s > 0 && capacity_ut / rate_ut_per_s >= MAX_FILL_RATIO {
+        if period_ms == 0 || period_ms > MAX_PERIOD_MS {
+            return Err(ParamsError::Period { period_ms });
+        }
+        if refill_ut > 0
+            && u128::from(capacity_ut / refill_ut) * u128::from(period_ms)
+                >= u128::from(MAX_FILL_BOUND_MS)
+        {
             return Err(ParamsError::FillTime {
                 capacity_ut,
-                rate_ut_per_s,
+                refill_ut,
+                period_ms,
             });
         }
         Ok(Self {
             capacity_ut,
-            rate_ut_per_s,
+            refill_ut,
+            period_ms,
         })
     }
 
-    /// The bucket for `share_ppm` of a policy's global budget (capacity `s·C`, refill `s·r`).
+    /// The bucket for `share_ppm` of a policy's global budget: capacity `s · burst`, refill
+    /// `s · limit` per window, both exact in micro-tokens (`UT` = `PPM`), so the rate enforced
+    /// is exactly the share of the policy's and a nonzero share always refills.
     pub fn for_share(policy: &Policy, share_ppm: u32) -> Self {
         let share = u64::from(share_ppm.min(PPM));
-        // burst ≤ MAX_BURST so burst · share ≤ MAX_CAPACITY_UT.
-        let capacity_ut = policy.burst * share;
-        let rate =
-            (u128::from(policy.rate_ut_per_s()) * u128::from(share) / u128::from(PPM)) as u64;
-        // Rounding a tiny share's rate down can make the fill time absurd; nudge it up instead.
-        let rate_ut_per_s = if rate > 0 && capacity_ut / rate >= MAX_FILL_RATIO {
-            capacity_ut / MAX_FILL_RATIO + 1
-        } else {
-            rate
-        };
+        debug_assert_eq!(UT, u64::from(PPM));
+        // burst, limit ≤ MAX_BURST so both products are ≤ MAX_CAPACITY_UT; the fill time
+        // floor(burst / limit) · window is the policy's, which validation bounds.
         Self {
-            capacity_ut,
-            rate_ut_per_s,
+            capacity_ut: policy.burst * share,
+            refill_ut: policy.limit * share,
+            period_ms: policy.window_ms,
         }
     }
 
@@ -88,16 +123,40 @@ impl BucketParams {
     pub fn global(policy: &Policy) -> Self {
         Self::for_share(policy, PPM)
     }
+
+    /// The refill rate in tokens per second, unrounded (as exact as an `f64`), for display.
+    pub fn refill_tokens_per_s(&self) -> f64 {
+        self.refill_ut as f64 * 1000.0 / self.period_ms as f64 / UT as f64
+    }
 }
 
 /// The stored state of one bucket. A missing bucket is a full one.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
 pub struct BucketState {
     pub tokens_ut: u64,
-    /// Thousandths of a micro-token not yet credited (always < 1000).
+    /// Micro-tokens not yet credited, in `1/period_ms` units (always < `period_ms`).
     pub carry: u64,
     /// The latest time this bucket has seen, in ms.
     pub ts_ms: u64,
+    /// The period the carry is counted in: that of the parameters of the latest refill.
+    pub period_ms: u64,
+}
+
+impl BucketState {
+    /// The state counted in `period_ms`: the same, or with its carry dropped (less than one
+    /// micro-token) when it was counted in another period. Refilling does this, and
+    /// `set_params.lua` when it writes parameters of another period.
+    pub fn in_period(&self, period_ms: u64) -> Self {
+        if self.period_ms == period_ms {
+            *self
+        } else {
+            Self {
+                carry: 0,
+                period_ms,
+                ..*self
+            }
+        }
+    }
 }
 
 /// The answer to "may this cost be spent now?". A denial is a value, not an error.
@@ -113,26 +172,27 @@ pub struct Decision {
     pub reset_ms: Option<u64>,
 }
 
-/// `ceil((need_ut * 1000 - carry) / rate)`, the ms until `need_ut` more micro-tokens accrue.
-fn time_to(need_ut: u64, carry: u64, rate: u64) -> u64 {
-    debug_assert!(need_ut > 0 && carry < 1000 && rate > 0);
-    let num = u128::from(need_ut) * 1000 - u128::from(carry);
-    num.div_ceil(u128::from(rate)) as u64
+/// `ceil((need_ut · P - carry) / R)`, the ms until `need_ut` more micro-tokens accrue.
+fn time_to(need_ut: u64, carry: u64, p: &BucketParams) -> u64 {
+    debug_assert!(need_ut > 0 && carry < p.period_ms && p.refill_ut > 0);
+    let num = u128::from(need_ut) * u128::from(p.period_ms) - u128::from(carry);
+    num.div_ceil(u128::from(p.refill_ut)) as u64
 }
 
 /// Refills `state` up to `now_ms` and clips it to the capacity. A missing state is a full
 /// bucket; a clock stepping back refills nothing and does not move `ts_ms` backwards.
 pub fn refill(now_ms: u64, params: &BucketParams, state: Option<&BucketState>) -> BucketState {
     let cap = params.capacity_ut;
-    let rate = params.rate_ut_per_s;
+    let rate = params.refill_ut;
     let Some(s) = state else {
         return BucketState {
             tokens_ut: cap,
             carry: 0,
             ts_ms: now_ms,
+            period_ms: params.period_ms,
         };
     };
-    let mut s = *s;
+    let mut s = s.in_period(params.period_ms);
     if s.tokens_ut >= cap {
         // Full, or the capacity shrank: clip.
         s.tokens_ut = cap;
@@ -141,14 +201,15 @@ pub fn refill(now_ms: u64, params: &BucketParams, state: Option<&BucketState>) -
     if now_ms > s.ts_ms {
         let elapsed = now_ms - s.ts_ms;
         if s.tokens_ut < cap && rate > 0 {
-            if elapsed >= time_to(cap - s.tokens_ut, s.carry, rate) {
+            if elapsed >= time_to(cap - s.tokens_ut, s.carry, params) {
                 s.tokens_ut = cap;
                 s.carry = 0;
             } else {
                 // Below the fill time the sum cannot reach the capacity.
                 let total = u128::from(elapsed) * u128::from(rate) + u128::from(s.carry);
-                s.tokens_ut += (total / 1000) as u64;
-                s.carry = (total % 1000) as u64;
+                let period = u128::from(params.period_ms);
+                s.tokens_ut += (total / period) as u64;
+                s.carry = (total % period) as u64;
             }
         }
         s.ts_ms = now_ms;
@@ -166,7 +227,7 @@ pub fn decide(
     cost: u64,
 ) -> (Decision, BucketState) {
     let cap = params.capacity_ut;
-    let rate = params.rate_ut_per_s;
+    let rate = params.refill_ut;
     let mut s = refill(now_ms, params, state);
     let cost_ut = cost.saturating_mul(UT);
     let (allowed, retry_after_ms) = if cost_ut <= s.tokens_ut {
@@ -175,14 +236,14 @@ pub fn decide(
     } else if cost_ut > cap || rate == 0 {
         (false, None)
     } else {
-        (false, Some(time_to(cost_ut - s.tokens_ut, s.carry, rate)))
+        (false, Some(time_to(cost_ut - s.tokens_ut, s.carry, params)))
     };
     let reset_ms = if s.tokens_ut >= cap {
         Some(0)
     } else if rate == 0 {
         None
     } else {
-        Some(time_to(cap - s.tokens_ut, s.carry, rate))
+        Some(time_to(cap - s.tokens_ut, s.carry, params))
     };
     let decision = Decision {
         allowed,
@@ -193,19 +254,35 @@ pub fn decide(
     (decision, s)
 }
 
+/// The state of a bucket of `new` parameters that replaces a bucket of `old` ones (a changed
+/// policy, whose new version has a bucket of its own) at `now_ms`: what the old bucket had spent
+/// stays spent. Both refilled to now, the new level is the new bucket's level (full when it has
+/// no state yet) less `old capacity − old level`, at least 0. So a drained bucket stays drained
+/// across a change of terms, and a raised limit gives only the difference. `lua/set_params.lua`
+/// computes exactly this.
+pub fn carry_over(
+    now_ms: u64,
+    old: &BucketParams,
+    old_state: &BucketState,
+    new: &BucketParams,
+    new_state: Option<&BucketState>,
+) -> BucketState {
+    let spent = old.capacity_ut - refill(now_ms, old, Some(old_state)).tokens_ut;
+    let mut s = refill(now_ms, new, new_state);
+    s.tokens_ut = s.tokens_ut.saturating_sub(spent);
+    s
+}
+
 /// Idle time after which a bucket may be forgotten: at least the time to refill completely, so
 /// an expired bucket (read as full) never grants more than the live one would.
 pub fn idle_ttl_ms(params: &BucketParams, state: &BucketState) -> u64 {
     if state.tokens_ut >= params.capacity_ut {
         0
-    } else if params.rate_ut_per_s == 0 {
+    } else if params.refill_ut == 0 {
         u64::MAX
     } else {
-        time_to(
-            params.capacity_ut - state.tokens_ut,
-            state.carry,
-            params.rate_ut_per_s,
-        )
+        let s = state.in_period(params.period_ms);
+        time_to(params.capacity_ut - s.tokens_ut, s.carry, params)
     }
 }
 
@@ -231,7 +308,8 @@ mod tests {
             BucketState {
                 tokens_ut: 7 * UT,
                 carry: 0,
-                ts_ms: 1000
+                ts_ms: 1000,
+                period_ms: 1000,
             }
         );
     }
@@ -308,18 +386,117 @@ mod tests {
             g,
             BucketParams {
                 capacity_ut: 600 * UT,
-                rate_ut_per_s: 10 * UT
+                refill_ut: 600 * UT,
+                period_ms: 60_000,
             }
         );
-        let third = BucketParams::for_share(&policy, PPM / 4);
+        let quarter = BucketParams::for_share(&policy, PPM / 4);
         assert_eq!(
-            third,
+            quarter,
             BucketParams {
                 capacity_ut: 150 * UT,
-                rate_ut_per_s: 10 * UT / 4
+                refill_ut: 150 * UT,
+                period_ms: 60_000,
             }
         );
-        assert!(BucketParams::new(third.capacity_ut, third.rate_ut_per_s).is_ok());
+        assert!(BucketParams::per_period(150 * UT, 150 * UT, 60_000).is_ok());
+        assert_eq!(quarter.refill_tokens_per_s(), 2.5);
+    }
+
+    fn policy(limit: u64, window_ms: u64, burst: u64) -> Policy {
+        PolicySpec {
+            limit: limit as f64,
+            window_ms: window_ms as f64,
+            burst: Some(burst as f64),
+            ..Default::default()
+        }
+        .validate()
+        .unwrap()
+    }
+
+    // Issue 20: one a month at a third refilled at 0 µt/s, ten a month at a third 22% slow.
+    #[test]
+    fn a_share_refills_exactly_its_part_of_a_slow_policy() {
+        let month = 2_592_000_000;
+        for (limit, window_ms) in [(1, 2_678_400_000), (10, month), (100, 2_678_400_000)] {
+            let p = policy(limit, window_ms, limit);
+            let share = PPM / 3;
+            let b = BucketParams::for_share(&p, share);
+            assert!(b.refill_ut > 0);
+            let want = limit as f64 * f64::from(share) / f64::from(PPM) * 1000.0 / window_ms as f64;
+            assert!((b.refill_tokens_per_s() - want).abs() <= want * 1e-12);
+            // Drained, the bucket is full again exactly one window later.
+            let (_, s) = decide(0, &b, None, 0);
+            let empty = BucketState { tokens_ut: 0, ..s };
+            let (d, _) = decide(0, &b, Some(&empty), 0);
+            assert_eq!(d.reset_ms, Some(window_ms));
+            assert_eq!(
+                refill(window_ms - 1, &b, Some(&empty)).tokens_ut,
+                b.capacity_ut - 1
+            );
+            assert_eq!(
+                refill(window_ms / 2, &b, Some(&empty)).tokens_ut,
+                b.capacity_ut / 2
+            );
+        }
+    }
+
+    #[test]
+    fn one_token_a_month_at_one_percent() {
+        // limit 100 per 31 days at a 1% share: one token per 31 days.
+        let window = 2_678_400_000;
+        let b = BucketParams::for_share(&policy(100, window, 100), 10_000);
+        assert_eq!((b.capacity_ut, b.refill_ut), (UT, UT));
+        let (d, s) = decide(5, &b, None, 1);
+        assert!(d.allowed);
+        let (d, _) = decide(5, &b, Some(&s), 1);
+        assert_eq!(d.retry_after_ms, Some(window));
+        assert!(!decide(5 + window - 1, &b, Some(&s), 1).0.allowed);
+        assert!(decide(5 + window, &b, Some(&s), 1).0.allowed);
+        assert_eq!(idle_ttl_ms(&b, &s), window);
+    }
+
+    #[test]
+    fn a_changed_period_drops_the_carry_only() {
+        let a = BucketParams::per_period(10 * UT, 1, 3).unwrap();
+        let (_, s) = decide(0, &a, None, 10);
+        let s = refill(2, &a, Some(&s));
+        assert_eq!((s.tokens_ut, s.carry), (0, 2));
+        let b = BucketParams::per_period(10 * UT, 1, 7).unwrap();
+        let t = refill(2, &b, Some(&s));
+        assert_eq!((t.tokens_ut, t.carry, t.period_ms), (0, 0, 7));
+    }
+
+    #[test]
+    fn parameters_out_of_bounds_are_refused() {
+        assert!(BucketParams::per_period(1, 1, 0).is_err());
+        assert!(BucketParams::per_period(1, 1, MAX_PERIOD_MS + 1).is_err());
+        assert!(BucketParams::per_period(1, MAX_REFILL_UT + 1, 1).is_err());
+        assert!(BucketParams::per_period(MAX_CAPACITY_UT + 1, 1, 1).is_err());
+        // floor(cap / refill) · period at the bound: refused; just below: accepted.
+        assert!(BucketParams::per_period(MAX_FILL_BOUND_MS / 1000, 1, 1000).is_err());
+        assert!(BucketParams::per_period(MAX_FILL_BOUND_MS / 1000 - 1, 1, 1000).is_ok());
+    }
+
+    #[test]
+    fn a_changed_policy_keeps_what_was_spent() {
+        let old = params(10, 1);
+        let (_, drained) = decide(0, &old, None, 10);
+        // The same terms again: still drained; refilled by what accrued meanwhile.
+        let s = carry_over(2000, &old, &drained, &old, None);
+        assert_eq!(s.tokens_ut, 2 * UT);
+        // A raised burst gives only the difference.
+        let s = carry_over(0, &old, &drained, &params(15, 1), None);
+        assert_eq!(s.tokens_ut, 5 * UT);
+        // A lowered one cannot go below empty.
+        let (_, half) = decide(0, &old, None, 5);
+        let s = carry_over(0, &old, &half, &params(3, 1), None);
+        assert_eq!(s.tokens_ut, 0);
+        // A new bucket already spent from (decided before its parameters): both spendings count.
+        let new = params(20, 1);
+        let (_, spent_new) = decide(0, &new, None, 4);
+        let s = carry_over(0, &old, &half, &new, Some(&spent_new));
+        assert_eq!(s.tokens_ut, 11 * UT);
     }
 
     #[test]

@@ -39,7 +39,11 @@ proptest! {
             match policy.algorithm {
                 Algorithm::TokenBucket => {
                     let p = BucketParams::for_share(&policy, share);
-                    prop_assert!(BucketParams::new(p.capacity_ut, p.rate_ut_per_s).is_ok(), "{policy:?} at {share}: {p:?}");
+                    prop_assert!(BucketParams::per_period(p.capacity_ut, p.refill_ut, p.period_ms).is_ok(), "{policy:?} at {share}: {p:?}");
+                    // A nonzero share always refills, at exactly its part of the policy's rate.
+                    prop_assert_eq!(p.refill_ut == 0, share == 0);
+                    prop_assert_eq!(u128::from(p.refill_ut), u128::from(policy.limit) * u128::from(share));
+                    prop_assert_eq!(p.period_ms, policy.window_ms);
                 }
                 Algorithm::SlidingWindow => {
                     let limit = policy.limit * u64::from(share) / u64::from(PPM);

@@ -52,6 +52,8 @@ struct Entry {
     denied: u64,
     /// Listed in the shard's activity list since the last collection.
     listed: bool,
+    /// The limit of the latest decision (the scripts keep the same copy in the state).
+    limit: Limit,
 }
 
 impl Entry {
@@ -90,11 +92,13 @@ impl Shard {
     }
 
     /// Keeps a decision's new state and counts its tokens, listing the bucket as active.
+    #[allow(clippy::too_many_arguments)]
     fn record(
         &mut self,
         key: StateKey,
         now: u64,
         state: State,
+        limit: Limit,
         expires_at_ms: Option<u64>,
         admitted: u64,
         denied: u64,
@@ -102,6 +106,7 @@ impl Shard {
         match self.states.get_mut(&key).filter(|e| e.live_at(now)) {
             Some(e) => {
                 e.state = state;
+                e.limit = limit;
                 e.expires_at_ms = expires_at_ms;
                 e.admitted += admitted;
                 e.denied += denied;
@@ -117,6 +122,7 @@ impl Shard {
                     admitted,
                     denied,
                     listed: true,
+                    limit,
                 };
                 self.states.insert(key.clone(), e);
                 self.active.push(key);
@@ -198,9 +204,84 @@ impl EmbeddedStore {
         }
     }
 
+    /// The shard of a bucket: by tenant and policy, so every version of a policy shares one
+    /// (a changed policy's new bucket reads the old one under the same lock).
     fn shard(&self, b: &BucketRef) -> MutexGuard<'_, Shard> {
-        let i = self.hasher.hash_one(b) as usize % self.shards.len();
+        let i = self.hasher.hash_one((&b.tenant, &b.policy)) as usize % self.shards.len();
         lock(&self.shards[i])
+    }
+
+    /// A changed policy: the new bucket (no state yet, or decided only on the fallback) keeps
+    /// what the bucket it replaces had spent, as `set_params.lua` does.
+    fn carry_over(&self, shard: &mut Shard, req: &SetParams, now: u64) {
+        let (Some(old), Limit::TokenBucket(new_share)) = (req.replaced(), req.limit) else {
+            return;
+        };
+        let new_key = (req.bucket.clone(), StateKind::Bucket);
+        let stored =
+            matches!(shard.params.get(&req.bucket), Some((p, _)) if p.kind() == StateKind::Bucket);
+        let new_entry = shard.states.get(&new_key).filter(|e| e.live_at(now));
+        if new_entry.is_some() && stored {
+            return;
+        }
+        let Some(old_entry) = shard
+            .states
+            .get(&(old.clone(), StateKind::Bucket))
+            .filter(|e| e.live_at(now))
+        else {
+            return;
+        };
+        // The old bucket's parameters in force now: stored ones (the floor from their lease
+        // end on), else its latest decision's.
+        let old_limit = match shard.params.get(&old) {
+            Some(&(p, Some((end, floor)))) if p.kind() == StateKind::Bucket && now >= end => floor,
+            Some(&(p, _)) if p.kind() == StateKind::Bucket => p,
+            _ => old_entry.limit,
+        };
+        let (Limit::TokenBucket(old_p), State::Bucket(old_s)) = (old_limit, &old_entry.state)
+        else {
+            return;
+        };
+        let new_p = match req.lease {
+            Some(l) if l.remaining_ms == 0 => match l.floor {
+                Limit::TokenBucket(f) => f,
+                Limit::SlidingWindow { .. } => return,
+            },
+            _ => new_share,
+        };
+        let spent = old_p.capacity_ut - bucket::refill(now, &old_p, Some(old_s)).tokens_ut;
+        if spent == 0 || (new_entry.is_none() && new_p.capacity_ut == 0) {
+            return;
+        }
+        let prev = new_entry.and_then(|e| match &e.state {
+            State::Bucket(s) => Some(*s),
+            State::Window(_) => None,
+        });
+        let s = bucket::carry_over(now, &old_p, old_s, &new_p, prev.as_ref());
+        let ttl = bucket::idle_ttl_ms(&new_p, &s);
+        let expires =
+            (ttl != u64::MAX).then(|| s.ts_ms.saturating_add(ttl.max(self.min_idle_ttl_ms)));
+        match shard.states.get_mut(&new_key).filter(|e| e.live_at(now)) {
+            Some(e) => {
+                e.state = State::Bucket(s);
+                // Never shortened, as set_params.lua lengthens only.
+                e.expires_at_ms = match (e.expires_at_ms, expires) {
+                    (Some(a), Some(b)) => Some(a.max(b)),
+                    _ => None,
+                };
+            }
+            None => {
+                let e = Entry {
+                    state: State::Bucket(s),
+                    expires_at_ms: expires,
+                    admitted: 0,
+                    denied: 0,
+                    listed: false,
+                    limit: Limit::TokenBucket(new_p),
+                };
+                shard.states.insert(new_key, e);
+            }
+        }
     }
 
     fn decide(&self, req: &CheckRequest) -> Result<Decision, StoreError> {
@@ -240,7 +321,7 @@ impl EmbeddedStore {
         } else {
             (0, req.cost)
         };
-        shard.record(key, now, state, expires_at_ms, admitted, denied);
+        shard.record(key, now, state, limit, expires_at_ms, admitted, denied);
         Ok(decision)
     }
 
@@ -291,13 +372,13 @@ impl Store for EmbeddedStore {
 
     async fn set_params(&self, req: &SetParams) -> Result<(), StoreError> {
         req.validate()?;
-        let lease = req.lease.map(|l| {
-            let now = req.now_ms.unwrap_or_else(|| (self.clock)());
-            (now.saturating_add(l.remaining_ms), l.floor)
-        });
-        self.shard(&req.bucket)
-            .params
-            .insert(req.bucket.clone(), (req.limit, lease));
+        let now = req.now_ms.unwrap_or_else(|| (self.clock)());
+        let lease = req
+            .lease
+            .map(|l| (now.saturating_add(l.remaining_ms), l.floor));
+        let mut shard = self.shard(&req.bucket);
+        self.carry_over(&mut shard, req, now);
+        shard.params.insert(req.bucket.clone(), (req.limit, lease));
         Ok(())
     }
 

@@ -87,11 +87,13 @@ impl Limit {
     /// caller can build an out-of-range value).
     pub fn validate(&self) -> Result<(), StoreError> {
         match *self {
-            Self::TokenBucket(p) => BucketParams::new(p.capacity_ut, p.rate_ut_per_s)
-                .map(|_| ())
-                .map_err(|e| StoreError::Rejected {
-                    reason: e.to_string(),
-                }),
+            Self::TokenBucket(p) => {
+                BucketParams::per_period(p.capacity_ut, p.refill_ut, p.period_ms)
+                    .map(|_| ())
+                    .map_err(|e| StoreError::Rejected {
+                        reason: e.to_string(),
+                    })
+            }
             Self::SlidingWindow { limit, window_ms } => WindowParams::new(limit, window_ms)
                 .map(|_| ())
                 .map_err(|e| StoreError::Rejected {
@@ -177,6 +179,11 @@ pub struct SetParams {
     pub lease: Option<LeaseEnd>,
     /// Explicit time for tests and the simulator; `None` uses the store's clock.
     pub now_ms: Option<u64>,
+    /// The version of the same tenant's policy this bucket replaces (its terms changed): for a
+    /// token bucket, what the old bucket had spent stays spent
+    /// ([`quota_core::bucket::carry_over`]), while the new bucket has no state yet or was only
+    /// decided on the fallback.
+    pub replaces: Option<u64>,
 }
 
 impl SetParams {
@@ -187,7 +194,24 @@ impl SetParams {
             limit,
             lease: None,
             now_ms: None,
+            replaces: None,
         }
+    }
+
+    /// The same, replacing the bucket of `version` (see [`SetParams::replaces`]).
+    pub fn replacing(mut self, version: u64) -> Self {
+        self.replaces = Some(version);
+        self
+    }
+
+    /// The bucket this one replaces, if any, and not itself.
+    pub fn replaced(&self) -> Option<BucketRef> {
+        self.replaces
+            .filter(|&v| v != self.bucket.version)
+            .map(|version| BucketRef {
+                version,
+                ..self.bucket.clone()
+            })
     }
 
     /// The same, holding for `remaining_ms` and then falling back to `floor`.
@@ -215,6 +239,13 @@ impl SetParams {
                 return Err(StoreError::Rejected {
                     reason: "the floor is not the same kind of limit".into(),
                 });
+            }
+            if let (Limit::TokenBucket(p), Limit::TokenBucket(f)) = (self.limit, lease.floor) {
+                if p.period_ms != f.period_ms {
+                    return Err(StoreError::Rejected {
+                        reason: "the floor refills over another period".into(),
+                    });
+                }
             }
             // The end is computed by the store from its own clock; it must stay exact.
             if lease.remaining_ms > MAX_CAPACITY_UT / 2 {

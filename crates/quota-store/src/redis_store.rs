@@ -43,7 +43,7 @@ pub use config::{
 pub use tls::{ClientIdentity, Tls, TlsPart};
 
 use crate::script::{self, Arg, COLLECT_BATCH_MAX};
-use crate::{BucketRef, CheckRequest, SetParams, Store, StoreError, UsageRecord};
+use crate::{BucketRef, CheckRequest, Limit, SetParams, Store, StoreError, UsageRecord};
 use source::{build_source, Source};
 
 /// Slot indexes drained at once during a cluster usage collection.
@@ -163,12 +163,13 @@ impl Store for RedisStore {
         let state = req.bucket.state_key(kind);
         let params = req.bucket.params_key();
         let index = self.index_key(&state);
-        let args = script::decision_args(req, &self.min_idle_ttl_ms);
+        let (args, n) = script::decision_args(req, &self.min_idle_ttl_ms);
+        let args = &args[..n];
         let s = match kind {
             StateKind::Bucket => &self.scripts.token_bucket,
             StateKind::Window => &self.scripts.sliding_window,
         };
-        let reply: Vec<i64> = self.invoke(s, &[&state, &params, &index], &args).await?;
+        let reply: Vec<i64> = self.invoke(s, &[&state, &params, &index], args).await?;
         script::decision_from_reply(&reply)
     }
 
@@ -180,9 +181,16 @@ impl Store for RedisStore {
         let state = req.bucket.state_key(StateKind::Bucket);
         let args = script::set_params_args(req, &self.min_idle_ttl_ms);
         let args: Vec<Arg> = args.iter().map(|a| Arg::Str(a)).collect();
-        let _: i64 = self
-            .invoke(&self.scripts.set_params, &[&key, &state], &args)
-            .await?;
+        // A changed policy: the old version's state, whose spent tokens stay spent.
+        let old = match (req.replaced(), req.limit) {
+            (Some(b), Limit::TokenBucket(_)) => Some(b.state_key(StateKind::Bucket)),
+            _ => None,
+        };
+        let keys: Vec<&str> = [key.as_str(), state.as_str()]
+            .into_iter()
+            .chain(old.as_deref())
+            .collect();
+        let _: i64 = self.invoke(&self.scripts.set_params, &keys, &args).await?;
         Ok(())
     }
 

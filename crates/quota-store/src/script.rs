@@ -48,26 +48,30 @@ impl redis::ToRedisArgs for Arg<'_> {
 }
 
 /// The ARGV of a decision script for `req`: cost, fallback pair, explicit now (or `""`),
-/// minimum idle TTL.
-pub fn decision_args<'a>(req: &CheckRequest, min_idle_ttl_ms: &'a str) -> [Arg<'a>; 5] {
-    let (a, b) = match req.limit {
-        Limit::TokenBucket(p) => (p.capacity_ut, p.rate_ut_per_s),
-        Limit::SlidingWindow { limit, window_ms } => (limit, window_ms),
+/// minimum idle TTL, and for a token bucket its refill period: the arguments and how many of
+/// them to pass (no allocation on the hot path).
+pub fn decision_args<'a>(req: &CheckRequest, min_idle_ttl_ms: &'a str) -> ([Arg<'a>; 6], usize) {
+    let (a, b, n, per) = match req.limit {
+        Limit::TokenBucket(p) => (p.capacity_ut, p.refill_ut, 6, p.period_ms),
+        Limit::SlidingWindow { limit, window_ms } => (limit, window_ms, 5, 0),
     };
-    [
+    let args = [
         Arg::Num(req.cost),
         Arg::Num(a),
         Arg::Num(b),
         req.now_ms.map_or(Arg::Str(""), Arg::Num),
         Arg::Str(min_idle_ttl_ms),
-    ]
+        Arg::Num(per),
+    ];
+    (args, n)
 }
 
 /// The ARGV of `set_params.lua` for `req`: the limit's field pairs, the minimum idle TTL,
-/// the lease (remaining ms and floor pair, or empty) and the explicit now (or empty).
+/// the lease (remaining ms and floor pair, or empty), the explicit now (or empty) and for a
+/// token bucket the refill period.
 pub fn set_params_args(req: &SetParams, min_idle_ttl_ms: &str) -> Vec<String> {
     let pair = |l: Limit| match l {
-        Limit::TokenBucket(p) => (p.capacity_ut, p.rate_ut_per_s),
+        Limit::TokenBucket(p) => (p.capacity_ut, p.refill_ut),
         Limit::SlidingWindow { limit, window_ms } => (limit, window_ms),
     };
     let (f1, f2) = match req.limit {
@@ -92,6 +96,10 @@ pub fn set_params_args(req: &SetParams, min_idle_ttl_ms: &str) -> Vec<String> {
         g1,
         g2,
         req.now_ms.map(|n| n.to_string()).unwrap_or_default(),
+        match req.limit {
+            Limit::TokenBucket(p) => p.period_ms.to_string(),
+            Limit::SlidingWindow { .. } => String::new(),
+        },
     ]
 }
 

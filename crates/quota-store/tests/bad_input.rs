@@ -69,9 +69,9 @@ fn token_bucket_rejects_every_bad_argument() {
             &["1", "9007199254740992", "1000", ""],
         ),
         ("float rate", &["1", "1000000", "0.5", ""]),
-        ("rate above max", &["1", "1000000", "9007199254741", ""]),
+        ("rate above 2^53", &["1", "1000000", "9007199254740992", ""]),
         ("fill time too long", &["1", "9007199254740991", "1", ""]),
-        // floor(cap / rate) = MAX_FILL_RATIO exactly: just out of bounds.
+        // floor(cap / rate) * period = MAX_FILL exactly: just out of bounds.
         (
             "fill time at the bound",
             &["1", "9000000000000", "1000", ""],
@@ -95,9 +95,20 @@ fn token_bucket_rejects_every_bad_argument() {
             &["1", "1000000", "1000", "5", "99999999999999999999"],
         ),
         ("too few arguments", &["1", "1000000"]),
+        ("zero period", &["1", "1000000", "1000", "5", "", "0"]),
+        ("float period", &["1", "1000000", "1000", "5", "", "1.5"]),
+        (
+            "period above 31 days",
+            &["1", "1000000", "1000", "5", "", "2678400001"],
+        ),
+        ("period without fallback", &["1", "", "", "5", "", "1000"]),
+        (
+            "fill time at the bound over a day",
+            &["1", "104167", "1", "5", "", "86400000"],
+        ),
         (
             "too many arguments",
-            &["1", "1000000", "1000", "5", "6", "7"],
+            &["1", "1000000", "1000", "5", "6", "7", "8"],
         ),
     ];
     for (case, args) in cases {
@@ -262,8 +273,20 @@ fn set_params_rejects_bad_arguments() {
             ],
         ),
         (
+            "zero period",
+            &["cap", "1", "rate", "1", "", "", "", "", "", "0"],
+        ),
+        (
+            "period above 31 days",
+            &["cap", "1", "rate", "1", "", "", "", "", "", "2678400001"],
+        ),
+        (
+            "period of a window",
+            &["limit", "1", "window", "1", "", "", "", "", "", "1000"],
+        ),
+        (
             "too many",
-            &["cap", "1", "rate", "1", "", "", "", "", "", "x"],
+            &["cap", "1", "rate", "1", "", "", "", "", "", "1000", "x"],
         ),
     ];
     for (case, args) in cases {
@@ -292,7 +315,7 @@ async fn invalid_requests_never_reach_redis() {
     let b = fresh_bucket("never");
     let out_of_range = BucketParams {
         capacity_ut: 1 << 53,
-        rate_ut_per_s: 0,
+        ..BucketParams::EMPTY
     };
     let bad = [
         req(&b, tokens(1, 1), u64::MAX, None),
@@ -413,6 +436,35 @@ fn wrong_types_repeated_keys_and_corrupt_state_are_errors_that_write_nothing() {
         ),
         "set_params on a list state",
     );
+    // The replaced version's state (KEYS[3]): another type, or not a state, is an error that
+    // writes nothing; so is naming it twice.
+    let old = "qd:v1:{bad}:x:0:b";
+    for (case, seed) in [("a list", "RPUSH"), ("not a state", "SET")] {
+        cmd(&mut c, &["FLUSHALL"]);
+        cmd(&mut c, &[seed, old, "x"]);
+        let before = dumps(&mut c, &[P, B, old]);
+        assert_quotad_error(
+            eval(
+                &mut c,
+                SET_PARAMS_LUA,
+                &[P, B, old],
+                &["cap", "1000000", "rate", "1"],
+            ),
+            &format!("set_params replacing {case}"),
+        );
+        assert_eq!(dumps(&mut c, &[P, B, old]), before, "{case}");
+    }
+    assert_quotad_error(
+        eval(
+            &mut c,
+            SET_PARAMS_LUA,
+            &[P, B, B],
+            &["cap", "1", "rate", "1"],
+        ),
+        "set_params replacing its own state",
+    );
+    cmd(&mut c, &["FLUSHALL"]);
+    cmd(&mut c, &["RPUSH", B, "x"]);
     assert_quotad_error(
         eval(&mut c, COLLECT_USAGE_LUA, &[B], &["10"]),
         "collect_usage on a list index",

@@ -15,7 +15,9 @@ use std::cell::{Cell, RefCell};
 
 use proptest::prelude::*;
 use proptest::test_runner::{RngSeed, TestRunner};
-use quota_core::bucket::{self, MAX_CAPACITY_UT, MAX_FILL_RATIO, MAX_RATE_UT_PER_S, UT};
+use quota_core::bucket::{
+    self, DEFAULT_PERIOD_MS, MAX_CAPACITY_UT, MAX_FILL_BOUND_MS, MAX_PERIOD_MS, MAX_REFILL_UT, UT,
+};
 use quota_core::window::{
     self, EXACT_LOG_MAX, MAX_WINDOW_LIMIT, MAX_WINDOW_MS, MAX_WINDOW_PRODUCT,
 };
@@ -57,7 +59,8 @@ fn with_fixture<T>(f: impl FnOnce(&mut Fixture) -> T) -> T {
     })
 }
 
-/// Valid bucket parameters, biased towards the extremes.
+/// Valid bucket parameters, biased towards the extremes: refills per second (the 88-byte
+/// layout's period), per ms, per day, per 31 days and odd periods.
 fn bucket_params() -> impl Strategy<Value = BucketParams> {
     let cap = prop_oneof![
         3 => (0u64..=50).prop_map(|t| t * UT),
@@ -70,18 +73,30 @@ fn bucket_params() -> impl Strategy<Value = BucketParams> {
         2 => Just(0u64),
         3 => 1u64..=10,
         3 => 1u64..=100_000_000,
-        2 => (0u64..1000).prop_map(|d| MAX_RATE_UT_PER_S - d),
-        1 => any::<u64>().prop_map(|v| v % (MAX_RATE_UT_PER_S + 1)),
+        2 => (0u64..1000).prop_map(|d| MAX_REFILL_UT - d),
+        1 => any::<u64>().prop_map(|v| v % (MAX_REFILL_UT + 1)),
     ];
-    (cap, rate).prop_map(|(cap, rate)| {
-        // Nudge the rate up (as for_share does) where the fill time would be out of bounds.
-        let rate = if rate > 0 && cap / rate >= MAX_FILL_RATIO {
-            cap / MAX_FILL_RATIO + 1
-        } else {
-            rate
-        };
-        BucketParams::new(cap, rate).unwrap()
-    })
+    let period = prop_oneof![
+        3 => Just(DEFAULT_PERIOD_MS),
+        2 => 1u64..=100,
+        2 => 1u64..=MAX_PERIOD_MS,
+        1 => Just(86_400_000u64),
+        1 => (0u64..1000).prop_map(|d| MAX_PERIOD_MS - d),
+    ];
+    (cap, rate, period).prop_map(|(cap, rate, per)| nudged(cap, rate, per))
+}
+
+/// `cap` refilling `rate` per `per` ms, the rate raised where the fill time would be out of
+/// bounds.
+fn nudged(cap: u64, rate: u64, per: u64) -> BucketParams {
+    // floor(cap / rate) ≤ k keeps floor(cap / rate) · per below the bound.
+    let k = (MAX_FILL_BOUND_MS - 1) / per;
+    let rate = if rate > 0 && cap / rate > k {
+        cap / (k + 1) + 1
+    } else {
+        rate
+    };
+    BucketParams::per_period(cap, rate, per).unwrap()
 }
 
 fn window_params() -> impl Strategy<Value = WindowParams> {
@@ -147,10 +162,10 @@ fn field(v: &Option<String>) -> u64 {
     v.as_deref().map_or(0, |s| s.parse().unwrap())
 }
 
-/// The first three fields (t, c, ts) of the packed token-bucket state: little-endian doubles,
-/// exact integers (see lua/token_bucket.lua).
+/// The fields t, c, ts and per of the packed token-bucket state: little-endian doubles, exact
+/// integers (see lua/token_bucket.lua).
 fn packed_state(raw: &[u8]) -> BucketState {
-    assert_eq!(raw.len(), 88, "packed state of {} bytes", raw.len());
+    assert_eq!(raw.len(), 96, "packed state of {} bytes", raw.len());
     let f = |i: usize| {
         let v = f64::from_le_bytes(raw[i * 8..i * 8 + 8].try_into().unwrap());
         assert!(
@@ -163,6 +178,7 @@ fn packed_state(raw: &[u8]) -> BucketState {
         tokens_ut: f(0),
         carry: f(1),
         ts_ms: f(2),
+        period_ms: f(11),
     }
 }
 
@@ -193,10 +209,14 @@ fn run_bucket(
                         .arg("cap")
                         .arg(p.capacity_ut)
                         .arg("rate")
-                        .arg(p.rate_ut_per_s)
+                        .arg(p.refill_ut)
+                        .arg(&["", "", "", "", ""][..])
+                        .arg(p.period_ms)
                         .query::<()>(&mut f.conn)
                         .unwrap();
                     stored = Some(p);
+                    // set_params.lua counts the state's carry in the new period at once.
+                    state = state.map(|s| s.in_period(p.period_ms));
                 }
                 Step::Params { p, stored: false } => fallback = p,
                 Step::Check { dt, cost } => {
@@ -212,8 +232,10 @@ fn run_bucket(
                         .arg(ix)
                         .arg(cost)
                         .arg(fallback.capacity_ut)
-                        .arg(fallback.rate_ut_per_s)
+                        .arg(fallback.refill_ut)
                         .arg(now)
+                        .arg("")
+                        .arg(fallback.period_ms)
                         .query(&mut f.conn)
                         .map_err(|e| TestCaseError::fail(format!("step {i}: {e}")))?;
                     prop_assert_eq!(
@@ -424,10 +446,16 @@ fn sliding_window_lua_matches_the_reference() {
 /// Pinned extremes, so they run on every build whatever proptest draws.
 #[test]
 fn extremes_match_the_reference() {
-    let huge = BucketParams::new(MAX_CAPACITY_UT, MAX_RATE_UT_PER_S).unwrap();
-    let slow = BucketParams::new(MAX_CAPACITY_UT, MAX_CAPACITY_UT / MAX_FILL_RATIO + 1).unwrap();
+    let huge = BucketParams::per_period(MAX_CAPACITY_UT, MAX_REFILL_UT, 1).unwrap();
+    let huge_month =
+        BucketParams::per_period(MAX_CAPACITY_UT, MAX_REFILL_UT, MAX_PERIOD_MS).unwrap();
+    let slow = nudged(MAX_CAPACITY_UT, 1, DEFAULT_PERIOD_MS);
+    let slow_month = nudged(MAX_CAPACITY_UT, 1, MAX_PERIOD_MS);
     let tiny = BucketParams::new(UT, 1).unwrap();
-    for p in [huge, slow, tiny] {
+    let tiny_month = nudged(UT, 1, MAX_PERIOD_MS);
+    // A prime period and a refill just below it: every carry of the split products.
+    let odd = BucketParams::per_period(5 * UT, 2_147_483_646, 2_147_483_647).unwrap();
+    for p in [huge, huge_month, slow, slow_month, tiny, tiny_month, odd] {
         let steps: Vec<Step<BucketParams>> = [
             (0, MAX_COST),
             (0, 1),
@@ -479,6 +507,235 @@ fn extremes_match_the_reference() {
     }
 }
 
+/// The packed state of `b` after a decision of `cost` at `now` on `p` (as the fallback).
+fn lua_step(
+    f: &mut Fixture,
+    b: &str,
+    p: &BucketParams,
+    now: u64,
+    cost: u64,
+) -> (Decision, BucketState) {
+    let reply: Vec<i64> = redis::cmd("EVALSHA")
+        .arg(&f.bucket_sha)
+        .arg(3)
+        .arg(b)
+        .arg(format!("{b}:p"))
+        .arg("qd:v1:active")
+        .arg(cost)
+        .arg(p.capacity_ut)
+        .arg(p.refill_ut)
+        .arg(now)
+        .arg("")
+        .arg(p.period_ms)
+        .query(&mut f.conn)
+        .unwrap();
+    let raw: Vec<u8> = redis::cmd("GET").arg(b).query(&mut f.conn).unwrap();
+    (decision(&reply), packed_state(&raw))
+}
+
+fn policy(limit: u64, window_ms: u64, burst: u64) -> quota_core::Policy {
+    quota_core::PolicySpec {
+        limit: limit as f64,
+        window_ms: window_ms as f64,
+        burst: Some(burst as f64),
+        ..Default::default()
+    }
+    .validate()
+    .unwrap()
+}
+
+/// Issue 20: one token in 31 days at a 1% share (limit 100 a month) refills exactly, in Lua as
+/// in the reference, and its key expires.
+#[test]
+fn one_token_in_31_days_at_a_one_percent_share() {
+    let p = BucketParams::for_share(&policy(100, MAX_WINDOW_MS, 100), 10_000);
+    assert_eq!(
+        (p.capacity_ut, p.refill_ut, p.period_ms),
+        (UT, UT, MAX_WINDOW_MS)
+    );
+    with_fixture(|f| {
+        let b = "qd:v1:{month}:x:1:b";
+        let t0 = 1_700_000_000_000;
+        let (d, _) = lua_step(f, b, &p, t0, 1);
+        assert!(d.allowed);
+        let (d, s) = lua_step(f, b, &p, t0, 1);
+        assert_eq!((d.allowed, d.retry_after_ms), (false, Some(MAX_WINDOW_MS)));
+        assert_eq!(s.tokens_ut, 0);
+        let ttl: i64 = redis::cmd("PTTL").arg(b).query(&mut f.conn).unwrap();
+        assert!(ttl > 0 && ttl as u64 <= MAX_WINDOW_MS, "{ttl}");
+        // A third of the way: a third of a token, to the micro-token.
+        let (d, s) = lua_step(f, b, &p, t0 + MAX_WINDOW_MS / 3, 1);
+        assert!(!d.allowed);
+        assert_eq!(s.tokens_ut, UT / 3);
+        let (d, _) = lua_step(f, b, &p, t0 + MAX_WINDOW_MS - 1, 1);
+        assert!(!d.allowed);
+        let (d, _) = lua_step(f, b, &p, t0 + MAX_WINDOW_MS, 1);
+        assert!(d.allowed);
+        // The reference agrees step by step.
+        let (_, r) = bucket::decide(t0, &p, None, 1);
+        let r = bucket::refill(t0 + MAX_WINDOW_MS / 3, &p, Some(&r));
+        assert_eq!(r.tokens_ut, UT / 3);
+    });
+}
+
+/// A state in the 88-byte layout (no period field) and a parameter hash without `per` are what
+/// they always meant: refills per second, the carry in thousandths of a micro-token.
+#[test]
+fn the_layout_without_a_period_reads_as_per_second() {
+    let p = BucketParams::new(10 * UT, 3 * UT / 7).unwrap();
+    let old = BucketState {
+        tokens_ut: 2 * UT + 17,
+        carry: 999,
+        ts_ms: 1_700_000_000_000,
+        period_ms: 1000,
+    };
+    let fields = [
+        old.tokens_ut as f64,
+        old.carry as f64,
+        old.ts_ms as f64,
+        0.0,
+        0.0,
+        p.capacity_ut as f64,
+        p.refill_ut as f64,
+        1.0,
+        -1.0,
+        0.0,
+        0.0,
+    ];
+    let raw: Vec<u8> = fields.iter().flat_map(|f| f.to_le_bytes()).collect();
+    with_fixture(|f| {
+        let (b, pk) = ("qd:v1:{old}:x:1:b", "qd:v1:{old}:x:1:p");
+        let _: () = redis::cmd("SET")
+            .arg(b)
+            .arg(raw)
+            .query(&mut f.conn)
+            .unwrap();
+        let _: () = redis::cmd("HSET")
+            .arg(pk)
+            .arg(&["cap", "10000000", "rate", "428571"][..])
+            .query(&mut f.conn)
+            .unwrap();
+        for (dt, cost) in [(1234, 1), (0, 5), (77_777, 3)] {
+            let now = old.ts_ms + dt;
+            let (want, next) = bucket::decide(now, &p, Some(&old), cost);
+            // No fallback: the stored parameters (hash without per) or the state's copy apply.
+            let reply: Vec<i64> = redis::cmd("EVALSHA")
+                .arg(&f.bucket_sha)
+                .arg(3)
+                .arg(b)
+                .arg(pk)
+                .arg("qd:v1:active")
+                .arg(cost)
+                .arg("")
+                .arg("")
+                .arg(now)
+                .query(&mut f.conn)
+                .unwrap();
+            assert_eq!(decision(&reply), want);
+            let raw: Vec<u8> = redis::cmd("GET").arg(b).query(&mut f.conn).unwrap();
+            assert_eq!(packed_state(&raw), next);
+            let _: () = redis::cmd("DEL").arg(b).query(&mut f.conn).unwrap();
+            // From the hash alone (the state expired): a full bucket per second.
+            let (want, _) = bucket::decide(now, &p, None, cost);
+            let reply: Vec<i64> = redis::cmd("EVALSHA")
+                .arg(&f.bucket_sha)
+                .arg(3)
+                .arg(b)
+                .arg(pk)
+                .arg("qd:v1:active")
+                .arg(cost)
+                .arg("")
+                .arg("")
+                .arg(now)
+                .query(&mut f.conn)
+                .unwrap();
+            assert_eq!(decision(&reply), want);
+            let fields_now: Vec<u8> = fields.iter().flat_map(|f| f.to_le_bytes()).collect();
+            let _: () = redis::cmd("SET")
+                .arg(b)
+                .arg(fields_now)
+                .query(&mut f.conn)
+                .unwrap();
+        }
+    });
+}
+
+/// Issue 20's precision: for random policies (limit 1..10^9, window 1 ms..31 days, burst) and
+/// shares down to 1% with share · limit ≥ 1 token, the refill the script enforces is within
+/// 10^-6 of share · limit / window, relative, and never 0.
+#[test]
+fn enforced_refill_matches_the_policy_to_a_millionth() {
+    let cfg = config();
+    let mut runner = TestRunner::new(ProptestConfig {
+        cases: cfg.cases.min(500),
+        ..cfg.clone()
+    });
+    let limit = prop_oneof![1u64..=10, 1u64..=100_000, 1u64..=1_000_000_000];
+    let window = prop_oneof![1u64..=1000, 1u64..=MAX_WINDOW_MS, Just(MAX_WINDOW_MS)];
+    let share = prop_oneof![Just(10_000u32), 10_000u32..=1_000_000, Just(333_333)];
+    let burst_factor = prop_oneof![Just(1u64), 1u64..=10];
+    let strategy = (
+        limit,
+        window,
+        share,
+        burst_factor,
+        1_600_000_000_000u64..=1_900_000_000_000,
+    );
+    let n = Cell::new(0u64);
+    let result = runner.run(&strategy, |(limit, window, share, k, t0)| {
+        let burst = (limit * k).min(quota_core::bounds::MAX_BURST);
+        let spec = quota_core::PolicySpec {
+            limit: limit as f64,
+            window_ms: window as f64,
+            burst: Some(burst as f64),
+            ..Default::default()
+        };
+        let Ok(pol) = spec.validate() else {
+            return Ok(());
+        };
+        let exact = limit as f64 * f64::from(share) / 1e6 / window as f64; // tokens per ms
+        if limit as f64 * f64::from(share) / 1e6 < 1.0 {
+            return Ok(());
+        }
+        let p = BucketParams::for_share(&pol, share);
+        prop_assert!(p.refill_ut > 0);
+        prop_assert!(
+            (p.refill_tokens_per_s() / 1000.0 - exact).abs() <= exact * 1e-12,
+            "{p:?}"
+        );
+        // Drain it, wait a span that accrues at most what fits, and read what accrued.
+        let room = p.capacity_ut - p.capacity_ut % UT - 1;
+        let span = (room as f64 / (exact * UT as f64)).floor() as u64;
+        let span = span.clamp(1, window.max(1));
+        with_fixture(|f| {
+            f.next += 1;
+            n.set(n.get() + 1);
+            let b = format!("qd:v1:{{prec{}}}:x:1:b", f.next);
+            let (_, s0) = lua_step(f, &b, &p, t0, p.capacity_ut / UT);
+            let (_, s1) = lua_step(f, &b, &p, t0 + span, MAX_COST);
+            let got = (s1.tokens_ut - s0.tokens_ut) as f64;
+            let want = exact * UT as f64 * span as f64;
+            prop_assert!(
+                (got - want).abs() <= (want * 1e-6).max(1.0),
+                "{p:?}: {got} µt accrued in {span} ms, policy {want}"
+            );
+            prop_assert!(got > 0.0 || want < 1.0);
+            Ok(())
+        })
+    });
+    if let Err(e) = result {
+        panic!(
+            "{e}\nreproduce: PROPTEST_RNG_SEED={:?} cargo test -p quota-store --test differential",
+            cfg.rng_seed
+        );
+    }
+    assert!(
+        n.get() >= cfg.cases.min(500) as u64 / 4,
+        "only {} cases ran",
+        n.get()
+    );
+}
+
 /// One step of the store-level comparison.
 #[derive(Debug, Clone)]
 enum StoreStep {
@@ -491,12 +748,19 @@ enum StoreStep {
         limit: Limit,
         lease: Option<(u64, Limit)>,
     },
+    /// The same, for the policy's next version, replacing the current one (a changed policy).
+    Replace {
+        limit: Limit,
+        lease: Option<(u64, Limit)>,
+    },
     Collect,
 }
 
 fn small_bucket() -> impl Strategy<Value = Limit> + Clone {
-    (0u64..=40, 0u64..=20)
-        .prop_map(|(c, r)| Limit::TokenBucket(BucketParams::new(c * UT, r * UT / 4).unwrap()))
+    // A period that is not a second, so the fallback and stored periods are exercised.
+    (0u64..=40, 0u64..=20).prop_map(|(c, r)| {
+        Limit::TokenBucket(BucketParams::per_period(c * UT, r * UT * 3 / 8, 1500).unwrap())
+    })
 }
 
 fn small_window() -> impl Strategy<Value = Limit> + Clone {
@@ -519,16 +783,19 @@ fn store_steps(
     let check = (dt, cost).prop_map(|(dt, cost)| StoreStep::Check { dt, cost });
     let ms = prop_oneof![0u64..=5_000, (0u64..=40).prop_map(|k| k * 50)];
     let lease = proptest::option::of((ms, limit.clone()));
-    let set = (limit, lease).prop_map(|(limit, lease)| StoreStep::Set { limit, lease });
+    let set =
+        (limit.clone(), lease.clone()).prop_map(|(limit, lease)| StoreStep::Set { limit, lease });
+    let replace = (limit, lease).prop_map(|(limit, lease)| StoreStep::Replace { limit, lease });
     proptest::collection::vec(
-        prop_oneof![12 => check, 2 => set, 1 => Just(StoreStep::Collect)],
+        prop_oneof![12 => check, 2 => set, 1 => replace, 1 => Just(StoreStep::Collect)],
         1..120,
     )
 }
 
 /// The embedded store (the no-Redis default) against the Redis store, through the `Store`
 /// trait with explicit time: every decision, peek and usage report equal, with parameters
-/// written with and without lease ends (the floor takes over at the end by itself).
+/// written with and without lease ends (the floor takes over at the end by itself), and across
+/// changed policies (a new version replacing the bucket, keeping what it had spent).
 fn run_stores(
     rt: &tokio::runtime::Runtime,
     redis: &RedisStore,
@@ -538,7 +805,7 @@ fn run_stores(
 ) -> Result<(), TestCaseError> {
     rt.block_on(async {
         let embedded = EmbeddedStore::new();
-        let b = common::fresh_bucket("emb");
+        let mut b = common::fresh_bucket("emb");
         let mut now = start;
         for (i, step) in steps.iter().enumerate() {
             match step {
@@ -555,6 +822,16 @@ fn run_stores(
                 }
                 StoreStep::Set { limit, lease } => {
                     let mut p = SetParams::new(b.clone(), *limit).at(now);
+                    if let Some((ms, floor)) = lease {
+                        p = p.with_lease(*ms, *floor);
+                    }
+                    embedded.set_params(&p).await.unwrap();
+                    redis.set_params(&p).await.unwrap();
+                }
+                StoreStep::Replace { limit, lease } => {
+                    let old = b.version;
+                    b.version += 1;
+                    let mut p = SetParams::new(b.clone(), *limit).at(now).replacing(old);
                     if let Some((ms, floor)) = lease {
                         p = p.with_lease(*ms, *floor);
                     }

@@ -121,6 +121,7 @@ fn plausible(rng: &mut ChaCha8Rng, script: Script, i: usize) -> String {
         (Script::SlidingWindow, 2) => rng.random_range(1..=5_000u64).to_string(),
         (Script::TokenBucket | Script::SlidingWindow, 3) => now(rng),
         (Script::TokenBucket | Script::SlidingWindow, 4) => n(rng, 100_000),
+        (Script::TokenBucket, 5) | (Script::SetParams, 9) => period(rng),
         (Script::SetParams, 0) => ["cap", "limit"][rng.random_range(0..2)].to_string(),
         (Script::SetParams, 2) => ["rate", "window"][rng.random_range(0..2)].to_string(),
         (Script::SetParams, 1 | 6) => n(rng, 20_000_000),
@@ -139,10 +140,21 @@ fn plausible(rng: &mut ChaCha8Rng, script: Script, i: usize) -> String {
     }
 }
 
+/// A refill period: empty (per second), small, a day, or the longest.
+fn period(rng: &mut ChaCha8Rng) -> String {
+    match rng.random_range(0..4) {
+        0 => String::new(),
+        1 => rng.random_range(1..=5_000u64).to_string(),
+        2 => "86400000".to_string(),
+        _ => "2678400000".to_string(),
+    }
+}
+
 fn arity(script: Script) -> (usize, std::ops::RangeInclusive<usize>) {
     match script {
-        Script::TokenBucket | Script::SlidingWindow => (3, 3..=5),
-        Script::SetParams => (2, 4..=9),
+        Script::TokenBucket => (3, 3..=6),
+        Script::SlidingWindow => (3, 3..=5),
+        Script::SetParams => (2, 4..=10),
         Script::CollectUsage => (1, 1..=1),
     }
 }
@@ -154,7 +166,15 @@ fn role_keys(script: Script, rng: &mut ChaCha8Rng) -> Vec<&'static str> {
     match script {
         Script::TokenBucket => vec![k(&format!("{t}:b")), k(&format!("{t}:p")), k(":ix")],
         Script::SlidingWindow => vec![k(&format!("{t}:w")), k(&format!("{t}:p")), k(":ix")],
-        Script::SetParams => vec![k(&format!("{t}:p")), k(&format!("{t}:b"))],
+        Script::SetParams => {
+            let mut keys = vec![k(&format!("{t}:p")), k(&format!("{t}:b"))];
+            if rng.random_bool(0.3) {
+                // The replaced version's state: the other bucket.
+                let o = if t == "a" { "b" } else { "a" };
+                keys.push(k(&format!("{o}:b")));
+            }
+            keys
+        }
         Script::CollectUsage => vec![k(":ix")],
     }
 }
@@ -200,19 +220,26 @@ fn call(rng: &mut ChaCha8Rng, script: Script) -> (Vec<&'static str>, Vec<String>
     (keys, args)
 }
 
-/// An 88-byte token-bucket state of 11 doubles.
-fn state(fields: [f64; 11]) -> Vec<u8> {
-    fields.iter().flat_map(|f| f.to_le_bytes()).collect()
+/// A token-bucket state of 12 doubles (96 bytes), or of the first 11 (the 88-byte layout
+/// without the period) when the period is 1000.
+fn state(fields: [f64; 12]) -> Vec<u8> {
+    let n = if fields[11] == 1000.0 { 11 } else { 12 };
+    fields[..n].iter().flat_map(|f| f.to_le_bytes()).collect()
 }
 
-fn valid_state(rng: &mut ChaCha8Rng) -> [f64; 11] {
+fn valid_state(rng: &mut ChaCha8Rng) -> [f64; 12] {
     let cap = rng.random_range(0..=20u64) as f64 * 1e6;
     let tokens = (rng.random_range(0.0..=1.0) * cap).floor();
     let rate = rng.random_range(0..=5_000_000u64) as f64;
     let leased = rng.random_bool(0.5);
+    let per = match rng.random_range(0..3) {
+        0 => 1000u64,
+        1 => rng.random_range(1..=5_000u64),
+        _ => 86_400_000,
+    };
     [
         tokens,
-        rng.random_range(0..1000u64) as f64,
+        rng.random_range(0..per) as f64,
         (NOW + rng.random_range(0..100_000u64)) as f64,
         rng.random_range(0..3u64) as f64,
         rng.random_range(0..3u64) as f64,
@@ -226,6 +253,7 @@ fn valid_state(rng: &mut ChaCha8Rng) -> [f64; 11] {
         },
         if leased { cap / 2.0 } else { 0.0 },
         if leased { (rate / 2.0).floor() } else { 0.0 },
+        per as f64,
     ]
 }
 
@@ -284,7 +312,7 @@ fn seed_any(rng: &mut ChaCha8Rng, key: &str, pipe: &mut redis::Pipeline) {
         4 | 5 => {
             let mut f = valid_state(rng);
             if rng.random_bool(0.5) {
-                f[rng.random_range(0..11)] = bad_num[rng.random_range(0..bad_num.len())];
+                f[rng.random_range(0..12)] = bad_num[rng.random_range(0..bad_num.len())];
             }
             pipe.cmd("SET").arg(key).arg(state(f)).ignore();
         }
@@ -317,6 +345,14 @@ fn seed_any(rng: &mut ChaCha8Rng, key: &str, pipe: &mut redis::Pipeline) {
             };
             let c = pipe.cmd("HSET").arg(key);
             c.arg(f1).arg(hash_val(rng)).arg(f2).arg(hash_val(rng));
+            if f1 == "cap" && rng.random_bool(0.5) {
+                let per = if rng.random_bool(0.7) {
+                    period(rng)
+                } else {
+                    garbage(rng)
+                };
+                c.arg("per").arg(per);
+            }
             if rng.random_bool(0.4) {
                 let (g1, g2) = if f1 == "cap" {
                     ("fcap", "frate")

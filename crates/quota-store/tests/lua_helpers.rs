@@ -4,8 +4,8 @@
 //! from quota-core's, or when a script defines a bound of its own outside the block.
 
 use quota_core::bounds::{
-    EXACT_LOG_MAX, MAX_BURST, MAX_CAPACITY_UT, MAX_FILL_RATIO, MAX_RATE_UT_PER_S, MAX_WINDOW_LIMIT,
-    MAX_WINDOW_MS, MAX_WINDOW_PRODUCT, UT,
+    DEFAULT_PERIOD_MS, EXACT_LOG_MAX, MAX_BURST, MAX_CAPACITY_UT, MAX_FILL_BOUND_MS, MAX_PERIOD_MS,
+    MAX_REFILL_UT, MAX_WINDOW_LIMIT, MAX_WINDOW_MS, MAX_WINDOW_PRODUCT, UT,
 };
 use quota_store::script::{
     COLLECT_BATCH_MAX, COLLECT_USAGE_LUA, SET_PARAMS_LUA, SLIDING_WINDOW_LUA, TOKEN_BUCKET_LUA,
@@ -70,8 +70,9 @@ fn lua_bounds_equal_quota_core_bounds() {
     let expected: &[(&str, u64)] = &[
         ("UT", UT),
         ("MAX_CAP", MAX_CAPACITY_UT),
-        ("MAX_RATE", MAX_RATE_UT_PER_S),
-        ("MAX_FILL_RATIO", MAX_FILL_RATIO),
+        ("MAX_PERIOD", MAX_PERIOD_MS),
+        ("DEFAULT_PERIOD_MS", DEFAULT_PERIOD_MS),
+        ("MAX_FILL", MAX_FILL_BOUND_MS),
         ("MAX_COST", MAX_BURST),
         ("MAX_WINDOW_LIMIT", MAX_WINDOW_LIMIT),
         ("MAX_WINDOW_MS", MAX_WINDOW_MS),
@@ -79,11 +80,13 @@ fn lua_bounds_equal_quota_core_bounds() {
         ("EXACT_LOG_MAX", EXACT_LOG_MAX),
         ("DEFAULT_MIN_TTL_MS", DEFAULT_MIN_IDLE_TTL_MS),
         ("COLLECT_MAX", COLLECT_BATCH_MAX as u64),
-        // 11 doubles (see STATE_FMT).
-        ("STATE_LEN", 11 * 8),
+        // 12 doubles (see STATE_FMT), 11 in the layout without the period.
+        ("STATE_LEN", 12 * 8),
+        ("STATE_LEN_NO_PERIOD", 11 * 8),
     ];
-    // The store's own cost bound is the policy's burst bound.
+    // The store's own cost bound is the policy's burst bound; the Lua MAX_CAP bounds refills.
     assert_eq!(MAX_COST, MAX_BURST);
+    assert_eq!(MAX_REFILL_UT, MAX_CAPACITY_UT);
     let (block, _) = split(SCRIPTS[0].0, SCRIPTS[0].1);
     let found = constants(&block);
     for (name, value) in &found {
@@ -99,7 +102,8 @@ fn lua_bounds_equal_quota_core_bounds() {
             "{name} missing from the helper block"
         );
     }
-    assert!(block.contains("local STATE_FMT = '<ddddddddddd'"));
+    assert!(block.contains("local STATE_FMT = '<dddddddddddd'"));
+    assert!(block.contains("local STATE_FMT_NO_PERIOD = '<ddddddddddd'"));
 }
 
 #[test]

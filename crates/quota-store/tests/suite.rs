@@ -41,7 +41,83 @@ both_stores!(
     the_floor_takes_over_at_the_lease_end,
     cleared_params_and_state_are_gone,
     listed_params_are_those_held,
+    a_changed_policy_keeps_what_was_spent,
 );
+
+/// Issue 22: a changed policy (a new version, a new bucket) keeps what the old bucket had
+/// spent: drained stays drained, a raised limit gives only the difference, and a repeated write
+/// takes nothing twice.
+async fn a_changed_policy_keeps_what_was_spent<S: Store>(s: &S) {
+    let v1 = fresh_bucket("changed");
+    let v2 = quota_store::BucketRef {
+        version: 2,
+        ..v1.clone()
+    };
+    let v3 = quota_store::BucketRef {
+        version: 3,
+        ..v1.clone()
+    };
+    let old = tokens(10, 1);
+    s.set_params(&SetParams::new(v1.clone(), old).at(T0))
+        .await
+        .unwrap();
+    for _ in 0..10 {
+        assert!(s.check(&req(&v1, old, 1, Some(T0))).await.unwrap().allowed);
+    }
+    // New terms, same capacity, refill per minute: still drained (1 s of the old refill
+    // accrued before the change).
+    let same = Limit::TokenBucket(BucketParams::per_period(10 * UT, 60 * UT, 60_000).unwrap());
+    let w = SetParams::new(v2.clone(), same).at(T0 + 1000).replacing(1);
+    s.set_params(&w).await.unwrap();
+    s.set_params(&w).await.unwrap(); // a retried write takes nothing twice
+    let d = s.check(&req(&v2, same, 0, Some(T0 + 1000))).await.unwrap();
+    assert_eq!(d.remaining, 1);
+    assert!(
+        s.check(&req(&v2, same, 1, Some(T0 + 1000)))
+            .await
+            .unwrap()
+            .allowed
+    );
+    assert!(
+        !s.check(&req(&v2, same, 1, Some(T0 + 1000)))
+            .await
+            .unwrap()
+            .allowed
+    );
+    // A raised burst (10 → 25) gives only the difference; checks decided on the new version
+    // before its parameters were written count too.
+    let raised = tokens(25, 1);
+    for _ in 0..3 {
+        assert!(
+            s.check(&req(&v3, raised, 1, Some(T0 + 1000)))
+                .await
+                .unwrap()
+                .allowed
+        );
+    }
+    let w = SetParams::new(v3.clone(), raised)
+        .at(T0 + 1000)
+        .replacing(2);
+    s.set_params(&w).await.unwrap();
+    let d = s
+        .check(&req(&v3, raised, 0, Some(T0 + 1000)))
+        .await
+        .unwrap();
+    assert_eq!(d.remaining, 25 - 10 - 3);
+    // Without a replaced version, a new bucket starts full, as before.
+    let fresh = quota_store::BucketRef {
+        version: 9,
+        ..v1.clone()
+    };
+    s.set_params(&SetParams::new(fresh.clone(), raised).at(T0 + 1000))
+        .await
+        .unwrap();
+    let d = s
+        .check(&req(&fresh, raised, 0, Some(T0 + 1000)))
+        .await
+        .unwrap();
+    assert_eq!(d.remaining, 25);
+}
 
 async fn a_peek_spends_and_counts_nothing<S: Store>(s: &S) {
     let b = fresh_bucket("peek");
@@ -428,7 +504,7 @@ async fn invalid_requests_are_rejected<S: Store>(s: &S) {
             &b,
             Limit::TokenBucket(BucketParams {
                 capacity_ut: 1 << 53,
-                rate_ut_per_s: 1,
+                ..BucketParams::per_period(0, 1, 1000).unwrap()
             }),
             1,
             None,
@@ -437,7 +513,7 @@ async fn invalid_requests_are_rejected<S: Store>(s: &S) {
             &b,
             Limit::TokenBucket(BucketParams {
                 capacity_ut: 1 << 40,
-                rate_ut_per_s: 1,
+                ..BucketParams::per_period(0, 1, 1000).unwrap()
             }),
             1,
             None,

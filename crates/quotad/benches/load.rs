@@ -310,7 +310,7 @@ async fn drive_raw(
                     .key(&keys[2])
                     .arg(1)
                     .arg(params.capacity_ut)
-                    .arg(params.rate_ut_per_s)
+                    .arg(params.refill_ut)
                     .arg("")
                     .invoke_async(&mut conn)
                     .await
@@ -361,7 +361,7 @@ async fn bare_check(
         .key(index)
         .arg(b.cost)
         .arg(s.params.capacity_ut)
-        .arg(s.params.rate_ut_per_s)
+        .arg(s.params.refill_ut)
         .arg("")
         .invoke_async(&mut conn)
         .await

@@ -45,10 +45,7 @@ impl Quotad {
         };
         let control = Control::new(setup.world, setup.tenants, register, *setup.control, mode);
         let n = setup.world.regions;
-        let params0 = BucketParams {
-            capacity_ut: 0,
-            rate_ut_per_s: 0,
-        };
+        let params0 = BucketParams::EMPTY;
         Self {
             tenants: setup.tenants.to_vec(),
             control,

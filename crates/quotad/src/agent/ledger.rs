@@ -103,6 +103,9 @@ pub struct Written {
     /// Buckets the view no longer has (deleted policies, old versions), still to be cleared
     /// from the store.
     pub(super) to_clear: Vec<BucketRef>,
+    /// Policies whose terms changed: the version held before, until the new version's first
+    /// write succeeds (it carries what the old bucket had spent, [`SetParams::replacing`]).
+    replaced: HashMap<Key, u64>,
     /// The generation whose store was last swept for buckets this daemon never saw go, and
     /// when (local wall-clock ms).
     swept: Option<(u64, u64)>,
@@ -218,6 +221,7 @@ impl Written {
     /// Forgets buckets `view` no longer has (deleted policies, old versions) and queues them
     /// to be cleared from the store.
     pub fn retain_in(&mut self, view: &ClusterView) {
+        self.replaced.retain(|k, _| view.policies.contains_key(k));
         // After a complete pass the held buckets are exactly that pass's view: only what left
         // the view since, or changed version, can be gone.
         let gone: Vec<Key> = match &self.planned {
@@ -236,17 +240,17 @@ impl Written {
             None => self.held.keys().cloned().collect(),
         };
         for k in gone {
-            let keep = |h: &Held| {
-                view.policies
-                    .get(&k)
-                    .is_some_and(|e| e.policy.version == h.version)
-            };
-            if self.held.get(&k).is_none_or(keep) {
+            let now_at = view.policies.get(&k).map(|e| e.policy.version);
+            if self.held.get(&k).is_none_or(|h| now_at == Some(h.version)) {
                 continue;
             }
             if let Some(h) = self.held.remove(&k) {
                 self.renewals.remove(&(h.renew_at_ms, k.clone()));
                 self.dirty.remove(&k);
+                if now_at.is_some() {
+                    // Written before the old bucket is cleared: clearing waits for every write.
+                    self.replaced.entry(k.clone()).or_insert(h.version);
+                }
                 self.to_clear.push(BucketRef {
                     tenant: k.0,
                     policy: k.1,
@@ -352,6 +356,9 @@ impl Written {
             if let (Some(left), Some(floor)) = (lease_left, floor) {
                 req = req.with_lease(left, floor);
             }
+            if let Some(&v) = self.replaced.get(key).filter(|&&v| v != version) {
+                req = req.replacing(v);
+            }
             let w = Write {
                 req,
                 held: Held {
@@ -388,6 +395,7 @@ impl Written {
     pub(super) fn record(&mut self, w: Write, ok: bool) {
         let (key, sent) = w.into_key();
         if ok {
+            self.replaced.remove(&key);
             self.put_held(key, sent);
             return;
         }
@@ -537,6 +545,12 @@ mod tests {
             .collect();
         keys.sort();
         assert_eq!(keys, vec![key(100), key(3), key(4)]);
+        // Only the changed policy's write replaces a version: the one it held.
+        let replacing: Vec<_> = writes
+            .iter()
+            .filter_map(|x| x.req.replaces.map(|v| (x.req.bucket.tenant.clone(), v)))
+            .collect();
+        assert_eq!(replacing, vec![(key(4).0, 7)]);
         assert_eq!(
             writes
                 .iter()
@@ -550,6 +564,7 @@ mod tests {
         for x in writes {
             w.record(x, true);
         }
+        assert!(w.replaced.is_empty(), "written: nothing left to replace");
         assert_eq!(pass(&mut w, &v2, 4_000), 0);
         // Without a lease the parameters are still refreshed, rarely.
         assert_eq!(pass(&mut w, &v2, 4_000 + REFRESH_WITHOUT_LEASE_MS), 100);

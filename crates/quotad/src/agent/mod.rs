@@ -284,3 +284,76 @@ where
         .collect()
         .await
 }
+
+#[cfg(test)]
+mod tests {
+    use quota_core::{PolicyName, PolicySpec, TenantId};
+
+    use super::*;
+    use crate::api::tests::state_on;
+    use crate::config::BreakerConfig;
+    use crate::decision::breaker::Breaker;
+
+    fn policy(limit: f64, burst: f64) -> quota_core::Policy {
+        PolicySpec {
+            limit,
+            window_ms: 3_600_000.0,
+            burst: Some(burst),
+            ..PolicySpec::default()
+        }
+        .validate()
+        .unwrap()
+    }
+
+    /// Issue 22: a changed policy keeps what its bucket had spent. A drained bucket stays
+    /// drained across a limit change, and a raised burst gives only the difference.
+    #[tokio::test]
+    async fn a_changed_policy_keeps_the_level_of_its_bucket() {
+        let state = state_on(
+            quota_store::AnyStore::embedded(),
+            Breaker::new(&BreakerConfig::default(), "eu"),
+        );
+        let (decider, coordinator) = (&state.decider, &state.coordinator);
+        let (t, p) = (
+            TenantId::new("acme").unwrap(),
+            PolicyName::new("writes").unwrap(),
+        );
+        let mut written = Written::new(0, 30_000);
+        let pacing = Pacing {
+            report_interval_ms: 1000,
+            lease_ms: 30_000,
+        };
+        let put = |limit, burst| coordinator.put_policy(t.clone(), p.clone(), policy(limit, burst));
+        let check = |cost| decider.check(t.clone(), p.clone(), cost, false);
+        put(4.0, 4.0).await.unwrap();
+        assert!(
+            apply_shares(decider, &coordinator.view(), &mut written, pacing)
+                .await
+                .0
+        );
+        assert!(check(4).await.unwrap().decision.allowed);
+        // New terms, the same burst: still drained.
+        assert_eq!(put(5.0, 4.0).await.unwrap().version, 2);
+        assert!(
+            apply_shares(decider, &coordinator.view(), &mut written, pacing)
+                .await
+                .0
+        );
+        assert!(
+            !check(1).await.unwrap().decision.allowed,
+            "refilled by a change"
+        );
+        // A raised burst, 4 → 10: 6 tokens, no more.
+        put(5.0, 10.0).await.unwrap();
+        assert!(
+            apply_shares(decider, &coordinator.view(), &mut written, pacing)
+                .await
+                .0
+        );
+        assert!(check(6).await.unwrap().decision.allowed);
+        assert!(
+            !check(1).await.unwrap().decision.allowed,
+            "more than the difference"
+        );
+    }
+}

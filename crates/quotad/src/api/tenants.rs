@@ -377,10 +377,7 @@ pub async fn allowance(
         let share = grant.map_or(0, |g| g.share_ppm);
         let frac = |ppm: u32| f64::from(ppm) / f64::from(PPM);
         let (capacity, refill_per_s) = match limit {
-            Limit::TokenBucket(b) => (
-                b.capacity_ut as f64 / UT as f64,
-                b.rate_ut_per_s as f64 / UT as f64,
-            ),
+            Limit::TokenBucket(b) => (b.capacity_ut as f64 / UT as f64, b.refill_tokens_per_s()),
             Limit::SlidingWindow { limit, window_ms } => {
                 (limit as f64, limit as f64 * 1000.0 / window_ms as f64)
             }
