@@ -510,13 +510,28 @@ fn plan_home(
             let auto = pin.map(|p| p.home);
             if state.auto_pinned(&entry.policy) {
                 let eligible = &slots.eligible[..n];
-                let chosen = choose_home(auto, demand_ppm, eligible, config.pin_hysteresis_ppm)
-                    .or(auto)
-                    .or_else(|| {
-                        (state.budget_mode(&entry.policy) == BudgetMode::Home)
-                            .then(|| largest_share(entry, eligible))
-                            .flatten()
-                    });
+                let home_mode = state.budget_mode(&entry.policy) == BudgetMode::Home;
+                // Moving a whole budget moves its rate, not its tokens: the old home's bucket
+                // is lost and the new one starts from its own level. So a budget too small to
+                // split moves only when its home can no longer hold it (cut off, draining,
+                // gone); its other regions forward to it meanwhile.
+                let stays =
+                    home_mode && auto.is_some_and(|h| eligible.get(usize::from(h)) == Some(&true));
+                let chosen = if stays {
+                    auto
+                } else {
+                    let kept = if home_mode {
+                        // A home that cannot hold the budget is given up even without demand
+                        // elsewhere: its callers forward to it in vain.
+                        auto.filter(|&h| eligible.get(usize::from(h)) == Some(&true))
+                    } else {
+                        auto
+                    };
+                    choose_home(auto, demand_ppm, eligible, config.pin_hysteresis_ppm)
+                        .or(kept)
+                        .or_else(|| home_mode.then(|| largest_share(entry, eligible)).flatten())
+                        .or(auto)
+                };
                 if chosen != auto {
                     if let Some(h) = chosen {
                         home_change = HomeChange::Auto(h);

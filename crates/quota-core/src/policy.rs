@@ -253,6 +253,17 @@ impl Policy {
         }
     }
 
+    /// How long an empty bucket takes to refill (burst · window / limit), in ms; a sliding
+    /// window's window.
+    pub fn fill_ms(&self) -> u128 {
+        match self.algorithm {
+            Algorithm::TokenBucket => {
+                u128::from(self.burst) * u128::from(self.window_ms) / u128::from(self.limit.max(1))
+            }
+            Algorithm::SlidingWindow => u128::from(self.window_ms),
+        }
+    }
+
     /// Whole-budget refill rate in micro-tokens per second.
     pub fn rate_ut_per_s(&self) -> u64 {
         (u128::from(self.limit) * u128::from(UT) * 1000 / u128::from(self.window_ms)) as u64

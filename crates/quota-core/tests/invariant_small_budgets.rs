@@ -5,9 +5,9 @@
 //! that stop renewing and come back. After every command: the enforceable shares sum to at
 //! most the budget, no region is granted more than nothing but less than one unit of the
 //! policy (a token of burst, or of a sliding window's limit), and no floor is part of one unit.
-//! After demand has stayed in one region long enough to converge, that region holds every
-//! cost the policy can admit anywhere ([`mode::largest_cost`]), so no check the daemon accepts
-//! is answered "never".
+//! After demand has stayed in one region long enough to converge, that region (or, for a budget
+//! too small to split, its home, where the others forward) holds every cost the policy can
+//! admit anywhere ([`mode::largest_cost`]), so no check the daemon accepts is answered "never".
 //!
 //! Seeded: `QUOTA_PROPTEST_SEED` (default 20) and `QUOTA_PROPTEST_CASES` (default 256).
 
@@ -17,7 +17,7 @@ use common::{key, Driver};
 use proptest::prelude::*;
 use proptest::test_runner::RngSeed;
 use quota_core::allocator::{plan, AllocatorConfig};
-use quota_core::coordinator::{Operation, RegionShare, RequestId, Response};
+use quota_core::coordinator::{Operation, RequestId, Response};
 use quota_core::demand::DemandTracker;
 use quota_core::mode::{self, BudgetMode};
 use quota_core::policy::MAX_WINDOW_MS;
@@ -221,7 +221,8 @@ proptest! {
             for _ in 0..ph.rounds {
                 round(&mut d, &demand, silent)?;
             }
-            // Converged on one busy region that renews: it holds every cost the policy can
+            // Converged on one busy region that renews: it (or, for a budget too small to
+            // split, the home its checks are forwarded to) holds every cost the policy can
             // admit anywhere.
             if let Demand::Greedy(r) = ph.demand {
                 let r = r % n;
@@ -231,24 +232,31 @@ proptest! {
                         round(&mut d, &demand, None)?;
                     }
                     let entry = &d.state.entries[&k];
-                    let grant = RegionShare { share_ppm: entry.share(r), floor_ppm: 0 };
-                    let units = units_at(&policy, grant.share_ppm);
+                    let holder = match mode {
+                        BudgetMode::Home => {
+                            let home = entry.pin.map(|p| usize::from(p.home));
+                            prop_assert!(home.is_some(), "a home-mode policy lost its home");
+                            home.unwrap_or(r)
+                        }
+                        BudgetMode::Split => r,
+                    };
+                    let units = units_at(&policy, entry.share(holder));
                     // Converged means within the change threshold, which is less than one
-                    // unit of a small policy and a few units of a large one
-                    // (plus one for rounding to whole units).
+                    // unit of a small policy and a few units of a large one (plus one for
+                    // rounding to whole units).
                     let slack = u128::from(policy.units())
                         * u128::from(AllocatorConfig::default().change_threshold_ppm)
                         / u128::from(PPM)
                         + 1;
                     prop_assert!(
                         u128::from(units) + slack >= u128::from(largest),
-                        "{mode:?}: busy region {r} holds {units} units < largest cost {largest}: {entry:?}"
+                        "{mode:?}: region {holder} holds {units} units < largest cost {largest}: {entry:?}"
                     );
                     if mode == BudgetMode::Home {
-                        prop_assert_eq!(entry.pin.map(|p| usize::from(p.home)), Some(r));
-                        for o in (0..n).filter(|&o| o != r) {
+                        for o in (0..n).filter(|&o| o != holder) {
                             prop_assert_eq!(entry.share(o), d.state.floor_of(&policy, o));
                         }
+                        prop_assert!(units >= largest, "home {holder} holds {units} < {largest}");
                     }
                 }
             }
