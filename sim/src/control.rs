@@ -140,6 +140,9 @@ pub struct RegionAgent {
     pub grants: Vec<RegionShare>,
     /// Per tenant: the home region when pinned.
     pub homes: Vec<Option<RegionIx>>,
+    /// Per tenant: the other region granted the largest share (the lowest on a tie), where a
+    /// check this region's share cannot hold is forwarded.
+    pub richest: Vec<Option<RegionIx>>,
     /// Per tenant: tokens admitted and denied since the last report.
     usage: Vec<Usage>,
 }
@@ -268,6 +271,7 @@ impl Control {
             view: RegionView::new(),
             grants: Vec::new(),
             homes: Vec::new(),
+            richest: Vec::new(),
             usage: vec![Usage::default(); tenants],
         };
         agent.view.on_applied(self.committed.epoch);
@@ -514,6 +518,16 @@ impl Control {
                     .get(k)
                     .and_then(|e| e.pin)
                     .map(|p| usize::from(p.home))
+            })
+            .collect();
+        agent.richest = self
+            .keys
+            .iter()
+            .map(|k| {
+                let e = agent.replica.entries.get(k)?;
+                (0..e.shares_ppm.len())
+                    .filter(|&o| o != r && e.share(o) > 0)
+                    .max_by_key(|&o| (e.share(o), Reverse(o)))
             })
             .collect();
     }

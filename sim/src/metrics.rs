@@ -179,6 +179,11 @@ pub struct Recorder {
     healthy: Vec<bool>,
     /// Per region: ms after warm-up on floors only.
     floor_ms: Vec<u64>,
+    /// Decisions made in another region than the caller's, over the whole run.
+    forwarded: u64,
+    /// Denials with no retry time (the deciding bucket can never hold the cost), over the
+    /// whole run.
+    never: u64,
 }
 
 /// One tenant's counts in its current matching bin, compared with the shadow when it closes.
@@ -248,6 +253,8 @@ impl Recorder {
             open: vec![TenantSecond::default(); tenants.len()],
             secs: vec![Second::default(); duration_ms.div_ceil(1000) as usize],
             floor_ms: vec![0; healthy.len()],
+            forwarded: 0,
+            never: 0,
             healthy,
         }
     }
@@ -259,6 +266,12 @@ impl Recorder {
                 *f += dt_ms;
             }
         }
+    }
+
+    /// Records where one request was decided and whether it was a denial with no retry time.
+    pub fn record_route(&mut self, forwarded: bool, never: bool) {
+        self.forwarded += u64::from(forwarded);
+        self.never += u64::from(never);
     }
 
     /// Records one request's verdicts at true time `t_ms` (which never decreases).
@@ -421,6 +434,8 @@ impl Recorder {
                 total(|s| s.healthy_shadow_tokens, from..n),
             ),
             floor_s: self.floor_ms.iter().map(|&ms| ms as f64 / 1000.0).collect(),
+            forwarded: ratio(self.forwarded, self.decisions),
+            never: self.never,
             goodput_converged: ratio(masked(|s| s.both_tokens), masked(|s| s.shadow_tokens)),
             false_denial_converged: ratio(
                 masked(|s| s.false_denials),
@@ -474,6 +489,10 @@ pub struct Summary {
     pub goodput_healthy: Option<f64>,
     /// Seconds after warm-up each region enforced only its floors.
     pub floor_s: Vec<f64>,
+    /// Fraction of decisions made in another region than the caller's.
+    pub forwarded: Option<f64>,
+    /// Denials with no retry time: the deciding bucket could never hold the cost.
+    pub never: u64,
     pub false_denial_rate: Option<f64>,
     /// Goodput counted only once converged after each shift.
     pub goodput_converged: Option<f64>,
