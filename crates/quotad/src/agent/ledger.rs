@@ -353,6 +353,7 @@ mod tests {
             policy,
             grants: BTreeMap::from([(region(), grant)]),
             home: None,
+            mode: quota_core::mode::BudgetMode::Split,
         }
     }
 

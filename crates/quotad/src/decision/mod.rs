@@ -137,6 +137,26 @@ fn check_body(bucket: &BucketRef, cost: u64) -> serde_json::Value {
     })
 }
 
+/// Whether a bucket at `limit` can ever admit `cost`.
+fn holds(limit: &Limit, cost: u64) -> bool {
+    match *limit {
+        Limit::TokenBucket(p) => p.capacity_ut >= cost.saturating_mul(quota_core::bucket::UT),
+        Limit::SlidingWindow { limit, .. } => limit >= cost,
+    }
+}
+
+/// The other region granted the largest share of `entry` (the first by id on a tie), if its
+/// share can hold `cost`.
+fn richest_elsewhere(entry: &PolicyEntry, here: &RegionId, cost: u64) -> Option<RegionId> {
+    let (region, grant) = entry
+        .grants
+        .iter()
+        .filter(|(r, _)| *r != here)
+        .max_by_key(|(r, g)| (g.share_ppm, std::cmp::Reverse(*r)))?;
+    let limit: Limit = limit_for_share(&entry.policy, grant.share_ppm).into();
+    holds(&limit, cost).then(|| region.clone())
+}
+
 /// What a check's result counts as in the decision metrics.
 fn outcome_of(result: &Result<Verdict, CheckError>) -> Outcome {
     match result {
@@ -316,14 +336,24 @@ impl Decider {
         let (policy, _share, limit) = self.params_of(&view, entry);
         policy.check_cost(cost)?;
         let home = entry.home.as_ref().filter(|h| **h != self.region).cloned();
+        // A share here that cannot hold the cost at all (none, or less than the cost) would
+        // answer "never": the region granted the most decides instead.
+        let richer = match (&home, forwarded) {
+            (None, false) if !holds(&limit, cost) => richest_elsewhere(entry, &self.region, cost),
+            _ => None,
+        };
         drop(view);
         let bucket = BucketRef {
             tenant,
             policy: policy_name.clone(),
             version: policy.version,
         };
-        let result = match home {
-            Some(home) if !forwarded => self.forward(&home, bucket, cost, policy).await,
+        let result = match (home, richer) {
+            (Some(home), _) if !forwarded => self.forward(&home, bucket, cost, policy).await,
+            (_, Some(there)) => {
+                self.forward_richer(&there, bucket, limit, cost, policy)
+                    .await
+            }
             _ => self.decide_here(bucket, limit, cost, policy).await,
         };
         self.metrics.record(
@@ -537,6 +567,29 @@ impl Decider {
         }
     }
 
+    /// Decides a check this region's share cannot hold in `there`, the region granted the
+    /// most; if it does not answer, here after all (where it is denied).
+    async fn forward_richer(
+        &self,
+        there: &RegionId,
+        bucket: BucketRef,
+        limit: Limit,
+        cost: u64,
+        policy: Policy,
+    ) -> Result<Verdict, CheckError> {
+        let body = check_body(&bucket, cost);
+        match self
+            .send_home::<ForwardedAnswer>(there, "/v1/check", &body)
+            .await
+        {
+            Some(a) => Ok(a.verdict(policy, there)),
+            None => {
+                self.forward_failures.increment(1);
+                self.decide_here(bucket, limit, cost, policy).await
+            }
+        }
+    }
+
     /// POSTs `body` to `path` on `home`'s API as a forwarding peer; the answer of a 200 or 429,
     /// or `None` when the home is unknown, unreachable, slow or answers anything else.
     async fn send_home<T: serde::de::DeserializeOwned>(
@@ -575,14 +628,16 @@ impl Decider {
     ) -> Result<Verdict, CheckError> {
         self.forward_failures.increment(1);
         tracing::debug!(tenant = %bucket.tenant, home = %home, "Home region unreachable.");
-        if policy.fail_mode == FailMode::Closed || policy.floor_ppm == 0 {
+        // The floor in whole units: one that holds less than a unit is none.
+        let floor_ppm = policy.whole_floor_ppm();
+        if policy.fail_mode == FailMode::Closed || floor_ppm == 0 {
             return Err(CheckError::ReducedCapacity {
                 policy: bucket.policy,
                 reason: "the tenant's home region is unreachable",
             });
         }
         // Decide at this region's floor, in process, so a down home cannot be bypassed at more.
-        let limit = limit_for_share(&policy, policy.floor_ppm).into();
+        let limit = limit_for_share(&policy, floor_ppm).into();
         let req = CheckRequest {
             bucket,
             limit,
@@ -634,6 +689,7 @@ pub(crate) mod tests {
             policy: spec.validate().unwrap(),
             grants: BTreeMap::from([(RegionId::new("b").unwrap(), grant)]),
             home: Some(RegionId::new("a").unwrap()),
+            mode: quota_core::mode::BudgetMode::Split,
         };
         (ids(tenant, "w"), entry)
     }
