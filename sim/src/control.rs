@@ -634,6 +634,15 @@ impl Control {
                 .is_none_or(|l| local_ms >= l.end_local_ms(self.cfg.drift_margin_ms))
     }
 
+    /// The share `region` is granted for `tenant`, as region `r`'s replica sees it.
+    pub fn granted_ppm(&self, r: RegionIx, tenant: usize, region: RegionIx) -> u32 {
+        self.agents[r]
+            .replica
+            .entries
+            .get(&self.keys[tenant])
+            .map_or(0, |e| e.share(region))
+    }
+
     /// Counts a decision in region `r`'s next usage report.
     pub fn count(&mut self, r: RegionIx, tenant: usize, cost: u32, allowed: bool) {
         let u = &mut self.agents[r].usage[tenant];

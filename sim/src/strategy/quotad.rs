@@ -112,8 +112,10 @@ impl Quotad {
     /// Where a request denied here goes next: `(region, true time it is decided there, the
     /// caller's total latency in µs)`. A policy pinned elsewhere (an operator's or automatic
     /// pin: a critical tenant in `quotad_pinned`, a budget too small to split in every
-    /// variant) goes to its home; a check this region's share cannot hold at all goes to the
-    /// region granted the most. `None` when there is no such region or it is unreachable.
+    /// variant) goes to its home (or, while the home holds less than the cost, to the region
+    /// granted the most); a check this region's share cannot hold at all goes to the region
+    /// granted the most, unless this region's Redis is out. `None` when there is no such
+    /// region or it is unreachable.
     fn forward_target(
         &self,
         world: &World,
@@ -123,14 +125,22 @@ impl Quotad {
         let here = req.region;
         let i = req.tenant as usize;
         let agent = &self.control.agents[here];
+        let policy = &self.tenants[i].policy;
+        let holds = |share: u32| {
+            BucketParams::for_share(policy, share).capacity_ut >= u64::from(req.cost) * UT
+        };
         let to = match agent.homes[i] {
-            Some(home) => home,
+            // While a home is still being granted its share, the region granted the most
+            // decides.
+            Some(home) if holds(self.control.granted_ppm(here, i, home)) => home,
+            Some(_) => agent.richest[i]?,
+            // While this region's Redis is out, the policy's fail mode decides.
+            None if !world.redis_up(here, t_ms) => return None,
             None => {
                 let share = self
                     .control
                     .enforced_ppm(here, i, world.local_ms(here, t_ms));
-                let params = BucketParams::for_share(&self.tenants[i].policy, share);
-                if params.capacity_ut >= u64::from(req.cost) * UT {
+                if holds(share) {
                     return None;
                 }
                 agent.richest[i]?

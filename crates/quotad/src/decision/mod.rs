@@ -335,11 +335,26 @@ impl Decider {
             .ok_or(CheckError::UnknownPolicy)?;
         let (policy, _share, limit) = self.params_of(&view, entry);
         policy.check_cost(cost)?;
-        let home = entry.home.as_ref().filter(|h| **h != self.region).cloned();
+        // While a home is still being granted its share (it holds less than the cost), the
+        // region granted the most decides.
+        let home =
+            entry
+                .home
+                .as_ref()
+                .filter(|h| **h != self.region)
+                .map(|h| match entry.grants.get(h) {
+                    Some(g) if holds(&limit_for_share(&entry.policy, g.share_ppm).into(), cost) => {
+                        h.clone()
+                    }
+                    _ => richest_elsewhere(entry, &self.region, cost).unwrap_or_else(|| h.clone()),
+                });
         // A share here that cannot hold the cost at all (none, or less than the cost) would
-        // answer "never": the region granted the most decides instead.
+        // answer "never": the region granted the most decides instead. Not while this
+        // region's store is out: then the policy's fail mode decides, as the operator chose.
         let richer = match (&home, forwarded) {
-            (None, false) if !holds(&limit, cost) => richest_elsewhere(entry, &self.region, cost),
+            (None, false) if !holds(&limit, cost) && !self.breaker.is_open() => {
+                richest_elsewhere(entry, &self.region, cost)
+            }
             _ => None,
         };
         drop(view);
