@@ -295,3 +295,38 @@ fn the_policies_people_write_first_hold_a_whole_unit_from_the_start() {
         assert_eq!(mode::largest_cost(&policy, 3), policy.units());
     }
 }
+
+#[test]
+fn a_home_stays_put_until_it_can_no_longer_hold_the_budget() {
+    let policy = PolicySpec {
+        limit: 2.0,
+        window_ms: 60_000.0,
+        ..PolicySpec::default()
+    }
+    .validate()
+    .unwrap();
+    let mut d = Driver::with_regions(3);
+    d.state.lease.lease_ms = 6_000;
+    d.state.lease.drift_margin_ms = 500;
+    d.op(Operation::PutPolicy {
+        key: key("login"),
+        policy: policy.clone(),
+    });
+    d.renew_all();
+    let home = |d: &Driver| d.state.entries[&key("login")].pin.map(|p| p.home);
+    assert_eq!(home(&d), Some(0));
+    // All demand in region 2: the home stays (a move would leave its tokens behind).
+    let mut demand = DemandTracker::new(PPM);
+    demand.set(key("login"), vec![0, 0, 2 * policy.rate_ut_per_s()]);
+    for _ in 0..10 {
+        round(&mut d, &demand, None).unwrap();
+    }
+    assert_eq!(home(&d), Some(0));
+    assert_eq!(d.state.entries[&key("login")].shares_ppm, [PPM, 0, 0]);
+    // Region 0 stops renewing: once its lease lapsed the budget moves whole to region 2.
+    for _ in 0..12 {
+        round(&mut d, &demand, Some(0)).unwrap();
+    }
+    assert_eq!(home(&d), Some(2));
+    assert_eq!(d.state.entries[&key("login")].shares_ppm, [0, 0, PPM]);
+}
