@@ -186,3 +186,45 @@ async fn ten_a_month_refills_at_the_policys_rate() -> anyhow::Result<()> {
     );
     Ok(())
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_region_with_no_share_forwards_and_gets_share_back() -> anyhow::Result<()> {
+    let cluster = Cluster::start(&REGIONS, &Timings::default()).await?;
+    // Split (200 tokens of burst a region), no floor: demand only in b empties a and c.
+    cluster
+        .daemon("b")
+        .put_policy("moving", "p", json!({"limit": 600, "window_ms": 60000}))
+        .await?;
+    let emptied = eventually(
+        Duration::from_secs(20),
+        Duration::from_millis(50),
+        || async {
+            for _ in 0..5 {
+                let _ = cluster.daemon("b").check("moving", "p", 1).await;
+            }
+            let (share, _) = cluster.share("c", "moving").await?;
+            (share == 0.0).then_some(())
+        },
+    )
+    .await;
+    assert!(emptied.is_some(), "c's share never went to 0");
+    // b's clients stop (b's bucket refills 10 tokens a second) and the tenant's traffic moves
+    // to c: its very first check is admitted, by b, not denied.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let (status, body) = check(&cluster, "c", "moving").await?;
+    assert_eq!(status, 200, "{body}");
+    assert_eq!(body["mode"], "forwarded", "{body}");
+    // Share comes back to c (it reports what it forwarded as its own demand).
+    let back = eventually(
+        Duration::from_secs(20),
+        Duration::from_millis(50),
+        || async {
+            let _ = cluster.daemon("c").check("moving", "p", 1).await;
+            let (share, _) = cluster.share("c", "moving").await?;
+            (share > 0.0).then_some(share)
+        },
+    )
+    .await;
+    assert!(back.is_some(), "c never got share back");
+    Ok(())
+}

@@ -8,14 +8,16 @@ pub mod breaker;
 
 use std::collections::HashMap;
 use std::net::SocketAddr;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use metrics::{Counter, Histogram};
 use quota_core::policy::CostError;
 use quota_core::share::limit_for_share;
 use quota_core::{Decision, FailMode, Policy, PolicyName, RegionId, TenantId};
-use quota_store::{AnyStore, BucketRef, CheckRequest, EmbeddedStore, Limit, Store, StoreError};
+use quota_store::{
+    AnyStore, BucketRef, CheckRequest, EmbeddedStore, Limit, Store, StoreError, UsageRecord,
+};
 use serde::{Deserialize, Serialize};
 use tokio::sync::watch;
 
@@ -185,6 +187,10 @@ pub struct Decider {
     store_latency: Histogram,
     store_errors: Counter,
     forward_failures: Counter,
+    /// Tokens of checks this region sent elsewhere since the last report, by bucket: they are
+    /// demand here (where the callers are), which is what lets share come back to a region
+    /// that forwards because its share ran to 0.
+    forwarded_usage: Mutex<HashMap<BucketRef, (u64, u64)>>,
 }
 
 /// What a [`Decider`] is built from.
@@ -218,6 +224,40 @@ impl Decider {
             http: reqwest::Client::new(),
             forward_timeout: p.forward_timeout,
             peer_token: p.peer_token,
+            forwarded_usage: Mutex::default(),
+        }
+    }
+
+    /// The usage of checks this region forwarded since the last call, for its usage report.
+    pub fn take_forwarded_usage(&self) -> Vec<UsageRecord> {
+        let taken = std::mem::take(
+            &mut *self
+                .forwarded_usage
+                .lock()
+                .unwrap_or_else(|e| e.into_inner()),
+        );
+        taken
+            .into_iter()
+            .map(|(bucket, (admitted, denied))| UsageRecord {
+                bucket,
+                admitted,
+                denied,
+            })
+            .collect()
+    }
+
+    /// Counts a check another region decided for this one's caller.
+    fn count_forwarded(&self, bucket: &BucketRef, cost: u64, allowed: bool) {
+        let mut usage = self
+            .forwarded_usage
+            .lock()
+            .unwrap_or_else(|e| e.into_inner());
+        // Bounded by the policies in the view: one entry per bucket.
+        let slot = usage.entry(bucket.clone()).or_default();
+        if allowed {
+            slot.0 = slot.0.saturating_add(cost);
+        } else {
+            slot.1 = slot.1.saturating_add(cost);
         }
     }
 
@@ -453,7 +493,10 @@ impl Decider {
                         Some(ForwardedItem {
                             status: 200 | 429,
                             decision: Some(a),
-                        }) => Ok(a.verdict(policy, home)),
+                        }) => {
+                            self.count_forwarded(&bucket, cost, a.allowed);
+                            Ok(a.verdict(policy, home))
+                        }
                         _ => self.home_unreachable(home, bucket, cost, policy).await,
                     };
                     self.metrics
@@ -577,7 +620,10 @@ impl Decider {
             .send_home::<ForwardedAnswer>(home, "/v1/check", &body)
             .await
         {
-            Some(a) => Ok(a.verdict(policy, home)),
+            Some(a) => {
+                self.count_forwarded(&bucket, cost, a.allowed);
+                Ok(a.verdict(policy, home))
+            }
             None => self.home_unreachable(home, bucket, cost, policy).await,
         }
     }
@@ -597,7 +643,10 @@ impl Decider {
             .send_home::<ForwardedAnswer>(there, "/v1/check", &body)
             .await
         {
-            Some(a) => Ok(a.verdict(policy, there)),
+            Some(a) => {
+                self.count_forwarded(&bucket, cost, a.allowed);
+                Ok(a.verdict(policy, there))
+            }
             None => {
                 self.forward_failures.increment(1);
                 self.decide_here(bucket, limit, cost, policy).await
