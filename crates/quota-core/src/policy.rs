@@ -67,7 +67,8 @@ pub struct PolicySpec {
     pub tier: Option<Tier>,
     #[serde(default)]
     pub fail_mode: Option<FailMode>,
-    /// Fraction of the budget reserved for each region, in [0, 1].
+    /// Fraction of the budget reserved for each region, in [0, 1] (default 0). It is kept in
+    /// whole units: one below a token reserves nothing ([`Policy::whole_floor_ppm`]).
     #[serde(default)]
     pub floor: Option<f64>,
     #[serde(default)]
