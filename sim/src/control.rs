@@ -140,6 +140,9 @@ pub struct RegionAgent {
     pub grants: Vec<RegionShare>,
     /// Per tenant: the home region when pinned.
     pub homes: Vec<Option<RegionIx>>,
+    /// Per tenant: the other region granted the largest share (the lowest on a tie), where a
+    /// check this region's share cannot hold is forwarded.
+    pub richest: Vec<Option<RegionIx>>,
     /// Per tenant: tokens admitted and denied since the last report.
     usage: Vec<Usage>,
 }
@@ -268,6 +271,7 @@ impl Control {
             view: RegionView::new(),
             grants: Vec::new(),
             homes: Vec::new(),
+            richest: Vec::new(),
             usage: vec![Usage::default(); tenants],
         };
         agent.view.on_applied(self.committed.epoch);
@@ -516,6 +520,16 @@ impl Control {
                     .map(|p| usize::from(p.home))
             })
             .collect();
+        agent.richest = self
+            .keys
+            .iter()
+            .map(|k| {
+                let e = agent.replica.entries.get(k)?;
+                (0..e.shares_ppm.len())
+                    .filter(|&o| o != r && e.share(o) > 0)
+                    .max_by_key(|&o| (e.share(o), Reverse(o)))
+            })
+            .collect();
     }
 
     fn replicate(&mut self, world: &World, t_ms: u64) {
@@ -618,6 +632,15 @@ impl Control {
                 .view
                 .lease()
                 .is_none_or(|l| local_ms >= l.end_local_ms(self.cfg.drift_margin_ms))
+    }
+
+    /// The share `region` is granted for `tenant`, as region `r`'s replica sees it.
+    pub fn granted_ppm(&self, r: RegionIx, tenant: usize, region: RegionIx) -> u32 {
+        self.agents[r]
+            .replica
+            .entries
+            .get(&self.keys[tenant])
+            .map_or(0, |e| e.share(region))
     }
 
     /// Counts a decision in region `r`'s next usage report.

@@ -188,6 +188,11 @@ pub struct Recorder {
     floor_ms: Vec<u64>,
     /// Every closed matching bin's tokens in healthy regions, for [`Recorder::against_baseline`].
     healthy_bins: Vec<HealthyBin>,
+    /// Decisions made in another region than the caller's, over the whole run.
+    forwarded: u64,
+    /// Denials with no retry time (the deciding bucket can never hold the cost), over the
+    /// whole run.
+    never: u64,
 }
 
 /// One tenant's matching bin as it closed: healthy regions' tokens and the shadow's (all
@@ -267,6 +272,8 @@ impl Recorder {
             open: vec![TenantSecond::default(); tenants.len()],
             secs: vec![Second::default(); duration_ms.div_ceil(1000) as usize],
             floor_ms: vec![0; healthy.len()],
+            forwarded: 0,
+            never: 0,
             healthy,
             healthy_bins: Vec::new(),
         }
@@ -279,6 +286,12 @@ impl Recorder {
                 *f += dt_ms;
             }
         }
+    }
+
+    /// Records where one request was decided and whether it was a denial with no retry time.
+    pub fn record_route(&mut self, forwarded: bool, never: bool) {
+        self.forwarded += u64::from(forwarded);
+        self.never += u64::from(never);
     }
 
     /// Records one request's verdicts at true time `t_ms` (which never decreases).
@@ -472,6 +485,8 @@ impl Recorder {
                 total(|s| s.healthy_shadow_tokens, from..n),
             ),
             floor_s: self.floor_ms.iter().map(|&ms| ms as f64 / 1000.0).collect(),
+            forwarded: ratio(self.forwarded, self.decisions),
+            never: self.never,
             goodput_converged: ratio(masked(|s| s.both_tokens), masked(|s| s.shadow_tokens)),
             false_denial_converged: ratio(
                 masked(|s| s.false_denials),
@@ -525,6 +540,10 @@ pub struct Summary {
     pub goodput_healthy: Option<f64>,
     /// Seconds after warm-up each region enforced only its floors.
     pub floor_s: Vec<f64>,
+    /// Fraction of decisions made in another region than the caller's.
+    pub forwarded: Option<f64>,
+    /// Denials with no retry time: the deciding bucket could never hold the cost.
+    pub never: u64,
     pub false_denial_rate: Option<f64>,
     /// Goodput counted only once converged after each shift.
     pub goodput_converged: Option<f64>,

@@ -73,8 +73,9 @@ pub struct Options {
     /// Drift margin of leases in seconds.
     #[arg(long, default_value_t = 1.0)]
     pub drift_margin: f64,
-    /// Fraction of each tenant's budget reserved for every region, in [0, 1/regions].
-    #[arg(long, default_value_t = 0.05)]
+    /// Fraction of each tenant's budget reserved for every region, in [0, 1/regions]. The
+    /// default is the daemon's: no floor (a region with no share forwards what it cannot hold).
+    #[arg(long, default_value_t = 0.0)]
     pub floor: f64,
     /// Seconds at the start not counted in goodput, false denials and latency (overshoot
     /// always counts); default: one policy window (60 s), at most a third of the duration.

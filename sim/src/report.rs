@@ -9,7 +9,7 @@ use crate::simulation::ScenarioRun;
 /// The CSV header, also the column order of the table.
 pub const CSV_HEADER: &str = "scenario,strategy,overshoot_window,overshoot_1s,goodput,\
 goodput_healthy,floor_s,false_denial_rate,goodput_converged,false_denial_converged,p50_decision_ms,p99_decision_ms,\
-convergence_s,decisions,admitted_tokens,ideal_tokens";
+convergence_s,forwarded_fraction,never,decisions,admitted_tokens,ideal_tokens";
 
 fn opt(v: Option<f64>, digits: usize) -> String {
     v.map_or_else(|| "-".to_string(), |x| format!("{x:.digits$}"))
@@ -40,7 +40,7 @@ pub fn table(runs: &[ScenarioRun]) -> String {
     let mut out = String::new();
     let _ = writeln!(
         out,
-        "{:<16} {:<19} {:>8} {:>8} {:>8} {:>8} {:>9} {:>8} {:>8} {:>7} {:>7} {:>6}",
+        "{:<16} {:<19} {:>8} {:>8} {:>8} {:>8} {:>9} {:>8} {:>8} {:>7} {:>7} {:>6} {:>6} {:>6}",
         "scenario",
         "strategy",
         "over(W)",
@@ -52,13 +52,15 @@ pub fn table(runs: &[ScenarioRun]) -> String {
         "fd_conv",
         "p50_ms",
         "p99_ms",
-        "conv_s"
+        "conv_s",
+        "fwd",
+        "never"
     );
     for run in runs {
         for s in run.strategies.iter().map(|r| &r.summary) {
             let _ = writeln!(
                 out,
-                "{:<16} {:<19} {:>8.3} {:>8.3} {:>8} {:>8} {:>9} {:>8} {:>8} {:>7.1} {:>7.1} {:>6}",
+                "{:<16} {:<19} {:>8.3} {:>8.3} {:>8} {:>8} {:>9} {:>8} {:>8} {:>7.1} {:>7.1} {:>6} {:>6} {:>6}",
                 s.scenario,
                 s.strategy,
                 s.overshoot_window,
@@ -71,6 +73,8 @@ pub fn table(runs: &[ScenarioRun]) -> String {
                 s.p50_decision_ms,
                 s.p99_decision_ms,
                 conv(s),
+                opt(s.forwarded.map(|x| 100.0 * x), 1) + "%",
+                s.never,
             );
         }
     }
@@ -80,7 +84,7 @@ pub fn table(runs: &[ScenarioRun]) -> String {
 fn csv_row(s: &Summary) -> String {
     let o = |v: Option<f64>| v.map_or_else(String::new, |x| format!("{x:.6}"));
     format!(
-        "{},{},{:.6},{:.6},{},{},{},{},{},{},{:.3},{:.3},{},{},{},{}",
+        "{},{},{:.6},{:.6},{},{},{},{},{},{},{:.3},{:.3},{},{},{},{},{},{}",
         s.scenario,
         s.strategy,
         s.overshoot_window,
@@ -102,6 +106,8 @@ fn csv_row(s: &Summary) -> String {
             (_, None) => "never".to_string(),
             (_, Some(x)) => format!("{x:.0}"),
         },
+        o(s.forwarded),
+        s.never,
         s.decisions,
         s.admitted_tokens,
         s.ideal_tokens
@@ -183,6 +189,8 @@ mod tests {
             p99_decision_ms: 0.5,
             demand_shifts: 1,
             convergence_s: None,
+            forwarded: Some(0.25),
+            never: 0,
             decisions: 10,
             admitted_tokens: 5,
             ideal_tokens: 6,

@@ -61,10 +61,15 @@ pub enum ScenarioKind {
     RedisOutage,
     /// Clocks run up to 0.2% fast or slow while demand is skewed.
     ClockDrift,
+    /// Login-style budgets: 1–10 per 1–15 minutes, burst 1–5; demand in one region that moves
+    /// now and then, or clients that alternate regions.
+    SmallBudget,
+    /// Budgets that refill in days: 10 a day, 100 a month, 1 a month.
+    SlowBudget,
 }
 
 impl ScenarioKind {
-    pub const ALL: [ScenarioKind; 15] = [
+    pub const ALL: [ScenarioKind; 17] = [
         Self::Steady,
         Self::Skewed,
         Self::FollowTheSun,
@@ -80,6 +85,8 @@ impl ScenarioKind {
         Self::Heal,
         Self::RedisOutage,
         Self::ClockDrift,
+        Self::SmallBudget,
+        Self::SlowBudget,
     ];
 
     /// Whether the scenario cuts regions off or crashes daemons.
@@ -131,6 +138,8 @@ impl ScenarioKind {
             Self::Heal => "heal",
             Self::RedisOutage => "redis_outage",
             Self::ClockDrift => "clock_drift",
+            Self::SmallBudget => "small_budget",
+            Self::SlowBudget => "slow_budget",
         }
     }
 }
@@ -164,6 +173,9 @@ pub struct Scenario {
     pub shifts_ms: Vec<u64>,
     /// Clock drift per region overriding the world's, in ppm.
     pub drift_ppm: Option<Vec<i64>>,
+    /// The window W overshoot(W) is measured over: the policy window, or the whole run for
+    /// budgets whose window is longer than any run.
+    pub overshoot_window_ms: u64,
 }
 
 /// Why a scenario cannot be built from the options.
@@ -191,6 +203,25 @@ fn policy(limit: u64, floor: f64, tier: Tier) -> Result<Policy, ScenarioError> {
         window_ms: WINDOW_MS as f64,
         floor: Some(floor),
         tier: Some(tier),
+        ..PolicySpec::default()
+    }
+    .validate()
+    .map_err(|e| ScenarioError::Policy(e.to_string()))
+}
+
+/// A small or slow budget with the run's floor and fail mode.
+fn small_policy(
+    limit: u64,
+    window_ms: u64,
+    burst: u64,
+    opts: &ScenarioOptions,
+) -> Result<Policy, ScenarioError> {
+    PolicySpec {
+        limit: limit as f64,
+        window_ms: window_ms as f64,
+        burst: Some(burst as f64),
+        floor: Some(opts.floor),
+        fail_mode: Some(opts.fail_mode),
         ..PolicySpec::default()
     }
     .validate()
@@ -310,9 +341,19 @@ impl Scenario {
             faults: Faults::default(),
             shifts_ms: Vec::new(),
             drift_ppm: None,
+            overshoot_window_ms: WINDOW_MS,
         };
-        for k in 0..opts.tenants {
-            scenario.add_tenant(&span, k, opts, rng)?;
+        match kind {
+            ScenarioKind::SmallBudget => scenario.add_small_budgets(&span, opts, rng)?,
+            ScenarioKind::SlowBudget => {
+                scenario.add_slow_budgets(&span, opts, rng)?;
+                scenario.overshoot_window_ms = opts.duration_ms;
+            }
+            _ => {
+                for k in 0..opts.tenants {
+                    scenario.add_tenant(&span, k, opts, rng)?;
+                }
+            }
         }
         scenario.add_events(&span, opts, rng)?;
         Ok(scenario)
@@ -526,6 +567,98 @@ impl Scenario {
         Ok(())
     }
 
+    /// Adds tenant `tenant`'s sources at `rate_per_s` requests a second, placed by `k % 4`:
+    /// two in four in one region that moves to another every 60–180 s, one in four in clients
+    /// that alternate regions (spread evenly), one in four in one region for the whole run.
+    fn add_placed_sources(
+        &mut self,
+        span: &Span,
+        tenant: u32,
+        k: usize,
+        rate_per_s: f64,
+        rng: &mut ChaCha8Rng,
+    ) {
+        let (n, d) = (span.n, span.d);
+        let (shape, cost) = (Shape::Constant, Cost::UNIT);
+        let one = |region: RegionIx| {
+            let mut w = vec![0.0; n];
+            w[region] = 1.0;
+            w
+        };
+        match k % 4 {
+            0 | 1 => {
+                let mut from = 0;
+                while from < d {
+                    let until = (from + rng.random_range(60_000..=180_000)).min(d);
+                    let w = one(rng.random_range(0..n));
+                    spread(
+                        &mut self.sources,
+                        tenant,
+                        rate_per_s,
+                        &w,
+                        from,
+                        until,
+                        shape,
+                        cost,
+                    );
+                    from = until;
+                }
+            }
+            2 => {
+                let w = weights(n, None, 0.0);
+                spread(&mut self.sources, tenant, rate_per_s, &w, 0, d, shape, cost);
+            }
+            _ => {
+                let w = one(rng.random_range(0..n));
+                spread(&mut self.sources, tenant, rate_per_s, &w, 0, d, shape, cost);
+            }
+        }
+    }
+
+    /// `small_budget`: ten times the run's tenants with login-style budgets, each asking for
+    /// 0.5–3× its limit.
+    fn add_small_budgets(
+        &mut self,
+        span: &Span,
+        opts: &ScenarioOptions,
+        rng: &mut ChaCha8Rng,
+    ) -> Result<(), ScenarioError> {
+        for k in 0..opts.tenants * 10 {
+            let limit = rng.random_range(1..=10u64);
+            let window_ms = *[60_000, 60_000, 300_000, 900_000]
+                .choose(rng)
+                .expect("windows");
+            let burst = rng.random_range(1..=5u64);
+            let p = small_policy(limit, window_ms, burst, opts)?;
+            let rate = rng.random_range(0.5..3.0) * limit as f64 * 1000.0 / window_ms as f64;
+            let tenant = self.tenants.len() as u32;
+            self.tenants.push(Tenant { policy: p });
+            self.add_placed_sources(span, tenant, k, rate, rng);
+        }
+        Ok(())
+    }
+
+    /// `slow_budget`: fifteen times the run's tenants with 10 a day, 100 a month or 1 a month
+    /// (burst = limit), each asking for 0.5–3× its burst over the run.
+    fn add_slow_budgets(
+        &mut self,
+        span: &Span,
+        opts: &ScenarioOptions,
+        rng: &mut ChaCha8Rng,
+    ) -> Result<(), ScenarioError> {
+        const DAY_MS: u64 = 86_400_000;
+        const BUDGETS: [(u64, u64); 3] = [(10, DAY_MS), (100, 30 * DAY_MS), (1, 30 * DAY_MS)];
+        for k in 0..opts.tenants * 15 {
+            let (limit, window_ms) = BUDGETS[k % BUDGETS.len()];
+            let p = small_policy(limit, window_ms, limit, opts)?;
+            let rate = rng.random_range(0.5..3.0) * limit as f64 * 1000.0 / span.d as f64;
+            let tenant = self.tenants.len() as u32;
+            self.tenants.push(Tenant { policy: p });
+            self.add_placed_sources(span, tenant, k / BUDGETS.len(), rate, rng);
+        }
+        Ok(())
+    }
+
     /// `partition`: the last region cut off, and a surge everywhere once the majority has had
     /// time to reassign the silent region's share.
     /// Cuts `region` off for 90 s with a surge 40 s in.
@@ -573,7 +706,8 @@ mod tests {
         for kind in ScenarioKind::ALL {
             let s = Scenario::build(kind, &opts(), &mut ChaCha8Rng::seed_from_u64(1)).unwrap();
             assert!(!s.sources.is_empty(), "{kind}");
-            assert!(s.tenants.iter().all(|t| t.policy.window_ms == WINDOW_MS));
+            let small = matches!(kind, ScenarioKind::SmallBudget | ScenarioKind::SlowBudget);
+            assert!(small || s.tenants.iter().all(|t| t.policy.window_ms == WINDOW_MS));
             assert!(s
                 .sources
                 .iter()

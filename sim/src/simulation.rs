@@ -10,7 +10,7 @@ use serde::Serialize;
 
 use crate::control::ControlConfig;
 use crate::metrics::{Recorder, Second, Shadow, Summary};
-use crate::scenario::{Scenario, ScenarioError, ScenarioKind, ScenarioOptions, WINDOW_MS};
+use crate::scenario::{Scenario, ScenarioError, ScenarioKind, ScenarioOptions};
 use crate::strategy::{self, Setup, Strategy, StrategyKind};
 use crate::traffic::Arrivals;
 use crate::world::{World, WorldSpec};
@@ -98,7 +98,7 @@ pub fn run_scenario(
         .map(|_| {
             Recorder::new(
                 tenants,
-                WINDOW_MS,
+                scenario.overshoot_window_ms,
                 cfg.tick_ms,
                 cfg.duration_ms,
                 cfg.warmup_ms,
@@ -141,7 +141,7 @@ pub fn run_scenario(
             .map(|_| {
                 Recorder::new(
                     tenants,
-                    WINDOW_MS,
+                    scenario.overshoot_window_ms,
                     cfg.tick_ms,
                     cfg.duration_ms,
                     cfg.warmup_ms,
@@ -241,6 +241,7 @@ fn run_ticks(
             for (r, &ok) in requests.iter().zip(&shadow_ok) {
                 let v = s.decide(world, t, r);
                 rec.record(t, r, ok, v.allowed, v.latency_us);
+                rec.record_route(v.forwarded, v.never);
             }
             for region in 0..world.regions {
                 if s.on_floor(world, t, region) {

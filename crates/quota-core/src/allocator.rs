@@ -29,11 +29,12 @@
 use serde::{Deserialize, Serialize};
 
 use crate::coordinator::{
-    auto_pins, Command, CoordinatorState, Entry, HomeChange, Operation, PinSource, PolicyKey,
-    RegionState, RequestId, ShareEntry,
+    Command, CoordinatorState, Entry, HomeChange, Operation, PinSource, PolicyKey, RegionState,
+    RequestId, ShareEntry,
 };
 use crate::demand::DemandTracker;
 use crate::lease::Revocation;
+use crate::mode::BudgetMode;
 use crate::policy::PPM;
 pub use crate::split::{even_split, target_split, water_fill};
 use crate::split::{target_into, MAX_REGIONS};
@@ -433,7 +434,8 @@ fn plan_entry(
     }
     let (floors, current) = (&floors[..n], &current[..n]);
 
-    let (home, home_change) = plan_home(entry, demand_ppm, slots, config);
+    let mode = state.budget_mode(&entry.policy);
+    let (home, home_change) = plan_home(state, entry, demand_ppm, slots, config);
     let mut target = [0u32; MAX_REGIONS];
     match home {
         Some(h) => {
@@ -449,10 +451,17 @@ fn plan_entry(
         None => target_into(floors, demand_ppm, &slots.eligible[..n], &mut target[..n]),
     }
     let target = &target[..n];
+    // A budget too small to split moves whole: a damped step would leave both regions
+    // holding less than a unit on the way.
+    let max_step_ppm = if mode == BudgetMode::Home && home.is_some() {
+        PPM
+    } else {
+        config.max_step_ppm
+    };
     let round = Round {
         state,
         slots,
-        config,
+        max_step_ppm,
         now,
     };
     let new = step_revoking_first(&round, entry, current, target, floors);
@@ -464,9 +473,16 @@ fn plan_entry(
         .map(|r| u64::from(current[r].abs_diff(target[r])))
         .sum();
     let floor_repair = (0..n).any(|r| new[r] > current[r] && current[r] < floors[r]);
+    // When one unit of the policy is worth more than the threshold, a move short of the
+    // threshold can still be a whole unit (a token of a burst of 30 is 33 334 ppm): judge by
+    // units, so a region converges on every unit its target holds.
+    let threshold = config.change_threshold_ppm.max(1);
+    let units = u128::from(entry.policy.units());
+    let whole = |share: u32| units * u128::from(share) / u128::from(PPM);
+    let unit_gap = entry.policy.min_share_ppm() > threshold
+        && (0..n).any(|r| whole(current[r]) != whole(target[r]));
     let wrong_length = entry.shares_ppm.len() != n;
-    let worth = (moved
-        && (distance >= u64::from(config.change_threshold_ppm.max(1)) || floor_repair))
+    let worth = (moved && (distance >= u64::from(threshold) || floor_repair || unit_gap))
         || home_change != HomeChange::Keep
         || wrong_length;
     worth.then(|| ShareEntry {
@@ -477,8 +493,10 @@ fn plan_entry(
 }
 
 /// The policy's home this round (a live slot) and the change to record: operator pins stay;
-/// critical policies follow their demand.
+/// critical policies and budgets too small to split follow their demand (a budget too small
+/// to split with no demand yet and no home stays with the region holding most of it).
 fn plan_home(
+    state: &CoordinatorState,
     entry: &Entry,
     demand_ppm: &[u64],
     slots: &Slots,
@@ -490,10 +508,30 @@ fn plan_home(
         Some(p) if p.source == PinSource::Operator => Some(p.home),
         pin => {
             let auto = pin.map(|p| p.home);
-            if auto_pins(entry.policy.tier) {
+            if state.auto_pinned(&entry.policy) {
                 let eligible = &slots.eligible[..n];
-                let chosen =
-                    choose_home(auto, demand_ppm, eligible, config.pin_hysteresis_ppm).or(auto);
+                let home_mode = state.budget_mode(&entry.policy) == BudgetMode::Home;
+                // Moving a whole budget moves its rate, not its tokens: the old home's bucket
+                // is lost and the new one starts from its own level. So a budget too small to
+                // split moves only when its home can no longer hold it (cut off, draining,
+                // gone); its other regions forward to it meanwhile.
+                let stays =
+                    home_mode && auto.is_some_and(|h| eligible.get(usize::from(h)) == Some(&true));
+                let chosen = if stays {
+                    auto
+                } else {
+                    let kept = if home_mode {
+                        // A home that cannot hold the budget is given up even without demand
+                        // elsewhere: its callers forward to it in vain.
+                        auto.filter(|&h| eligible.get(usize::from(h)) == Some(&true))
+                    } else {
+                        auto
+                    };
+                    choose_home(auto, demand_ppm, eligible, config.pin_hysteresis_ppm)
+                        .or(kept)
+                        .or_else(|| home_mode.then(|| largest_share(entry, eligible)).flatten())
+                        .or(auto)
+                };
                 if chosen != auto {
                     if let Some(h) = chosen {
                         home_change = HomeChange::Auto(h);
@@ -512,16 +550,26 @@ fn plan_home(
     (home, home_change)
 }
 
-/// Steps `current` towards `target` in two passes: the first decides the decreases, whose
-/// revocations shape the room the second pass grants increases into.
-/// What one round's steps share: the state, its slots, the tuning and the time.
+/// The eligible slot holding the largest share (the lowest on a tie), if any is eligible.
+fn largest_share(entry: &Entry, eligible: &[bool]) -> Option<u8> {
+    (0..eligible.len())
+        .filter(|&r| eligible[r])
+        .max_by_key(|&r| (entry.share(r), std::cmp::Reverse(r)))
+        .map(|r| r as u8)
+}
+
+/// What one round's steps share: the state, its slots, the step and the time.
 struct Round<'a> {
     state: &'a CoordinatorState,
     slots: &'a Slots,
-    config: &'a AllocatorConfig,
+    max_step_ppm: u32,
     now: u64,
 }
 
+/// Steps `current` towards `target` in two passes: the first decides the decreases, whose
+/// revocations shape the room the second pass grants increases into. Then no share is left
+/// holding part of one unit: a decrease below one unit goes to 0, an increase below one unit
+/// becomes one unit if there is room for it, else 0.
 fn step_revoking_first(
     round: &Round<'_>,
     entry: &Entry,
@@ -533,7 +581,7 @@ fn step_revoking_first(
     let Round {
         state,
         slots,
-        config,
+        max_step_ppm,
         now,
     } = *round;
     let lapsed = &slots.lapsed[..n];
@@ -545,7 +593,7 @@ fn step_revoking_first(
         floors,
         current,
         lapsed,
-        config.max_step_ppm,
+        max_step_ppm,
         &mut new[..n],
     );
     for r in 0..n {
@@ -557,9 +605,24 @@ fn step_revoking_first(
         floors,
         &enforceable[..n],
         lapsed,
-        config.max_step_ppm,
+        max_step_ppm,
         &mut new[..n],
     );
+    let min = entry.policy.min_share_ppm();
+    let mut used: u64 = (0..n).map(|r| u64::from(enforceable[r].max(new[r]))).sum();
+    for r in 0..n {
+        if new[r] == 0 || new[r] >= min {
+            continue;
+        }
+        let was = new[r];
+        let raise = u64::from(min.saturating_sub(was.max(enforceable[r])));
+        new[r] = if was > current[r] && used + raise <= u64::from(PPM) {
+            used += raise;
+            min
+        } else {
+            0
+        };
+    }
     new
 }
 

@@ -45,6 +45,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::ids::{PolicyName, RegionId, TenantId};
 use crate::lease::{LeaseConfig, LeaseConfigError, Revocation};
+use crate::mode::{budget_mode, whole_share, BudgetMode};
 use crate::policy::{Policy, PolicySpec, Tier, PPM};
 use crate::split::even_split;
 
@@ -252,6 +253,12 @@ pub enum EntryRejection {
     },
     /// A deleted policy gets no share.
     Deleted,
+    /// A share that would hold more than nothing but less than one unit of the policy (a
+    /// token of burst, or of a sliding window's limit): it could admit nothing.
+    PartUnit {
+        region: u8,
+        share_ppm: u32,
+    },
 }
 
 /// A rejected share entry, named.
@@ -378,6 +385,15 @@ pub struct InvariantViolation {
     pub enforceable_ppm: u64,
 }
 
+/// A share holding part of one unit, found by [`CoordinatorState::check_whole_shares`].
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("policy {key:?} grants region {region} {share_ppm} ppm, less than one unit")]
+pub struct PartUnitShare {
+    pub key: PolicyKey,
+    pub region: u8,
+    pub share_ppm: u32,
+}
+
 /// The grant one region enforces for one policy, as read from the state.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
 pub struct RegionShare {
@@ -480,7 +496,7 @@ impl CoordinatorState {
     /// take from it. (What a cut-off region may fall back to is [`Self::floor_of`].)
     pub fn guaranteed_floor(&self, policy: &Policy, region: usize) -> u32 {
         match self.region(region) {
-            Some(r) if r.reserves_floor && !r.draining => policy.floor_ppm,
+            Some(r) if r.reserves_floor && !r.draining => policy.whole_floor_ppm(),
             _ => 0,
         }
     }
@@ -489,9 +505,50 @@ impl CoordinatorState {
     /// ends (never above its share).
     pub fn floor_of(&self, policy: &Policy, region: usize) -> u32 {
         match self.region(region) {
-            Some(r) if r.reserves_floor => policy.floor_ppm,
+            Some(r) if r.reserves_floor => policy.whole_floor_ppm(),
             _ => 0,
         }
+    }
+
+    /// How many live regions may take share (not draining); a policy's mode is judged by it.
+    pub fn sharing_regions(&self) -> usize {
+        self.regions
+            .iter()
+            .flatten()
+            .filter(|r| !r.draining)
+            .count()
+    }
+
+    /// Whether a policy's budget is split or lives whole in its home, with this membership.
+    pub fn budget_mode(&self, policy: &Policy) -> BudgetMode {
+        budget_mode(policy, self.sharing_regions())
+    }
+
+    /// Whether the allocator pins a policy to its busiest region: a `critical` tier, or a
+    /// budget too small to split.
+    pub fn auto_pinned(&self, policy: &Policy) -> bool {
+        auto_pins(policy.tier) || self.budget_mode(policy) == BudgetMode::Home
+    }
+
+    /// Checks that no region's granted share of any live policy holds more than nothing but
+    /// less than one unit of it ([`Policy::min_share_ppm`]).
+    pub fn check_whole_shares(&self) -> Result<(), PartUnitShare> {
+        for (key, entry) in self.entries.iter().filter(|(_, e)| !e.deleted) {
+            let min = entry.policy.min_share_ppm();
+            if let Some((r, &share_ppm)) = entry
+                .shares_ppm
+                .iter()
+                .enumerate()
+                .find(|(_, &s)| s > 0 && s < min)
+            {
+                return Err(PartUnitShare {
+                    key: key.clone(),
+                    region: r as u8,
+                    share_ppm,
+                });
+            }
+        }
+        Ok(())
     }
 
     /// What a region enforces for a policy per the current state (its grant and floor).
@@ -605,20 +662,29 @@ impl CoordinatorState {
         let epoch = self.epoch;
         let mut policy = policy.clone();
         policy.version = version;
-        let initial = initial_split(self, &policy);
-        let floor_regions = self.floor_flags();
-        let regions = self.regions.clone();
         let tenant_pin = self.tenant_pins.get(&key.tenant).map(|&home| Pin {
             home,
             source: PinSource::Operator,
         });
+        // A budget too small to split starts whole in one region, so its first check is
+        // admitted wherever it lands (the others forward it there).
+        let auto_home = (tenant_pin.is_none() && self.budget_mode(&policy) == BudgetMode::Home)
+            .then(|| self.first_sharing_region())
+            .flatten()
+            .map(|home| Pin {
+                home,
+                source: PinSource::Auto,
+            });
+        let initial = initial_split(self, &policy, tenant_pin.or(auto_home).map(|p| p.home));
+        let floor_regions = self.floor_flags();
+        let regions = self.regions.clone();
         match self.entries.get_mut(key) {
             None => {
                 self.entries.insert(
                     key.clone(),
                     Entry {
                         policy,
-                        pin: tenant_pin,
+                        pin: tenant_pin.or(auto_home),
                         shares_ppm: initial,
                         revocations: Vec::new(),
                         deleted: false,
@@ -628,9 +694,9 @@ impl CoordinatorState {
             Some(entry) => {
                 // A lower floor may still be what a cut-off region falls back to: keep the old
                 // one counted until each region acknowledges this epoch.
-                if policy.floor_ppm < entry.policy.floor_ppm && !entry.deleted {
+                if policy.whole_floor_ppm() < entry.policy.whole_floor_ppm() && !entry.deleted {
                     for (r, _) in floor_regions.iter().enumerate().filter(|(_, &f)| f) {
-                        let floor = entry.policy.floor_ppm.min(entry.share(r));
+                        let floor = entry.policy.whole_floor_ppm().min(entry.share(r));
                         if floor > 0 {
                             let rev = Revocation {
                                 region: r as u8,
@@ -648,6 +714,8 @@ impl CoordinatorState {
                 entry.deleted = false;
                 if tenant_pin.is_some() {
                     entry.pin = tenant_pin;
+                } else if entry.pin.is_none() {
+                    entry.pin = auto_home;
                 }
             }
         }
@@ -699,6 +767,16 @@ impl CoordinatorState {
         }
     }
 
+    /// The lowest live slot that may take share (a fresh home-mode policy's first home).
+    fn first_sharing_region(&self) -> Option<u8> {
+        let slot = self
+            .regions
+            .iter()
+            .position(|r| r.as_ref().is_some_and(|r| !r.draining))
+            .or_else(|| self.regions.iter().position(Option::is_some))?;
+        Some(slot as u8)
+    }
+
     fn floor_flags(&self) -> Vec<bool> {
         self.regions
             .iter()
@@ -725,7 +803,7 @@ impl CoordinatorState {
                 continue;
             }
             let floor = if floor_flags[r] {
-                entry.policy.floor_ppm.min(share)
+                entry.policy.whole_floor_ppm().min(share)
             } else {
                 0
             };
@@ -941,6 +1019,12 @@ impl CoordinatorState {
                     share_ppm: new,
                 });
             }
+            if whole_share(&entry.policy, new) != new {
+                return Err(EntryRejection::PartUnit {
+                    region: r as u8,
+                    share_ppm: new,
+                });
+            }
             let old = entry.share(r);
             let floor = self.floor_of(&entry.policy, r);
             let guaranteed = self.guaranteed_floor(&entry.policy, r);
@@ -1133,14 +1217,27 @@ fn policy_spec(policy: &Policy) -> PolicySpec {
     }
 }
 
-/// A new policy's first split: floors, then the rest evenly (water-filled with no demand).
-fn initial_split(state: &CoordinatorState, policy: &Policy) -> Vec<u32> {
+/// A new policy's first split: floors, then the rest evenly (water-filled with no demand);
+/// with a `home`, the rest all there. No share holds part of one unit.
+fn initial_split(state: &CoordinatorState, policy: &Policy, home: Option<u8>) -> Vec<u32> {
     let slots = state.regions.len();
     let floors: Vec<u32> = (0..slots)
         .map(|r| state.guaranteed_floor(policy, r))
         .collect();
     let live: Vec<bool> = (0..slots).map(|r| state.region(r).is_some()).collect();
-    even_split(&floors, &live)
+    let mut split = match home.map(usize::from).filter(|&h| h < slots && live[h]) {
+        Some(h) => {
+            let others: u32 = (0..slots).filter(|&r| r != h).map(|r| floors[r]).sum();
+            let mut split = floors;
+            split[h] = PPM - others.min(PPM);
+            split
+        }
+        None => even_split(&floors, &live),
+    };
+    for s in &mut split {
+        *s = whole_share(policy, *s);
+    }
+    split
 }
 
 /// Adds a revocation, merging with the region's existing one.

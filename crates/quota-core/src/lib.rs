@@ -13,6 +13,7 @@
 //! - [`keys`]: the Redis key schema.
 //! - [`coordinator`]: the replicated state machine `apply(state, command)` and its safety rules.
 //! - [`allocator`]: one rebalance round: demand → max-min fair, damped, revoke-before-grant shares.
+//! - [`mode`]: whether a policy's budget is split over regions or lives whole in its home.
 //! - [`split`]: water filling, the target split and the even split of a policy's budget.
 //! - [`demand`]: the leader's smoothed demand estimates (soft state, never replicated).
 //! - [`lease`]: lease timing and revocations (what a region may still enforce).
@@ -27,6 +28,7 @@ pub mod demand;
 pub mod ids;
 pub mod keys;
 pub mod lease;
+pub mod mode;
 pub mod policy;
 pub mod region;
 pub mod share;

@@ -67,7 +67,8 @@ pub struct PolicySpec {
     pub tier: Option<Tier>,
     #[serde(default)]
     pub fail_mode: Option<FailMode>,
-    /// Fraction of the budget reserved for each region, in [0, 1].
+    /// Fraction of the budget reserved for each region, in [0, 1] (default 0). It is kept in
+    /// whole units: one below a token reserves nothing ([`Policy::whole_floor_ppm`]).
     #[serde(default)]
     pub floor: Option<f64>,
     #[serde(default)]
@@ -224,6 +225,44 @@ impl Policy {
                 version: self.version,
                 ..other.clone()
             }
+    }
+
+    /// The units a share of this policy is counted in: tokens of burst for a token bucket,
+    /// tokens per window for a sliding window.
+    pub fn units(&self) -> u64 {
+        match self.algorithm {
+            Algorithm::TokenBucket => self.burst,
+            Algorithm::SlidingWindow => self.limit,
+        }
+    }
+
+    /// The least non-zero share worth holding: one whole unit (rounded up, so a bucket at this
+    /// share holds the unit whole). Above [`PPM`] when even the whole budget is less than a
+    /// unit, which validation never accepts.
+    pub fn min_share_ppm(&self) -> u32 {
+        u64::from(PPM).div_ceil(self.units().max(1)) as u32
+    }
+
+    /// The floor each region reserves: the policy's floor, or nothing when it would hold less
+    /// than one unit (a floor of 5% of a burst of 2 is a tenth of a token, which admits
+    /// nothing and would only take budget from the region that can use it).
+    pub fn whole_floor_ppm(&self) -> u32 {
+        if self.floor_ppm < self.min_share_ppm() {
+            0
+        } else {
+            self.floor_ppm
+        }
+    }
+
+    /// How long an empty bucket takes to refill (burst · window / limit), in ms; a sliding
+    /// window's window.
+    pub fn fill_ms(&self) -> u128 {
+        match self.algorithm {
+            Algorithm::TokenBucket => {
+                u128::from(self.burst) * u128::from(self.window_ms) / u128::from(self.limit.max(1))
+            }
+            Algorithm::SlidingWindow => u128::from(self.window_ms),
+        }
     }
 
     /// Whole-budget refill rate in micro-tokens per second.

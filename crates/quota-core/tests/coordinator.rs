@@ -8,7 +8,8 @@ use quota_core::coordinator::{
     ShareEntry, MAX_BATCH_POLICIES, MAX_LISTED_INVALID,
 };
 use quota_core::lease::{LeaseConfig, LeaseConfigError};
-use quota_core::policy::Tier;
+use quota_core::mode::BudgetMode;
+use quota_core::policy::{Policy, Tier};
 use quota_core::PPM;
 
 fn set(d: &mut Driver, t: &str, shares: &[u32]) -> Response {
@@ -852,4 +853,47 @@ fn a_policy_batch_is_stored_whole_in_order_or_not_at_all() {
             max: MAX_BATCH_POLICIES as u32
         }
     );
+}
+
+#[test]
+fn a_budget_too_small_to_split_starts_whole_at_home_and_no_share_holds_part_of_a_token() {
+    let mut d = Driver::with_regions(3);
+    // Two a minute, burst two, a 5% floor (a tenth of a token, so none).
+    let small = Policy {
+        limit: 2,
+        window_ms: 60_000,
+        burst: 2,
+        floor_ppm: 50_000,
+        ..policy(0, Tier::Standard)
+    };
+    let r = d.op(Operation::PutPolicy {
+        key: key("a"),
+        policy: small.clone(),
+    });
+    assert!(matches!(r, Response::PolicyStored { .. }), "{r:?}");
+    let entry = &d.state.entries[&key("a")];
+    assert_eq!(entry.shares_ppm, [PPM, 0, 0]);
+    assert_eq!(
+        entry.pin,
+        Some(Pin {
+            home: 0,
+            source: PinSource::Auto
+        })
+    );
+    assert_eq!(d.state.budget_mode(&small), BudgetMode::Home);
+    assert_eq!(d.state.floor_of(&small, 1), 0);
+    // 0.3 of a burst of 2 is 0.6 of a token: refused, nothing changed.
+    let r = set(&mut d, "a", &[700_000, 300_000, 0]);
+    assert!(
+        matches!(&r, Response::SharesSet { rejected, .. }
+            if rejected[0].reason == EntryRejection::PartUnit { region: 1, share_ppm: 300_000 }),
+        "{r:?}"
+    );
+    assert_eq!(d.state.entries[&key("a")].shares_ppm, [PPM, 0, 0]);
+    assert!(d.state.check_whole_shares().is_ok());
+    // Half of it is one whole token: accepted.
+    d.renew_all();
+    assert_eq!(accepted(&set(&mut d, "a", &[500_000, 0, 0])), 1);
+    d.renew_all();
+    assert_eq!(accepted(&set(&mut d, "a", &[500_000, 500_000, 0])), 1);
 }

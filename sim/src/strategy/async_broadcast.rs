@@ -140,9 +140,6 @@ impl Strategy for AsyncBroadcast {
                 }
             }
         }
-        Verdict {
-            allowed,
-            latency_us: LOCAL_DECISION_US,
-        }
+        Verdict::against(allowed, &self.params[i], req.cost, LOCAL_DECISION_US)
     }
 }

@@ -58,9 +58,6 @@ impl Strategy for FixedShare {
             &self.params[i],
             req.cost,
         );
-        Verdict {
-            allowed,
-            latency_us: LOCAL_DECISION_US,
-        }
+        Verdict::against(allowed, &self.params[i], req.cost, LOCAL_DECISION_US)
     }
 }

@@ -43,6 +43,8 @@ impl Strategy for GlobalStore {
             return Verdict {
                 allowed: self.fail_open,
                 latency_us: (2 * rtt_ms).max(1) * 1000,
+                forwarded: false,
+                never: false,
             };
         }
         let i = req.tenant as usize;
@@ -55,8 +57,13 @@ impl Strategy for GlobalStore {
         );
         self.states[i] = Some(s);
         Verdict {
-            allowed: d.allowed,
-            latency_us: rtt_ms * 1000 + LOCAL_DECISION_US,
+            forwarded: req.region != STORE,
+            ..Verdict::against(
+                d.allowed,
+                &self.params[i],
+                req.cost,
+                rtt_ms * 1000 + LOCAL_DECISION_US,
+            )
         }
     }
 }

@@ -14,6 +14,8 @@ mod rebalance_no_lease;
 
 use std::fmt;
 
+use quota_core::bucket::UT;
+use quota_core::BucketParams;
 use serde::Serialize;
 
 use crate::control::ControlConfig;
@@ -25,6 +27,22 @@ use crate::world::{RegionIx, World};
 pub struct Verdict {
     pub allowed: bool,
     pub latency_us: u64,
+    /// Decided in another region than the caller's.
+    pub forwarded: bool,
+    /// A denial with no retry time: the bucket that decided can never hold the cost.
+    pub never: bool,
+}
+
+impl Verdict {
+    /// A decision against a bucket of `params` for a request of `cost`.
+    pub fn against(allowed: bool, params: &BucketParams, cost: u32, latency_us: u64) -> Self {
+        Self {
+            allowed,
+            latency_us,
+            forwarded: false,
+            never: !allowed && params.capacity_ut < u64::from(cost) * UT,
+        }
+    }
 }
 
 /// A way of deciding requests across regions.

@@ -6,6 +6,7 @@
 //! revoke-before-grant) and `quotad_pinned` (critical tenants pinned, other regions forward
 //! their checks to the home region).
 
+use quota_core::bucket::UT;
 use quota_core::{BucketParams, Tier};
 
 use super::{Setup, Strategy, Verdict};
@@ -23,8 +24,6 @@ pub struct Quotad {
     regions: usize,
     /// Per (tenant, region): the share the cached parameters were computed for.
     cache: Vec<(u32, BucketParams)>,
-    /// Forward checks of pinned tenants to their home region.
-    pinned: bool,
 }
 
 impl Quotad {
@@ -52,7 +51,6 @@ impl Quotad {
             stores: RegionalStores::new(n, setup.tenants.len()),
             regions: n,
             cache: vec![(u32::MAX, params0); n * setup.tenants.len()],
-            pinned,
         }
     }
 }
@@ -68,30 +66,26 @@ impl Strategy for Quotad {
     }
 
     fn decide(&mut self, world: &World, t_ms: u64, req: &Request) -> Verdict {
-        let local = self.decide_in(world, req.region, t_ms, req);
-        if local || !self.pinned {
-            return Verdict {
-                allowed: local,
-                latency_us: LOCAL_DECISION_US,
+        let target = self.forward_target(world, t_ms, req);
+        let mut v = self.decide_in(world, req.region, t_ms, req);
+        if let (false, Some((there, at_ms, latency_us))) = (v.allowed, target) {
+            v = Verdict {
+                latency_us,
+                forwarded: true,
+                ..self.decide_in(world, there, at_ms, req)
             };
         }
-        match forward(&self.control, world, t_ms, req) {
-            Some((home, at_ms, latency_us)) => Verdict {
-                allowed: self.decide_in(world, home, at_ms, req),
-                latency_us,
-            },
-            None => Verdict {
-                allowed: false,
-                latency_us: LOCAL_DECISION_US,
-            },
-        }
+        // Demand counts where the caller is, wherever it was decided: that is what moves a
+        // home to its callers.
+        self.control
+            .count(req.region, req.tenant as usize, req.cost, v.allowed);
+        v
     }
 }
 
 impl Quotad {
-    /// Decides `req` against `region`'s bucket at true time `at_ms`, counting it in that
-    /// region's usage.
-    fn decide_in(&mut self, world: &World, region: RegionIx, at_ms: u64, req: &Request) -> bool {
+    /// Decides `req` against `region`'s bucket at true time `at_ms`.
+    fn decide_in(&mut self, world: &World, region: RegionIx, at_ms: u64, req: &Request) -> Verdict {
         let i = req.tenant as usize;
         let local = world.local_ms(region, at_ms);
         let share = self.control.enforced_ppm(region, i, local);
@@ -109,32 +103,50 @@ impl Quotad {
             &params,
             req.cost,
         );
-        // A check forwarded after a local denial counts as demand at the home only.
-        let forwarded_later = !allowed && self.pinned && region == req.region && {
-            let home = self.control.agents[region].homes[i];
-            home.is_some_and(|h| h != region)
-        };
-        if !forwarded_later {
-            self.control.count(region, i, req.cost, allowed);
-        }
-        allowed
+        Verdict::against(allowed, &params, req.cost, LOCAL_DECISION_US)
     }
-}
 
-/// Where a request denied locally goes next: `(home, true time it is decided there, the
-/// caller's total latency in µs)`, or `None` when it is not pinned elsewhere or the home is
-/// unreachable.
-fn forward(
-    control: &Control,
-    world: &World,
-    t_ms: u64,
-    req: &Request,
-) -> Option<(RegionIx, u64, u64)> {
-    let here = req.region;
-    let home = control.agents[here].homes[req.tenant as usize]?;
-    if home == here || !world.link_up(here, home, t_ms) || !world.daemon_up(home, t_ms) {
-        return None;
+    /// Where a request denied here goes next: `(region, true time it is decided there, the
+    /// caller's total latency in µs)`. A policy pinned elsewhere (an operator's or automatic
+    /// pin: a critical tenant in `quotad_pinned`, a budget too small to split in every
+    /// variant) goes to its home (or, while the home holds less than the cost, to the region
+    /// granted the most); a check this region's share cannot hold at all goes to the region
+    /// granted the most, unless this region's Redis is out. `None` when there is no such
+    /// region or it is unreachable.
+    fn forward_target(
+        &self,
+        world: &World,
+        t_ms: u64,
+        req: &Request,
+    ) -> Option<(RegionIx, u64, u64)> {
+        let here = req.region;
+        let i = req.tenant as usize;
+        let agent = &self.control.agents[here];
+        let policy = &self.tenants[i].policy;
+        let holds = |share: u32| {
+            BucketParams::for_share(policy, share).capacity_ut >= u64::from(req.cost) * UT
+        };
+        let to = match agent.homes[i] {
+            // While a home is still being granted its share, the region granted the most
+            // decides.
+            Some(home) if holds(self.control.granted_ppm(here, i, home)) => home,
+            Some(_) => agent.richest[i]?,
+            // While this region's Redis is out, the policy's fail mode decides.
+            None if !world.redis_up(here, t_ms) => return None,
+            None => {
+                let share = self
+                    .control
+                    .enforced_ppm(here, i, world.local_ms(here, t_ms));
+                if holds(share) {
+                    return None;
+                }
+                agent.richest[i]?
+            }
+        };
+        if to == here || !world.link_up(here, to, t_ms) || !world.daemon_up(to, t_ms) {
+            return None;
+        }
+        let rtt = world.rtt_ms(here, to);
+        Some((to, t_ms + rtt / 2, rtt * 1000 + 2 * LOCAL_DECISION_US))
     }
-    let rtt = world.rtt_ms(here, home);
-    Some((home, t_ms + rtt / 2, rtt * 1000 + 2 * LOCAL_DECISION_US))
 }

@@ -481,6 +481,7 @@ mod tests {
             policy,
             grants: BTreeMap::from([(region(), grant)]),
             home: None,
+            mode: quota_core::mode::BudgetMode::Split,
         }
     }
 

@@ -143,13 +143,17 @@ pub async fn run_report(
         // the renewal, nor the renewal the report (each is bounded on its own).
         let report = async {
             match decider.store().collect_usage(MAX_USAGE_RECORDS).await {
-                Ok(usage) => match r.report_usage(&usage, interval_ms.max(1)).await {
-                    Ok(()) => Reported::Delivered,
-                    Err(e) => {
-                        tracing::debug!(error = %e, "Usage report not delivered.");
-                        Reported::Undelivered
+                Ok(mut usage) => {
+                    // Checks sent to another region are demand here, where their callers are.
+                    usage.extend(decider.take_forwarded_usage());
+                    match r.report_usage(&usage, interval_ms.max(1)).await {
+                        Ok(()) => Reported::Delivered,
+                        Err(e) => {
+                            tracing::debug!(error = %e, "Usage report not delivered.");
+                            Reported::Undelivered
+                        }
                     }
-                },
+                }
                 Err(e) => {
                     tracing::debug!(error = %e, "Usage collection failed.");
                     Reported::Uncollected

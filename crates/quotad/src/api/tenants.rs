@@ -312,6 +312,14 @@ pub struct PolicyAllowance {
     pub window_ms: u64,
     pub burst: u64,
     pub floor: f64,
+    /// `split`: shares in every region, moved towards demand. `home`: too small (or too slow
+    /// to refill) to split, the budget lives whole in `home` and the other regions forward
+    /// their checks there.
+    #[schema(example = "split")]
+    pub mode: &'static str,
+    /// The region deciding this policy's checks when it is pinned (by an operator, as a
+    /// critical tenant, or in `home` mode); `null` when every region decides its own.
+    pub home: Option<String>,
     pub this_region: ThisRegionView,
     pub regions: Vec<RegionShareView>,
     /// If this region were cut off now: tokens it could admit beyond what the global bucket
@@ -383,7 +391,7 @@ pub async fn allowance(
             }
         };
         let rate_tokens_per_s = p.rate_ut_per_s() as f64 / UT as f64;
-        let non_floor = frac(enforced.saturating_sub(p.floor_ppm));
+        let non_floor = frac(enforced.saturating_sub(p.whole_floor_ppm()));
         // A lease that never ends (a single region) is never reused elsewhere: nothing to spend
         // twice.
         let leased = grant.is_some() && lease_of(&region).is_some();
@@ -398,6 +406,8 @@ pub async fn allowance(
             window_ms: p.window_ms,
             burst: p.burst,
             floor: frac(p.floor_ppm),
+            mode: entry.mode.as_str(),
+            home: entry.home.as_ref().map(|r| r.as_str().to_string()),
             this_region: ThisRegionView {
                 region: region.as_str().to_string(),
                 share: frac(share),

@@ -5,6 +5,7 @@ use std::collections::BTreeMap;
 use std::path::Path;
 use std::sync::{Arc, Mutex};
 
+use quota_core::mode::BudgetMode;
 use quota_core::{Policy, PolicyName, RegionId, TenantId, PPM};
 use tokio::sync::watch;
 
@@ -97,6 +98,8 @@ impl LocalCoordinator {
             policy,
             grants: BTreeMap::from([(region.clone(), grant)]),
             home,
+            // One region holds every budget whole.
+            mode: BudgetMode::Split,
         }
     }
 

@@ -4,6 +4,7 @@
 use std::collections::BTreeMap;
 use std::sync::Arc;
 
+use quota_core::mode::BudgetMode;
 use quota_core::{Policy, PolicyName, RegionId, TenantId};
 use serde::Serialize;
 
@@ -21,8 +22,10 @@ pub struct PolicyEntry {
     pub policy: Policy,
     pub grants: BTreeMap<RegionId, Grant>,
     /// The home region of a pinned policy (its tenant's pin, or the allocator's automatic pin
-    /// of a `critical` policy).
+    /// of a `critical` policy or of a budget too small to split).
     pub home: Option<RegionId>,
+    /// Whether the budget is split over the regions or lives whole in its home.
+    pub mode: BudgetMode,
 }
 
 /// Every tenant's policies with their grants, in key order.

@@ -8,14 +8,16 @@ pub mod breaker;
 
 use std::collections::HashMap;
 use std::net::SocketAddr;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use metrics::{Counter, Histogram};
 use quota_core::policy::CostError;
 use quota_core::share::limit_for_share;
 use quota_core::{Decision, FailMode, Policy, PolicyName, RegionId, TenantId};
-use quota_store::{AnyStore, BucketRef, CheckRequest, EmbeddedStore, Limit, Store, StoreError};
+use quota_store::{
+    AnyStore, BucketRef, CheckRequest, EmbeddedStore, Limit, Store, StoreError, UsageRecord,
+};
 use serde::{Deserialize, Serialize};
 use tokio::sync::watch;
 
@@ -137,6 +139,26 @@ fn check_body(bucket: &BucketRef, cost: u64) -> serde_json::Value {
     })
 }
 
+/// Whether a bucket at `limit` can ever admit `cost`.
+fn holds(limit: &Limit, cost: u64) -> bool {
+    match *limit {
+        Limit::TokenBucket(p) => p.capacity_ut >= cost.saturating_mul(quota_core::bucket::UT),
+        Limit::SlidingWindow { limit, .. } => limit >= cost,
+    }
+}
+
+/// The other region granted the largest share of `entry` (the first by id on a tie), if its
+/// share can hold `cost`.
+fn richest_elsewhere(entry: &PolicyEntry, here: &RegionId, cost: u64) -> Option<RegionId> {
+    let (region, grant) = entry
+        .grants
+        .iter()
+        .filter(|(r, _)| *r != here)
+        .max_by_key(|(r, g)| (g.share_ppm, std::cmp::Reverse(*r)))?;
+    let limit: Limit = limit_for_share(&entry.policy, grant.share_ppm).into();
+    holds(&limit, cost).then(|| region.clone())
+}
+
 /// What a check's result counts as in the decision metrics.
 fn outcome_of(result: &Result<Verdict, CheckError>) -> Outcome {
     match result {
@@ -165,6 +187,10 @@ pub struct Decider {
     store_latency: Histogram,
     store_errors: Counter,
     forward_failures: Counter,
+    /// Tokens of checks this region sent elsewhere since the last report, by bucket: they are
+    /// demand here (where the callers are), which is what lets share come back to a region
+    /// that forwards because its share ran to 0.
+    forwarded_usage: Mutex<HashMap<BucketRef, (u64, u64)>>,
 }
 
 /// What a [`Decider`] is built from.
@@ -198,6 +224,40 @@ impl Decider {
             http: reqwest::Client::new(),
             forward_timeout: p.forward_timeout,
             peer_token: p.peer_token,
+            forwarded_usage: Mutex::default(),
+        }
+    }
+
+    /// The usage of checks this region forwarded since the last call, for its usage report.
+    pub fn take_forwarded_usage(&self) -> Vec<UsageRecord> {
+        let taken = std::mem::take(
+            &mut *self
+                .forwarded_usage
+                .lock()
+                .unwrap_or_else(|e| e.into_inner()),
+        );
+        taken
+            .into_iter()
+            .map(|(bucket, (admitted, denied))| UsageRecord {
+                bucket,
+                admitted,
+                denied,
+            })
+            .collect()
+    }
+
+    /// Counts a check another region decided for this one's caller.
+    fn count_forwarded(&self, bucket: &BucketRef, cost: u64, allowed: bool) {
+        let mut usage = self
+            .forwarded_usage
+            .lock()
+            .unwrap_or_else(|e| e.into_inner());
+        // Bounded by the policies in the view: one entry per bucket.
+        let slot = usage.entry(bucket.clone()).or_default();
+        if allowed {
+            slot.0 = slot.0.saturating_add(cost);
+        } else {
+            slot.1 = slot.1.saturating_add(cost);
         }
     }
 
@@ -315,15 +375,40 @@ impl Decider {
             .ok_or(CheckError::UnknownPolicy)?;
         let (policy, _share, limit) = self.params_of(&view, entry);
         policy.check_cost(cost)?;
-        let home = entry.home.as_ref().filter(|h| **h != self.region).cloned();
+        // While a home is still being granted its share (it holds less than the cost), the
+        // region granted the most decides.
+        let home =
+            entry
+                .home
+                .as_ref()
+                .filter(|h| **h != self.region)
+                .map(|h| match entry.grants.get(h) {
+                    Some(g) if holds(&limit_for_share(&entry.policy, g.share_ppm).into(), cost) => {
+                        h.clone()
+                    }
+                    _ => richest_elsewhere(entry, &self.region, cost).unwrap_or_else(|| h.clone()),
+                });
+        // A share here that cannot hold the cost at all (none, or less than the cost) would
+        // answer "never": the region granted the most decides instead. Not while this
+        // region's store is out: then the policy's fail mode decides, as the operator chose.
+        let richer = match (&home, forwarded) {
+            (None, false) if !holds(&limit, cost) && !self.breaker.is_open() => {
+                richest_elsewhere(entry, &self.region, cost)
+            }
+            _ => None,
+        };
         drop(view);
         let bucket = BucketRef {
             tenant,
             policy: policy_name.clone(),
             version: policy.version,
         };
-        let result = match home {
-            Some(home) if !forwarded => self.forward(&home, bucket, cost, policy).await,
+        let result = match (home, richer) {
+            (Some(home), _) if !forwarded => self.forward(&home, bucket, cost, policy).await,
+            (_, Some(there)) => {
+                self.forward_richer(&there, bucket, limit, cost, policy)
+                    .await
+            }
             _ => self.decide_here(bucket, limit, cost, policy).await,
         };
         self.metrics.record(
@@ -408,7 +493,10 @@ impl Decider {
                         Some(ForwardedItem {
                             status: 200 | 429,
                             decision: Some(a),
-                        }) => Ok(a.verdict(policy, home)),
+                        }) => {
+                            self.count_forwarded(&bucket, cost, a.allowed);
+                            Ok(a.verdict(policy, home))
+                        }
                         _ => self.home_unreachable(home, bucket, cost, policy).await,
                     };
                     self.metrics
@@ -532,8 +620,37 @@ impl Decider {
             .send_home::<ForwardedAnswer>(home, "/v1/check", &body)
             .await
         {
-            Some(a) => Ok(a.verdict(policy, home)),
+            Some(a) => {
+                self.count_forwarded(&bucket, cost, a.allowed);
+                Ok(a.verdict(policy, home))
+            }
             None => self.home_unreachable(home, bucket, cost, policy).await,
+        }
+    }
+
+    /// Decides a check this region's share cannot hold in `there`, the region granted the
+    /// most; if it does not answer, here after all (where it is denied).
+    async fn forward_richer(
+        &self,
+        there: &RegionId,
+        bucket: BucketRef,
+        limit: Limit,
+        cost: u64,
+        policy: Policy,
+    ) -> Result<Verdict, CheckError> {
+        let body = check_body(&bucket, cost);
+        match self
+            .send_home::<ForwardedAnswer>(there, "/v1/check", &body)
+            .await
+        {
+            Some(a) => {
+                self.count_forwarded(&bucket, cost, a.allowed);
+                Ok(a.verdict(policy, there))
+            }
+            None => {
+                self.forward_failures.increment(1);
+                self.decide_here(bucket, limit, cost, policy).await
+            }
         }
     }
 
@@ -575,14 +692,16 @@ impl Decider {
     ) -> Result<Verdict, CheckError> {
         self.forward_failures.increment(1);
         tracing::debug!(tenant = %bucket.tenant, home = %home, "Home region unreachable.");
-        if policy.fail_mode == FailMode::Closed || policy.floor_ppm == 0 {
+        // The floor in whole units: one that holds less than a unit is none.
+        let floor_ppm = policy.whole_floor_ppm();
+        if policy.fail_mode == FailMode::Closed || floor_ppm == 0 {
             return Err(CheckError::ReducedCapacity {
                 policy: bucket.policy,
                 reason: "the tenant's home region is unreachable",
             });
         }
         // Decide at this region's floor, in process, so a down home cannot be bypassed at more.
-        let limit = limit_for_share(&policy, policy.floor_ppm).into();
+        let limit = limit_for_share(&policy, floor_ppm).into();
         let req = CheckRequest {
             bucket,
             limit,
@@ -634,6 +753,7 @@ pub(crate) mod tests {
             policy: spec.validate().unwrap(),
             grants: BTreeMap::from([(RegionId::new("b").unwrap(), grant)]),
             home: Some(RegionId::new("a").unwrap()),
+            mode: quota_core::mode::BudgetMode::Split,
         };
         (ids(tenant, "w"), entry)
     }

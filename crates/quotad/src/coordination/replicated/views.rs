@@ -142,6 +142,7 @@ fn entry_of(s: &CoordinatorState, entry: &Entry) -> PolicyEntry {
         policy: entry.policy.clone(),
         grants,
         home,
+        mode: s.budget_mode(&entry.policy),
     }
 }
 
@@ -159,7 +160,10 @@ fn entry_matches(s: &CoordinatorState, entry: &Entry, old: &PolicyEntry) -> bool
         .pin
         .and_then(|p| s.region(usize::from(p.home)))
         .map(|r| &r.id);
-    if old.policy != entry.policy || old.home.as_ref() != home {
+    if old.policy != entry.policy
+        || old.home.as_ref() != home
+        || old.mode != s.budget_mode(&entry.policy)
+    {
         return false;
     }
     let mut regions = 0;
