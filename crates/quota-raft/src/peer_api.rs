@@ -15,7 +15,6 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::post;
 use axum::Router;
 use openraft::raft::{AppendEntriesRequest, VoteRequest};
-use subtle::ConstantTimeEq;
 
 use crate::codec::{decode, encode, CodecError};
 use crate::election::{self, PreVoteRequest};
@@ -24,6 +23,7 @@ use crate::protocol::{
     unframe_snapshot, ForwardRequest, FrameError, PATH_APPEND, PATH_FORWARD, PATH_PRE_VOTE,
     PATH_SNAPSHOT, PATH_VOTE,
 };
+use crate::secret::{bearer, Secret};
 use crate::types::alias::{Raft, Snapshot};
 use crate::types::{NodeId, TypeConfig};
 
@@ -61,7 +61,7 @@ impl std::fmt::Debug for PeerApiConfig {
 #[derive(Clone)]
 struct PeerState {
     raft: Raft,
-    authorization: Arc<[u8]>,
+    secret: Arc<Secret>,
     write_timeout: Duration,
     max_command_bytes: usize,
     leader_clock: Option<LeaderClock>,
@@ -107,9 +107,7 @@ fn body<T: serde::de::DeserializeOwned>(bytes: &[u8]) -> Result<T, PeerApiError>
 pub fn router(raft: Raft, config: &PeerApiConfig) -> Router {
     let state = PeerState {
         raft,
-        authorization: format!("Bearer {}", config.cluster_secret)
-            .into_bytes()
-            .into(),
+        secret: Arc::new(Secret::new(config.cluster_secret.clone())),
         write_timeout: config.write_timeout,
         max_command_bytes: config.max_command_bytes,
         leader_clock: config.leader_clock.clone(),
@@ -129,14 +127,13 @@ pub fn router(raft: Raft, config: &PeerApiConfig) -> Router {
         .with_state(state)
 }
 
-/// Rejects requests without the cluster secret; constant-time, so timing reveals nothing of it.
+/// Rejects requests without the cluster secret, compared by [`Secret::matches`].
 async fn authenticate(State(state): State<PeerState>, req: Request, next: Next) -> Response {
     let presented = req
         .headers()
         .get(header::AUTHORIZATION)
-        .map(|v| v.as_bytes())
-        .unwrap_or_default();
-    if bool::from(presented.ct_eq(&state.authorization)) {
+        .and_then(|v| bearer(v.as_bytes()));
+    if presented.is_some_and(|t| state.secret.matches(t)) {
         next.run(req).await
     } else {
         (StatusCode::UNAUTHORIZED, "missing or wrong cluster secret").into_response()

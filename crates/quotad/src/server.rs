@@ -21,6 +21,7 @@ use crate::coordination::{Coordinator, LocalCoordinator, Replicated};
 use crate::decision::breaker::Breaker;
 use crate::decision::{Decider, DeciderParts};
 use crate::secret::Secret;
+use crate::tokens::Tokens;
 use crate::{agent, envoy_rls, redis_password, telemetry};
 
 /// Resolves once SIGTERM or Ctrl-C arrives.
@@ -155,7 +156,12 @@ pub async fn build_state(
     let state = Arc::new(AppShared {
         decider,
         coordinator,
-        admin_token: Arc::new(admin_token(settings)),
+        tokens: Arc::new(Tokens::new(
+            Some(&admin_token(settings)),
+            cfg.api.tokens_file.clone(),
+            settings.secrets.api_tokens.clone(),
+        )),
+        open_checks: cfg.api.open_checks,
         metrics,
         ready: Arc::new(AtomicBool::new(false)),
         drift_margin_ms: cfg.coordination.drift_margin_ms,
@@ -273,7 +279,7 @@ pub async fn serve(
 }
 
 /// The region agent's loops and the daemon's upkeep: the timer kept pending, the password
-/// file watch, the metrics upkeep.
+/// and tokens file watches, the metrics upkeep.
 fn background_tasks(
     settings: &Settings,
     state: &AppState,
@@ -306,6 +312,12 @@ fn background_tasks(
     )));
     if let Some(watch) = password_watch(settings, state.decider.store(), stop_rx) {
         tasks.push(tokio::spawn(watch));
+    }
+    if cfg.api.tokens_file.is_some() && cfg.api.tokens_check_ms > 0 {
+        tasks.push(tokio::spawn(state.tokens.clone().watch(
+            Duration::from_millis(cfg.api.tokens_check_ms),
+            stop_rx.clone(),
+        )));
     }
     if let Some(metrics) = state.metrics.clone() {
         tasks.push(tokio::spawn(telemetry::run_metrics_upkeep(

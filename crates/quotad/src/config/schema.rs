@@ -57,6 +57,14 @@ pub struct ApiConfig {
     pub listen: String,
     /// A file holding the admin token (used when `QUOTAD_ADMIN_TOKEN` is unset).
     pub admin_token_file: Option<PathBuf>,
+    /// Named, scoped tokens (TOML `[[tokens]]`: `name`, `scope`, `token_sha256` or
+    /// `token_file`), re-read every `tokens_check_ms`. See docs/operations.md.
+    pub tokens_file: Option<PathBuf>,
+    /// How often `tokens_file` is read again; 0 reads it at start only.
+    pub tokens_check_ms: u64,
+    /// Decisions (`/v1/check`, `/v1/check/batch`) without a token; `false` asks for a `check`
+    /// (or `admin`) token.
+    pub open_checks: bool,
     pub body_limit_bytes: usize,
     pub request_timeout_ms: u64,
     /// How long in-flight requests may take to drain on shutdown.
@@ -237,6 +245,9 @@ impl Default for ApiConfig {
         Self {
             listen: "127.0.0.1:7450".into(),
             admin_token_file: None,
+            tokens_file: None,
+            tokens_check_ms: 5_000,
+            open_checks: true,
             body_limit_bytes: 64 * 1024,
             request_timeout_ms: 5_000,
             drain_timeout_ms: 10_000,

@@ -16,6 +16,7 @@ use serde::{Deserialize, Serialize};
 
 use super::{unavailable, Replicated};
 use crate::coordination::mutation::CoordError;
+use crate::secret::bearer;
 
 /// The peer-port route where regions send usage reports to the leader.
 pub const PATH_USAGE: &str = "/quotad/v1/usage";
@@ -122,10 +123,8 @@ async fn receive_usage(
 ) -> StatusCode {
     let presented = headers
         .get(header::AUTHORIZATION)
-        .and_then(|v| v.to_str().ok())
-        .and_then(|v| v.strip_prefix("Bearer "))
-        .unwrap_or("");
-    if !me.peer_token.matches(presented) {
+        .and_then(|v| bearer(v.as_bytes()));
+    if !presented.is_some_and(|t| me.peer_token.matches(t)) {
         return StatusCode::UNAUTHORIZED;
     }
     let Ok(report) = serde_json::from_slice::<UsageReport>(&body) else {
