@@ -328,7 +328,8 @@ fn background_tasks(
     tasks
 }
 
-/// The replicated member's loops and its peer listener (Raft and usage reports).
+/// The replicated member's loops and its peer listener (Raft and usage reports), over mutual
+/// TLS with `[peer] tls_*`, whose files are then re-read every `peer.tls_check_ms`.
 async fn replicated_tasks(
     settings: &Settings,
     r: &Arc<Replicated>,
@@ -342,19 +343,38 @@ async fn replicated_tasks(
         Duration::from_millis(settings.config.coordination.rebalance_interval_ms),
         stop_rx.clone(),
     ));
-    let mut stop = stop_rx.clone();
+    let stopped = |mut stop: watch::Receiver<bool>| async move {
+        let _ = stop.changed().await;
+    };
     let router = r.peer_router();
-    let listener = tokio::spawn(async move {
-        let served = axum::serve(peer, router)
-            .with_graceful_shutdown(async move {
-                let _ = stop.changed().await;
-            })
-            .await;
-        if let Err(e) = served {
-            tracing::error!(error = %e, "The peer listener failed.");
+    let mut tasks = vec![loops];
+    if let Some(tls) = r.peer_tls() {
+        // TLS only: a client certificate from the CA on every connection.
+        tasks.push(tokio::spawn(quota_raft::tls::serve(
+            peer,
+            router,
+            tls.clone(),
+            stopped(stop_rx.clone()),
+        )));
+        let every = settings.config.peer.tls_check_ms;
+        if every > 0 {
+            tasks.push(tokio::spawn(
+                tls.clone()
+                    .watch(Duration::from_millis(every), stopped(stop_rx.clone())),
+            ));
         }
-    });
-    Ok(vec![loops, listener])
+    } else {
+        let stop = stop_rx.clone();
+        tasks.push(tokio::spawn(async move {
+            let served = axum::serve(peer, router)
+                .with_graceful_shutdown(stopped(stop))
+                .await;
+            if let Err(e) = served {
+                tracing::error!(error = %e, "The peer listener failed.");
+            }
+        }));
+    }
+    Ok(tasks)
 }
 
 /// Envoy's rate limit service, when `envoy.listen` is set.

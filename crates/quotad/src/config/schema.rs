@@ -80,6 +80,13 @@ pub struct PeerConfig {
     pub listen: String,
     /// A file holding the peer token (used when `QUOTAD_PEER_TOKEN` is unset).
     pub token_file: Option<PathBuf>,
+    /// Mutual TLS between regions (all three or none): this region's PEM certificate chain,
+    /// its key, and the CA peers' certificates must chain to.
+    pub tls_cert_file: Option<PathBuf>,
+    pub tls_key_file: Option<PathBuf>,
+    pub tls_ca_file: Option<PathBuf>,
+    /// How often the TLS files are read again (rotation); 0 reads them at start only.
+    pub tls_check_ms: u64,
 }
 
 /// The regional Redis.
@@ -177,6 +184,10 @@ pub struct RegionConfig {
     pub api: String,
     /// The region's peer (Raft) address.
     pub peer: String,
+    /// With peer TLS: the URI SAN this region's certificate names (default
+    /// `quotad://region/<id>`; e.g. a SPIFFE id).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub identity: Option<String>,
 }
 
 /// The async runtime.
@@ -261,6 +272,10 @@ impl Default for PeerConfig {
         Self {
             listen: "127.0.0.1:7451".into(),
             token_file: None,
+            tls_cert_file: None,
+            tls_key_file: None,
+            tls_ca_file: None,
+            tls_check_ms: 10_000,
         }
     }
 }

@@ -42,6 +42,7 @@ impl Config {
         self.check_raft_runtime_and_logs(p);
         let secrets = self.resolve_secrets(p, env);
         let redis_tls = self.redis.as_ref().and_then(|r| check_redis_tls(p, r));
+        let peer_tls = self.check_peer_tls(p, &regions, region.as_ref());
         if self.regions.len() > 1 && secrets.peer_token.is_none() {
             p.push(problem(
                 "peer.token_file",
@@ -58,6 +59,7 @@ impl Config {
                     envoy_listen: listen.envoy,
                     regions,
                     redis_tls,
+                    peer_tls,
                     secrets,
                 })
             }
@@ -337,6 +339,72 @@ fn check_redis_url(p: &mut Vec<ConfigProblem>, field: &str, url: &str) {
 
 /// The TLS files of `[redis]`, read and checked: they need a `rediss://` address, and a client
 /// certificate comes with its key.
+impl Config {
+    /// `[peer] tls_*`: all three or none, readable, a key that fits the certificate, and a
+    /// certificate naming this region's identity.
+    fn check_peer_tls(
+        &self,
+        p: &mut Vec<ConfigProblem>,
+        regions: &[RegionSettings],
+        me: Option<&RegionId>,
+    ) -> Option<quota_raft::tls::TlsFiles> {
+        let peer = &self.peer;
+        let files = match (&peer.tls_cert_file, &peer.tls_key_file, &peer.tls_ca_file) {
+            (None, None, None) => return None,
+            (Some(cert), Some(key), Some(ca)) => quota_raft::tls::TlsFiles {
+                cert: cert.clone(),
+                key: key.clone(),
+                ca: ca.clone(),
+            },
+            _ => {
+                p.push(problem(
+                    "peer.tls_cert_file",
+                    "set all three of peer.tls_cert_file, peer.tls_key_file and peer.tls_ca_file, or none",
+                ));
+                return None;
+            }
+        };
+        if self.regions.len() <= 1 {
+            p.push(problem(
+                "peer.tls_cert_file",
+                "peer TLS is for a multi-region cluster ([[regions]]); a single region has no peer listener",
+            ));
+        }
+        let identity = match quota_raft::tls::check(&files) {
+            Ok(identity) => identity,
+            Err(e) => {
+                let field = match &e {
+                    quota_raft::tls::TlsError::Key { .. } => "peer.tls_key_file",
+                    quota_raft::tls::TlsError::Ca { .. } => "peer.tls_ca_file",
+                    quota_raft::tls::TlsError::Read { path, .. } if *path == files.key => {
+                        "peer.tls_key_file"
+                    }
+                    quota_raft::tls::TlsError::Read { path, .. } if *path == files.ca => {
+                        "peer.tls_ca_file"
+                    }
+                    _ => "peer.tls_cert_file",
+                };
+                p.push(problem(field, e.to_string()));
+                return None;
+            }
+        };
+        let expected = me.and_then(|me| regions.iter().find(|r| r.id == *me));
+        if let Some(r) = expected {
+            if identity.as_deref() != Some(r.identity.as_str()) {
+                p.push(problem(
+                    "peer.tls_cert_file",
+                    format!(
+                        "the certificate must name this region's identity {} as a URI SAN (it names {})",
+                        r.identity,
+                        identity.as_deref().unwrap_or("none")
+                    ),
+                ));
+            }
+        }
+        Some(files)
+    }
+}
+
 fn check_redis_tls(p: &mut Vec<ConfigProblem>, redis: &RedisConfig) -> Option<quota_store::Tls> {
     let (ca, cert, key) = (
         &redis.tls_ca_file,
@@ -418,11 +486,23 @@ fn check_regions(
         let api = parse_addr(p, &field("api"), &r.api);
         let peer = parse_addr(p, &field("peer"), &r.peer);
         if let (Some(id), Some(api), Some(peer)) = (id, api, peer) {
+            let identity = match &r.identity {
+                Some(uri) if !uri.contains("://") => {
+                    p.push(problem(
+                        field("identity"),
+                        "a URI, e.g. spiffe://example.org/quotad/eu",
+                    ));
+                    uri.clone()
+                }
+                Some(uri) => uri.clone(),
+                None => quota_raft::tls::region_identity(id.as_str()),
+            };
             out.push(RegionSettings {
                 id,
                 node_id: r.node_id,
                 api,
                 peer,
+                identity,
             });
         }
     }
