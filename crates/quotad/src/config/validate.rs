@@ -946,4 +946,69 @@ seed_urls = ["redis://10.0.0.2:26379", "redis://10.0.0.3:26379"]
         let s = c.resolve(&no_env, problems).unwrap();
         assert_eq!(s.envoy_listen.map(|a| a.port()), Some(9081));
     }
+
+    #[test]
+    fn peer_tls_files_come_together_fit_and_name_this_region() {
+        use rcgen::{BasicConstraints, CertificateParams, CertifiedIssuer, IsCa, KeyPair, SanType};
+        let dir = tempfile::tempdir().unwrap();
+        let mut ca = CertificateParams::new(Vec::<String>::new()).unwrap();
+        ca.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
+        let ca = CertifiedIssuer::self_signed(ca, KeyPair::generate().unwrap()).unwrap();
+        let write = |name: &str, text: &str| {
+            let p = dir.path().join(name);
+            std::fs::write(&p, text).unwrap();
+            p.display().to_string()
+        };
+        let ca_path = write("ca.pem", &ca.pem());
+        let leaf = |id: &str| {
+            let mut p = CertificateParams::new(vec!["127.0.0.1".to_string()]).unwrap();
+            p.subject_alt_names.push(SanType::URI(
+                format!("quotad://region/{id}").try_into().unwrap(),
+            ));
+            let key = KeyPair::generate().unwrap();
+            (p.signed_by(&key, &ca).unwrap().pem(), key.serialize_pem())
+        };
+        let (a_cert, a_key) = leaf("a");
+        let (b_cert, _) = leaf("b");
+        let (a_cert, a_key, b_cert) = (
+            write("a.pem", &a_cert),
+            write("a-key.pem", &a_key),
+            write("b.pem", &b_cert),
+        );
+        let text = |peer: &str| {
+            format!(
+                "region = \"a\"\n[peer]\n{peer}\n\
+                 [[regions]]\nid = \"a\"\nnode_id = 1\napi = \"127.0.0.1:7450\"\npeer = \"127.0.0.1:7451\"\n\
+                 [[regions]]\nid = \"b\"\nnode_id = 2\napi = \"127.0.0.1:7460\"\npeer = \"127.0.0.1:7461\"\n"
+            )
+        };
+        let env = |k: &str| (k == ENV_PEER_TOKEN).then(|| "peer-secret-0123456789".to_string());
+        let fields = |peer: &str| -> Vec<String> {
+            Config::from_toml(&text(peer))
+                .unwrap()
+                .resolve(&env, Vec::new())
+                .err()
+                .map(|e| e.0.into_iter().map(|p| p.field).collect())
+                .unwrap_or_default()
+        };
+        let files = |cert: &str, key: &str| {
+            format!(
+                "tls_cert_file = \"{cert}\"\ntls_key_file = \"{key}\"\ntls_ca_file = \"{ca_path}\""
+            )
+        };
+        assert!(fields(&files(&a_cert, &a_key)).is_empty());
+        assert_eq!(
+            fields(&format!("tls_cert_file = \"{a_cert}\"")),
+            ["peer.tls_cert_file"],
+            "all three or none"
+        );
+        // b's certificate with a's key: the key does not fit.
+        assert_eq!(fields(&files(&b_cert, &a_key)), ["peer.tls_key_file"]);
+        let garbage = write("garbage.pem", "not pem");
+        assert_eq!(fields(&files(&garbage, &a_key)), ["peer.tls_cert_file"]);
+        // A certificate naming another region than this one.
+        let (b_cert2, b_key2) = leaf("b");
+        let (b_cert2, b_key2) = (write("b2.pem", &b_cert2), write("b2-key.pem", &b_key2));
+        assert_eq!(fields(&files(&b_cert2, &b_key2)), ["peer.tls_cert_file"]);
+    }
 }
