@@ -341,6 +341,12 @@ async fn three_regions_over_mutual_tls() {
         )
         .unwrap_or(0.0)
     };
+    // A certificate of the cluster's CA for a region that is no member: refused at every route.
+    let stranger = c.ca.region("z", false);
+    let as_z = report(client_config(&ca_pem, Some(&stranger)), peer_b, "z")
+        .await
+        .unwrap();
+    assert_eq!(as_z, 403);
     let before = refused(&metrics_of(&c.daemons[1]).await);
     let as_c = report(client_config(&ca_pem, Some(&b)), peer_b, "c")
         .await

@@ -460,3 +460,85 @@ pub async fn serve(
         });
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use rcgen::{BasicConstraints, CertificateParams, CertifiedIssuer, IsCa, KeyPair, SanType};
+
+    use super::*;
+
+    fn ca() -> CertifiedIssuer<'static, KeyPair> {
+        let mut p = CertificateParams::new(Vec::<String>::new()).unwrap();
+        p.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
+        CertifiedIssuer::self_signed(p, KeyPair::generate().unwrap()).unwrap()
+    }
+
+    fn leaf(ca: &CertifiedIssuer<'static, KeyPair>, uri: Option<&str>) -> (String, String) {
+        let mut p = CertificateParams::new(vec!["127.0.0.1".to_string()]).unwrap();
+        if let Some(uri) = uri {
+            p.subject_alt_names
+                .push(SanType::URI(uri.to_string().try_into().unwrap()));
+        }
+        let key = KeyPair::generate().unwrap();
+        (p.signed_by(&key, ca).unwrap().pem(), key.serialize_pem())
+    }
+
+    fn write(
+        dir: &Path,
+        ca: &CertifiedIssuer<'static, KeyPair>,
+        (cert, key): &(String, String),
+    ) -> TlsFiles {
+        let files = TlsFiles {
+            cert: dir.join("cert.pem"),
+            key: dir.join("key.pem"),
+            ca: dir.join("ca.pem"),
+        };
+        std::fs::write(&files.cert, cert).unwrap();
+        std::fs::write(&files.key, key).unwrap();
+        std::fs::write(&files.ca, ca.pem()).unwrap();
+        files
+    }
+
+    #[test]
+    fn identities_are_the_first_uri_san() {
+        let ca = ca();
+        let dir = tempfile::tempdir().unwrap();
+        let files = write(
+            dir.path(),
+            &ca,
+            &leaf(&ca, Some("spiffe://example.org/quotad/eu")),
+        );
+        assert_eq!(
+            check(&files).unwrap().as_deref(),
+            Some("spiffe://example.org/quotad/eu")
+        );
+        let files = write(dir.path(), &ca, &leaf(&ca, None));
+        assert_eq!(check(&files).unwrap(), None);
+        assert_eq!(region_identity("eu"), "quotad://region/eu");
+    }
+
+    #[test]
+    fn a_reload_takes_new_files_and_keeps_the_old_on_a_bad_one() {
+        let ca = ca();
+        let dir = tempfile::tempdir().unwrap();
+        let files = write(dir.path(), &ca, &leaf(&ca, Some("quotad://region/a")));
+        let tls = PeerTls::load(files.clone()).unwrap();
+        assert_eq!(tls.reload(), Reload::Unchanged);
+        std::fs::write(&files.key, "not a key").unwrap();
+        assert!(matches!(tls.reload(), Reload::Kept(_)));
+        assert_eq!(tls.identity().as_deref(), Some("quotad://region/a"));
+        write(dir.path(), &ca, &leaf(&ca, Some("quotad://region/a2")));
+        assert_eq!(tls.reload(), Reload::Changed);
+        assert_eq!(tls.identity().as_deref(), Some("quotad://region/a2"));
+    }
+
+    #[test]
+    fn a_key_of_another_certificate_is_refused() {
+        let ca = ca();
+        let dir = tempfile::tempdir().unwrap();
+        let (cert, _) = leaf(&ca, Some("quotad://region/a"));
+        let (_, other_key) = leaf(&ca, Some("quotad://region/a"));
+        let files = write(dir.path(), &ca, &(cert, other_key));
+        assert!(matches!(check(&files), Err(TlsError::Key { .. })));
+    }
+}
