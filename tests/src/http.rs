@@ -88,8 +88,9 @@ impl Daemon {
         Ok((status, resp.text().await?))
     }
 
+    /// GET with the admin token (tenant data and cluster state need a `read` or `admin` one).
     pub async fn get(&self, path: &str) -> anyhow::Result<Reply> {
-        self.request("GET", path, None, None).await
+        self.request("GET", path, Some(TOKEN), None).await
     }
 
     /// Creates or replaces a policy with the admin token; fails unless 200.

@@ -15,7 +15,10 @@ fn version_and_check_config() -> anyhow::Result<()> {
 
     for entry in std::fs::read_dir(config_dir())? {
         let path = entry?.path();
-        if path.extension().is_some_and(|e| e == "toml") {
+        // An example with peer TLS names certificate files under /etc; the config unit test
+        // `every_example_config_parses_and_validates` checks it with generated ones.
+        let tls = std::fs::read_to_string(&path)?.contains("\ntls_cert_file");
+        if path.extension().is_some_and(|e| e == "toml") && !tls {
             let out = Command::new(&bin)
                 .arg("check-config")
                 .arg(&path)

@@ -1,6 +1,6 @@
 //! [`Coordinator`]: one node of the replicated coordinator, as the daemon uses it.
 
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -22,6 +22,7 @@ pub use crate::proposal::LeaderClock;
 use crate::protocol::{ForwardRefusal, ForwardRequest};
 use crate::storage::{self, OpenError, StateHandle};
 use crate::telemetry;
+use crate::tls::PeerTls;
 use crate::types::alias::Raft;
 use crate::types::{Member, NodeId};
 
@@ -138,9 +139,19 @@ struct Inner {
     config: RaftConfig,
     state: StateHandle,
     net: HttpNetwork,
+    security: Option<PeerSecurity>,
     exporter: JoinHandle<()>,
     /// The election guard ([`election`]): openraft's own election timer is off.
     guard: JoinHandle<()>,
+}
+
+/// Peers over mutual TLS: this node's material, and which certificate identity is which
+/// region.
+#[derive(Debug, Clone)]
+pub struct PeerSecurity {
+    pub tls: PeerTls,
+    /// Certificate identity (URI SAN) → the region it authenticates.
+    pub identities: Arc<HashMap<String, String>>,
 }
 
 /// One running node of the replicated coordinator. Cheap to clone.
@@ -172,6 +183,17 @@ impl Coordinator {
         config: RaftConfig,
         clock: Option<LeaderClock>,
     ) -> Result<Self, StartError> {
+        Self::start_secured(config, clock, None).await
+    }
+
+    /// Like [`Coordinator::start_with_clock`], with peers over mutual TLS when `security` is
+    /// given: every outbound call over TLS, and [`Coordinator::peer_router`] admitting only
+    /// the identities it names.
+    pub async fn start_secured(
+        config: RaftConfig,
+        clock: Option<LeaderClock>,
+        security: Option<PeerSecurity>,
+    ) -> Result<Self, StartError> {
         config.validate()?;
         let raft_config = config
             .openraft_config()
@@ -180,8 +202,12 @@ impl Coordinator {
         let (log, sm) = storage::open(&config.data_dir)?;
         let state = sm.handle();
         let db = log.closed_signal();
-        let net = HttpNetwork::new(config.node_id, &config.cluster_secret)
-            .map_err(|source| StartError::HttpClient { source })?;
+        let net = HttpNetwork::with_tls(
+            config.node_id,
+            &config.cluster_secret,
+            security.as_ref().map(|s| &s.tls),
+        )
+        .map_err(|source| StartError::HttpClient { source })?;
         let raft = Raft::new(config.node_id, Arc::new(raft_config), net.clone(), log, sm)
             .await
             .map_err(|e| StartError::Raft {
@@ -227,6 +253,7 @@ impl Coordinator {
                 config,
                 state,
                 net,
+                security,
                 exporter,
                 guard,
             }),
@@ -246,6 +273,7 @@ impl Coordinator {
                 write_timeout: c.write_timeout(),
                 leader_clock: self.inner.clock.clone(),
                 election_quiet: c.election_timings().quiet,
+                identities: self.inner.security.as_ref().map(|s| s.identities.clone()),
             },
         )
     }

@@ -15,7 +15,10 @@
 //! - [`codec`]: postcard behind a version byte, on disk and on the wire.
 //! - [`network`]: the HTTP client side of the peer protocol (one pooled reqwest client).
 //! - [`peer_api`]: the axum router serving the peer protocol, authenticated by a shared secret.
+//! - [`secret`]: [`secret::Secret`] and the one constant-time token comparison.
 //! - [`runtime`]: a tokio runtime for openraft with a seedable RNG, for repeatable tests.
+//! - [`tls`]: peer mutual TLS: reloadable certificate, key and CA, the TLS accept loop,
+//!   region identities from URI SANs.
 //! - [`telemetry`]: metric names and the exporter of Raft metrics to the `metrics` facade.
 //! - [`proposal`]: [`LeaderClock`] and proposing a command on this node's Raft, shared by the
 //!   coordinator's writes and the peer API's forwarded ones.
@@ -51,8 +54,10 @@ pub mod peer_api;
 pub mod proposal;
 pub mod protocol;
 pub mod runtime;
+pub mod secret;
 pub mod storage;
 pub mod telemetry;
+pub mod tls;
 pub mod types;
 
 pub use config::{ConfigError, ConfigErrors, RaftConfig};

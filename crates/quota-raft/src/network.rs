@@ -23,6 +23,7 @@ use crate::protocol::{
     frame_snapshot, ForwardReply, ForwardRequest, SnapshotHeader, PATH_APPEND, PATH_FORWARD,
     PATH_PRE_VOTE, PATH_SNAPSHOT, PATH_VOTE,
 };
+use crate::tls::PeerTls;
 use crate::types::alias::{Snapshot, Vote};
 use crate::types::{Member, NodeId, TypeConfig};
 
@@ -61,6 +62,8 @@ pub struct HttpNetwork {
     node_id: NodeId,
     client: reqwest::Client,
     authorization: Arc<str>,
+    /// `https` with peer TLS, else `http`.
+    scheme: &'static str,
 }
 
 impl std::fmt::Debug for HttpNetwork {
@@ -75,7 +78,18 @@ impl std::fmt::Debug for HttpNetwork {
 impl HttpNetwork {
     /// A network for node `node_id`, authenticating with `cluster_secret`.
     pub fn new(node_id: NodeId, cluster_secret: &str) -> Result<Self, reqwest::Error> {
-        let client = reqwest::Client::builder()
+        Self::with_tls(node_id, cluster_secret, None)
+    }
+
+    /// Like [`HttpNetwork::new`], over mutual TLS with `tls` when given: this node's
+    /// certificate presented, each peer verified against the CA and the address dialled.
+    pub fn with_tls(
+        node_id: NodeId,
+        cluster_secret: &str,
+        tls: Option<&PeerTls>,
+    ) -> Result<Self, reqwest::Error> {
+        let builder = tls.map_or_else(reqwest::Client::builder, PeerTls::client_builder);
+        let client = builder
             .connect_timeout(CONNECT_TIMEOUT)
             .tcp_nodelay(true)
             .pool_idle_timeout(Duration::from_secs(60))
@@ -84,6 +98,7 @@ impl HttpNetwork {
             node_id,
             client,
             authorization: format!("Bearer {cluster_secret}").into(),
+            scheme: if tls.is_some() { "https" } else { "http" },
         })
     }
 
@@ -95,7 +110,7 @@ impl HttpNetwork {
         body: Vec<u8>,
         timeout: Duration,
     ) -> Result<Bytes, PeerError> {
-        let url = format!("http://{addr}{path}");
+        let url = format!("{}://{addr}{path}", self.scheme);
         let classify = |source: reqwest::Error| {
             if source.is_timeout() {
                 PeerError::Timeout {

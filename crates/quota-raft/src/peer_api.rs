@@ -4,18 +4,18 @@
 //! Requests without the secret get 401 before their body is read; bodies over the limit get 413;
 //! bodies that do not decode get 400. None of these reach Raft.
 
+use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::Duration;
 
 use axum::body::Bytes;
-use axum::extract::{DefaultBodyLimit, Request, State};
+use axum::extract::{DefaultBodyLimit, FromRequest as _, Request, State};
 use axum::http::{header, StatusCode};
 use axum::middleware::{self, Next};
 use axum::response::{IntoResponse, Response};
 use axum::routing::post;
 use axum::Router;
 use openraft::raft::{AppendEntriesRequest, VoteRequest};
-use subtle::ConstantTimeEq;
 
 use crate::codec::{decode, encode, CodecError};
 use crate::election::{self, PreVoteRequest};
@@ -24,8 +24,12 @@ use crate::protocol::{
     unframe_snapshot, ForwardRequest, FrameError, PATH_APPEND, PATH_FORWARD, PATH_PRE_VOTE,
     PATH_SNAPSHOT, PATH_VOTE,
 };
+use crate::secret::{bearer, Secret};
+use crate::telemetry::names;
+use crate::tls::PeerIdentity;
 use crate::types::alias::{Raft, Snapshot};
 use crate::types::{NodeId, TypeConfig};
+use quota_core::coordinator::Operation;
 
 /// Limits and secrets of the peer API.
 #[derive(Clone)]
@@ -43,6 +47,10 @@ pub struct PeerApiConfig {
     /// How recently a leader must have been heard for a pre-vote to be refused
     /// ([`crate::election::ElectionTimings::quiet`]).
     pub election_quiet: Duration,
+    /// With peer TLS: certificate identity → region. Requests from a connection whose
+    /// certificate names no member get 403, and so does a forwarded lease renewal for another
+    /// region than the connection's.
+    pub identities: Option<Arc<HashMap<String, String>>>,
 }
 
 impl std::fmt::Debug for PeerApiConfig {
@@ -54,6 +62,7 @@ impl std::fmt::Debug for PeerApiConfig {
             .field("max_command_bytes", &self.max_command_bytes)
             .field("write_timeout", &self.write_timeout)
             .field("election_quiet", &self.election_quiet)
+            .field("identities", &self.identities)
             .finish()
     }
 }
@@ -61,11 +70,12 @@ impl std::fmt::Debug for PeerApiConfig {
 #[derive(Clone)]
 struct PeerState {
     raft: Raft,
-    authorization: Arc<[u8]>,
+    secret: Arc<Secret>,
     write_timeout: Duration,
     max_command_bytes: usize,
     leader_clock: Option<LeaderClock>,
     election_quiet: Duration,
+    identities: Option<Arc<HashMap<String, String>>>,
 }
 
 /// A peer request that was refused before reaching Raft.
@@ -107,13 +117,12 @@ fn body<T: serde::de::DeserializeOwned>(bytes: &[u8]) -> Result<T, PeerApiError>
 pub fn router(raft: Raft, config: &PeerApiConfig) -> Router {
     let state = PeerState {
         raft,
-        authorization: format!("Bearer {}", config.cluster_secret)
-            .into_bytes()
-            .into(),
+        secret: Arc::new(Secret::new(config.cluster_secret.clone())),
         write_timeout: config.write_timeout,
         max_command_bytes: config.max_command_bytes,
         leader_clock: config.leader_clock.clone(),
         election_quiet: config.election_quiet,
+        identities: config.identities.clone(),
     };
     let rpc = Router::new()
         .route(PATH_APPEND, post(append))
@@ -129,18 +138,40 @@ pub fn router(raft: Raft, config: &PeerApiConfig) -> Router {
         .with_state(state)
 }
 
-/// Rejects requests without the cluster secret; constant-time, so timing reveals nothing of it.
+/// Rejects requests without the cluster secret, compared by [`Secret::matches`].
 async fn authenticate(State(state): State<PeerState>, req: Request, next: Next) -> Response {
     let presented = req
         .headers()
         .get(header::AUTHORIZATION)
-        .map(|v| v.as_bytes())
-        .unwrap_or_default();
-    if bool::from(presented.ct_eq(&state.authorization)) {
-        next.run(req).await
-    } else {
-        (StatusCode::UNAUTHORIZED, "missing or wrong cluster secret").into_response()
+        .and_then(|v| bearer(v.as_bytes()));
+    if !presented.is_some_and(|t| state.secret.matches(t)) {
+        return (StatusCode::UNAUTHORIZED, "missing or wrong cluster secret").into_response();
     }
+    if let Some(ids) = &state.identities {
+        if caller_region(ids, &req).is_none() {
+            return refuse_identity(req.uri().path(), "the client certificate names no member");
+        }
+    }
+    next.run(req).await
+}
+
+/// The region a TLS peer connection authenticates, if its certificate names a member.
+pub fn caller_region<'a, B>(
+    identities: &'a HashMap<String, String>,
+    req: &axum::http::Request<B>,
+) -> Option<&'a str> {
+    let PeerIdentity(Some(id)) = req.extensions().get::<PeerIdentity>()? else {
+        return None;
+    };
+    identities.get(&**id).map(String::as_str)
+}
+
+/// 403 for a peer whose certificate does not authenticate what it asks, counted by route.
+pub fn refuse_identity(route: &str, why: &'static str) -> Response {
+    metrics::counter!(names::PEER_IDENTITY_REFUSED_TOTAL, "route" => route.to_string())
+        .increment(1);
+    tracing::warn!(route, why, "Peer request refused: identity.");
+    (StatusCode::FORBIDDEN, why).into_response()
 }
 
 async fn append(State(s): State<PeerState>, bytes: Bytes) -> PeerResult {
@@ -168,8 +199,36 @@ async fn snapshot(State(s): State<PeerState>, bytes: Bytes) -> PeerResult {
     answer(&s.raft.install_full_snapshot(header.vote, snapshot).await)
 }
 
-async fn forward(State(s): State<PeerState>, bytes: Bytes) -> PeerResult {
-    let req: ForwardRequest = body(&bytes)?;
+async fn forward(State(s): State<PeerState>, http: Request) -> Response {
+    let region = s
+        .identities
+        .as_ref()
+        .and_then(|ids| caller_region(ids, &http))
+        .map(str::to_string);
+    // The extractor, so the route's body limit holds.
+    let bytes = match Bytes::from_request(http, &()).await {
+        Ok(b) => b,
+        Err(rejection) => return rejection.into_response(),
+    };
+    let req: ForwardRequest = match body(&bytes) {
+        Ok(r) => r,
+        Err(e) => return e.into_response(),
+    };
+    if let (
+        Some(caller),
+        Operation::RenewLease {
+            region: claimed, ..
+        },
+    ) = (&region, &req.command.op)
+    {
+        if claimed.as_str() != caller {
+            return refuse_identity(PATH_FORWARD, "a lease renewal for another region");
+        }
+    }
+    forward_command(&s, req).await.into_response()
+}
+
+async fn forward_command(s: &PeerState, req: ForwardRequest) -> PeerResult {
     let timeout = Duration::from_millis(req.timeout_ms).min(s.write_timeout);
     answer(
         &local_write(

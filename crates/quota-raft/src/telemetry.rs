@@ -26,6 +26,12 @@ pub mod names {
     pub const RAFT_REPLICATION_LAG_ENTRIES: &str = "quotad_raft_replication_lag_entries";
     /// 1 once Raft stopped with a fatal error; the process should exit.
     pub const RAFT_FATAL: &str = "quotad_raft_fatal";
+    /// TLS handshakes the peer listener refused (plain HTTP, another CA, an expired or missing
+    /// client certificate).
+    pub const PEER_TLS_HANDSHAKE_FAILURES_TOTAL: &str = "quotad_peer_tls_handshake_failures_total";
+    /// Peer requests refused because the connection's certificate names no member, or another
+    /// region than the request claims, by `route`.
+    pub const PEER_IDENTITY_REFUSED_TOTAL: &str = "quotad_peer_identity_refused_total";
 }
 
 /// Spawns a task that mirrors `raft`'s metrics into gauges until Raft shuts down.

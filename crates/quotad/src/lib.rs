@@ -9,6 +9,8 @@
 //! - [`cli`]: the command line (`run`, `check-config`, `--version`).
 //! - [`config`]: TOML config, `QUOTAD_…` overrides, one-pass validation, secrets.
 //! - [`secret`]: secret values and the one constant-time token comparison.
+//! - [`tokens`]: the API's named, scoped bearer tokens and their file, re-read on change.
+//! - [`audit`]: the audit log of mutations and its counter.
 //! - [`server`]: start-up, serving, graceful shutdown.
 //! - [`api`]: the axum router (`app(state)`), handlers and the one `ApiError`.
 //! - [`decision`]: the decision path: pins, shares, fail modes, and the circuit breaker
@@ -25,6 +27,7 @@
 
 pub mod agent;
 pub mod api;
+pub mod audit;
 pub mod cli;
 pub mod clock;
 pub mod config;
@@ -35,3 +38,4 @@ pub mod redis_password;
 pub mod secret;
 pub mod server;
 pub mod telemetry;
+pub mod tokens;

@@ -21,6 +21,7 @@ use crate::coordination::{Coordinator, LocalCoordinator, Replicated};
 use crate::decision::breaker::Breaker;
 use crate::decision::{Decider, DeciderParts};
 use crate::secret::Secret;
+use crate::tokens::Tokens;
 use crate::{agent, envoy_rls, redis_password, telemetry};
 
 /// Resolves once SIGTERM or Ctrl-C arrives.
@@ -155,7 +156,12 @@ pub async fn build_state(
     let state = Arc::new(AppShared {
         decider,
         coordinator,
-        admin_token: Arc::new(admin_token(settings)),
+        tokens: Arc::new(Tokens::new(
+            Some(&admin_token(settings)),
+            cfg.api.tokens_file.clone(),
+            settings.secrets.api_tokens.clone(),
+        )),
+        open_checks: cfg.api.open_checks,
         metrics,
         ready: Arc::new(AtomicBool::new(false)),
         drift_margin_ms: cfg.coordination.drift_margin_ms,
@@ -273,7 +279,7 @@ pub async fn serve(
 }
 
 /// The region agent's loops and the daemon's upkeep: the timer kept pending, the password
-/// file watch, the metrics upkeep.
+/// and tokens file watches, the metrics upkeep.
 fn background_tasks(
     settings: &Settings,
     state: &AppState,
@@ -307,6 +313,12 @@ fn background_tasks(
     if let Some(watch) = password_watch(settings, state.decider.store(), stop_rx) {
         tasks.push(tokio::spawn(watch));
     }
+    if cfg.api.tokens_file.is_some() && cfg.api.tokens_check_ms > 0 {
+        tasks.push(tokio::spawn(state.tokens.clone().watch(
+            Duration::from_millis(cfg.api.tokens_check_ms),
+            stop_rx.clone(),
+        )));
+    }
     if let Some(metrics) = state.metrics.clone() {
         tasks.push(tokio::spawn(telemetry::run_metrics_upkeep(
             metrics,
@@ -316,7 +328,8 @@ fn background_tasks(
     tasks
 }
 
-/// The replicated member's loops and its peer listener (Raft and usage reports).
+/// The replicated member's loops and its peer listener (Raft and usage reports), over mutual
+/// TLS with `[peer] tls_*`, whose files are then re-read every `peer.tls_check_ms`.
 async fn replicated_tasks(
     settings: &Settings,
     r: &Arc<Replicated>,
@@ -330,19 +343,38 @@ async fn replicated_tasks(
         Duration::from_millis(settings.config.coordination.rebalance_interval_ms),
         stop_rx.clone(),
     ));
-    let mut stop = stop_rx.clone();
+    let stopped = |mut stop: watch::Receiver<bool>| async move {
+        let _ = stop.changed().await;
+    };
     let router = r.peer_router();
-    let listener = tokio::spawn(async move {
-        let served = axum::serve(peer, router)
-            .with_graceful_shutdown(async move {
-                let _ = stop.changed().await;
-            })
-            .await;
-        if let Err(e) = served {
-            tracing::error!(error = %e, "The peer listener failed.");
+    let mut tasks = vec![loops];
+    if let Some(tls) = r.peer_tls() {
+        // TLS only: a client certificate from the CA on every connection.
+        tasks.push(tokio::spawn(quota_raft::tls::serve(
+            peer,
+            router,
+            tls.clone(),
+            stopped(stop_rx.clone()),
+        )));
+        let every = settings.config.peer.tls_check_ms;
+        if every > 0 {
+            tasks.push(tokio::spawn(
+                tls.clone()
+                    .watch(Duration::from_millis(every), stopped(stop_rx.clone())),
+            ));
         }
-    });
-    Ok(vec![loops, listener])
+    } else {
+        let stop = stop_rx.clone();
+        tasks.push(tokio::spawn(async move {
+            let served = axum::serve(peer, router)
+                .with_graceful_shutdown(stopped(stop))
+                .await;
+            if let Err(e) = served {
+                tracing::error!(error = %e, "The peer listener failed.");
+            }
+        }));
+    }
+    Ok(tasks)
 }
 
 /// Envoy's rate limit service, when `envoy.listen` is set.

@@ -52,6 +52,10 @@ pub const SHARE_WRITES_TOTAL: &str = "quotad_share_writes_total";
 pub const USAGE_REPORTS_TOTAL: &str = "quotad_usage_reports_total";
 /// Lease renewals through the log by outcome (`ok`, `failed`). Multi-region only.
 pub const LEASE_RENEWALS_TOTAL: &str = "quotad_lease_renewals_total";
+/// Audited requests (mutations and token reloads), by `action` (e.g. `policy.put`,
+/// `tokens.reload`) and `outcome` (`ok`, `rejected`, `unauthorized`, `forbidden`, `failed`,
+/// `kept`: a tokens file that did not parse).
+pub const ADMIN_REQUESTS_TOTAL: &str = "quotad_admin_requests_total";
 /// Time to decide one check in the HTTP handler, in seconds.
 pub const CHECK_DURATION_SECONDS: &str = "quotad_check_duration_seconds";
 
@@ -68,7 +72,7 @@ pub fn install_metrics() -> anyhow::Result<PrometheusHandle> {
         .install_recorder()
         .context("installing the Prometheus metrics recorder")?;
     // Alerting rules watch these codes: from 0, so the first one shows in `increase()`.
-    for code in ["UNAUTHORIZED", "INTERNAL"] {
+    for code in ["UNAUTHORIZED", "FORBIDDEN", "INTERNAL"] {
         metrics::counter!(REJECTED_REQUESTS_TOTAL, "code" => code).absolute(0);
     }
     Ok(handle)

@@ -90,6 +90,7 @@ pub struct BatchResponse {
         (status = 200, description = "One result per check, in request order", body = BatchResponse),
         (status = 400, description = "Invalid request", body = Problem),
     ),
+    security((), ("bearer" = ["check"])),
     tag = "decisions"
 )]
 pub async fn check_batch(

@@ -277,6 +277,7 @@ pub(crate) async fn decide(
         (status = 404, description = "Unknown tenant policy", body = Problem),
         (status = 503, description = "Temporarily reduced capacity", body = Problem),
     ),
+    security((), ("bearer" = ["check"])),
     tag = "decisions"
 )]
 pub async fn check(State(state): State<AppState>, req: Request) -> Result<Response, ApiError> {

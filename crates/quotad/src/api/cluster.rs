@@ -83,7 +83,7 @@ pub struct StatusView {
 }
 
 /// The daemon's state: region, Raft role and progress, store health, leases.
-#[utoipa::path(get, path = "/v1/status", responses((status = 200, body = StatusView)), tag = "cluster")]
+#[utoipa::path(get, path = "/v1/status", responses((status = 200, body = StatusView)), security(("bearer" = ["read"])), tag = "cluster")]
 pub async fn status(State(state): State<AppState>) -> axum::Json<StatusView> {
     let s = state.coordinator.status();
     let view = state.coordinator.view();
@@ -144,7 +144,7 @@ pub struct MembersView {
 }
 
 /// The cluster's members and its leader.
-#[utoipa::path(get, path = "/v1/cluster/members", responses((status = 200, body = MembersView)), tag = "cluster")]
+#[utoipa::path(get, path = "/v1/cluster/members", responses((status = 200, body = MembersView)), security(("bearer" = ["read"])), tag = "cluster")]
 pub async fn members(State(state): State<AppState>) -> axum::Json<MembersView> {
     let s = state.coordinator.status();
     axum::Json(MembersView {
@@ -175,7 +175,7 @@ pub struct NewMember {
         (status = 400, body = Problem),
         (status = 409, description = "Not the leader, or a single-region daemon", body = Problem),
     ),
-    security(("bearer" = [])),
+    security(("bearer" = ["admin"])),
     tag = "cluster"
 )]
 pub async fn add_member(
@@ -209,7 +209,7 @@ pub async fn add_member(
     path = "/v1/cluster/members/{node_id}/promote",
     params(("node_id" = u64, Path)),
     responses((status = 204), (status = 404, body = Problem), (status = 409, body = Problem)),
-    security(("bearer" = [])),
+    security(("bearer" = ["admin"])),
     tag = "cluster"
 )]
 pub async fn promote_member(
@@ -236,7 +236,7 @@ pub async fn promote_member(
         (status = 404, body = Problem),
         (status = 409, description = "Not the leader, a single-region daemon, or tenants pinned to the region", body = Problem),
     ),
-    security(("bearer" = [])),
+    security(("bearer" = ["admin"])),
     tag = "cluster"
 )]
 pub async fn remove_member(
@@ -318,7 +318,7 @@ pub struct PolicyPage {
         (status = 200, body = PolicyPage),
         (status = 400, body = Problem),
     ),
-    security(("bearer" = [])),
+    security(("bearer" = ["read"])),
     tag = "policies"
 )]
 pub async fn list_policies(

@@ -272,7 +272,8 @@ fn add_shared_statuses(doc: &mut utoipa::openapi::OpenApi) {
                 add(op, 400, "A path parameter is not valid: named in `errors`");
             }
             if op.security.as_ref().is_some_and(|s| !s.is_empty()) {
-                add(op, 401, "Missing or wrong token");
+                add(op, 401, "Missing or unknown token");
+                add(op, 403, "The token lacks the scope this operation needs");
             }
             add(
                 op,

@@ -106,11 +106,18 @@ where
     }
 
     fn call(&mut self, req: Request) -> Self::Future {
-        let id = req
-            .headers()
-            .get(&REQUEST_ID)
-            .cloned()
-            .or_else(|| self.layer.ids.next());
+        let mut req = req;
+        let id = match req.headers().get(&REQUEST_ID) {
+            Some(id) => Some(id.clone()),
+            None => {
+                // On the request too, so the audit log names the id the response carries.
+                let id = self.layer.ids.next();
+                if let Some(id) = &id {
+                    req.headers_mut().insert(REQUEST_ID, id.clone());
+                }
+                id
+            }
+        };
         // With a Transfer-Encoding the body's length is not the declared one (RFC 9112 §6.3).
         let declared = req
             .headers()

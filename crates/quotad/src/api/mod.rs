@@ -5,8 +5,8 @@
 //! (`POST /v1/check` past the router, the rest through it), [`check`] (decisions), [`batch`]
 //! (batches of them), [`tenants`] (policies, pins, allowance), [`policy_batch`] (many
 //! policies in one step), [`cluster`] (status,
-//! membership, listing, health, metrics), [`problem`] (the one `ApiError`), [`auth`] (bearer
-//! token on mutations), [`state`] (what handlers share).
+//! membership, listing, health, metrics), [`problem`] (the one `ApiError`), [`auth`] (scoped
+//! bearer tokens on routes, the audit layer on mutations), [`state`] (what handlers share).
 
 pub mod auth;
 pub mod batch;
@@ -30,6 +30,7 @@ use utoipa::OpenApi;
 use crate::api::auth::BearerScheme;
 use crate::api::contract::Contract;
 pub use crate::api::state::{AppShared, AppState};
+use crate::tokens::Scope;
 
 /// The whole API as one service: the [`routes`] behind the [`edge`] layer.
 pub type Api = edge::Edge<routes::Routes>;
@@ -74,42 +75,67 @@ pub fn app(state: AppState) -> Api {
     edge.layer(routes::Routes::new(router(state.clone()), state))
 }
 
-/// Every route, with auth on mutations. The token is checked per method, after the router
-/// chose one, so a method a path does not serve is a 405 with or without a token.
+/// Every route with the scope it needs; mutations audited. The token is checked per method,
+/// after the router chose one, so a method a path does not serve is a 405 with or without a
+/// token. Open: `/livez`, `/readyz`, `/metrics`, `/openapi.json`, and the checks with
+/// `api.open_checks`.
 pub(crate) fn router(state: AppState) -> Router {
-    let auth = || middleware::from_fn_with_state(state.clone(), auth::require_token);
-    let guarded = |m: MethodRouter<AppState>| m.route_layer(auth());
+    let scoped = |scope: Scope, m: MethodRouter<AppState>| {
+        m.route_layer(middleware::from_fn_with_state(
+            (state.clone(), scope),
+            auth::require,
+        ))
+    };
+    let read = |m| scoped(Scope::Read, m);
+    let admin = |action: &'static str, m| {
+        scoped(Scope::Admin, m).route_layer(middleware::from_fn(
+            move |req: axum::extract::Request, next: middleware::Next| {
+                auth::audited(action, req, next)
+            },
+        ))
+    };
+    let checks = |m: MethodRouter<AppState>| {
+        if state.open_checks {
+            m
+        } else {
+            scoped(Scope::Check, m)
+        }
+    };
     Router::new()
-        .route(routes::CHECK_PATH, post(check::check))
-        .route("/v1/check/batch", post(batch::check_batch))
+        .route(routes::CHECK_PATH, checks(post(check::check)))
+        .route("/v1/check/batch", checks(post(batch::check_batch)))
         .route(
             "/v1/tenants/{tenant}/policies/{policy}",
-            get(tenants::get_policy).merge(guarded(
-                put(tenants::put_policy).delete(tenants::delete_policy),
-            )),
+            read(get(tenants::get_policy))
+                .merge(admin("policy.put", put(tenants::put_policy)))
+                .merge(admin("policy.delete", delete(tenants::delete_policy))),
         )
         .route(
             "/v1/tenants/{tenant}/pin",
-            guarded(put(tenants::put_pin).delete(tenants::delete_pin)),
+            admin("pin.put", put(tenants::put_pin))
+                .merge(admin("pin.delete", delete(tenants::delete_pin))),
         )
-        .route("/v1/tenants/{tenant}/allowance", get(tenants::allowance))
-        .route("/v1/policies", guarded(get(cluster::list_policies)))
+        .route(
+            "/v1/tenants/{tenant}/allowance",
+            read(get(tenants::allowance)),
+        )
+        .route("/v1/policies", read(get(cluster::list_policies)))
         .route(
             "/v1/policies/batch",
-            guarded(post(policy_batch::put_policies)),
+            admin("policies.batch", post(policy_batch::put_policies)),
         )
-        .route("/v1/status", get(cluster::status))
+        .route("/v1/status", read(get(cluster::status)))
         .route(
             "/v1/cluster/members",
-            get(cluster::members).merge(guarded(post(cluster::add_member))),
+            read(get(cluster::members)).merge(admin("member.add", post(cluster::add_member))),
         )
         .route(
             "/v1/cluster/members/{node_id}/promote",
-            guarded(post(cluster::promote_member)),
+            admin("member.promote", post(cluster::promote_member)),
         )
         .route(
             "/v1/cluster/members/{node_id}",
-            guarded(delete(cluster::remove_member)),
+            admin("member.remove", delete(cluster::remove_member)),
         )
         .route("/livez", get(cluster::livez))
         .route("/readyz", get(cluster::readyz))

@@ -44,7 +44,7 @@ pub struct PolicyBatchResponse {
         (status = 200, description = "Every policy stored, in request order", body = PolicyBatchResponse),
         (status = 400, description = "Nothing stored: every problem listed by its place (`policies[3].limit`)", body = Problem),
     ),
-    security(("bearer" = [])),
+    security(("bearer" = ["admin"])),
     tag = "policies"
 )]
 pub async fn put_policies(

@@ -69,6 +69,13 @@ pub enum ApiError {
     InvalidPolicy { errors: Vec<FieldProblem> },
     #[error("missing or invalid bearer token")]
     Unauthorized,
+    /// A known token without the scope the route needs.
+    #[error("the token `{token}` has scope `{has}`; this route needs `{needs}` (or `admin`)")]
+    Forbidden {
+        token: String,
+        has: &'static str,
+        needs: &'static str,
+    },
     #[error("{what} not found")]
     NotFound { what: &'static str },
     /// The path exists, the method does not (the router adds the `Allow` header).
@@ -110,6 +117,7 @@ impl ApiError {
             }
             ApiError::InvalidPolicy { .. } => (StatusCode::BAD_REQUEST, "INVALID_POLICY"),
             ApiError::Unauthorized => (StatusCode::UNAUTHORIZED, "UNAUTHORIZED"),
+            ApiError::Forbidden { .. } => (StatusCode::FORBIDDEN, "FORBIDDEN"),
             ApiError::NotFound { .. } => (StatusCode::NOT_FOUND, "NOT_FOUND"),
             ApiError::MethodNotAllowed => (StatusCode::METHOD_NOT_ALLOWED, "METHOD_NOT_ALLOWED"),
             ApiError::TooLarge => (StatusCode::PAYLOAD_TOO_LARGE, "PAYLOAD_TOO_LARGE"),

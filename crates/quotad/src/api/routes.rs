@@ -19,8 +19,9 @@ use axum::response::{IntoResponse as _, Response};
 use axum::Router;
 use tower::Service;
 
-use crate::api::check;
 use crate::api::state::AppState;
+use crate::api::{auth, check};
+use crate::tokens::Scope;
 
 /// The path the fast path serves (with `POST`).
 pub const CHECK_PATH: &str = "/v1/check";
@@ -37,7 +38,8 @@ pub struct Routes {
 }
 
 impl Routes {
-    /// `router` must serve [`CHECK_PATH`] with [`check::check`] on `state`, as `api::app` builds it.
+    /// `router` must serve [`CHECK_PATH`] with [`check::check`] on `state`, behind the same token
+    /// check as here (`api.open_checks`), as `api::app` builds it.
     pub fn new(router: Router, state: AppState) -> Self {
         Self { router, state }
     }
@@ -62,6 +64,11 @@ impl Service<Request> for Routes {
         // The router matches on the path alone (a query string does not change the route).
         if req.method() == Method::POST && req.uri().path() == CHECK_PATH {
             let state = self.state.clone();
+            if !state.open_checks {
+                if let Err(e) = auth::authorize(&state, req.headers(), Scope::Check) {
+                    return Box::pin(async move { Ok(e.into_response()) });
+                }
+            }
             Box::pin(async move { Ok(check::check(State(state), req).await.into_response()) })
         } else {
             Box::pin(self.router.call(req))

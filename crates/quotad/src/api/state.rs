@@ -9,7 +9,7 @@ use metrics_exporter_prometheus::PrometheusHandle;
 
 use crate::coordination::Coordinator;
 use crate::decision::Decider;
-use crate::secret::Secret;
+use crate::tokens::Tokens;
 
 /// Everything handlers share, behind one `Arc`: axum clones the state for every request, and
 /// one reference count costs less than one per field.
@@ -20,7 +20,10 @@ pub type AppState = Arc<AppShared>;
 pub struct AppShared {
     pub decider: Arc<Decider>,
     pub coordinator: Arc<Coordinator>,
-    pub admin_token: Arc<Secret>,
+    /// The bearer tokens in use (the admin token and `api.tokens_file`'s).
+    pub tokens: Arc<Tokens>,
+    /// Decisions without a token (`api.open_checks`).
+    pub open_checks: bool,
     pub metrics: Option<PrometheusHandle>,
     /// False while starting and once shutdown began: /readyz answers 503.
     pub ready: Arc<AtomicBool>,

@@ -4,12 +4,14 @@
 use axum::extract::State;
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
+use axum::Extension;
 use quota_core::bucket::UT;
 use quota_core::{
     Algorithm, FailMode, Policy, PolicyName, PolicySpec, RegionId, TenantId, Tier, PPM,
 };
 use serde::{Deserialize, Serialize};
 
+use crate::api::auth::Versions;
 use crate::api::problem::{ApiError, ApiJson, ApiPath, FieldProblem, Problem};
 use crate::api::state::AppState;
 use quota_store::{BucketRef, Limit};
@@ -138,26 +140,38 @@ impl PolicyView {
         (status = 200, description = "Stored", body = PolicyView),
         (status = 400, description = "Invalid policy: every field problem listed", body = Problem),
     ),
-    security(("bearer" = [])),
+    security(("bearer" = ["admin"])),
     tag = "policies"
 )]
 pub async fn put_policy(
     State(state): State<AppState>,
     ApiPath((tenant, policy)): ApiPath<(String, String)>,
     ApiJson(spec): ApiJson<PolicySpec>,
-) -> Result<axum::Json<PolicyView>, ApiError> {
+) -> Result<(Extension<Versions>, axum::Json<PolicyView>), ApiError> {
     let tenant = tenant_id(&tenant)?;
     let name = policy_name(&policy)?;
     let p = spec.validate().map_err(|e| ApiError::InvalidPolicy {
         errors: e.0.iter().map(FieldProblem::from).collect(),
     })?;
+    let before = state
+        .coordinator
+        .view()
+        .policy(&tenant, &name)
+        .map(|e| e.policy.version);
     let stored = state
         .coordinator
         .put_policy(tenant.clone(), name.clone(), p)
         .await
         .map_err(coord_error)?;
     tracing::info!(tenant = %tenant, policy = %name, version = stored.version, "Policy stored.");
-    Ok(axum::Json(PolicyView::new(&tenant, &name, &stored)))
+    let versions = Versions {
+        before,
+        after: Some(stored.version),
+    };
+    Ok((
+        Extension(versions),
+        axum::Json(PolicyView::new(&tenant, &name, &stored)),
+    ))
 }
 
 /// Reads a tenant's policy.
@@ -169,6 +183,7 @@ pub async fn put_policy(
         (status = 200, description = "The policy", body = PolicyView),
         (status = 404, description = "No such policy", body = Problem),
     ),
+    security(("bearer" = ["read"])),
     tag = "policies"
 )]
 pub async fn get_policy(
@@ -193,15 +208,20 @@ pub async fn get_policy(
         (status = 204, description = "Deleted"),
         (status = 404, description = "No such policy", body = Problem),
     ),
-    security(("bearer" = [])),
+    security(("bearer" = ["admin"])),
     tag = "policies"
 )]
 pub async fn delete_policy(
     State(state): State<AppState>,
     ApiPath((tenant, policy)): ApiPath<(String, String)>,
-) -> Result<StatusCode, ApiError> {
+) -> Result<(Extension<Versions>, StatusCode), ApiError> {
     let tenant = tenant_id(&tenant)?;
     let name = policy_name(&policy)?;
+    let before = state
+        .coordinator
+        .view()
+        .policy(&tenant, &name)
+        .map(|e| e.policy.version);
     if state
         .coordinator
         .delete_policy(tenant.clone(), name.clone())
@@ -209,7 +229,11 @@ pub async fn delete_policy(
         .map_err(coord_error)?
     {
         tracing::info!(tenant = %tenant, policy = %name, "Policy deleted.");
-        Ok(StatusCode::NO_CONTENT)
+        let versions = Versions {
+            before,
+            after: None,
+        };
+        Ok((Extension(versions), StatusCode::NO_CONTENT))
     } else {
         Err(ApiError::NotFound { what: "policy" })
     }
@@ -234,7 +258,7 @@ pub struct PinBody {
         (status = 204, description = "Pinned"),
         (status = 400, description = "Invalid or unknown region", body = Problem),
     ),
-    security(("bearer" = [])),
+    security(("bearer" = ["admin"])),
     tag = "pins"
 )]
 pub async fn put_pin(
@@ -262,7 +286,7 @@ pub async fn put_pin(
         (status = 204, description = "Unpinned"),
         (status = 404, description = "Not pinned", body = Problem),
     ),
-    security(("bearer" = [])),
+    security(("bearer" = ["admin"])),
     tag = "pins"
 )]
 pub async fn delete_pin(
@@ -351,6 +375,7 @@ pub struct AllowanceView {
         (status = 200, description = "The allowance", body = AllowanceView),
         (status = 404, description = "The tenant has no policies", body = Problem),
     ),
+    security(("bearer" = ["read"])),
     tag = "policies"
 )]
 pub async fn allowance(

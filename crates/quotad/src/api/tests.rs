@@ -20,6 +20,7 @@ use crate::coordination::{Coordinator, LocalCoordinator};
 use crate::decision::breaker::Breaker;
 use crate::decision::{Decider, DeciderParts};
 use crate::secret::Secret;
+use crate::tokens::{Scope, Tokens};
 
 const TOKEN: &str = "test-token";
 
@@ -50,10 +51,44 @@ pub(crate) fn state_on(store: quota_store::AnyStore, breaker: Breaker) -> AppSta
 
 /// The API state around `decider` and `coordinator`.
 fn state_with(coordinator: Arc<Coordinator>, decider: Decider) -> AppState {
+    state_with_tokens(
+        coordinator,
+        decider,
+        Tokens::admin_only(&Secret::new(TOKEN)),
+        true,
+    )
+}
+
+/// Region `eu` alone with `tokens`, checks open or not.
+fn scoped_state(tokens: Tokens, open_checks: bool) -> AppState {
+    let st = state();
+    state_with_tokens(
+        st.coordinator.clone(),
+        Decider::new(DeciderParts {
+            region: RegionId::new("eu").unwrap(),
+            store: quota_store::AnyStore::embedded(),
+            breaker: Breaker::new(&BreakerConfig::default(), "eu"),
+            view: st.coordinator.subscribe(),
+            homes: HashMap::new(),
+            forward_timeout: Duration::from_millis(100),
+            peer_token: None,
+        }),
+        tokens,
+        open_checks,
+    )
+}
+
+fn state_with_tokens(
+    coordinator: Arc<Coordinator>,
+    decider: Decider,
+    tokens: Tokens,
+    open_checks: bool,
+) -> AppState {
     Arc::new(AppShared {
         decider: Arc::new(decider),
         coordinator,
-        admin_token: Arc::new(Secret::new(TOKEN)),
+        tokens: Arc::new(tokens),
+        open_checks,
         metrics: None,
         ready: Arc::new(AtomicBool::new(true)),
         drift_margin_ms: 1000,
@@ -273,7 +308,7 @@ async fn mutations_need_the_token_and_change_nothing_without_it() {
         &router,
         "GET",
         "/v1/tenants/acme/policies/writes",
-        None,
+        Some(TOKEN),
         None,
     )
     .await;
@@ -342,7 +377,7 @@ async fn policy_crud_pin_and_listing() {
         &router,
         "GET",
         "/v1/tenants/acme/policies/writes",
-        None,
+        Some(TOKEN),
         None,
     )
     .await;
@@ -400,7 +435,14 @@ async fn policy_crud_pin_and_listing() {
     let r = send(&router, "POST", "/v1/check", None, Some(check)).await;
     assert_eq!(r.status, StatusCode::OK);
     for _ in 0..2 {
-        let r = send(&router, "GET", "/v1/tenants/acme/allowance", None, None).await;
+        let r = send(
+            &router,
+            "GET",
+            "/v1/tenants/acme/allowance",
+            Some(TOKEN),
+            None,
+        )
+        .await;
         assert_eq!(r.status, StatusCode::OK);
         assert_eq!(r.body["pin"], "eu");
         let p = &r.body["policies"][0];
@@ -422,7 +464,14 @@ async fn policy_crud_pin_and_listing() {
         let r = send(&router, "DELETE", path, Some(TOKEN), None).await;
         assert_eq!(r.status, want);
     }
-    let r = send(&router, "GET", "/v1/tenants/acme/allowance", None, None).await;
+    let r = send(
+        &router,
+        "GET",
+        "/v1/tenants/acme/allowance",
+        Some(TOKEN),
+        None,
+    )
+    .await;
     assert_eq!(r.status, StatusCode::NOT_FOUND);
 }
 
@@ -453,9 +502,16 @@ async fn a_tenant_is_pinned_before_its_policies_exist() {
     )
     .await;
     assert_eq!(r.status, StatusCode::OK, "{}", r.body);
-    let r = send(&router, "GET", "/v1/tenants/newco/allowance", None, None).await;
+    let r = send(
+        &router,
+        "GET",
+        "/v1/tenants/newco/allowance",
+        Some(TOKEN),
+        None,
+    )
+    .await;
     assert_eq!(r.body["pin"], "eu", "{}", r.body);
-    let r = send(&router, "GET", "/v1/status", None, None).await;
+    let r = send(&router, "GET", "/v1/status", Some(TOKEN), None).await;
     assert_eq!(
         (r.body["pins"].as_u64(), r.body["pinned_tenants"].as_u64()),
         (Some(1), Some(1))
@@ -474,7 +530,14 @@ async fn a_tenant_is_pinned_before_its_policies_exist() {
         assert_eq!(r.status, want);
         assert_eq!(is_problem(&r), want == StatusCode::NOT_FOUND);
     }
-    let r = send(&router, "GET", "/v1/tenants/newco/allowance", None, None).await;
+    let r = send(
+        &router,
+        "GET",
+        "/v1/tenants/newco/allowance",
+        Some(TOKEN),
+        None,
+    )
+    .await;
     assert!(r.body["pin"].is_null(), "{}", r.body);
 }
 
@@ -597,7 +660,7 @@ async fn status_health_and_openapi() {
     let st = state();
     let ready = st.ready.clone();
     let router = app(st);
-    let r = send(&router, "GET", "/v1/status", None, None).await;
+    let r = send(&router, "GET", "/v1/status", Some(TOKEN), None).await;
     assert_eq!(r.body["region"], "eu");
     assert_eq!(r.body["raft"]["role"], "single");
     assert_eq!(r.body["store"]["kind"], "embedded");
@@ -869,7 +932,7 @@ async fn a_policy_batch_is_stored_whole_with_consecutive_versions() {
         &router,
         "GET",
         "/v1/tenants/globex/policies/writes",
-        None,
+        Some(TOKEN),
         None,
     )
     .await;
@@ -893,7 +956,7 @@ async fn a_policy_batch_is_stored_whole_with_consecutive_versions() {
         &router,
         "GET",
         "/v1/tenants/initech/policies/writes",
-        None,
+        Some(TOKEN),
         None,
     )
     .await;
@@ -938,7 +1001,7 @@ async fn a_bad_policy_batch_names_every_problem_by_place_and_stores_nothing() {
             &router,
             "GET",
             &format!("/v1/tenants/{tenant}/policies/{policy}"),
-            None,
+            Some(TOKEN),
             None,
         )
         .await;
@@ -1567,7 +1630,14 @@ async fn bodies_are_objects_and_problems_name_fields_in_json_terms() {
         assert!(!r.body.to_string().contains("u64"), "{}", r.body);
     }
     // Nothing refused was stored.
-    let r = send(&router, "GET", "/v1/tenants/acme/policies/p", None, None).await;
+    let r = send(
+        &router,
+        "GET",
+        "/v1/tenants/acme/policies/p",
+        Some(TOKEN),
+        None,
+    )
+    .await;
     assert_eq!(r.status, StatusCode::NOT_FOUND);
 }
 
@@ -1626,4 +1696,300 @@ async fn an_identical_put_keeps_the_version_and_the_tokens() {
     assert_eq!(r.status, StatusCode::OK, "{}", r.body);
     assert_eq!(r.body["policies"][0]["version"], 2);
     assert_eq!(r.body["policies"][1]["version"], 3);
+}
+
+/// One token per scope: `admin` (QUOTAD_ADMIN_TOKEN), and from a tokens file `gateway`
+/// (check) and `dashboard` (read).
+fn one_token_per_scope() -> Tokens {
+    let entry = |name: &str, scope: &str, token: &str| {
+        format!(
+            "[[tokens]]\nname = \"{name}\"\nscope = \"{scope}\"\ntoken_sha256 = \"{}\"\n",
+            hex::encode(crate::secret::digest(token))
+        )
+    };
+    let text = entry("gateway", "check", "check-token-0123")
+        + &entry("dashboard", "read", "read-token-0123");
+    let set = crate::tokens::parse(&text, std::path::Path::new(".")).unwrap();
+    Tokens::new(Some(&Secret::new(TOKEN)), None, set)
+}
+
+fn token_of(scope: Scope) -> &'static str {
+    match scope {
+        Scope::Check => "check-token-0123",
+        Scope::Read => "read-token-0123",
+        Scope::Admin => TOKEN,
+    }
+}
+
+/// A body the operation accepts (the state is seeded with `acme/writes`).
+fn accepted_body(method: &str, template: &str) -> Option<&'static str> {
+    match (method, template) {
+        ("post", "/v1/check") => Some(r#"{"tenant":"acme","policy":"writes"}"#),
+        ("post", "/v1/check/batch") => Some(r#"{"checks":[{"tenant":"acme","policy":"writes"}]}"#),
+        ("put", "/v1/tenants/{tenant}/policies/{policy}") => {
+            Some(r#"{"limit":10,"window_ms":1000}"#)
+        }
+        ("put", "/v1/tenants/{tenant}/pin") => Some(r#"{"region":"eu"}"#),
+        ("post", "/v1/policies/batch") => {
+            Some(r#"{"policies":[{"tenant":"acme","policy":"reads","limit":1,"window_ms":1000}]}"#)
+        }
+        // Membership needs a multi-region cluster: past auth, the coordinator refuses it.
+        ("post", "/v1/cluster/members") => {
+            Some(r#"{"node_id":4,"region":"ap","peer":"127.0.0.1:1","api":"127.0.0.1:2"}"#)
+        }
+        _ => None,
+    }
+}
+
+/// The scope an operation of the document needs, from its `security` requirement; `None`
+/// for an open one.
+fn documented_scope(op: &Value) -> Option<Scope> {
+    let reqs = op["security"].as_array()?;
+    let scopes: Vec<&str> = reqs
+        .iter()
+        .filter_map(|r| r["bearer"].as_array())
+        .flatten()
+        .filter_map(Value::as_str)
+        .collect();
+    assert!(scopes.len() <= 1, "one scope per operation: {op}");
+    scopes.first().map(|s| match *s {
+        "check" => Scope::Check,
+        "read" => Scope::Read,
+        "admin" => Scope::Admin,
+        other => panic!("unknown scope {other}"),
+    })
+}
+
+/// Every operation of the OpenAPI document (the router's routes: another test holds them
+/// equal) against every scope: 401 without a token or with an unknown one, 403 with a token
+/// of another scope, past auth with its own scope or `admin`. An operation the document
+/// leaves open must be one of the few meant to be.
+#[tokio::test]
+async fn every_route_needs_its_scope() {
+    use utoipa::OpenApi as _;
+    const OPEN: &[(&str, &str)] = &[("get", "/livez"), ("get", "/readyz"), ("get", "/metrics")];
+    let doc = serde_json::to_value(super::ApiDoc::openapi()).unwrap();
+    let mut seen = 0;
+    for (template, item) in doc["paths"].as_object().unwrap() {
+        for (method, op) in item.as_object().unwrap() {
+            let uri = template
+                .replace("{tenant}", "acme")
+                .replace("{policy}", "writes")
+                .replace("{node_id}", "1");
+            let m = method.to_uppercase();
+            let body = accepted_body(method, template);
+            // A fresh daemon per operation, seeded, so one operation's effect (a delete)
+            // cannot change another's answer.
+            let router = app(scoped_state(one_token_per_scope(), false));
+            let seed = send(
+                &router,
+                "PUT",
+                "/v1/tenants/acme/policies/writes",
+                Some(TOKEN),
+                Some(r#"{"limit":10,"window_ms":1000}"#),
+            )
+            .await;
+            assert_eq!(seed.status, StatusCode::OK);
+            let Some(needed) = documented_scope(op) else {
+                assert!(
+                    OPEN.contains(&(method.as_str(), template.as_str())),
+                    "{m} {template} is open"
+                );
+                let r = send(&router, &m, &uri, None, body).await;
+                assert!(r.status.is_success(), "{m} {template}: {}", r.status);
+                continue;
+            };
+            seen += 1;
+            for token in [None, Some("not-a-token-at-all")] {
+                let r = send(&router, &m, &uri, token, body).await;
+                assert_eq!(
+                    r.status,
+                    StatusCode::UNAUTHORIZED,
+                    "{m} {template} with {token:?}"
+                );
+                assert!(is_problem(&r));
+            }
+            for scope in Scope::ALL {
+                let r = send(&router, &m, &uri, Some(token_of(scope)), body).await;
+                if scope.grants(needed) {
+                    assert!(
+                        r.status != StatusCode::UNAUTHORIZED && r.status != StatusCode::FORBIDDEN,
+                        "{m} {template} with {scope:?}: {} {}",
+                        r.status,
+                        r.body
+                    );
+                    let done = r.status.is_success();
+                    let must =
+                        method == "get" || body.is_some() && !template.starts_with("/v1/cluster");
+                    assert!(
+                        done || !must,
+                        "{m} {template} with {scope:?}: {} {}",
+                        r.status,
+                        r.body
+                    );
+                } else {
+                    assert_eq!(
+                        r.status,
+                        StatusCode::FORBIDDEN,
+                        "{m} {template} with {scope:?}"
+                    );
+                    assert!(is_problem(&r));
+                    assert_eq!(r.body["code"], "FORBIDDEN");
+                    assert!(
+                        r.body["detail"].as_str().unwrap().contains(needed.as_str()),
+                        "{}",
+                        r.body
+                    );
+                }
+            }
+        }
+    }
+    assert!(seen >= 15, "{seen} guarded operations");
+}
+
+#[tokio::test]
+async fn open_checks_need_no_token_and_reads_still_do() {
+    let router = app(scoped_state(one_token_per_scope(), true));
+    let seed = send(
+        &router,
+        "PUT",
+        "/v1/tenants/acme/policies/writes",
+        Some(TOKEN),
+        Some(r#"{"limit":10,"window_ms":1000}"#),
+    )
+    .await;
+    assert_eq!(seed.status, StatusCode::OK);
+    let check = r#"{"tenant":"acme","policy":"writes"}"#;
+    assert_eq!(
+        send(&router, "POST", "/v1/check", None, Some(check))
+            .await
+            .status,
+        StatusCode::OK
+    );
+    let batch = r#"{"checks":[{"tenant":"acme","policy":"writes"}]}"#;
+    assert_eq!(
+        send(&router, "POST", "/v1/check/batch", None, Some(batch))
+            .await
+            .status,
+        StatusCode::OK
+    );
+    let r = send(&router, "GET", "/v1/tenants/acme/allowance", None, None).await;
+    assert_eq!(r.status, StatusCode::UNAUTHORIZED);
+    let r = send(
+        &router,
+        "GET",
+        "/v1/tenants/acme/allowance",
+        Some(token_of(Scope::Check)),
+        None,
+    )
+    .await;
+    assert_eq!(r.status, StatusCode::FORBIDDEN);
+}
+
+/// A writer the test reads back: what a JSON log subscriber wrote.
+#[derive(Clone, Default)]
+struct Captured(Arc<std::sync::Mutex<Vec<u8>>>);
+
+impl std::io::Write for Captured {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        self.0.lock().unwrap().extend_from_slice(buf);
+        Ok(buf.len())
+    }
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+impl Captured {
+    fn audit_events(&self) -> Vec<Value> {
+        let text = String::from_utf8(self.0.lock().unwrap().clone()).unwrap();
+        text.lines()
+            .map(|l| serde_json::from_str::<Value>(l).unwrap())
+            .filter(|v| v["target"] == "audit")
+            .collect()
+    }
+}
+
+#[tokio::test(flavor = "current_thread")]
+async fn a_mutation_writes_one_audit_event_naming_the_token_not_its_value() {
+    let captured = Captured::default();
+    let writer = captured.clone();
+    let subscriber = tracing_subscriber::fmt()
+        .json()
+        .with_max_level(tracing::Level::INFO)
+        .with_writer(move || writer.clone())
+        .finish();
+    let _log = tracing::subscriber::set_default(subscriber);
+    let recorder = crate::telemetry::metrics_builder()
+        .unwrap()
+        .build_recorder();
+    let metrics = recorder.handle();
+    let _metrics = metrics::set_default_local_recorder(&recorder);
+
+    let deployer = "deployer-secret-value-42";
+    let text = format!(
+        "[[tokens]]\nname = \"deployer\"\nscope = \"admin\"\ntoken_sha256 = \"{}\"\n",
+        hex::encode(crate::secret::digest(deployer))
+    ) + &format!(
+        "[[tokens]]\nname = \"dashboard\"\nscope = \"read\"\ntoken_sha256 = \"{}\"\n",
+        hex::encode(crate::secret::digest("read-token-0123"))
+    );
+    let tokens = Tokens::new(
+        None,
+        None,
+        crate::tokens::parse(&text, std::path::Path::new(".")).unwrap(),
+    );
+    let router = app(scoped_state(tokens, true));
+    let put = |token: &'static str, limit: u64| {
+        let router = router.clone();
+        async move {
+            let mut req = Request::builder()
+                .method("PUT")
+                .uri("/v1/tenants/acme/policies/writes")
+                .header(header::AUTHORIZATION, format!("Bearer {token}"))
+                .header(header::CONTENT_TYPE, "application/json");
+            req = req.header("x-request-id", format!("req-{limit}"));
+            let body = json!({"limit": limit, "window_ms": 1000}).to_string();
+            router
+                .oneshot(req.body(Body::from(body)).unwrap())
+                .await
+                .unwrap()
+                .status()
+        }
+    };
+    assert_eq!(put(deployer, 10).await, StatusCode::OK);
+    let events = captured.audit_events();
+    assert_eq!(events.len(), 1, "{events:?}");
+    let f = &events[0]["fields"];
+    assert_eq!(f["token"], "deployer");
+    assert_eq!(f["action"], "policy.put");
+    assert_eq!(f["tenant_hash"], crate::audit::tenant_hash("acme"));
+    assert_eq!(f["policy"], "writes");
+    assert_eq!(f["version_before"], Value::Null);
+    assert_eq!(f["version_after"], 1);
+    assert_eq!(f["request_id"], "req-10");
+    assert_eq!(f["outcome"], "ok");
+
+    assert_eq!(put(deployer, 20).await, StatusCode::OK);
+    assert_eq!(put("read-token-0123", 30).await, StatusCode::FORBIDDEN);
+    let events = captured.audit_events();
+    assert_eq!(events.len(), 3, "{events:?}");
+    assert_eq!(events[1]["fields"]["version_before"], 1);
+    assert_eq!(events[1]["fields"]["version_after"], 2);
+    assert_eq!(events[2]["fields"]["token"], "dashboard");
+    assert_eq!(events[2]["fields"]["outcome"], "forbidden");
+
+    let log = String::from_utf8(captured.0.lock().unwrap().clone()).unwrap();
+    assert!(!log.contains(deployer), "the token's value reached the log");
+    assert!(!log.contains("read-token-0123"));
+    let rendered = metrics.render();
+    assert!(
+        rendered.contains(r#"quotad_admin_requests_total{action="policy.put",outcome="ok"} 2"#),
+        "{rendered}"
+    );
+    assert!(
+        rendered
+            .contains(r#"quotad_admin_requests_total{action="policy.put",outcome="forbidden"} 1"#),
+        "{rendered}"
+    );
 }

@@ -88,6 +88,46 @@ mod tests {
         assert!(e.to_string().contains("bogus"), "{e}");
     }
 
+    /// Loads an example with peer TLS, its certificate files swapped for generated ones that
+    /// name this region's address and identity.
+    fn load_with_generated_tls(
+        path: &Path,
+        env: &dyn Fn(&str) -> Option<String>,
+    ) -> Result<Settings, ConfigErrors> {
+        use rcgen::{BasicConstraints, CertificateParams, CertifiedIssuer, IsCa, KeyPair, SanType};
+        let mut config = Config::from_file(path)?;
+        let dir = tempfile::tempdir().unwrap();
+        let mut ca = CertificateParams::new(Vec::<String>::new()).unwrap();
+        ca.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
+        let ca = CertifiedIssuer::self_signed(ca, KeyPair::generate().unwrap()).unwrap();
+        let me = config
+            .regions
+            .iter()
+            .find(|r| r.id == config.region)
+            .unwrap();
+        let host = me.peer.rsplit_once(':').unwrap().0.to_string();
+        let identity = me
+            .identity
+            .clone()
+            .unwrap_or_else(|| quota_raft::tls::region_identity(&config.region));
+        let mut leaf = CertificateParams::new(vec![host]).unwrap();
+        leaf.subject_alt_names
+            .push(SanType::URI(identity.try_into().unwrap()));
+        let key = KeyPair::generate().unwrap();
+        let cert = leaf.signed_by(&key, &ca).unwrap();
+        let write = |name: &str, text: &str| {
+            let p = dir.path().join(name);
+            std::fs::write(&p, text).unwrap();
+            Some(p)
+        };
+        config.peer.tls_cert_file = write("cert.pem", &cert.pem());
+        config.peer.tls_key_file = write("key.pem", &key.serialize_pem());
+        config.peer.tls_ca_file = write("ca.pem", &ca.pem());
+        let mut problems = Vec::new();
+        config.apply_env(env, &mut problems);
+        config.resolve(env, problems)
+    }
+
     #[test]
     fn every_example_config_parses_and_validates() {
         let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../config");
@@ -96,7 +136,16 @@ mod tests {
         for entry in std::fs::read_dir(&dir).unwrap() {
             let path = entry.unwrap().path();
             if path.extension().is_some_and(|e| e == "toml") {
-                let result = Config::load(Some(&path), &env);
+                let result = if Config::from_file(&path)
+                    .unwrap()
+                    .peer
+                    .tls_cert_file
+                    .is_some()
+                {
+                    load_with_generated_tls(&path, &env)
+                } else {
+                    Config::load(Some(&path), &env)
+                };
                 assert!(
                     result.is_ok(),
                     "{}: {}",

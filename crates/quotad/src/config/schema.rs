@@ -57,6 +57,14 @@ pub struct ApiConfig {
     pub listen: String,
     /// A file holding the admin token (used when `QUOTAD_ADMIN_TOKEN` is unset).
     pub admin_token_file: Option<PathBuf>,
+    /// Named, scoped tokens (TOML `[[tokens]]`: `name`, `scope`, `token_sha256` or
+    /// `token_file`), re-read every `tokens_check_ms`. See docs/operations.md.
+    pub tokens_file: Option<PathBuf>,
+    /// How often `tokens_file` is read again; 0 reads it at start only.
+    pub tokens_check_ms: u64,
+    /// Decisions (`/v1/check`, `/v1/check/batch`) without a token; `false` asks for a `check`
+    /// (or `admin`) token.
+    pub open_checks: bool,
     pub body_limit_bytes: usize,
     pub request_timeout_ms: u64,
     /// How long in-flight requests may take to drain on shutdown.
@@ -72,6 +80,13 @@ pub struct PeerConfig {
     pub listen: String,
     /// A file holding the peer token (used when `QUOTAD_PEER_TOKEN` is unset).
     pub token_file: Option<PathBuf>,
+    /// Mutual TLS between regions (all three or none): this region's PEM certificate chain,
+    /// its key, and the CA peers' certificates must chain to.
+    pub tls_cert_file: Option<PathBuf>,
+    pub tls_key_file: Option<PathBuf>,
+    pub tls_ca_file: Option<PathBuf>,
+    /// How often the TLS files are read again (rotation); 0 reads them at start only.
+    pub tls_check_ms: u64,
 }
 
 /// The regional Redis.
@@ -169,6 +184,10 @@ pub struct RegionConfig {
     pub api: String,
     /// The region's peer (Raft) address.
     pub peer: String,
+    /// With peer TLS: the URI SAN this region's certificate names (default
+    /// `quotad://region/<id>`; e.g. a SPIFFE id).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub identity: Option<String>,
 }
 
 /// The async runtime.
@@ -237,6 +256,9 @@ impl Default for ApiConfig {
         Self {
             listen: "127.0.0.1:7450".into(),
             admin_token_file: None,
+            tokens_file: None,
+            tokens_check_ms: 5_000,
+            open_checks: true,
             body_limit_bytes: 64 * 1024,
             request_timeout_ms: 5_000,
             drain_timeout_ms: 10_000,
@@ -250,6 +272,10 @@ impl Default for PeerConfig {
         Self {
             listen: "127.0.0.1:7451".into(),
             token_file: None,
+            tls_cert_file: None,
+            tls_key_file: None,
+            tls_ca_file: None,
+            tls_check_ms: 10_000,
         }
     }
 }

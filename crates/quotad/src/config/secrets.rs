@@ -8,6 +8,7 @@ use serde::Serialize;
 use crate::config::problem::{problem, ConfigProblem};
 use crate::config::schema::{Config, RedisMode};
 use crate::secret::Secret;
+use crate::tokens::{self, TokenSet};
 
 /// Environment variable holding the admin bearer token.
 pub const ENV_ADMIN_TOKEN: &str = "QUOTAD_ADMIN_TOKEN";
@@ -40,6 +41,8 @@ pub struct Secrets {
     pub redis_password_source: SecretSource,
     pub redis_sentinel_password: Option<Secret>,
     pub redis_sentinel_password_source: SecretSource,
+    /// The tokens of `api.tokens_file` as read at start (empty without one).
+    pub api_tokens: TokenSet,
 }
 
 impl Config {
@@ -95,7 +98,20 @@ impl Config {
                 format!("the sentinels' password ({ENV_REDIS_SENTINEL_PASSWORD} or redis.sentinel_password_file) is for redis.mode = \"sentinel\""),
             ));
         }
+        let api_tokens = match self.api.tokens_file.as_deref().map(tokens::read_file) {
+            None => TokenSet::default(),
+            Some(Ok(set)) => set,
+            Some(Err(e)) if e.field == "api.tokens_file" => {
+                p.push(problem(e.field, e.message));
+                TokenSet::default()
+            }
+            Some(Err(e)) => {
+                p.push(problem("api.tokens_file", e.to_string()));
+                TokenSet::default()
+            }
+        };
         Secrets {
+            api_tokens,
             admin_token,
             admin_token_source,
             peer_token,
@@ -177,5 +193,37 @@ mod tests {
         c.peer.token_file = None;
         let s = c.resolve(&no_env, Vec::new()).unwrap();
         assert_eq!(s.secrets.admin_token.unwrap().expose(), "from-file");
+    }
+
+    #[test]
+    fn a_tokens_file_is_read_and_its_faults_named() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("tokens.toml");
+        let sha = hex::encode(crate::secret::digest("gateway-token-0123"));
+        std::fs::write(
+            &path,
+            format!("[[tokens]]\nname = \"gw\"\nscope = \"check\"\ntoken_sha256 = \"{sha}\"\n"),
+        )
+        .unwrap();
+        let mut c = Config::default();
+        c.api.tokens_file = Some(path.clone());
+        let s = c.clone().resolve(&no_env, Vec::new()).unwrap();
+        assert_eq!(
+            &*s.secrets
+                .api_tokens
+                .lookup("gateway-token-0123")
+                .unwrap()
+                .name,
+            "gw"
+        );
+        std::fs::write(&path, "[[tokens]]\nname = \"gw\"\nscope = \"check\"\n").unwrap();
+        let errs = c.resolve(&no_env, Vec::new()).unwrap_err();
+        assert_eq!(errs.0.len(), 1);
+        assert_eq!(errs.0[0].field, "api.tokens_file");
+        assert!(
+            errs.0[0].message.contains("tokens[0].token_sha256"),
+            "{}",
+            errs.0[0].message
+        );
     }
 }

@@ -18,6 +18,8 @@ pub struct Settings {
     pub envoy_listen: Option<SocketAddr>,
     pub regions: Vec<RegionSettings>,
     pub secrets: Secrets,
+    /// Peer mutual TLS files (`[peer] tls_*`), checked readable and matching.
+    pub peer_tls: Option<quota_raft::tls::TlsFiles>,
     /// TLS material for a `rediss://` Redis, read from the files named in `[redis]`.
     pub redis_tls: Option<quota_store::Tls>,
 }
@@ -29,6 +31,8 @@ pub struct RegionSettings {
     pub node_id: u64,
     pub api: SocketAddr,
     pub peer: SocketAddr,
+    /// The URI SAN its peer certificate names (with peer TLS).
+    pub identity: String,
 }
 
 impl Settings {

@@ -42,6 +42,7 @@ impl Config {
         self.check_raft_runtime_and_logs(p);
         let secrets = self.resolve_secrets(p, env);
         let redis_tls = self.redis.as_ref().and_then(|r| check_redis_tls(p, r));
+        let peer_tls = self.check_peer_tls(p, &regions, region.as_ref());
         if self.regions.len() > 1 && secrets.peer_token.is_none() {
             p.push(problem(
                 "peer.token_file",
@@ -58,6 +59,7 @@ impl Config {
                     envoy_listen: listen.envoy,
                     regions,
                     redis_tls,
+                    peer_tls,
                     secrets,
                 })
             }
@@ -337,6 +339,72 @@ fn check_redis_url(p: &mut Vec<ConfigProblem>, field: &str, url: &str) {
 
 /// The TLS files of `[redis]`, read and checked: they need a `rediss://` address, and a client
 /// certificate comes with its key.
+impl Config {
+    /// `[peer] tls_*`: all three or none, readable, a key that fits the certificate, and a
+    /// certificate naming this region's identity.
+    fn check_peer_tls(
+        &self,
+        p: &mut Vec<ConfigProblem>,
+        regions: &[RegionSettings],
+        me: Option<&RegionId>,
+    ) -> Option<quota_raft::tls::TlsFiles> {
+        let peer = &self.peer;
+        let files = match (&peer.tls_cert_file, &peer.tls_key_file, &peer.tls_ca_file) {
+            (None, None, None) => return None,
+            (Some(cert), Some(key), Some(ca)) => quota_raft::tls::TlsFiles {
+                cert: cert.clone(),
+                key: key.clone(),
+                ca: ca.clone(),
+            },
+            _ => {
+                p.push(problem(
+                    "peer.tls_cert_file",
+                    "set all three of peer.tls_cert_file, peer.tls_key_file and peer.tls_ca_file, or none",
+                ));
+                return None;
+            }
+        };
+        if self.regions.len() <= 1 {
+            p.push(problem(
+                "peer.tls_cert_file",
+                "peer TLS is for a multi-region cluster ([[regions]]); a single region has no peer listener",
+            ));
+        }
+        let identity = match quota_raft::tls::check(&files) {
+            Ok(identity) => identity,
+            Err(e) => {
+                let field = match &e {
+                    quota_raft::tls::TlsError::Key { .. } => "peer.tls_key_file",
+                    quota_raft::tls::TlsError::Ca { .. } => "peer.tls_ca_file",
+                    quota_raft::tls::TlsError::Read { path, .. } if *path == files.key => {
+                        "peer.tls_key_file"
+                    }
+                    quota_raft::tls::TlsError::Read { path, .. } if *path == files.ca => {
+                        "peer.tls_ca_file"
+                    }
+                    _ => "peer.tls_cert_file",
+                };
+                p.push(problem(field, e.to_string()));
+                return None;
+            }
+        };
+        let expected = me.and_then(|me| regions.iter().find(|r| r.id == *me));
+        if let Some(r) = expected {
+            if identity.as_deref() != Some(r.identity.as_str()) {
+                p.push(problem(
+                    "peer.tls_cert_file",
+                    format!(
+                        "the certificate must name this region's identity {} as a URI SAN (it names {})",
+                        r.identity,
+                        identity.as_deref().unwrap_or("none")
+                    ),
+                ));
+            }
+        }
+        Some(files)
+    }
+}
+
 fn check_redis_tls(p: &mut Vec<ConfigProblem>, redis: &RedisConfig) -> Option<quota_store::Tls> {
     let (ca, cert, key) = (
         &redis.tls_ca_file,
@@ -418,11 +486,23 @@ fn check_regions(
         let api = parse_addr(p, &field("api"), &r.api);
         let peer = parse_addr(p, &field("peer"), &r.peer);
         if let (Some(id), Some(api), Some(peer)) = (id, api, peer) {
+            let identity = match &r.identity {
+                Some(uri) if !uri.contains("://") => {
+                    p.push(problem(
+                        field("identity"),
+                        "a URI, e.g. spiffe://example.org/quotad/eu",
+                    ));
+                    uri.clone()
+                }
+                Some(uri) => uri.clone(),
+                None => quota_raft::tls::region_identity(id.as_str()),
+            };
             out.push(RegionSettings {
                 id,
                 node_id: r.node_id,
                 api,
                 peer,
+                identity,
             });
         }
     }
@@ -865,5 +945,70 @@ seed_urls = ["redis://10.0.0.2:26379", "redis://10.0.0.3:26379"]
         );
         let s = c.resolve(&no_env, problems).unwrap();
         assert_eq!(s.envoy_listen.map(|a| a.port()), Some(9081));
+    }
+
+    #[test]
+    fn peer_tls_files_come_together_fit_and_name_this_region() {
+        use rcgen::{BasicConstraints, CertificateParams, CertifiedIssuer, IsCa, KeyPair, SanType};
+        let dir = tempfile::tempdir().unwrap();
+        let mut ca = CertificateParams::new(Vec::<String>::new()).unwrap();
+        ca.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
+        let ca = CertifiedIssuer::self_signed(ca, KeyPair::generate().unwrap()).unwrap();
+        let write = |name: &str, text: &str| {
+            let p = dir.path().join(name);
+            std::fs::write(&p, text).unwrap();
+            p.display().to_string()
+        };
+        let ca_path = write("ca.pem", &ca.pem());
+        let leaf = |id: &str| {
+            let mut p = CertificateParams::new(vec!["127.0.0.1".to_string()]).unwrap();
+            p.subject_alt_names.push(SanType::URI(
+                format!("quotad://region/{id}").try_into().unwrap(),
+            ));
+            let key = KeyPair::generate().unwrap();
+            (p.signed_by(&key, &ca).unwrap().pem(), key.serialize_pem())
+        };
+        let (a_cert, a_key) = leaf("a");
+        let (b_cert, _) = leaf("b");
+        let (a_cert, a_key, b_cert) = (
+            write("a.pem", &a_cert),
+            write("a-key.pem", &a_key),
+            write("b.pem", &b_cert),
+        );
+        let text = |peer: &str| {
+            format!(
+                "region = \"a\"\n[peer]\n{peer}\n\
+                 [[regions]]\nid = \"a\"\nnode_id = 1\napi = \"127.0.0.1:7450\"\npeer = \"127.0.0.1:7451\"\n\
+                 [[regions]]\nid = \"b\"\nnode_id = 2\napi = \"127.0.0.1:7460\"\npeer = \"127.0.0.1:7461\"\n"
+            )
+        };
+        let env = |k: &str| (k == ENV_PEER_TOKEN).then(|| "peer-secret-0123456789".to_string());
+        let fields = |peer: &str| -> Vec<String> {
+            Config::from_toml(&text(peer))
+                .unwrap()
+                .resolve(&env, Vec::new())
+                .err()
+                .map(|e| e.0.into_iter().map(|p| p.field).collect())
+                .unwrap_or_default()
+        };
+        let files = |cert: &str, key: &str| {
+            format!(
+                "tls_cert_file = \"{cert}\"\ntls_key_file = \"{key}\"\ntls_ca_file = \"{ca_path}\""
+            )
+        };
+        assert!(fields(&files(&a_cert, &a_key)).is_empty());
+        assert_eq!(
+            fields(&format!("tls_cert_file = \"{a_cert}\"")),
+            ["peer.tls_cert_file"],
+            "all three or none"
+        );
+        // b's certificate with a's key: the key does not fit.
+        assert_eq!(fields(&files(&b_cert, &a_key)), ["peer.tls_key_file"]);
+        let garbage = write("garbage.pem", "not pem");
+        assert_eq!(fields(&files(&garbage, &a_key)), ["peer.tls_cert_file"]);
+        // A certificate naming another region than this one.
+        let (b_cert2, b_key2) = leaf("b");
+        let (b_cert2, b_key2) = (write("b2.pem", &b_cert2), write("b2-key.pem", &b_key2));
+        assert_eq!(fields(&files(&b_cert2, &b_key2)), ["peer.tls_cert_file"]);
     }
 }

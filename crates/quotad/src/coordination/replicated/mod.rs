@@ -42,6 +42,8 @@ use crate::coordination::mutation::CoordError;
 use crate::coordination::status::{CoordinatorStatus, MemberStatus};
 use crate::coordination::view::{ClusterView, PolicyMap};
 use crate::secret::Secret;
+use quota_raft::coordinator::PeerSecurity;
+use quota_raft::tls::PeerTls;
 
 /// One member of a replicated cluster.
 #[derive(Debug)]
@@ -59,6 +61,9 @@ pub struct Replicated {
     next_id: AtomicU64,
     http: reqwest::Client,
     peer_token: Secret,
+    /// Peer mutual TLS, when `[peer] tls_*` is set: the material (reloaded by the daemon),
+    /// and which certificate identity is which region.
+    peer_tls: Option<PeerSecurity>,
     /// The policies and pins of the last view, with the state revision they were built from.
     derived: Mutex<Option<Derived>>,
 }
@@ -98,9 +103,26 @@ impl Replicated {
         // The leader stamps every command it appends with its own clock, so `apply`'s lease
         // arithmetic never runs on a follower's (possibly skewed) clock.
         let leader_clock: quota_raft::LeaderClock = Arc::new(clock::wall_ms);
-        let raft = quota_raft::Coordinator::start_with_clock(raft_cfg, Some(leader_clock))
-            .await
-            .context("starting the Raft coordinator")?;
+        let peer_tls = match &settings.peer_tls {
+            None => None,
+            Some(files) => Some(PeerSecurity {
+                tls: PeerTls::load(files.clone()).context("reading the peer TLS files")?,
+                identities: Arc::new(
+                    settings
+                        .regions
+                        .iter()
+                        .map(|r| (r.identity.clone(), r.id.to_string()))
+                        .collect(),
+                ),
+            }),
+        };
+        let raft =
+            quota_raft::Coordinator::start_secured(raft_cfg, Some(leader_clock), peer_tls.clone())
+                .await
+                .context("starting the Raft coordinator")?;
+        let http = peer_tls
+            .as_ref()
+            .map_or_else(reqwest::Client::builder, |s| s.tls.client_builder());
         let (tx, _) = watch::channel(Arc::new(ClusterView::default()));
         let allocator = AllocatorConfig::default();
         Ok(Self {
@@ -118,13 +140,28 @@ impl Replicated {
             rebalance_interval_ms: cfg.coordination.rebalance_interval_ms,
             id_prefix: rand::random(),
             next_id: AtomicU64::new(1),
-            http: reqwest::Client::builder()
+            http: http
                 .timeout(Duration::from_secs(2))
                 .build()
                 .context("building the peer HTTP client")?,
             peer_token,
+            peer_tls,
             derived: Mutex::new(None),
         })
+    }
+
+    /// The peer TLS material, when peers talk over mutual TLS.
+    pub fn peer_tls(&self) -> Option<&PeerTls> {
+        self.peer_tls.as_ref().map(|s| &s.tls)
+    }
+
+    /// `https` with peer TLS, else `http`.
+    fn peer_scheme(&self) -> &'static str {
+        if self.peer_tls.is_some() {
+            "https"
+        } else {
+            "http"
+        }
     }
 
     /// This daemon's region.

@@ -4,21 +4,28 @@
 use std::sync::Arc;
 
 use axum::extract::State;
-use axum::http::{header, HeaderMap, StatusCode};
+use axum::http::{header, StatusCode};
+use axum::response::{IntoResponse as _, Response};
 use axum::routing::post;
 use axum::Router;
 use quota_core::coordinator::PolicyKey;
 use quota_core::demand::Usage;
 use quota_core::{PolicyName, RegionId, TenantId};
+use quota_raft::peer_api::{caller_region, refuse_identity};
 use quota_raft::Role;
 use quota_store::UsageRecord;
 use serde::{Deserialize, Serialize};
 
 use super::{unavailable, Replicated};
 use crate::coordination::mutation::CoordError;
+use crate::secret::bearer;
 
 /// The peer-port route where regions send usage reports to the leader.
 pub const PATH_USAGE: &str = "/quotad/v1/usage";
+
+/// The largest usage report read (axum's default body limit, as before reports were read
+/// by hand).
+const MAX_USAGE_REPORT_BYTES: usize = 2 << 20;
 
 /// A usage report: soft state for the leader's demand estimates.
 #[derive(Debug, Serialize, Deserialize)]
@@ -63,7 +70,11 @@ impl Replicated {
             .ok_or_else(|| unavailable("no leader known"))?;
         let resp = self
             .http
-            .post(format!("http://{}{PATH_USAGE}", leader.peer_addr))
+            .post(format!(
+                "{}://{}{PATH_USAGE}",
+                self.peer_scheme(),
+                leader.peer_addr
+            ))
             .bearer_auth(self.peer_token.expose())
             // A leader that stopped answering costs one attempt; the next report goes to the
             // leader known then.
@@ -115,25 +126,33 @@ impl Replicated {
 }
 
 /// POST /quotad/v1/usage on the leader, authenticated with the peer token.
-async fn receive_usage(
-    State(me): State<Arc<Replicated>>,
-    headers: HeaderMap,
-    body: axum::body::Bytes,
-) -> StatusCode {
-    let presented = headers
+async fn receive_usage(State(me): State<Arc<Replicated>>, req: axum::extract::Request) -> Response {
+    let presented = req
+        .headers()
         .get(header::AUTHORIZATION)
-        .and_then(|v| v.to_str().ok())
-        .and_then(|v| v.strip_prefix("Bearer "))
-        .unwrap_or("");
-    if !me.peer_token.matches(presented) {
-        return StatusCode::UNAUTHORIZED;
+        .and_then(|v| bearer(v.as_bytes()));
+    if !presented.is_some_and(|t| me.peer_token.matches(t)) {
+        return StatusCode::UNAUTHORIZED.into_response();
     }
-    let Ok(report) = serde_json::from_slice::<UsageReport>(&body) else {
-        return StatusCode::BAD_REQUEST;
+    // With peer TLS, the report must come over a connection authenticated as its region.
+    let caller = me
+        .peer_tls
+        .as_ref()
+        .map(|s| caller_region(&s.identities, &req).map(str::to_string));
+    let Ok(body) = axum::body::to_bytes(req.into_body(), MAX_USAGE_REPORT_BYTES).await else {
+        return StatusCode::PAYLOAD_TOO_LARGE.into_response();
     };
+    let Ok(report) = serde_json::from_slice::<UsageReport>(&body) else {
+        return StatusCode::BAD_REQUEST.into_response();
+    };
+    if let Some(caller) = caller {
+        if caller.as_deref() != Some(report.region.as_str()) {
+            return refuse_identity(PATH_USAGE, "a usage report for another region");
+        }
+    }
     if !me.raft.is_leader() {
-        return StatusCode::MISDIRECTED_REQUEST;
+        return StatusCode::MISDIRECTED_REQUEST.into_response();
     }
     me.record_report(&report);
-    StatusCode::NO_CONTENT
+    StatusCode::NO_CONTENT.into_response()
 }
