@@ -26,7 +26,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use quota_core::{keys, PolicyName, TenantId};
-use quotad_system_tests::{eventually, metric_value, Cluster, Daemon, Timings};
+use quotad_system_tests::{eventually, metric_value, Cluster, Daemon, Timings, TOKEN};
 use redis_harness::RedisServer;
 use serde_json::{json, Value};
 
@@ -408,6 +408,7 @@ async fn sample_local_allowances(
         for (region, base) in bases.iter().enumerate() {
             let Ok(r) = http
                 .get(format!("{base}/v1/tenants/{TENANT}/allowance"))
+                .bearer_auth(TOKEN)
                 .send()
                 .await
             else {
