@@ -93,21 +93,26 @@ pub fn run_scenario(
         .iter()
         .map(|&k| strategy::build(k, &setup))
         .collect();
-    let mut recorders: Vec<_> = strategies
-        .iter()
-        .map(|_| {
-            Recorder::new(
-                tenants,
-                scenario.overshoot_window_ms,
-                cfg.tick_ms,
-                cfg.duration_ms,
-                cfg.warmup_ms,
-                (0..world.regions)
-                    .map(|r| scenario.faults.healthy(r))
-                    .collect(),
-            )
-        })
+    let healthy: Vec<bool> = (0..world.regions)
+        .map(|r| scenario.faults.healthy(r))
         .collect();
+    // One recorder per strategy, each judging the same regions healthy.
+    let recorders_for = || -> Vec<Recorder> {
+        strategies
+            .iter()
+            .map(|_| {
+                Recorder::new(
+                    tenants,
+                    scenario.overshoot_window_ms,
+                    cfg.tick_ms,
+                    cfg.duration_ms,
+                    cfg.warmup_ms,
+                    healthy.clone(),
+                )
+            })
+            .collect()
+    };
+    let mut recorders = recorders_for();
     let started = Instant::now();
     let (ideal_per_s, mut decisions) = run_ticks(
         cfg,
@@ -117,9 +122,6 @@ pub fn run_scenario(
         &mut recorders,
         progress,
     );
-    let healthy: Vec<bool> = (0..world.regions)
-        .map(|r| scenario.faults.healthy(r))
-        .collect();
     if healthy.contains(&false) {
         // Healthy goodput is what the cut or crash costs the other regions: the same
         // strategies again on the same arrivals without it.
@@ -136,19 +138,7 @@ pub fn run_scenario(
             .iter()
             .map(|&k| strategy::build(k, &setup))
             .collect();
-        let mut baselines: Vec<_> = strategies
-            .iter()
-            .map(|_| {
-                Recorder::new(
-                    tenants,
-                    scenario.overshoot_window_ms,
-                    cfg.tick_ms,
-                    cfg.duration_ms,
-                    cfg.warmup_ms,
-                    healthy.clone(),
-                )
-            })
-            .collect();
+        let mut baselines = recorders_for();
         let (_, calm_decisions) = run_ticks(
             cfg,
             &calm,

@@ -615,17 +615,26 @@ impl Decider {
         cost: u64,
         policy: Policy,
     ) -> Result<Verdict, CheckError> {
-        let body = check_body(&bucket, cost);
-        match self
-            .send_home::<ForwardedAnswer>(home, "/v1/check", &body)
-            .await
-        {
-            Some(a) => {
-                self.count_forwarded(&bucket, cost, a.allowed);
-                Ok(a.verdict(policy, home))
-            }
+        match self.ask(home, &bucket, cost, &policy).await {
+            Some(v) => Ok(v),
             None => self.home_unreachable(home, bucket, cost, policy).await,
         }
+    }
+
+    /// `there`'s decision of the check, counted as forwarded; `None` if it did not answer.
+    async fn ask(
+        &self,
+        there: &RegionId,
+        bucket: &BucketRef,
+        cost: u64,
+        policy: &Policy,
+    ) -> Option<Verdict> {
+        let body = check_body(bucket, cost);
+        let a = self
+            .send_home::<ForwardedAnswer>(there, "/v1/check", &body)
+            .await?;
+        self.count_forwarded(bucket, cost, a.allowed);
+        Some(a.verdict(policy.clone(), there))
     }
 
     /// Decides a check this region's share cannot hold in `there`, the region granted the
@@ -638,15 +647,8 @@ impl Decider {
         cost: u64,
         policy: Policy,
     ) -> Result<Verdict, CheckError> {
-        let body = check_body(&bucket, cost);
-        match self
-            .send_home::<ForwardedAnswer>(there, "/v1/check", &body)
-            .await
-        {
-            Some(a) => {
-                self.count_forwarded(&bucket, cost, a.allowed);
-                Ok(a.verdict(policy, there))
-            }
+        match self.ask(there, &bucket, cost, &policy).await {
+            Some(v) => Ok(v),
             None => {
                 self.forward_failures.increment(1);
                 self.decide_here(bucket, limit, cost, policy).await
