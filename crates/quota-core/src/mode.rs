@@ -15,7 +15,7 @@
 //! none). Every other policy is split, and no share of either kind
 //! is ever strictly between 0 and one unit ([`Policy::min_share_ppm`]).
 
-use crate::policy::{Policy, PPM};
+use crate::policy::{CostError, Policy, PPM};
 
 /// A policy whose even share over the regions holds fewer whole units than this lives in one
 /// home region. Chosen with the simulator (`small_budget`, `slow_budget` and the default
@@ -85,6 +85,17 @@ pub fn largest_cost(policy: &Policy, floor_regions: usize) -> u64 {
     units.min(policy.burst)
 }
 
+/// Checks a cost against the policy's burst and against [`largest_cost`]: a cost no region
+/// could ever hold is refused outright instead of being answered "never".
+pub fn check_cost(policy: &Policy, cost: u64, floor_regions: usize) -> Result<(), CostError> {
+    policy.check_cost(cost)?;
+    let largest = largest_cost(policy, floor_regions);
+    if cost > largest {
+        return Err(CostError::BeyondFloors { cost, largest });
+    }
+    Ok(())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -100,6 +111,27 @@ mod tests {
         }
         .validate()
         .unwrap()
+    }
+
+    #[test]
+    fn a_cost_beyond_the_others_floors_is_refused() {
+        let mut p = policy(10, 10, Algorithm::TokenBucket);
+        p.floor_ppm = 300_000;
+        // Two other regions reserve 3 each: 4 is the most one region can ever hold.
+        assert_eq!(largest_cost(&p, 3), 4);
+        assert_eq!(check_cost(&p, 4, 3), Ok(()));
+        assert_eq!(
+            check_cost(&p, 5, 3),
+            Err(CostError::BeyondFloors {
+                cost: 5,
+                largest: 4
+            })
+        );
+        assert_eq!(check_cost(&p, 10, 1), Ok(()));
+        assert!(matches!(
+            check_cost(&p, 11, 1),
+            Err(CostError::ExceedsBurst { .. })
+        ));
     }
 
     #[test]

@@ -199,6 +199,12 @@ pub enum CostError {
     Zero,
     #[error("cost {cost} exceeds the policy's burst of {burst}: it can never succeed")]
     ExceedsBurst { cost: u64, burst: u64 },
+    /// The other regions' floors leave no region able to hold the cost.
+    #[error(
+        "cost {cost} can never succeed: with the other regions' floors reserved, no region \
+         holds more than {largest}"
+    )]
+    BeyondFloors { cost: u64, largest: u64 },
 }
 
 impl Policy {

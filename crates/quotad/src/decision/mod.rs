@@ -12,6 +12,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use metrics::{Counter, Histogram};
+use quota_core::mode;
 use quota_core::policy::CostError;
 use quota_core::share::limit_for_share;
 use quota_core::{Decision, FailMode, Policy, PolicyName, RegionId, TenantId};
@@ -374,7 +375,7 @@ impl Decider {
             .policy(&tenant, &policy_name)
             .ok_or(CheckError::UnknownPolicy)?;
         let (policy, _share, limit) = self.params_of(&view, entry);
-        policy.check_cost(cost)?;
+        mode::check_cost(&policy, cost, entry.grants.len())?;
         // While a home is still being granted its share (it holds less than the cost), the
         // region granted the most decides.
         let home =
@@ -405,10 +406,7 @@ impl Decider {
         };
         let result = match (home, richer) {
             (Some(home), _) if !forwarded => self.forward(&home, bucket, cost, policy).await,
-            (_, Some(there)) => {
-                self.forward_richer(&there, bucket, limit, cost, policy)
-                    .await
-            }
+            (_, Some(there)) => self.forward_richer(&there, bucket, cost, policy).await,
             _ => self.decide_here(bucket, limit, cost, policy).await,
         };
         self.metrics.record(
@@ -454,7 +452,7 @@ impl Decider {
                         .policy(&tenant, &policy_name)
                         .ok_or(CheckError::UnknownPolicy)?;
                     let (policy, _share, _limit) = self.params_of(&view, entry);
-                    policy.check_cost(cost)?;
+                    mode::check_cost(&policy, cost, entry.grants.len())?;
                     let bucket = BucketRef {
                         tenant,
                         policy: policy_name,
@@ -638,12 +636,13 @@ impl Decider {
     }
 
     /// Decides a check this region's share cannot hold in `there`, the region granted the
-    /// most; if it does not answer, here after all (where it is denied).
+    /// most. If it does not answer, nothing here can hold the check either: that is reduced
+    /// capacity for as long as the cut lasts (a 503 the caller retries), not a denial with no
+    /// time after which it could succeed.
     async fn forward_richer(
         &self,
         there: &RegionId,
         bucket: BucketRef,
-        limit: Limit,
         cost: u64,
         policy: Policy,
     ) -> Result<Verdict, CheckError> {
@@ -651,7 +650,10 @@ impl Decider {
             Some(v) => Ok(v),
             None => {
                 self.forward_failures.increment(1);
-                self.decide_here(bucket, limit, cost, policy).await
+                Err(CheckError::ReducedCapacity {
+                    policy: bucket.policy,
+                    reason: "the region holding this policy's budget is unreachable",
+                })
             }
         }
     }
@@ -898,5 +900,101 @@ pub(crate) mod tests {
             Mode::HomeUnreachableFloor
         );
         assert_eq!(seen.lock().unwrap().len(), 1);
+    }
+
+    /// A cost the other regions' floors leave no region able to hold is refused up front, not
+    /// answered "never": floors of 0.3 in three regions leave at most 4 of a burst of 10.
+    #[tokio::test]
+    async fn a_cost_beyond_what_floors_leave_is_refused() {
+        let spec: PolicySpec =
+            serde_json::from_value(json!({"limit": 10, "window_ms": 1000, "floor": 0.3})).unwrap();
+        let grant = |share_ppm| Grant {
+            share_ppm,
+            floor_ppm: 300_000,
+        };
+        let entry = PolicyEntry {
+            policy: spec.validate().unwrap(),
+            grants: ["a", "b", "c"]
+                .into_iter()
+                .zip([400_000, 300_000, 300_000])
+                .map(|(r, s)| (RegionId::new(r).unwrap(), grant(s)))
+                .collect(),
+            home: None,
+            mode: quota_core::mode::BudgetMode::Split,
+        };
+        let view = ClusterView {
+            policies: [(ids("t", "w"), entry)].into_iter().collect(),
+            lease_end_local_ms: u64::MAX,
+            ..ClusterView::default()
+        };
+        let (_tx, rx) = watch::channel(Arc::new(view));
+        let region = RegionId::new("a").unwrap();
+        let d = Decider::new(DeciderParts {
+            region: region.clone(),
+            store: AnyStore::embedded(),
+            breaker: Breaker::new(&BreakerConfig::default(), "a"),
+            view: rx,
+            homes: HashMap::new(),
+            forward_timeout: Duration::from_secs(5),
+            peer_token: None,
+        });
+        let (t, w) = ids("t", "w");
+        let refused = d.check(t.clone(), w.clone(), 5, false).await;
+        assert_eq!(
+            refused.unwrap_err(),
+            CheckError::Cost(CostError::BeyondFloors {
+                cost: 5,
+                largest: 4
+            })
+        );
+        let admitted = d.check(t, w, 4, false).await.unwrap();
+        assert!(admitted.decision.allowed, "{admitted:?}");
+    }
+
+    /// A region whose share cannot hold a check sends it to the region granted the most; if
+    /// that one does not answer, the check gets reduced capacity (a 503), not a denial that
+    /// could never end, since no bucket here could admit it.
+    #[tokio::test]
+    async fn a_zero_share_region_cut_off_from_the_richest_answers_reduced_capacity() {
+        let spec: PolicySpec =
+            serde_json::from_value(json!({"limit": 10, "window_ms": 1000})).unwrap();
+        let grant = |share_ppm| Grant {
+            share_ppm,
+            floor_ppm: 0,
+        };
+        let entry = PolicyEntry {
+            policy: spec.validate().unwrap(),
+            grants: [("a", 0), ("b", 1_000_000)]
+                .into_iter()
+                .map(|(r, s)| (RegionId::new(r).unwrap(), grant(s)))
+                .collect(),
+            home: None,
+            mode: quota_core::mode::BudgetMode::Split,
+        };
+        let view = ClusterView {
+            policies: [(ids("t", "w"), entry)].into_iter().collect(),
+            lease_end_local_ms: u64::MAX,
+            ..ClusterView::default()
+        };
+        let (_tx, rx) = watch::channel(Arc::new(view));
+        // A port nothing listens on: the connection is refused at once.
+        let closed = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = closed.local_addr().unwrap();
+        drop(closed);
+        let d = Decider::new(DeciderParts {
+            region: RegionId::new("a").unwrap(),
+            store: AnyStore::embedded(),
+            breaker: Breaker::new(&BreakerConfig::default(), "a"),
+            view: rx,
+            homes: HashMap::from([(RegionId::new("b").unwrap(), addr)]),
+            forward_timeout: Duration::from_secs(5),
+            peer_token: None,
+        });
+        let (t, w) = ids("t", "w");
+        let r = d.check(t, w, 1, false).await;
+        assert!(
+            matches!(r, Err(CheckError::ReducedCapacity { .. })),
+            "{r:?}"
+        );
     }
 }
