@@ -95,3 +95,33 @@ fn five_and_nine_regions_keep_the_bound_and_the_goodput() {
     }
     assert!(failures.is_empty(), "{}", failures.join("\n"));
 }
+
+/// At 9 regions a region cut off past its lease (a follower, the leader's, one that heals)
+/// costs the others nothing and answers no check "never": with no floor, what it cannot hold
+/// and cannot send to the region granted the most is reduced capacity (a 503 to retry). Its
+/// own callers' denials are the price of the bound, as in `partition`.
+#[test]
+fn nine_regions_cut_off_one_without_never_answers() {
+    let mut failures = Vec::new();
+    let opts = options(9, 200, 60, 6);
+    let cfg = opts.run_config().unwrap();
+    for kind in [
+        ScenarioKind::Partition,
+        ScenarioKind::LeaderPartition,
+        ScenarioKind::Heal,
+    ] {
+        let run = run_scenario(kind, &[StrategyKind::Quotad], &cfg, &mut |_| {}).unwrap();
+        let s = &run.strategies[0].summary;
+        let healthy = s.goodput_healthy.unwrap_or(0.0);
+        if s.overshoot_window > BOUND || s.never > 0 || healthy < 0.99 {
+            failures.push(format!(
+                "{kind} at 9 regions: overshoot(W) {:.4}, {} never, healthy goodput \
+                 {healthy:.3}\n  reproduce: {}",
+                s.overshoot_window,
+                s.never,
+                opts.repro(kind, StrategyKind::Quotad)
+            ));
+        }
+    }
+    assert!(failures.is_empty(), "{}", failures.join("\n"));
+}

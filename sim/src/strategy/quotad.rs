@@ -68,12 +68,19 @@ impl Strategy for Quotad {
     fn decide(&mut self, world: &World, t_ms: u64, req: &Request) -> Verdict {
         let target = self.forward_target(world, t_ms, req);
         let mut v = self.decide_in(world, req.region, t_ms, req);
-        if let (false, Some((there, at_ms, latency_us))) = (v.allowed, target) {
-            v = Verdict {
-                latency_us,
-                forwarded: true,
-                ..self.decide_in(world, there, at_ms, req)
-            };
+        match (v.allowed, target) {
+            (false, Forward::To(there, at_ms, latency_us)) => {
+                v = Verdict {
+                    latency_us,
+                    forwarded: true,
+                    ..self.decide_in(world, there, at_ms, req)
+                };
+            }
+            // The daemon answers 503 (reduced capacity, retry) when the region it would send
+            // a check its own bucket cannot hold to is unreachable: not admitted, but no
+            // "never" either.
+            (false, Forward::Unreachable) => v.never = false,
+            _ => {}
         }
         // Demand counts where the caller is, wherever it was decided: that is what moves a
         // home to its callers.
@@ -111,14 +118,8 @@ impl Quotad {
     /// pin: a critical tenant in `quotad_pinned`, a budget too small to split in every
     /// variant) goes to its home (or, while the home holds less than the cost, to the region
     /// granted the most); a check this region's share cannot hold at all goes to the region
-    /// granted the most, unless this region's Redis is out. `None` when there is no such
-    /// region or it is unreachable.
-    fn forward_target(
-        &self,
-        world: &World,
-        t_ms: u64,
-        req: &Request,
-    ) -> Option<(RegionIx, u64, u64)> {
+    /// granted the most, unless this region's Redis is out.
+    fn forward_target(&self, world: &World, t_ms: u64, req: &Request) -> Forward {
         let here = req.region;
         let i = req.tenant as usize;
         let agent = &self.control.agents[here];
@@ -129,24 +130,37 @@ impl Quotad {
         let to = match agent.homes[i] {
             // While a home is still being granted its share, the region granted the most
             // decides.
-            Some(home) if holds(self.control.granted_ppm(here, i, home)) => home,
-            Some(_) => agent.richest[i]?,
+            Some(home) if holds(self.control.granted_ppm(here, i, home)) => Some(home),
+            Some(_) => agent.richest[i],
             // While this region's Redis is out, the policy's fail mode decides.
-            None if !world.redis_up(here, t_ms) => return None,
+            None if !world.redis_up(here, t_ms) => return Forward::No,
             None => {
                 let share = self
                     .control
                     .enforced_ppm(here, i, world.local_ms(here, t_ms));
                 if holds(share) {
-                    return None;
+                    return Forward::No;
                 }
-                agent.richest[i]?
+                agent.richest[i]
             }
         };
-        if to == here || !world.link_up(here, to, t_ms) || !world.daemon_up(to, t_ms) {
-            return None;
+        let Some(to) = to.filter(|&to| to != here) else {
+            return Forward::No;
+        };
+        if !world.link_up(here, to, t_ms) || !world.daemon_up(to, t_ms) {
+            return Forward::Unreachable;
         }
         let rtt = world.rtt_ms(here, to);
-        Some((to, t_ms + rtt / 2, rtt * 1000 + 2 * LOCAL_DECISION_US))
+        Forward::To(to, t_ms + rtt / 2, rtt * 1000 + 2 * LOCAL_DECISION_US)
     }
+}
+
+/// Where a request denied here goes next.
+enum Forward {
+    /// Decided here.
+    No,
+    /// To `region`, decided there at true time `at_ms`; the caller waits `latency_us` in all.
+    To(RegionIx, u64, u64),
+    /// It would go elsewhere, but that region is unreachable.
+    Unreachable,
 }
