@@ -7,6 +7,8 @@ use clap::{Parser, ValueEnum};
 use quota_core::FailMode;
 
 use crate::control::ControlConfig;
+use crate::per_subject::coordinator::PromotionConfig;
+use crate::per_subject::SubjectConfig;
 use crate::scenario::ScenarioKind;
 use crate::simulation::RunConfig;
 use crate::strategy::StrategyKind;
@@ -90,6 +92,9 @@ pub struct Options {
     /// Tenants per scenario (besides one-shot identities and the hot tenant).
     #[arg(long, default_value_t = 40)]
     pub tenants: usize,
+    /// Subjects of the main class in `per_subject` (its login class has a fifth as many).
+    #[arg(long, default_value_t = crate::per_subject::DEFAULT_SUBJECTS)]
+    pub subjects: usize,
     /// Milliseconds per arrival tick; must divide 1000.
     #[arg(long, default_value_t = 10)]
     pub tick_ms: u64,
@@ -129,16 +134,37 @@ fn seconds_to_ms(errors: &mut Vec<String>, name: &str, s: f64, min_ms: u64, max_
 }
 
 impl Options {
-    /// The scenarios to run, in suite order.
+    /// The suite's scenarios to run, in suite order (`per_subject` runs apart:
+    /// [`Options::per_subject`]).
     pub fn scenarios(&self) -> Vec<ScenarioKind> {
         let mut v = if self.scenarios.is_empty() {
             ScenarioKind::ALL.to_vec()
         } else {
             self.scenarios.clone()
         };
+        v.retain(|&k| k != ScenarioKind::PerSubject);
         v.sort();
         v.dedup();
         v
+    }
+
+    /// Whether to run `per_subject`: by default, or when named.
+    pub fn per_subject(&self) -> bool {
+        self.scenarios.is_empty() || self.scenarios.contains(&ScenarioKind::PerSubject)
+    }
+
+    /// The `per_subject` run's configuration (valid once [`Options::run_config`] is).
+    pub fn subject_config(&self, cfg: &RunConfig) -> SubjectConfig {
+        SubjectConfig {
+            seed: cfg.seed,
+            regions: cfg.regions,
+            subjects: self.subjects,
+            duration_ms: cfg.duration_ms,
+            warmup_ms: cfg.warmup_ms,
+            report_ms: cfg.control.report_ms,
+            rebalance_ms: cfg.control.rebalance_ms,
+            promotion: PromotionConfig::default(),
+        }
     }
 
     /// The strategies to run, in table order.
@@ -242,6 +268,12 @@ impl Options {
                 "--floor must be between 0 and 1/regions = {:.4} (got {})",
                 1.0 / self.regions.max(1) as f64,
                 self.floor
+            ));
+        }
+        if self.subjects == 0 || self.subjects > 10_000_000 {
+            e.push(format!(
+                "--subjects must be between 1 and 10000000 (got {})",
+                self.subjects
             ));
         }
         if self.tenants == 0 || self.tenants > 100_000 {
