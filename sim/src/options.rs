@@ -4,7 +4,7 @@
 use std::path::PathBuf;
 
 use clap::{Parser, ValueEnum};
-use quota_core::FailMode;
+use quota_core::{FailMode, PPM};
 
 use crate::control::ControlConfig;
 use crate::per_subject::coordinator::PromotionConfig;
@@ -95,6 +95,13 @@ pub struct Options {
     /// Subjects of the main class in `per_subject` (its login class has a fifth as many).
     #[arg(long, default_value_t = crate::per_subject::DEFAULT_SUBJECTS)]
     pub subjects: usize,
+    /// `per_subject`: the most a promoted subject's share moves per rebalance round, as a
+    /// fraction of its budget (1: undamped; tenants' policies move 0.1).
+    #[arg(long, default_value_t = 1.0)]
+    pub promotion_step: f64,
+    /// `per_subject`: counters in each region's top-K of subjects denied at their class share.
+    #[arg(long, default_value_t = 64)]
+    pub top_k: usize,
     /// Milliseconds per arrival tick; must divide 1000.
     #[arg(long, default_value_t = 10)]
     pub tick_ms: u64,
@@ -163,7 +170,11 @@ impl Options {
             warmup_ms: cfg.warmup_ms,
             report_ms: cfg.control.report_ms,
             rebalance_ms: cfg.control.rebalance_ms,
-            promotion: PromotionConfig::default(),
+            promotion: PromotionConfig {
+                max_step_ppm: (self.promotion_step * f64::from(PPM)).round() as u32,
+                top_k: self.top_k,
+                ..PromotionConfig::default()
+            },
         }
     }
 
@@ -268,6 +279,18 @@ impl Options {
                 "--floor must be between 0 and 1/regions = {:.4} (got {})",
                 1.0 / self.regions.max(1) as f64,
                 self.floor
+            ));
+        }
+        if !(self.promotion_step > 0.0 && self.promotion_step <= 1.0) {
+            e.push(format!(
+                "--promotion-step must be in (0, 1] (got {})",
+                self.promotion_step
+            ));
+        }
+        if self.top_k > 100_000 {
+            e.push(format!(
+                "--top-k must be at most 100000 (got {})",
+                self.top_k
             ));
         }
         if self.subjects == 0 || self.subjects > 10_000_000 {
