@@ -129,7 +129,12 @@ impl SubjectStrategy {
                 .max_by_key(|&r| (shares[r], std::cmp::Reverse(r)))
                 .unwrap_or(here)
         };
-        let share = shares[at];
+        // The region that decides uses its own view of its share.
+        let share = if at == here {
+            shares[here]
+        } else {
+            coord.views[at].shares(subject.class, s).0[at]
+        };
         let params = BucketParams::for_share(policy, share);
         let when = t + world.owd_ms(here, at);
         let allowed = self.buckets[at].decide(when, s, &params);
