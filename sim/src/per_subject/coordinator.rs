@@ -684,3 +684,80 @@ impl Coordinator {
 fn pop_name(class: &ClassEntry) -> String {
     class.key.policy.as_str().to_string()
 }
+
+#[cfg(test)]
+mod tests {
+    use rand::SeedableRng;
+    use rand_chacha::ChaCha8Rng;
+
+    use super::*;
+    use crate::faults::Faults;
+    use crate::world::WorldSpec;
+
+    fn setup() -> (World, Population) {
+        let world = World::new(
+            &WorldSpec::default(),
+            Faults::default(),
+            &mut ChaCha8Rng::seed_from_u64(4),
+        );
+        let pop = Population::build(3, 1_000, &mut ChaCha8Rng::seed_from_u64(5));
+        (world, pop)
+    }
+
+    /// Every 100 ms from `from_ms` to `until_ms`: `per_tick` checks of the class's aggregate
+    /// in each region (subjects 100..), and subject 0 checking in region 2 at `own` per tick,
+    /// denied whenever region 2's share for it holds less than half the budget.
+    fn drive(c: &mut Coordinator, from_ms: u64, until_ms: u64, weights: [u64; 3], own: u64) {
+        for t in (from_ms..until_ms).step_by(100) {
+            c.advance(t);
+            for (r, &w) in weights.iter().enumerate() {
+                for k in 0..w {
+                    c.count(r, 100 + k as u32, false, true);
+                }
+            }
+            let (shares, promoted) = c.views[2].shares(0, 0);
+            let allowed = shares[2] >= PPM / 2;
+            for _ in 0..own {
+                c.count(2, 0, promoted, allowed);
+            }
+            assert_eq!(c.violations, 0, "Σ shares > 1 at {t} ms");
+        }
+    }
+
+    #[test]
+    fn a_denied_subject_is_promoted_then_evicted_once_calm() {
+        let (world, pop) = setup();
+        let mut c = Coordinator::new(&world, &pop, PromotionConfig::default(), 1_000, 2_000);
+        assert!(!c.home_class(0) && c.home_class(1));
+        drive(&mut c, 0, 30_000, [6, 3, 1], 1);
+        // The class follows its aggregate (most of it in region 0); subject 0 has its own
+        // vector, most of it where its demand is.
+        let class = &c.views[2].class_shares[0];
+        assert!(class[0] > class[2], "class shares {class:?}");
+        let (own, promoted) = c.views[2].shares(0, 0);
+        assert!(promoted && own[2] >= PPM / 2, "subject 0 at {own:?}");
+        assert_eq!((c.promotions, c.entries()), (1, 3));
+        // Idle: back to the class's shares, then evicted everywhere.
+        drive(&mut c, 30_000, 120_000, [6, 3, 1], 0);
+        assert_eq!((c.evictions, c.entries()), (1, 2));
+        assert!(c.views.iter().all(|v| v.promoted.is_empty()));
+    }
+
+    #[test]
+    fn entries_stay_within_their_cap() {
+        let (world, pop) = setup();
+        let cfg = PromotionConfig {
+            max_entries_ppm: 3_000, // 3 of 1 008 subjects: the two classes and one subject
+            ..PromotionConfig::default()
+        };
+        let mut c = Coordinator::new(&world, &pop, cfg, 1_000, 2_000);
+        for t in (0..20_000).step_by(100) {
+            c.advance(t);
+            for s in 0..10 {
+                c.count(2, s, false, false);
+            }
+        }
+        assert_eq!(c.peak_entries, 3);
+        assert_eq!(c.violations, 0);
+    }
+}
