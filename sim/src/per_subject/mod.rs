@@ -59,7 +59,8 @@ pub struct SubjectRow {
     pub strategy: SubjectStrategyKind,
     /// Subjects of the class.
     pub subjects: usize,
-    /// Budget mode of the class under quotad's variants (`split` or `home`).
+    /// Budget mode of the class under quotad's variants (`split` or `home`; `-` without a
+    /// coordinator).
     pub mode: &'static str,
     pub requests: u64,
     /// Worst subject: most tokens admitted in one window ÷ (C + r·W); W is the policy window,
@@ -163,7 +164,11 @@ pub fn run(cfg: &SubjectConfig, progress: &mut dyn FnMut(u64)) -> SubjectRun {
                 class: class.name,
                 strategy: s.kind,
                 subjects: class.subjects,
-                mode: if home { "home" } else { "split" },
+                mode: match c {
+                    None => "-",
+                    Some(_) if home => "home",
+                    Some(_) => "split",
+                },
                 requests: t.requests,
                 overshoot_window: t.worst_window_tokens as f64
                     / window_budget(&pop, ci, cfg.duration_ms),
@@ -231,7 +236,7 @@ pub fn table(run: &SubjectRun) -> String {
             r.class,
             r.strategy.name(),
             r.subjects,
-            if coordinated { r.mode } else { "-" },
+            r.mode,
             r.overshoot_window,
             100.0 * r.false_denial_rate,
             100.0 * r.forwarded_fraction,
