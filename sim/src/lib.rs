@@ -18,6 +18,8 @@
 //! - [`strategy`]: the strategies, one file each, behind the [`strategy::Strategy`] trait.
 //! - [`metrics`]: the shadow bucket, overshoot, goodput, false denials, latency, convergence.
 //! - [`simulation`]: the engine that runs a scenario.
+//! - [`per_subject`]: the `per_subject` scenario: 100 000 subjects of one plan, in an engine of
+//!   its own.
 //! - [`report`], [`plot`]: table, CSV and JSON output; SVG plots.
 //! - [`options`]: the command line.
 
@@ -25,6 +27,7 @@ pub mod control;
 pub mod faults;
 pub mod metrics;
 pub mod options;
+pub mod per_subject;
 pub mod plot;
 pub mod region;
 pub mod regional_store;

@@ -7,7 +7,7 @@ use anyhow::Context;
 use clap::Parser;
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 use sim::options::{Format, Options};
-use sim::{plot, report};
+use sim::{per_subject, plot, report};
 
 fn main() {
     if let Err(e) = run() {
@@ -30,7 +30,8 @@ fn run() -> anyhow::Result<()> {
     let jobs = opts
         .jobs
         .unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()));
-    let total = scenarios.len() as u64 * cfg.duration_ms / 1000;
+    let per_subject = opts.per_subject();
+    let total = (scenarios.len() as u64 + u64::from(per_subject)) * cfg.duration_ms / 1000;
     let bar = ProgressBar::with_draw_target(Some(total), ProgressDrawTarget::stderr());
     if !std::io::stderr().is_terminal() {
         bar.set_draw_target(ProgressDrawTarget::hidden());
@@ -41,24 +42,45 @@ fn run() -> anyhow::Result<()> {
     );
     let started = Instant::now();
     let runs = sim::run_suite(&scenarios, &strategies, &cfg, jobs, &|n| bar.inc(n))?;
-    bar.finish_and_clear();
     let wall_s = started.elapsed().as_secs_f64();
+    let subjects =
+        per_subject.then(|| per_subject::run(&opts.subject_config(&cfg), &mut |n| bar.inc(n)));
+    bar.finish_and_clear();
 
-    let out = match opts.format {
-        Format::Table => report::table(&runs),
-        Format::Csv => report::csv(&runs),
-        Format::Json => report::json(&runs),
-    };
-    print!("{out}");
+    if !runs.is_empty() {
+        let out = match opts.format {
+            Format::Table => report::table(&runs),
+            Format::Csv => report::csv(&runs),
+            Format::Json => report::json(&runs),
+        };
+        print!("{out}");
+    }
+    if let Some(run) = &subjects {
+        let out = match opts.format {
+            Format::Table => per_subject::table(run),
+            Format::Csv => per_subject::csv(run),
+            Format::Json => per_subject::json(run),
+        };
+        if !runs.is_empty() {
+            println!();
+        }
+        print!("{out}");
+        eprintln!(
+            "per_subject: {} simulated decisions in {:.2} s wall on 1 thread",
+            run.decisions, run.wall_s
+        );
+    }
 
     let decisions: u64 = runs.iter().map(|r| r.decisions).sum();
     let busy_s: f64 = runs.iter().map(|r| r.wall_s).sum();
-    eprintln!(
-        "speed: {decisions} simulated decisions in {wall_s:.2} s wall on {jobs} thread(s): \
+    if !runs.is_empty() {
+        eprintln!(
+            "speed: {decisions} simulated decisions in {wall_s:.2} s wall on {jobs} thread(s): \
          {:.2} M decisions/s overall, {:.2} M decisions/s per busy core",
-        decisions as f64 / wall_s.max(1e-9) / 1e6,
-        decisions as f64 / busy_s.max(1e-9) / 1e6
-    );
+            decisions as f64 / wall_s.max(1e-9) / 1e6,
+            decisions as f64 / busy_s.max(1e-9) / 1e6
+        );
+    }
 
     if let Some(dir) = &opts.out {
         std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;

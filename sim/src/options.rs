@@ -4,9 +4,11 @@
 use std::path::PathBuf;
 
 use clap::{Parser, ValueEnum};
-use quota_core::FailMode;
+use quota_core::{FailMode, PPM};
 
 use crate::control::ControlConfig;
+use crate::per_subject::coordinator::PromotionConfig;
+use crate::per_subject::SubjectConfig;
 use crate::scenario::ScenarioKind;
 use crate::simulation::RunConfig;
 use crate::strategy::StrategyKind;
@@ -90,6 +92,16 @@ pub struct Options {
     /// Tenants per scenario (besides one-shot identities and the hot tenant).
     #[arg(long, default_value_t = 40)]
     pub tenants: usize,
+    /// Subjects of the main class in `per_subject` (its login class has a fifth as many).
+    #[arg(long, default_value_t = crate::per_subject::DEFAULT_SUBJECTS)]
+    pub subjects: usize,
+    /// `per_subject`: the most a promoted subject's share moves per rebalance round, as a
+    /// fraction of its budget (1: undamped; tenants' policies move 0.1).
+    #[arg(long, default_value_t = 1.0)]
+    pub promotion_step: f64,
+    /// `per_subject`: counters in each region's top-K of subjects denied at their class share.
+    #[arg(long, default_value_t = 64)]
+    pub top_k: usize,
     /// Milliseconds per arrival tick; must divide 1000.
     #[arg(long, default_value_t = 10)]
     pub tick_ms: u64,
@@ -129,16 +141,41 @@ fn seconds_to_ms(errors: &mut Vec<String>, name: &str, s: f64, min_ms: u64, max_
 }
 
 impl Options {
-    /// The scenarios to run, in suite order.
+    /// The suite's scenarios to run, in suite order (`per_subject` runs apart:
+    /// [`Options::per_subject`]).
     pub fn scenarios(&self) -> Vec<ScenarioKind> {
         let mut v = if self.scenarios.is_empty() {
             ScenarioKind::ALL.to_vec()
         } else {
             self.scenarios.clone()
         };
+        v.retain(|&k| k != ScenarioKind::PerSubject);
         v.sort();
         v.dedup();
         v
+    }
+
+    /// Whether to run `per_subject`: by default, or when named.
+    pub fn per_subject(&self) -> bool {
+        self.scenarios.is_empty() || self.scenarios.contains(&ScenarioKind::PerSubject)
+    }
+
+    /// The `per_subject` run's configuration (valid once [`Options::run_config`] is).
+    pub fn subject_config(&self, cfg: &RunConfig) -> SubjectConfig {
+        SubjectConfig {
+            seed: cfg.seed,
+            regions: cfg.regions,
+            subjects: self.subjects,
+            duration_ms: cfg.duration_ms,
+            warmup_ms: cfg.warmup_ms,
+            report_ms: cfg.control.report_ms,
+            rebalance_ms: cfg.control.rebalance_ms,
+            promotion: PromotionConfig {
+                max_step_ppm: (self.promotion_step * f64::from(PPM)).round() as u32,
+                top_k: self.top_k,
+                ..PromotionConfig::default()
+            },
+        }
     }
 
     /// The strategies to run, in table order.
@@ -242,6 +279,24 @@ impl Options {
                 "--floor must be between 0 and 1/regions = {:.4} (got {})",
                 1.0 / self.regions.max(1) as f64,
                 self.floor
+            ));
+        }
+        if !(self.promotion_step > 0.0 && self.promotion_step <= 1.0) {
+            e.push(format!(
+                "--promotion-step must be in (0, 1] (got {})",
+                self.promotion_step
+            ));
+        }
+        if self.top_k > 100_000 {
+            e.push(format!(
+                "--top-k must be at most 100000 (got {})",
+                self.top_k
+            ));
+        }
+        if self.subjects == 0 || self.subjects > 10_000_000 {
+            e.push(format!(
+                "--subjects must be between 1 and 10000000 (got {})",
+                self.subjects
             ));
         }
         if self.tenants == 0 || self.tenants > 100_000 {

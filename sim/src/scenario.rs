@@ -66,6 +66,9 @@ pub enum ScenarioKind {
     SmallBudget,
     /// Budgets that refill in days: 10 a day, 100 a month, 1 a month.
     SlowBudget,
+    /// 100 000 subjects of one plan, each held to its limit worldwide (runs in its own engine,
+    /// [`crate::per_subject`]; not in [`ScenarioKind::ALL`]).
+    PerSubject,
 }
 
 impl ScenarioKind {
@@ -140,6 +143,7 @@ impl ScenarioKind {
             Self::ClockDrift => "clock_drift",
             Self::SmallBudget => "small_budget",
             Self::SlowBudget => "slow_budget",
+            Self::PerSubject => "per_subject",
         }
     }
 }
@@ -195,6 +199,8 @@ pub enum ScenarioError {
     },
     #[error("invalid policy: {0}")]
     Policy(String),
+    #[error("{scenario} runs in its own engine (sim::per_subject)")]
+    OwnEngine { scenario: ScenarioKind },
 }
 
 fn policy(limit: u64, floor: f64, tier: Tier) -> Result<Policy, ScenarioError> {
@@ -333,6 +339,9 @@ impl Scenario {
         opts: &ScenarioOptions,
         rng: &mut ChaCha8Rng,
     ) -> Result<Self, ScenarioError> {
+        if kind == ScenarioKind::PerSubject {
+            return Err(ScenarioError::OwnEngine { scenario: kind });
+        }
         let span = Span::new(kind, opts)?;
         let mut scenario = Self {
             kind,

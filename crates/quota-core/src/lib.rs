@@ -16,6 +16,7 @@
 //! - [`mode`]: whether a policy's budget is split over regions or lives whole in its home.
 //! - [`split`]: water filling, the target split and the even split of a policy's budget.
 //! - [`demand`]: the leader's smoothed demand estimates (soft state, never replicated).
+//! - [`heavy`]: space-saving top-K, the heaviest subjects of a usage report in bounded memory.
 //! - [`lease`]: lease timing and revocations (what a region may still enforce).
 //! - [`region`]: what a region enforces given its grant, its lease and its own clock.
 //! - [`share`]: the limit a region enforces at a share of a policy's budget.
@@ -25,6 +26,7 @@ pub mod bounds;
 pub mod bucket;
 pub mod coordinator;
 pub mod demand;
+pub mod heavy;
 pub mod ids;
 pub mod keys;
 pub mod lease;
