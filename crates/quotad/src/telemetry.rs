@@ -30,6 +30,8 @@ pub const LEASE_REMAINING_MS: &str = "quotad_lease_remaining_ms";
 pub const REBALANCE_DURATION_SECONDS: &str = "quotad_rebalance_duration_seconds";
 /// Checks forwarded to a pinned tenant's home region, by outcome.
 pub const FORWARDED_TOTAL: &str = "quotad_forwarded_checks_total";
+/// Checks answered by a denial still standing, without a store call.
+pub const DENIAL_CACHE_HITS_TOTAL: &str = "quotad_denial_cache_hits_total";
 /// Requests answered with a problem (HTTP) or refused as malformed (Envoy), by `code`: the
 /// problem code, `ENVOY_INVALID_ARGUMENT` (a request) or `ENVOY_INVALID_DESCRIPTOR` (one descriptor).
 pub const REJECTED_REQUESTS_TOTAL: &str = "quotad_rejected_requests_total";

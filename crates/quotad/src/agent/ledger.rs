@@ -72,6 +72,9 @@ pub(super) struct Held {
 pub(super) struct Write {
     pub(super) req: SetParams,
     pub(super) held: Held,
+    /// The write changes what the store enforces (not only a renewal of its lease): denials
+    /// remembered under the old parameters no longer stand.
+    pub(super) changes: bool,
 }
 
 impl Write {
@@ -372,6 +375,7 @@ impl Written {
                     confirmed: true,
                     dirty: false,
                 },
+                changes: changed,
             };
             match old {
                 Some(h) if !changed => due.push((h.until_ms, w)),

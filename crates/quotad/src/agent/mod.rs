@@ -195,6 +195,10 @@ pub async fn apply_shares(
     let writes = written.plan(view, decider.region(), planned_at, pacing);
     let results = until_first_failure(writes, |mut w: Write| async move {
         let r = store.set_params(&w.req).await;
+        // Whether or not it succeeded, the store may now hold the new parameters.
+        if w.changes {
+            decider.forget_denials();
+        }
         // The store counts the lease from when it ran the write, no later than now: what it
         // holds ends by now + the time sent, an upper bound even if the call failed.
         if let Some(lease) = &w.req.lease {

@@ -5,6 +5,7 @@
 //! the in-process buckets use short synchronous critical sections.
 
 pub mod breaker;
+pub mod denials;
 
 use std::collections::HashMap;
 use std::net::SocketAddr;
@@ -25,6 +26,7 @@ use tokio::sync::watch;
 use crate::clock;
 use crate::coordination::{ClusterView, PolicyEntry};
 use crate::decision::breaker::{Admission, Breaker};
+use crate::decision::denials::Denials;
 use crate::secret::Secret;
 use crate::telemetry::{self, DecisionMetrics, Outcome};
 
@@ -192,6 +194,10 @@ pub struct Decider {
     /// demand here (where the callers are), which is what lets share come back to a region
     /// that forwards because its share ran to 0.
     forwarded_usage: Mutex<HashMap<BucketRef, (u64, u64)>>,
+    /// Token-bucket denials still standing: further checks of those buckets at that cost or
+    /// more are answered without Redis until their retry time has passed.
+    denials: Denials,
+    denial_cache_hits: Counter,
 }
 
 /// What a [`Decider`] is built from.
@@ -215,7 +221,8 @@ impl Decider {
             metrics: DecisionMetrics::new(&region),
             store_latency: metrics::histogram!(telemetry::STORE_LATENCY_SECONDS, "region" => region.clone()),
             store_errors: metrics::counter!(telemetry::STORE_ERRORS_TOTAL, "region" => region.clone()),
-            forward_failures: metrics::counter!(telemetry::FORWARDED_TOTAL, "region" => region, "outcome" => "unreachable"),
+            forward_failures: metrics::counter!(telemetry::FORWARDED_TOTAL, "region" => region.clone(), "outcome" => "unreachable"),
+            denial_cache_hits: metrics::counter!(telemetry::DENIAL_CACHE_HITS_TOTAL, "region" => region),
             region: p.region,
             store: p.store,
             fallback: EmbeddedStore::new(),
@@ -226,7 +233,14 @@ impl Decider {
             forward_timeout: p.forward_timeout,
             peer_token: p.peer_token,
             forwarded_usage: Mutex::default(),
+            denials: Denials::default(),
         }
+    }
+
+    /// Drops every remembered denial: this region's agent wrote bucket parameters, which the
+    /// store applies over the limits checks pass.
+    pub fn forget_denials(&self) {
+        self.denials.forget_all();
     }
 
     /// The usage of checks this region forwarded since the last call, for its usage report.
@@ -551,10 +565,15 @@ impl Decider {
                 Err(_) => Ok(None),
             };
         }
+        let t0 = clock::monotonic();
+        if let Some(d) = self.denials.answer(&req.bucket, &req.limit, req.cost, t0) {
+            self.denial_cache_hits.increment(1);
+            return Ok(Some(d));
+        }
         if self.breaker.admit() != Admission::Call {
             return Ok(None);
         }
-        let t0 = clock::monotonic();
+        let ticket = self.denials.ticket(t0);
         // The Redis store bounds every call with its configured timeout (a timeout is a
         // `StoreError`), so no second timer is armed here.
         let r = self.store.check(req).await;
@@ -563,6 +582,8 @@ impl Decider {
         match r {
             Ok(d) => {
                 self.breaker.record(true, took);
+                self.denials
+                    .remember(ticket, &req.bucket, &req.limit, req.cost, &d);
                 Ok(Some(d))
             }
             Err(e) if !e.is_outage() => {
