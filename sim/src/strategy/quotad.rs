@@ -68,19 +68,18 @@ impl Strategy for Quotad {
     fn decide(&mut self, world: &World, t_ms: u64, req: &Request) -> Verdict {
         let target = self.forward_target(world, t_ms, req);
         let mut v = self.decide_in(world, req.region, t_ms, req);
-        match (v.allowed, target) {
-            (false, Forward::To(there, at_ms, latency_us)) => {
-                v = Verdict {
-                    latency_us,
-                    forwarded: true,
-                    ..self.decide_in(world, there, at_ms, req)
-                };
-            }
-            // The daemon answers 503 (reduced capacity, retry) when the region it would send
-            // a check its own bucket cannot hold to is unreachable: not admitted, but no
-            // "never" either.
-            (false, Forward::Unreachable) => v.never = false,
-            _ => {}
+        if let (false, Forward::To(there, at_ms, latency_us)) = (v.allowed, target) {
+            v = Verdict {
+                latency_us,
+                forwarded: true,
+                ..self.decide_in(world, there, at_ms, req)
+            };
+        }
+        // A check no reachable bucket can hold gets 503 from the daemon (reduced capacity,
+        // retry), not a denial that never ends: not admitted, but no "never" either. With
+        // the caller's Redis out, the fail mode decides in process, as the daemon does.
+        if v.never && world.redis_up(req.region, t_ms) {
+            v.never = false;
         }
         // Demand counts where the caller is, wherever it was decided: that is what moves a
         // home to its callers.
@@ -148,7 +147,7 @@ impl Quotad {
             return Forward::No;
         };
         if !world.link_up(here, to, t_ms) || !world.daemon_up(to, t_ms) {
-            return Forward::Unreachable;
+            return Forward::No;
         }
         let rtt = world.rtt_ms(here, to);
         Forward::To(to, t_ms + rtt / 2, rtt * 1000 + 2 * LOCAL_DECISION_US)
@@ -157,10 +156,8 @@ impl Quotad {
 
 /// Where a request denied here goes next.
 enum Forward {
-    /// Decided here.
+    /// Decided here: there is no region to send it to, or that region is unreachable.
     No,
     /// To `region`, decided there at true time `at_ms`; the caller waits `latency_us` in all.
     To(RegionIx, u64, u64),
-    /// It would go elsewhere, but that region is unreachable.
-    Unreachable,
 }

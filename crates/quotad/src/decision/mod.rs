@@ -421,6 +421,16 @@ impl Decider {
         let result = match (home, richer) {
             (Some(home), _) if !forwarded => self.forward(&home, bucket, cost, policy).await,
             (_, Some(there)) => self.forward_richer(&there, bucket, cost, policy).await,
+            // No region that could hold the cost is there to ask (this one's lease ran out
+            // with no floor, or it was sent a check it cannot hold): a bucket here would
+            // answer "never", yet the cost fits the policy, so this is reduced capacity for
+            // now. With the store out, the policy's fail mode decides as usual.
+            _ if !holds(&limit, cost) && !self.breaker.is_open() => {
+                Err(CheckError::ReducedCapacity {
+                    policy: bucket.policy,
+                    reason: "this region holds too little of the policy's budget for now",
+                })
+            }
             _ => self.decide_here(bucket, limit, cost, policy).await,
         };
         self.metrics.record(
@@ -1008,6 +1018,50 @@ pub(crate) mod tests {
             breaker: Breaker::new(&BreakerConfig::default(), "a"),
             view: rx,
             homes: HashMap::from([(RegionId::new("b").unwrap(), addr)]),
+            forward_timeout: Duration::from_secs(5),
+            peer_token: None,
+        });
+        let (t, w) = ids("t", "w");
+        let r = d.check(t, w, 1, false).await;
+        assert!(
+            matches!(r, Err(CheckError::ReducedCapacity { .. })),
+            "{r:?}"
+        );
+    }
+
+    /// A region whose lease ran out with no floor holds nothing, and no other region holds
+    /// the budget (the home is this region): a check gets reduced capacity, not "never".
+    #[tokio::test]
+    async fn a_lapsed_region_without_a_floor_answers_reduced_capacity() {
+        let spec: PolicySpec =
+            serde_json::from_value(json!({"limit": 10, "window_ms": 1000})).unwrap();
+        let entry = PolicyEntry {
+            policy: spec.validate().unwrap(),
+            grants: [("a", 1_000_000), ("b", 0)]
+                .into_iter()
+                .map(|(r, share_ppm)| {
+                    let g = Grant {
+                        share_ppm,
+                        floor_ppm: 0,
+                    };
+                    (RegionId::new(r).unwrap(), g)
+                })
+                .collect(),
+            home: Some(RegionId::new("a").unwrap()),
+            mode: quota_core::mode::BudgetMode::Home,
+        };
+        let view = ClusterView {
+            policies: [(ids("t", "w"), entry)].into_iter().collect(),
+            lease_end_local_ms: 0,
+            ..ClusterView::default()
+        };
+        let (_tx, rx) = watch::channel(Arc::new(view));
+        let d = Decider::new(DeciderParts {
+            region: RegionId::new("a").unwrap(),
+            store: AnyStore::embedded(),
+            breaker: Breaker::new(&BreakerConfig::default(), "a"),
+            view: rx,
+            homes: HashMap::new(),
             forward_timeout: Duration::from_secs(5),
             peer_token: None,
         });
