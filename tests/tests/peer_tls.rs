@@ -451,10 +451,11 @@ async fn three_regions_over_mutual_tls() {
         .unwrap();
     c.wait_healthy().await;
 
-    // Pooled connections: a's outbound peer connections are busy (lease renewals and usage
-    // reports every 200 ms), so they never idle out of the pool. a's files now name no member:
-    // the others must see it, and refuse a with 403, within tls_check_ms (200 ms) plus one
-    // peer request timeout, so a's clients are rebuilt on rotation.
+    // a's outbound calls after a rotation: a's files now name no member, and the others must
+    // see it (refusing a with 403) within tls_check_ms (200 ms) plus one peer request
+    // timeout. (That a client from before the rotation keeps its pooled connection, and the
+    // rebuilt one does not, is quota-raft's tls test
+    // `after_a_rotation_new_calls_present_the_new_certificate`.)
     let refused_a = || async {
         let mut n = 0.0;
         for d in &c.daemons[1..] {
