@@ -1,8 +1,9 @@
 //! Three regions over peer mutual TLS, with a PKI generated per test (rcgen): the cluster
-//! elects, rebalances and forwards a pinned tenant's checks; the peer port refuses plain
-//! HTTP, certificates of another CA, expired ones and connections without one; region b's
-//! certificate reporting usage as c gets 403 and is counted; rotated files are used by new
-//! connections while the cluster stays healthy.
+//! elects, rebalances and forwards a pinned tenant's checks over the peer channel; the peer
+//! port refuses plain HTTP, certificates of another CA, expired ones and connections without
+//! one; region b's certificate reporting usage, or forwarding a check, as c gets 403 and is
+//! counted; rotated files are used by new connections, pooled outbound ones included, while
+//! the cluster stays healthy.
 
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
@@ -106,6 +107,9 @@ impl TlsCluster {
 [api]
 listen = "127.0.0.1:{api}"
 forward_timeout_ms = 300
+# Forwarded checks need no check token: they come over the peer listener, authenticated by
+# the sending region's certificate (a forward to the API port would get 401).
+open_checks = false
 [peer]
 listen = "127.0.0.1:{peer}"
 tls_cert_file = "{dir}/{n}.pem"
@@ -274,11 +278,19 @@ async fn three_regions_over_mutual_tls() {
         .await
         .unwrap();
     assert_eq!(r.status, 204, "{}", r.body);
+    let check = json!({"tenant": "pinned", "policy": "writes", "cost": 1}).to_string();
     let forwarded = eventually(
         Duration::from_secs(10),
         Duration::from_millis(100),
         || async {
-            c.daemons[0].check("pinned", "writes", 1).await.ok()?;
+            let r = c.daemons[0]
+                .request("POST", "/v1/check", Some(TOKEN), Some(check.clone()))
+                .await
+                .ok()?;
+            if r.body["mode"] != "forwarded" {
+                return None;
+            }
+            assert_eq!(r.body["decided_by"], "b", "{}", r.body);
             let m = metrics_of(&c.daemons[0]).await;
             metric_value(
                 &m,
@@ -354,6 +366,56 @@ async fn three_regions_over_mutual_tls() {
     assert_eq!(as_c, 403);
     assert_eq!(refused(&metrics_of(&c.daemons[1]).await), before + 1.0);
 
+    // The forward route on b's peer port: a's certificate forwarding as a is decided in b;
+    // as c it is refused and counted; without the peer token, 401; plain HTTP, no answer.
+    let (a_cert, a_key) = c.region_files("a");
+    let a = (
+        std::fs::read_to_string(a_cert).unwrap(),
+        std::fs::read_to_string(a_key).unwrap(),
+    );
+    let forward_refused = |m: &str| {
+        metric_value(
+            m,
+            "quotad_peer_identity_refused_total",
+            &[("route", "/quotad/v1/check")],
+        )
+        .unwrap_or(0.0)
+    };
+    let as_a = forward(client_config(&ca_pem, Some(&a)), peer_b, Some("a"), true)
+        .await
+        .unwrap();
+    assert_eq!(as_a.0, 200, "{}", as_a.1);
+    assert_eq!(as_a.1["decided_by"], "b", "{}", as_a.1);
+    assert_eq!(
+        as_a.1["mode"], "normal",
+        "decided at home, not forwarded again"
+    );
+    let before = forward_refused(&metrics_of(&c.daemons[1]).await);
+    let as_c = forward(client_config(&ca_pem, Some(&a)), peer_b, Some("c"), true)
+        .await
+        .unwrap();
+    assert_eq!(as_c.0, 403);
+    let unnamed = forward(client_config(&ca_pem, Some(&a)), peer_b, None, true)
+        .await
+        .unwrap();
+    assert_eq!(unnamed.0, 403);
+    assert_eq!(
+        forward_refused(&metrics_of(&c.daemons[1]).await),
+        before + 2.0
+    );
+    let no_token = forward(client_config(&ca_pem, Some(&a)), peer_b, Some("a"), false)
+        .await
+        .unwrap();
+    assert_eq!(no_token.0, 401);
+    let plain = reqwest::Client::new()
+        .post(format!("http://{peer_b}/quotad/v1/check"))
+        .header("x-quotad-forwarded", PEER_TOKEN)
+        .body(check.clone())
+        .timeout(Duration::from_secs(5))
+        .send()
+        .await;
+    assert!(plain.is_err(), "plain HTTP was answered: {plain:?}");
+
     // Rotation: new files for a; new connections get the new certificate, the cluster stays
     // healthy. A file that does not parse is kept out.
     let peer_a = c.peers[0];
@@ -388,4 +450,74 @@ async fn three_regions_over_mutual_tls() {
         .await
         .unwrap();
     c.wait_healthy().await;
+
+    // a's outbound calls after a rotation: a's files now name no member, and the others must
+    // see it (refusing a with 403) within tls_check_ms (200 ms) plus one peer request
+    // timeout. (That a client from before the rotation keeps its pooled connection, and the
+    // rebuilt one does not, is quota-raft's tls test
+    // `after_a_rotation_new_calls_present_the_new_certificate`.)
+    let refused_a = || async {
+        let mut n = 0.0;
+        for d in &c.daemons[1..] {
+            n += total(&metrics_of(d).await, "quotad_peer_identity_refused_total");
+        }
+        n
+    };
+    let before = refused_a().await;
+    let started = std::time::Instant::now();
+    write_region(c.pki.path(), "a", &c.ca.region("not-a-member", false));
+    let seen = eventually(
+        Duration::from_secs(5),
+        Duration::from_millis(50),
+        || async { (refused_a().await > before).then_some(()) },
+    )
+    .await;
+    assert!(
+        seen.is_some(),
+        "a's pooled connections kept the old certificate: {}",
+        c.daemons[0].log_text()
+    );
+    eprintln!(
+        "a's outbound connections presented the new certificate after {:?}",
+        started.elapsed()
+    );
+    write_region(c.pki.path(), "a", &c.ca.region("a", false));
+    c.wait_healthy().await;
+}
+
+/// The sum of every sample of `name`.
+fn total(metrics: &str, name: &str) -> f64 {
+    metrics
+        .lines()
+        .filter(|l| l.starts_with(name) && l[name.len()..].starts_with(['{', ' ']))
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum()
+}
+
+/// POSTs a check of the pinned tenant to `peer`'s forward route over TLS with `cfg`, naming
+/// `from` as the forwarding region, with the peer token when `token`; the status and body.
+async fn forward(
+    cfg: rustls::ClientConfig,
+    peer: SocketAddr,
+    from: Option<&str>,
+    token: bool,
+) -> Result<(u16, serde_json::Value), String> {
+    let client = reqwest::Client::builder()
+        .use_preconfigured_tls(cfg)
+        .timeout(Duration::from_secs(5))
+        .build()
+        .unwrap();
+    let mut req = client
+        .post(format!("https://{peer}/quotad/v1/check"))
+        .json(&json!({"tenant": "pinned", "policy": "writes", "cost": 1}));
+    if token {
+        req = req.header("x-quotad-forwarded", PEER_TOKEN);
+    }
+    if let Some(from) = from {
+        req = req.header("x-quotad-forwarded-from", from);
+    }
+    let r = req.send().await.map_err(|e| format!("{e:?}"))?;
+    let status = r.status().as_u16();
+    let body = r.json().await.unwrap_or(serde_json::Value::Null);
+    Ok((status, body))
 }

@@ -23,7 +23,7 @@ use crate::protocol::{
     frame_snapshot, ForwardReply, ForwardRequest, SnapshotHeader, PATH_APPEND, PATH_FORWARD,
     PATH_PRE_VOTE, PATH_SNAPSHOT, PATH_VOTE,
 };
-use crate::tls::PeerTls;
+use crate::tls::{PeerHttp, PeerTls};
 use crate::types::alias::{Snapshot, Vote};
 use crate::types::{Member, NodeId, TypeConfig};
 
@@ -60,10 +60,9 @@ pub enum PeerError {
 #[derive(Clone)]
 pub struct HttpNetwork {
     node_id: NodeId,
-    client: reqwest::Client,
+    /// Rebuilt after a certificate rotation (see [`PeerHttp`]).
+    http: PeerHttp,
     authorization: Arc<str>,
-    /// `https` with peer TLS, else `http`.
-    scheme: &'static str,
 }
 
 impl std::fmt::Debug for HttpNetwork {
@@ -82,23 +81,22 @@ impl HttpNetwork {
     }
 
     /// Like [`HttpNetwork::new`], over mutual TLS with `tls` when given: this node's
-    /// certificate presented, each peer verified against the CA and the address dialled.
+    /// certificate presented, each peer verified against the CA and the host name or IP
+    /// address dialled (resolved per connection).
     pub fn with_tls(
         node_id: NodeId,
         cluster_secret: &str,
         tls: Option<&PeerTls>,
     ) -> Result<Self, reqwest::Error> {
-        let builder = tls.map_or_else(reqwest::Client::builder, PeerTls::client_builder);
-        let client = builder
-            .connect_timeout(CONNECT_TIMEOUT)
-            .tcp_nodelay(true)
-            .pool_idle_timeout(Duration::from_secs(60))
-            .build()?;
+        let http = PeerHttp::new(tls, |b| {
+            b.connect_timeout(CONNECT_TIMEOUT)
+                .tcp_nodelay(true)
+                .pool_idle_timeout(Duration::from_secs(60))
+        })?;
         Ok(Self {
             node_id,
-            client,
+            http,
             authorization: format!("Bearer {cluster_secret}").into(),
-            scheme: if tls.is_some() { "https" } else { "http" },
         })
     }
 
@@ -110,7 +108,7 @@ impl HttpNetwork {
         body: Vec<u8>,
         timeout: Duration,
     ) -> Result<Bytes, PeerError> {
-        let url = format!("{}://{addr}{path}", self.scheme);
+        let url = format!("{}://{addr}{path}", self.http.scheme());
         let classify = |source: reqwest::Error| {
             if source.is_timeout() {
                 PeerError::Timeout {
@@ -130,7 +128,8 @@ impl HttpNetwork {
             }
         };
         let resp = self
-            .client
+            .http
+            .client()
             .post(url)
             .header(reqwest::header::AUTHORIZATION, &*self.authorization)
             .header(reqwest::header::CONTENT_TYPE, "application/octet-stream")

@@ -15,6 +15,7 @@
 
 use std::future::Future;
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
 use arc_swap::ArcSwap;
@@ -29,6 +30,12 @@ use rustls::server::{ClientHello, ResolvesServerCert, WebPkiClientVerifier};
 use rustls::sign::CertifiedKey;
 use rustls::{DigitallySignedStruct, DistinguishedName, RootCertStore, SignatureScheme};
 use tokio::net::TcpListener;
+
+mod client;
+mod listener;
+
+pub use client::PeerHttp;
+pub use listener::{check_server, ServerFiles, ServerTls, TlsIncoming};
 
 /// The PEM files of one node's TLS material.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -96,38 +103,39 @@ fn read(path: &Path) -> Result<Vec<u8>, TlsError> {
     })
 }
 
-fn load(files: &TlsFiles) -> Result<Material, TlsError> {
-    let (cert_pem, key_pem, ca_pem) = (read(&files.cert)?, read(&files.key)?, read(&files.ca)?);
+/// A certificate chain and its key, checked to fit; its identity; the files' contents.
+fn certified(cert: &Path, key: &Path) -> Result<(CertifiedKey, Option<String>, Vec<u8>), TlsError> {
+    let (cert_pem, key_pem) = (read(cert)?, read(key)?);
     let certs: Vec<CertificateDer<'static>> = CertificateDer::pem_slice_iter(&cert_pem)
         .collect::<Result<_, _>>()
         .map_err(|_| TlsError::NoCertificate {
-            path: files.cert.clone(),
+            path: cert.to_path_buf(),
         })?;
     if certs.is_empty() {
         return Err(TlsError::NoCertificate {
-            path: files.cert.clone(),
+            path: cert.to_path_buf(),
         });
     }
-    let key = PrivateKeyDer::from_pem_slice(&key_pem).map_err(|e| TlsError::Key {
-        path: files.key.clone(),
-        reason: e.to_string(),
-    })?;
-    let provider = provider();
-    let signing = provider
+    let key_err = |reason: String| TlsError::Key {
+        path: key.to_path_buf(),
+        reason,
+    };
+    let der = PrivateKeyDer::from_pem_slice(&key_pem).map_err(|e| key_err(e.to_string()))?;
+    let signing = provider()
         .key_provider
-        .load_private_key(key)
-        .map_err(|e| TlsError::Key {
-            path: files.key.clone(),
-            reason: e.to_string(),
-        })?;
+        .load_private_key(der)
+        .map_err(|e| key_err(e.to_string()))?;
     let identity = identity_of(&certs[0]);
     let certified = CertifiedKey::new(certs, signing);
-    certified.keys_match().map_err(|e| TlsError::Key {
-        path: files.key.clone(),
-        reason: e.to_string(),
-    })?;
+    certified.keys_match().map_err(|e| key_err(e.to_string()))?;
+    Ok((certified, identity, [cert_pem, key_pem].concat()))
+}
+
+/// The CA certificates of `path`; the file's contents.
+fn roots(path: &Path) -> Result<(Arc<RootCertStore>, Vec<u8>), TlsError> {
+    let ca_pem = read(path)?;
     let ca_err = |reason: String| TlsError::Ca {
-        path: files.ca.clone(),
+        path: path.to_path_buf(),
         reason,
     };
     let mut roots = RootCertStore::empty();
@@ -138,20 +146,39 @@ fn load(files: &TlsFiles) -> Result<Material, TlsError> {
     if roots.is_empty() {
         return Err(ca_err("holds no PEM certificate".into()));
     }
-    let roots = Arc::new(roots);
-    let client_verifier =
-        WebPkiClientVerifier::builder_with_provider(roots.clone(), provider.clone())
-            .build()
-            .map_err(|e| ca_err(e.to_string()))?;
-    let server_verifier = WebPkiServerVerifier::builder_with_provider(roots, provider)
+    Ok((Arc::new(roots), ca_pem))
+}
+
+/// A verifier requiring client certificates that chain to `roots`.
+fn client_verifier(
+    roots: Arc<RootCertStore>,
+    ca: &Path,
+) -> Result<Arc<dyn ClientCertVerifier>, TlsError> {
+    WebPkiClientVerifier::builder_with_provider(roots, provider())
         .build()
-        .map_err(|e| ca_err(e.to_string()))?;
+        .map_err(|e| TlsError::Ca {
+            path: ca.to_path_buf(),
+            reason: e.to_string(),
+        })
+}
+
+fn load(files: &TlsFiles) -> Result<Material, TlsError> {
+    let (certified, identity, mut raw) = certified(&files.cert, &files.key)?;
+    let (roots, ca_pem) = roots(&files.ca)?;
+    raw.extend_from_slice(&ca_pem);
+    let client_verifier = client_verifier(roots.clone(), &files.ca)?;
+    let server_verifier = WebPkiServerVerifier::builder_with_provider(roots, provider())
+        .build()
+        .map_err(|e| TlsError::Ca {
+            path: files.ca.clone(),
+            reason: e.to_string(),
+        })?;
     Ok(Material {
         key: Arc::new(certified),
         client_verifier,
         server_verifier,
         identity,
-        raw: [cert_pem, key_pem, ca_pem].concat(),
+        raw,
     })
 }
 
@@ -165,6 +192,8 @@ pub fn check(files: &TlsFiles) -> Result<Option<String>, TlsError> {
 pub struct PeerTls {
     files: TlsFiles,
     current: Arc<ArcSwap<Material>>,
+    /// Counts the reloads that took new material ([`PeerHttp`] rebuilds on a change).
+    generation: Arc<AtomicU64>,
 }
 
 impl std::fmt::Debug for PeerTls {
@@ -192,7 +221,13 @@ impl PeerTls {
         Ok(Self {
             files,
             current: Arc::new(ArcSwap::from_pointee(m)),
+            generation: Arc::new(AtomicU64::new(0)),
         })
+    }
+
+    /// How many reloads took new material.
+    pub fn generation(&self) -> u64 {
+        self.generation.load(Ordering::Acquire)
     }
 
     /// This node's identity, from its certificate.
@@ -214,24 +249,35 @@ impl PeerTls {
         }
         tracing::info!(identity = ?next.identity, "Peer TLS files reloaded.");
         self.current.store(Arc::new(next));
+        self.generation.fetch_add(1, Ordering::Release);
         Reload::Changed
     }
 
     /// Reloads every `every` until `stop` resolves.
     pub async fn watch(self, every: std::time::Duration, stop: impl Future<Output = ()>) {
-        let mut tick = tokio::time::interval(every);
-        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-        tick.tick().await;
-        tokio::pin!(stop);
-        loop {
-            tokio::select! {
-                () = &mut stop => return,
-                _ = tick.tick() => {}
-            }
+        every_until(every, stop, || {
             self.reload();
-        }
+        })
+        .await;
     }
+}
 
+/// Runs `f` every `every` (the first time one period from now) until `stop` resolves.
+async fn every_until(every: std::time::Duration, stop: impl Future<Output = ()>, f: impl Fn()) {
+    let mut tick = tokio::time::interval(every);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    tick.tick().await;
+    tokio::pin!(stop);
+    loop {
+        tokio::select! {
+            () = &mut stop => return,
+            _ = tick.tick() => {}
+        }
+        f();
+    }
+}
+
+impl PeerTls {
     /// The listener's configuration: this node's certificate, client certificates required.
     pub fn server_config(&self) -> Arc<rustls::ServerConfig> {
         let dynamic = Arc::new(Dynamic(self.current.clone()));
@@ -463,6 +509,8 @@ pub async fn serve(
 
 #[cfg(test)]
 mod tests {
+    use std::net::SocketAddr;
+
     use rcgen::{BasicConstraints, CertificateParams, CertifiedIssuer, IsCa, KeyPair, SanType};
 
     use super::*;
@@ -474,7 +522,16 @@ mod tests {
     }
 
     fn leaf(ca: &CertifiedIssuer<'static, KeyPair>, uri: Option<&str>) -> (String, String) {
-        let mut p = CertificateParams::new(vec!["127.0.0.1".to_string()]).unwrap();
+        leaf_for(ca, "127.0.0.1", uri)
+    }
+
+    /// A certificate for host name or IP `host`.
+    fn leaf_for(
+        ca: &CertifiedIssuer<'static, KeyPair>,
+        host: &str,
+        uri: Option<&str>,
+    ) -> (String, String) {
+        let mut p = CertificateParams::new(vec![host.to_string()]).unwrap();
         if let Some(uri) = uri {
             p.subject_alt_names
                 .push(SanType::URI(uri.to_string().try_into().unwrap()));
@@ -540,5 +597,96 @@ mod tests {
         let (_, other_key) = leaf(&ca, Some("quotad://region/a"));
         let files = write(dir.path(), &ca, &(cert, other_key));
         assert!(matches!(check(&files), Err(TlsError::Key { .. })));
+    }
+
+    /// Serves, over peer TLS with `tls`, a route answering the caller's certificate identity.
+    async fn identity_echo(tls: PeerTls) -> SocketAddr {
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let router = Router::new().route(
+            "/who",
+            axum::routing::get(
+                |axum::Extension(PeerIdentity(id)): axum::Extension<PeerIdentity>| async move {
+                    id.map(|i| i.to_string()).unwrap_or_default()
+                },
+            ),
+        );
+        tokio::spawn(serve(listener, router, tls, std::future::pending()));
+        addr
+    }
+
+    async fn who(client: &reqwest::Client, url: &str) -> Result<String, reqwest::Error> {
+        client
+            .get(url)
+            .send()
+            .await?
+            .error_for_status()?
+            .text()
+            .await
+    }
+
+    #[tokio::test]
+    async fn after_a_rotation_new_calls_present_the_new_certificate() {
+        let ca = ca();
+        let (server_dir, client_dir) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+        let server = PeerTls::load(write(
+            server_dir.path(),
+            &ca,
+            &leaf(&ca, Some("quotad://region/b")),
+        ))
+        .unwrap();
+        let addr = identity_echo(server).await;
+        let files = write(
+            client_dir.path(),
+            &ca,
+            &leaf(&ca, Some("quotad://region/a")),
+        );
+        let tls = PeerTls::load(files).unwrap();
+        let http = PeerHttp::new(Some(&tls), |b| b).unwrap();
+        let url = format!("https://{addr}/who");
+        let before = http.client();
+        assert_eq!(who(&before, &url).await.unwrap(), "quotad://region/a");
+
+        write(
+            client_dir.path(),
+            &ca,
+            &leaf(&ca, Some("quotad://region/a2")),
+        );
+        assert_eq!(tls.reload(), Reload::Changed);
+        // The client in use before keeps its pooled connection, and the old certificate...
+        assert_eq!(who(&before, &url).await.unwrap(), "quotad://region/a");
+        // ...while the next call gets a new client, which handshakes with the new one.
+        assert_eq!(
+            who(&http.client(), &url).await.unwrap(),
+            "quotad://region/a2"
+        );
+        assert_eq!(
+            who(&http.client(), &url).await.unwrap(),
+            "quotad://region/a2"
+        );
+    }
+
+    #[tokio::test]
+    async fn host_names_are_verified_against_dns_sans() {
+        let ca = ca();
+        let dir = tempfile::tempdir().unwrap();
+        // One certificate for both ends, naming the host `localhost` and no IP address.
+        let tls = PeerTls::load(write(
+            dir.path(),
+            &ca,
+            &leaf_for(&ca, "localhost", Some("quotad://region/a")),
+        ))
+        .unwrap();
+        let addr = identity_echo(tls.clone()).await;
+        let http = PeerHttp::new(Some(&tls), |b| b).unwrap();
+        let by_name = format!("https://localhost:{}/who", addr.port());
+        assert_eq!(
+            who(&http.client(), &by_name).await.unwrap(),
+            "quotad://region/a"
+        );
+        // Dialled by IP address, the certificate (no IP SAN) does not name the server.
+        let by_ip = format!("https://{addr}/who");
+        let refused = who(&http.client(), &by_ip).await;
+        assert!(refused.is_err(), "{refused:?}");
     }
 }

@@ -494,6 +494,41 @@ pub async fn serve(
     stop: watch::Receiver<bool>,
     drain: Duration,
 ) -> Result<(), tonic::transport::Error> {
+    let incoming = TcpIncoming::from(listener).with_nodelay(Some(true));
+    serve_incoming(service, incoming, stop, drain).await
+}
+
+/// Like [`serve`], over TLS: connections handshaken by `incoming` (`[envoy] tls_*`).
+pub async fn serve_tls(
+    service: EnvoyRateLimit,
+    incoming: quota_raft::tls::TlsIncoming,
+    stop: watch::Receiver<bool>,
+    drain: Duration,
+) -> Result<(), tonic::transport::Error> {
+    let incoming = futures::stream::unfold(incoming, |mut incoming| async move {
+        let (tls, _remote) = incoming.next().await?;
+        Some((Ok::<_, std::io::Error>(tls), incoming))
+    });
+    serve_incoming(service, incoming, stop, drain).await
+}
+
+async fn serve_incoming<I, IO, IE>(
+    service: EnvoyRateLimit,
+    incoming: I,
+    stop: watch::Receiver<bool>,
+    drain: Duration,
+) -> Result<(), tonic::transport::Error>
+where
+    I: futures::Stream<Item = Result<IO, IE>>,
+    IO: tokio::io::AsyncRead
+        + tokio::io::AsyncWrite
+        + tonic::transport::server::Connected
+        + Unpin
+        + Send
+        + 'static,
+    IO::ConnectInfo: Clone + Send + Sync + 'static,
+    IE: Into<Box<dyn std::error::Error + Send + Sync>>,
+{
     let ready: Arc<AtomicBool> = service.state.ready.clone();
     let (status_tx, status) = watch::channel(serving_status(&ready));
     let (streams_tx, streams_stop) = watch::channel(false);
@@ -505,24 +540,21 @@ pub async fn serve(
     let server = tonic::transport::Server::builder()
         .add_service(HealthServer::new(health))
         .add_service(RateLimitServiceServer::new(service))
-        .serve_with_incoming_shutdown(
-            TcpIncoming::from(listener).with_nodelay(Some(true)),
-            async move {
-                let mut poll = tokio::time::interval(READINESS_POLL);
-                loop {
-                    tokio::select! {
-                        _ = graceful.wait_for(|stopped| *stopped) => break,
-                        _ = poll.tick() => {
-                            let now = serving_status(&ready);
-                            status_tx.send_if_modified(|s| std::mem::replace(s, now) != now);
-                        }
+        .serve_with_incoming_shutdown(incoming, async move {
+            let mut poll = tokio::time::interval(READINESS_POLL);
+            loop {
+                tokio::select! {
+                    _ = graceful.wait_for(|stopped| *stopped) => break,
+                    _ = poll.tick() => {
+                        let now = serving_status(&ready);
+                        status_tx.send_if_modified(|s| std::mem::replace(s, now) != now);
                     }
                 }
-                let not_serving = ServingStatus::NotServing;
-                status_tx.send_if_modified(|s| std::mem::replace(s, not_serving) != not_serving);
-                streams_tx.send_replace(true);
-            },
-        );
+            }
+            let not_serving = ServingStatus::NotServing;
+            status_tx.send_if_modified(|s| std::mem::replace(s, not_serving) != not_serving);
+            streams_tx.send_replace(true);
+        });
     tokio::select! {
         served = server => served,
         () = async {

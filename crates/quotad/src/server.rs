@@ -3,7 +3,7 @@
 //! then stops the background tasks.
 
 use std::collections::HashMap;
-use std::future::Future;
+use std::future::{Future, IntoFuture as _};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
@@ -23,6 +23,7 @@ use crate::decision::{Decider, DeciderParts};
 use crate::secret::Secret;
 use crate::tokens::Tokens;
 use crate::{agent, envoy_rls, redis_password, telemetry};
+use quota_raft::tls::{PeerHttp, ServerTls};
 
 /// Resolves once SIGTERM or Ctrl-C arrives.
 pub async fn shutdown_signal() {
@@ -139,12 +140,18 @@ pub async fn build_state(
         breaker.trip();
     }
     let (coordinator, replicated) = build_coordinator(settings).await?;
+    // With peer TLS, checks are forwarded to the home's peer listener over mutual TLS;
+    // without, to its API.
+    let peer_tls = replicated.as_ref().and_then(|r| r.peer_tls());
     let homes: HashMap<_, _> = settings
         .regions
         .iter()
-        .map(|r| (r.id.clone(), r.api))
+        .map(|r| {
+            let addr = if peer_tls.is_some() { &r.peer } else { &r.api };
+            (r.id.clone(), addr.clone())
+        })
         .collect();
-    let decider = Arc::new(Decider::new(DeciderParts {
+    let decider = Decider::new(DeciderParts {
         region: settings.region.clone(),
         store,
         breaker,
@@ -152,7 +159,14 @@ pub async fn build_state(
         homes,
         forward_timeout: Duration::from_millis(cfg.api.forward_timeout_ms),
         peer_token: settings.secrets.peer_token.clone(),
-    }));
+    });
+    let decider = Arc::new(match peer_tls {
+        Some(tls) => decider.forwarding_over_peer(
+            PeerHttp::new(Some(tls), |b| b.tcp_nodelay(true))
+                .context("building the forwarding client")?,
+        ),
+        None => decider,
+    });
     let state = Arc::new(AppShared {
         decider,
         coordinator,
@@ -261,12 +275,22 @@ pub async fn serve(
     let (stop_tx, stop_rx) = watch::channel(false);
     let mut tasks = background_tasks(&settings, &state, replicated.as_ref(), &stop_rx);
     if let Some(r) = &replicated {
-        tasks.extend(replicated_tasks(&settings, r, &stop_rx).await?);
+        tasks.extend(replicated_tasks(&settings, &state, r, &stop_rx).await?);
     }
-    if let Some(task) = envoy_task(&settings, &state, &stop_rx).await? {
-        tasks.push(task);
+    tasks.extend(envoy_task(&settings, &state, &stop_rx).await?);
+    let api_tls = listener_tls("api", settings.api_tls.as_ref())?;
+    if let Some(tls) = &api_tls {
+        tasks.extend(tls_watch(tls, settings.config.api.tls_check_ms, &stop_rx));
     }
-    let served = serve_api(&settings, listener, state, replicated.clone(), shutdown).await;
+    let served = serve_api(
+        &settings,
+        listener,
+        api_tls,
+        state,
+        replicated.clone(),
+        shutdown,
+    )
+    .await;
     let _ = stop_tx.send(true);
     for t in tasks {
         let _ = t.await;
@@ -332,6 +356,7 @@ fn background_tasks(
 /// TLS with `[peer] tls_*`, whose files are then re-read every `peer.tls_check_ms`.
 async fn replicated_tasks(
     settings: &Settings,
+    state: &AppState,
     r: &Arc<Replicated>,
     stop_rx: &watch::Receiver<bool>,
 ) -> anyhow::Result<Vec<JoinHandle<()>>> {
@@ -346,7 +371,11 @@ async fn replicated_tasks(
     let stopped = |mut stop: watch::Receiver<bool>| async move {
         let _ = stop.changed().await;
     };
-    let router = r.peer_router();
+    // Raft, usage reports, and checks forwarded from other regions.
+    let router = r.peer_router().merge(api::forwarded::peer_router(
+        state.clone(),
+        r.peer_identities(),
+    ));
     let mut tasks = vec![loops];
     if let Some(tls) = r.peer_tls() {
         // TLS only: a client certificate from the CA on every connection.
@@ -377,28 +406,74 @@ async fn replicated_tasks(
     Ok(tasks)
 }
 
-/// Envoy's rate limit service, when `envoy.listen` is set.
+/// The task re-reading a listener's TLS files every `every_ms` (none when 0).
+fn tls_watch(
+    tls: &ServerTls,
+    every_ms: u64,
+    stop_rx: &watch::Receiver<bool>,
+) -> Option<JoinHandle<()>> {
+    let mut stop = stop_rx.clone();
+    (every_ms > 0).then(|| {
+        tokio::spawn(
+            tls.clone()
+                .watch(Duration::from_millis(every_ms), async move {
+                    let _ = stop.changed().await;
+                }),
+        )
+    })
+}
+
+/// Reads a listener's TLS files, when it has them.
+fn listener_tls(
+    name: &'static str,
+    files: Option<&quota_raft::tls::ServerFiles>,
+) -> anyhow::Result<Option<ServerTls>> {
+    files
+        .map(|f| ServerTls::load(name, f.clone()))
+        .transpose()
+        .with_context(|| format!("reading the {name} listener's TLS files"))
+}
+
+/// Envoy's rate limit service, when `envoy.listen` is set (over TLS with `[envoy] tls_*`,
+/// whose files are then re-read every `envoy.tls_check_ms`).
 async fn envoy_task(
     settings: &Settings,
     state: &AppState,
     stop_rx: &watch::Receiver<bool>,
-) -> anyhow::Result<Option<JoinHandle<()>>> {
+) -> anyhow::Result<Vec<JoinHandle<()>>> {
     let Some(addr) = settings.envoy_listen else {
-        return Ok(None);
+        return Ok(Vec::new());
     };
     let cfg = &settings.config;
+    let tls = listener_tls("envoy", settings.envoy_tls.as_ref())?;
     let listener = TcpListener::bind(addr)
         .await
         .with_context(|| format!("binding the Envoy rate limit listener on {addr}"))?;
     let service = envoy_rls::EnvoyRateLimit::new(state.clone(), &cfg.envoy);
     let stop = stop_rx.clone();
     let drain = Duration::from_millis(cfg.api.drain_timeout_ms);
-    tracing::info!(envoy = %addr, "Envoy rate limit service (RLS v3) serving.");
-    Ok(Some(tokio::spawn(async move {
-        if let Err(e) = envoy_rls::serve(service, listener, stop, drain).await {
-            tracing::error!(error = %e, "The Envoy rate limit listener failed.");
+    tracing::info!(envoy = %addr, tls = tls.is_some(), "Envoy rate limit service (RLS v3) serving.");
+    let mut tasks = Vec::new();
+    let served = match &tls {
+        Some(tls) => {
+            tasks.extend(tls_watch(tls, cfg.envoy.tls_check_ms, stop_rx));
+            let incoming = tls
+                .incoming(listener, &[b"h2"])
+                .context("reading the Envoy listener address")?;
+            tokio::spawn(async move {
+                if let Err(e) = envoy_rls::serve_tls(service, incoming, stop, drain).await {
+                    tracing::error!(error = %e, "The Envoy rate limit listener failed.");
+                }
+            })
         }
-    })))
+        None => tokio::spawn(async move {
+            if let Err(e) = envoy_rls::serve(service, listener, stop, drain).await {
+                tracing::error!(error = %e, "The Envoy rate limit listener failed.");
+            }
+        }),
+    };
+    tasks.push(served);
+    Ok(tasks)
 }
 
 /// Serves the API until `shutdown` resolves (or Raft stops for good), then turns /readyz to
@@ -406,6 +481,7 @@ async fn envoy_task(
 async fn serve_api(
     settings: &Settings,
     listener: TcpListener,
+    tls: Option<ServerTls>,
     state: AppState,
     replicated: Option<Arc<Replicated>>,
     shutdown: impl Future<Output = ()> + Send + 'static,
@@ -416,7 +492,7 @@ async fn serve_api(
     let local = listener
         .local_addr()
         .context("reading the API listener address")?;
-    tracing::info!(region = %settings.region, api = %local, "quotad serving.");
+    tracing::info!(region = %settings.region, api = %local, tls = tls.is_some(), "quotad serving.");
 
     let (drain_tx, drain_rx) = tokio::sync::oneshot::channel::<()>();
     let drain_ready = ready.clone();
@@ -442,8 +518,25 @@ async fn serve_api(
         tracing::info!("Shutdown requested: draining in-flight requests.");
         let _ = drain_tx.send(());
     };
-    let server = axum::serve(listener, axum::ServiceExt::into_make_service(router))
-        .with_graceful_shutdown(graceful);
+    let make = axum::ServiceExt::into_make_service(router);
+    // With `[api] tls_*`, TLS only (a client certificate too with `tls_client_ca_file`).
+    let server: std::pin::Pin<Box<dyn Future<Output = std::io::Result<()>> + Send>> = match tls {
+        Some(tls) => {
+            let incoming = tls
+                .incoming(listener, &[b"http/1.1"])
+                .context("reading the API listener address")?;
+            Box::pin(
+                axum::serve(incoming, make)
+                    .with_graceful_shutdown(graceful)
+                    .into_future(),
+            )
+        }
+        None => Box::pin(
+            axum::serve(listener, make)
+                .with_graceful_shutdown(graceful)
+                .into_future(),
+        ),
+    };
     let drain_timeout = Duration::from_millis(settings.config.api.drain_timeout_ms);
     let served = tokio::select! {
         r = server => r.context("serving the API"),

@@ -3,7 +3,7 @@
 //!
 //! Layout: [`edge`] (request id, body limit and timeout in front of every route), [`routes`]
 //! (`POST /v1/check` past the router, the rest through it), [`check`] (decisions), [`batch`]
-//! (batches of them), [`tenants`] (policies, pins, allowance), [`policy_batch`] (many
+//! (batches of them), [`forwarded`] (checks forwarded over the peer listener), [`tenants`] (policies, pins, allowance), [`policy_batch`] (many
 //! policies in one step), [`cluster`] (status,
 //! membership, listing, health, metrics), [`problem`] (the one `ApiError`), [`auth`] (scoped
 //! bearer tokens on routes, the audit layer on mutations), [`state`] (what handlers share).
@@ -14,6 +14,7 @@ pub mod check;
 pub mod cluster;
 pub mod contract;
 pub mod edge;
+pub mod forwarded;
 mod header_text;
 pub mod policy_batch;
 pub mod problem;

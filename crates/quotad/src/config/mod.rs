@@ -123,6 +123,11 @@ mod tests {
         config.peer.tls_cert_file = write("cert.pem", &cert.pem());
         config.peer.tls_key_file = write("key.pem", &key.serialize_pem());
         config.peer.tls_ca_file = write("ca.pem", &ca.pem());
+        // The example's API certificate: any valid pair does for parsing.
+        if config.api.tls_cert_file.is_some() {
+            config.api.tls_cert_file = config.peer.tls_cert_file.clone();
+            config.api.tls_key_file = config.peer.tls_key_file.clone();
+        }
         let mut problems = Vec::new();
         config.apply_env(env, &mut problems);
         config.resolve(env, problems)

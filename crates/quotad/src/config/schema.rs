@@ -38,6 +38,11 @@ pub struct EnvoyConfig {
     pub tenant_key: String,
     /// The descriptor entry key whose value is the policy name.
     pub policy_key: String,
+    /// TLS on the gRPC listener, as `[api] tls_*`.
+    pub tls_cert_file: Option<PathBuf>,
+    pub tls_key_file: Option<PathBuf>,
+    pub tls_client_ca_file: Option<PathBuf>,
+    pub tls_check_ms: u64,
 }
 
 impl Default for EnvoyConfig {
@@ -46,6 +51,10 @@ impl Default for EnvoyConfig {
             listen: None,
             tenant_key: "tenant".into(),
             policy_key: "policy".into(),
+            tls_cert_file: None,
+            tls_key_file: None,
+            tls_client_ca_file: None,
+            tls_check_ms: 10_000,
         }
     }
 }
@@ -71,6 +80,13 @@ pub struct ApiConfig {
     pub drain_timeout_ms: u64,
     /// How long to wait for a pinned tenant's home region before the policy decides.
     pub forward_timeout_ms: u64,
+    /// TLS on the listener (both or none): its PEM certificate chain and key.
+    pub tls_cert_file: Option<PathBuf>,
+    pub tls_key_file: Option<PathBuf>,
+    /// With TLS: clients must present a certificate from these PEM CAs.
+    pub tls_client_ca_file: Option<PathBuf>,
+    /// How often the TLS files are read again (rotation); 0 reads them at start only.
+    pub tls_check_ms: u64,
 }
 
 /// The peer (Raft) listener.
@@ -180,9 +196,11 @@ pub struct RegionConfig {
     pub id: String,
     /// Raft node id; unique and non-zero.
     pub node_id: u64,
-    /// The region's admin API address (pinned checks are forwarded here).
+    /// The region's API address, `host:port` or `IP:port` (pinned checks are forwarded here
+    /// without peer TLS).
     pub api: String,
-    /// The region's peer (Raft) address.
+    /// The region's peer (Raft) address, `host:port` or `IP:port`: resolved per connection,
+    /// and with peer TLS the name (or IP) its certificate must carry.
     pub peer: String,
     /// With peer TLS: the URI SAN this region's certificate names (default
     /// `quotad://region/<id>`; e.g. a SPIFFE id).
@@ -263,6 +281,10 @@ impl Default for ApiConfig {
             request_timeout_ms: 5_000,
             drain_timeout_ms: 10_000,
             forward_timeout_ms: 500,
+            tls_cert_file: None,
+            tls_key_file: None,
+            tls_client_ca_file: None,
+            tls_check_ms: 10_000,
         }
     }
 }

@@ -22,6 +22,10 @@ pub struct Settings {
     pub peer_tls: Option<quota_raft::tls::TlsFiles>,
     /// TLS material for a `rediss://` Redis, read from the files named in `[redis]`.
     pub redis_tls: Option<quota_store::Tls>,
+    /// TLS files of the API listener (`[api] tls_*`), checked.
+    pub api_tls: Option<quota_raft::tls::ServerFiles>,
+    /// TLS files of Envoy's gRPC listener (`[envoy] tls_*`), checked.
+    pub envoy_tls: Option<quota_raft::tls::ServerFiles>,
 }
 
 /// A cluster member, validated.
@@ -29,8 +33,10 @@ pub struct Settings {
 pub struct RegionSettings {
     pub id: RegionId,
     pub node_id: u64,
-    pub api: SocketAddr,
-    pub peer: SocketAddr,
+    /// `host:port` or `IP:port`.
+    pub api: String,
+    /// `host:port` or `IP:port`.
+    pub peer: String,
     /// The URI SAN its peer certificate names (with peer TLS).
     pub identity: String,
 }

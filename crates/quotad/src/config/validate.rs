@@ -43,6 +43,7 @@ impl Config {
         let secrets = self.resolve_secrets(p, env);
         let redis_tls = self.redis.as_ref().and_then(|r| check_redis_tls(p, r));
         let peer_tls = self.check_peer_tls(p, &regions, region.as_ref());
+        let (api_tls, envoy_tls) = self.check_listener_tls(p);
         if self.regions.len() > 1 && secrets.peer_token.is_none() {
             p.push(problem(
                 "peer.token_file",
@@ -60,6 +61,8 @@ impl Config {
                     regions,
                     redis_tls,
                     peer_tls,
+                    api_tls,
+                    envoy_tls,
                     secrets,
                 })
             }
@@ -248,6 +251,34 @@ fn parse_addr(p: &mut Vec<ConfigProblem>, field: &str, s: &str) -> Option<Socket
         .ok()
 }
 
+/// A `host:port` or `IP:port` a region is reached at (a host name is resolved per connection).
+fn parse_authority(p: &mut Vec<ConfigProblem>, field: &str, s: &str) -> Option<String> {
+    if s.parse::<SocketAddr>().is_ok() {
+        return Some(s.to_string());
+    }
+    let ok = s.rsplit_once(':').is_some_and(|(host, port)| {
+        let labels_ok = !host.is_empty()
+            && host.len() <= 253
+            && host.split('.').all(|l| {
+                !l.is_empty()
+                    && l.len() <= 63
+                    && !l.starts_with('-')
+                    && !l.ends_with('-')
+                    && l.chars().all(|c| c.is_ascii_alphanumeric() || c == '-')
+            });
+        labels_ok && port.parse::<u16>().is_ok_and(|p| p > 0)
+    });
+    if ok {
+        Some(s.to_string())
+    } else {
+        p.push(problem(
+            field,
+            format!("must be a host:port or IP:port address (got {s:?})"),
+        ));
+        None
+    }
+}
+
 /// `redis.url` and, in Cluster and Sentinel mode, `redis.seed_urls`: each a Redis address
 /// without credentials, all TLS or all plain text; a Cluster's all on database 0; sentinels
 /// with the name of the master they watch (over TLS, the master is reached over TLS too).
@@ -340,6 +371,44 @@ fn check_redis_url(p: &mut Vec<ConfigProblem>, field: &str, url: &str) {
 /// The TLS files of `[redis]`, read and checked: they need a `rediss://` address, and a client
 /// certificate comes with its key.
 impl Config {
+    /// `[api] tls_*` and `[envoy] tls_*`: certificate and key both or neither, a client CA
+    /// only with them, every file readable and the key fitting the certificate.
+    fn check_listener_tls(
+        &self,
+        p: &mut Vec<ConfigProblem>,
+    ) -> (
+        Option<quota_raft::tls::ServerFiles>,
+        Option<quota_raft::tls::ServerFiles>,
+    ) {
+        let api = &self.api;
+        let api_tls = check_server_tls(
+            p,
+            "api",
+            (
+                &api.tls_cert_file,
+                &api.tls_key_file,
+                &api.tls_client_ca_file,
+            ),
+        );
+        let envoy = &self.envoy;
+        let envoy_tls = check_server_tls(
+            p,
+            "envoy",
+            (
+                &envoy.tls_cert_file,
+                &envoy.tls_key_file,
+                &envoy.tls_client_ca_file,
+            ),
+        );
+        if envoy_tls.is_some() && envoy.listen.is_none() {
+            p.push(problem(
+                "envoy.tls_cert_file",
+                "is for the Envoy listener: set envoy.listen, or remove it",
+            ));
+        }
+        (api_tls, envoy_tls)
+    }
+
     /// `[peer] tls_*`: all three or none, readable, a key that fits the certificate, and a
     /// certificate naming this region's identity.
     fn check_peer_tls(
@@ -459,6 +528,56 @@ fn check_redis_tls(p: &mut Vec<ConfigProblem>, redis: &RedisConfig) -> Option<qu
     Some(tls)
 }
 
+/// One listener's `tls_cert_file`, `tls_key_file` and `tls_client_ca_file` in `[section]`.
+fn check_server_tls(
+    p: &mut Vec<ConfigProblem>,
+    section: &str,
+    (cert, key, ca): (&Option<PathBuf>, &Option<PathBuf>, &Option<PathBuf>),
+) -> Option<quota_raft::tls::ServerFiles> {
+    use quota_raft::tls::TlsError;
+    let field = |f: &str| format!("{section}.{f}");
+    let files = match (cert, key) {
+        (None, None) => {
+            if ca.is_some() {
+                p.push(problem(
+                    field("tls_client_ca_file"),
+                    format!(
+                        "needs TLS on the listener: set {0}.tls_cert_file and {0}.tls_key_file",
+                        section
+                    ),
+                ));
+            }
+            return None;
+        }
+        (Some(cert), Some(key)) => quota_raft::tls::ServerFiles {
+            cert: cert.clone(),
+            key: key.clone(),
+            client_ca: ca.clone(),
+        },
+        _ => {
+            p.push(problem(
+                field("tls_cert_file"),
+                format!("set both {section}.tls_cert_file and {section}.tls_key_file, or neither"),
+            ));
+            return None;
+        }
+    };
+    if let Err(e) = quota_raft::tls::check_server(&files) {
+        let at = match &e {
+            TlsError::Key { .. } => "tls_key_file",
+            TlsError::Ca { .. } => "tls_client_ca_file",
+            TlsError::Read { path, .. } if *path == files.key => "tls_key_file",
+            TlsError::Read { path, .. } if Some(path) == files.client_ca.as_ref() => {
+                "tls_client_ca_file"
+            }
+            _ => "tls_cert_file",
+        };
+        p.push(problem(field(at), e.to_string()));
+        return None;
+    }
+    Some(files)
+}
+
 fn check_regions(
     p: &mut Vec<ConfigProblem>,
     regions: &[RegionConfig],
@@ -483,8 +602,8 @@ fn check_regions(
                 format!("duplicate node id {}", r.node_id),
             ));
         }
-        let api = parse_addr(p, &field("api"), &r.api);
-        let peer = parse_addr(p, &field("peer"), &r.peer);
+        let api = parse_authority(p, &field("api"), &r.api);
+        let peer = parse_authority(p, &field("peer"), &r.peer);
         if let (Some(id), Some(api), Some(peer)) = (id, api, peer) {
             let identity = match &r.identity {
                 Some(uri) if !uri.contains("://") => {
@@ -1010,5 +1129,93 @@ seed_urls = ["redis://10.0.0.2:26379", "redis://10.0.0.3:26379"]
         let (b_cert2, b_key2) = leaf("b");
         let (b_cert2, b_key2) = (write("b2.pem", &b_cert2), write("b2-key.pem", &b_key2));
         assert_eq!(fields(&files(&b_cert2, &b_key2)), ["peer.tls_cert_file"]);
+    }
+
+    #[test]
+    fn listener_tls_files_come_together_and_must_parse() {
+        use rcgen::{CertificateParams, KeyPair};
+        let dir = tempfile::tempdir().unwrap();
+        let write = |name: &str, text: &str| {
+            let p = dir.path().join(name);
+            std::fs::write(&p, text).unwrap();
+            p.display().to_string()
+        };
+        let key = KeyPair::generate().unwrap();
+        let cert = CertificateParams::new(vec!["localhost".to_string()])
+            .unwrap()
+            .self_signed(&key)
+            .unwrap();
+        let (cert, key, other_key) = (
+            write("api.pem", &cert.pem()),
+            write("api-key.pem", &key.serialize_pem()),
+            write(
+                "other-key.pem",
+                &KeyPair::generate().unwrap().serialize_pem(),
+            ),
+        );
+        let garbage = write("garbage.pem", "not pem");
+        let fields = |section: &str| {
+            problem_fields(&format!("[envoy]\nlisten = \"127.0.0.1:7452\"\n{section}"))
+        };
+        let both = format!("tls_cert_file = \"{cert}\"\ntls_key_file = \"{key}\"\n");
+        assert!(fields(&format!("[api]\n{both}")).is_empty());
+        assert!(fields(&format!("{both}tls_client_ca_file = \"{cert}\"")).is_empty());
+        assert_eq!(
+            fields(&format!("[api]\ntls_cert_file = \"{cert}\"")),
+            ["api.tls_cert_file"],
+            "both or neither"
+        );
+        assert_eq!(
+            fields(&format!("[api]\ntls_client_ca_file = \"{cert}\"")),
+            ["api.tls_client_ca_file"],
+            "a client CA needs TLS"
+        );
+        assert_eq!(
+            fields(&format!(
+                "tls_cert_file = \"{cert}\"\ntls_key_file = \"{other_key}\""
+            )),
+            ["envoy.tls_key_file"]
+        );
+        assert_eq!(
+            fields(&format!("{both}tls_client_ca_file = \"{garbage}\"")),
+            ["envoy.tls_client_ca_file"]
+        );
+        assert_eq!(
+            problem_fields(&format!("[envoy]\n{both}")),
+            ["envoy.tls_cert_file"],
+            "TLS without the listener"
+        );
+    }
+
+    #[test]
+    fn region_addresses_take_host_names() {
+        let text = |peer: &str| {
+            format!(
+                "region = \"a\"\n\
+                 [[regions]]\nid = \"a\"\nnode_id = 1\napi = \"quotad-a.quotad:7450\"\npeer = \"{peer}\"\n\
+                 [[regions]]\nid = \"b\"\nnode_id = 2\napi = \"10.0.2.10:7450\"\npeer = \"10.0.2.10:7451\"\n"
+            )
+        };
+        let env = |k: &str| (k == ENV_PEER_TOKEN).then(|| "peer-secret-0123456789".to_string());
+        let fields = |peer: &str| -> Vec<String> {
+            Config::from_toml(&text(peer))
+                .unwrap()
+                .resolve(&env, Vec::new())
+                .err()
+                .map(|e| e.0.into_iter().map(|p| p.field).collect())
+                .unwrap_or_default()
+        };
+        assert!(fields("quotad-a-0.quotad-a.quotad.svc.cluster.local:7451").is_empty());
+        assert!(fields("[::1]:7451").is_empty());
+        for bad in [
+            "quotad-a",
+            "quotad-a:0",
+            "-a.example:7451",
+            "a..b:7451",
+            "a_b:7451",
+            ":7451",
+        ] {
+            assert_eq!(fields(bad), ["regions[0].peer"], "{bad}");
+        }
     }
 }

@@ -8,7 +8,6 @@ pub mod breaker;
 pub mod denials;
 
 use std::collections::HashMap;
-use std::net::SocketAddr;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -29,12 +28,22 @@ use crate::decision::breaker::{Admission, Breaker};
 use crate::decision::denials::Denials;
 use crate::secret::Secret;
 use crate::telemetry::{self, DecisionMetrics, Outcome};
+use quota_raft::tls::PeerHttp;
 
 /// Header marking a check forwarded from another region, so it is never forwarded again. Its
 /// value is the peer token: a client cannot use it to skip a pinned tenant's home.
 /// A `HeaderName`, not a `&str`: looking a `&str` up parses it on every request.
 pub const FORWARDED_HEADER: axum::http::HeaderName =
     axum::http::HeaderName::from_static("x-quotad-forwarded");
+
+/// Header naming the region a check is forwarded from, on the peer listener's forward routes:
+/// it must be the region the connection's client certificate authenticates.
+pub const FORWARDED_FROM_HEADER: axum::http::HeaderName =
+    axum::http::HeaderName::from_static("x-quotad-forwarded-from");
+
+/// With peer TLS, checks are forwarded to the home's peer listener at this prefix plus the
+/// API path (`/quotad/v1/check`, `/quotad/v1/check/batch`).
+pub const PEER_FORWARD_PREFIX: &str = "/quotad";
 
 /// True when the store decides in process (no Redis: nothing to break).
 pub fn is_embedded(store: &AnyStore) -> bool {
@@ -182,8 +191,13 @@ pub struct Decider {
     fallback: EmbeddedStore,
     breaker: Breaker,
     view: watch::Receiver<Arc<ClusterView>>,
-    homes: HashMap<RegionId, SocketAddr>,
-    http: reqwest::Client,
+    /// Where each region takes forwarded checks: its API address, or its peer address when
+    /// `over_peer`.
+    homes: HashMap<RegionId, String>,
+    /// Plain HTTP to the API, or the peer mutual-TLS client (rebuilt on rotation).
+    http: PeerHttp,
+    /// Forwarded checks go over the peer TLS channel ([`PEER_FORWARD_PREFIX`]).
+    over_peer: bool,
     forward_timeout: Duration,
     peer_token: Option<Secret>,
     pub metrics: DecisionMetrics,
@@ -207,8 +221,9 @@ pub struct DeciderParts {
     pub store: AnyStore,
     pub breaker: Breaker,
     pub view: watch::Receiver<Arc<ClusterView>>,
-    /// Every region's API address, for forwarding pinned tenants.
-    pub homes: HashMap<RegionId, SocketAddr>,
+    /// Every region's API address (`host:port`), for forwarding pinned tenants; its peer
+    /// address with [`Decider::forwarding_over_peer`].
+    pub homes: HashMap<RegionId, String>,
     pub forward_timeout: Duration,
     /// The peer token forwarded checks carry (multi-region only).
     pub peer_token: Option<Secret>,
@@ -229,7 +244,9 @@ impl Decider {
             breaker: p.breaker,
             view: p.view,
             homes: p.homes,
-            http: reqwest::Client::new(),
+            http: PeerHttp::new(None, |b| b)
+                .expect("a plain HTTP client builds without TLS configuration"),
+            over_peer: false,
             forward_timeout: p.forward_timeout,
             peer_token: p.peer_token,
             forwarded_usage: Mutex::default(),
@@ -241,6 +258,14 @@ impl Decider {
     /// store applies over the limits checks pass.
     pub fn forget_denials(&self) {
         self.denials.forget_all();
+    }
+
+    /// Forwards checks over the peer mutual-TLS channel with `http`, to the home's peer
+    /// listener: `homes` must then hold peer addresses.
+    pub fn forwarding_over_peer(mut self, http: PeerHttp) -> Self {
+        self.http = http;
+        self.over_peer = true;
+        self
     }
 
     /// The usage of checks this region forwarded since the last call, for its usage report.
@@ -689,8 +714,9 @@ impl Decider {
         }
     }
 
-    /// POSTs `body` to `path` on `home`'s API as a forwarding peer; the answer of a 200 or 429,
-    /// or `None` when the home is unknown, unreachable, slow or answers anything else.
+    /// POSTs `body` to `path` on `home`'s API as a forwarding peer (over the peer TLS
+    /// channel, naming this region, when `over_peer`); the answer of a 200 or 429, or `None`
+    /// when the home is unknown, unreachable, slow or answers anything else.
     async fn send_home<T: serde::de::DeserializeOwned>(
         &self,
         home: &RegionId,
@@ -698,13 +724,23 @@ impl Decider {
         body: &serde_json::Value,
     ) -> Option<T> {
         let addr = self.homes.get(home)?;
-        let resp = self
+        let prefix = if self.over_peer {
+            PEER_FORWARD_PREFIX
+        } else {
+            ""
+        };
+        let mut req = self
             .http
-            .post(format!("http://{addr}{path}"))
+            .client()
+            .post(format!("{}://{addr}{prefix}{path}", self.http.scheme()))
             .header(
                 FORWARDED_HEADER.as_str(),
                 self.peer_token.as_ref().map_or("", |t| t.expose()),
-            )
+            );
+        if self.over_peer {
+            req = req.header(FORWARDED_FROM_HEADER.as_str(), self.region.as_str());
+        }
+        let resp = req
             .timeout(self.forward_timeout)
             .json(body)
             .send()
@@ -838,7 +874,7 @@ pub(crate) mod tests {
             store: AnyStore::embedded(),
             breaker: Breaker::new(&BreakerConfig::default(), "b"),
             view: rx,
-            homes: HashMap::from([(RegionId::new("a").unwrap(), addr)]),
+            homes: HashMap::from([(RegionId::new("a").unwrap(), addr.to_string())]),
             forward_timeout: Duration::from_secs(5),
             peer_token: Some(Secret::new("peer-token")),
         });
@@ -1017,7 +1053,7 @@ pub(crate) mod tests {
             store: AnyStore::embedded(),
             breaker: Breaker::new(&BreakerConfig::default(), "a"),
             view: rx,
-            homes: HashMap::from([(RegionId::new("b").unwrap(), addr)]),
+            homes: HashMap::from([(RegionId::new("b").unwrap(), addr.to_string())]),
             forward_timeout: Duration::from_secs(5),
             peer_token: None,
         });

@@ -43,7 +43,7 @@ use crate::coordination::status::{CoordinatorStatus, MemberStatus};
 use crate::coordination::view::{ClusterView, PolicyMap};
 use crate::secret::Secret;
 use quota_raft::coordinator::PeerSecurity;
-use quota_raft::tls::PeerTls;
+use quota_raft::tls::{PeerHttp, PeerTls};
 
 /// One member of a replicated cluster.
 #[derive(Debug)]
@@ -59,7 +59,7 @@ pub struct Replicated {
     rebalance_interval_ms: u64,
     id_prefix: u64,
     next_id: AtomicU64,
-    http: reqwest::Client,
+    http: PeerHttp,
     peer_token: Secret,
     /// Peer mutual TLS, when `[peer] tls_*` is set: the material (reloaded by the daemon),
     /// and which certificate identity is which region.
@@ -120,9 +120,11 @@ impl Replicated {
             quota_raft::Coordinator::start_secured(raft_cfg, Some(leader_clock), peer_tls.clone())
                 .await
                 .context("starting the Raft coordinator")?;
-        let http = peer_tls
-            .as_ref()
-            .map_or_else(reqwest::Client::builder, |s| s.tls.client_builder());
+        // Rebuilt after a rotation of the peer TLS files (quota_raft::tls::PeerHttp).
+        let http = PeerHttp::new(peer_tls.as_ref().map(|s| &s.tls), |b| {
+            b.timeout(Duration::from_secs(2))
+        })
+        .context("building the peer HTTP client")?;
         let (tx, _) = watch::channel(Arc::new(ClusterView::default()));
         let allocator = AllocatorConfig::default();
         Ok(Self {
@@ -140,10 +142,7 @@ impl Replicated {
             rebalance_interval_ms: cfg.coordination.rebalance_interval_ms,
             id_prefix: rand::random(),
             next_id: AtomicU64::new(1),
-            http: http
-                .timeout(Duration::from_secs(2))
-                .build()
-                .context("building the peer HTTP client")?,
+            http,
             peer_token,
             peer_tls,
             derived: Mutex::new(None),
@@ -157,11 +156,12 @@ impl Replicated {
 
     /// `https` with peer TLS, else `http`.
     fn peer_scheme(&self) -> &'static str {
-        if self.peer_tls.is_some() {
-            "https"
-        } else {
-            "http"
-        }
+        self.http.scheme()
+    }
+
+    /// Certificate identity → region, with peer TLS.
+    pub fn peer_identities(&self) -> Option<Arc<std::collections::HashMap<String, String>>> {
+        self.peer_tls.as_ref().map(|s| s.identities.clone())
     }
 
     /// This daemon's region.

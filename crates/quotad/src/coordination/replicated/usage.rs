@@ -70,6 +70,7 @@ impl Replicated {
             .ok_or_else(|| unavailable("no leader known"))?;
         let resp = self
             .http
+            .client()
             .post(format!(
                 "{}://{}{PATH_USAGE}",
                 self.peer_scheme(),

@@ -1,0 +1,69 @@
+//! Checks other regions forward here over the peer listener (with peer TLS): the same
+//! handlers as `/v1/check` and `/v1/check/batch`, at [`PEER_FORWARD_PREFIX`] on the peer
+//! port, so a pinned tenant's checks cross the WAN encrypted and authenticated by the
+//! sending region's certificate rather than in clear to the API port.
+//!
+//! A forwarded check needs the peer token (in the forwarded header, which also keeps it from
+//! being forwarded again), a client certificate naming a member, and a forwarded-from header
+//! naming that member's region: a check claiming region X over a connection authenticated as
+//! Y is refused with 403 and counted, as usage reports and lease renewals are.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+
+use axum::extract::{DefaultBodyLimit, Request, State};
+use axum::http::StatusCode;
+use axum::middleware::{self, Next};
+use axum::response::{IntoResponse as _, Response};
+use axum::routing::post;
+use axum::Router;
+use quota_raft::peer_api::{caller_region, refuse_identity};
+
+use crate::api::state::AppState;
+use crate::api::{batch, check, routes};
+use crate::decision::{FORWARDED_FROM_HEADER, FORWARDED_HEADER, PEER_FORWARD_PREFIX};
+
+/// Certificate identity → region (see `quota_raft::coordinator::PeerSecurity`).
+pub type Identities = Arc<HashMap<String, String>>;
+
+/// The forward routes for the peer listener; `identities` with peer TLS.
+pub fn peer_router(state: AppState, identities: Option<Identities>) -> Router {
+    let check_path = format!("{PEER_FORWARD_PREFIX}{}", routes::CHECK_PATH);
+    let batch_path = format!("{PEER_FORWARD_PREFIX}/v1/check/batch");
+    Router::new()
+        .route(&check_path, post(check::check))
+        .route(&batch_path, post(batch::check_batch))
+        .layer(DefaultBodyLimit::max(state.body_limit_bytes))
+        .layer(middleware::from_fn_with_state(
+            (state.clone(), identities),
+            admit,
+        ))
+        .with_state(state)
+}
+
+/// 401 without the peer token; with peer TLS, 403 (counted) for a certificate naming no
+/// member or a forwarded-from region other than the certificate's.
+async fn admit(
+    State((state, identities)): State<(AppState, Option<Identities>)>,
+    req: Request,
+    next: Next,
+) -> Response {
+    let headers = req.headers();
+    let token = headers.get(&FORWARDED_HEADER).and_then(|v| v.to_str().ok());
+    if !state.decider.is_peer_forward(token) {
+        return (StatusCode::UNAUTHORIZED, "missing or wrong peer token").into_response();
+    }
+    if let Some(ids) = &identities {
+        let route = req.uri().path().to_string();
+        let Some(caller) = caller_region(ids, &req) else {
+            return refuse_identity(&route, "the client certificate names no member");
+        };
+        let claimed = headers
+            .get(&FORWARDED_FROM_HEADER)
+            .and_then(|v| v.to_str().ok());
+        if claimed != Some(caller) {
+            return refuse_identity(&route, "a forwarded check for another region");
+        }
+    }
+    next.run(req).await
+}
