@@ -11,6 +11,7 @@
 pub mod auth;
 pub mod batch;
 pub mod check;
+pub mod check_multi;
 pub mod cluster;
 pub mod contract;
 pub mod edge;
@@ -59,6 +60,11 @@ pub type Api = edge::Edge<routes::Routes>;
         cluster::readyz,
         cluster::metrics,
     ),
+    components(schemas(
+        check_multi::MultiCheckResponse,
+        check_multi::MultiRateLimitedProblem,
+        check_multi::LimitResponse
+    )),
     modifiers(&BearerScheme, &Contract)
 )]
 pub struct ApiDoc;

@@ -5,6 +5,7 @@
 //! the in-process buckets use short synchronous critical sections.
 
 pub mod breaker;
+pub mod multi;
 
 use std::collections::HashMap;
 use std::net::SocketAddr;
