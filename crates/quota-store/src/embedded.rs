@@ -215,6 +215,9 @@ impl EmbeddedStore {
     /// A changed policy: the new bucket (no state yet, or decided only on the fallback) keeps
     /// what the bucket it replaces had spent, as `set_params.lua` does.
     fn carry_over(&self, shard: &mut Shard, req: &SetParams, now: u64) {
+        if let (Some(old), Limit::SlidingWindow { .. }) = (req.replaced(), req.limit) {
+            return self.carry_over_window(shard, req, &old, now);
+        }
         let (Some(old), Limit::TokenBucket(new_share)) = (req.replaced(), req.limit) else {
             return;
         };
@@ -283,6 +286,68 @@ impl EmbeddedStore {
                 shard.states.insert(new_key, e);
             }
         }
+    }
+
+    /// A changed sliding-window policy: a new window without state keeps what the old one
+    /// (with stored parameters) still counts, as `set_params.lua` does.
+    fn carry_over_window(&self, shard: &mut Shard, req: &SetParams, old: &BucketRef, now: u64) {
+        let new_key = (req.bucket.clone(), StateKind::Window);
+        if shard.states.get(&new_key).is_some_and(|e| e.live_at(now)) {
+            return;
+        }
+        let old_limit = match shard.params.get(old) {
+            Some(&(p, Some((end, floor)))) if p.kind() == StateKind::Window && now >= end => floor,
+            Some(&(p, _)) if p.kind() == StateKind::Window => p,
+            _ => return,
+        };
+        let Some(State::Window(old_s)) = shard
+            .states
+            .get(&(old.clone(), StateKind::Window))
+            .filter(|e| e.live_at(now))
+            .map(|e| &e.state)
+        else {
+            return;
+        };
+        let new_limit = match req.lease {
+            Some(l) if l.remaining_ms == 0 => l.floor,
+            _ => req.limit,
+        };
+        let (
+            Limit::SlidingWindow {
+                limit: ol,
+                window_ms: ow,
+            },
+            Limit::SlidingWindow {
+                limit: nl,
+                window_ms: nw,
+            },
+        ) = (old_limit, new_limit)
+        else {
+            return;
+        };
+        let (old_p, new_p) = (
+            WindowParams {
+                limit: ol,
+                window_ms: ow,
+            },
+            WindowParams {
+                limit: nl,
+                window_ms: nw,
+            },
+        );
+        let Some(s) = window::carry_over(now, &old_p, old_s, &new_p) else {
+            return;
+        };
+        let ttl = window::idle_ttl_ms(&new_p, &s).max(self.min_idle_ttl_ms);
+        let e = Entry {
+            expires_at_ms: Some(s.ts_ms.saturating_add(ttl)),
+            state: State::Window(s),
+            admitted: 0,
+            denied: 0,
+            listed: false,
+            limit: new_limit,
+        };
+        shard.states.insert(new_key, e);
     }
 
     fn decide(&self, req: &CheckRequest) -> Result<Decision, StoreError> {

@@ -239,7 +239,9 @@ pub struct SetParams {
     /// The version of the same tenant's policy this bucket replaces (its terms changed): for a
     /// token bucket, what the old bucket had spent stays spent
     /// ([`quota_core::bucket::carry_over`]), while the new bucket has no state yet or was only
-    /// decided on the fallback.
+    /// decided on the fallback; for a sliding window, what the old window (with stored
+    /// parameters) still counts stays counted ([`quota_core::window::carry_over`]), while the
+    /// new window has no state yet.
     pub replaces: Option<u64>,
 }
 

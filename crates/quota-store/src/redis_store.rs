@@ -202,14 +202,20 @@ impl Store for RedisStore {
         let state = req.bucket.state_key(StateKind::Bucket);
         let args = script::set_params_args(req, &self.min_idle_ttl_ms);
         let args: Vec<Arg> = args.iter().map(|a| Arg::Str(a)).collect();
-        // A changed policy: the old version's state, whose spent tokens stay spent.
-        let old = match (req.replaced(), req.limit) {
-            (Some(b), Limit::TokenBucket(_)) => Some(b.state_key(StateKind::Bucket)),
-            _ => None,
+        // A changed policy: the old version's state, whose spent tokens stay spent; for a
+        // window also the old parameters and the new window's state.
+        let old: Vec<String> = match (req.replaced(), req.limit) {
+            (Some(b), Limit::TokenBucket(_)) => vec![b.state_key(StateKind::Bucket)],
+            (Some(b), Limit::SlidingWindow { .. }) => vec![
+                b.state_key(StateKind::Window),
+                b.params_key(),
+                req.bucket.state_key(StateKind::Window),
+            ],
+            (None, _) => Vec::new(),
         };
         let keys: Vec<&str> = [key.as_str(), state.as_str()]
             .into_iter()
-            .chain(old.as_deref())
+            .chain(old.iter().map(String::as_str))
             .collect();
         let _: i64 = self.invoke(&self.scripts.set_params, &keys, &args).await?;
         Ok(())

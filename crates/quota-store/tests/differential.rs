@@ -1189,3 +1189,54 @@ fn ten_per_second_and_fifty_per_minute_all_or_nothing() {
     // 50 in the first five seconds plus what the per-minute limit refilled by then (4 tokens).
     assert_eq!(admitted, 54);
 }
+
+/// Spends 3 on a window of `old` at `t0`, replaces it by `new` and peeks: the tokens left.
+async fn left_after_change<S: Store>(store: &S, old: Limit, new: Limit, t0: u64) -> u64 {
+    let b = common::fresh_bucket("wcarry");
+    store
+        .set_params(&SetParams::new(b.clone(), old).at(t0))
+        .await
+        .unwrap();
+    for k in 0..3 {
+        let d = store.check(&common::req(&b, old, 1, Some(t0 + k))).await;
+        assert!(d.unwrap().allowed);
+    }
+    let next = quota_store::BucketRef {
+        version: b.version + 1,
+        ..b.clone()
+    };
+    let p = SetParams::new(next.clone(), new)
+        .at(t0 + 10)
+        .replacing(b.version);
+    store.set_params(&p).await.unwrap();
+    let d = store
+        .check(&common::req(&next, new, 0, Some(t0 + 20)))
+        .await;
+    d.unwrap().remaining
+}
+
+/// A changed sliding-window policy keeps what its window counts, on both stores alike: exact
+/// to exact keeps the entries, exact to approximate and back count them as admitted now.
+#[test]
+fn a_changed_window_keeps_what_it_counts_in_both_stores() {
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    let server = RedisServer::start().unwrap();
+    let redis = rt.block_on(common::store(&server));
+    let embedded = EmbeddedStore::new();
+    let window = |limit, window_ms| Limit::SlidingWindow { limit, window_ms };
+    let t0 = 1_700_000_000_000u64;
+    // (old limit, new limit, tokens left in the new window after 3 spent in the old)
+    for (old, new, left) in [
+        (window(5, 10_000), window(6, 20_000), 3),
+        (window(5, 10_000), window(200, 10_000), 197),
+        (window(200, 10_000), window(10, 10_000), 7),
+        (window(200, 10_000), window(300, 5_000), 297),
+    ] {
+        let e = rt.block_on(left_after_change(&embedded, old, new, t0));
+        let r = rt.block_on(left_after_change(&redis, old, new, t0));
+        assert_eq!((e, r), (left, left), "{old:?} -> {new:?}");
+    }
+}

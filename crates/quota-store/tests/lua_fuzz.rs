@@ -167,7 +167,7 @@ fn arity(script: Script) -> (usize, std::ops::RangeInclusive<usize>) {
         // Two limits; `call` fits the arguments to the keys it names.
         Script::TokenBuckets => (5, 9..=9),
         Script::SlidingWindow => (3, 3..=5),
-        Script::SetParams => (2, 4..=10),
+        Script::SetParams => (5, 4..=10),
         Script::CollectUsage => (1, 1..=1),
     }
 }
@@ -191,10 +191,17 @@ fn role_keys(script: Script, rng: &mut ChaCha8Rng) -> Vec<&'static str> {
         }
         Script::SetParams => {
             let mut keys = vec![k(&format!("{t}:p")), k(&format!("{t}:b"))];
+            let o = if t == "a" { "b" } else { "a" };
             if rng.random_bool(0.3) {
                 // The replaced version's state: the other bucket.
-                let o = if t == "a" { "b" } else { "a" };
                 keys.push(k(&format!("{o}:b")));
+            } else if rng.random_bool(0.3) {
+                // A replaced sliding window: its state and parameters, and the new window.
+                keys.extend([
+                    k(&format!("{o}:w")),
+                    k(&format!("{o}:p")),
+                    k(&format!("{t}:w")),
+                ]);
             }
             keys
         }
