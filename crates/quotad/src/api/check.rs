@@ -10,6 +10,8 @@ use axum::response::Response;
 use quota_core::{PolicyName, TenantId};
 use serde::{Deserialize, Serialize};
 
+pub mod multi;
+
 use crate::api::header_text::HeaderText;
 use crate::api::problem::{problem_response, ApiError, ApiJson, Problem, QUOTA_EXCEEDED_TYPE};
 use crate::api::state::AppState;
@@ -310,7 +312,7 @@ pub async fn check(State(state): State<AppState>, req: Request) -> Result<Respon
     );
     let ApiJson(body) = ApiJson::<CheckBody>::from_request(req, &state).await?;
     if body.policies.is_some() {
-        return crate::api::check_multi::check_all(&state, body).await;
+        return multi::check_all(&state, body).await;
     }
     let (v, policy) = decide(&state, body, forwarded).await?;
     let r = CheckResponse::from_verdict(&v, state.decider.region().as_str());

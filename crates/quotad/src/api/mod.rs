@@ -11,7 +11,6 @@
 pub mod auth;
 pub mod batch;
 pub mod check;
-pub mod check_multi;
 pub mod cluster;
 pub mod contract;
 pub mod edge;
@@ -61,9 +60,9 @@ pub type Api = edge::Edge<routes::Routes>;
         cluster::metrics,
     ),
     components(schemas(
-        check_multi::MultiCheckResponse,
-        check_multi::MultiRateLimitedProblem,
-        check_multi::LimitResponse
+        check::multi::MultiCheckResponse,
+        check::multi::MultiRateLimitedProblem,
+        check::multi::LimitResponse
     )),
     modifiers(&BearerScheme, &Contract)
 )]
