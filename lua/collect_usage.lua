@@ -29,6 +29,7 @@ local MAX_PERIOD = 2678400000 -- longest refill period in ms (31 days, below 2^3
 local DEFAULT_PERIOD_MS = 1000 -- period of a refill given per second, and of old states
 local MAX_FILL = 9000000000000 -- floor(capacity / refill) * period stays below this
 local MAX_COST = 9007199254 -- MAX_CAP / UT: whole tokens per call
+local MAX_LIMITS = 16 -- most token buckets one check of several limits decides
 local MAX_WINDOW_LIMIT = 1000000000 -- sliding-window limit in tokens
 local MAX_WINDOW_MS = 2678400000 -- longest window: 31 days
 local MAX_WINDOW_PRODUCT = 2251799813685248 -- 2^51: largest limit * window

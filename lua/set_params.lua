@@ -4,7 +4,10 @@
 -- KEYS[1]  parameters (hash, no TTL)   qd:v1:{tenant}:<policy>:<version>:p
 -- KEYS[2]  token-bucket state (string) qd:v1:{tenant}:<policy>:<version>:b
 -- KEYS[3]  optional: the token-bucket state of the version this one replaces (a changed policy),
---          qd:v1:{tenant}:<policy>:<old version>:b
+--          qd:v1:{tenant}:<policy>:<old version>:b; for sliding-window parameters with a
+--          replaced version, the old window state qd:v1:{tenant}:<policy>:<old version>:w,
+--          and then KEYS[4] the old parameters (…:<old version>:p) and KEYS[5] this version's
+--          window state (…:<version>:w)
 -- ARGV[1..4]  'cap', capacity µt, 'rate', µt per period    (token bucket)
 --          or 'limit', tokens, 'window', ms                  (sliding window)
 -- ARGV[5]  optional minimum idle TTL in ms ('' or absent: 60000)
@@ -43,6 +46,13 @@
 -- fallback (src = 0: decided before its parameters were written), so a repeated call never
 -- takes the tokens twice; a missing old state is a full bucket (nothing spent). The old state
 -- is left as it is (its usage is still collected; the daemon clears it afterwards).
+--
+-- A changed sliding-window policy (KEYS[3..5], window parameters): when the new window has no
+-- state yet and the old one has stored parameters, what the old window still counts stays
+-- counted (quota-core window::carry_over). Both exact logs: the old entries both windows
+-- cover, as they are; otherwise the tokens the old window counts now (limit - remaining of a
+-- peek, at most its limit) are recorded as admitted now, as one log entry or in the current
+-- fixed window's counter. The new state expires as sliding_window.lua would set it.
 
 -- quotad shared helpers: begin. The same text in every script in lua/ (each script runs on its
 -- own, so the helpers are copied, not included); a test holds the copies equal and the bounds
@@ -53,6 +63,7 @@ local MAX_PERIOD = 2678400000 -- longest refill period in ms (31 days, below 2^3
 local DEFAULT_PERIOD_MS = 1000 -- period of a refill given per second, and of old states
 local MAX_FILL = 9000000000000 -- floor(capacity / refill) * period stays below this
 local MAX_COST = 9007199254 -- MAX_CAP / UT: whole tokens per call
+local MAX_LIMITS = 16 -- most token buckets one check of several limits decides
 local MAX_WINDOW_LIMIT = 1000000000 -- sliding-window limit in tokens
 local MAX_WINDOW_MS = 2678400000 -- longest window: 31 days
 local MAX_WINDOW_PRODUCT = 2251799813685248 -- 2^51: largest limit * window
@@ -252,16 +263,23 @@ local function refilled(tokens, carry, ts, cap, rate, per, now)
 end
 -- quotad shared helpers: end.
 
-if (#KEYS ~= 2 and #KEYS ~= 3) or #ARGV < 4 or #ARGV > 10 then
-  return err('expected 2 or 3 keys and 4 to 10 arguments')
+if (#KEYS < 2 or #KEYS > 5 or #KEYS == 4) or #ARGV < 4 or #ARGV > 10 then
+  return err('expected 2, 3 or 5 keys and 4 to 10 arguments')
 end
-if KEYS[1] == KEYS[2] or (KEYS[3] and (KEYS[3] == KEYS[1] or KEYS[3] == KEYS[2])) then
-  return err('the keys must be distinct')
+for i = 1, #KEYS do
+  for j = i + 1, #KEYS do
+    if KEYS[i] == KEYS[j] then
+      return err('the keys must be distinct')
+    end
+  end
 end
 local f1, v1, f2, v2 = ARGV[1], int(ARGV[2], MAX_CAP), ARGV[3], int(ARGV[4], MAX_CAP)
 local bucket = f1 == 'cap' and f2 == 'rate'
 if not (bucket or (f1 == 'limit' and f2 == 'window')) or v1 == nil or v2 == nil then
   return err('expected cap, rate or limit, window with integer values')
+end
+if #KEYS == 5 and bucket then
+  return err('5 keys are for sliding-window parameters')
 end
 local per = DEFAULT_PERIOD_MS
 if bucket then
@@ -349,6 +367,131 @@ if KEYS[3] and bucket and (not v or src0 == 0) then
   end
 end
 
+-- A changed sliding window: the fields of the new window state that keep what the old window
+-- counts (nil: nothing to write), read and checked here, written after the parameters.
+local wstate
+if KEYS[5] then
+  local nk = redis.call('TYPE', KEYS[5])['ok']
+  if nk ~= 'hash' and nk ~= 'none' then
+    return err('the window state key holds another type')
+  end
+  local op = redis.pcall('HMGET', KEYS[4], 'limit', 'window', 'until', 'flimit', 'fwindow')
+  if failed(op) then
+    return err('the replaced parameters key holds another type')
+  end
+  local oh = redis.pcall('HMGET', KEYS[3], 'l', 'ws', 'cu', 'pv', 'ts')
+  if failed(oh) then
+    return err('the replaced window state key holds another type')
+  end
+  if nk == 'none' and (op[1] or op[2]) and (oh[1] or oh[2] or oh[3] or oh[4] or oh[5]) then
+    local ol, ow = int(op[1], MAX_WINDOW_LIMIT), int(op[2], MAX_WINDOW_MS)
+    if not window_ok(ol, ow) then
+      return err('the replaced parameters are invalid')
+    end
+    if op[3] or op[4] or op[5] then
+      local oend = int(op[3], MAX_CAP)
+      local fl, fw = int(op[4], MAX_WINDOW_LIMIT), int(op[5], MAX_WINDOW_MS)
+      if oend == nil or not window_ok(fl, fw) then
+        return err('the replaced parameters are invalid')
+      end
+      if now >= oend then
+        ol, ow = fl, fw
+      end
+    end
+    local function ofield(i, max)
+      if not oh[i] then
+        return 0
+      end
+      return int(oh[i], max)
+    end
+    local ows, ocu, opv = ofield(2, MAX_CAP), ofield(3, MAX_WINDOW_LIMIT), ofield(4, MAX_WINDOW_LIMIT)
+    local ots = ofield(5, MAX_CAP)
+    if not (ows and ocu and opv and ots) then
+      return err('the replaced window state is invalid')
+    end
+    local t = now
+    if ots > t then
+      t = ots
+    end
+    -- The old log's entries, checked as sliding_window.lua checks them.
+    local log = oh[1] or ''
+    local ts_list, cost_list, chars = {}, {}, 0
+    for a, b in string.gmatch(log, '(%d+):(%d+)') do
+      local et, ec = int(a, t), int(b, MAX_COST)
+      if et == nil or ec == nil or ec < 1 then
+        return err('the replaced window state is invalid')
+      end
+      chars = chars + #a + #b + 2
+      ts_list[#ts_list + 1], cost_list[#cost_list + 1] = et, ec
+    end
+    if (log ~= '' and chars - 1 ~= #log) or find(log, '[^%d:,]') then
+      return err('the replaced window state is invalid')
+    end
+    local nl, nw = v1, v2
+    if lease and now >= lease_end then
+      nl, nw = g1, g2
+    end
+    local entries, used = {}, 0
+    if ol <= EXACT_LOG_MAX then
+      for i = 1, #ts_list do
+        if ts_list[i] + ow > t then
+          used = used + cost_list[i]
+          if nl <= EXACT_LOG_MAX and ts_list[i] + nw > t then
+            entries[#entries + 1] = string.format('%d:%d', ts_list[i], cost_list[i])
+          end
+        end
+      end
+      if used > ol then
+        used = ol
+      end
+    else
+      local start = t - fmod(t, ow)
+      if ows + ow == start then
+        opv, ocu = ocu, 0
+      elseif ows ~= start then
+        opv, ocu = 0, 0
+      end
+      local est, cap = opv * (ow - (t - start)) + ocu * ow, ol * ow
+      local free = 0
+      if cap > est then
+        free = cap - est
+      end
+      used = ol - (free - fmod(free, ow)) / ow
+    end
+    local reset = 0
+    if ol <= EXACT_LOG_MAX and nl <= EXACT_LOG_MAX then
+      if #entries > 0 then
+        local last = ts_list[1]
+        for i = 1, #ts_list do
+          if ts_list[i] + ow > t and ts_list[i] + nw > t then
+            last = ts_list[i]
+          end
+        end
+        wstate = { 'l', table.concat(entries, ',') }
+        reset = last + nw - t
+      end
+    elseif used > 0 then
+      if nl <= EXACT_LOG_MAX then
+        wstate = { 'l', string.format('%d:%d', t, used) }
+        reset = nw
+      else
+        local start = t - fmod(t, nw)
+        wstate = { 'ws', string.format('%d', start), 'cu', string.format('%d', used), 'pv', '0' }
+        reset = (nw - (t - start)) + nw
+      end
+    end
+    if wstate then
+      if reset < min_ttl then
+        reset = min_ttl
+      end
+      local set_ttl = reset + (reset - fmod(reset, 4)) / 4
+      wstate.ttl = set_ttl
+      wstate[#wstate + 1], wstate[#wstate + 2] = 'ts', string.format('%d', t)
+      wstate[#wstate + 1], wstate[#wstate + 2] = 'x', string.format('%d', t + set_ttl)
+    end
+  end
+end
+
 redis.call('DEL', KEYS[1])
 if bucket then
   if lease then
@@ -361,6 +504,11 @@ elseif lease then
   redis.call('HSET', KEYS[1], f1, v1, f2, v2, 'until', lease_end, 'flimit', g1, 'fwindow', g2)
 else
   redis.call('HSET', KEYS[1], f1, v1, f2, v2)
+end
+
+if wstate then
+  redis.call('HSET', KEYS[5], unpack(wstate))
+  redis.call('PEXPIRE', KEYS[5], string.format('%d', wstate.ttl))
 end
 
 -- The parameters in force now.

@@ -42,6 +42,10 @@ pub const MAX_FILL_BOUND_MS: u64 = 9_000_000_000_000;
 /// micro-tokens must stay exact in a double.
 pub const MAX_BURST: u64 = MAX_CAPACITY_UT / UT;
 
+/// The most limits one check may decide together (one token bucket each, all in one hash
+/// slot): each adds two keys and three arguments to one script call.
+pub const MAX_LIMITS_PER_CHECK: u64 = 16;
+
 /// The longest window of either algorithm: 31 days.
 pub const MAX_WINDOW_MS: u64 = 31 * 24 * 3_600_000;
 

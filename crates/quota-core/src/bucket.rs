@@ -23,8 +23,8 @@ use serde::{Deserialize, Serialize};
 
 use crate::bounds::PPM;
 pub use crate::bounds::{
-    DEFAULT_PERIOD_MS, MAX_CAPACITY_UT, MAX_FILL_BOUND_MS, MAX_PERIOD_MS, MAX_RATE_UT_PER_S,
-    MAX_REFILL_UT, UT,
+    DEFAULT_PERIOD_MS, MAX_CAPACITY_UT, MAX_FILL_BOUND_MS, MAX_LIMITS_PER_CHECK, MAX_PERIOD_MS,
+    MAX_RATE_UT_PER_S, MAX_REFILL_UT, UT,
 };
 use crate::policy::Policy;
 
@@ -254,6 +254,79 @@ pub fn decide(
     (decision, s)
 }
 
+/// One limit's part of a check of several limits at once ([`decide_all`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct LimitOutcome {
+    /// This limit's decision. When the check as a whole is denied, a limit that would have
+    /// admitted reports `allowed` with its level unspent.
+    pub decision: Decision,
+    /// The state to store, or `None` to leave the stored one as it is.
+    pub state: Option<BucketState>,
+}
+
+/// Decides `cost` whole tokens against several buckets at once, all or nothing: the cost is
+/// spent on every bucket when every one of them admits it, and on none otherwise. A denied
+/// check stores the refilled state of each bucket that denied (its denial counted there, as
+/// [`decide`] does) and leaves the others untouched, so a limit that would have admitted
+/// spends nothing. A `cost` of 0 is a peek of each. Exactly what `lua/token_buckets.lua`
+/// computes; the check's decision is [`Decision::all`] of the outcomes.
+pub fn decide_all(
+    now_ms: u64,
+    limits: &[(BucketParams, Option<BucketState>)],
+    cost: u64,
+) -> Vec<LimitOutcome> {
+    let each: Vec<(Decision, BucketState)> = limits
+        .iter()
+        .map(|(p, s)| decide(now_ms, p, s.as_ref(), cost))
+        .collect();
+    let admitted = each.iter().all(|(d, _)| d.allowed);
+    each.into_iter()
+        .zip(limits)
+        .map(|((d, s), (p, prev))| {
+            if cost == 0 {
+                LimitOutcome {
+                    decision: d,
+                    state: None,
+                }
+            } else if admitted || !d.allowed {
+                LimitOutcome {
+                    decision: d,
+                    state: Some(s),
+                }
+            } else {
+                // Would have admitted: described as a peek, nothing stored.
+                LimitOutcome {
+                    decision: decide(now_ms, p, prev.as_ref(), 0).0,
+                    state: None,
+                }
+            }
+        })
+        .collect()
+}
+
+impl Decision {
+    /// The decision of a check of several limits from each limit's: allowed when every one
+    /// allows; the fewest tokens left; the longest wait of those that deny (`None` when one
+    /// of them never will admit); the longest time to full (`None` when one never refills).
+    /// `None` for no limits.
+    pub fn all(decisions: impl IntoIterator<Item = Decision>) -> Option<Decision> {
+        let mut it = decisions.into_iter();
+        let first = it.next()?;
+        let wait = |d: &Decision| if d.allowed { Some(0) } else { d.retry_after_ms };
+        let mut out = Decision {
+            retry_after_ms: wait(&first),
+            ..first
+        };
+        for d in it {
+            out.allowed &= d.allowed;
+            out.remaining = out.remaining.min(d.remaining);
+            out.retry_after_ms = out.retry_after_ms.zip(wait(&d)).map(|(a, b)| a.max(b));
+            out.reset_ms = out.reset_ms.zip(d.reset_ms).map(|(a, b)| a.max(b));
+        }
+        Some(out)
+    }
+}
+
 /// The state of a bucket of `new` parameters that replaces a bucket of `old` ones (a changed
 /// policy, whose new version has a bucket of its own) at `now_ms`: what the old bucket had spent
 /// stays spent. Both refilled to now, the new level is the new bucket's level (full when it has
@@ -293,6 +366,39 @@ mod tests {
 
     fn params(cap_tokens: u64, tokens_per_s: u64) -> BucketParams {
         BucketParams::new(cap_tokens * UT, tokens_per_s * UT).unwrap()
+    }
+
+    #[test]
+    fn several_limits_spend_all_or_nothing() {
+        // 10 per second and 50 per minute.
+        let per_s = params(10, 10);
+        let per_min = BucketParams::per_period(50 * UT, 50 * UT, 60_000).unwrap();
+        let mut states = [None, None];
+        let mut admitted = 0;
+        for k in 0..12 {
+            let out = decide_all(k, &[(per_s, states[0]), (per_min, states[1])], 1);
+            for (s, o) in states.iter_mut().zip(&out) {
+                if let Some(n) = o.state {
+                    *s = Some(n);
+                }
+            }
+            let all = Decision::all(out.iter().map(|o| o.decision)).unwrap();
+            if all.allowed {
+                admitted += 1;
+            } else {
+                // Denied by the per-second limit alone: nothing stored for the other.
+                assert!(!out[0].decision.allowed && out[1].decision.allowed);
+                assert!(out[0].state.is_some() && out[1].state.is_none());
+                assert_eq!(out[1].decision.remaining, 40);
+                assert_eq!(all.retry_after_ms, out[0].decision.retry_after_ms);
+                assert_eq!(all.remaining, 0);
+            }
+        }
+        assert_eq!(admitted, 10);
+        // A peek stores nothing and describes each.
+        let out = decide_all(20, &[(per_s, states[0]), (per_min, states[1])], 0);
+        assert!(out.iter().all(|o| o.state.is_none() && o.decision.allowed));
+        assert_eq!(Decision::all([]), None);
     }
 
     #[test]

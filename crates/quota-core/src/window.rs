@@ -197,6 +197,55 @@ fn decide_approx(now: u64, p: &WindowParams, mut s: WindowState, cost: u64) -> O
     (d, s)
 }
 
+/// The state of a window of `new` parameters that replaces a window of `old` ones (a changed
+/// policy, whose new version has a window of its own) at `now_ms`, when the new window has no
+/// state yet: what the old window still counts stays counted, so a changed policy hands out no
+/// fresh window. Two exact logs: the old log's entries the old window still counts and the new
+/// one covers, as they are. Otherwise the tokens the old window counts now (`limit − remaining`
+/// of a peek: the log's sum, or the counters' estimate rounded up, at most the old limit) are
+/// recorded as admitted now: one log entry, or the new current fixed window's counter. `None`
+/// when nothing is counted. `lua/set_params.lua` computes exactly this.
+pub fn carry_over(
+    now_ms: u64,
+    old: &WindowParams,
+    old_state: &WindowState,
+    new: &WindowParams,
+) -> Option<WindowState> {
+    let now = now_ms.max(old_state.ts_ms);
+    if old.is_exact() && new.is_exact() {
+        let log: Vec<(u64, u64)> = old_state
+            .log
+            .iter()
+            .copied()
+            .filter(|&(ts, _)| ts + old.window_ms > now && ts + new.window_ms > now)
+            .collect();
+        return (!log.is_empty()).then(|| WindowState {
+            log,
+            ts_ms: now,
+            ..WindowState::default()
+        });
+    }
+    let (peek, _) = decide(now, old, Some(old_state), 0);
+    let used = old.limit - peek.remaining.min(old.limit);
+    if used == 0 {
+        return None;
+    }
+    Some(if new.is_exact() {
+        WindowState {
+            log: vec![(now, used)],
+            ts_ms: now,
+            ..WindowState::default()
+        }
+    } else {
+        WindowState {
+            win_start_ms: now - now % new.window_ms,
+            cur: used,
+            ts_ms: now,
+            ..WindowState::default()
+        }
+    })
+}
+
 /// Idle time after which a window may be forgotten because it would be empty by then (the
 /// same as `reset_ms` of its last decision).
 pub fn idle_ttl_ms(params: &WindowParams, state: &WindowState) -> u64 {
@@ -219,6 +268,31 @@ pub fn idle_ttl_ms(params: &WindowParams, state: &WindowState) -> u64 {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_changed_window_keeps_what_it_counts() {
+        let p = |limit, window_ms| WindowParams::new(limit, window_ms).unwrap();
+        let mut s = None;
+        for t in [0, 100, 200] {
+            s = Some(decide(t, &p(5, 1000), s.as_ref(), 1).1);
+        }
+        let s = s.unwrap();
+        // Exact to exact: the entries both windows cover, as they are.
+        let c = carry_over(1050, &p(5, 1000), &s, &p(10, 900)).unwrap();
+        assert_eq!(c.log, vec![(200, 1)]);
+        let (d, _) = decide(1050, &p(10, 900), Some(&c), 0);
+        assert_eq!(d.remaining, 9);
+        // Exact to approximate: the 3 counted, in the current fixed window.
+        let c = carry_over(500, &p(5, 1000), &s, &p(200, 1000)).unwrap();
+        assert_eq!((c.win_start_ms, c.cur, c.prev), (0, 3, 0));
+        // Approximate to exact: the estimate rounded up, one entry now.
+        let big = p(200, 1000);
+        let (_, a) = decide(900, &big, None, 150);
+        let c = carry_over(1500, &big, &a, &p(100, 1000)).unwrap();
+        assert_eq!(c.log, vec![(1500, 75)]);
+        // Nothing counted: nothing carried.
+        assert_eq!(carry_over(5000, &p(5, 1000), &s, &p(5, 1000)), None);
+    }
 
     fn run(p: &WindowParams, steps: &[(u64, u64)]) -> Vec<Decision> {
         let mut s: Option<WindowState> = None;

@@ -5,6 +5,9 @@
 //! seed-article-style baseline script and the bare TIME+GET+SET PX floor, interleaved in one
 //! run with ratios.
 //!
+//! Then a check of two limits at once (`token_buckets.lua`, one EVALSHA) against the same two
+//! limits checked one after the other (two EVALSHAs), random keys.
+//!
 //! `cargo bench -p quota-store --bench store` (release; starts its own redis-server through
 //! redis-harness; ~1 min). `QUOTAD_BENCH_SCALE=0.2` shortens it.
 //!
@@ -19,7 +22,8 @@ use hdrhistogram::Histogram;
 use quota_core::bucket::UT;
 use quota_core::{BucketParams, PolicyName, TenantId};
 use quota_store::{
-    BucketRef, CheckRequest, EmbeddedStore, Limit, RedisStore, RedisStoreConfig, Store,
+    BucketRef, CheckRequest, EmbeddedStore, Limit, LimitCheck, MultiCheckRequest, RedisStore,
+    RedisStoreConfig, Store,
 };
 use rand::{Rng, SeedableRng};
 use redis_harness::RedisServer;
@@ -176,6 +180,59 @@ async fn store_run<S: Store + Clone + 'static>(
                 now_ms: None,
             };
             s.check(&r).await.unwrap();
+        }
+    })
+    .await
+}
+
+/// The two limits of tenant `t`: a per-second and a per-day bucket, both mostly admitting.
+fn two_limits(t: u64) -> [LimitCheck; 2] {
+    let day = BucketParams::per_period(1_000_000 * UT, 100_000_000 * UT, 86_400_000).unwrap();
+    [
+        LimitCheck {
+            bucket: bucket(t),
+            limit: limit(),
+        },
+        LimitCheck {
+            bucket: BucketRef {
+                policy: PolicyName::new("writes_per_day").unwrap(),
+                ..bucket(t)
+            },
+            limit: Limit::TokenBucket(day),
+        },
+    ]
+}
+
+/// Two limits per call, random keys: at once (`multi`) or as two single checks.
+async fn two_limit_run<S: Store + Clone + 'static>(
+    s: &S,
+    concurrency: usize,
+    total: usize,
+    multi: bool,
+) -> Outcome {
+    let s = s.clone();
+    load(concurrency, total, move |i| {
+        let s = s.clone();
+        let limits = two_limits(key_of(Keys::Random, i));
+        async move {
+            if multi {
+                let r = MultiCheckRequest {
+                    limits: limits.to_vec(),
+                    cost: 1,
+                    now_ms: None,
+                };
+                s.check_all(&r).await.unwrap();
+            } else {
+                for l in limits {
+                    let r = CheckRequest {
+                        bucket: l.bucket,
+                        limit: l.limit,
+                        cost: 1,
+                        now_ms: None,
+                    };
+                    s.check(&r).await.unwrap();
+                }
+            }
         }
     })
     .await
@@ -348,6 +405,30 @@ async fn main() {
             row("embedded", &e);
             row("redis (1 connection, pipelined)", &r);
         }
+    }
+
+    println!();
+    println!("== two limits per check (random keys): at once vs two single checks ==");
+    for concurrency in [1, 64] {
+        let n_redis = scaled(if concurrency == 1 { 10_000 } else { 100_000 });
+        let n_embedded = scaled(if concurrency == 1 { 300_000 } else { 1_000_000 });
+        println!("concurrency {concurrency}:");
+        row(
+            "embedded, 2 limits at once",
+            &two_limit_run(&embedded, concurrency, n_embedded, true).await,
+        );
+        row(
+            "embedded, 2 single checks",
+            &two_limit_run(&embedded, concurrency, n_embedded, false).await,
+        );
+        row(
+            "redis, 2 limits at once (1 EVALSHA)",
+            &two_limit_run(&redis_store, concurrency, n_redis, true).await,
+        );
+        row(
+            "redis, 2 single checks (2 EVALSHAs)",
+            &two_limit_run(&redis_store, concurrency, n_redis, false).await,
+        );
     }
 
     println!();

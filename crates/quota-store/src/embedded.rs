@@ -18,7 +18,7 @@ use quota_core::keys::StateKind;
 use quota_core::{bucket, window, BucketState, Decision, WindowParams, WindowState};
 
 use crate::{
-    BucketRef, CheckRequest, Limit, SetParams, Store, StoreError, UsageRecord,
+    BucketRef, CheckRequest, Limit, MultiCheckRequest, SetParams, Store, StoreError, UsageRecord,
     DEFAULT_MIN_IDLE_TTL_MS,
 };
 
@@ -204,16 +204,20 @@ impl EmbeddedStore {
         }
     }
 
-    /// The shard of a bucket: by tenant and policy, so every version of a policy shares one
-    /// (a changed policy's new bucket reads the old one under the same lock).
+    /// The shard of a bucket: by tenant, so every bucket of a tenant shares one (a changed
+    /// policy's new bucket reads the old one, and a check of several limits decides them all,
+    /// under one lock), as a tenant's Redis keys share one hash slot.
     fn shard(&self, b: &BucketRef) -> MutexGuard<'_, Shard> {
-        let i = self.hasher.hash_one((&b.tenant, &b.policy)) as usize % self.shards.len();
+        let i = self.hasher.hash_one(&b.tenant) as usize % self.shards.len();
         lock(&self.shards[i])
     }
 
     /// A changed policy: the new bucket (no state yet, or decided only on the fallback) keeps
     /// what the bucket it replaces had spent, as `set_params.lua` does.
     fn carry_over(&self, shard: &mut Shard, req: &SetParams, now: u64) {
+        if let (Some(old), Limit::SlidingWindow { .. }) = (req.replaced(), req.limit) {
+            return self.carry_over_window(shard, req, &old, now);
+        }
         let (Some(old), Limit::TokenBucket(new_share)) = (req.replaced(), req.limit) else {
             return;
         };
@@ -284,6 +288,68 @@ impl EmbeddedStore {
         }
     }
 
+    /// A changed sliding-window policy: a new window without state keeps what the old one
+    /// (with stored parameters) still counts, as `set_params.lua` does.
+    fn carry_over_window(&self, shard: &mut Shard, req: &SetParams, old: &BucketRef, now: u64) {
+        let new_key = (req.bucket.clone(), StateKind::Window);
+        if shard.states.get(&new_key).is_some_and(|e| e.live_at(now)) {
+            return;
+        }
+        let old_limit = match shard.params.get(old) {
+            Some(&(p, Some((end, floor)))) if p.kind() == StateKind::Window && now >= end => floor,
+            Some(&(p, _)) if p.kind() == StateKind::Window => p,
+            _ => return,
+        };
+        let Some(State::Window(old_s)) = shard
+            .states
+            .get(&(old.clone(), StateKind::Window))
+            .filter(|e| e.live_at(now))
+            .map(|e| &e.state)
+        else {
+            return;
+        };
+        let new_limit = match req.lease {
+            Some(l) if l.remaining_ms == 0 => l.floor,
+            _ => req.limit,
+        };
+        let (
+            Limit::SlidingWindow {
+                limit: ol,
+                window_ms: ow,
+            },
+            Limit::SlidingWindow {
+                limit: nl,
+                window_ms: nw,
+            },
+        ) = (old_limit, new_limit)
+        else {
+            return;
+        };
+        let (old_p, new_p) = (
+            WindowParams {
+                limit: ol,
+                window_ms: ow,
+            },
+            WindowParams {
+                limit: nl,
+                window_ms: nw,
+            },
+        );
+        let Some(s) = window::carry_over(now, &old_p, old_s, &new_p) else {
+            return;
+        };
+        let ttl = window::idle_ttl_ms(&new_p, &s).max(self.min_idle_ttl_ms);
+        let e = Entry {
+            expires_at_ms: Some(s.ts_ms.saturating_add(ttl)),
+            state: State::Window(s),
+            admitted: 0,
+            denied: 0,
+            listed: false,
+            limit: new_limit,
+        };
+        shard.states.insert(new_key, e);
+    }
+
     fn decide(&self, req: &CheckRequest) -> Result<Decision, StoreError> {
         req.validate()?;
         let now = req.now_ms.unwrap_or_else(|| (self.clock)());
@@ -323,6 +389,61 @@ impl EmbeddedStore {
         };
         shard.record(key, now, state, limit, expires_at_ms, admitted, denied);
         Ok(decision)
+    }
+
+    /// Several token buckets of one tenant at once, all or nothing, as `token_buckets.lua`.
+    fn decide_all(&self, req: &MultiCheckRequest) -> Result<Vec<Decision>, StoreError> {
+        req.validate()?;
+        let now = req.now_ms.unwrap_or_else(|| (self.clock)());
+        // One tenant: one shard holds every bucket.
+        let mut shard = self.shard(&req.limits[0].bucket);
+        let shard = &mut *shard;
+        shard.latest_ms = shard.latest_ms.max(now);
+        shard.since_sweep += 1;
+        if shard.since_sweep > shard.len_after_sweep.max(1024) {
+            shard.sweep();
+        }
+        let mut inputs = Vec::with_capacity(req.limits.len());
+        for l in &req.limits {
+            let limit = match shard.params.get(&l.bucket) {
+                Some(&(p, Some((end, floor)))) if p.kind() == StateKind::Bucket && now >= end => {
+                    floor
+                }
+                Some(&(p, _)) if p.kind() == StateKind::Bucket => p,
+                _ => l.limit,
+            };
+            let Limit::TokenBucket(p) = limit else {
+                return Err(StoreError::Rejected {
+                    reason: "several limits at once are token buckets".into(),
+                });
+            };
+            let state = shard
+                .states
+                .get(&(l.bucket.clone(), StateKind::Bucket))
+                .filter(|e| e.live_at(now))
+                .and_then(|e| match &e.state {
+                    State::Bucket(s) => Some(*s),
+                    State::Window(_) => None,
+                });
+            inputs.push((p, state));
+        }
+        let outcomes = bucket::decide_all(now, &inputs, req.cost);
+        let admitted = outcomes.iter().all(|o| o.decision.allowed);
+        for ((o, (p, _)), l) in outcomes.iter().zip(&inputs).zip(&req.limits) {
+            let Some(s) = o.state else { continue };
+            let ttl = bucket::idle_ttl_ms(p, &s);
+            let expires_at_ms =
+                (ttl != u64::MAX).then(|| s.ts_ms.saturating_add(ttl.max(self.min_idle_ttl_ms)));
+            let (ad, dn) = if admitted {
+                (req.cost, 0)
+            } else {
+                (0, req.cost)
+            };
+            let key = (l.bucket.clone(), StateKind::Bucket);
+            let limit = Limit::TokenBucket(*p);
+            shard.record(key, now, State::Bucket(s), limit, expires_at_ms, ad, dn);
+        }
+        Ok(outcomes.into_iter().map(|o| o.decision).collect())
     }
 
     /// One decision on `prev` (a state of the other kind counts as none): the decision, the
@@ -370,6 +491,10 @@ impl Store for EmbeddedStore {
         self.decide(req)
     }
 
+    async fn check_all(&self, req: &MultiCheckRequest) -> Result<Vec<Decision>, StoreError> {
+        self.decide_all(req)
+    }
+
     async fn set_params(&self, req: &SetParams) -> Result<(), StoreError> {
         req.validate()?;
         let now = req.now_ms.unwrap_or_else(|| (self.clock)());
@@ -378,6 +503,16 @@ impl Store for EmbeddedStore {
             .map(|l| (now.saturating_add(l.remaining_ms), l.floor));
         let mut shard = self.shard(&req.bucket);
         self.carry_over(&mut shard, req, now);
+        if let Limit::TokenBucket(p) = req.limit {
+            // A carry counted in another period is dropped now, as set_params.lua does when it
+            // rewrites the state's copy of the parameters.
+            let key = (req.bucket.clone(), StateKind::Bucket);
+            if let Some(e) = shard.states.get_mut(&key).filter(|e| e.live_at(now)) {
+                if let State::Bucket(s) = &mut e.state {
+                    *s = s.in_period(p.period_ms);
+                }
+            }
+        }
         shard.params.insert(req.bucket.clone(), (req.limit, lease));
         Ok(())
     }

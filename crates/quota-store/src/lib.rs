@@ -23,7 +23,7 @@ pub mod embedded;
 pub mod redis_store;
 pub mod script;
 
-use quota_core::bucket::{MAX_CAPACITY_UT, UT};
+use quota_core::bucket::{MAX_CAPACITY_UT, MAX_LIMITS_PER_CHECK, UT};
 use quota_core::keys::{self, StateKind};
 use quota_core::{BucketParams, Decision, PolicyName, TenantId, WindowParams};
 
@@ -149,6 +149,63 @@ impl CheckRequest {
     }
 }
 
+/// One limit of a [`MultiCheckRequest`]: a bucket and its fallback parameters.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LimitCheck {
+    pub bucket: BucketRef,
+    /// Fallback parameters, used when the store has none written for this bucket.
+    pub limit: Limit,
+}
+
+/// A check of several limits of one tenant at once, all or nothing
+/// ([`quota_core::bucket::decide_all`]): the cost is spent on every bucket when every one admits
+/// it, and on none otherwise. Token buckets only; one EVALSHA of `lua/token_buckets.lua` on
+/// Redis (the tenant's keys share one hash slot).
+#[derive(Debug, Clone)]
+pub struct MultiCheckRequest {
+    /// 1 to [`MAX_LIMITS_PER_CHECK`] limits of one tenant, each bucket once.
+    pub limits: Vec<LimitCheck>,
+    /// Whole tokens, spent on every limit; 0 is a peek of each.
+    pub cost: u64,
+    /// Explicit time for tests and the simulator; `None` uses the store's clock.
+    pub now_ms: Option<u64>,
+}
+
+impl MultiCheckRequest {
+    /// Rejects what `lua/token_buckets.lua` would reject, and limits of several tenants (their
+    /// keys would not share a hash slot), before any I/O.
+    pub fn validate(&self) -> Result<(), StoreError> {
+        let rejected = |reason: String| Err(StoreError::Rejected { reason });
+        let n = self.limits.len();
+        if n == 0 || n as u64 > MAX_LIMITS_PER_CHECK {
+            return rejected(format!(
+                "{n} limits; a check decides 1..={MAX_LIMITS_PER_CHECK} at once"
+            ));
+        }
+        if self.cost > MAX_COST {
+            return rejected(format!("cost {} is outside 0..={MAX_COST}", self.cost));
+        }
+        validate_now(self.now_ms)?;
+        let first = &self.limits[0].bucket.tenant;
+        for (i, l) in self.limits.iter().enumerate() {
+            if l.bucket.tenant != *first {
+                return rejected("the limits of one check belong to one tenant".into());
+            }
+            if !matches!(l.limit, Limit::TokenBucket(_)) {
+                return rejected(format!(
+                    "limit {} is a sliding window; several limits at once are token buckets",
+                    i + 1
+                ));
+            }
+            l.limit.validate()?;
+            if self.limits[..i].iter().any(|o| o.bucket == l.bucket) {
+                return rejected(format!("limit {} repeats a bucket", i + 1));
+            }
+        }
+        Ok(())
+    }
+}
+
 fn validate_now(now_ms: Option<u64>) -> Result<(), StoreError> {
     match now_ms {
         Some(now) if now > MAX_CAPACITY_UT => Err(StoreError::Rejected {
@@ -182,7 +239,9 @@ pub struct SetParams {
     /// The version of the same tenant's policy this bucket replaces (its terms changed): for a
     /// token bucket, what the old bucket had spent stays spent
     /// ([`quota_core::bucket::carry_over`]), while the new bucket has no state yet or was only
-    /// decided on the fallback.
+    /// decided on the fallback; for a sliding window, what the old window (with stored
+    /// parameters) still counts stays counted ([`quota_core::window::carry_over`]), while the
+    /// new window has no state yet.
     pub replaces: Option<u64>,
 }
 
@@ -328,6 +387,13 @@ pub trait Store: Send + Sync {
         &self,
         req: &CheckRequest,
     ) -> impl std::future::Future<Output = Result<Decision, StoreError>> + Send;
+    /// Decides several token buckets of one tenant atomically, all or nothing (see
+    /// [`MultiCheckRequest`]): each limit's decision, in the request's order; the check's is
+    /// [`Decision::all`] of them.
+    fn check_all(
+        &self,
+        req: &MultiCheckRequest,
+    ) -> impl std::future::Future<Output = Result<Vec<Decision>, StoreError>> + Send;
     /// Writes this region's parameters for a bucket (the region agent does this on allocation
     /// and renews them with its lease). They replace any written before and take precedence
     /// over a check's fallback.
@@ -380,6 +446,13 @@ impl Store for AnyStore {
         match self {
             Self::Embedded(s) => s.check(req).await,
             Self::Redis(s) => s.check(req).await,
+        }
+    }
+
+    async fn check_all(&self, req: &MultiCheckRequest) -> Result<Vec<Decision>, StoreError> {
+        match self {
+            Self::Embedded(s) => s.check_all(req).await,
+            Self::Redis(s) => s.check_all(req).await,
         }
     }
 

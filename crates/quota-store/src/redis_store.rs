@@ -43,7 +43,9 @@ pub use config::{
 pub use tls::{ClientIdentity, Tls, TlsPart};
 
 use crate::script::{self, Arg, COLLECT_BATCH_MAX};
-use crate::{BucketRef, CheckRequest, Limit, SetParams, Store, StoreError, UsageRecord};
+use crate::{
+    BucketRef, CheckRequest, Limit, MultiCheckRequest, SetParams, Store, StoreError, UsageRecord,
+};
 use source::{build_source, Source};
 
 /// Slot indexes drained at once during a cluster usage collection.
@@ -52,6 +54,7 @@ pub const CLUSTER_COLLECT_CONCURRENCY: usize = 64;
 #[derive(Debug)]
 struct Scripts {
     token_bucket: Script,
+    token_buckets: Script,
     sliding_window: Script,
     collect_usage: Script,
     set_params: Script,
@@ -99,6 +102,7 @@ impl RedisStore {
         };
         let scripts = Arc::new(Scripts {
             token_bucket: Script::new(script::TOKEN_BUCKET_LUA),
+            token_buckets: Script::new(script::TOKEN_BUCKETS_LUA),
             sliding_window: Script::new(script::SLIDING_WINDOW_LUA),
             collect_usage: Script::new(script::COLLECT_USAGE_LUA),
             set_params: Script::new(script::SET_PARAMS_LUA),
@@ -173,6 +177,23 @@ impl Store for RedisStore {
         script::decision_from_reply(&reply)
     }
 
+    async fn check_all(&self, req: &MultiCheckRequest) -> Result<Vec<Decision>, StoreError> {
+        req.validate()?;
+        let mut keys = Vec::with_capacity(2 * req.limits.len() + 1);
+        for l in &req.limits {
+            keys.push(l.bucket.state_key(StateKind::Bucket));
+            keys.push(l.bucket.params_key());
+        }
+        // The tenant's keys share one hash slot, so one index for all.
+        keys.push(self.index_key(&keys[0]));
+        let keys: Vec<&str> = keys.iter().map(String::as_str).collect();
+        let args = script::multi_args(req, &self.min_idle_ttl_ms);
+        let reply: Vec<i64> = self
+            .invoke(&self.scripts.token_buckets, &keys, &args)
+            .await?;
+        script::decisions_from_reply(&reply, req.limits.len())
+    }
+
     async fn set_params(&self, req: &SetParams) -> Result<(), StoreError> {
         req.validate()?;
         // One script: the params hash and the copy inside the token-bucket state change
@@ -181,14 +202,20 @@ impl Store for RedisStore {
         let state = req.bucket.state_key(StateKind::Bucket);
         let args = script::set_params_args(req, &self.min_idle_ttl_ms);
         let args: Vec<Arg> = args.iter().map(|a| Arg::Str(a)).collect();
-        // A changed policy: the old version's state, whose spent tokens stay spent.
-        let old = match (req.replaced(), req.limit) {
-            (Some(b), Limit::TokenBucket(_)) => Some(b.state_key(StateKind::Bucket)),
-            _ => None,
+        // A changed policy: the old version's state, whose spent tokens stay spent; for a
+        // window also the old parameters and the new window's state.
+        let old: Vec<String> = match (req.replaced(), req.limit) {
+            (Some(b), Limit::TokenBucket(_)) => vec![b.state_key(StateKind::Bucket)],
+            (Some(b), Limit::SlidingWindow { .. }) => vec![
+                b.state_key(StateKind::Window),
+                b.params_key(),
+                req.bucket.state_key(StateKind::Window),
+            ],
+            (None, _) => Vec::new(),
         };
         let keys: Vec<&str> = [key.as_str(), state.as_str()]
             .into_iter()
-            .chain(old.as_deref())
+            .chain(old.iter().map(String::as_str))
             .collect();
         let _: i64 = self.invoke(&self.scripts.set_params, &keys, &args).await?;
         Ok(())

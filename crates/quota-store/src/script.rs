@@ -3,13 +3,16 @@
 
 use quota_core::Decision;
 
-use crate::{CheckRequest, Limit, SetParams, StoreError};
+use crate::{CheckRequest, Limit, MultiCheckRequest, SetParams, StoreError};
 
 /// One token-bucket decision (`lua/token_bucket.lua`).
 pub const TOKEN_BUCKET_LUA: &str = include_str!("../../../lua/token_bucket.lua");
 
 /// One sliding-window decision (`lua/sliding_window.lua`).
 pub const SLIDING_WINDOW_LUA: &str = include_str!("../../../lua/sliding_window.lua");
+
+/// One atomic decision of several token buckets, all or nothing (`lua/token_buckets.lua`).
+pub const TOKEN_BUCKETS_LUA: &str = include_str!("../../../lua/token_buckets.lua");
 
 /// Writes a bucket's parameters and the copy inside its token-bucket state
 /// (`lua/set_params.lua`).
@@ -64,6 +67,39 @@ pub fn decision_args<'a>(req: &CheckRequest, min_idle_ttl_ms: &'a str) -> ([Arg<
         Arg::Num(per),
     ];
     (args, n)
+}
+
+/// The ARGV of `token_buckets.lua` for `req`: cost, explicit now (or `""`), minimum idle TTL,
+/// then each limit's fallback capacity, refill and period.
+pub fn multi_args<'a>(req: &MultiCheckRequest, min_idle_ttl_ms: &'a str) -> Vec<Arg<'a>> {
+    let mut args = Vec::with_capacity(3 + 3 * req.limits.len());
+    args.extend([
+        Arg::Num(req.cost),
+        req.now_ms.map_or(Arg::Str(""), Arg::Num),
+        Arg::Str(min_idle_ttl_ms),
+    ]);
+    for l in &req.limits {
+        match l.limit {
+            Limit::TokenBucket(p) => args.extend([
+                Arg::Num(p.capacity_ut),
+                Arg::Num(p.refill_ut),
+                Arg::Num(p.period_ms),
+            ]),
+            // Refused by MultiCheckRequest::validate; the script answers "no fallback".
+            Limit::SlidingWindow { .. } => args.extend([Arg::Str(""); 3]),
+        }
+    }
+    args
+}
+
+/// Decodes the 4 fields of each of `n` limits from `token_buckets.lua`.
+pub fn decisions_from_reply(reply: &[i64], n: usize) -> Result<Vec<Decision>, StoreError> {
+    if reply.len() != 4 * n {
+        return Err(StoreError::Protocol {
+            reason: format!("{n} limits give {} fields, got {}", 4 * n, reply.len()),
+        });
+    }
+    reply.chunks_exact(4).map(decision_from_reply).collect()
 }
 
 /// The ARGV of `set_params.lua` for `req`: the limit's field pairs, the minimum idle TTL,
@@ -148,6 +184,7 @@ mod tests {
     fn every_script_states_its_contract() {
         for s in [
             TOKEN_BUCKET_LUA,
+            TOKEN_BUCKETS_LUA,
             SLIDING_WINDOW_LUA,
             COLLECT_USAGE_LUA,
             SET_PARAMS_LUA,

@@ -7,7 +7,9 @@
 //! the stored-parameters hash (windows). `PROPTEST_CASES` scales it up.
 //!
 //! Then the embedded store against the Redis store through the `Store` trait: decisions, peeks
-//! (cost 0) and usage, with parameters written with and without lease ends.
+//! (cost 0) and usage, with parameters written with and without lease ends; and checks of
+//! several limits at once (`token_buckets.lua`, the embedded store and
+//! `quota_core::bucket::decide_all`), every limit's decision and stored state equal.
 
 mod common;
 
@@ -888,4 +890,353 @@ fn embedded_and_redis_stores_agree_on_buckets_with_leases() {
 #[test]
 fn embedded_and_redis_stores_agree_on_windows_with_leases() {
     stores_agree(small_window(), "stores, sliding window");
+}
+
+/// A step of a check of several limits at once.
+#[derive(Debug, Clone)]
+enum MultiStep {
+    /// All the limits at once.
+    All {
+        dt: i64,
+        cost: u64,
+    },
+    /// One limit alone (token_bucket.lua), so the levels drift apart.
+    One {
+        dt: i64,
+        limit: usize,
+        cost: u64,
+    },
+    /// New parameters stored for one limit (set_params.lua).
+    Set {
+        limit: usize,
+        p: BucketParams,
+    },
+    Collect,
+}
+
+/// Token buckets of a few tokens with refills per second, per minute and odd periods, so
+/// limits of one check run dry at different times (10 per second beside 50 per minute).
+fn multi_bucket() -> impl Strategy<Value = BucketParams> + Clone {
+    let period = prop_oneof![
+        Just(1000u64),
+        Just(60_000u64),
+        1u64..=5_000,
+        Just(86_400_000u64)
+    ];
+    (0u64..=60, 0u64..=60, period).prop_map(|(c, r, per)| nudged(c * UT, r * UT / 2, per))
+}
+
+fn multi_steps(n: usize) -> impl Strategy<Value = Vec<MultiStep>> {
+    let dt = prop_oneof![
+        5 => 0i64..=300,
+        2 => 0i64..=70_000,
+        1 => -500i64..=0,
+    ];
+    let cost = prop_oneof![6 => 1u64..=6, 1 => Just(0u64), 1 => 1u64..=70];
+    let all = (dt.clone(), cost.clone()).prop_map(|(dt, cost)| MultiStep::All { dt, cost });
+    let one = (dt, 0..n, cost).prop_map(|(dt, limit, cost)| MultiStep::One { dt, limit, cost });
+    let set = (0..n, multi_bucket()).prop_map(|(limit, p)| MultiStep::Set { limit, p });
+    proptest::collection::vec(
+        prop_oneof![12 => all, 3 => one, 1 => set, 1 => Just(MultiStep::Collect)],
+        1..120,
+    )
+}
+
+/// `lua/token_buckets.lua` (through the Redis store) and the embedded store against
+/// `quota_core::bucket::decide_all`: every limit's decision and stored state, and the usage
+/// collected, equal.
+fn run_multi(
+    rt: &tokio::runtime::Runtime,
+    redis: &RedisStore,
+    conn: &mut redis::Connection,
+    start: u64,
+    fallbacks: &[BucketParams],
+    steps: &[MultiStep],
+) -> Result<(), TestCaseError> {
+    use quota_core::PolicyName;
+    use quota_store::{BucketRef, LimitCheck, MultiCheckRequest};
+    rt.block_on(async {
+        // Idle states outlive every case on either store (Redis expires on its own clock, not
+        // the explicit now).
+        let embedded = EmbeddedStore::new().with_min_idle_ttl(MULTI_IDLE_TTL_MS);
+        let tenant = common::fresh_bucket("multi").tenant;
+        let buckets: Vec<BucketRef> = (0..fallbacks.len())
+            .map(|i| BucketRef {
+                tenant: tenant.clone(),
+                policy: PolicyName::new(format!("p{i}")).unwrap(),
+                version: 1,
+            })
+            .collect();
+        let mut params: Vec<BucketParams> = fallbacks.to_vec();
+        let mut states: Vec<Option<BucketState>> = vec![None; fallbacks.len()];
+        let mut now = start;
+        let multi = |cost: u64, now: u64| MultiCheckRequest {
+            limits: buckets
+                .iter()
+                .zip(fallbacks)
+                .map(|(b, p)| LimitCheck {
+                    bucket: b.clone(),
+                    limit: Limit::TokenBucket(*p),
+                })
+                .collect(),
+            cost,
+            now_ms: Some(now),
+        };
+        for (i, step) in steps.iter().enumerate() {
+            match *step {
+                MultiStep::All { dt, cost } => {
+                    CHECKS.set(CHECKS.get() + 1);
+                    now = now.saturating_add_signed(dt);
+                    let inputs: Vec<_> = params.iter().copied().zip(states.clone()).collect();
+                    let outcomes = bucket::decide_all(now, &inputs, cost);
+                    let want: Vec<Decision> = outcomes.iter().map(|o| o.decision).collect();
+                    for (s, o) in states.iter_mut().zip(&outcomes) {
+                        if let Some(next) = o.state {
+                            *s = Some(next);
+                        }
+                    }
+                    let r = multi(cost, now);
+                    let got = redis
+                        .check_all(&r)
+                        .await
+                        .map_err(|e| TestCaseError::fail(format!("step {i}: {e}")))?;
+                    prop_assert_eq!(&got, &want, "Lua, step {} at {}", i, now);
+                    let emb = embedded.check_all(&r).await.unwrap();
+                    prop_assert_eq!(&emb, &want, "embedded, step {} at {}", i, now);
+                }
+                MultiStep::One { dt, limit, cost } => {
+                    CHECKS.set(CHECKS.get() + 1);
+                    now = now.saturating_add_signed(dt);
+                    let (want, next) =
+                        bucket::decide(now, &params[limit], states[limit].as_ref(), cost);
+                    if cost > 0 {
+                        states[limit] = Some(next);
+                    }
+                    let r = common::req(
+                        &buckets[limit],
+                        Limit::TokenBucket(fallbacks[limit]),
+                        cost,
+                        Some(now),
+                    );
+                    prop_assert_eq!(redis.check(&r).await.unwrap(), want, "step {}", i);
+                    prop_assert_eq!(embedded.check(&r).await.unwrap(), want, "step {}", i);
+                }
+                MultiStep::Set { limit, p } => {
+                    let s = SetParams::new(buckets[limit].clone(), Limit::TokenBucket(p)).at(now);
+                    redis.set_params(&s).await.unwrap();
+                    embedded.set_params(&s).await.unwrap();
+                    params[limit] = p;
+                    states[limit] = states[limit].map(|s| s.in_period(p.period_ms));
+                }
+                MultiStep::Collect => {
+                    let mine = |v: Vec<UsageRecord>| -> Vec<UsageRecord> {
+                        let mut v: Vec<_> = v
+                            .into_iter()
+                            .filter(|u| u.bucket.tenant == tenant)
+                            .collect();
+                        v.sort_by(|a, b| a.bucket.cmp(&b.bucket));
+                        v
+                    };
+                    let want = mine(embedded.collect_usage(usize::MAX).await.unwrap());
+                    let got = mine(redis.collect_usage(usize::MAX).await.unwrap());
+                    prop_assert_eq!(got, want, "usage at step {}", i);
+                }
+            }
+            // Every limit's stored state is the reference's: a limit that would have
+            // admitted a denied check is untouched.
+            for (k, b) in buckets.iter().enumerate() {
+                let raw: Option<Vec<u8>> = redis::cmd("GET")
+                    .arg(b.state_key(quota_core::keys::StateKind::Bucket))
+                    .query(conn)
+                    .unwrap();
+                prop_assert_eq!(
+                    raw.as_deref().map(packed_state),
+                    states[k],
+                    "limit {} state at step {}",
+                    k,
+                    i
+                );
+            }
+        }
+        Ok(())
+    })
+}
+
+/// The minimum idle TTL of the stores of the several-limits test: ten days.
+const MULTI_IDLE_TTL_MS: u64 = 864_000_000;
+
+#[test]
+fn several_limits_at_once_match_the_reference_in_lua_and_embedded() {
+    let cfg = config();
+    let before = CHECKS.get();
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    let server = RedisServer::start().unwrap();
+    let cfg_redis = quota_store::RedisStoreConfig::standalone(server.url())
+        .with_timeout(std::time::Duration::from_secs(5))
+        .with_min_idle_ttl(std::time::Duration::from_millis(MULTI_IDLE_TTL_MS));
+    let redis = rt.block_on(RedisStore::connect(cfg_redis)).unwrap();
+    let conn = RefCell::new(common::sync_conn(&server));
+    let mut runner = TestRunner::new(cfg.clone());
+    let strategy = (1usize..=4).prop_flat_map(|n| {
+        (
+            1_600_000_000_000u64..=1_900_000_000_000,
+            proptest::collection::vec(multi_bucket(), n),
+            multi_steps(n),
+        )
+    });
+    let result = runner.run(&strategy, |(start, fallbacks, steps)| {
+        run_multi(
+            &rt,
+            &redis,
+            &mut conn.borrow_mut(),
+            start,
+            &fallbacks,
+            &steps,
+        )
+    });
+    if let Err(e) = result {
+        panic!(
+            "{e}\nreproduce: PROPTEST_RNG_SEED={:?} cargo test -p quota-store --test differential",
+            cfg.rng_seed
+        );
+    }
+    report("several limits at once", before, &cfg);
+}
+
+/// The example: 10 per second and 50 per minute on one subject. A burst of 10 admits
+/// all 10 (each limit spends 10); the 11th is denied by the per-second limit alone and spends
+/// nothing on the per-minute one. Second by second, the per-minute limit runs out after 54 (50
+/// and the 4 it refilled in 5 s), and from then on a denial spends nothing on the per-second
+/// limit either.
+#[test]
+fn ten_per_second_and_fifty_per_minute_all_or_nothing() {
+    use quota_core::PolicyName;
+    use quota_store::{BucketRef, LimitCheck, MultiCheckRequest};
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    let server = RedisServer::start().unwrap();
+    let redis = rt.block_on(common::store(&server));
+    let embedded = EmbeddedStore::new();
+    let tenant = common::fresh_bucket("ten-fifty").tenant;
+    let per_s = BucketParams::per_period(10 * UT, 10 * UT, 1000).unwrap();
+    let per_min = BucketParams::per_period(50 * UT, 50 * UT, 60_000).unwrap();
+    let limits: Vec<LimitCheck> = [("per_s", per_s), ("per_min", per_min)]
+        .into_iter()
+        .map(|(name, p)| LimitCheck {
+            bucket: BucketRef {
+                tenant: tenant.clone(),
+                policy: PolicyName::new(name).unwrap(),
+                version: 1,
+            },
+            limit: Limit::TokenBucket(p),
+        })
+        .collect();
+    let t0 = 1_700_000_000_000u64;
+    let mut states = [None, None];
+    let mut admitted = 0;
+    // 15 requests at each of the first 6 seconds.
+    for sec in 0..6u64 {
+        for k in 0..15u64 {
+            let now = t0 + sec * 1000 + k;
+            let req = MultiCheckRequest {
+                limits: limits.clone(),
+                cost: 1,
+                now_ms: Some(now),
+            };
+            let got = rt.block_on(redis.check_all(&req)).unwrap();
+            let emb = rt.block_on(embedded.check_all(&req)).unwrap();
+            let inputs = [(per_s, states[0]), (per_min, states[1])];
+            let outcomes = bucket::decide_all(now, &inputs, 1);
+            let want: Vec<Decision> = outcomes.iter().map(|o| o.decision).collect();
+            assert_eq!(got, want, "Lua at second {sec}, request {k}");
+            assert_eq!(emb, want, "embedded at second {sec}, request {k}");
+            for (s, o) in states.iter_mut().zip(&outcomes) {
+                if let Some(n) = o.state {
+                    *s = Some(n);
+                }
+            }
+            let all = Decision::all(got.iter().copied()).unwrap();
+            if all.allowed {
+                admitted += 1;
+            }
+            match (sec, k) {
+                (0..=4, 0..=9) => assert!(all.allowed, "second {sec}, request {k}"),
+                (0..=4, _) => {
+                    // Denied by the per-second limit alone: the per-minute one spent nothing.
+                    assert_eq!((got[0].allowed, got[1].allowed), (false, true));
+                    assert_eq!(
+                        got[1].remaining,
+                        50 - 10 * (sec + 1) + sec * 50 * 1000 / 60_000
+                    );
+                }
+                (5, 0..=3) => assert!(all.allowed, "second {sec}, request {k}"),
+                (5, _) => {
+                    // The per-minute limit is spent (50 plus the 4 it refilled): denied by it
+                    // alone, and the per-second limit keeps its 6 unspent.
+                    assert!(!all.allowed);
+                    assert!(got[0].allowed && !got[1].allowed);
+                    assert_eq!(got[0].remaining, 6, "the per-second limit spent nothing");
+                }
+                _ => {}
+            }
+        }
+    }
+    // 50 in the first five seconds plus what the per-minute limit refilled by then (4 tokens).
+    assert_eq!(admitted, 54);
+}
+
+/// Spends 3 on a window of `old` at `t0`, replaces it by `new` and peeks: the tokens left.
+async fn left_after_change<S: Store>(store: &S, old: Limit, new: Limit, t0: u64) -> u64 {
+    let b = common::fresh_bucket("wcarry");
+    store
+        .set_params(&SetParams::new(b.clone(), old).at(t0))
+        .await
+        .unwrap();
+    for k in 0..3 {
+        let d = store.check(&common::req(&b, old, 1, Some(t0 + k))).await;
+        assert!(d.unwrap().allowed);
+    }
+    let next = quota_store::BucketRef {
+        version: b.version + 1,
+        ..b.clone()
+    };
+    let p = SetParams::new(next.clone(), new)
+        .at(t0 + 10)
+        .replacing(b.version);
+    store.set_params(&p).await.unwrap();
+    let d = store
+        .check(&common::req(&next, new, 0, Some(t0 + 20)))
+        .await;
+    d.unwrap().remaining
+}
+
+/// A changed sliding-window policy keeps what its window counts, on both stores alike: exact
+/// to exact keeps the entries, exact to approximate and back count them as admitted now.
+#[test]
+fn a_changed_window_keeps_what_it_counts_in_both_stores() {
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    let server = RedisServer::start().unwrap();
+    let redis = rt.block_on(common::store(&server));
+    let embedded = EmbeddedStore::new();
+    let window = |limit, window_ms| Limit::SlidingWindow { limit, window_ms };
+    let t0 = 1_700_000_000_000u64;
+    // (old limit, new limit, tokens left in the new window after 3 spent in the old)
+    for (old, new, left) in [
+        (window(5, 10_000), window(6, 20_000), 3),
+        (window(5, 10_000), window(200, 10_000), 197),
+        (window(200, 10_000), window(10, 10_000), 7),
+        (window(200, 10_000), window(300, 5_000), 297),
+    ] {
+        let e = rt.block_on(left_after_change(&embedded, old, new, t0));
+        let r = rt.block_on(left_after_change(&redis, old, new, t0));
+        assert_eq!((e, r), (left, left), "{old:?} -> {new:?}");
+    }
 }

@@ -1,4 +1,4 @@
-//! Fuzzes the four Lua scripts against a real redis-server: random KEYS counts (repeated keys
+//! Fuzzes the five Lua scripts against a real redis-server: random KEYS counts (repeated keys
 //! included), adversarial ARGV strings (negatives, floats, exponents, hex, spaces, inf, nan,
 //! 20-digit numbers, unicode, empty) and pre-existing keys of every type (string, list, set,
 //! zset, hash, stream, valid and corrupt states). Every reply must be valid by the script's
@@ -10,7 +10,7 @@
 
 use quota_core::bounds::{MAX_BURST, MAX_CAPACITY_UT, MAX_WINDOW_LIMIT};
 use quota_store::script::{
-    COLLECT_USAGE_LUA, SET_PARAMS_LUA, SLIDING_WINDOW_LUA, TOKEN_BUCKET_LUA,
+    COLLECT_USAGE_LUA, SET_PARAMS_LUA, SLIDING_WINDOW_LUA, TOKEN_BUCKETS_LUA, TOKEN_BUCKET_LUA,
 };
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
@@ -35,13 +35,15 @@ const NOW: u64 = 1_700_000_000_000;
 #[derive(Clone, Copy, Debug, PartialEq)]
 enum Script {
     TokenBucket,
+    TokenBuckets,
     SlidingWindow,
     SetParams,
     CollectUsage,
 }
 
-const SCRIPTS: [Script; 4] = [
+const SCRIPTS: [Script; 5] = [
     Script::TokenBucket,
+    Script::TokenBuckets,
     Script::SlidingWindow,
     Script::SetParams,
     Script::CollectUsage,
@@ -136,6 +138,15 @@ fn plausible(rng: &mut ChaCha8Rng, script: Script, i: usize) -> String {
         }
         (Script::SetParams, 8) => now(rng),
         (Script::CollectUsage, _) => rng.random_range(1..=10u64).to_string(),
+        // Cost, now, minimum TTL, then each limit's capacity, refill and period.
+        (Script::TokenBuckets, 0) => n(rng, 12),
+        (Script::TokenBuckets, 1) => now(rng),
+        (Script::TokenBuckets, 2) => n(rng, 100_000),
+        (Script::TokenBuckets, i) => match (i - 3) % 3 {
+            0 => (rng.random_range(0..=20u64) * 1_000_000).to_string(),
+            1 => n(rng, 5_000_000),
+            _ => period(rng),
+        },
         _ => String::new(),
     }
 }
@@ -153,8 +164,10 @@ fn period(rng: &mut ChaCha8Rng) -> String {
 fn arity(script: Script) -> (usize, std::ops::RangeInclusive<usize>) {
     match script {
         Script::TokenBucket => (3, 3..=6),
+        // Two limits; `call` fits the arguments to the keys it names.
+        Script::TokenBuckets => (5, 9..=9),
         Script::SlidingWindow => (3, 3..=5),
-        Script::SetParams => (2, 4..=10),
+        Script::SetParams => (5, 4..=10),
         Script::CollectUsage => (1, 1..=1),
     }
 }
@@ -166,12 +179,29 @@ fn role_keys(script: Script, rng: &mut ChaCha8Rng) -> Vec<&'static str> {
     match script {
         Script::TokenBucket => vec![k(&format!("{t}:b")), k(&format!("{t}:p")), k(":ix")],
         Script::SlidingWindow => vec![k(&format!("{t}:w")), k(&format!("{t}:p")), k(":ix")],
+        Script::TokenBuckets => {
+            // One limit or both, in either order, the index last.
+            let mut keys = vec![k(&format!("{t}:b")), k(&format!("{t}:p"))];
+            if rng.random_bool(0.7) {
+                let o = if t == "a" { "b" } else { "a" };
+                keys.extend([k(&format!("{o}:b")), k(&format!("{o}:p"))]);
+            }
+            keys.push(k(":ix"));
+            keys
+        }
         Script::SetParams => {
             let mut keys = vec![k(&format!("{t}:p")), k(&format!("{t}:b"))];
+            let o = if t == "a" { "b" } else { "a" };
             if rng.random_bool(0.3) {
                 // The replaced version's state: the other bucket.
-                let o = if t == "a" { "b" } else { "a" };
                 keys.push(k(&format!("{o}:b")));
+            } else if rng.random_bool(0.3) {
+                // A replaced sliding window: its state and parameters, and the new window.
+                keys.extend([
+                    k(&format!("{o}:w")),
+                    k(&format!("{o}:p")),
+                    k(&format!("{t}:w")),
+                ]);
             }
             keys
         }
@@ -181,8 +211,12 @@ fn role_keys(script: Script, rng: &mut ChaCha8Rng) -> Vec<&'static str> {
 
 /// One random call: keys and args.
 fn call(rng: &mut ChaCha8Rng, script: Script) -> (Vec<&'static str>, Vec<String>) {
-    let (n_keys, n_args) = arity(script);
+    let (n_keys, mut n_args) = arity(script);
     let mut keys = role_keys(script, rng);
+    if script == Script::TokenBuckets {
+        let n = 3 + 3 * (keys.len() - 1) / 2;
+        n_args = n..=n;
+    }
     if rng.random_bool(0.1) {
         let n = rng.random_range(0..=n_keys + 1);
         keys = (0..n)
@@ -438,6 +472,30 @@ fn check_reply(script: Script, args: &[String], v: &Value) -> Result<(), String>
                 bad()
             }
         }
+        Script::TokenBuckets => {
+            let Value::Array(a) = v else { return bad() };
+            let f: Vec<i64> = a.iter().filter_map(int).collect();
+            let ok = !f.is_empty()
+                && f.len() == a.len()
+                && f.len().is_multiple_of(4)
+                && f.chunks(4).all(|c| {
+                    let &[allowed, remaining, retry, reset] = c else {
+                        return false;
+                    };
+                    (allowed == 0 || allowed == 1)
+                        && (0..=MAX_BURST as i64).contains(&remaining)
+                        && (-1..=MAX_CAPACITY_UT as i64).contains(&retry)
+                        && (-1..=MAX_CAPACITY_UT as i64).contains(&reset)
+                        && (allowed == 0 || retry == 0)
+                        && (allowed == 1 || retry == -1 || retry >= 1)
+                        && (args[0] != "0" || (allowed == 1 && retry == 0))
+                });
+            if ok {
+                Ok(())
+            } else {
+                bad()
+            }
+        }
         Script::SetParams => match v {
             Value::Int(1) => Ok(()),
             _ => bad(),
@@ -478,6 +536,7 @@ fn scripts_answer_valid_replies_or_quotad_errors_and_errors_change_nothing() {
     let mut conn = server.client().get_connection().unwrap();
     let shas: Vec<String> = [
         TOKEN_BUCKET_LUA,
+        TOKEN_BUCKETS_LUA,
         SLIDING_WINDOW_LUA,
         SET_PARAMS_LUA,
         COLLECT_USAGE_LUA,
@@ -492,8 +551,8 @@ fn scripts_answer_valid_replies_or_quotad_errors_and_errors_change_nothing() {
     })
     .collect();
 
-    let mut calls = [0usize; 4];
-    let mut errors = [0usize; 4];
+    let mut calls = [0usize; SCRIPTS.len()];
+    let mut errors = [0usize; SCRIPTS.len()];
     let mut failures: Vec<String> = Vec::new();
     while calls.iter().any(|&c| c < per_script) && failures.len() < 10 {
         let mut pipe = redis::pipe();
@@ -507,7 +566,7 @@ fn scripts_answer_valid_replies_or_quotad_errors_and_errors_change_nothing() {
         }
         let mut batch = Vec::with_capacity(BATCH);
         for _ in 0..BATCH {
-            let si = rng.random_range(0..4);
+            let si = rng.random_range(0..SCRIPTS.len());
             let script = SCRIPTS[si];
             let (keys, args) = call(&mut rng, script);
             let c = pipe.cmd("EVALSHA").arg(&shas[si]).arg(keys.len());
@@ -560,7 +619,7 @@ fn scripts_answer_valid_replies_or_quotad_errors_and_errors_change_nothing() {
         failures.join("\n")
     );
     // The fuzz reached both outcomes for every script.
-    for si in 0..4 {
+    for si in 0..SCRIPTS.len() {
         assert!(calls[si] >= per_script, "{:?}", SCRIPTS[si]);
         assert!(
             errors[si] > 0 && errors[si] < calls[si],

@@ -4,19 +4,22 @@
 //! from quota-core's, or when a script defines a bound of its own outside the block.
 
 use quota_core::bounds::{
-    DEFAULT_PERIOD_MS, EXACT_LOG_MAX, MAX_BURST, MAX_CAPACITY_UT, MAX_FILL_BOUND_MS, MAX_PERIOD_MS,
-    MAX_REFILL_UT, MAX_WINDOW_LIMIT, MAX_WINDOW_MS, MAX_WINDOW_PRODUCT, UT,
+    DEFAULT_PERIOD_MS, EXACT_LOG_MAX, MAX_BURST, MAX_CAPACITY_UT, MAX_FILL_BOUND_MS,
+    MAX_LIMITS_PER_CHECK, MAX_PERIOD_MS, MAX_REFILL_UT, MAX_WINDOW_LIMIT, MAX_WINDOW_MS,
+    MAX_WINDOW_PRODUCT, UT,
 };
 use quota_store::script::{
-    COLLECT_BATCH_MAX, COLLECT_USAGE_LUA, SET_PARAMS_LUA, SLIDING_WINDOW_LUA, TOKEN_BUCKET_LUA,
+    COLLECT_BATCH_MAX, COLLECT_USAGE_LUA, SET_PARAMS_LUA, SLIDING_WINDOW_LUA, TOKEN_BUCKETS_LUA,
+    TOKEN_BUCKET_LUA,
 };
 use quota_store::{DEFAULT_MIN_IDLE_TTL_MS, MAX_COST};
 
 const BEGIN: &str = "-- quotad shared helpers: begin.";
 const END: &str = "-- quotad shared helpers: end.";
 
-const SCRIPTS: [(&str, &str); 4] = [
+const SCRIPTS: [(&str, &str); 5] = [
     ("token_bucket.lua", TOKEN_BUCKET_LUA),
+    ("token_buckets.lua", TOKEN_BUCKETS_LUA),
     ("sliding_window.lua", SLIDING_WINDOW_LUA),
     ("set_params.lua", SET_PARAMS_LUA),
     ("collect_usage.lua", COLLECT_USAGE_LUA),
@@ -74,6 +77,7 @@ fn lua_bounds_equal_quota_core_bounds() {
         ("DEFAULT_PERIOD_MS", DEFAULT_PERIOD_MS),
         ("MAX_FILL", MAX_FILL_BOUND_MS),
         ("MAX_COST", MAX_BURST),
+        ("MAX_LIMITS", MAX_LIMITS_PER_CHECK),
         ("MAX_WINDOW_LIMIT", MAX_WINDOW_LIMIT),
         ("MAX_WINDOW_MS", MAX_WINDOW_MS),
         ("MAX_WINDOW_PRODUCT", MAX_WINDOW_PRODUCT),

@@ -139,11 +139,11 @@ enum Route {
 fn route(state: &AppState, c: &CheckBody, forwarded: bool) -> Route {
     let home = TenantId::new(c.tenant.as_str())
         .ok()
-        .zip(PolicyName::new(c.policy.as_str()).ok())
+        .zip(c.policy.as_deref().and_then(|p| PolicyName::new(p).ok()))
         .and_then(|(t, p)| state.decider.home_elsewhere(&t, &p, forwarded));
     match home {
         Some(home) => Route::Home(home),
-        None => Route::Here(c.tenant.clone(), c.policy.clone()),
+        None => Route::Here(c.tenant.clone(), c.policy.clone().unwrap_or_default()),
     }
 }
 

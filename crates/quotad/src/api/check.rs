@@ -10,6 +10,8 @@ use axum::response::Response;
 use quota_core::{PolicyName, TenantId};
 use serde::{Deserialize, Serialize};
 
+pub mod multi;
+
 use crate::api::header_text::HeaderText;
 use crate::api::problem::{problem_response, ApiError, ApiJson, Problem, QUOTA_EXCEEDED_TYPE};
 use crate::api::state::AppState;
@@ -24,8 +26,14 @@ static RATELIMIT: HeaderName = HeaderName::from_static("ratelimit");
 pub struct CheckBody {
     /// The tenant id (1–96 characters of `[A-Za-z0-9_-]`).
     pub tenant: String,
-    /// The policy name.
-    pub policy: String,
+    /// The policy name. Exactly one of `policy` and `policies`.
+    #[serde(default)]
+    pub policy: Option<String>,
+    /// Several policies of the tenant, decided at once, all or nothing: the cost is spent on
+    /// every one when each admits it, and on none otherwise (token buckets only, decided in
+    /// this region). Not in batches.
+    #[serde(default)]
+    pub policies: Option<Vec<String>>,
     /// Tokens to spend; a whole number ≥ 1, at most the policy's burst. Defaults to 1.
     #[serde(default)]
     #[schema(value_type = Option<u64>)]
@@ -66,18 +74,32 @@ pub const MAX_COST: u64 = 9_000_000_000_000_000;
 /// Validates a check body into typed ids (taking its strings, not copying them) and a cost.
 pub(crate) fn parse(body: CheckBody) -> Result<(TenantId, PolicyName, u64), ApiError> {
     let tenant = TenantId::new(body.tenant).map_err(|e| ApiError::field("tenant", &e))?;
-    let policy = PolicyName::new(body.policy).map_err(|e| ApiError::field("policy", &e))?;
-    let cost = match body.cost {
-        None => 1,
-        Some(c) if c.fract() == 0.0 && (1.0..=MAX_COST as f64).contains(&c) => c as u64,
-        Some(c) => {
-            return Err(ApiError::field(
-                "cost",
-                &format!("must be a whole number of at least 1 (got {c})"),
-            ))
-        }
+    if body.policies.is_some() {
+        return Err(ApiError::field(
+            "policies",
+            &"several policies at once are checked one request each, on POST /v1/check",
+        ));
+    }
+    let Some(policy) = body.policy else {
+        return Err(ApiError::field(
+            "policy",
+            &"required: the policy to check (or several in policies)",
+        ));
     };
-    Ok((tenant, policy, cost))
+    let policy = PolicyName::new(policy).map_err(|e| ApiError::field("policy", &e))?;
+    Ok((tenant, policy, parse_cost(body.cost)?))
+}
+
+/// A check's cost: 1 when absent, else a whole number in 1..=MAX_COST.
+pub(crate) fn parse_cost(cost: Option<f64>) -> Result<u64, ApiError> {
+    match cost {
+        None => Ok(1),
+        Some(c) if c.fract() == 0.0 && (1.0..=MAX_COST as f64).contains(&c) => Ok(c as u64),
+        Some(c) => Err(ApiError::field(
+            "cost",
+            &format!("must be a whole number of at least 1 (got {c})"),
+        )),
+    }
 }
 
 pub(crate) fn check_error(e: CheckError) -> ApiError {
@@ -271,8 +293,8 @@ pub(crate) async fn decide(
     path = "/v1/check",
     request_body = CheckBody,
     responses(
-        (status = 200, description = "Allowed", body = CheckResponse),
-        (status = 429, description = "Quota exceeded", body = RateLimitedProblem),
+        (status = 200, description = "Allowed (a check of `policies` answers a MultiCheckResponse)", body = CheckResponse),
+        (status = 429, description = "Quota exceeded (a check of `policies`: a MultiRateLimitedProblem)", body = RateLimitedProblem),
         (status = 400, description = "Invalid request", body = Problem),
         (status = 404, description = "Unknown tenant policy", body = Problem),
         (status = 503, description = "Temporarily reduced capacity", body = Problem),
@@ -289,6 +311,9 @@ pub async fn check(State(state): State<AppState>, req: Request) -> Result<Respon
             .and_then(|v| v.to_str().ok()),
     );
     let ApiJson(body) = ApiJson::<CheckBody>::from_request(req, &state).await?;
+    if body.policies.is_some() {
+        return multi::check_all(&state, body).await;
+    }
     let (v, policy) = decide(&state, body, forwarded).await?;
     let r = CheckResponse::from_verdict(&v, state.decider.region().as_str());
     let mut resp = if r.allowed {

@@ -4,6 +4,7 @@
 //! middleware, the edge's timeout), so the document is the contract a fuzzer can hold the
 //! server to.
 
+use quota_core::bucket::MAX_LIMITS_PER_CHECK;
 use quota_core::policy::{MAX_BURST, MAX_WINDOW_MS};
 use quota_core::{PolicyName, RegionId, TenantId};
 use serde_json::Value;
@@ -85,7 +86,7 @@ fn problem(description: &str) -> RefOr<utoipa::openapi::Response> {
 /// Problem bodies are `application/problem+json`, so a handler names only `body = Problem`.
 fn problem_content_type(op: &mut Operation) {
     let is_problem = |c: &Content| {
-        matches!(&c.schema, Some(RefOr::Ref(r)) if ["Problem", "RateLimitedProblem"]
+        matches!(&c.schema, Some(RefOr::Ref(r)) if ["Problem", "RateLimitedProblem", "MultiRateLimitedProblem"]
             .iter()
             .any(|name| r.ref_location == format!("#/components/schemas/{name}")))
     };
@@ -173,6 +174,20 @@ fn bound_bodies(s: &mut Schemas) {
     );
     set(s, "CheckBody", "tenant", id(TenantId::MAX_LEN));
     set(s, "CheckBody", "policy", id(PolicyName::MAX_LEN));
+    if let Some(RefOr::T(Schema::Object(o))) = s.get_mut("CheckBody") {
+        o.properties.insert(
+            "policies".to_string(),
+            RefOr::T(Schema::Array(
+                utoipa::openapi::schema::ArrayBuilder::new()
+                    .schema_type(SchemaType::from_iter([Type::Array, Type::Null]))
+                    .items(RefOr::T(Schema::Object(id(PolicyName::MAX_LEN))))
+                    .min_items(Some(1))
+                    .max_items(Some(MAX_LIMITS_PER_CHECK as usize))
+                    .unique_items(true)
+                    .build(),
+            )),
+        );
+    }
     set(s, "CheckBody", "cost", whole(1, MAX_COST, true));
     set(s, "PinBody", "region", id(RegionId::MAX_LEN));
     set(s, "NewMember", "node_id", whole(1, u64::MAX, false));
@@ -192,6 +207,8 @@ fn batch_checks_one_by_one(s: &mut Schemas) {
     // 400 in `results`, so the batch's schema does not hold ids and costs to the bounds.
     if let Some(RefOr::T(Schema::Object(check))) = s.get("CheckBody").cloned() {
         let mut item = check;
+        // Several policies at once are not batched.
+        item.properties.remove("policies");
         for f in ["tenant", "policy"] {
             item.properties.insert(
                 f.to_string(),

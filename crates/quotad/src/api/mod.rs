@@ -60,6 +60,11 @@ pub type Api = edge::Edge<routes::Routes>;
         cluster::readyz,
         cluster::metrics,
     ),
+    components(schemas(
+        check::multi::MultiCheckResponse,
+        check::multi::MultiRateLimitedProblem,
+        check::multi::LimitResponse
+    )),
     modifiers(&BearerScheme, &Contract)
 )]
 pub struct ApiDoc;

@@ -6,6 +6,7 @@
 
 pub mod breaker;
 pub mod denials;
+pub mod multi;
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};

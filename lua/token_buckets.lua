@@ -1,0 +1,435 @@
+-- token_buckets.lua: one atomic decision of several token buckets of one subject, all or
+-- nothing: the cost is spent on every bucket when every one admits it, and on none otherwise.
+--
+-- KEYS[2i-1]  limit i's bucket state (string, expires when idle), as KEYS[1] of token_bucket.lua
+-- KEYS[2i]    limit i's bucket parameters (hash, no TTL), as KEYS[2] of token_bucket.lua
+-- KEYS[2n+1]  activity index (set of state keys decided since the last usage collection)
+--             for n limits, 1 <= n <= MAX_LIMITS; every key distinct, all in one hash slot
+--             (quotad tags them all {tenant})
+-- ARGV[1]     cost in whole tokens for every limit, integer 0..9007199254; 0 is a peek of each
+--             (nothing written, nothing counted)
+-- ARGV[2]     optional explicit now in ms since the epoch ('': Redis TIME)
+-- ARGV[3]     optional minimum idle TTL in ms, integer 1..2^53-1 ('': 60000)
+-- ARGV[3i+1]  limit i's fallback capacity in micro-tokens ('' = none), used when no
+--             parameters are stored for it, as ARGV[2] of token_bucket.lua
+-- ARGV[3i+2]  limit i's fallback refill in micro-tokens per period ('' = none)
+-- ARGV[3i+3]  limit i's fallback refill period in ms, integer 1..2678400000 ('': 1000)
+-- returns     4n integers, limit by limit: {allowed 0|1, remaining whole tokens,
+--             retry_after_ms (-1 = never at these parameters), reset_ms (-1 = never)}; the
+--             check is admitted when every allowed is 1. When it is denied, a limit that would
+--             have admitted answers allowed 1 with its level unspent.
+-- errors      'ERR quotad: <what>' (naming the limit i where one is at fault) for every invalid
+--             argument (a fallback only when it is used), repeated key, key of another type,
+--             stored parameter or state out of bounds; nothing is written then (every check
+--             comes before the first write).
+--
+-- Each bucket is decided with the arithmetic of token_bucket.lua (quota-core/src/bucket.rs,
+-- decide_all is this script; a differential test holds them equal), on one now for all. If
+-- every bucket admits, each spends the cost and is written as token_bucket.lua writes it
+-- (state, TTL, usage counters, the activity index). If one denies, each bucket that denied is
+-- written as a denial of token_bucket.lua (refilled, the cost counted as denied) and the others
+-- are not touched at all: a limit that would have admitted spends and counts nothing.
+--
+-- Cost: TIME (unless now is given), one GET per limit, one SET PX per limit written, one SADD
+-- for all the limits first decided in this report interval; HMGET of a limit's parameters only
+-- when its bucket key is missing.
+
+-- quotad shared helpers: begin. The same text in every script in lua/ (each script runs on its
+-- own, so the helpers are copied, not included); a test holds the copies equal and the bounds
+-- equal to quota-core's bounds.rs.
+local UT = 1000000 -- micro-tokens per token
+local MAX_CAP = 9007199254740991 -- 2^53 - 1: capacities and refills in µt, times and TTLs in ms
+local MAX_PERIOD = 2678400000 -- longest refill period in ms (31 days, below 2^32)
+local DEFAULT_PERIOD_MS = 1000 -- period of a refill given per second, and of old states
+local MAX_FILL = 9000000000000 -- floor(capacity / refill) * period stays below this
+local MAX_COST = 9007199254 -- MAX_CAP / UT: whole tokens per call
+local MAX_LIMITS = 16 -- most token buckets one check of several limits decides
+local MAX_WINDOW_LIMIT = 1000000000 -- sliding-window limit in tokens
+local MAX_WINDOW_MS = 2678400000 -- longest window: 31 days
+local MAX_WINDOW_PRODUCT = 2251799813685248 -- 2^51: largest limit * window
+local EXACT_LOG_MAX = 128 -- largest sliding-window limit kept as an exact log
+local DEFAULT_MIN_TTL_MS = 60000 -- minimum idle TTL when none is given
+local COLLECT_MAX = 100000 -- most keys one usage collection takes
+local STATE_LEN = 96 -- bytes of a token-bucket state
+local STATE_LEN_NO_PERIOD = 88 -- bytes of a state written without its period (period 1000)
+-- Token-bucket state: 12 little-endian doubles (exact for integers below 2^53): tokens (µt),
+-- carry (1/per µt), ts (latest ms seen), ad / dn (tokens admitted / denied since the last
+-- collection, bytes 25..40), cap, rate, src, until, fcap, frate, per (see token_bucket.lua).
+-- A state of the first 11 alone (88 bytes) has per = 1000: rate and frate are µt per second.
+local STATE_FMT = '<dddddddddddd'
+local STATE_FMT_NO_PERIOD = '<ddddddddddd'
+-- Usage counters ad = dn = 0 as they sit in a state (bytes 25..40): two doubles 0.0.
+local ZERO_USAGE = '\0\0\0\0\0\0\0\0\0\0\0\0\0\0\0\0'
+
+local fmod = math.fmod
+local ceil = math.ceil
+local find = string.find
+
+local function err(what)
+  return redis.error_reply('ERR quotad: ' .. what)
+end
+
+-- A decimal integer string (1 to 16 digits: no sign, point, exponent, hex or space) at most
+-- max, as a number; nil for anything else.
+local function int(s, max)
+  if type(s) ~= 'string' or #s == 0 or #s > 16 or find(s, '%D') then
+    return nil
+  end
+  local n = tonumber(s)
+  if n > max then
+    return nil
+  end
+  return n
+end
+
+-- An optional explicit now in ms ('' or absent: Redis TIME, in whole ms); nil when invalid.
+local function arg_now(s)
+  if s == nil or s == '' then
+    local t = redis.call('TIME')
+    local us = tonumber(t[2])
+    return tonumber(t[1]) * 1000 + (us - fmod(us, 1000)) / 1000
+  end
+  return int(s, MAX_CAP)
+end
+
+-- An optional integer argument in 1..max ('' or absent: default); nil when invalid.
+local function opt_int(s, default, max)
+  if s == nil or s == '' then
+    return default
+  end
+  local n = int(s, max)
+  if n == nil or n < 1 then
+    return nil
+  end
+  return n
+end
+
+-- A reply that is a Redis error (redis.pcall), e.g. WRONGTYPE: the key holds another type.
+local function failed(r)
+  return type(r) == 'table' and r.err ~= nil
+end
+
+-- Token-bucket parameters within the bounds of quota-core BucketParams::per_period: cap µt,
+-- refilling rate µt every per ms. floor(cap / rate) * per is compared with MAX_FILL, below
+-- 2^53, so even a product rounded above 2^53 compares correctly. x % 1 == 0 is false for NaN
+-- and infinities.
+local function bucket_ok(cap, rate, per)
+  if cap == nil or rate == nil or per == nil or cap % 1 ~= 0 or rate % 1 ~= 0 or per % 1 ~= 0
+      or cap < 0 or cap > MAX_CAP or rate < 0 or rate > MAX_CAP or per < 1
+      or per > MAX_PERIOD then
+    return false
+  end
+  return rate == 0 or (cap - fmod(cap, rate)) / rate * per < MAX_FILL
+end
+
+-- Sliding-window parameters within the bounds of quota-core WindowParams::new (integers).
+local function window_ok(limit, w)
+  return limit ~= nil and w ~= nil and limit <= MAX_WINDOW_LIMIT and w >= 1
+    and w <= MAX_WINDOW_MS and limit * w <= MAX_WINDOW_PRODUCT
+end
+
+-- The fields of a token-bucket state, or nil when v is not one (wrong length, NaN, a fraction
+-- or a value out of bounds; without a lease, until = -1 and the floor 0, 0): tokens, carry, ts,
+-- ad, dn, cap, rate, src, until, fcap, frate, per.
+local function state_decode(v)
+  local t, c, ts, ad, dn, cap, rate, src, lease_end, fcap, frate, per
+  if #v == STATE_LEN then
+    t, c, ts, ad, dn, cap, rate, src, lease_end, fcap, frate, per = struct.unpack(STATE_FMT, v)
+  elseif #v == STATE_LEN_NO_PERIOD then
+    t, c, ts, ad, dn, cap, rate, src, lease_end, fcap, frate =
+      struct.unpack(STATE_FMT_NO_PERIOD, v)
+    per = DEFAULT_PERIOD_MS
+  else
+    return nil
+  end
+  if t % 1 == 0 and t >= 0 and t <= MAX_CAP and ts % 1 == 0 and ts >= 0 and ts <= MAX_CAP
+      and ad % 1 == 0 and ad >= 0 and ad <= MAX_CAP and dn % 1 == 0 and dn >= 0
+      and dn <= MAX_CAP and bucket_ok(cap, rate, per) and c % 1 == 0 and c >= 0 and c < per
+      and (src == 0 or src == 1)
+      and ((lease_end == -1 and fcap == 0 and frate == 0) or (lease_end % 1 == 0
+        and lease_end >= 0 and lease_end <= MAX_CAP and bucket_ok(fcap, frate, per))) then
+    return t, c, ts, ad, dn, cap, rate, src, lease_end, fcap, frate, per
+  end
+  return nil
+end
+
+-- floor((a * b + c) / p) and its remainder for integers a, b, c < p <= MAX_PERIOD (< 2^32),
+-- exact: when a * b + c could pass 2^53, b is split at 2^16 so no product does.
+local function muldiv(a, b, c, p)
+  local n = a * b + c
+  if n <= MAX_CAP then
+    local r = fmod(n, p)
+    return (n - r) / p, r
+  end
+  local bl = fmod(b, 65536)
+  local x = a * ((b - bl) / 65536)
+  local xr = fmod(x, p)
+  local y = xr * 65536 + a * bl + c
+  local yr = fmod(y, p)
+  return (x - xr) / p * 65536 + (y - yr) / p, yr
+end
+
+-- Whether e ms from carry c add at least need µt (need > 0) at rate µt per per ms, i.e.
+-- need <= floor((e * rate + c) / per), exact for any e: with e = q * per + e0 and
+-- rate = a * per + b, e * rate + c = (q * rate + e0 * a) * per + (e0 * b + c), and the terms are
+-- taken off need one by one, so a product above 2^53 (inexact) only ever stands for "more than
+-- enough".
+local function enough(e, need, c, rate, per)
+  local e0, b = fmod(e, per), fmod(rate, per)
+  need = need - (e - e0) / per * rate
+  if need <= 0 then
+    return true
+  end
+  need = need - e0 * ((rate - b) / per)
+  if need <= 0 then
+    return true
+  end
+  return need <= muldiv(e0, b, c, per)
+end
+
+-- ceil((need * per - carry) / rate), the ms until need more µt accrue (need > 0, rate > 0):
+-- directly when need * per is exact, else estimated in doubles (off by less than 1 below the
+-- fill bound) and made exact with enough.
+local function time_to(need, carry, rate, per)
+  local n = need * per
+  if n <= MAX_CAP then
+    n = n - carry
+    local r = fmod(n, rate)
+    if r > 0 then
+      return (n - r) / rate + 1
+    end
+    return n / rate
+  end
+  local t = ceil((n - carry) / rate)
+  if not enough(t, need, carry, rate, per) then
+    return t + 1
+  end
+  if t > 1 and enough(t - 1, need, carry, rate, per) then
+    return t - 1
+  end
+  return t
+end
+
+-- A bucket's tokens and carry clipped to cap and refilled from ts to now at rate per per ms
+-- (nothing when now <= ts: a clock stepping back), and the latest time seen. The µt added are
+-- floor((e * rate + c) / per), the carry its remainder: directly when e * rate + c is exact,
+-- else split as in enough (the sum stays below cap - tokens there, so every term is exact).
+local function refilled(tokens, carry, ts, cap, rate, per, now)
+  if tokens >= cap then
+    tokens, carry = cap, 0
+  end
+  if now <= ts then
+    return tokens, carry, ts
+  end
+  if tokens < cap and rate > 0 then
+    local e = now - ts
+    local n = e * rate + carry
+    if n <= MAX_CAP then
+      local r = fmod(n, per)
+      local add = (n - r) / per
+      if add >= cap - tokens then
+        return cap, 0, now
+      end
+      return tokens + add, r, now
+    end
+    if enough(e, cap - tokens, carry, rate, per) then
+      return cap, 0, now
+    end
+    local e0, b = fmod(e, per), fmod(rate, per)
+    local q, r = muldiv(e0, b, carry, per)
+    return tokens + (e - e0) / per * rate + e0 * ((rate - b) / per) + q, r, now
+  end
+  return tokens, carry, now
+end
+-- quotad shared helpers: end.
+local n_keys = #KEYS
+if n_keys < 3 or n_keys % 2 ~= 1 or n_keys > 2 * MAX_LIMITS + 1 then
+  return err('expected 2 keys for each of 1..' .. MAX_LIMITS .. ' limits and the activity index')
+end
+local n = (n_keys - 1) / 2
+local index = KEYS[n_keys]
+local seen = {}
+for i = 1, n_keys do
+  if seen[KEYS[i]] then
+    return err('the ' .. n_keys .. ' keys must be distinct')
+  end
+  seen[KEYS[i]] = true
+end
+if #ARGV ~= 3 + 3 * n then
+  return err('expected ' .. (3 + 3 * n) .. ' arguments for ' .. n .. ' limits')
+end
+local cost = int(ARGV[1], MAX_COST)
+if cost == nil then
+  return err('cost must be an integer in 0..' .. MAX_COST)
+end
+local min_ttl = opt_int(ARGV[3], DEFAULT_MIN_TTL_MS, MAX_CAP)
+if min_ttl == nil then
+  return err('minimum TTL must be an integer number of ms in 1..' .. MAX_CAP)
+end
+local now = arg_now(ARGV[2])
+if now == nil then
+  return err('now must be an integer number of ms')
+end
+
+-- Limit i's bucket refilled to now, as token_bucket.lua reads it: its fields, or nil and the
+-- error reply.
+local function load(i)
+  local at = 'limit ' .. i .. ': '
+  local v = redis.pcall('GET', KEYS[2 * i - 1])
+  if type(v) == 'table' then
+    return nil, err(at .. 'the state key holds another type')
+  end
+  local tokens, carry, ts, ad, dn, cap, rate, src, lease_end, fcap, frate, per, cper
+  if v then
+    tokens, carry, ts, ad, dn, cap, rate, src, lease_end, fcap, frate, per = state_decode(v)
+    if tokens == nil then
+      return nil, err(at .. 'stored state is invalid')
+    end
+    cper = per
+  else
+    local p = redis.pcall('HMGET', KEYS[2 * i], 'cap', 'rate', 'until', 'fcap', 'frate', 'per')
+    if failed(p) then
+      return nil, err(at .. 'the parameters key holds another type')
+    end
+    lease_end, fcap, frate = -1, 0, 0
+    if p[1] or p[2] then
+      cap, rate = int(p[1], MAX_CAP), int(p[2], MAX_CAP)
+      per = opt_int(p[6] or '', DEFAULT_PERIOD_MS, MAX_PERIOD)
+      if not bucket_ok(cap, rate, per) then
+        return nil, err(at .. 'stored parameters are invalid')
+      end
+      if p[3] or p[4] or p[5] then
+        lease_end, fcap, frate = int(p[3], MAX_CAP), int(p[4], MAX_CAP), int(p[5], MAX_CAP)
+        if lease_end == nil or not bucket_ok(fcap, frate, per) then
+          return nil, err(at .. 'stored parameters are invalid')
+        end
+      end
+      src = 1
+    else
+      src = 0
+    end
+    tokens, carry, ts, ad, dn = -1, 0, now, 0, 0
+  end
+  if src == 0 then
+    local a, b, c = ARGV[3 * i + 1], ARGV[3 * i + 2], ARGV[3 * i + 3]
+    if a == '' and b == '' then
+      if c ~= '' then
+        return nil, err(at .. 'a fallback period needs a fallback capacity and refill')
+      end
+      return nil, err(at .. 'no parameters stored and no fallback given')
+    end
+    cap, rate, per = int(a, MAX_CAP), int(b, MAX_CAP), opt_int(c, DEFAULT_PERIOD_MS, MAX_PERIOD)
+    if not bucket_ok(cap, rate, per) then
+      return nil, err(at .. 'fallback capacity, refill and period must be integers within the '
+        .. 'bucket bounds')
+    end
+    cper = cper or per
+  end
+  if per ~= cper then
+    carry = 0
+  end
+  local share_cap, share_rate = cap, rate
+  if src == 1 and lease_end >= 0 and now >= lease_end then
+    cap, rate = fcap, frate
+  end
+  if tokens < 0 then
+    tokens = cap
+  end
+  tokens, carry, ts = refilled(tokens, carry, ts, cap, rate, per, now)
+  return { tokens = tokens, carry = carry, ts = ts, ad = ad, dn = dn, cap = cap, rate = rate,
+    per = per, share_cap = share_cap, share_rate = share_rate, src = src,
+    lease_end = lease_end, fcap = fcap, frate = frate }
+end
+
+-- ms until bucket b is full (0 when full, -1 = never).
+local function reset_of(b)
+  if b.tokens >= b.cap then
+    return 0
+  elseif b.rate == 0 then
+    return -1
+  end
+  return time_to(b.cap - b.tokens, b.carry, b.rate, b.per)
+end
+
+local cost_ut = cost * UT
+local buckets = {}
+local admitted = true
+for i = 1, n do
+  local b, e = load(i)
+  if b == nil then
+    return e
+  end
+  b.admits = cost_ut <= b.tokens
+  admitted = admitted and b.admits
+  buckets[i] = b
+end
+
+local out = {}
+if cost == 0 then
+  for i = 1, n do
+    local b = buckets[i]
+    local k = 4 * i
+    out[k - 3], out[k - 2], out[k - 1], out[k] = 1, (b.tokens - fmod(b.tokens, UT)) / UT, 0,
+      reset_of(b)
+  end
+  return out
+end
+
+-- Decide each: spend on all when all admit; else deny where it does not, touch nothing else.
+local listed = {}
+for i = 1, n do
+  local b = buckets[i]
+  local allowed, retry = 1, 0
+  if admitted then
+    b.tokens = b.tokens - cost_ut
+    b.write = true
+  elseif not b.admits then
+    if cost_ut > b.cap or b.rate == 0 then
+      allowed, retry = 0, -1
+    else
+      allowed, retry = 0, time_to(cost_ut - b.tokens, b.carry, b.rate, b.per)
+    end
+    b.write = true
+  end
+  b.reset = reset_of(b)
+  if b.write and b.ad + b.dn == 0 then
+    listed[#listed + 1] = KEYS[2 * i - 1]
+  end
+  local k = 4 * i
+  out[k - 3], out[k - 2], out[k - 1], out[k] = allowed, (b.tokens - fmod(b.tokens, UT)) / UT,
+    retry, b.reset
+end
+
+-- Writes, last: the index (the only write that can fail, one SADD for all), then the states.
+if #listed > 0 and failed(redis.pcall('SADD', index, unpack(listed))) then
+  return err('the activity index holds another type')
+end
+for i = 1, n do
+  local b = buckets[i]
+  if b.write then
+    -- Usage counters saturate at MAX_CAP, so a state stays valid.
+    if admitted then
+      b.ad = b.ad + cost
+      if b.ad > MAX_CAP then
+        b.ad = MAX_CAP
+      end
+    else
+      b.dn = b.dn + cost
+      if b.dn > MAX_CAP then
+        b.dn = MAX_CAP
+      end
+    end
+    local packed = struct.pack(STATE_FMT, b.tokens, b.carry, b.ts, b.ad, b.dn, b.share_cap,
+      b.share_rate, b.src, b.lease_end, b.fcap, b.frate, b.per)
+    if b.reset == -1 then
+      redis.call('SET', KEYS[2 * i - 1], packed)
+    else
+      local ttl = b.reset
+      if ttl < min_ttl then
+        ttl = min_ttl
+      end
+      redis.call('SET', KEYS[2 * i - 1], packed, 'PX', ttl)
+    end
+  end
+end
+return out
