@@ -82,7 +82,8 @@ impl Decider {
                     .policy(&tenant, name)
                     .ok_or(CheckError::UnknownPolicy)?;
                 let (policy, _share, limit) = self.params_of(&view, entry);
-                policy.check_cost(cost).map_err(CheckError::from)?;
+                quota_core::mode::check_cost(&policy, cost, entry.grants.len())
+                    .map_err(CheckError::from)?;
                 if entry.home.as_ref().is_some_and(|h| *h != self.region) {
                     return Err(MultiError::Unsupported(format!(
                         "policy {:?} of this tenant is decided in its home region; check it alone",
@@ -95,6 +96,14 @@ impl Decider {
                          buckets",
                         name.as_str()
                     )));
+                }
+                // As for one policy: a share here that cannot hold the cost at all is reduced
+                // capacity for now, not a denial that could never end.
+                if !super::holds(&limit, cost) && !self.breaker.is_open() {
+                    return Err(MultiError::Check(CheckError::ReducedCapacity {
+                        policy: name.clone(),
+                        reason: "this region holds too little of the policy's budget for now",
+                    }));
                 }
                 limits.push(LimitCheck {
                     bucket: quota_store::BucketRef {
