@@ -275,6 +275,7 @@ impl EnvoyRateLimit {
                 policy: p,
                 mode: Mode::Normal,
                 decided_by: decider.region().clone(),
+                shadow_denied: false,
             },
             // Empty: certainly one hit again once full.
             Some(d) => self.denied(p, 0, d.reset_ms),
@@ -312,6 +313,7 @@ impl EnvoyRateLimit {
             policy,
             mode: Mode::Normal,
             decided_by: self.state.decider.region().clone(),
+            shadow_denied: false,
         }
     }
 

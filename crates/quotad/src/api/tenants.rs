@@ -19,8 +19,25 @@ use quota_store::{BucketRef, Limit};
 use crate::clock;
 use crate::coordination::{tenant_policies, CoordError};
 
+/// A tenant id as a client may name it: valid, and not reserved (an identity's hash or an
+/// internal subject), so a crafted tenant id can never alias an identity or a plan.
 pub(crate) fn tenant_id(s: &str) -> Result<TenantId, ApiError> {
-    TenantId::new(s).map_err(|e| ApiError::field("tenant", &e))
+    client_tenant(TenantId::new(s).map_err(|e| ApiError::field("tenant", &e))?)
+}
+
+/// Refuses a reserved tenant id.
+pub(crate) fn client_tenant(t: TenantId) -> Result<TenantId, ApiError> {
+    match t.reserved() {
+        None => Ok(t),
+        Some(quota_core::ids::Reserved::Identity) => Err(ApiError::field(
+            "tenant",
+            &"ids of the form h-<32 hex digits> are reserved for identities: send the raw value as `identity`",
+        )),
+        Some(quota_core::ids::Reserved::Internal) => Err(ApiError::field(
+            "tenant",
+            &"ids starting with \"--\" are reserved",
+        )),
+    }
 }
 
 pub(crate) fn policy_name(s: &str) -> Result<PolicyName, ApiError> {
@@ -33,6 +50,11 @@ pub(crate) fn coord_error(e: CoordError) -> ApiError {
             refused_policies(&entries, total, |_| String::new())
         }
         CoordError::UnknownRegion { .. } => ApiError::field("region", &e),
+        CoordError::UnknownPlan => ApiError::UnknownField {
+            field: "plan".into(),
+            message: "no such plan".into(),
+        },
+        CoordError::InvalidPlan { field } => ApiError::field(field, &"refused by the coordinator"),
         CoordError::Unavailable { reason } => ApiError::CoordinatorUnavailable { reason },
         CoordError::UnknownNode { .. } => ApiError::NotFound { what: "member" },
         CoordError::NotClustered | CoordError::NotLeader { .. } | CoordError::Rejected { .. } => {

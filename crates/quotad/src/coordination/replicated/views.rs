@@ -8,7 +8,7 @@ use quota_core::{PolicyName, RegionId, TenantId};
 use quota_raft::Changes;
 
 use super::{Derived, Replicated};
-use crate::coordination::view::{ClusterView, Grant, PolicyEntry, PolicyMap};
+use crate::coordination::view::{ClusterView, Grant, PlanAssignments, PolicyEntry, PolicyMap};
 
 impl Replicated {
     /// Rebuilds the view from the applied state and this region's lease; publishes it if it
@@ -55,12 +55,14 @@ fn view_of(
         Some(mut d) => {
             if changes.all {
                 sync_policies(&mut d.policies, s);
+                d.plan_assignments = assignments_of(s);
             } else {
                 for key in &changes.keys {
                     sync_key(&mut d.policies, s, key);
                 }
                 for tenant in &changes.tenants {
                     sync_tenant(&mut d.policies, s, tenant);
+                    sync_assignment(&mut d.plan_assignments, s, tenant);
                 }
             }
             if changes.all || !changes.tenants.is_empty() {
@@ -76,12 +78,14 @@ fn view_of(
                 revision,
                 policies,
                 tenant_pins: Arc::new(pins_of(s)),
+                plan_assignments: assignments_of(s),
             }
         }
     };
     let view = ClusterView {
         policies: d.policies.clone(),
         tenant_pins: d.tenant_pins.clone(),
+        plan_assignments: d.plan_assignments.clone(),
         region_leases: region_leases_of(s),
         epoch: s.epoch,
         lease_end_local_ms,
@@ -222,6 +226,27 @@ fn sync_policies(map: &mut PolicyMap, s: &CoordinatorState) {
     }
     for (key, entry) in upserts {
         map.insert((key.tenant.clone(), key.policy.clone()), entry_of(s, entry));
+    }
+}
+
+/// Every plan assignment (a whole rebuild only).
+fn assignments_of(s: &CoordinatorState) -> PlanAssignments {
+    s.plan_assignments
+        .iter()
+        .map(|(t, p)| (t.clone(), p.clone()))
+        .collect()
+}
+
+/// Brings one tenant's plan assignment in line with `s`.
+fn sync_assignment(map: &mut PlanAssignments, s: &CoordinatorState, tenant: &TenantId) {
+    match s.plan_assignments.get(tenant) {
+        Some(plan) if map.get(tenant) != Some(plan) => {
+            map.insert(tenant.clone(), plan.clone());
+        }
+        Some(_) => {}
+        None => {
+            map.remove(tenant);
+        }
     }
 }
 
