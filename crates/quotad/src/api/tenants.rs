@@ -115,6 +115,9 @@ pub struct PolicyBody {
     floor: Option<f64>,
     /// `token_bucket` (default) or `sliding_window`.
     algorithm: Option<String>,
+    /// `enforcing` (default) or `shadow`: a shadow policy is decided and counted but always
+    /// admits, marking a would-be denial `shadow_denied`.
+    mode: Option<String>,
 }
 
 /// A policy as stored.
@@ -133,6 +136,8 @@ pub struct PolicyView {
     pub floor: f64,
     #[schema(value_type = String)]
     pub algorithm: Algorithm,
+    #[schema(value_type = String)]
+    pub mode: quota_core::PolicyMode,
 }
 
 impl PolicyView {
@@ -148,6 +153,7 @@ impl PolicyView {
             fail_mode: p.fail_mode,
             floor: f64::from(p.floor_ppm) / f64::from(PPM),
             algorithm: p.algorithm,
+            mode: p.mode,
         }
     }
 }

@@ -60,6 +60,9 @@ pub struct ApiConfig {
     /// Named, scoped tokens (TOML `[[tokens]]`: `name`, `scope`, `token_sha256` or
     /// `token_file`), re-read every `tokens_check_ms`. See docs/operations.md.
     pub tokens_file: Option<PathBuf>,
+    /// A file holding the identity key (used when `QUOTAD_IDENTITY_KEY` is unset): checks
+    /// naming an `identity` hash it with this key. The same key in every region.
+    pub identity_key_file: Option<PathBuf>,
     /// How often `tokens_file` is read again; 0 reads it at start only.
     pub tokens_check_ms: u64,
     /// Decisions (`/v1/check`, `/v1/check/batch`) without a token; `false` asks for a `check`
@@ -257,6 +260,7 @@ impl Default for ApiConfig {
             listen: "127.0.0.1:7450".into(),
             admin_token_file: None,
             tokens_file: None,
+            identity_key_file: None,
             tokens_check_ms: 5_000,
             open_checks: true,
             body_limit_bytes: 64 * 1024,
