@@ -38,6 +38,10 @@ pub struct EnvoyConfig {
     pub tenant_key: String,
     /// The descriptor entry key whose value is the policy name.
     pub policy_key: String,
+    /// A descriptor entry key whose value is an identity (e.g. `remote_address`): a
+    /// descriptor without the tenant entry is decided for that identity, hashed with the
+    /// identity key like a check's `identity`.
+    pub identity_key: Option<String>,
 }
 
 impl Default for EnvoyConfig {
@@ -46,6 +50,7 @@ impl Default for EnvoyConfig {
             listen: None,
             tenant_key: "tenant".into(),
             policy_key: "policy".into(),
+            identity_key: None,
         }
     }
 }

@@ -122,6 +122,20 @@ impl Config {
                 format!("the identity key ({ENV_IDENTITY_KEY} or api.identity_key_file) must be at least {MIN_IDENTITY_KEY_LEN} bytes"),
             ));
         }
+        if self.envoy.identity_key.is_some() && identity_key.is_none() {
+            p.push(problem(
+                "envoy.identity_key",
+                format!("identities need an identity key: set {ENV_IDENTITY_KEY} or api.identity_key_file"),
+            ));
+        }
+        if self.envoy.identity_key.as_ref().is_some_and(|k| {
+            k.is_empty() || *k == self.envoy.tenant_key || *k == self.envoy.policy_key
+        }) {
+            p.push(problem(
+                "envoy.identity_key",
+                "must be a non-empty key other than envoy.tenant_key and envoy.policy_key",
+            ));
+        }
         let api_tokens = match self.api.tokens_file.as_deref().map(tokens::read_file) {
             None => TokenSet::default(),
             Some(Ok(set)) => set,

@@ -380,6 +380,65 @@ mod tests {
     }
 
     #[test]
+    fn plan_changes_and_assignments_reach_the_view_by_what_they_touch() {
+        use quota_core::PlanName;
+        let mut s = CoordinatorState::default();
+        let mut c = Changes::default();
+        put_region(&mut s, &mut c, 1, "eu");
+        put_region(&mut s, &mut c, 2, "us");
+        let mut derived = None;
+        view_of(&mut derived, &s, 1, &std::mem::take(&mut c), 0);
+        let plan = PlanName::new("pro").unwrap();
+        let policy = |limit: f64| {
+            PolicySpec {
+                limit,
+                window_ms: 1000.0,
+                ..Default::default()
+            }
+            .validate()
+            .unwrap()
+        };
+        let put = |limit| Operation::PutPlan {
+            plan: plan.clone(),
+            policies: vec![(PolicyName::new("calls").unwrap(), policy(limit))],
+        };
+        apply(&mut s, &mut c, 10, 1_000, put(10.0));
+        for i in 0..50u128 {
+            let op = Operation::AssignPlan {
+                tenant: TenantId::new(format!("t{i}")).unwrap(),
+                plan: plan.clone(),
+            };
+            assert_eq!(
+                apply(&mut s, &mut c, 100 + i, 1_000, op),
+                Response::PlanAssigned
+            );
+        }
+        assert!(!c.all, "plan commands never ask for a whole rebuild");
+        let v = view_of(&mut derived, &s, 2, &std::mem::take(&mut c), 0);
+        assert_eq!(v.plan_assignments.len(), 50);
+        assert_eq!(v.policies, full(&s));
+        let t7 = TenantId::new("t7").unwrap();
+        let calls = PolicyName::new("calls").unwrap();
+        assert_eq!(v.resolve(&t7, &calls).unwrap().entry.policy.limit, 10);
+        // One command changes the plan for every tenant on it.
+        apply(&mut s, &mut c, 11, 2_000, put(20.0));
+        apply(
+            &mut s,
+            &mut c,
+            12,
+            2_000,
+            Operation::UnassignPlan { tenant: t7.clone() },
+        );
+        let v = view_of(&mut derived, &s, 3, &std::mem::take(&mut c), 0);
+        assert_eq!(v.policies, full(&s));
+        let t8 = TenantId::new("t8").unwrap();
+        assert_eq!(v.resolve(&t8, &calls).unwrap().entry.policy.limit, 20);
+        assert!(v.resolve(&t7, &calls).is_none(), "no plan and no default");
+        assert_eq!(v.plan_assignments.len(), 49);
+        assert_eq!(v.plans_after(None), vec![plan.clone()]);
+    }
+
+    #[test]
     fn a_removed_region_leaves_every_entry() {
         let mut s = CoordinatorState::default();
         let mut c = Changes::default();
