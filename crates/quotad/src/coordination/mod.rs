@@ -34,6 +34,8 @@ pub use view::{
 };
 
 /// The coordinator behind the daemon.
+// One per daemon, behind an `Arc`: the size of the local variant costs nothing.
+#[allow(clippy::large_enum_variant)]
 #[derive(Debug)]
 pub enum Coordinator {
     /// One region, no Raft.
