@@ -74,6 +74,7 @@ impl Bench {
                 fail_mode: FailMode::Local,
                 floor_ppm: 20_000,
                 algorithm: Algorithm::TokenBucket,
+                mode: quota_core::PolicyMode::Enforcing,
             };
             b.apply(Operation::PutPolicy {
                 key: key.clone(),

@@ -43,7 +43,7 @@ use std::collections::{BTreeMap, VecDeque};
 
 use serde::{Deserialize, Serialize};
 
-use crate::ids::{PolicyName, RegionId, TenantId};
+use crate::ids::{PlanName, PolicyName, RegionId, TenantId};
 use crate::lease::{LeaseConfig, LeaseConfigError, Revocation};
 use crate::mode::{budget_mode, whole_share, BudgetMode};
 use crate::policy::{Policy, PolicySpec, Tier, PPM};
@@ -213,6 +213,21 @@ pub enum Operation {
     /// order, so versions are consecutive. One entry, one epoch and one view change per batch
     /// instead of per policy is what makes loading many policies fast.
     PutPolicies { entries: Vec<(PolicyKey, Policy)> },
+    /// Creates or replaces a plan: a named set of policies, each one allocation class stored
+    /// under the plan's reserved subject ([`TenantId::for_plan`]). All or none, like
+    /// `PutPolicies`; a policy the plan no longer holds is deleted. A changed policy gets a
+    /// new version, so no subject's bucket of the old terms is reused.
+    PutPlan {
+        plan: PlanName,
+        policies: Vec<(PolicyName, Policy)>,
+    },
+    /// Deletes a plan and its policies. Tenants assigned to it keep the assignment and fall
+    /// back to the `default` plan until a plan of that name is put again.
+    DeletePlan { plan: PlanName },
+    /// Assigns a tenant to an existing plan (replacing any earlier assignment).
+    AssignPlan { tenant: TenantId, plan: PlanName },
+    /// Removes a tenant's plan assignment.
+    UnassignPlan { tenant: TenantId },
 }
 
 /// One entry of a refused [`Operation::PutPolicies`].
@@ -375,6 +390,24 @@ pub enum Response {
     BatchTooLarge {
         max: u32,
     },
+    /// A plan stored: each policy's version, in command order.
+    PlanStored {
+        versions: Vec<u64>,
+        epoch: u64,
+    },
+    PlanDeleted {
+        epoch: u64,
+    },
+    /// No plan of that name (a plan exists while it holds a policy).
+    UnknownPlan,
+    PlanAssigned,
+    PlanUnassigned,
+    /// `UnassignPlan` of a tenant without a plan.
+    TenantHasNoPlan,
+    /// A plan command naming no policy, or a reserved tenant id.
+    InvalidPlan {
+        field: String,
+    },
 }
 
 /// A broken safety invariant, found by [`CoordinatorState::check_invariant`].
@@ -420,6 +453,9 @@ pub struct CoordinatorState {
     /// Pinned tenants and their home slot; their policies, present and future, carry an
     /// operator pin to it.
     pub tenant_pins: BTreeMap<TenantId, u8>,
+    /// Tenants assigned to a plan; the plan's policies live in `entries` under its reserved
+    /// subject, so the state holds O(plans + assignments + explicit policies).
+    pub plan_assignments: BTreeMap<TenantId, PlanName>,
     /// Recent responses, oldest first, for idempotency.
     pub recent: VecDeque<(RequestId, Response)>,
 }
@@ -462,6 +498,10 @@ impl CoordinatorState {
             Operation::PinTenant { tenant, home } => self.pin_tenant(tenant, home),
             Operation::UnpinTenant { tenant } => self.unpin_tenant(tenant),
             Operation::PutPolicies { entries } => self.put_policies(entries, now),
+            Operation::PutPlan { plan, policies } => self.put_plan(plan, policies, now),
+            Operation::DeletePlan { plan } => self.delete_plan(plan, now),
+            Operation::AssignPlan { tenant, plan } => self.assign_plan(tenant, plan),
+            Operation::UnassignPlan { tenant } => self.unassign_plan(tenant),
         };
         if self.recent.len() >= DEDUP_WINDOW {
             self.recent.pop_front();
@@ -650,7 +690,12 @@ impl CoordinatorState {
     /// Stores a policy already checked; returns its version and the epoch of the change. A
     /// policy equal to the live one (all but the version) changes nothing and keeps its
     /// version, so its buckets keep their tokens: re-sending a policy is idempotent.
-    fn store_policy(&mut self, key: &PolicyKey, policy: &Policy, now: u64) -> (u64, u64) {
+    pub(crate) fn store_policy(
+        &mut self,
+        key: &PolicyKey,
+        policy: &Policy,
+        now: u64,
+    ) -> (u64, u64) {
         if let Some(entry) = self.entries.get(key).filter(|e| !e.deleted) {
             if entry.policy.same_terms(policy) {
                 return (entry.policy.version, self.epoch);
@@ -723,7 +768,7 @@ impl CoordinatorState {
     }
 
     /// Why `policy` cannot be stored, if it cannot: the fields at fault.
-    fn policy_problem(&self, policy: &Policy) -> Option<Vec<String>> {
+    pub(crate) fn policy_problem(&self, policy: &Policy) -> Option<Vec<String>> {
         if let Err(errors) = policy_spec(policy).validate() {
             return Some(errors.0.iter().map(|e| e.field.to_string()).collect());
         }
@@ -784,7 +829,7 @@ impl CoordinatorState {
             .collect()
     }
 
-    fn delete_policy(&mut self, key: &PolicyKey, now: u64) -> Response {
+    pub(crate) fn delete_policy(&mut self, key: &PolicyKey, now: u64) -> Response {
         let floor_flags = self.floor_flags();
         let regions = self.regions.clone();
         let margin = self.lease.drift_margin_ms;
@@ -1214,6 +1259,7 @@ fn policy_spec(policy: &Policy) -> PolicySpec {
         fail_mode: Some(policy.fail_mode),
         floor: Some(f64::from(policy.floor_ppm) / f64::from(PPM)),
         algorithm: Some(policy.algorithm),
+        mode: Some(policy.mode),
     }
 }
 

@@ -119,8 +119,51 @@ id_type!(
     "region id",
     32
 );
+id_type!(
+    /// A plan name, e.g. `default` or `pro`: 1–64 characters of `[A-Za-z0-9_-]`.
+    PlanName,
+    "plan name",
+    64
+);
+
+/// The prefix of the reserved subject under which a plan's policies live in the coordinator
+/// ([`TenantId::for_plan`]). Tenant ids that start with `--` are reserved for it.
+const PLAN_PREFIX: &str = "--plan--";
+
+/// What a reserved subject id stands for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Reserved {
+    /// The one-way hash of an identity ([`hashed_id`]): `h-` and 32 lowercase hex digits.
+    Identity,
+    /// Internal: anything starting with `--` (a plan's policies live under `--plan--<plan>`).
+    Internal,
+}
 
 impl TenantId {
+    /// The reserved subject a plan's policies are stored under: no id a client may name as a
+    /// tenant can spell it ([`TenantId::reserved`]).
+    pub fn for_plan(plan: &PlanName) -> TenantId {
+        TenantId(format!("{PLAN_PREFIX}{}", plan.as_str()))
+    }
+
+    /// The plan whose policies this reserved subject holds, if it is one.
+    pub fn plan(&self) -> Option<PlanName> {
+        PlanName::new(self.0.strip_prefix(PLAN_PREFIX)?).ok()
+    }
+
+    /// Whether this id is reserved: an identity's hash, or an internal subject. The daemon
+    /// refuses reserved ids as tenants, so a crafted tenant id can never alias an identity
+    /// or a plan.
+    pub fn reserved(&self) -> Option<Reserved> {
+        let s = self.0.as_str();
+        if s.starts_with("--") {
+            return Some(Reserved::Internal);
+        }
+        let hex = s.strip_prefix("h-")?;
+        (hex.len() == 32 && hex.bytes().all(|b| matches!(b, b'0'..=b'9' | b'a'..=b'f')))
+            .then_some(Reserved::Identity)
+    }
+
     /// A short one-way tag for logs: a tenant appears in a log line only as this.
     pub fn log_tag(&self) -> LogTag {
         let digest = Sha256::new_with_prefix(b"quotad-log-v1:")
@@ -160,6 +203,7 @@ macro_rules! plain_display {
 }
 plain_display!(PolicyName);
 plain_display!(RegionId);
+plain_display!(PlanName);
 
 /// A one-way tag of a tenant id, safe to log.
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
@@ -237,6 +281,24 @@ mod tests {
         assert_ne!(a, hashed_id(b"secret", b"203.0.113.8"));
         assert!(TenantId::new(a.as_str()).is_ok());
         assert!(!a.as_str().contains("203"));
+    }
+
+    #[test]
+    fn identities_and_plans_are_reserved_subjects() {
+        let id = hashed_id(b"secret", b"203.0.113.7");
+        assert_eq!(id.reserved(), Some(Reserved::Identity));
+        let plan = PlanName::new("pro").unwrap();
+        let class = TenantId::for_plan(&plan);
+        assert_eq!(class.reserved(), Some(Reserved::Internal));
+        assert_eq!(class.plan(), Some(plan));
+        // Look-alikes that are not the exact hashed form stay ordinary tenants.
+        for t in ["acme", "h-abc", "h-0123456789ABCDEF0123456789abcdef", "-a"] {
+            assert_eq!(TenantId::new(t).unwrap().reserved(), None, "{t}");
+        }
+        assert_eq!(TenantId::new("acme").unwrap().plan(), None);
+        // The longest plan name still makes a valid id.
+        let long = PlanName::new("p".repeat(PlanName::MAX_LEN)).unwrap();
+        assert!(TenantId::new(TenantId::for_plan(&long).as_str()).is_ok());
     }
 
     #[test]

@@ -7,6 +7,7 @@
 //! # Layout
 //! - [`bounds`]: the numeric bounds shared by validation, the reference code and the scripts.
 //! - [`ids`]: validated tenant, policy and region ids; one-way hashing of raw identities.
+//! - [`plan`]: plans (named sets of policies for classes of subjects) and their resolution.
 //! - [`policy`]: policies and their validation (every problem reported at once).
 //! - [`bucket`]: the reference token bucket, bit-exact with `lua/token_bucket.lua`.
 //! - [`window`]: the reference sliding window, exact with `lua/sliding_window.lua`.
@@ -31,6 +32,7 @@ pub mod ids;
 pub mod keys;
 pub mod lease;
 pub mod mode;
+pub mod plan;
 pub mod policy;
 pub mod region;
 pub mod share;
@@ -39,6 +41,6 @@ pub mod window;
 
 pub use bucket::{BucketParams, BucketState, Decision};
 pub use coordinator::{Command, CoordinatorState, Operation, PolicyKey, RequestId, Response};
-pub use ids::{hashed_id, IdError, PolicyName, RegionId, TenantId};
-pub use policy::{Algorithm, FailMode, Policy, PolicySpec, Tier, PPM};
+pub use ids::{hashed_id, IdError, PlanName, PolicyName, RegionId, TenantId};
+pub use policy::{Algorithm, FailMode, Policy, PolicyMode, PolicySpec, Tier, PPM};
 pub use window::{WindowParams, WindowState};

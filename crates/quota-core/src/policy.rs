@@ -38,6 +38,18 @@ pub enum Algorithm {
     SlidingWindow,
 }
 
+/// Whether a policy's denials deny.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum PolicyMode {
+    /// Denials deny (the default).
+    #[default]
+    Enforcing,
+    /// Decided and counted as usual but always admitted: a would-be denial is reported
+    /// (`shadow_denied`) and counted, so a new limit can be rolled out safely.
+    Shadow,
+}
+
 /// A validated policy: `limit` tokens per `window_ms`, bursting to `burst`.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Policy {
@@ -52,6 +64,7 @@ pub struct Policy {
     /// The share reserved for each region even while it is cut off, in [`PPM`].
     pub floor_ppm: u32,
     pub algorithm: Algorithm,
+    pub mode: PolicyMode,
 }
 
 /// Untrusted policy input. Numbers are `f64` so that negative, fractional, NaN and huge values
@@ -73,6 +86,9 @@ pub struct PolicySpec {
     pub floor: Option<f64>,
     #[serde(default)]
     pub algorithm: Option<Algorithm>,
+    /// `enforcing` (default) or `shadow`.
+    #[serde(default)]
+    pub mode: Option<PolicyMode>,
 }
 
 /// One problem with a policy spec, naming the field.
@@ -185,6 +201,7 @@ impl PolicySpec {
                     fail_mode: self.fail_mode.unwrap_or_default(),
                     floor_ppm,
                     algorithm: self.algorithm.unwrap_or_default(),
+                    mode: self.mode.unwrap_or_default(),
                 })
             }
             _ => Err(PolicyErrors(errors)),

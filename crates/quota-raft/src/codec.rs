@@ -10,9 +10,10 @@ use serde::Serialize;
 /// The current format version, written as the first byte of every encoded value.
 ///
 /// Bump it whenever an encoded type changes shape (postcard cannot tell): 2 added
-/// `CoordinatorState::tenant_pins` (tenant-level pins), so a version-1 snapshot, log or peer
-/// message is refused by name instead of decoding wrong.
-pub const FORMAT_VERSION: u8 = 2;
+/// `CoordinatorState::tenant_pins` (tenant-level pins), 3 plans (`plan_assignments`, the plan
+/// operations) and a policy's shadow mode, so an older snapshot, log or peer message is
+/// refused by name instead of decoding wrong.
+pub const FORMAT_VERSION: u8 = 3;
 
 /// Why bytes could not be encoded or decoded.
 #[derive(Debug, thiserror::Error)]

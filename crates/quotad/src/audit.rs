@@ -27,6 +27,8 @@ pub struct Event<'a> {
     pub action: &'static str,
     pub tenant: Option<&'a str>,
     pub policy: Option<&'a str>,
+    /// The plan a plan mutation names (plan names are operator-chosen, not secrets).
+    pub plan: Option<&'a str>,
     pub node_id: Option<&'a str>,
     pub version_before: Option<u64>,
     pub version_after: Option<u64>,
@@ -44,6 +46,7 @@ pub fn record(e: &Event<'_>) {
         action = e.action,
         tenant_hash = tenant_hash.as_deref(),
         policy = e.policy,
+        plan = e.plan,
         node_id = e.node_id,
         version_before = e.version_before,
         version_after = e.version_after,

@@ -11,6 +11,9 @@
 //!   the `envoy.policy_key` entry or else the request's domain, the cost the descriptor's
 //!   `hits_addend`, else the request's, else 1; decided exactly as `POST /v1/check` decides.
 //!   A `hits_addend` of 0 reads the bucket without spending: `OK` while one hit would pass.
+//! - With `envoy.identity_key`, a descriptor without the tenant entry but with that entry is
+//!   decided for the identity it holds, hashed with the identity key as a check's `identity`.
+//! - A `shadow` policy's would-be denial is `OK` (counted in `quotad_shadow_denials_total`).
 //! - Undecided (Envoy's convention for a descriptor with no limit configured): no tenant
 //!   entry, or no such policy for the tenant: `OK` without `current_limit`, counted in
 //!   `quotad_envoy_undecided_descriptors_total`.
@@ -71,6 +74,7 @@ pub struct EnvoyRateLimit {
     state: AppState,
     tenant_key: String,
     policy_key: String,
+    identity_key: Option<String>,
 }
 
 /// One descriptor, read.
@@ -102,6 +106,7 @@ impl EnvoyRateLimit {
             state,
             tenant_key: cfg.tenant_key.clone(),
             policy_key: cfg.policy_key.clone(),
+            identity_key: cfg.identity_key.clone(),
         }
     }
 
@@ -156,11 +161,25 @@ impl EnvoyRateLimit {
         else {
             return Descriptor::Refused("repeated_key");
         };
-        let Some(tenant) = tenant else {
-            return Descriptor::NoTenant;
+        let identity = match self.identity_key.as_deref().map(with_key) {
+            Some(Err(())) => return Descriptor::Refused("repeated_key"),
+            Some(Ok(v)) => v,
+            None => None,
         };
-        let Ok(tenant) = TenantId::new(tenant) else {
-            return Descriptor::Refused("bad_tenant");
+        let tenant = match (tenant, identity) {
+            (Some(t), _) => match TenantId::new(t) {
+                Ok(t) if t.reserved().is_none() => t,
+                _ => return Descriptor::Refused("bad_tenant"),
+            },
+            // The raw value goes no further than the hash.
+            (None, Some(raw)) => match &self.state.identity_key {
+                Some(_) if raw.is_empty() || raw.len() > crate::api::check::MAX_IDENTITY_BYTES => {
+                    return Descriptor::Refused("bad_identity")
+                }
+                Some(key) => quota_core::hashed_id(key.expose().as_bytes(), raw.as_bytes()),
+                None => return Descriptor::Refused("no_identity_key"),
+            },
+            (None, None) => return Descriptor::NoTenant,
         };
         let Ok(policy) = PolicyName::new(policy.unwrap_or(domain)) else {
             return Descriptor::Refused("bad_policy");
@@ -275,6 +294,7 @@ impl EnvoyRateLimit {
                 policy: p,
                 mode: Mode::Normal,
                 decided_by: decider.region().clone(),
+                shadow_denied: false,
             },
             // Empty: certainly one hit again once full.
             Some(d) => self.denied(p, 0, d.reset_ms),
@@ -312,6 +332,7 @@ impl EnvoyRateLimit {
             policy,
             mode: Mode::Normal,
             decided_by: self.state.decider.region().clone(),
+            shadow_denied: false,
         }
     }
 
@@ -681,6 +702,51 @@ mod tests {
         req: RateLimitRequest,
     ) -> RateLimitResponse {
         client.should_rate_limit(req).await.unwrap().into_inner()
+    }
+
+    #[tokio::test]
+    async fn a_configured_descriptor_key_becomes_the_identity() {
+        let state = embedded();
+        let cfg = EnvoyConfig {
+            identity_key: Some("remote_address".into()),
+            ..EnvoyConfig::default()
+        };
+        let service = EnvoyRateLimit::new(state.clone(), &cfg);
+        let d = service.descriptor(
+            &descriptor(&[("remote_address", "203.0.113.7"), ("policy", "login")]),
+            "api",
+            1,
+        );
+        let key = state.identity_key.as_ref().unwrap().expose().as_bytes();
+        let Descriptor::Check { tenant, .. } = d else {
+            panic!("{d:?}")
+        };
+        assert_eq!(tenant, quota_core::hashed_id(key, b"203.0.113.7"));
+        // A tenant entry wins; a reserved tenant id is refused.
+        let d = service.descriptor(
+            &descriptor(&[("tenant", "acme"), ("remote_address", "203.0.113.7")]),
+            "api",
+            1,
+        );
+        assert!(matches!(d, Descriptor::Check { ref tenant, .. } if tenant.as_str() == "acme"));
+        let d = service.descriptor(&descriptor(&[("tenant", "--plan--default")]), "api", 1);
+        assert_eq!(d, Descriptor::Refused("bad_tenant"));
+    }
+
+    #[tokio::test]
+    async fn a_shadow_denial_is_ok_for_envoy() {
+        let state = embedded();
+        let shadow = PolicySpec {
+            mode: Some(quota_core::PolicyMode::Shadow),
+            ..spec(1, 60_000)
+        };
+        put(&state, "acme", "writes", shadow).await;
+        let (mut client, _channel, _stop) = start(state.clone()).await;
+        let d = descriptor(&[("tenant", "acme"), ("policy", "writes")]);
+        for _ in 0..3 {
+            let r = call(&mut client, request("api", vec![d.clone()])).await;
+            assert_eq!(r.overall_code, OK);
+        }
     }
 
     #[tokio::test]

@@ -181,6 +181,7 @@ pub async fn build_state(
         drift_margin_ms: cfg.coordination.drift_margin_ms,
         body_limit_bytes: cfg.api.body_limit_bytes,
         request_timeout: Duration::from_millis(cfg.api.request_timeout_ms),
+        identity_key: settings.secrets.identity_key.clone(),
     });
     Ok((state, replicated))
 }

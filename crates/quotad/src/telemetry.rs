@@ -22,6 +22,8 @@ pub const STORE_LATENCY_SECONDS: &str = "quotad_store_latency_seconds";
 pub const STORE_ERRORS_TOTAL: &str = "quotad_store_errors_total";
 /// 1 while the circuit breaker around the regional store is open (degraded mode).
 pub const DEGRADED: &str = "quotad_degraded";
+/// Checks of a shadow policy that would have been denied (admitted), by policy and region.
+pub const SHADOW_DENIALS_TOTAL: &str = "quotad_shadow_denials_total";
 /// Retry-After handed out on denials, in seconds.
 pub const RETRY_AFTER_SECONDS: &str = "quotad_retry_after_seconds";
 /// Milliseconds left on this region's lease.
@@ -184,6 +186,8 @@ struct PolicyHandles {
     check_duration: Histogram,
     /// Registered on the policy's first denial, so allow-only policies export no empty series.
     retry_after: OnceLock<Histogram>,
+    /// Registered on the policy's first shadow denial.
+    shadow_denials: OnceLock<Counter>,
 }
 
 impl DecisionMetrics {
@@ -213,6 +217,18 @@ impl DecisionMetrics {
         });
     }
 
+    /// Counts a shadow policy's would-be denial.
+    pub fn record_shadow_denial(&self, policy: &PolicyName) {
+        let region = self.region.clone();
+        self.with(policy, |h| {
+            h.shadow_denials
+                .get_or_init(|| {
+                    metrics::counter!(SHADOW_DENIALS_TOTAL, "policy" => policy.as_str().to_string(), "region" => region)
+                })
+                .increment(1);
+        });
+    }
+
     /// Runs `f` on the policy's handles, registering them on first use.
     fn with(&self, policy: &PolicyName, f: impl FnOnce(&PolicyHandles)) {
         {
@@ -230,6 +246,7 @@ impl DecisionMetrics {
             }),
             check_duration: metrics::histogram!(CHECK_DURATION_SECONDS, "policy" => name.clone(), "region" => region.clone()),
             retry_after: OnceLock::new(),
+            shadow_denials: OnceLock::new(),
         };
         f(&h);
         self.by_policy

@@ -32,6 +32,7 @@ pub fn policy(floor_ppm: u32, tier: Tier) -> Policy {
         fail_mode: FailMode::Local,
         floor_ppm,
         algorithm: Algorithm::TokenBucket,
+        mode: quota_core::PolicyMode::Enforcing,
     }
 }
 

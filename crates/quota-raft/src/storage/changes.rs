@@ -16,7 +16,8 @@ const JOURNAL_KEYS: usize = 65_536;
 enum Touched {
     Nothing,
     Keys(Vec<PolicyKey>),
-    /// Every policy of a tenant, and the tenant's pin.
+    /// Every policy of a tenant, and the tenant's pin and plan (a plan's policies are the
+    /// policies of its reserved subject).
     Tenant(TenantId),
     /// Anything: membership, region slots, a snapshot.
     All,
@@ -85,8 +86,14 @@ fn touched(op: &Operation) -> Touched {
         Operation::PutPolicies { entries } => {
             Touched::Keys(entries.iter().map(|(k, _)| k.clone()).collect())
         }
-        Operation::PinTenant { tenant, .. } | Operation::UnpinTenant { tenant } => {
-            Touched::Tenant(tenant.clone())
+        Operation::PinTenant { tenant, .. }
+        | Operation::UnpinTenant { tenant }
+        | Operation::AssignPlan { tenant, .. }
+        | Operation::UnassignPlan { tenant } => Touched::Tenant(tenant.clone()),
+        // A plan's policies live under its reserved subject: one range, however many tenants
+        // the plan has.
+        Operation::PutPlan { plan, .. } | Operation::DeletePlan { plan } => {
+            Touched::Tenant(TenantId::for_plan(plan))
         }
         // Region slots and floors: every grant may change.
         Operation::PutRegion { .. } | Operation::RemoveRegion { .. } => Touched::All,

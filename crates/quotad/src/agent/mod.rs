@@ -27,7 +27,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use futures::stream::{self, StreamExt as _};
-use quota_store::{BucketRef, Store as _, StoreError};
+use quota_store::{BucketRef, Store as _, StoreError, UsageRecord};
 use tokio::sync::watch;
 
 pub use ledger::{Pacing, Written};
@@ -121,6 +121,46 @@ pub async fn run_apply(
     }
 }
 
+/// Usage of subjects' buckets under a plan's policy, summed into that class (its reserved
+/// subject): the allocator learns class demand, and a report is O(classes + explicit
+/// policies) entries however many subjects were active. A bucket of a version the view does
+/// not resolve to (a superseded one) is kept as it is; the leader ignores what it does not know.
+pub(crate) fn by_class(view: &ClusterView, usage: Vec<UsageRecord>) -> Vec<UsageRecord> {
+    let mut classes: std::collections::BTreeMap<BucketRef, (u64, u64)> = Default::default();
+    let mut out = Vec::with_capacity(usage.len());
+    for u in usage {
+        let class = view
+            .resolve(&u.bucket.tenant, &u.bucket.policy)
+            .and_then(|r| {
+                r.plan
+                    .filter(|_| r.entry.policy.version == u.bucket.version)
+            });
+        match class {
+            Some(class) => {
+                let key = BucketRef {
+                    tenant: class.clone(),
+                    policy: u.bucket.policy,
+                    version: u.bucket.version,
+                };
+                let slot = classes.entry(key).or_default();
+                slot.0 = slot.0.saturating_add(u.admitted);
+                slot.1 = slot.1.saturating_add(u.denied);
+            }
+            None => out.push(u),
+        }
+    }
+    out.extend(
+        classes
+            .into_iter()
+            .map(|(bucket, (admitted, denied))| UsageRecord {
+                bucket,
+                admitted,
+                denied,
+            }),
+    );
+    out
+}
+
 /// Runs the report loop (multi-region) until `shutdown` fires.
 pub async fn run_report(
     decider: Arc<Decider>,
@@ -146,6 +186,7 @@ pub async fn run_report(
                 Ok(mut usage) => {
                     // Checks sent to another region are demand here, where their callers are.
                     usage.extend(decider.take_forwarded_usage());
+                    let usage = by_class(&decider.view(), usage);
                     match r.report_usage(&usage, interval_ms.max(1)).await {
                         Ok(()) => Reported::Delivered,
                         Err(e) => {

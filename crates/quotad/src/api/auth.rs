@@ -119,6 +119,7 @@ pub async fn audited(action: &'static str, req: Request, next: Next) -> Response
         action,
         tenant: param("tenant"),
         policy: param("policy"),
+        plan: param("plan"),
         node_id: param("node_id"),
         version_before: versions.before,
         version_after: versions.after,

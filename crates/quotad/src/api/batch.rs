@@ -16,10 +16,10 @@ use axum::http::HeaderMap;
 use serde::{Deserialize, Serialize};
 use serde_json::{Map, Value};
 
-use quota_core::{PolicyName, RegionId, TenantId};
+use quota_core::{PolicyName, RegionId};
 
 use crate::api::check::{
-    check_error, decide, parse, rate_limited_problem, CheckBody, CheckResponse,
+    check_error, decide, parse, rate_limited_problem, subject, CheckBody, CheckResponse,
 };
 use crate::api::problem::{data_problem, ApiError, ApiJson, Problem};
 use crate::api::state::AppState;
@@ -137,13 +137,18 @@ enum Route {
 }
 
 fn route(state: &AppState, c: &CheckBody, forwarded: bool) -> Route {
-    let home = TenantId::new(c.tenant.as_str())
-        .ok()
+    let subject = subject(state, c.tenant.as_deref(), c.identity.as_deref(), forwarded).ok();
+    let home = subject
+        .clone()
         .zip(c.policy.as_deref().and_then(|p| PolicyName::new(p).ok()))
         .and_then(|(t, p)| state.decider.home_elsewhere(&t, &p, forwarded));
     match home {
         Some(home) => Route::Home(home),
-        None => Route::Here(c.tenant.clone(), c.policy.clone().unwrap_or_default()),
+        // Grouped by subject (never the raw identity), so a subject's checks stay in order.
+        None => Route::Here(
+            subject.map(|s| s.as_str().to_string()).unwrap_or_default(),
+            c.policy.clone().unwrap_or_default(),
+        ),
     }
 }
 
@@ -156,7 +161,8 @@ async fn at_home(
     let mut out = Vec::with_capacity(group.len());
     let mut valid = Vec::with_capacity(group.len());
     for (i, c) in group {
-        match parse(c) {
+        // Only checks not forwarded here go on to a home region.
+        match parse(state, c, false) {
             Ok(check) => valid.push((i, check)),
             Err(e) => out.push((i, item(state, i, Err(e)))),
         }

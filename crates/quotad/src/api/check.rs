@@ -15,6 +15,7 @@ pub mod multi;
 use crate::api::header_text::HeaderText;
 use crate::api::problem::{problem_response, ApiError, ApiJson, Problem, QUOTA_EXCEEDED_TYPE};
 use crate::api::state::AppState;
+use crate::api::tenants::client_tenant;
 use crate::decision::{CheckError, Mode, Verdict, FORWARDED_HEADER};
 
 static RATELIMIT_POLICY: HeaderName = HeaderName::from_static("ratelimit-policy");
@@ -24,12 +25,19 @@ static RATELIMIT: HeaderName = HeaderName::from_static("ratelimit");
 #[derive(Debug, Clone, Deserialize, utoipa::ToSchema)]
 #[serde(deny_unknown_fields)]
 pub struct CheckBody {
-    /// The tenant id (1–96 characters of `[A-Za-z0-9_-]`).
-    pub tenant: String,
+    /// The tenant id (1–96 characters of `[A-Za-z0-9_-]`). Exactly one of `tenant` and
+    /// `identity`.
+    #[serde(default)]
+    pub tenant: Option<String>,
+    /// A raw identity (an API key, an IP address, an e-mail; any UTF-8 up to 1 KiB). The
+    /// daemon hashes it with its identity key before it reaches any key, label, log line or
+    /// response; it decides under the subject's plan or the `default` plan.
+    #[serde(default)]
+    pub identity: Option<String>,
     /// The policy name. Exactly one of `policy` and `policies`.
     #[serde(default)]
     pub policy: Option<String>,
-    /// Several policies of the tenant, decided at once, all or nothing: the cost is spent on
+    /// Several policies of the subject, decided at once, all or nothing: the cost is spent on
     /// every one when each admits it, and on none otherwise (token buckets only, decided in
     /// this region). Not in batches.
     #[serde(default)]
@@ -56,6 +64,9 @@ pub struct CheckResponse {
     pub decided_by: String,
     #[schema(value_type = String)]
     pub mode: Mode,
+    /// Present and `true` when a shadow policy admitted a check it would have denied.
+    #[serde(skip_serializing_if = "std::ops::Not::not")]
+    pub shadow_denied: bool,
 }
 
 /// A denial: the problem body plus the decision fields.
@@ -71,9 +82,66 @@ pub struct RateLimitedProblem {
 /// this an `f64` no longer holds every whole number.
 pub const MAX_COST: u64 = 9_000_000_000_000_000;
 
+/// The longest identity a check may name, in bytes.
+pub const MAX_IDENTITY_BYTES: usize = 1024;
+
+/// The subject of a check: its tenant (not a reserved id, unless a peer forwarded it: a
+/// forwarded check names the subject the first region resolved), or the keyed hash of its
+/// identity. The raw identity goes no further than this function.
+pub(crate) fn subject(
+    state: &AppState,
+    tenant: Option<&str>,
+    identity: Option<&str>,
+    forwarded: bool,
+) -> Result<TenantId, ApiError> {
+    match (tenant, identity) {
+        (Some(t), None) => {
+            let t = TenantId::new(t).map_err(|e| ApiError::field("tenant", &e))?;
+            if forwarded {
+                Ok(t)
+            } else {
+                client_tenant(t)
+            }
+        }
+        (None, Some(raw)) => {
+            if raw.is_empty() || raw.len() > MAX_IDENTITY_BYTES {
+                return Err(ApiError::field(
+                    "identity",
+                    &format!("must be 1 to {MAX_IDENTITY_BYTES} bytes of UTF-8"),
+                ));
+            }
+            let key = state.identity_key.as_ref().ok_or_else(|| ApiError::NotConfigured {
+                field: "identity".into(),
+                message: "this daemon has no identity key (QUOTAD_IDENTITY_KEY or api.identity_key_file): name a `tenant` instead".into(),
+            })?;
+            Ok(quota_core::hashed_id(
+                key.expose().as_bytes(),
+                raw.as_bytes(),
+            ))
+        }
+        (Some(_), Some(_)) => Err(ApiError::field(
+            "identity",
+            &"name either `tenant` or `identity`, not both",
+        )),
+        (None, None) => Err(ApiError::field(
+            "tenant",
+            &"name the subject: `tenant` or `identity`",
+        )),
+    }
+}
+
 /// Validates a check body into typed ids (taking its strings, not copying them) and a cost.
-pub(crate) fn parse(body: CheckBody) -> Result<(TenantId, PolicyName, u64), ApiError> {
-    let tenant = TenantId::new(body.tenant).map_err(|e| ApiError::field("tenant", &e))?;
+pub(crate) fn parse(
+    state: &AppState,
+    body: CheckBody,
+    forwarded: bool,
+) -> Result<(TenantId, PolicyName, u64), ApiError> {
+    let tenant = subject(
+        state,
+        body.tenant.as_deref(),
+        body.identity.as_deref(),
+        forwarded,
+    )?;
     if body.policies.is_some() {
         return Err(ApiError::field(
             "policies",
@@ -137,6 +205,7 @@ impl CheckResponse {
             region: region.to_string(),
             decided_by: v.decided_by.as_str().to_string(),
             mode: v.mode,
+            shadow_denied: v.shadow_denied,
         }
     }
 
@@ -176,6 +245,9 @@ impl CheckResponse {
         text(&mut b, &self.decided_by);
         b.extend_from_slice(br#","mode":"#);
         text(&mut b, self.mode.as_str());
+        if self.shadow_denied {
+            b.extend_from_slice(br#","shadow_denied":true"#);
+        }
         b.push(b'}');
         b
     }
@@ -278,7 +350,7 @@ pub(crate) async fn decide(
     body: CheckBody,
     forwarded: bool,
 ) -> Result<(Verdict, PolicyName), ApiError> {
-    let (tenant, policy, cost) = parse(body)?;
+    let (tenant, policy, cost) = parse(state, body, forwarded)?;
     let v = state
         .decider
         .check(tenant, policy.clone(), cost, forwarded)

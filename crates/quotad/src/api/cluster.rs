@@ -270,7 +270,9 @@ pub struct PageQuery {
 pub const MAX_PAGE: usize = 1000;
 
 /// The page size and cursor of a listing, each parameter checked by name.
-fn page_query(pairs: Vec<(String, String)>) -> Result<(usize, Option<String>), ApiError> {
+pub(crate) fn page_query(
+    pairs: Vec<(String, String)>,
+) -> Result<(usize, Option<String>), ApiError> {
     let (mut limit, mut after) = (None, None);
     for (key, value) in pairs {
         match key.as_str() {
@@ -348,7 +350,8 @@ pub async fn list_policies(
     };
     let mut policies = Vec::new();
     let mut next = None;
-    for ((t, p), e) in iter {
+    // A plan's policies are listed with their plan (GET /v1/plans), not as a tenant's.
+    for ((t, p), e) in iter.filter(|((t, _), _)| t.reserved().is_none()) {
         if policies.len() == limit {
             next = policies
                 .last()

@@ -117,6 +117,7 @@ fn bound_param(p: &mut Parameter) {
     let schema = match p.name.as_str() {
         "tenant" => id(TenantId::MAX_LEN),
         "policy" => id(PolicyName::MAX_LEN),
+        "plan" => id(quota_core::PlanName::MAX_LEN),
         "node_id" => whole(0, u64::MAX, false),
         "limit" => whole(1, MAX_PAGE as u64, false),
         "after" => ObjectBuilder::new()
@@ -190,6 +191,18 @@ fn bound_bodies(s: &mut Schemas) {
     }
     set(s, "CheckBody", "cost", whole(1, MAX_COST, true));
     set(s, "PinBody", "region", id(RegionId::MAX_LEN));
+    set(s, "AssignBody", "plan", id(quota_core::PlanName::MAX_LEN));
+    set(s, "PolicyBody", "mode", one_of(&["enforcing", "shadow"]));
+    set(
+        s,
+        "CheckBody",
+        "identity",
+        ObjectBuilder::new()
+            .schema_type(SchemaType::from_iter([Type::String, Type::Null]))
+            .min_length(Some(1))
+            .max_length(Some(crate::api::check::MAX_IDENTITY_BYTES))
+            .build(),
+    );
     set(s, "NewMember", "node_id", whole(1, u64::MAX, false));
     set(s, "NewMember", "region", id(RegionId::MAX_LEN));
     for f in ["peer", "api"] {
@@ -209,7 +222,7 @@ fn batch_checks_one_by_one(s: &mut Schemas) {
         let mut item = check;
         // Several policies at once are not batched.
         item.properties.remove("policies");
-        for f in ["tenant", "policy"] {
+        for f in ["tenant", "identity", "policy"] {
             item.properties.insert(
                 f.to_string(),
                 RefOr::T(Schema::Object(
@@ -251,6 +264,8 @@ fn close_bodies(s: &mut Schemas) {
         "PinBody",
         "NewMember",
         "BatchBody",
+        "PlanBody",
+        "AssignBody",
     ] {
         if let Some(RefOr::T(Schema::Object(o))) = s.get_mut(name) {
             o.additional_properties = Some(Box::new(

@@ -3,7 +3,8 @@
 //!
 //! Layout: [`edge`] (request id, body limit and timeout in front of every route), [`routes`]
 //! (`POST /v1/check` past the router, the rest through it), [`check`] (decisions), [`batch`]
-//! (batches of them), [`forwarded`] (checks forwarded over the peer listener), [`tenants`] (policies, pins, allowance), [`policy_batch`] (many
+//! (batches of them), [`forwarded`] (checks forwarded over the peer listener), [`tenants`]
+//! (policies, pins, allowance), [`plans`] (plans and tenants' plans), [`policy_batch`] (many
 //! policies in one step), [`cluster`] (status,
 //! membership, listing, health, metrics), [`problem`] (the one `ApiError`), [`auth`] (scoped
 //! bearer tokens on routes, the audit layer on mutations), [`state`] (what handlers share).
@@ -16,6 +17,7 @@ pub mod contract;
 pub mod edge;
 pub mod forwarded;
 mod header_text;
+pub mod plans;
 pub mod policy_batch;
 pub mod problem;
 pub mod routes;
@@ -50,6 +52,13 @@ pub type Api = edge::Edge<routes::Routes>;
         tenants::put_pin,
         tenants::delete_pin,
         tenants::allowance,
+        plans::put_plan,
+        plans::get_plan,
+        plans::delete_plan,
+        plans::list_plans,
+        plans::put_tenant_plan,
+        plans::get_tenant_plan,
+        plans::delete_tenant_plan,
         cluster::status,
         cluster::members,
         cluster::add_member,
@@ -124,6 +133,19 @@ pub(crate) fn router(state: AppState) -> Router {
         .route(
             "/v1/tenants/{tenant}/allowance",
             read(get(tenants::allowance)),
+        )
+        .route(
+            "/v1/tenants/{tenant}/plan",
+            read(get(plans::get_tenant_plan))
+                .merge(admin("plan.assign", put(plans::put_tenant_plan)))
+                .merge(admin("plan.unassign", delete(plans::delete_tenant_plan))),
+        )
+        .route("/v1/plans", read(get(plans::list_plans)))
+        .route(
+            "/v1/plans/{plan}",
+            read(get(plans::get_plan))
+                .merge(admin("plan.put", put(plans::put_plan)))
+                .merge(admin("plan.delete", delete(plans::delete_plan))),
         )
         .route("/v1/policies", read(get(cluster::list_policies)))
         .route(

@@ -78,6 +78,13 @@ pub enum ApiError {
     },
     #[error("{what} not found")]
     NotFound { what: &'static str },
+    /// A named field refers to something that does not exist (e.g. an unknown `plan`).
+    #[error("{field}: {message}")]
+    UnknownField { field: String, message: String },
+    /// A named field needs configuration this daemon lacks (e.g. `identity` without an
+    /// identity key).
+    #[error("{field}: {message}")]
+    NotConfigured { field: String, message: String },
     /// The path exists, the method does not (the router adds the `Allow` header).
     #[error("this path does not serve this method; the Allow header lists those it does")]
     MethodNotAllowed,
@@ -118,7 +125,10 @@ impl ApiError {
             ApiError::InvalidPolicy { .. } => (StatusCode::BAD_REQUEST, "INVALID_POLICY"),
             ApiError::Unauthorized => (StatusCode::UNAUTHORIZED, "UNAUTHORIZED"),
             ApiError::Forbidden { .. } => (StatusCode::FORBIDDEN, "FORBIDDEN"),
-            ApiError::NotFound { .. } => (StatusCode::NOT_FOUND, "NOT_FOUND"),
+            ApiError::NotFound { .. } | ApiError::UnknownField { .. } => {
+                (StatusCode::NOT_FOUND, "NOT_FOUND")
+            }
+            ApiError::NotConfigured { .. } => (StatusCode::SERVICE_UNAVAILABLE, "NOT_CONFIGURED"),
             ApiError::MethodNotAllowed => (StatusCode::METHOD_NOT_ALLOWED, "METHOD_NOT_ALLOWED"),
             ApiError::TooLarge => (StatusCode::PAYLOAD_TOO_LARGE, "PAYLOAD_TOO_LARGE"),
             ApiError::UnsupportedMediaType => {
@@ -157,7 +167,9 @@ impl ApiError {
             ApiError::InvalidPolicy { errors } | ApiError::BadRequest { errors, .. } => {
                 errors.clone()
             }
-            ApiError::BadField { field, message } => {
+            ApiError::BadField { field, message }
+            | ApiError::UnknownField { field, message }
+            | ApiError::NotConfigured { field, message } => {
                 vec![FieldProblem {
                     field: field.clone(),
                     message: message.clone(),

@@ -30,4 +30,6 @@ pub struct AppShared {
     pub drift_margin_ms: u64,
     pub body_limit_bytes: usize,
     pub request_timeout: Duration,
+    /// The key checks' identities are hashed with (`QUOTAD_IDENTITY_KEY`); `None` refuses them.
+    pub identity_key: Option<crate::secret::Secret>,
 }

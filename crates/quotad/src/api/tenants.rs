@@ -19,8 +19,25 @@ use quota_store::{BucketRef, Limit};
 use crate::clock;
 use crate::coordination::{tenant_policies, CoordError};
 
+/// A tenant id as a client may name it: valid, and not reserved (an identity's hash or an
+/// internal subject), so a crafted tenant id can never alias an identity or a plan.
 pub(crate) fn tenant_id(s: &str) -> Result<TenantId, ApiError> {
-    TenantId::new(s).map_err(|e| ApiError::field("tenant", &e))
+    client_tenant(TenantId::new(s).map_err(|e| ApiError::field("tenant", &e))?)
+}
+
+/// Refuses a reserved tenant id.
+pub(crate) fn client_tenant(t: TenantId) -> Result<TenantId, ApiError> {
+    match t.reserved() {
+        None => Ok(t),
+        Some(quota_core::ids::Reserved::Identity) => Err(ApiError::field(
+            "tenant",
+            &"ids of the form h-<32 hex digits> are reserved for identities: send the raw value as `identity`",
+        )),
+        Some(quota_core::ids::Reserved::Internal) => Err(ApiError::field(
+            "tenant",
+            &"ids starting with \"--\" are reserved",
+        )),
+    }
 }
 
 pub(crate) fn policy_name(s: &str) -> Result<PolicyName, ApiError> {
@@ -33,6 +50,11 @@ pub(crate) fn coord_error(e: CoordError) -> ApiError {
             refused_policies(&entries, total, |_| String::new())
         }
         CoordError::UnknownRegion { .. } => ApiError::field("region", &e),
+        CoordError::UnknownPlan => ApiError::UnknownField {
+            field: "plan".into(),
+            message: "no such plan".into(),
+        },
+        CoordError::InvalidPlan { field } => ApiError::field(field, &"refused by the coordinator"),
         CoordError::Unavailable { reason } => ApiError::CoordinatorUnavailable { reason },
         CoordError::UnknownNode { .. } => ApiError::NotFound { what: "member" },
         CoordError::NotClustered | CoordError::NotLeader { .. } | CoordError::Rejected { .. } => {
@@ -93,6 +115,9 @@ pub struct PolicyBody {
     floor: Option<f64>,
     /// `token_bucket` (default) or `sliding_window`.
     algorithm: Option<String>,
+    /// `enforcing` (default) or `shadow`: a shadow policy is decided and counted but always
+    /// admits, marking a would-be denial `shadow_denied`.
+    mode: Option<String>,
 }
 
 /// A policy as stored.
@@ -111,6 +136,8 @@ pub struct PolicyView {
     pub floor: f64,
     #[schema(value_type = String)]
     pub algorithm: Algorithm,
+    #[schema(value_type = String)]
+    pub mode: quota_core::PolicyMode,
 }
 
 impl PolicyView {
@@ -126,6 +153,7 @@ impl PolicyView {
             fail_mode: p.fail_mode,
             floor: f64::from(p.floor_ppm) / f64::from(PPM),
             algorithm: p.algorithm,
+            mode: p.mode,
         }
     }
 }

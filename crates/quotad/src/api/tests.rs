@@ -23,6 +23,8 @@ use crate::secret::Secret;
 use crate::tokens::{Scope, Tokens};
 
 const TOKEN: &str = "test-token";
+/// The identity key of the test daemons.
+const TEST_IDENTITY_KEY: &str = "test-identity-key-0123456789";
 
 fn state() -> AppState {
     state_on(
@@ -94,6 +96,7 @@ fn state_with_tokens(
         drift_margin_ms: 1000,
         body_limit_bytes: 4096,
         request_timeout: Duration::from_secs(5),
+        identity_key: Some(crate::secret::Secret::new(TEST_IDENTITY_KEY.to_string())),
     })
 }
 
@@ -786,6 +789,7 @@ fn check_bodies_written_directly_are_what_serde_writes() {
             // Not a valid id: the fallback must still write valid, equal JSON.
             decided_by: ["eu", "us-east_1", "quote\"back\\slash", "ü", "\n"][i].to_string(),
             mode,
+            shadow_denied: i % 3 == 1,
         };
         let direct = String::from_utf8(r.to_json()).unwrap();
         assert_eq!(direct, serde_json::to_string(&r).unwrap());
@@ -1424,6 +1428,116 @@ async fn every_status_a_route_answers_is_in_the_document() {
             None,
             None,
         ),
+        (
+            "PUT",
+            "/v1/plans/{plan}",
+            "/v1/plans/pro".into(),
+            t,
+            Some(r#"{"policies":{"login":{"limit":5,"window_ms":900000}}}"#),
+        ),
+        (
+            "PUT",
+            "/v1/plans/{plan}",
+            "/v1/plans/pro".into(),
+            t,
+            Some(r#"{"policies":{}}"#),
+        ),
+        (
+            "PUT",
+            "/v1/plans/{plan}",
+            "/v1/plans/pro".into(),
+            None,
+            Some(r#"{"policies":{"login":{"limit":5,"window_ms":900000}}}"#),
+        ),
+        ("GET", "/v1/plans/{plan}", "/v1/plans/pro".into(), t, None),
+        ("GET", "/v1/plans/{plan}", "/v1/plans/a.b".into(), t, None),
+        ("GET", "/v1/plans/{plan}", "/v1/plans/nope".into(), t, None),
+        ("GET", "/v1/plans", "/v1/plans".into(), t, None),
+        ("GET", "/v1/plans", "/v1/plans?limit=0".into(), t, None),
+        (
+            "PUT",
+            "/v1/tenants/{tenant}/plan",
+            "/v1/tenants/acme/plan".into(),
+            t,
+            Some(r#"{"plan":"pro"}"#),
+        ),
+        (
+            "PUT",
+            "/v1/tenants/{tenant}/plan",
+            "/v1/tenants/acme/plan".into(),
+            t,
+            Some(r#"{"plan":"nope"}"#),
+        ),
+        (
+            "PUT",
+            "/v1/tenants/{tenant}/plan",
+            "/v1/tenants/a.b/plan".into(),
+            t,
+            Some(r#"{"plan":"pro"}"#),
+        ),
+        (
+            "GET",
+            "/v1/tenants/{tenant}/plan",
+            "/v1/tenants/acme/plan".into(),
+            t,
+            None,
+        ),
+        (
+            "GET",
+            "/v1/tenants/{tenant}/plan",
+            "/v1/tenants/a.b/plan".into(),
+            t,
+            None,
+        ),
+        (
+            "DELETE",
+            "/v1/tenants/{tenant}/plan",
+            "/v1/tenants/acme/plan".into(),
+            t,
+            None,
+        ),
+        (
+            "DELETE",
+            "/v1/tenants/{tenant}/plan",
+            "/v1/tenants/acme/plan".into(),
+            t,
+            None,
+        ),
+        (
+            "GET",
+            "/v1/tenants/{tenant}/plan",
+            "/v1/tenants/acme/plan".into(),
+            t,
+            None,
+        ),
+        (
+            "DELETE",
+            "/v1/tenants/{tenant}/plan",
+            "/v1/tenants/a.b/plan".into(),
+            t,
+            None,
+        ),
+        (
+            "DELETE",
+            "/v1/plans/{plan}",
+            "/v1/plans/pro".into(),
+            t,
+            None,
+        ),
+        (
+            "DELETE",
+            "/v1/plans/{plan}",
+            "/v1/plans/pro".into(),
+            t,
+            None,
+        ),
+        (
+            "DELETE",
+            "/v1/plans/{plan}",
+            "/v1/plans/a.b".into(),
+            t,
+            None,
+        ),
         ("GET", "/livez", "/livez".into(), None, None),
         ("GET", "/readyz", "/readyz".into(), None, None),
         ("GET", "/metrics", "/metrics".into(), None, None),
@@ -1730,6 +1844,10 @@ fn accepted_body(method: &str, template: &str) -> Option<&'static str> {
             Some(r#"{"limit":10,"window_ms":1000}"#)
         }
         ("put", "/v1/tenants/{tenant}/pin") => Some(r#"{"region":"eu"}"#),
+        ("put", "/v1/plans/{plan}") => {
+            Some(r#"{"policies":{"login":{"limit":5,"window_ms":900000}}}"#)
+        }
+        ("put", "/v1/tenants/{tenant}/plan") => Some(r#"{"plan":"default"}"#),
         ("post", "/v1/policies/batch") => {
             Some(r#"{"policies":[{"tenant":"acme","policy":"reads","limit":1,"window_ms":1000}]}"#)
         }
@@ -1775,7 +1893,8 @@ async fn every_route_needs_its_scope() {
             let uri = template
                 .replace("{tenant}", "acme")
                 .replace("{policy}", "writes")
-                .replace("{node_id}", "1");
+                .replace("{node_id}", "1")
+                .replace("{plan}", "default");
             let m = method.to_uppercase();
             let body = accepted_body(method, template);
             // A fresh daemon per operation, seeded, so one operation's effect (a delete)
@@ -1790,6 +1909,24 @@ async fn every_route_needs_its_scope() {
             )
             .await;
             assert_eq!(seed.status, StatusCode::OK);
+            let seed = send(
+                &router,
+                "PUT",
+                "/v1/plans/default",
+                Some(TOKEN),
+                Some(r#"{"policies":{"login":{"limit":5,"window_ms":900000}}}"#),
+            )
+            .await;
+            assert_eq!(seed.status, StatusCode::OK, "{}", seed.body);
+            let seed = send(
+                &router,
+                "PUT",
+                "/v1/tenants/acme/plan",
+                Some(TOKEN),
+                Some(r#"{"plan":"default"}"#),
+            )
+            .await;
+            assert_eq!(seed.status, StatusCode::NO_CONTENT, "{}", seed.body);
             let Some(needed) = documented_scope(op) else {
                 assert!(
                     OPEN.contains(&(method.as_str(), template.as_str())),
@@ -1992,4 +2129,317 @@ async fn a_mutation_writes_one_audit_event_naming_the_token_not_its_value() {
             .contains(r#"quotad_admin_requests_total{action="policy.put",outcome="forbidden"} 1"#),
         "{rendered}"
     );
+}
+
+mod plans {
+    use super::*;
+
+    const LOGIN_5_PER_15_MIN: &str = r#"{"policies":{"login":{"limit":5,"window_ms":900000}}}"#;
+
+    async fn put(router: &Api, uri: &str, body: &str) -> Reply {
+        send(router, "PUT", uri, Some(TOKEN), Some(body)).await
+    }
+
+    async fn check(router: &Api, body: &str) -> Reply {
+        send(router, "POST", "/v1/check", None, Some(body)).await
+    }
+
+    #[tokio::test]
+    async fn a_default_plan_limits_identities_with_no_admin_call_naming_them() {
+        let router = app(state());
+        let r = put(&router, "/v1/plans/default", LOGIN_5_PER_15_MIN).await;
+        assert_eq!(r.status, StatusCode::OK, "{}", r.body);
+        let body = r#"{"identity":"203.0.113.7","policy":"login"}"#;
+        let mut statuses = Vec::new();
+        for _ in 0..6 {
+            let r = check(&router, body).await;
+            assert!(!r.body.to_string().contains("203.0.113.7"), "{}", r.body);
+            statuses.push(r.status.as_u16());
+        }
+        assert_eq!(statuses, [200, 200, 200, 200, 200, 429]);
+        // Another identity has its own bucket.
+        let r = check(&router, r#"{"identity":"203.0.113.8","policy":"login"}"#).await;
+        assert_eq!(r.status, StatusCode::OK);
+    }
+
+    #[tokio::test]
+    async fn explicit_policy_then_assigned_plan_then_default() {
+        let router = app(state());
+        put(&router, "/v1/plans/default", LOGIN_5_PER_15_MIN).await;
+        let r = put(
+            &router,
+            "/v1/plans/pro",
+            r#"{"policies":{"login":{"limit":50,"window_ms":900000}}}"#,
+        )
+        .await;
+        assert_eq!(r.status, StatusCode::OK, "{}", r.body);
+        let r = put(&router, "/v1/tenants/acme/plan", r#"{"plan":"pro"}"#).await;
+        assert_eq!(r.status, StatusCode::NO_CONTENT, "{}", r.body);
+        let c = check(&router, r#"{"tenant":"acme","policy":"login"}"#).await;
+        assert_eq!(c.headers["ratelimit-policy"], "\"login\";q=50;w=900");
+        let c = check(&router, r#"{"tenant":"globex","policy":"login"}"#).await;
+        assert_eq!(c.headers["ratelimit-policy"], "\"login\";q=5;w=900");
+        put(
+            &router,
+            "/v1/tenants/acme/policies/login",
+            r#"{"limit":7,"window_ms":1000}"#,
+        )
+        .await;
+        let c = check(&router, r#"{"tenant":"acme","policy":"login"}"#).await;
+        assert_eq!(c.headers["ratelimit-policy"], "\"login\";q=7;w=1");
+        let r = send(&router, "GET", "/v1/tenants/acme/plan", Some(TOKEN), None).await;
+        assert_eq!(r.body["plan"], "pro");
+        // Plans are listed by name; their policies are not a tenant's.
+        let r = send(&router, "GET", "/v1/plans?limit=1", Some(TOKEN), None).await;
+        assert_eq!(r.body["plans"][0]["plan"], "default");
+        assert_eq!(r.body["next"], "default");
+        let r = send(&router, "GET", "/v1/plans?after=default", Some(TOKEN), None).await;
+        assert_eq!(r.body["plans"][0]["plan"], "pro");
+        assert_eq!(r.body["plans"][0]["policies"]["login"]["limit"], 50);
+        assert!(r.body["next"].is_null());
+        let r = send(&router, "GET", "/v1/policies", Some(TOKEN), None).await;
+        assert_eq!(
+            r.body["policies"].as_array().unwrap().len(),
+            1,
+            "{}",
+            r.body
+        );
+        // Unassigned, then the plan deleted: the default plan decides.
+        let r = send(
+            &router,
+            "DELETE",
+            "/v1/tenants/acme/plan",
+            Some(TOKEN),
+            None,
+        )
+        .await;
+        assert_eq!(r.status, StatusCode::NO_CONTENT);
+        let r = send(
+            &router,
+            "DELETE",
+            "/v1/tenants/acme/plan",
+            Some(TOKEN),
+            None,
+        )
+        .await;
+        assert_eq!(r.status, StatusCode::NOT_FOUND);
+        let r = send(&router, "DELETE", "/v1/plans/pro", Some(TOKEN), None).await;
+        assert_eq!(r.status, StatusCode::NO_CONTENT);
+        let r = send(&router, "GET", "/v1/plans/pro", Some(TOKEN), None).await;
+        assert_eq!(r.status, StatusCode::NOT_FOUND);
+    }
+
+    #[tokio::test]
+    async fn a_plan_change_reaches_every_assigned_tenant_in_one_command() {
+        let router = app(state());
+        put(
+            &router,
+            "/v1/plans/pro",
+            r#"{"policies":{"calls":{"limit":3,"window_ms":60000}}}"#,
+        )
+        .await;
+        for i in 0..200 {
+            let r = put(
+                &router,
+                &format!("/v1/tenants/t{i}/plan"),
+                r#"{"plan":"pro"}"#,
+            )
+            .await;
+            assert_eq!(r.status, StatusCode::NO_CONTENT);
+        }
+        let before = send(&router, "GET", "/v1/plans/pro", Some(TOKEN), None).await;
+        let r = put(
+            &router,
+            "/v1/plans/pro",
+            r#"{"policies":{"calls":{"limit":1,"window_ms":60000}}}"#,
+        )
+        .await;
+        assert_eq!(r.status, StatusCode::OK);
+        assert!(
+            r.body["policies"]["calls"]["version"].as_u64()
+                > before.body["policies"]["calls"]["version"].as_u64()
+        );
+        for i in 0..200 {
+            let body = format!(r#"{{"tenant":"t{i}","policy":"calls"}}"#);
+            assert_eq!(check(&router, &body).await.status, StatusCode::OK);
+            assert_eq!(
+                check(&router, &body).await.status,
+                StatusCode::TOO_MANY_REQUESTS,
+                "tenant t{i}"
+            );
+        }
+    }
+
+    #[tokio::test]
+    async fn bad_plan_input_is_refused_by_field_and_changes_nothing() {
+        let router = app(state());
+        let cases: &[(&str, &str, &str, StatusCode, &str)] = &[
+            (
+                "PUT",
+                "/v1/plans/pro",
+                r#"{"policies":{}}"#,
+                StatusCode::BAD_REQUEST,
+                "policies",
+            ),
+            (
+                "PUT",
+                "/v1/plans/pro",
+                r#"{"policies":[]}"#,
+                StatusCode::BAD_REQUEST,
+                "policies",
+            ),
+            ("PUT", "/v1/plans/pro", r#"[]"#, StatusCode::BAD_REQUEST, ""),
+            (
+                "PUT",
+                "/v1/plans/pro",
+                r#"{"policies":{"login":{"limit":0,"window_ms":1000}}}"#,
+                StatusCode::BAD_REQUEST,
+                "policies.login.limit",
+            ),
+            (
+                "PUT",
+                "/v1/plans/pro",
+                r#"{"policies":{"no such":{"limit":1,"window_ms":1000}}}"#,
+                StatusCode::BAD_REQUEST,
+                "policies.no such",
+            ),
+            (
+                "PUT",
+                "/v1/plans/pro",
+                r#"{"policies":{"a":{"limit":1,"window_ms":1000}},"extra":1}"#,
+                StatusCode::BAD_REQUEST,
+                "",
+            ),
+            (
+                "PUT",
+                "/v1/plans/a.b",
+                LOGIN_5_PER_15_MIN,
+                StatusCode::BAD_REQUEST,
+                "plan",
+            ),
+            (
+                "PUT",
+                "/v1/tenants/acme/plan",
+                r#"{"plan":"nope"}"#,
+                StatusCode::NOT_FOUND,
+                "plan",
+            ),
+            (
+                "PUT",
+                "/v1/tenants/acme/plan",
+                r#"{"plan":["pro"]}"#,
+                StatusCode::BAD_REQUEST,
+                "",
+            ),
+            (
+                "PUT",
+                "/v1/tenants/--plan--pro/plan",
+                r#"{"plan":"pro"}"#,
+                StatusCode::BAD_REQUEST,
+                "tenant",
+            ),
+        ];
+        for (method, uri, body, status, field) in cases {
+            let r = send(&router, method, uri, Some(TOKEN), Some(body)).await;
+            assert_eq!(r.status, *status, "{method} {uri} {body}: {}", r.body);
+            assert!(is_problem(&r));
+            if !field.is_empty() {
+                assert_eq!(r.body["errors"][0]["field"], *field, "{body}: {}", r.body);
+            }
+        }
+        let r = send(&router, "GET", "/v1/plans", Some(TOKEN), None).await;
+        assert_eq!(r.body["plans"], serde_json::json!([]));
+    }
+
+    #[tokio::test]
+    async fn checks_name_exactly_one_subject_and_never_a_reserved_id() {
+        let router = app(state());
+        put(&router, "/v1/plans/default", LOGIN_5_PER_15_MIN).await;
+        let hashed = quota_core::hashed_id(TEST_IDENTITY_KEY.as_bytes(), b"203.0.113.7");
+        let long = "x".repeat(1025);
+        let cases = [
+            (r#"{"policy":"login"}"#.to_string(), "tenant"),
+            (
+                r#"{"tenant":"acme","identity":"a","policy":"login"}"#.to_string(),
+                "identity",
+            ),
+            (
+                format!(r#"{{"identity":"{long}","policy":"login"}}"#),
+                "identity",
+            ),
+            (
+                r#"{"identity":"","policy":"login"}"#.to_string(),
+                "identity",
+            ),
+            (
+                format!(r#"{{"tenant":"{}","policy":"login"}}"#, hashed.as_str()),
+                "tenant",
+            ),
+            (
+                r#"{"tenant":"--plan--default","policy":"login"}"#.to_string(),
+                "tenant",
+            ),
+        ];
+        for (body, field) in cases {
+            let r = check(&router, &body).await;
+            assert_eq!(r.status, StatusCode::BAD_REQUEST, "{body}: {}", r.body);
+            assert_eq!(r.body["errors"][0]["field"], field, "{body}");
+        }
+        let r = send(
+            &router,
+            "POST",
+            "/v1/check/batch",
+            None,
+            Some(r#"{"checks":[{"identity":"203.0.113.7","policy":"login"},{"tenant":"acme","policy":"login"}]}"#),
+        )
+        .await;
+        assert_eq!(r.status, StatusCode::OK, "{}", r.body);
+        assert_eq!(r.body["results"][0]["status"], 200);
+        assert!(!r.body.to_string().contains("203.0.113.7"));
+    }
+
+    #[tokio::test]
+    async fn an_identity_without_a_key_is_a_problem_naming_identity() {
+        let st = state();
+        let st = Arc::new(AppShared {
+            decider: st.decider.clone(),
+            coordinator: st.coordinator.clone(),
+            tokens: st.tokens.clone(),
+            open_checks: true,
+            metrics: None,
+            ready: st.ready.clone(),
+            drift_margin_ms: 1000,
+            body_limit_bytes: 4096,
+            request_timeout: Duration::from_secs(5),
+            identity_key: None,
+        });
+        let router = app(st);
+        let r = check(&router, r#"{"identity":"203.0.113.7","policy":"login"}"#).await;
+        assert_eq!(r.status, StatusCode::SERVICE_UNAVAILABLE, "{}", r.body);
+        assert_eq!(r.body["errors"][0]["field"], "identity");
+        assert!(!r.body.to_string().contains("203.0.113.7"));
+    }
+
+    #[tokio::test]
+    async fn a_shadow_policy_admits_and_marks_what_it_would_deny() {
+        let router = app(state());
+        let r = put(
+            &router,
+            "/v1/tenants/acme/policies/new-limit",
+            r#"{"limit":5,"window_ms":60000,"mode":"shadow"}"#,
+        )
+        .await;
+        assert_eq!(r.status, StatusCode::OK, "{}", r.body);
+        assert_eq!(r.body["mode"], "shadow");
+        let mut shadowed = 0;
+        for _ in 0..10 {
+            let r = check(&router, r#"{"tenant":"acme","policy":"new-limit"}"#).await;
+            assert_eq!(r.status, StatusCode::OK, "{}", r.body);
+            assert_eq!(r.body["allowed"], true);
+            if r.body["shadow_denied"] == true {
+                shadowed += 1;
+            }
+        }
+        assert_eq!(shadowed, 5);
+    }
 }

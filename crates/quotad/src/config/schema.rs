@@ -43,6 +43,10 @@ pub struct EnvoyConfig {
     pub tls_key_file: Option<PathBuf>,
     pub tls_client_ca_file: Option<PathBuf>,
     pub tls_check_ms: u64,
+    /// A descriptor entry key whose value is an identity (e.g. `remote_address`): a
+    /// descriptor without the tenant entry is decided for that identity, hashed with the
+    /// identity key like a check's `identity`.
+    pub identity_key: Option<String>,
 }
 
 impl Default for EnvoyConfig {
@@ -55,6 +59,7 @@ impl Default for EnvoyConfig {
             tls_key_file: None,
             tls_client_ca_file: None,
             tls_check_ms: 10_000,
+            identity_key: None,
         }
     }
 }
@@ -69,6 +74,9 @@ pub struct ApiConfig {
     /// Named, scoped tokens (TOML `[[tokens]]`: `name`, `scope`, `token_sha256` or
     /// `token_file`), re-read every `tokens_check_ms`. See docs/operations.md.
     pub tokens_file: Option<PathBuf>,
+    /// A file holding the identity key (used when `QUOTAD_IDENTITY_KEY` is unset): checks
+    /// naming an `identity` hash it with this key. The same key in every region.
+    pub identity_key_file: Option<PathBuf>,
     /// How often `tokens_file` is read again; 0 reads it at start only.
     pub tokens_check_ms: u64,
     /// Decisions (`/v1/check`, `/v1/check/batch`) without a token; `false` asks for a `check`
@@ -275,6 +283,7 @@ impl Default for ApiConfig {
             listen: "127.0.0.1:7450".into(),
             admin_token_file: None,
             tokens_file: None,
+            identity_key_file: None,
             tokens_check_ms: 5_000,
             open_checks: true,
             body_limit_bytes: 64 * 1024,

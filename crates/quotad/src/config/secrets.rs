@@ -14,6 +14,11 @@ use crate::tokens::{self, TokenSet};
 pub const ENV_ADMIN_TOKEN: &str = "QUOTAD_ADMIN_TOKEN";
 /// Environment variable holding the token peers present to each other.
 pub const ENV_PEER_TOKEN: &str = "QUOTAD_PEER_TOKEN";
+/// Environment variable holding the key identities are hashed with (the same in every region).
+pub const ENV_IDENTITY_KEY: &str = "QUOTAD_IDENTITY_KEY";
+/// The shortest identity key accepted: a short key makes the hash of a small input space (IPv4
+/// addresses) easy to reverse.
+pub const MIN_IDENTITY_KEY_LEN: usize = 16;
 /// Environment variable holding the Redis password.
 pub const ENV_REDIS_PASSWORD: &str = "QUOTAD_REDIS_PASSWORD";
 /// The sentinels' own password (`requirepass` on the sentinels), Sentinel mode only.
@@ -43,6 +48,9 @@ pub struct Secrets {
     pub redis_sentinel_password_source: SecretSource,
     /// The tokens of `api.tokens_file` as read at start (empty without one).
     pub api_tokens: TokenSet,
+    /// The key identities are hashed with; `None`: checks naming an `identity` are refused.
+    pub identity_key: Option<Secret>,
+    pub identity_key_source: SecretSource,
 }
 
 impl Config {
@@ -98,6 +106,36 @@ impl Config {
                 format!("the sentinels' password ({ENV_REDIS_SENTINEL_PASSWORD} or redis.sentinel_password_file) is for redis.mode = \"sentinel\""),
             ));
         }
+        let (identity_key, identity_key_source) = secret(
+            p,
+            env,
+            ENV_IDENTITY_KEY,
+            "api.identity_key_file",
+            self.api.identity_key_file.as_deref(),
+        );
+        if identity_key
+            .as_ref()
+            .is_some_and(|k| k.expose().len() < MIN_IDENTITY_KEY_LEN)
+        {
+            p.push(problem(
+                "api.identity_key_file",
+                format!("the identity key ({ENV_IDENTITY_KEY} or api.identity_key_file) must be at least {MIN_IDENTITY_KEY_LEN} bytes"),
+            ));
+        }
+        if self.envoy.identity_key.is_some() && identity_key.is_none() {
+            p.push(problem(
+                "envoy.identity_key",
+                format!("identities need an identity key: set {ENV_IDENTITY_KEY} or api.identity_key_file"),
+            ));
+        }
+        if self.envoy.identity_key.as_ref().is_some_and(|k| {
+            k.is_empty() || *k == self.envoy.tenant_key || *k == self.envoy.policy_key
+        }) {
+            p.push(problem(
+                "envoy.identity_key",
+                "must be a non-empty key other than envoy.tenant_key and envoy.policy_key",
+            ));
+        }
         let api_tokens = match self.api.tokens_file.as_deref().map(tokens::read_file) {
             None => TokenSet::default(),
             Some(Ok(set)) => set,
@@ -112,6 +150,8 @@ impl Config {
         };
         Secrets {
             api_tokens,
+            identity_key,
+            identity_key_source,
             admin_token,
             admin_token_source,
             peer_token,

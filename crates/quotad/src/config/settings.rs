@@ -58,6 +58,7 @@ impl Settings {
             ("peer_token", s.peer_token_source),
             ("redis_password", s.redis_password_source),
             ("redis_sentinel_password", s.redis_sentinel_password_source),
+            ("identity_key", s.identity_key_source),
         ] {
             let source = match source {
                 SecretSource::Environment => "from the environment",

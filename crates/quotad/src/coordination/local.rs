@@ -6,7 +6,7 @@ use std::path::Path;
 use std::sync::{Arc, Mutex};
 
 use quota_core::mode::BudgetMode;
-use quota_core::{Policy, PolicyName, RegionId, TenantId, PPM};
+use quota_core::{PlanName, Policy, PolicyName, RegionId, TenantId, PPM};
 use tokio::sync::watch;
 
 use crate::coordination::local_store::{LocalStore, LocalStoreError};
@@ -58,6 +58,7 @@ impl LocalCoordinator {
             lease_end_local_ms: u64::MAX,
             policies,
             tenant_pins: Arc::new(loaded.pins),
+            plan_assignments: loaded.assignments.into_iter().collect(),
             region_leases: BTreeMap::from([(region.clone(), u64::MAX)]),
             last_version: loaded.last_version,
             ..ClusterView::default()
@@ -209,6 +210,101 @@ impl LocalCoordinator {
                     e.home = None;
                 }
             }
+            Ok(true)
+        })
+    }
+
+    /// Replaces a plan's policies in one transaction: changed ones get new versions, equal
+    /// ones keep theirs, ones the plan no longer holds go.
+    pub fn put_plan(
+        &self,
+        plan: &PlanName,
+        mut policies: Vec<(PolicyName, Policy)>,
+    ) -> Result<Vec<Policy>, CoordError> {
+        let mut names: Vec<&PolicyName> = policies.iter().map(|(n, _)| n).collect();
+        names.sort();
+        names.dedup();
+        if policies.is_empty() || names.len() != policies.len() {
+            return Err(CoordError::InvalidPlan {
+                field: "policies".into(),
+            });
+        }
+        let class = TenantId::for_plan(plan);
+        self.mutate(|s| {
+            let gone: Vec<(TenantId, PolicyName)> = s
+                .plan_policies(plan)
+                .filter(|(n, _)| !policies.iter().any(|(m, _)| m == *n))
+                .map(|(n, _)| (class.clone(), n.clone()))
+                .collect();
+            let mut version = s.last_version;
+            let mut changed = Vec::new();
+            for (name, policy) in &mut policies {
+                match s.policy(&class, name).map(|e| &e.policy) {
+                    Some(p) if p.same_terms(policy) => policy.version = p.version,
+                    _ => {
+                        version += 1;
+                        policy.version = version;
+                        changed.push((&class, &*name, &*policy));
+                    }
+                }
+            }
+            self.store.replace_policies(&changed, &gone, version)?;
+            s.last_version = version;
+            for key in gone {
+                s.policies.remove(&key);
+            }
+            for (name, policy) in &policies {
+                let entry = Self::entry(&self.region, policy.clone(), None);
+                s.policies.insert((class.clone(), name.clone()), entry);
+            }
+            Ok(policies.into_iter().map(|(_, p)| p).collect())
+        })
+    }
+
+    /// Deletes a plan's policies; `false` if it had none.
+    pub fn delete_plan(&self, plan: &PlanName) -> Result<bool, CoordError> {
+        let class = TenantId::for_plan(plan);
+        self.mutate(|s| {
+            let gone: Vec<(TenantId, PolicyName)> = s
+                .plan_policies(plan)
+                .map(|(n, _)| (class.clone(), n.clone()))
+                .collect();
+            if gone.is_empty() {
+                return Ok(false);
+            }
+            self.store.replace_policies(&[], &gone, s.last_version)?;
+            for key in gone {
+                s.policies.remove(&key);
+            }
+            Ok(true)
+        })
+    }
+
+    /// Assigns a tenant to an existing plan.
+    pub fn assign_plan(&self, tenant: &TenantId, plan: &PlanName) -> Result<(), CoordError> {
+        if tenant.reserved().is_some() {
+            return Err(CoordError::InvalidPlan {
+                field: "tenant".into(),
+            });
+        }
+        if self.view().plan_policies(plan).next().is_none() {
+            return Err(CoordError::UnknownPlan);
+        }
+        self.mutate(|s| {
+            self.store.put_assignment(tenant, Some(plan))?;
+            s.plan_assignments.insert(tenant.clone(), plan.clone());
+            Ok(())
+        })
+    }
+
+    /// Removes a tenant's plan assignment; `false` if it had none.
+    pub fn unassign_plan(&self, tenant: &TenantId) -> Result<bool, CoordError> {
+        if !self.view().plan_assignments.contains_key(tenant) {
+            return Ok(false);
+        }
+        self.mutate(|s| {
+            self.store.put_assignment(tenant, None)?;
+            s.plan_assignments.remove(tenant);
             Ok(true)
         })
     }

@@ -4,6 +4,8 @@
 //!  local_policies_v1   (tenant, policy) -> Policy      (with its version)
 //!  local_pins_v1       tenant           -> RegionId    (tenant-level pin)
 //!  local_meta_v1       "last_version"   -> u64         (never reused, even across delete + put)
+//!  local_plan_assignments_v1  tenant    -> PlanName    (a plan's policies are policies of its
+//!                                                       reserved subject, `--plan--<plan>`)
 //! ```
 //!
 //! Values are quota-raft's codec (postcard behind a format version byte), the same encoding as
@@ -15,7 +17,7 @@
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
-use quota_core::{Policy, PolicyName, RegionId, TenantId};
+use quota_core::{PlanName, Policy, PolicyName, RegionId, TenantId};
 use quota_raft::codec::{decode, encode, CodecError};
 use redb::{Database, Durability, ReadableDatabase, ReadableTable, TableDefinition};
 
@@ -23,6 +25,8 @@ use redb::{Database, Durability, ReadableDatabase, ReadableTable, TableDefinitio
 const POLICIES: TableDefinition<(&str, &str), &[u8]> = TableDefinition::new("local_policies_v1");
 /// Tenant pins by tenant; the value is the home `RegionId`.
 const PINS: TableDefinition<&str, &[u8]> = TableDefinition::new("local_pins_v1");
+/// Plan assignments by tenant; the value is the `PlanName`.
+const ASSIGNMENTS: TableDefinition<&str, &[u8]> = TableDefinition::new("local_plan_assignments_v1");
 /// Single records, one type per key.
 const META: TableDefinition<&str, &[u8]> = TableDefinition::new("local_meta_v1");
 /// `u64`: the last policy version issued.
@@ -61,6 +65,7 @@ pub enum LocalStoreError {
 pub struct Loaded {
     pub policies: BTreeMap<(TenantId, PolicyName), Policy>,
     pub pins: BTreeMap<TenantId, RegionId>,
+    pub assignments: BTreeMap<TenantId, PlanName>,
     pub last_version: u64,
 }
 
@@ -128,6 +133,61 @@ impl LocalStore {
         })
     }
 
+    /// Stores `puts` (each with its new version) and removes `deletes`, with the last version
+    /// issued, in one transaction: a plan change is all or none.
+    pub fn replace_policies(
+        &self,
+        puts: &[(&TenantId, &PolicyName, &Policy)],
+        deletes: &[(TenantId, PolicyName)],
+        last_version: u64,
+    ) -> Result<(), LocalStoreError> {
+        let values = puts
+            .iter()
+            .map(|(_, _, policy)| self.encode(policy, "policy"))
+            .collect::<Result<Vec<_>, _>>()?;
+        let version = self.encode(&last_version, LAST_VERSION)?;
+        self.write(|policies, _, meta| {
+            for (tenant, name) in deletes {
+                policies.remove((tenant.as_str(), name.as_str()))?;
+            }
+            for ((tenant, name, _), value) in puts.iter().zip(&values) {
+                policies.insert((tenant.as_str(), name.as_str()), value.as_slice())?;
+            }
+            meta.insert(LAST_VERSION, version.as_slice())?;
+            Ok(())
+        })
+    }
+
+    /// Assigns a tenant to a plan (`None`: removes its assignment).
+    pub fn put_assignment(
+        &self,
+        tenant: &TenantId,
+        plan: Option<&PlanName>,
+    ) -> Result<(), LocalStoreError> {
+        let value = plan.map(|p| self.encode(p, "plan")).transpose()?;
+        let run = || -> Result<(), redb::Error> {
+            let mut txn = self.db.begin_write()?;
+            txn.set_durability(Durability::Immediate)?;
+            {
+                let mut table = txn.open_table(ASSIGNMENTS)?;
+                match &value {
+                    Some(v) => {
+                        table.insert(tenant.as_str(), v.as_slice())?;
+                    }
+                    None => {
+                        table.remove(tenant.as_str())?;
+                    }
+                }
+            }
+            txn.commit()?;
+            Ok(())
+        };
+        blocking(run).map_err(|source| LocalStoreError::Storage {
+            path: self.path.clone(),
+            source,
+        })
+    }
+
     /// Removes a policy.
     pub fn delete_policy(
         &self,
@@ -185,6 +245,7 @@ impl LocalStore {
                 let mut policies = txn.open_table(POLICIES)?;
                 let mut pins = txn.open_table(PINS)?;
                 let mut meta = txn.open_table(META)?;
+                txn.open_table(ASSIGNMENTS)?;
                 f(&mut policies, &mut pins, &mut meta)?;
             }
             txn.commit()?;
@@ -244,6 +305,16 @@ impl LocalStore {
             let tenant = TenantId::new(t).map_err(|e| invalid(format!("{what}: {e}")))?;
             let home: RegionId = decode(v.value()).map_err(|e| decoded(what, e))?;
             loaded.pins.insert(tenant, home);
+        }
+
+        let assignments = txn.open_table(ASSIGNMENTS).map_err(|e| storage(e.into()))?;
+        for row in assignments.iter().map_err(|e| storage(e.into()))? {
+            let (k, v) = row.map_err(|e| storage(e.into()))?;
+            let t = k.value();
+            let what = format!("plan of tenant {t}");
+            let tenant = TenantId::new(t).map_err(|e| invalid(format!("{what}: {e}")))?;
+            let plan: PlanName = decode(v.value()).map_err(|e| decoded(what, e))?;
+            loaded.assignments.insert(tenant, plan);
         }
         Ok(loaded)
     }

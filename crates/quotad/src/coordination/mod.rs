@@ -22,16 +22,20 @@ pub mod view;
 
 use std::sync::Arc;
 
-use quota_core::{Policy, PolicyName, RegionId, TenantId};
+use quota_core::{PlanName, Policy, PolicyName, RegionId, TenantId};
 use tokio::sync::watch;
 
 pub use local::LocalCoordinator;
 pub use mutation::{CoordError, PolicyPut, Removal};
 pub use replicated::Replicated;
 pub use status::{CoordinatorStatus, MemberStatus};
-pub use view::{tenant_policies, ClusterView, Grant, PolicyEntry, PolicyMap};
+pub use view::{
+    tenant_policies, ClusterView, Grant, PlanAssignments, PolicyEntry, PolicyMap, Resolved,
+};
 
 /// The coordinator behind the daemon.
+// One per daemon, behind an `Arc`: the size of the local variant costs nothing.
+#[allow(clippy::large_enum_variant)]
 #[derive(Debug)]
 pub enum Coordinator {
     /// One region, no Raft.
@@ -115,6 +119,43 @@ impl Coordinator {
         match self {
             Coordinator::Local(c) => c.unpin(&tenant),
             Coordinator::Replicated(c) => c.unpin(tenant).await,
+        }
+    }
+
+    /// Creates or replaces a plan in one step (all or none); returns its policies with their
+    /// versions, in order. Every tenant assigned to it sees the change at once.
+    pub async fn put_plan(
+        &self,
+        plan: PlanName,
+        policies: Vec<(PolicyName, Policy)>,
+    ) -> Result<Vec<Policy>, CoordError> {
+        match self {
+            Coordinator::Local(c) => c.put_plan(&plan, policies),
+            Coordinator::Replicated(c) => c.put_plan(plan, policies).await,
+        }
+    }
+
+    /// Deletes a plan; `false` if there was none.
+    pub async fn delete_plan(&self, plan: PlanName) -> Result<bool, CoordError> {
+        match self {
+            Coordinator::Local(c) => c.delete_plan(&plan),
+            Coordinator::Replicated(c) => c.delete_plan(plan).await,
+        }
+    }
+
+    /// Assigns a tenant to an existing plan.
+    pub async fn assign_plan(&self, tenant: TenantId, plan: PlanName) -> Result<(), CoordError> {
+        match self {
+            Coordinator::Local(c) => c.assign_plan(&tenant, &plan),
+            Coordinator::Replicated(c) => c.assign_plan(tenant, plan).await,
+        }
+    }
+
+    /// Removes a tenant's plan assignment; `false` if it had none.
+    pub async fn unassign_plan(&self, tenant: TenantId) -> Result<bool, CoordError> {
+        match self {
+            Coordinator::Local(c) => c.unassign_plan(&tenant),
+            Coordinator::Replicated(c) => c.unassign_plan(tenant).await,
         }
     }
 

@@ -25,6 +25,12 @@ pub enum CoordError {
         entries: Vec<InvalidEntry>,
         total: u32,
     },
+    /// An assignment to a plan that does not exist.
+    #[error("no such plan")]
+    UnknownPlan,
+    /// A plan command the coordinator refused, naming the field.
+    #[error("{field}: refused by the coordinator")]
+    InvalidPlan { field: String },
 }
 
 /// Where the removal of a member stands once the request is answered.

@@ -5,7 +5,8 @@ use std::collections::BTreeMap;
 use std::sync::Arc;
 
 use quota_core::mode::BudgetMode;
-use quota_core::{Policy, PolicyName, RegionId, TenantId};
+use quota_core::plan::DEFAULT_PLAN;
+use quota_core::{PlanName, Policy, PolicyName, RegionId, TenantId};
 use serde::Serialize;
 
 /// One region's grant for a tenant's policy.
@@ -28,8 +29,21 @@ pub struct PolicyEntry {
     pub mode: BudgetMode,
 }
 
-/// Every tenant's policies with their grants, in key order.
+/// Every tenant's policies with their grants, in key order. A plan's policies are here too,
+/// under the plan's reserved subject ([`TenantId::for_plan`]).
 pub type PolicyMap = imbl::OrdMap<(TenantId, PolicyName), PolicyEntry>;
+
+/// Tenants assigned to a plan: persistent, so a view after one assignment copies one path.
+pub type PlanAssignments = imbl::OrdMap<TenantId, PlanName>;
+
+/// The policy a check of a subject decides under, and whose it is.
+#[derive(Debug, Clone, Copy)]
+pub struct Resolved<'a> {
+    pub entry: &'a PolicyEntry,
+    /// The plan whose policy this is (the subject decides in its own bucket at this class's
+    /// share and version); `None` for the subject's explicit policy.
+    pub plan: Option<&'a TenantId>,
+}
 
 /// An immutable snapshot of coordinator state, as this region sees it.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
@@ -40,6 +54,8 @@ pub struct ClusterView {
     pub policies: PolicyMap,
     /// Pinned tenants and their home region.
     pub tenant_pins: Arc<BTreeMap<TenantId, RegionId>>,
+    /// Tenants assigned to a plan.
+    pub plan_assignments: PlanAssignments,
     /// Coordinator time (wall-clock ms) each region's lease ends, for display; `u64::MAX` =
     /// never. Regions count their own lease, see [`ClusterView::lease_end_local_ms`].
     pub region_leases: BTreeMap<RegionId, u64>,
@@ -59,6 +75,57 @@ impl ClusterView {
     pub fn policy(&self, tenant: &TenantId, policy: &PolicyName) -> Option<&PolicyEntry> {
         // BTreeMap lookups need an owned key; ids are short, and this avoids a second map.
         self.policies.get(&(tenant.clone(), policy.clone()))
+    }
+
+    /// What a check of `subject`'s `policy` decides under: the subject's explicit policy of
+    /// that name, else its assigned plan's policy, else the `default` plan's.
+    pub fn resolve(&self, subject: &TenantId, policy: &PolicyName) -> Option<Resolved<'_>> {
+        if let Some(entry) = self.policy(subject, policy) {
+            return Some(Resolved { entry, plan: None });
+        }
+        let class = |plan: &PlanName| {
+            let key = (TenantId::for_plan(plan), policy.clone());
+            self.policies
+                .get_key_value(&key)
+                .map(|((t, _), entry)| Resolved {
+                    entry,
+                    plan: Some(t),
+                })
+        };
+        self.plan_assignments
+            .get(subject)
+            .and_then(class)
+            .or_else(|| PlanName::new(DEFAULT_PLAN).ok().as_ref().and_then(class))
+    }
+
+    /// Every plan (a plan exists while it holds a policy) after `after`, in name order.
+    pub fn plans_after(&self, after: Option<&PlanName>) -> Vec<PlanName> {
+        let (Ok(start), Ok(first)) = (TenantId::new("--plan--"), PolicyName::new("-")) else {
+            return Vec::new();
+        };
+        let mut plans: Vec<PlanName> = Vec::new();
+        for ((t, _), _) in self.policies.range((start, first)..) {
+            let Some(plan) = t.plan() else { break };
+            if after.is_some_and(|a| &plan <= a) || plans.last() == Some(&plan) {
+                continue;
+            }
+            plans.push(plan);
+        }
+        plans
+    }
+
+    /// A plan's policies in name order (none: no such plan).
+    pub fn plan_policies<'a>(
+        &'a self,
+        plan: &'a PlanName,
+    ) -> impl Iterator<Item = (&'a PolicyName, &'a PolicyEntry)> + 'a {
+        let class = TenantId::for_plan(plan);
+        let first = PolicyName::new("-").ok();
+        first
+            .into_iter()
+            .flat_map(move |first| self.policies.range((class.clone(), first)..))
+            .take_while(move |((t, _), _)| t.plan().as_ref() == Some(plan))
+            .map(|((_, p), e)| (p, e))
     }
 
     /// The share this region enforces for a grant at local time `now_ms`: the grant while the

@@ -16,7 +16,7 @@ use metrics::{Counter, Histogram};
 use quota_core::mode;
 use quota_core::policy::CostError;
 use quota_core::share::limit_for_share;
-use quota_core::{Decision, FailMode, Policy, PolicyName, RegionId, TenantId};
+use quota_core::{Decision, FailMode, Policy, PolicyMode, PolicyName, RegionId, TenantId};
 use quota_store::{
     AnyStore, BucketRef, CheckRequest, EmbeddedStore, Limit, Store, StoreError, UsageRecord,
 };
@@ -88,6 +88,21 @@ pub struct Verdict {
     pub mode: Mode,
     /// The region whose bucket decided.
     pub decided_by: RegionId,
+    /// A shadow policy's denial, admitted: the decision says allowed, this says it would
+    /// have been denied.
+    pub shadow_denied: bool,
+}
+
+impl Verdict {
+    /// Applies a shadow policy's rule: a denial is admitted and marked.
+    fn shadowed(mut self) -> Self {
+        if self.policy.mode == PolicyMode::Shadow && !self.decision.allowed {
+            self.decision.allowed = true;
+            self.decision.retry_after_ms = Some(0);
+            self.shadow_denied = true;
+        }
+        self
+    }
 }
 
 /// Why no decision was made. A denial is a [`Verdict`], not one of these.
@@ -113,6 +128,8 @@ struct ForwardedAnswer {
     remaining: u64,
     retry_after_ms: Option<u64>,
     reset_ms: Option<u64>,
+    #[serde(default)]
+    shadow_denied: bool,
 }
 
 impl ForwardedAnswer {
@@ -127,6 +144,7 @@ impl ForwardedAnswer {
             policy,
             mode: Mode::Forwarded,
             decided_by: home.clone(),
+            shadow_denied: self.shadow_denied,
         }
     }
 }
@@ -302,6 +320,16 @@ impl Decider {
         }
     }
 
+    /// Applies a shadow policy's rule to a verdict and counts a shadow denial.
+    fn count_shadow(&self, policy: &PolicyName, v: Verdict) -> Verdict {
+        let v = v.shadowed();
+        if v.shadow_denied && v.mode != Mode::Forwarded {
+            // The home region that decided a forwarded check counted it.
+            self.metrics.record_shadow_denial(policy);
+        }
+        v
+    }
+
     /// True when a request's forwarded-header value proves it came from a peer daemon.
     pub fn is_peer_forward(&self, value: Option<&str>) -> bool {
         match (&self.peer_token, value) {
@@ -334,6 +362,7 @@ impl Decider {
             policy,
             mode,
             decided_by: self.region.clone(),
+            shadow_denied: false,
         }
     }
 
@@ -368,7 +397,7 @@ impl Decider {
         tenant: &TenantId,
         policy: &PolicyName,
     ) -> Option<(Policy, u32, Limit)> {
-        Some(self.params_of(view, view.policy(tenant, policy)?))
+        Some(self.params_of(view, view.resolve(tenant, policy)?.entry))
     }
 
     fn params_of(&self, view: &ClusterView, entry: &PolicyEntry) -> (Policy, u32, Limit) {
@@ -410,10 +439,12 @@ impl Decider {
     ) -> Result<Verdict, CheckError> {
         let started = clock::monotonic();
         let view = self.view();
-        // One lookup: building the map key clones both ids.
+        // The subject's own policy, else its plan's: either way its own bucket, at the
+        // version and share of the entry it resolved to.
         let entry = view
-            .policy(&tenant, &policy_name)
-            .ok_or(CheckError::UnknownPolicy)?;
+            .resolve(&tenant, &policy_name)
+            .ok_or(CheckError::UnknownPolicy)?
+            .entry;
         let (policy, _share, limit) = self.params_of(&view, entry);
         mode::check_cost(&policy, cost, entry.grants.len())?;
         // While a home is still being granted its share (it holds less than the cost), the
@@ -458,7 +489,8 @@ impl Decider {
                 })
             }
             _ => self.decide_here(bucket, limit, cost, policy).await,
-        };
+        }
+        .map(|v| self.count_shadow(&policy_name, v));
         self.metrics.record(
             &policy_name,
             outcome_of(&result),
@@ -479,7 +511,7 @@ impl Decider {
             return None;
         }
         let view = self.view();
-        let home = view.policy(tenant, policy)?.home.as_ref()?;
+        let home = view.resolve(tenant, policy)?.entry.home.as_ref()?;
         (*home != self.region).then(|| home.clone())
     }
 
@@ -499,8 +531,9 @@ impl Decider {
                 .into_iter()
                 .map(|(tenant, policy_name, cost)| {
                     let entry = view
-                        .policy(&tenant, &policy_name)
-                        .ok_or(CheckError::UnknownPolicy)?;
+                        .resolve(&tenant, &policy_name)
+                        .ok_or(CheckError::UnknownPolicy)?
+                        .entry;
                     let (policy, _share, _limit) = self.params_of(&view, entry);
                     mode::check_cost(&policy, cost, entry.grants.len())?;
                     let bucket = BucketRef {
@@ -546,7 +579,8 @@ impl Decider {
                             Ok(a.verdict(policy, home))
                         }
                         _ => self.home_unreachable(home, bucket, cost, policy).await,
-                    };
+                    }
+                    .map(|v| self.count_shadow(&name, v));
                     self.metrics
                         .record(&name, outcome_of(&r), started.elapsed().as_secs_f64());
                     r

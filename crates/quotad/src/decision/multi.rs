@@ -78,15 +78,23 @@ impl Decider {
                         name.as_str()
                     )));
                 }
+                // The subject's own policy, else its plan's, as for one policy.
                 let entry = view
-                    .policy(&tenant, name)
-                    .ok_or(CheckError::UnknownPolicy)?;
+                    .resolve(&tenant, name)
+                    .ok_or(CheckError::UnknownPolicy)?
+                    .entry;
                 let (policy, _share, limit) = self.params_of(&view, entry);
                 quota_core::mode::check_cost(&policy, cost, entry.grants.len())
                     .map_err(CheckError::from)?;
                 if entry.home.as_ref().is_some_and(|h| *h != self.region) {
                     return Err(MultiError::Unsupported(format!(
                         "policy {:?} of this tenant is decided in its home region; check it alone",
+                        name.as_str()
+                    )));
+                }
+                if policy.mode == quota_core::policy::PolicyMode::Shadow {
+                    return Err(MultiError::Unsupported(format!(
+                        "policy {:?} is in shadow mode; check it alone",
                         name.as_str()
                     )));
                 }

@@ -9,7 +9,7 @@ use quota_core::bucket::MAX_LIMITS_PER_CHECK;
 use quota_core::{PolicyName, TenantId};
 use serde::Serialize;
 
-use crate::api::check::{check_error, parse_cost, secs_ceil, CheckBody};
+use crate::api::check::{check_error, parse_cost, secs_ceil, subject, CheckBody};
 use crate::api::problem::{problem_response, ApiError, Problem, QUOTA_EXCEEDED_TYPE};
 use crate::api::state::AppState;
 use crate::decision::multi::{LimitVerdict, MultiError, MultiVerdict};
@@ -129,9 +129,15 @@ fn headers(headers: &mut HeaderMap, v: &MultiVerdict, r: &MultiCheckResponse) {
     }
 }
 
-/// The tenant, the policies (each named by its place when invalid) and the cost.
-fn parse(body: CheckBody) -> Result<(TenantId, Vec<PolicyName>, u64), ApiError> {
-    let tenant = TenantId::new(body.tenant).map_err(|e| ApiError::field("tenant", &e))?;
+/// The subject, the policies (each named by its place when invalid) and the cost.
+fn parse(state: &AppState, body: CheckBody) -> Result<(TenantId, Vec<PolicyName>, u64), ApiError> {
+    // Never forwarded: a check of several policies is decided where it arrives.
+    let tenant = subject(
+        state,
+        body.tenant.as_deref(),
+        body.identity.as_deref(),
+        false,
+    )?;
     if body.policy.is_some() {
         return Err(ApiError::field(
             "policies",
@@ -155,7 +161,7 @@ fn parse(body: CheckBody) -> Result<(TenantId, Vec<PolicyName>, u64), ApiError> 
 
 /// Decides a check body that names `policies`.
 pub(crate) async fn check_all(state: &AppState, body: CheckBody) -> Result<Response, ApiError> {
-    let (tenant, policies, cost) = parse(body)?;
+    let (tenant, policies, cost) = parse(state, body)?;
     let v = state
         .decider
         .check_all(tenant, policies, cost)

@@ -18,6 +18,7 @@
 //! [`round`] (the leader's round) and [`views`] (views built from the applied state).
 
 mod lease;
+mod plans;
 mod round;
 pub mod usage;
 mod views;
@@ -74,6 +75,7 @@ struct Derived {
     revision: u64,
     policies: PolicyMap,
     tenant_pins: Arc<BTreeMap<TenantId, RegionId>>,
+    plan_assignments: crate::coordination::view::PlanAssignments,
 }
 
 fn unavailable(e: impl std::fmt::Display) -> CoordError {

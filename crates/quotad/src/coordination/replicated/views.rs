@@ -8,7 +8,7 @@ use quota_core::{PolicyName, RegionId, TenantId};
 use quota_raft::Changes;
 
 use super::{Derived, Replicated};
-use crate::coordination::view::{ClusterView, Grant, PolicyEntry, PolicyMap};
+use crate::coordination::view::{ClusterView, Grant, PlanAssignments, PolicyEntry, PolicyMap};
 
 impl Replicated {
     /// Rebuilds the view from the applied state and this region's lease; publishes it if it
@@ -55,12 +55,14 @@ fn view_of(
         Some(mut d) => {
             if changes.all {
                 sync_policies(&mut d.policies, s);
+                d.plan_assignments = assignments_of(s);
             } else {
                 for key in &changes.keys {
                     sync_key(&mut d.policies, s, key);
                 }
                 for tenant in &changes.tenants {
                     sync_tenant(&mut d.policies, s, tenant);
+                    sync_assignment(&mut d.plan_assignments, s, tenant);
                 }
             }
             if changes.all || !changes.tenants.is_empty() {
@@ -76,12 +78,14 @@ fn view_of(
                 revision,
                 policies,
                 tenant_pins: Arc::new(pins_of(s)),
+                plan_assignments: assignments_of(s),
             }
         }
     };
     let view = ClusterView {
         policies: d.policies.clone(),
         tenant_pins: d.tenant_pins.clone(),
+        plan_assignments: d.plan_assignments.clone(),
         region_leases: region_leases_of(s),
         epoch: s.epoch,
         lease_end_local_ms,
@@ -225,6 +229,27 @@ fn sync_policies(map: &mut PolicyMap, s: &CoordinatorState) {
     }
 }
 
+/// Every plan assignment (a whole rebuild only).
+fn assignments_of(s: &CoordinatorState) -> PlanAssignments {
+    s.plan_assignments
+        .iter()
+        .map(|(t, p)| (t.clone(), p.clone()))
+        .collect()
+}
+
+/// Brings one tenant's plan assignment in line with `s`.
+fn sync_assignment(map: &mut PlanAssignments, s: &CoordinatorState, tenant: &TenantId) {
+    match s.plan_assignments.get(tenant) {
+        Some(plan) if map.get(tenant) != Some(plan) => {
+            map.insert(tenant.clone(), plan.clone());
+        }
+        Some(_) => {}
+        None => {
+            map.remove(tenant);
+        }
+    }
+}
+
 /// Pinned tenants and their home region.
 fn pins_of(s: &CoordinatorState) -> BTreeMap<TenantId, RegionId> {
     s.tenant_pins
@@ -352,6 +377,65 @@ mod tests {
         // The version counter comes with the view, for the agent's sweep.
         assert_eq!((v1.last_version, v3.last_version), (3, 4));
         assert_eq!(v2.policies.len(), 3, "an earlier view is not changed");
+    }
+
+    #[test]
+    fn plan_changes_and_assignments_reach_the_view_by_what_they_touch() {
+        use quota_core::PlanName;
+        let mut s = CoordinatorState::default();
+        let mut c = Changes::default();
+        put_region(&mut s, &mut c, 1, "eu");
+        put_region(&mut s, &mut c, 2, "us");
+        let mut derived = None;
+        view_of(&mut derived, &s, 1, &std::mem::take(&mut c), 0);
+        let plan = PlanName::new("pro").unwrap();
+        let policy = |limit: f64| {
+            PolicySpec {
+                limit,
+                window_ms: 1000.0,
+                ..Default::default()
+            }
+            .validate()
+            .unwrap()
+        };
+        let put = |limit| Operation::PutPlan {
+            plan: plan.clone(),
+            policies: vec![(PolicyName::new("calls").unwrap(), policy(limit))],
+        };
+        apply(&mut s, &mut c, 10, 1_000, put(10.0));
+        for i in 0..50u128 {
+            let op = Operation::AssignPlan {
+                tenant: TenantId::new(format!("t{i}")).unwrap(),
+                plan: plan.clone(),
+            };
+            assert_eq!(
+                apply(&mut s, &mut c, 100 + i, 1_000, op),
+                Response::PlanAssigned
+            );
+        }
+        assert!(!c.all, "plan commands never ask for a whole rebuild");
+        let v = view_of(&mut derived, &s, 2, &std::mem::take(&mut c), 0);
+        assert_eq!(v.plan_assignments.len(), 50);
+        assert_eq!(v.policies, full(&s));
+        let t7 = TenantId::new("t7").unwrap();
+        let calls = PolicyName::new("calls").unwrap();
+        assert_eq!(v.resolve(&t7, &calls).unwrap().entry.policy.limit, 10);
+        // One command changes the plan for every tenant on it.
+        apply(&mut s, &mut c, 11, 2_000, put(20.0));
+        apply(
+            &mut s,
+            &mut c,
+            12,
+            2_000,
+            Operation::UnassignPlan { tenant: t7.clone() },
+        );
+        let v = view_of(&mut derived, &s, 3, &std::mem::take(&mut c), 0);
+        assert_eq!(v.policies, full(&s));
+        let t8 = TenantId::new("t8").unwrap();
+        assert_eq!(v.resolve(&t8, &calls).unwrap().entry.policy.limit, 20);
+        assert!(v.resolve(&t7, &calls).is_none(), "no plan and no default");
+        assert_eq!(v.plan_assignments.len(), 49);
+        assert_eq!(v.plans_after(None), vec![plan.clone()]);
     }
 
     #[test]
