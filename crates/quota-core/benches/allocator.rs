@@ -75,6 +75,7 @@ impl Bench {
                 floor_ppm: 20_000,
                 algorithm: Algorithm::TokenBucket,
                 mode: quota_core::PolicyMode::Enforcing,
+                replaces: None,
             };
             b.apply(Operation::PutPolicy {
                 key: key.clone(),

@@ -696,17 +696,20 @@ impl CoordinatorState {
         policy: &Policy,
         now: u64,
     ) -> (u64, u64) {
-        if let Some(entry) = self.entries.get(key).filter(|e| !e.deleted) {
+        let live = self.entries.get(key).filter(|e| !e.deleted);
+        if let Some(entry) = live {
             if entry.policy.same_terms(policy) {
                 return (entry.policy.version, self.epoch);
             }
         }
+        let replaces = live.map(|e| e.policy.version);
         self.last_version += 1;
         self.epoch += 1;
         let version = self.last_version;
         let epoch = self.epoch;
         let mut policy = policy.clone();
         policy.version = version;
+        policy.replaces = replaces;
         let tenant_pin = self.tenant_pins.get(&key.tenant).map(|&home| Pin {
             home,
             source: PinSource::Operator,

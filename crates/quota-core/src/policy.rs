@@ -65,6 +65,10 @@ pub struct Policy {
     pub floor_ppm: u32,
     pub algorithm: Algorithm,
     pub mode: PolicyMode,
+    /// The version this one replaced (its terms changed), if any: the new bucket's first
+    /// parameter write carries what the old bucket had spent. Replicated, so a daemon that
+    /// restarts between the change and that write still carries it.
+    pub replaces: Option<u64>,
 }
 
 /// Untrusted policy input. Numbers are `f64` so that negative, fractional, NaN and huge values
@@ -202,6 +206,7 @@ impl PolicySpec {
                     floor_ppm,
                     algorithm: self.algorithm.unwrap_or_default(),
                     mode: self.mode.unwrap_or_default(),
+                    replaces: None,
                 })
             }
             _ => Err(PolicyErrors(errors)),
@@ -246,6 +251,7 @@ impl Policy {
         *self
             == Policy {
                 version: self.version,
+                replaces: self.replaces,
                 ..other.clone()
             }
     }

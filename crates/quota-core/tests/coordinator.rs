@@ -49,6 +49,7 @@ fn new_policy_starts_with_an_even_split_and_versions_never_repeat() {
         policy: policy(0, Tier::Standard),
     });
     assert!(matches!(r, Response::PolicyStored { version: 2, .. }));
+    assert_eq!(d.state.entries[&key("a")].policy.replaces, None);
 }
 
 #[test]
@@ -79,12 +80,16 @@ fn an_identical_put_keeps_the_version_and_changes_nothing() {
     before.last_now_ms = d.state.last_now_ms;
     assert_eq!(d.state, before, "an identical put changes no state");
 
-    // A changed policy gets a new version; a batch keeps the unchanged entries' versions.
+    // A changed policy gets a new version and records the one it replaced (a re-put after a
+    // delete replaces nothing: the old bucket is gone); a batch keeps the unchanged entries'
+    // versions.
+    assert_eq!(d.state.entries[&key("a")].policy.replaces, None);
     let r = d.op(put(policy(0, Tier::Critical)));
     assert!(
         matches!(r, Response::PolicyStored { version: 2, .. }),
         "{r:?}"
     );
+    assert_eq!(d.state.entries[&key("a")].policy.replaces, Some(1));
     let r = d.op(Operation::PutPolicies {
         entries: vec![
             (key("b"), policy(0, Tier::Standard)),

@@ -33,6 +33,7 @@ pub fn policy(floor_ppm: u32, tier: Tier) -> Policy {
         floor_ppm,
         algorithm: Algorithm::TokenBucket,
         mode: quota_core::PolicyMode::Enforcing,
+        replaces: None,
     }
 }
 

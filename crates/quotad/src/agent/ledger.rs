@@ -359,7 +359,10 @@ impl Written {
             if let (Some(left), Some(floor)) = (lease_left, floor) {
                 req = req.with_lease(left, floor);
             }
-            if let Some(&v) = self.replaced.get(key).filter(|&&v| v != version) {
+            // The coordinator records what a changed policy replaced, so this holds after a
+            // restart too; the map covers a version this daemon saw change in memory.
+            let replaced = self.replaced.get(key).copied().or(entry.policy.replaces);
+            if let Some(v) = replaced.filter(|&v| v != version) {
                 req = req.replacing(v);
             }
             let w = Write {
@@ -507,6 +510,32 @@ mod tests {
             w.record(x, true);
         }
         n
+    }
+
+    /// A daemon that restarts between a policy change and its new version's first write has
+    /// no memory of the change: the replaced version comes from the policy itself, as the
+    /// coordinator recorded it, so the new bucket still carries what the old one spent.
+    #[test]
+    fn a_restarted_daemon_carries_the_replaced_version_from_the_policy() {
+        let mut fresh = Written::new(0, 30_000);
+        fresh.observe_instance("r1".into());
+        let mut changed = entry(8, 300_000);
+        changed.policy.replaces = Some(7);
+        let v = ClusterView {
+            policies: [(key(0), changed), (key(1), entry(9, 300_000))]
+                .into_iter()
+                .collect(),
+            epoch: 3,
+            lease_end_local_ms: u64::MAX,
+            ..ClusterView::default()
+        };
+        let writes = fresh.plan(&v, &region(), 1_000, PACING);
+        let mut replacing: Vec<_> = writes
+            .iter()
+            .map(|x| (x.req.bucket.tenant.clone(), x.req.replaces))
+            .collect();
+        replacing.sort();
+        assert_eq!(replacing, vec![(key(0).0, Some(7)), (key(1).0, None)]);
     }
 
     #[test]

@@ -150,7 +150,8 @@ impl LocalCoordinator {
                     Some(p) if p.same_terms(policy) => {
                         policy.version = p.version;
                     }
-                    _ => {
+                    live => {
+                        policy.replaces = live.map(|p| p.version);
                         version += 1;
                         policy.version = version;
                         changed.push((&*tenant, &*name, &*policy));

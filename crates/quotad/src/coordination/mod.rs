@@ -308,29 +308,37 @@ mod tests {
             c.put_policy(t.clone(), other.clone(), policy())
                 .await
                 .unwrap();
+            // A changed policy records the version it replaced.
+            let changed = c
+                .put_policy(t.clone(), other.clone(), policy_of(200.0))
+                .await
+                .unwrap();
+            assert_eq!((changed.version, changed.replaces), (3, Some(2)));
             c.pin(t.clone(), eu.clone()).await.unwrap();
             // Delete and re-put: a new version, never a reused one (fresh Redis keys).
             assert!(c.delete_policy(t.clone(), p.clone()).await.unwrap());
             let again = c.put_policy(t.clone(), p.clone(), policy()).await.unwrap();
-            assert_eq!(again.version, 3);
+            assert_eq!((again.version, again.replaces), (4, None));
             c.view()
         };
         let c = open_local(&eu, dir.path());
         let after = c.view();
         assert_eq!(after.policies, before.policies);
-        assert_eq!((before.last_version, after.last_version), (3, 3));
+        assert_eq!((before.last_version, after.last_version), (4, 4));
         assert_eq!(after.tenant_pins, before.tenant_pins);
         assert_eq!(after.tenant_home(&t), Some(&eu));
-        assert_eq!(after.policy(&t, &p).unwrap().policy.version, 3);
+        assert_eq!(after.policy(&t, &p).unwrap().policy.version, 4);
+        // What a changed policy replaced survives a restart, for its first parameter write.
+        assert_eq!(after.policy(&t, &other).unwrap().policy.replaces, Some(2));
         assert_eq!(after.policy(&t, &other).unwrap().home.as_ref(), Some(&eu));
-        // The counter survived too: the next version is 4, even after deleting everything.
+        // The counter survived too: the next version is 5, even after deleting everything.
         assert!(c.delete_policy(t.clone(), p.clone()).await.unwrap());
         assert!(c.delete_policy(t.clone(), other.clone()).await.unwrap());
         drop(c);
         let c = open_local(&eu, dir.path());
         assert!(c.view().policies.is_empty());
         let v = c.put_policy(t.clone(), p, policy()).await.unwrap();
-        assert_eq!(v.version, 4);
+        assert_eq!(v.version, 5);
         // An unpin is durable as well.
         assert!(c.unpin(t.clone()).await.unwrap());
         drop(c);
