@@ -119,7 +119,8 @@ async fn an_identity_on_a_daemon_without_a_key_is_refused_by_name() -> anyhow::R
     put_default_plan(&d).await?;
     let body = json!({"identity": IDENTITY, "policy": "login"}).to_string();
     let r = d.request("POST", "/v1/check", None, Some(body)).await?;
-    assert_eq!(r.status, 503, "{}", r.body);
+    assert_eq!(r.status, 400, "{}", r.body);
+    assert_eq!(r.body["code"], "NOT_CONFIGURED");
     assert_eq!(r.body["errors"][0]["field"], "identity");
     Ok(())
 }

@@ -109,9 +109,12 @@ fn run(d: &Daemon, store: &str, with_token: bool) -> anyhow::Result<u64> {
     Ok(cases)
 }
 
+/// The daemons take identities, so checks naming one are decided (and fuzzed) too.
+const IDENTITY_KEY: &[(&str, &str)] = &[("QUOTAD_IDENTITY_KEY", "schemathesis-identity-key")];
+
 #[tokio::test(flavor = "multi_thread")]
 async fn schemathesis_finds_no_failure_on_the_embedded_store() -> anyhow::Result<()> {
-    let d = Daemon::start(&embedded_config()).await?;
+    let d = Daemon::start_with_env(&embedded_config(), IDENTITY_KEY).await?;
     let mut total = 0;
     for with_token in [true, false] {
         total += tokio::task::block_in_place(|| run(&d, "embedded", with_token))?;
@@ -123,7 +126,7 @@ async fn schemathesis_finds_no_failure_on_the_embedded_store() -> anyhow::Result
 #[tokio::test(flavor = "multi_thread")]
 async fn schemathesis_finds_no_failure_on_redis() -> anyhow::Result<()> {
     let redis = RedisServer::start()?;
-    let d = Daemon::start(&redis_config(&redis.url())).await?;
+    let d = Daemon::start_with_env(&redis_config(&redis.url()), IDENTITY_KEY).await?;
     let mut total = 0;
     for with_token in [true, false] {
         total += tokio::task::block_in_place(|| run(&d, "redis", with_token))?;

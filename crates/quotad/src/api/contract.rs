@@ -39,6 +39,16 @@ fn id(max_len: usize) -> Object {
         .build()
 }
 
+/// An id the body may also leave out or give as `null` (one of two alternatives).
+fn id_or_null(max_len: usize) -> Object {
+    ObjectBuilder::new()
+        .schema_type(SchemaType::from_iter([Type::String, Type::Null]))
+        .pattern(Some(ID_PATTERN))
+        .min_length(Some(1))
+        .max_length(Some(max_len))
+        .build()
+}
+
 fn whole(min: u64, max: u64, nullable: bool) -> Object {
     let ty = if nullable {
         SchemaType::from_iter([Type::Integer, Type::Null])
@@ -113,8 +123,10 @@ fn add(op: &mut Operation, status: u16, description: &str) {
         .or_insert_with(|| problem(description));
 }
 
-fn bound_param(p: &mut Parameter) {
+fn bound_param(path: &str, p: &mut Parameter) {
     let schema = match p.name.as_str() {
+        // The plan list pages by plan name, the policy list by `tenant:policy`.
+        "after" if path == "/v1/plans" => id(quota_core::PlanName::MAX_LEN),
         "tenant" => id(TenantId::MAX_LEN),
         "policy" => id(PolicyName::MAX_LEN),
         "plan" => id(quota_core::PlanName::MAX_LEN),
@@ -173,8 +185,8 @@ fn bound_bodies(s: &mut Schemas) {
             .maximum(Some(Number::Float(1.0)))
             .build(),
     );
-    set(s, "CheckBody", "tenant", id(TenantId::MAX_LEN));
-    set(s, "CheckBody", "policy", id(PolicyName::MAX_LEN));
+    set(s, "CheckBody", "tenant", id_or_null(TenantId::MAX_LEN));
+    set(s, "CheckBody", "policy", id_or_null(PolicyName::MAX_LEN));
     if let Some(RefOr::T(Schema::Object(o))) = s.get_mut("CheckBody") {
         o.properties.insert(
             "policies".to_string(),
@@ -223,10 +235,11 @@ fn batch_checks_one_by_one(s: &mut Schemas) {
         // Several policies at once are not batched.
         item.properties.remove("policies");
         for f in ["tenant", "identity", "policy"] {
+            let any = SchemaType::from_iter([Type::String, Type::Null]);
             item.properties.insert(
                 f.to_string(),
                 RefOr::T(Schema::Object(
-                    ObjectBuilder::new().schema_type(Type::String).build(),
+                    ObjectBuilder::new().schema_type(any).build(),
                 )),
             );
         }
@@ -278,7 +291,7 @@ fn close_bodies(s: &mut Schemas) {
 /// The statuses every operation shares: the problems of the shared layers (body, path
 /// parameters, auth, timeout), each with the problem content type.
 fn add_shared_statuses(doc: &mut utoipa::openapi::OpenApi) {
-    for item in doc.paths.paths.values_mut() {
+    for (path, item) in doc.paths.paths.iter_mut() {
         for op in [
             &mut item.get,
             &mut item.put,
@@ -291,7 +304,7 @@ fn add_shared_statuses(doc: &mut utoipa::openapi::OpenApi) {
             problem_content_type(op);
             let mut has_path_params = false;
             for p in op.parameters.iter_mut().flatten() {
-                bound_param(p);
+                bound_param(path, p);
                 has_path_params |=
                     matches!(p.parameter_in, utoipa::openapi::path::ParameterIn::Path);
             }

@@ -128,7 +128,7 @@ impl ApiError {
             ApiError::NotFound { .. } | ApiError::UnknownField { .. } => {
                 (StatusCode::NOT_FOUND, "NOT_FOUND")
             }
-            ApiError::NotConfigured { .. } => (StatusCode::SERVICE_UNAVAILABLE, "NOT_CONFIGURED"),
+            ApiError::NotConfigured { .. } => (StatusCode::BAD_REQUEST, "NOT_CONFIGURED"),
             ApiError::MethodNotAllowed => (StatusCode::METHOD_NOT_ALLOWED, "METHOD_NOT_ALLOWED"),
             ApiError::TooLarge => (StatusCode::PAYLOAD_TOO_LARGE, "PAYLOAD_TOO_LARGE"),
             ApiError::UnsupportedMediaType => {

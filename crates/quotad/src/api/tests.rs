@@ -2415,7 +2415,8 @@ mod plans {
         });
         let router = app(st);
         let r = check(&router, r#"{"identity":"203.0.113.7","policy":"login"}"#).await;
-        assert_eq!(r.status, StatusCode::SERVICE_UNAVAILABLE, "{}", r.body);
+        assert_eq!(r.status, StatusCode::BAD_REQUEST, "{}", r.body);
+        assert_eq!(r.body["code"], "NOT_CONFIGURED");
         assert_eq!(r.body["errors"][0]["field"], "identity");
         assert!(!r.body.to_string().contains("203.0.113.7"));
     }
