@@ -146,7 +146,7 @@ impl Denials {
         entries.clear();
     }
 
-    /// How many entries are held (for tests and the gauge).
+    /// How many entries are held.
     pub fn len(&self) -> usize {
         self.entries.lock().unwrap_or_else(|e| e.into_inner()).len()
     }
