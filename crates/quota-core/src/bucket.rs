@@ -226,12 +226,35 @@ pub fn decide(
     state: Option<&BucketState>,
     cost: u64,
 ) -> (Decision, BucketState) {
+    let (d, _, s) = reserve(now_ms, params, state, cost, 1);
+    (d, s)
+}
+
+/// Spends up to `batch` multiples of `cost` at once, as many as the bucket holds, at least one:
+/// a reservation a daemon hands out in process. Returns the decision (allowed when at least one
+/// multiple was spent; its `remaining` is what the bucket keeps), the multiples spent, and the
+/// state to store. A denial is [`decide`]'s for `cost` alone. `batch` 1 is [`decide`]; a `cost`
+/// of 0 is a peek whatever `batch` is. Exactly what `lua/token_bucket.lua` computes with its
+/// batch argument.
+pub fn reserve(
+    now_ms: u64,
+    params: &BucketParams,
+    state: Option<&BucketState>,
+    cost: u64,
+    batch: u64,
+) -> (Decision, u64, BucketState) {
     let cap = params.capacity_ut;
     let rate = params.refill_ut;
     let mut s = refill(now_ms, params, state);
     let cost_ut = cost.saturating_mul(UT);
+    let mut granted = 0;
     let (allowed, retry_after_ms) = if cost_ut <= s.tokens_ut {
-        s.tokens_ut -= cost_ut;
+        // A peek (cost 0) spends nothing.
+        granted = s
+            .tokens_ut
+            .checked_div(cost_ut)
+            .map_or(0, |n| n.min(batch.max(1)));
+        s.tokens_ut -= granted * cost_ut;
         (true, Some(0))
     } else if cost_ut > cap || rate == 0 {
         (false, None)
@@ -251,7 +274,29 @@ pub fn decide(
         retry_after_ms,
         reset_ms,
     };
-    (decision, s)
+    (decision, granted, s)
+}
+
+/// Gives `tokens` whole tokens of a reservation back to a bucket at `now_ms`: refilled to now,
+/// then up by `tokens`, never above the capacity (a bucket that filled meanwhile keeps none of
+/// them, as it would not have had they never been taken). A missing state is a full bucket, so
+/// there is nothing to store (`None`). Exactly what `lua/refund.lua` computes.
+pub fn refund(
+    now_ms: u64,
+    params: &BucketParams,
+    state: Option<&BucketState>,
+    tokens: u64,
+) -> Option<BucketState> {
+    let mut s = refill(now_ms, params, Some(state?));
+    let room = params.capacity_ut - s.tokens_ut.min(params.capacity_ut);
+    let back = tokens.saturating_mul(UT);
+    if back >= room {
+        s.tokens_ut = params.capacity_ut;
+        s.carry = 0;
+    } else {
+        s.tokens_ut += back;
+    }
+    Some(s)
 }
 
 /// One limit's part of a check of several limits at once ([`decide_all`]).

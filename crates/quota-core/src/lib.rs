@@ -35,6 +35,7 @@ pub mod mode;
 pub mod plan;
 pub mod policy;
 pub mod region;
+pub mod reservation;
 pub mod share;
 pub mod split;
 pub mod window;
