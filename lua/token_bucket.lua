@@ -16,8 +16,12 @@
 --          usage counters of an idle bucket until the next collection
 -- ARGV[6]  optional fallback refill period in ms, integer 1..2678400000 ('' or absent: 1000,
 --          so ARGV[3] is per second)
+-- ARGV[7]  optional batch: spend up to this many multiples of the cost at once, as many as the
+--          bucket holds, at least one (a daemon's reservation); integer 1..9007199254 with
+--          cost * batch <= 9007199254 (absent: 1, and the reply has 4 fields)
 -- returns  {allowed 0|1, remaining whole tokens, retry_after_ms (-1 = never at these
---           parameters), reset_ms (ms until full, -1 = never)}
+--           parameters), reset_ms (ms until full, -1 = never)}, and with ARGV[7] a fifth
+--          field: the multiples spent (0 when denied or a peek)
 -- errors   'ERR quotad: <what>' for every invalid argument (the fallback ARGV[2], ARGV[3],
 --          ARGV[6] only when it is used: no stored parameters and no state copy of them),
 --          repeated key, key of another type, stored parameter or state out of bounds; nothing
@@ -278,12 +282,20 @@ if KEYS[1] == KEYS[2] or KEYS[1] == KEYS[3] or KEYS[2] == KEYS[3] then
   return err('the 3 keys must be distinct')
 end
 local n_args = #ARGV
-if n_args < 3 or n_args > 6 then
-  return err('expected 3 to 6 arguments')
+if n_args < 3 or n_args > 7 then
+  return err('expected 3 to 7 arguments')
 end
 local cost = int(ARGV[1], MAX_COST)
 if cost == nil then
   return err('cost must be an integer in 0..' .. MAX_COST)
+end
+local batch = 1
+if n_args == 7 then
+  batch = int(ARGV[7], MAX_COST)
+  if batch == nil or batch < 1 or cost * batch > MAX_COST then
+    return err('batch must be an integer in 1..' .. MAX_COST .. ' with cost * batch at most '
+      .. MAX_COST)
+  end
 end
 local min_ttl = opt_int(ARGV[5], DEFAULT_MIN_TTL_MS, MAX_CAP)
 if min_ttl == nil then
@@ -369,10 +381,21 @@ if cost == 0 then
   elseif rate > 0 then
     reset = time_to(cap - tokens, carry, rate, per)
   end
+  if n_args == 7 then
+    return { 1, (tokens - fmod(tokens, UT)) / UT, 0, reset, 0 }
+  end
   return { 1, (tokens - fmod(tokens, UT)) / UT, 0, reset }
 end
+local granted = 0
 if cost_ut <= tokens then
-  tokens = tokens - cost_ut
+  granted = 1
+  if batch > 1 then
+    granted = (tokens - fmod(tokens, cost_ut)) / cost_ut
+    if granted > batch then
+      granted = batch
+    end
+  end
+  tokens = tokens - granted * cost_ut
   allowed, retry = 1, 0
 elseif cost_ut > cap or rate == 0 then
   allowed, retry = 0, -1
@@ -394,7 +417,7 @@ if ad + dn == 0 and failed(redis.pcall('SADD', KEYS[3], KEYS[1])) then
 end
 -- Usage counters saturate at MAX_CAP, so a state stays valid.
 if allowed == 1 then
-  ad = ad + cost
+  ad = ad + granted * cost
   if ad > MAX_CAP then
     ad = MAX_CAP
   end
@@ -415,5 +438,8 @@ else
     ttl = min_ttl
   end
   redis.call('SET', KEYS[1], packed, 'PX', ttl)
+end
+if n_args == 7 then
+  return { allowed, (tokens - fmod(tokens, UT)) / UT, retry, reset, granted }
 end
 return { allowed, (tokens - fmod(tokens, UT)) / UT, retry, reset }

@@ -351,7 +351,15 @@ impl EmbeddedStore {
     }
 
     fn decide(&self, req: &CheckRequest) -> Result<Decision, StoreError> {
+        self.decide_batch(req, 1).map(|(d, _)| d)
+    }
+
+    /// A decision that spends up to `batch` multiples of the cost (a token bucket's
+    /// reservation, as `token_bucket.lua` with its batch argument): the decision and the
+    /// multiples spent.
+    fn decide_batch(&self, req: &CheckRequest, batch: u64) -> Result<(Decision, u64), StoreError> {
         req.validate()?;
+        crate::validate_batch(req, batch)?;
         let now = req.now_ms.unwrap_or_else(|| (self.clock)());
         let kind = req.limit.kind();
         let mut shard = self.shard(&req.bucket);
@@ -370,10 +378,11 @@ impl EmbeddedStore {
         }
         let key = (req.bucket.clone(), kind);
         let entry = shard.states.get(&key).filter(|e| e.live_at(now));
-        let (decision, state, ttl) = self.step(now, limit, entry.map(|e| &e.state), req.cost);
+        let (decision, granted, state, ttl) =
+            self.step(now, limit, entry.map(|e| &e.state), req.cost, batch);
         if req.cost == 0 {
             // A peek: describe the state, keep nothing.
-            return Ok(decision);
+            return Ok((decision, 0));
         }
         // Idle time counts from the latest time the state has seen: a request with a clock
         // stepping back must not bring the expiry forward.
@@ -383,12 +392,49 @@ impl EmbeddedStore {
         };
         let expires_at_ms = ttl.map(|t| latest.saturating_add(t));
         let (admitted, denied) = if decision.allowed {
-            (req.cost, 0)
+            (granted * req.cost, 0)
         } else {
             (0, req.cost)
         };
         shard.record(key, now, state, limit, expires_at_ms, admitted, denied);
-        Ok(decision)
+        Ok((decision, granted))
+    }
+
+    /// Gives `tokens` of a reservation back to a token bucket, as `refund.lua`: the bucket's
+    /// remaining whole tokens after, `None` when it has no state (it is full).
+    fn give_back(
+        &self,
+        bucket: &BucketRef,
+        tokens: u64,
+        now_ms: Option<u64>,
+    ) -> Result<Option<u64>, StoreError> {
+        crate::validate_refund(tokens, now_ms)?;
+        let now = now_ms.unwrap_or_else(|| (self.clock)());
+        let mut shard = self.shard(bucket);
+        let key = (bucket.clone(), StateKind::Bucket);
+        let stored = shard.params.get(bucket).copied();
+        let Some(e) = shard.states.get_mut(&key).filter(|e| e.live_at(now)) else {
+            return Ok(None);
+        };
+        let State::Bucket(prev) = e.state else {
+            return Ok(None);
+        };
+        // Stored parameters win (the scripts keep their copy in the state), from their lease
+        // end on their floor; else those of the latest decision.
+        let limit = match stored {
+            Some((p, Some((end, floor)))) if p.kind() == StateKind::Bucket && now >= end => floor,
+            Some((p, _)) if p.kind() == StateKind::Bucket => p,
+            _ => e.limit,
+        };
+        let Limit::TokenBucket(p) = limit else {
+            return Ok(None);
+        };
+        let Some(next) = bucket::refund(now, &p, Some(&prev), tokens) else {
+            return Ok(None);
+        };
+        e.state = State::Bucket(next);
+        e.admitted = e.admitted.saturating_sub(tokens);
+        Ok(Some(next.tokens_ut / bucket::UT))
     }
 
     /// Several token buckets of one tenant at once, all or nothing, as `token_buckets.lua`.
@@ -454,17 +500,18 @@ impl EmbeddedStore {
         limit: Limit,
         prev: Option<&State>,
         cost: u64,
-    ) -> (Decision, State, Option<u64>) {
+        batch: u64,
+    ) -> (Decision, u64, State, Option<u64>) {
         match limit {
             Limit::TokenBucket(p) => {
                 let prev = match prev {
                     Some(State::Bucket(s)) => Some(s),
                     _ => None,
                 };
-                let (d, s) = bucket::decide(now, &p, prev, cost);
+                let (d, granted, s) = bucket::reserve(now, &p, prev, cost, batch);
                 let ttl = bucket::idle_ttl_ms(&p, &s);
                 let ttl = (ttl != u64::MAX).then_some(ttl.max(self.min_idle_ttl_ms));
-                (d, State::Bucket(s), ttl)
+                (d, granted, State::Bucket(s), ttl)
             }
             Limit::SlidingWindow { limit, window_ms } => {
                 let prev = match prev {
@@ -474,7 +521,13 @@ impl EmbeddedStore {
                 let p = WindowParams { limit, window_ms };
                 let (d, s) = window::decide(now, &p, prev, cost);
                 let ttl = window::idle_ttl_ms(&p, &s);
-                (d, State::Window(s), Some(ttl.max(self.min_idle_ttl_ms)))
+                let granted = u64::from(d.allowed && cost > 0);
+                (
+                    d,
+                    granted,
+                    State::Window(s),
+                    Some(ttl.max(self.min_idle_ttl_ms)),
+                )
             }
         }
     }
@@ -493,6 +546,19 @@ impl Store for EmbeddedStore {
 
     async fn check_all(&self, req: &MultiCheckRequest) -> Result<Vec<Decision>, StoreError> {
         self.decide_all(req)
+    }
+
+    async fn reserve(&self, req: &CheckRequest, batch: u64) -> Result<(Decision, u64), StoreError> {
+        self.decide_batch(req, batch)
+    }
+
+    async fn refund(
+        &self,
+        bucket: &BucketRef,
+        tokens: u64,
+        now_ms: Option<u64>,
+    ) -> Result<Option<u64>, StoreError> {
+        self.give_back(bucket, tokens, now_ms)
     }
 
     async fn set_params(&self, req: &SetParams) -> Result<(), StoreError> {
@@ -552,7 +618,9 @@ impl Store for EmbeddedStore {
             let keys: Vec<StateKey> = s.active.drain(..take).collect();
             for key in keys {
                 if let Some(e) = s.states.get_mut(&key) {
-                    if e.listed && e.live_at(s.latest_ms) {
+                    // A refund can take the counters back to 0: nothing to report then.
+                    let used = e.admitted.saturating_add(e.denied) > 0;
+                    if e.listed && used && e.live_at(s.latest_ms) {
                         out.push(UsageRecord {
                             bucket: key.0.clone(),
                             admitted: e.admitted,

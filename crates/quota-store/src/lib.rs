@@ -206,6 +206,37 @@ impl MultiCheckRequest {
     }
 }
 
+/// A reservation's batch within `token_bucket.lua`'s bounds: 1 or more, `cost · batch` at most
+/// the largest cost, and a token bucket (1 is any check).
+fn validate_batch(req: &CheckRequest, batch: u64) -> Result<(), StoreError> {
+    let max = MAX_COST;
+    if batch == 1 {
+        return Ok(());
+    }
+    if batch == 0 || req.cost.saturating_mul(batch) > max {
+        return Err(StoreError::Rejected {
+            reason: format!("batch must be 1 or more with cost * batch at most {max}"),
+        });
+    }
+    if !matches!(req.limit, Limit::TokenBucket(_)) {
+        return Err(StoreError::Rejected {
+            reason: "only token buckets take a batch".into(),
+        });
+    }
+    Ok(())
+}
+
+/// A refund within `refund.lua`'s bounds.
+fn validate_refund(tokens: u64, now_ms: Option<u64>) -> Result<(), StoreError> {
+    let max = MAX_COST;
+    if tokens == 0 || tokens > max {
+        return Err(StoreError::Rejected {
+            reason: format!("tokens must be in 1..={max}"),
+        });
+    }
+    validate_now(now_ms)
+}
+
 fn validate_now(now_ms: Option<u64>) -> Result<(), StoreError> {
     match now_ms {
         Some(now) if now > MAX_CAPACITY_UT => Err(StoreError::Rejected {
@@ -394,6 +425,24 @@ pub trait Store: Send + Sync {
         &self,
         req: &MultiCheckRequest,
     ) -> impl std::future::Future<Output = Result<Vec<Decision>, StoreError>> + Send;
+    /// Decides a token-bucket check that spends up to `batch` multiples of its cost at once, as
+    /// many as the bucket holds and at least one (a reservation the caller hands out itself):
+    /// the decision (`remaining` is what the bucket keeps) and the multiples spent, 0 when
+    /// denied. `batch` 1 is [`check`](Self::check). Sliding windows are refused.
+    fn reserve(
+        &self,
+        req: &CheckRequest,
+        batch: u64,
+    ) -> impl std::future::Future<Output = Result<(Decision, u64), StoreError>> + Send;
+    /// Gives `tokens` whole tokens of a reservation back to a token bucket, never above its
+    /// capacity: its remaining whole tokens after, `None` when it has no state (a full bucket,
+    /// nothing to give back to).
+    fn refund(
+        &self,
+        bucket: &BucketRef,
+        tokens: u64,
+        now_ms: Option<u64>,
+    ) -> impl std::future::Future<Output = Result<Option<u64>, StoreError>> + Send;
     /// Writes this region's parameters for a bucket (the region agent does this on allocation
     /// and renews them with its lease). They replace any written before and take precedence
     /// over a check's fallback.
@@ -453,6 +502,25 @@ impl Store for AnyStore {
         match self {
             Self::Embedded(s) => s.check_all(req).await,
             Self::Redis(s) => s.check_all(req).await,
+        }
+    }
+
+    async fn reserve(&self, req: &CheckRequest, batch: u64) -> Result<(Decision, u64), StoreError> {
+        match self {
+            Self::Embedded(s) => s.reserve(req, batch).await,
+            Self::Redis(s) => s.reserve(req, batch).await,
+        }
+    }
+
+    async fn refund(
+        &self,
+        bucket: &BucketRef,
+        tokens: u64,
+        now_ms: Option<u64>,
+    ) -> Result<Option<u64>, StoreError> {
+        match self {
+            Self::Embedded(s) => s.refund(bucket, tokens, now_ms).await,
+            Self::Redis(s) => s.refund(bucket, tokens, now_ms).await,
         }
     }
 

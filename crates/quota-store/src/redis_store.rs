@@ -58,6 +58,7 @@ struct Scripts {
     sliding_window: Script,
     collect_usage: Script,
     set_params: Script,
+    refund: Script,
 }
 
 /// The Redis-backed store. Cheap to clone; clones share connections.
@@ -106,6 +107,7 @@ impl RedisStore {
             sliding_window: Script::new(script::SLIDING_WINDOW_LUA),
             collect_usage: Script::new(script::COLLECT_USAGE_LUA),
             set_params: Script::new(script::SET_PARAMS_LUA),
+            refund: Script::new(script::REFUND_LUA),
         });
         let min_idle_ttl_ms = (config.min_idle_ttl.as_millis() as u64)
             .clamp(1, quota_core::bucket::MAX_CAPACITY_UT)
@@ -175,6 +177,41 @@ impl Store for RedisStore {
         };
         let reply: Vec<i64> = self.invoke(s, &[&state, &params, &index], args).await?;
         script::decision_from_reply(&reply)
+    }
+
+    async fn reserve(&self, req: &CheckRequest, batch: u64) -> Result<(Decision, u64), StoreError> {
+        req.validate()?;
+        crate::validate_batch(req, batch)?;
+        let state = req.bucket.state_key(StateKind::Bucket);
+        let params = req.bucket.params_key();
+        let index = self.index_key(&state);
+        let (args, n) = script::decision_args(req, &self.min_idle_ttl_ms);
+        let mut all = [Arg::Num(0); 7];
+        all[..n].copy_from_slice(&args[..n]);
+        all[6] = Arg::Num(batch);
+        let s = match req.limit.kind() {
+            StateKind::Bucket => &self.scripts.token_bucket,
+            StateKind::Window => {
+                return Err(StoreError::Rejected {
+                    reason: "only token buckets take a batch".into(),
+                })
+            }
+        };
+        let reply: Vec<i64> = self.invoke(s, &[&state, &params, &index], &all).await?;
+        script::reservation_from_reply(&reply)
+    }
+
+    async fn refund(
+        &self,
+        bucket: &BucketRef,
+        tokens: u64,
+        now_ms: Option<u64>,
+    ) -> Result<Option<u64>, StoreError> {
+        crate::validate_refund(tokens, now_ms)?;
+        let state = bucket.state_key(StateKind::Bucket);
+        let args = [Arg::Num(tokens), now_ms.map_or(Arg::Str(""), Arg::Num)];
+        let left: i64 = self.invoke(&self.scripts.refund, &[&state], &args).await?;
+        Ok(u64::try_from(left).ok())
     }
 
     async fn check_all(&self, req: &MultiCheckRequest) -> Result<Vec<Decision>, StoreError> {

@@ -18,6 +18,9 @@ pub const TOKEN_BUCKETS_LUA: &str = include_str!("../../../lua/token_buckets.lua
 /// (`lua/set_params.lua`).
 pub const SET_PARAMS_LUA: &str = include_str!("../../../lua/set_params.lua");
 
+/// Gives tokens of a reservation back to a token bucket (`lua/refund.lua`).
+pub const REFUND_LUA: &str = include_str!("../../../lua/refund.lua");
+
 /// Drains an activity index (`lua/collect_usage.lua`).
 pub const COLLECT_USAGE_LUA: &str = include_str!("../../../lua/collect_usage.lua");
 
@@ -139,6 +142,22 @@ pub fn set_params_args(req: &SetParams, min_idle_ttl_ms: &str) -> Vec<String> {
     ]
 }
 
+/// Decodes a reservation's reply: the 4 fields of a decision, then the multiples spent.
+pub fn reservation_from_reply(reply: &[i64]) -> Result<(Decision, u64), StoreError> {
+    let [fields @ .., granted] = reply else {
+        return Err(StoreError::Protocol {
+            reason: "an empty reservation reply".into(),
+        });
+    };
+    let d = decision_from_reply(fields)?;
+    match u64::try_from(*granted) {
+        Ok(g) if (g > 0) == d.allowed || g == 0 => Ok((d, g)),
+        _ => Err(StoreError::Protocol {
+            reason: format!("bad reservation multiples {granted}"),
+        }),
+    }
+}
+
 /// Decodes `{allowed, remaining, retry_after_ms, reset_ms}`; `-1` means "never".
 pub fn decision_from_reply(reply: &[i64]) -> Result<Decision, StoreError> {
     let &[allowed, remaining, retry, reset] = reply else {
@@ -188,6 +207,7 @@ mod tests {
             SLIDING_WINDOW_LUA,
             COLLECT_USAGE_LUA,
             SET_PARAMS_LUA,
+            REFUND_LUA,
         ] {
             assert!(s.contains("KEYS[1]") && s.contains("ARGV[1]") && s.contains("returns"));
         }

@@ -7,7 +7,7 @@ mod common;
 use common::{fresh_bucket, req, tokens};
 use quota_core::BucketParams;
 use quota_store::script::{
-    COLLECT_USAGE_LUA, SET_PARAMS_LUA, SLIDING_WINDOW_LUA, TOKEN_BUCKET_LUA,
+    COLLECT_USAGE_LUA, REFUND_LUA, SET_PARAMS_LUA, SLIDING_WINDOW_LUA, TOKEN_BUCKET_LUA,
 };
 use quota_store::{Limit, SetParams, Store, StoreError};
 use redis_harness::RedisServer;
@@ -108,7 +108,27 @@ fn token_bucket_rejects_every_bad_argument() {
         ),
         (
             "too many arguments",
-            &["1", "1000000", "1000", "5", "6", "7", "8"],
+            &["1", "1000000", "1000", "5", "6", "7", "8", "9"],
+        ),
+        (
+            "zero batch",
+            &["1", "1000000", "1000", "5", "", "1000", "0"],
+        ),
+        (
+            "empty batch",
+            &["1", "1000000", "1000", "5", "", "1000", ""],
+        ),
+        (
+            "float batch",
+            &["1", "1000000", "1000", "5", "", "1000", "1.5"],
+        ),
+        (
+            "negative batch",
+            &["1", "1000000", "1000", "5", "", "1000", "-2"],
+        ),
+        (
+            "cost times batch above max",
+            &["3", "1000000", "1000", "5", "", "1000", "3002399752"],
         ),
     ];
     for (case, args) in cases {
@@ -294,6 +314,64 @@ fn set_params_rejects_bad_arguments() {
     }
     let n: u64 = redis::cmd("DBSIZE").query(&mut c).unwrap();
     assert_eq!(n, 0);
+}
+
+#[test]
+fn refund_rejects_bad_arguments_and_writes_nothing() {
+    let server = RedisServer::start().unwrap();
+    let mut c = common::sync_conn(&server);
+    // A live state to refund into: one decision.
+    let _: redis::Value = eval(
+        &mut c,
+        TOKEN_BUCKET_LUA,
+        &[B, P, IX],
+        &["1", "5000000", "1000000", "5"],
+    )
+    .unwrap();
+    let before = dumps(&mut c, &[B]);
+    let cases: &[(&str, &[&str])] = &[
+        ("no arguments", &[]),
+        ("zero tokens", &["0"]),
+        ("negative tokens", &["-1"]),
+        ("float tokens", &["1.5"]),
+        ("tokens above max", &["9007199255"]),
+        ("bad now", &["1", "soon"]),
+        ("too many arguments", &["1", "5", "6"]),
+    ];
+    for (case, args) in cases {
+        assert_quotad_error(eval(&mut c, REFUND_LUA, &[B], args), case);
+    }
+    assert_quotad_error(eval(&mut c, REFUND_LUA, &[B, P], &["1"]), "two keys");
+    let _: () = redis::cmd("HSET")
+        .arg("qd:v1:{bad}:y:1:b")
+        .arg("f")
+        .arg("v")
+        .query(&mut c)
+        .unwrap();
+    assert_quotad_error(
+        eval(&mut c, REFUND_LUA, &["qd:v1:{bad}:y:1:b"], &["1"]),
+        "a hash",
+    );
+    let _: () = redis::cmd("SET")
+        .arg(P)
+        .arg("garbage")
+        .query(&mut c)
+        .unwrap();
+    assert_quotad_error(eval(&mut c, REFUND_LUA, &[P], &["1"]), "not a state");
+    assert_eq!(
+        dumps(&mut c, &[B]),
+        before,
+        "a rejected refund wrote nothing"
+    );
+    // A missing state is a full bucket: nothing to do.
+    let none: i64 = redis::cmd("EVAL")
+        .arg(REFUND_LUA)
+        .arg(1)
+        .arg("qd:v1:{bad}:z:1:b")
+        .arg(1)
+        .query(&mut c)
+        .unwrap();
+    assert_eq!(none, -1);
 }
 
 #[test]

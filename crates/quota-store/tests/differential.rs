@@ -7,7 +7,9 @@
 //! the stored-parameters hash (windows). `PROPTEST_CASES` scales it up.
 //!
 //! Then the embedded store against the Redis store through the `Store` trait: decisions, peeks
-//! (cost 0) and usage, with parameters written with and without lease ends; and checks of
+//! (cost 0), reservations and refunds (`token_bucket.lua`'s batch, `refund.lua`, the embedded
+//! store on `quota_core::bucket::reserve` and `refund`) and usage, with parameters written with
+//! and without lease ends; and checks of
 //! several limits at once (`token_buckets.lua`, the embedded store and
 //! `quota_core::bucket::decide_all`), every limit's decision and stored state equal.
 
@@ -361,6 +363,8 @@ fn run_window(
 thread_local! {
     /// Checks performed by the proptest runs on this test's thread.
     static CHECKS: Cell<u64> = const { Cell::new(0) };
+    /// Reservations among them.
+    static RESERVATIONS: Cell<u64> = const { Cell::new(0) };
 }
 
 fn config() -> ProptestConfig {
@@ -756,6 +760,17 @@ enum StoreStep {
         lease: Option<(u64, Limit)>,
     },
     Collect,
+    /// A reservation: up to `batch` multiples of `cost` (token buckets only).
+    Reserve {
+        dt: i64,
+        cost: u64,
+        batch: u64,
+    },
+    /// Tokens of a reservation given back (token buckets only).
+    Refund {
+        dt: i64,
+        tokens: u64,
+    },
 }
 
 fn small_bucket() -> impl Strategy<Value = Limit> + Clone {
@@ -773,6 +788,7 @@ fn small_window() -> impl Strategy<Value = Limit> + Clone {
 
 fn store_steps(
     limit: impl Strategy<Value = Limit> + Clone + 'static,
+    reservations: bool,
 ) -> impl Strategy<Value = Vec<StoreStep>> {
     // Steps and leases on a 50 ms grid too, so checks land exactly on lease ends.
     let dt = prop_oneof![
@@ -782,14 +798,26 @@ fn store_steps(
         1 => -500i64..=0,
     ];
     let cost = prop_oneof![6 => 1u64..=4, 1 => Just(0u64), 1 => 1u64..=60];
-    let check = (dt, cost).prop_map(|(dt, cost)| StoreStep::Check { dt, cost });
+    let check = (dt.clone(), cost.clone()).prop_map(|(dt, cost)| StoreStep::Check { dt, cost });
+    let reserve = (dt.clone(), cost, prop_oneof![1u64..=3, 1u64..=50])
+        .prop_map(|(dt, cost, batch)| StoreStep::Reserve { dt, cost, batch });
+    let refund = (dt, prop_oneof![1u64..=5, 1u64..=100])
+        .prop_map(|(dt, tokens)| StoreStep::Refund { dt, tokens });
+    let (w_reserve, w_refund) = if reservations { (4, 2) } else { (0, 0) };
     let ms = prop_oneof![0u64..=5_000, (0u64..=40).prop_map(|k| k * 50)];
     let lease = proptest::option::of((ms, limit.clone()));
     let set =
         (limit.clone(), lease.clone()).prop_map(|(limit, lease)| StoreStep::Set { limit, lease });
     let replace = (limit, lease).prop_map(|(limit, lease)| StoreStep::Replace { limit, lease });
     proptest::collection::vec(
-        prop_oneof![12 => check, 2 => set, 1 => replace, 1 => Just(StoreStep::Collect)],
+        prop_oneof![
+            12 => check,
+            2 => set,
+            1 => replace,
+            1 => Just(StoreStep::Collect),
+            w_reserve => reserve,
+            w_refund => refund,
+        ],
         1..120,
     )
 }
@@ -840,6 +868,28 @@ fn run_stores(
                     embedded.set_params(&p).await.unwrap();
                     redis.set_params(&p).await.unwrap();
                 }
+                StoreStep::Reserve { dt, cost, batch } => {
+                    CHECKS.set(CHECKS.get() + 1);
+                    RESERVATIONS.set(RESERVATIONS.get() + 1);
+                    now = now.saturating_add_signed(*dt);
+                    let r = common::req(&b, p0, *cost, Some(now));
+                    let want = embedded.reserve(&r, *batch).await.unwrap();
+                    let got = redis
+                        .reserve(&r, *batch)
+                        .await
+                        .map_err(|e| TestCaseError::fail(format!("step {i}: {e}")))?;
+                    prop_assert_eq!(got, want, "reservation at step {} at {}", i, now);
+                    prop_assert!(got.1 <= *batch && (got.1 > 0) == (got.0.allowed && *cost > 0));
+                }
+                StoreStep::Refund { dt, tokens } => {
+                    now = now.saturating_add_signed(*dt);
+                    let want = embedded.refund(&b, *tokens, Some(now)).await.unwrap();
+                    let got = redis
+                        .refund(&b, *tokens, Some(now))
+                        .await
+                        .map_err(|e| TestCaseError::fail(format!("step {i}: {e}")))?;
+                    prop_assert_eq!(got, want, "refund at step {} at {}", i, now);
+                }
                 StoreStep::Collect => {
                     // The Redis index is shared by every case: keep this case's bucket only.
                     let mine = |v: Vec<UsageRecord>| -> Vec<UsageRecord> {
@@ -855,7 +905,11 @@ fn run_stores(
     })
 }
 
-fn stores_agree(limit: impl Strategy<Value = Limit> + Clone + 'static, name: &str) {
+fn stores_agree(
+    limit: impl Strategy<Value = Limit> + Clone + 'static,
+    reservations: bool,
+    name: &str,
+) {
     let cfg = config();
     let before = CHECKS.get();
     let rt = tokio::runtime::Builder::new_current_thread()
@@ -868,7 +922,7 @@ fn stores_agree(limit: impl Strategy<Value = Limit> + Clone + 'static, name: &st
     let strategy = (
         limit.clone(),
         1_600_000_000_000u64..=1_900_000_000_000,
-        store_steps(limit),
+        store_steps(limit, reservations),
     );
     let result = runner.run(&strategy, |(p0, start, steps)| {
         run_stores(&rt, &redis, p0, start, &steps)
@@ -884,12 +938,17 @@ fn stores_agree(limit: impl Strategy<Value = Limit> + Clone + 'static, name: &st
 
 #[test]
 fn embedded_and_redis_stores_agree_on_buckets_with_leases() {
-    stores_agree(small_bucket(), "stores, token bucket");
+    stores_agree(small_bucket(), true, "stores, token bucket");
+    assert!(
+        RESERVATIONS.get() >= 1_000,
+        "{} reservations",
+        RESERVATIONS.get()
+    );
 }
 
 #[test]
 fn embedded_and_redis_stores_agree_on_windows_with_leases() {
-    stores_agree(small_window(), "stores, sliding window");
+    stores_agree(small_window(), false, "stores, sliding window");
 }
 
 /// A step of a check of several limits at once.

@@ -10,7 +10,8 @@
 
 use quota_core::bounds::{MAX_BURST, MAX_CAPACITY_UT, MAX_WINDOW_LIMIT};
 use quota_store::script::{
-    COLLECT_USAGE_LUA, SET_PARAMS_LUA, SLIDING_WINDOW_LUA, TOKEN_BUCKETS_LUA, TOKEN_BUCKET_LUA,
+    COLLECT_USAGE_LUA, REFUND_LUA, SET_PARAMS_LUA, SLIDING_WINDOW_LUA, TOKEN_BUCKETS_LUA,
+    TOKEN_BUCKET_LUA,
 };
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
@@ -39,14 +40,16 @@ enum Script {
     SlidingWindow,
     SetParams,
     CollectUsage,
+    Refund,
 }
 
-const SCRIPTS: [Script; 5] = [
+const SCRIPTS: [Script; 6] = [
     Script::TokenBucket,
     Script::TokenBuckets,
     Script::SlidingWindow,
     Script::SetParams,
     Script::CollectUsage,
+    Script::Refund,
 ];
 
 /// An adversarial argument string.
@@ -124,6 +127,9 @@ fn plausible(rng: &mut ChaCha8Rng, script: Script, i: usize) -> String {
         (Script::TokenBucket | Script::SlidingWindow, 3) => now(rng),
         (Script::TokenBucket | Script::SlidingWindow, 4) => n(rng, 100_000),
         (Script::TokenBucket, 5) | (Script::SetParams, 9) => period(rng),
+        (Script::TokenBucket, 6) => rng.random_range(1..=100u64).to_string(),
+        (Script::Refund, 0) => rng.random_range(1..=50u64).to_string(),
+        (Script::Refund, 1) => now(rng),
         (Script::SetParams, 0) => ["cap", "limit"][rng.random_range(0..2)].to_string(),
         (Script::SetParams, 2) => ["rate", "window"][rng.random_range(0..2)].to_string(),
         (Script::SetParams, 1 | 6) => n(rng, 20_000_000),
@@ -163,12 +169,13 @@ fn period(rng: &mut ChaCha8Rng) -> String {
 
 fn arity(script: Script) -> (usize, std::ops::RangeInclusive<usize>) {
     match script {
-        Script::TokenBucket => (3, 3..=6),
+        Script::TokenBucket => (3, 3..=7),
         // Two limits; `call` fits the arguments to the keys it names.
         Script::TokenBuckets => (5, 9..=9),
         Script::SlidingWindow => (3, 3..=5),
         Script::SetParams => (5, 4..=10),
         Script::CollectUsage => (1, 1..=1),
+        Script::Refund => (1, 1..=2),
     }
 }
 
@@ -206,6 +213,7 @@ fn role_keys(script: Script, rng: &mut ChaCha8Rng) -> Vec<&'static str> {
             keys
         }
         Script::CollectUsage => vec![k(":ix")],
+        Script::Refund => vec![k(&format!("{t}:b"))],
     }
 }
 
@@ -448,7 +456,24 @@ fn check_reply(script: Script, args: &[String], v: &Value) -> Result<(), String>
     match script {
         Script::TokenBucket | Script::SlidingWindow => {
             let Value::Array(a) = v else { return bad() };
-            let f: Vec<i64> = a.iter().filter_map(int).collect();
+            let mut f: Vec<i64> = a.iter().filter_map(int).collect();
+            // With a batch (a 7th argument) a fifth field: the multiples spent, at most the
+            // batch, none when denied or a peek.
+            let batched = script == Script::TokenBucket && args.len() == 7;
+            if batched {
+                let batch: i64 = args[6]
+                    .parse()
+                    .map_err(|_| format!("accepted batch {:?}", args[6]))?;
+                let granted = f
+                    .pop()
+                    .filter(|_| a.len() == 5)
+                    .ok_or_else(|| format!("{v:?}"))?;
+                let allowed = f.first().copied().unwrap_or(0);
+                let spent = args[0] != "0" && allowed == 1;
+                if !(0..=batch).contains(&granted) || (granted > 0) != spent {
+                    return bad();
+                }
+            }
             let &[allowed, remaining, retry, reset] = f.as_slice() else {
                 return bad();
             };
@@ -458,7 +483,7 @@ fn check_reply(script: Script, args: &[String], v: &Value) -> Result<(), String>
                 MAX_WINDOW_LIMIT
             } as i64;
             let min_reset = if script == Script::TokenBucket { -1 } else { 0 };
-            let ok = a.len() == 4
+            let ok = a.len() == 4 + usize::from(batched)
                 && (allowed == 0 || allowed == 1)
                 && (0..=max_remaining).contains(&remaining)
                 && (-1..=MAX_CAPACITY_UT as i64).contains(&retry)
@@ -498,6 +523,10 @@ fn check_reply(script: Script, args: &[String], v: &Value) -> Result<(), String>
         }
         Script::SetParams => match v {
             Value::Int(1) => Ok(()),
+            _ => bad(),
+        },
+        Script::Refund => match v {
+            Value::Int(n) if (-1..=MAX_BURST as i64).contains(n) => Ok(()),
             _ => bad(),
         },
         Script::CollectUsage => {
@@ -540,6 +569,7 @@ fn scripts_answer_valid_replies_or_quotad_errors_and_errors_change_nothing() {
         SLIDING_WINDOW_LUA,
         SET_PARAMS_LUA,
         COLLECT_USAGE_LUA,
+        REFUND_LUA,
     ]
     .iter()
     .map(|src| {

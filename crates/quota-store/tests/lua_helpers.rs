@@ -9,20 +9,21 @@ use quota_core::bounds::{
     MAX_WINDOW_PRODUCT, UT,
 };
 use quota_store::script::{
-    COLLECT_BATCH_MAX, COLLECT_USAGE_LUA, SET_PARAMS_LUA, SLIDING_WINDOW_LUA, TOKEN_BUCKETS_LUA,
-    TOKEN_BUCKET_LUA,
+    COLLECT_BATCH_MAX, COLLECT_USAGE_LUA, REFUND_LUA, SET_PARAMS_LUA, SLIDING_WINDOW_LUA,
+    TOKEN_BUCKETS_LUA, TOKEN_BUCKET_LUA,
 };
 use quota_store::{DEFAULT_MIN_IDLE_TTL_MS, MAX_COST};
 
 const BEGIN: &str = "-- quotad shared helpers: begin.";
 const END: &str = "-- quotad shared helpers: end.";
 
-const SCRIPTS: [(&str, &str); 5] = [
+const SCRIPTS: [(&str, &str); 6] = [
     ("token_bucket.lua", TOKEN_BUCKET_LUA),
     ("token_buckets.lua", TOKEN_BUCKETS_LUA),
     ("sliding_window.lua", SLIDING_WINDOW_LUA),
     ("set_params.lua", SET_PARAMS_LUA),
     ("collect_usage.lua", COLLECT_USAGE_LUA),
+    ("refund.lua", REFUND_LUA),
 ];
 
 /// The helper block of `src` (from the begin line to the end line) and the text around it.
