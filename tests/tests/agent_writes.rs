@@ -5,25 +5,12 @@
 
 use std::time::Duration;
 
-use quotad_system_tests::{eventually, params_keys, redis_config, Daemon};
+use quotad_system_tests::{evalsha_calls, eventually, params_keys, redis_config, Daemon};
 use redis::aio::MultiplexedConnection;
 use redis_harness::RedisServer;
 use serde_json::json;
 
 const POLICIES: usize = 200;
-
-/// EVALSHA calls since the last `CONFIG RESETSTAT` (every parameter write is one).
-async fn evalsha_calls(conn: &mut MultiplexedConnection) -> anyhow::Result<u64> {
-    let stats: String = redis::cmd("INFO")
-        .arg("commandstats")
-        .query_async(conn)
-        .await?;
-    Ok(stats
-        .lines()
-        .find_map(|l| l.strip_prefix("cmdstat_evalsha:calls="))
-        .and_then(|rest| rest.split(',').next())
-        .map_or(Ok(0), str::parse)?)
-}
 
 /// Deletes `tenant`'s `writes` policy.
 async fn delete_policy(d: &Daemon, tenant: &str) -> anyhow::Result<()> {

@@ -5,23 +5,9 @@
 
 use std::time::Duration;
 
-use quotad_system_tests::{metric_value, redis_config, Daemon};
-use redis::aio::MultiplexedConnection;
+use quotad_system_tests::{evalsha_calls, metric_value, redis_config, Daemon};
 use redis_harness::RedisServer;
 use serde_json::json;
-
-/// EVALSHA calls since the last `CONFIG RESETSTAT`.
-async fn evalsha_calls(conn: &mut MultiplexedConnection) -> anyhow::Result<u64> {
-    let stats: String = redis::cmd("INFO")
-        .arg("commandstats")
-        .query_async(conn)
-        .await?;
-    Ok(stats
-        .lines()
-        .find_map(|l| l.strip_prefix("cmdstat_evalsha:calls="))
-        .and_then(|rest| rest.split(',').next())
-        .map_or(Ok(0), str::parse)?)
-}
 
 #[tokio::test]
 async fn a_flood_on_a_denied_bucket_costs_redis_one_call_per_retry_interval() -> anyhow::Result<()>

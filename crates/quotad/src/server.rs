@@ -159,6 +159,8 @@ pub async fn build_state(
         homes,
         forward_timeout: Duration::from_millis(cfg.api.forward_timeout_ms),
         peer_token: settings.secrets.peer_token.clone(),
+        reservations: cfg.redis.as_ref().is_some_and(|r| r.reservations),
+        store_timeout: Duration::from_millis(cfg.redis.as_ref().map_or(0, |r| r.timeout_ms)),
     });
     let decider = Arc::new(match peer_tls {
         Some(tls) => decider.forwarding_over_peer(
@@ -211,6 +213,22 @@ fn pending_timer_period(cfg: &Config) -> Duration {
         .min(cfg.redis.as_ref().map_or(u64::MAX, |r| r.timeout_ms));
     Duration::from_millis((shortest_ms / 2).clamp(1, 100))
 }
+
+/// Gives back reservations that aged out, every [`RESERVATION_SWEEP`].
+async fn sweep_reservations(decider: Arc<Decider>, mut shutdown: watch::Receiver<bool>) {
+    let mut tick = tokio::time::interval(RESERVATION_SWEEP);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tokio::select! {
+            _ = tick.tick() => decider.sweep_reservations(),
+            _ = shutdown.changed() => break,
+        }
+    }
+}
+
+/// How often reservations are swept: a quarter of their age limit, so a pool goes back within
+/// 1.25 times it.
+const RESERVATION_SWEEP: Duration = Duration::from_millis(quota_core::reservation::MAX_AGE_MS / 4);
 
 async fn keep_a_timer_pending(period: Duration, mut shutdown: watch::Receiver<bool>) {
     let mut tick = tokio::time::interval(period);
@@ -273,6 +291,7 @@ pub async fn serve(
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> anyhow::Result<()> {
     let (state, replicated) = build_state(&settings, metrics).await?;
+    let decider = state.decider.clone();
     let (stop_tx, stop_rx) = watch::channel(false);
     let mut tasks = background_tasks(&settings, &state, replicated.as_ref(), &stop_rx);
     if let Some(r) = &replicated {
@@ -292,6 +311,8 @@ pub async fn serve(
         shutdown,
     )
     .await;
+    // Reserved tokens not handed out go back before the daemon stops.
+    decider.return_reservations().await;
     let _ = stop_tx.send(true);
     for t in tasks {
         let _ = t.await;
@@ -333,6 +354,10 @@ fn background_tasks(
     }
     tasks.push(tokio::spawn(keep_a_timer_pending(
         pending_timer_period(cfg),
+        stop_rx.clone(),
+    )));
+    tasks.push(tokio::spawn(sweep_reservations(
+        state.decider.clone(),
         stop_rx.clone(),
     )));
     if let Some(watch) = password_watch(settings, state.decider.store(), stop_rx) {

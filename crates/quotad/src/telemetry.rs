@@ -34,6 +34,10 @@ pub const REBALANCE_DURATION_SECONDS: &str = "quotad_rebalance_duration_seconds"
 pub const FORWARDED_TOTAL: &str = "quotad_forwarded_checks_total";
 /// Checks answered by a denial still standing, without a store call.
 pub const DENIAL_CACHE_HITS_TOTAL: &str = "quotad_denial_cache_hits_total";
+/// Checks admitted from a reservation, without a store call.
+pub const RESERVATION_HITS_TOTAL: &str = "quotad_reservation_hits_total";
+/// Store calls that took a batch of tokens for a reservation.
+pub const RESERVATION_BATCHES_TOTAL: &str = "quotad_reservation_batches_total";
 /// Requests answered with a problem (HTTP) or refused as malformed (Envoy), by `code`: the
 /// problem code, `ENVOY_INVALID_ARGUMENT` (a request) or `ENVOY_INVALID_DESCRIPTOR` (one descriptor).
 pub const REJECTED_REQUESTS_TOTAL: &str = "quotad_rejected_requests_total";

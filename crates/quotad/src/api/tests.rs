@@ -47,6 +47,8 @@ pub(crate) fn state_on(store: quota_store::AnyStore, breaker: Breaker) -> AppSta
         homes: HashMap::new(),
         forward_timeout: Duration::from_millis(100),
         peer_token: None,
+        reservations: false,
+        store_timeout: Duration::from_millis(100),
     });
     state_with(coordinator, decider)
 }
@@ -74,6 +76,8 @@ fn scoped_state(tokens: Tokens, open_checks: bool) -> AppState {
             homes: HashMap::new(),
             forward_timeout: Duration::from_millis(100),
             peer_token: None,
+            reservations: false,
+            store_timeout: Duration::from_millis(100),
         }),
         tokens,
         open_checks,

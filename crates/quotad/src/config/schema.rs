@@ -146,6 +146,10 @@ pub struct RedisConfig {
     pub tls_key_file: Option<PathBuf>,
     /// Per-call timeout; a slower answer counts against the circuit breaker.
     pub timeout_ms: u64,
+    /// Take a hot token bucket's tokens in batches and hand them out in the daemon, so it
+    /// costs Redis a call per batch instead of one per decision (docs/architecture.md,
+    /// "Reservations").
+    pub reservations: bool,
 }
 
 /// How the regional Redis is deployed.
@@ -326,6 +330,7 @@ impl Default for RedisConfig {
             tls_cert_file: None,
             tls_key_file: None,
             timeout_ms: 50,
+            reservations: true,
         }
     }
 }

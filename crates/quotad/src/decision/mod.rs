@@ -7,6 +7,7 @@
 pub mod breaker;
 pub mod denials;
 pub mod multi;
+pub mod reservations;
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
@@ -27,6 +28,7 @@ use crate::clock;
 use crate::coordination::{ClusterView, PolicyEntry};
 use crate::decision::breaker::{Admission, Breaker};
 use crate::decision::denials::Denials;
+use crate::decision::reservations::{Refund, Reservations, Step};
 use crate::secret::Secret;
 use crate::telemetry::{self, DecisionMetrics, Outcome};
 use quota_raft::tls::PeerHttp;
@@ -231,6 +233,13 @@ pub struct Decider {
     /// more are answered without Redis until their retry time has passed.
     denials: Denials,
     denial_cache_hits: Counter,
+    /// Hot token buckets' tokens taken from Redis in batches and handed out here; `None`
+    /// when turned off (`redis.reservations = false`) or on the embedded store.
+    reservations: Option<Reservations>,
+    /// How long a check waits for another check's batch: the store's timeout.
+    store_timeout: Duration,
+    reservation_hits: Counter,
+    reservation_batches: Counter,
 }
 
 /// What a [`Decider`] is built from.
@@ -246,6 +255,10 @@ pub struct DeciderParts {
     pub forward_timeout: Duration,
     /// The peer token forwarded checks carry (multi-region only).
     pub peer_token: Option<Secret>,
+    /// Take hot token buckets' tokens from Redis in batches (Redis store only).
+    pub reservations: bool,
+    /// The store's call timeout.
+    pub store_timeout: Duration,
 }
 
 impl Decider {
@@ -256,7 +269,11 @@ impl Decider {
             store_latency: metrics::histogram!(telemetry::STORE_LATENCY_SECONDS, "region" => region.clone()),
             store_errors: metrics::counter!(telemetry::STORE_ERRORS_TOTAL, "region" => region.clone()),
             forward_failures: metrics::counter!(telemetry::FORWARDED_TOTAL, "region" => region.clone(), "outcome" => "unreachable"),
-            denial_cache_hits: metrics::counter!(telemetry::DENIAL_CACHE_HITS_TOTAL, "region" => region),
+            denial_cache_hits: metrics::counter!(telemetry::DENIAL_CACHE_HITS_TOTAL, "region" => region.clone()),
+            reservation_hits: metrics::counter!(telemetry::RESERVATION_HITS_TOTAL, "region" => region.clone()),
+            reservation_batches: metrics::counter!(telemetry::RESERVATION_BATCHES_TOTAL, "region" => region),
+            reservations: (p.reservations && !is_embedded(&p.store)).then(Reservations::default),
+            store_timeout: p.store_timeout,
             region: p.region,
             store: p.store,
             fallback: EmbeddedStore::new(),
@@ -277,6 +294,33 @@ impl Decider {
     /// store applies over the limits checks pass.
     pub fn forget_denials(&self) {
         self.denials.forget_all();
+        // Reserved tokens were taken under the old parameters: they go back now.
+        if let Some(r) = &self.reservations {
+            self.give_back(r.take_all());
+        }
+    }
+
+    /// Gives reserved tokens back to the store, in the background.
+    fn give_back(&self, refunds: Vec<Refund>) {
+        if refunds.is_empty() {
+            return;
+        }
+        let store = self.store.clone();
+        tokio::spawn(async move { give_back_now(&store, refunds).await });
+    }
+
+    /// Gives back pools that aged out and forgets idle buckets (run every few tens of ms).
+    pub fn sweep_reservations(&self) {
+        if let Some(r) = &self.reservations {
+            self.give_back(r.sweep(clock::monotonic()));
+        }
+    }
+
+    /// Gives every reserved token back, waiting for the store (on shutdown).
+    pub async fn return_reservations(&self) {
+        if let Some(r) = &self.reservations {
+            give_back_now(&self.store, r.take_all()).await;
+        }
     }
 
     /// Forwards checks over the peer mutual-TLS channel with `http`, to the home's peer
@@ -426,7 +470,15 @@ impl Decider {
         } else {
             self.store.check(&req).await
         };
-        r.ok()
+        // Tokens reserved here are this region's too, not yet handed out.
+        let held = self
+            .reservations
+            .as_ref()
+            .map_or(0, |r| r.held(&req.bucket));
+        r.ok().map(|d| Decision {
+            remaining: d.remaining.saturating_add(held),
+            ..d
+        })
     }
 
     /// Decides one check. `forwarded` is true when another region sent it here.
@@ -640,20 +692,82 @@ impl Decider {
             self.denial_cache_hits.increment(1);
             return Ok(Some(d));
         }
+        if let Some(r) = self.reservations.as_ref().filter(|_| req.cost > 0) {
+            let mut refunds = Vec::new();
+            let (step, taking) = r
+                .begin(
+                    &req.bucket,
+                    &req.limit,
+                    req.cost,
+                    t0,
+                    self.store_timeout,
+                    &mut refunds,
+                )
+                .await;
+            self.give_back(refunds);
+            match step {
+                Step::Answered(d) => {
+                    self.reservation_hits.increment(1);
+                    return Ok(Some(d));
+                }
+                Step::Take(batch) => {
+                    // Ends the batch if this check goes no further (the store out, an error,
+                    // or the request dropped while waiting).
+                    let pending = Pending {
+                        reservations: r,
+                        bucket: &req.bucket,
+                    };
+                    let ticket = self.denials.ticket(t0);
+                    let Some(answer) = self.call_store(t0, self.store.reserve(req, batch)).await?
+                    else {
+                        return Ok(None);
+                    };
+                    std::mem::forget(pending);
+                    self.reservation_batches.increment(1);
+                    let mut refunds = Vec::new();
+                    let d = r.filled(
+                        &req.bucket,
+                        &req.limit,
+                        req.cost,
+                        taking,
+                        answer,
+                        &mut refunds,
+                    );
+                    self.give_back(refunds);
+                    self.denials
+                        .remember(ticket, &req.bucket, &req.limit, req.cost, &d);
+                    return Ok(Some(d));
+                }
+                Step::Single => {}
+            }
+        }
+        let ticket = self.denials.ticket(t0);
+        let d = self.call_store(t0, self.store.check(req)).await?;
+        if let Some(d) = &d {
+            self.denials
+                .remember(ticket, &req.bucket, &req.limit, req.cost, d);
+        }
+        Ok(d)
+    }
+
+    /// One store call through the breaker: `Ok(None)` when the breaker is open or the store is
+    /// out, `Err` when the store refused the request or its bucket's data.
+    async fn call_store<T>(
+        &self,
+        t0: tokio::time::Instant,
+        call: impl std::future::Future<Output = Result<T, StoreError>>,
+    ) -> Result<Option<T>, StoreError> {
         if self.breaker.admit() != Admission::Call {
             return Ok(None);
         }
-        let ticket = self.denials.ticket(t0);
         // The Redis store bounds every call with its configured timeout (a timeout is a
         // `StoreError`), so no second timer is armed here.
-        let r = self.store.check(req).await;
+        let r = call.await;
         let took = t0.elapsed();
         self.store_latency.record(took.as_secs_f64());
         match r {
             Ok(d) => {
                 self.breaker.record(true, took);
-                self.denials
-                    .remember(ticket, &req.bucket, &req.limit, req.cost, &d);
                 Ok(Some(d))
             }
             Err(e) if !e.is_outage() => {
@@ -821,6 +935,29 @@ impl Decider {
     }
 }
 
+/// A batch being taken for a bucket: dropped without being forgotten (the check went no
+/// further), it ends the batch so checks waiting for it go on.
+struct Pending<'a> {
+    reservations: &'a Reservations,
+    bucket: &'a BucketRef,
+}
+
+impl Drop for Pending<'_> {
+    fn drop(&mut self) {
+        self.reservations.abandon(self.bucket);
+    }
+}
+
+/// Gives reserved tokens back to the store; a refund that fails leaves them spent (fewer
+/// admissions, never more).
+async fn give_back_now(store: &AnyStore, refunds: Vec<Refund>) {
+    for r in refunds {
+        if let Err(e) = store.refund(&r.bucket, r.tokens, None).await {
+            tracing::debug!(error = %e, "A reservation's refund failed; its tokens stay spent.");
+        }
+    }
+}
+
 #[cfg(test)]
 pub(crate) mod tests {
     use std::collections::BTreeMap;
@@ -912,6 +1049,8 @@ pub(crate) mod tests {
             homes: HashMap::from([(RegionId::new("a").unwrap(), addr.to_string())]),
             forward_timeout: Duration::from_secs(5),
             peer_token: Some(Secret::new("peer-token")),
+            reservations: false,
+            store_timeout: Duration::from_millis(100),
         });
         (decider, seen)
     }
@@ -1039,6 +1178,8 @@ pub(crate) mod tests {
             homes: HashMap::new(),
             forward_timeout: Duration::from_secs(5),
             peer_token: None,
+            reservations: false,
+            store_timeout: Duration::from_millis(100),
         });
         let (t, w) = ids("t", "w");
         let refused = d.check(t.clone(), w.clone(), 5, false).await;
@@ -1091,6 +1232,8 @@ pub(crate) mod tests {
             homes: HashMap::from([(RegionId::new("b").unwrap(), addr.to_string())]),
             forward_timeout: Duration::from_secs(5),
             peer_token: None,
+            reservations: false,
+            store_timeout: Duration::from_millis(100),
         });
         let (t, w) = ids("t", "w");
         let r = d.check(t, w, 1, false).await;
@@ -1135,6 +1278,8 @@ pub(crate) mod tests {
             homes: HashMap::new(),
             forward_timeout: Duration::from_secs(5),
             peer_token: None,
+            reservations: false,
+            store_timeout: Duration::from_millis(100),
         });
         let (t, w) = ids("t", "w");
         let r = d.check(t, w, 1, false).await;
