@@ -14,7 +14,8 @@
 //! - [`traffic`]: tenants, sources and the arrivals of each tick.
 //! - [`scenario`]: the named scenarios of the suite.
 //! - [`control`]: control-plane timing shared by the rebalancing strategies.
-//! - [`regional_store`]: each region's Redis as a set of reference buckets, with fail modes.
+//! - [`regional_store`]: each region's Redis as a set of reference buckets, with fail modes
+//!   and a count of the calls that reach it.
 //! - [`strategy`]: the strategies, one file each, behind the [`strategy::Strategy`] trait.
 //! - [`metrics`]: the shadow bucket, overshoot, goodput, false denials, latency, convergence.
 //! - [`simulation`]: the engine that runs a scenario.

@@ -44,6 +44,7 @@
 use quota_core::bucket::{decide, BucketParams, BucketState};
 use serde::Serialize;
 
+use crate::regional_store::StoreCalls;
 use crate::traffic::{Request, Tenant};
 
 /// The false denial rate over a [`SETTLED_S`]-second window at or below which a strategy counts
@@ -497,6 +498,7 @@ impl Recorder {
             demand_shifts: starts.len(),
             convergence_s: if never { None } else { convergence },
             decisions: self.decisions,
+            store_calls: None,
             admitted_tokens: total(|s| s.admitted_tokens, 0..n),
             ideal_tokens: total(|s| s.shadow_tokens, 0..n),
         }
@@ -557,8 +559,18 @@ pub struct Summary {
     /// was none.
     pub convergence_s: Option<f64>,
     pub decisions: u64,
+    /// Calls that reached a regional Redis over the run, for the strategies that count them.
+    pub store_calls: Option<StoreCalls>,
     pub admitted_tokens: u64,
     pub ideal_tokens: u64,
+}
+
+impl Summary {
+    /// Store calls per decision, for the strategies that count them.
+    pub fn store_calls_per_decision(&self) -> Option<f64> {
+        let calls = self.store_calls?.total();
+        (self.decisions > 0).then(|| calls as f64 / self.decisions as f64)
+    }
 }
 
 #[cfg(test)]

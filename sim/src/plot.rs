@@ -34,6 +34,7 @@ const STRATEGY_COLORS: [RGBColor; StrategyKind::ALL.len()] = [
     RGBColor(255, 127, 14),  // async_broadcast: orange
     RGBColor(227, 119, 194), // rebalance_no_lease: pink
     RGBColor(31, 119, 180),  // quotad: blue
+    RGBColor(23, 190, 207),  // quotad_reserved: cyan
     RGBColor(44, 160, 44),   // quotad_pinned: green
 ];
 

@@ -6,11 +6,35 @@
 //! (so the outage neither mints nor loses tokens), `open` admits everything, `closed` denies
 //! everything. The seeding and write-back are what quotad's daemon must do for `local` to be
 //! safe: a fallback bucket that started full would admit up to one extra share of burst.
+//!
+//! Every call that reaches a Redis (a decision, a reservation, a refund) is counted, so
+//! strategies can be compared by the store calls they make per decision.
 
-use quota_core::bucket::{decide, BucketParams, BucketState};
+use quota_core::bucket::{decide, refund, reserve, BucketParams, BucketState};
 use quota_core::FailMode;
+use serde::Serialize;
 
 use crate::world::{RegionIx, World};
+
+/// Calls that reached a Redis, by kind.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize)]
+pub struct StoreCalls {
+    /// Plain decisions, one check each.
+    pub decisions: u64,
+    /// Reservations that admitted: a batch of one or more checks.
+    pub reserved: u64,
+    /// Reservations that denied.
+    pub reserve_denied: u64,
+    /// Unused tokens given back.
+    pub refunds: u64,
+}
+
+impl StoreCalls {
+    /// Every call.
+    pub fn total(&self) -> u64 {
+        self.decisions + self.reserved + self.reserve_denied + self.refunds
+    }
+}
 
 /// Bucket states of every (tenant, region), with per-region outage handling.
 #[derive(Debug)]
@@ -19,6 +43,7 @@ pub struct RegionalStores {
     states: Vec<Option<BucketState>>,
     fallback: Vec<Option<BucketState>>,
     down: Vec<bool>,
+    calls: StoreCalls,
 }
 
 impl RegionalStores {
@@ -28,7 +53,18 @@ impl RegionalStores {
             states: vec![None; regions * tenants],
             fallback: vec![None; regions * tenants],
             down: vec![false; regions],
+            calls: StoreCalls::default(),
         }
+    }
+
+    /// Whether `region`'s Redis answers (as of the last [`Self::advance`]).
+    pub fn up(&self, region: RegionIx) -> bool {
+        !self.down[region]
+    }
+
+    /// The calls that reached a Redis so far.
+    pub fn calls(&self) -> StoreCalls {
+        self.calls
     }
 
     /// Notices Redis outages starting or ending at `t_ms` (call once per tick).
@@ -68,11 +104,61 @@ impl RegionalStores {
                 FailMode::Local => &mut self.fallback[i],
             }
         } else {
+            self.calls.decisions += 1;
             &mut self.states[i]
         };
         let (d, s) = decide(local_ms, params, slot.as_ref(), u64::from(cost));
         *slot = Some(s);
         d.allowed
+    }
+
+    /// Takes up to `batch` multiples of `cost` (at least one) from `region`'s Redis bucket for
+    /// `tenant` with [`reserve`]; returns how many it took, 0 for a denial. The caller checks
+    /// that the Redis is up ([`Self::up`]).
+    pub fn reserve(
+        &mut self,
+        region: RegionIx,
+        tenant: u32,
+        local_ms: u64,
+        params: &BucketParams,
+        cost: u64,
+        batch: u64,
+    ) -> Option<u64> {
+        assert!(
+            !self.down[region],
+            "no reservation from a Redis that is down"
+        );
+        let i = tenant as usize * self.regions + region;
+        let (d, granted, s) = reserve(local_ms, params, self.states[i].as_ref(), cost, batch);
+        self.states[i] = Some(s);
+        if d.allowed {
+            self.calls.reserved += 1;
+        } else {
+            self.calls.reserve_denied += 1;
+        }
+        d.allowed.then_some(granted)
+    }
+
+    /// Gives `tokens` whole tokens back to `region`'s Redis bucket for `tenant` with
+    /// [`refund`] (capped at the capacity of `params`). Returns false when the Redis is down:
+    /// the tokens are lost, never minted.
+    pub fn refund(
+        &mut self,
+        region: RegionIx,
+        tenant: u32,
+        local_ms: u64,
+        params: &BucketParams,
+        tokens: u64,
+    ) -> bool {
+        if self.down[region] {
+            return false;
+        }
+        let i = tenant as usize * self.regions + region;
+        self.calls.refunds += 1;
+        if let Some(s) = refund(local_ms, params, self.states[i].as_ref(), tokens) {
+            self.states[i] = Some(s);
+        }
+        true
     }
 
     /// Charges `tokens` already spent elsewhere to a bucket, going no lower than empty; returns

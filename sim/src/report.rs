@@ -6,10 +6,12 @@ use std::fmt::Write as _;
 use crate::metrics::Summary;
 use crate::simulation::ScenarioRun;
 
-/// The CSV header, also the column order of the table.
+/// The CSV header, also the column order of the table (which leaves out the raw counts).
 pub const CSV_HEADER: &str = "scenario,strategy,overshoot_window,overshoot_1s,goodput,\
 goodput_healthy,floor_s,false_denial_rate,goodput_converged,false_denial_converged,p50_decision_ms,p99_decision_ms,\
-convergence_s,forwarded_fraction,never,decisions,admitted_tokens,ideal_tokens";
+convergence_s,forwarded_fraction,never,decisions,admitted_tokens,ideal_tokens,\
+store_calls_per_decision,store_calls_decide,store_calls_reserved,store_calls_reserve_denied,\
+store_calls_refund";
 
 fn opt(v: Option<f64>, digits: usize) -> String {
     v.map_or_else(|| "-".to_string(), |x| format!("{x:.digits$}"))
@@ -40,7 +42,7 @@ pub fn table(runs: &[ScenarioRun]) -> String {
     let mut out = String::new();
     let _ = writeln!(
         out,
-        "{:<16} {:<19} {:>8} {:>8} {:>8} {:>8} {:>9} {:>8} {:>8} {:>7} {:>7} {:>6} {:>6} {:>6}",
+        "{:<16} {:<19} {:>8} {:>8} {:>8} {:>8} {:>9} {:>8} {:>8} {:>7} {:>7} {:>6} {:>6} {:>6} {:>6}",
         "scenario",
         "strategy",
         "over(W)",
@@ -54,13 +56,14 @@ pub fn table(runs: &[ScenarioRun]) -> String {
         "p99_ms",
         "conv_s",
         "fwd",
-        "never"
+        "never",
+        "calls"
     );
     for run in runs {
         for s in run.strategies.iter().map(|r| &r.summary) {
             let _ = writeln!(
                 out,
-                "{:<16} {:<19} {:>8.3} {:>8.3} {:>8} {:>8} {:>9} {:>8} {:>8} {:>7.1} {:>7.1} {:>6} {:>6} {:>6}",
+                "{:<16} {:<19} {:>8.3} {:>8.3} {:>8} {:>8} {:>9} {:>8} {:>8} {:>7.1} {:>7.1} {:>6} {:>6} {:>6} {:>6}",
                 s.scenario,
                 s.strategy,
                 s.overshoot_window,
@@ -75,6 +78,7 @@ pub fn table(runs: &[ScenarioRun]) -> String {
                 conv(s),
                 opt(s.forwarded.map(|x| 100.0 * x), 1) + "%",
                 s.never,
+                opt(s.store_calls_per_decision(), 3),
             );
         }
     }
@@ -84,7 +88,7 @@ pub fn table(runs: &[ScenarioRun]) -> String {
 fn csv_row(s: &Summary) -> String {
     let o = |v: Option<f64>| v.map_or_else(String::new, |x| format!("{x:.6}"));
     format!(
-        "{},{},{:.6},{:.6},{},{},{},{},{},{},{:.3},{:.3},{},{},{},{},{},{}",
+        "{},{},{:.6},{:.6},{},{},{},{},{},{},{:.3},{:.3},{},{},{},{},{},{},{},{}",
         s.scenario,
         s.strategy,
         s.overshoot_window,
@@ -110,7 +114,15 @@ fn csv_row(s: &Summary) -> String {
         s.never,
         s.decisions,
         s.admitted_tokens,
-        s.ideal_tokens
+        s.ideal_tokens,
+        o(s.store_calls_per_decision()),
+        s.store_calls.map_or_else(
+            || ",,,".to_string(),
+            |c| format!(
+                "{},{},{},{}",
+                c.decisions, c.reserved, c.reserve_denied, c.refunds
+            )
+        )
     )
 }
 
@@ -172,6 +184,7 @@ pub fn series_csv(run: &ScenarioRun) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::regional_store::StoreCalls;
 
     fn summary() -> Summary {
         Summary {
@@ -192,6 +205,12 @@ mod tests {
             forwarded: Some(0.25),
             never: 0,
             decisions: 10,
+            store_calls: Some(StoreCalls {
+                decisions: 1,
+                reserved: 2,
+                reserve_denied: 1,
+                refunds: 0,
+            }),
             admitted_tokens: 5,
             ideal_tokens: 6,
         }
@@ -202,5 +221,6 @@ mod tests {
         let row = csv_row(&summary());
         assert_eq!(row.split(',').count(), CSV_HEADER.split(',').count());
         assert!(row.starts_with("steady,quotad,1.000000,0.500000,0.990000,1.000000,0.0/2.5,,"));
+        assert!(row.ends_with(",0.400000,1,2,1,0"));
     }
 }

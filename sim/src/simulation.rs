@@ -162,10 +162,13 @@ pub fn run_scenario(
     let strategies = strategies
         .iter()
         .zip(recorders)
-        .map(|(k, mut rec)| StrategyRun {
+        .zip(&strats)
+        .map(|((k, mut rec), strat)| StrategyRun {
             summary: {
                 rec.finish();
-                rec.summary(kind.name(), k.name(), &scenario.shifts_ms, cfg.warmup_ms)
+                let mut s = rec.summary(kind.name(), k.name(), &scenario.shifts_ms, cfg.warmup_ms);
+                s.store_calls = strat.store_calls();
+                s
             },
             seconds: rec.seconds().to_vec(),
         })
@@ -244,6 +247,9 @@ fn run_ticks(
         if t % 1000 < cfg.tick_ms {
             progress(1);
         }
+    }
+    for s in strats.iter_mut() {
+        s.finish(world, t);
     }
     (ideal_per_s, decisions)
 }

@@ -59,7 +59,7 @@ fn same_seed_same_bytes() {
     assert_eq!(run(&one_job).stdout, a.stdout);
     // Every scenario and strategy has a row.
     let text = String::from_utf8(a.stdout).unwrap();
-    assert_eq!(text.lines().count(), 1 + 6 * 7);
+    assert_eq!(text.lines().count(), 1 + 6 * 8);
 }
 
 #[test]

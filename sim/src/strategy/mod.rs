@@ -10,7 +10,9 @@ mod fixed_share;
 mod global_store;
 mod quotad;
 mod quotad_pinned;
+mod quotad_reserved;
 mod rebalance_no_lease;
+mod reservation;
 
 use std::fmt;
 
@@ -19,6 +21,7 @@ use quota_core::BucketParams;
 use serde::Serialize;
 
 use crate::control::ControlConfig;
+use crate::regional_store::StoreCalls;
 use crate::traffic::{Request, Tenant};
 use crate::world::{RegionIx, World};
 
@@ -56,6 +59,12 @@ pub trait Strategy {
     fn on_floor(&self, _world: &World, _t_ms: u64, _region: RegionIx) -> bool {
         false
     }
+    /// Ends the run at true time `t_ms` (after the last tick): what a daemon does on shutdown.
+    fn finish(&mut self, _world: &World, _t_ms: u64) {}
+    /// The calls that reached a regional Redis, for the strategies that count them.
+    fn store_calls(&self) -> Option<StoreCalls> {
+        None
+    }
 }
 
 /// The strategies the simulator knows, in the order tables list them.
@@ -75,18 +84,21 @@ pub enum StrategyKind {
     RebalanceNoLease,
     /// quotad: leased shares, rebalanced, revoke before grant.
     Quotad,
+    /// quotad deciding hot buckets from reserved batches of the regional bucket.
+    QuotadReserved,
     /// quotad with critical tenants pinned to their home region.
     QuotadPinned,
 }
 
 impl StrategyKind {
-    pub const ALL: [StrategyKind; 7] = [
+    pub const ALL: [StrategyKind; 8] = [
         Self::Independent,
         Self::StaticSplit,
         Self::GlobalStore,
         Self::AsyncBroadcast,
         Self::RebalanceNoLease,
         Self::Quotad,
+        Self::QuotadReserved,
         Self::QuotadPinned,
     ];
 
@@ -99,6 +111,7 @@ impl StrategyKind {
             Self::AsyncBroadcast => "async_broadcast",
             Self::RebalanceNoLease => "rebalance_no_lease",
             Self::Quotad => "quotad",
+            Self::QuotadReserved => "quotad_reserved",
             Self::QuotadPinned => "quotad_pinned",
         }
     }
@@ -129,6 +142,7 @@ pub fn build(kind: StrategyKind, setup: &Setup<'_>) -> Box<dyn Strategy> {
         StrategyKind::AsyncBroadcast => Box::new(async_broadcast::AsyncBroadcast::new(setup)),
         StrategyKind::RebalanceNoLease => Box::new(rebalance_no_lease::new(setup)),
         StrategyKind::Quotad => Box::new(quotad::Quotad::new(setup)),
+        StrategyKind::QuotadReserved => Box::new(quotad_reserved::new(setup)),
         StrategyKind::QuotadPinned => Box::new(quotad_pinned::new(setup)),
     }
 }

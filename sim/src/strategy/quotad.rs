@@ -4,14 +4,15 @@
 //!
 //! The same machinery, configured differently, is `rebalance_no_lease` (no leases, no
 //! revoke-before-grant) and `quotad_pinned` (critical tenants pinned, other regions forward
-//! their checks to the home region).
+//! their checks to the home region); with [`Reservations`] it is `quotad_reserved`.
 
 use quota_core::bucket::UT;
 use quota_core::{BucketParams, Tier};
 
+use super::reservation::Reservations;
 use super::{Setup, Strategy, Verdict};
 use crate::control::{Control, LeaseMode};
-use crate::regional_store::RegionalStores;
+use crate::regional_store::{RegionalStores, StoreCalls};
 use crate::traffic::{Request, Tenant};
 use crate::world::{RegionIx, World, LOCAL_DECISION_US};
 
@@ -24,6 +25,10 @@ pub struct Quotad {
     regions: usize,
     /// Per (tenant, region): the share the cached parameters were computed for.
     cache: Vec<(u32, BucketParams)>,
+    /// `quotad_reserved`: checks decided from reserved batches of the regional buckets.
+    reservations: Option<Reservations>,
+    /// Per region: whether its daemon was up at the last tick.
+    daemon_up: Vec<bool>,
 }
 
 impl Quotad {
@@ -51,6 +56,55 @@ impl Quotad {
             stores: RegionalStores::new(n, setup.tenants.len()),
             regions: n,
             cache: vec![(u32::MAX, params0); n * setup.tenants.len()],
+            reservations: None,
+            daemon_up: vec![true; n],
+        }
+    }
+
+    /// The same strategy deciding through `reservations`.
+    pub fn reserving(self, reservations: Reservations) -> Self {
+        Self {
+            reservations: Some(reservations),
+            ..self
+        }
+    }
+
+    /// The bucket parameters `region` enforces for tenant `i` at its local time `local_ms`.
+    fn params(&mut self, region: RegionIx, i: usize, local_ms: u64) -> BucketParams {
+        let share = self.control.enforced_ppm(region, i, local_ms);
+        let slot = &mut self.cache[i * self.regions + region];
+        if slot.0 != share {
+            *slot = (
+                share,
+                BucketParams::for_share(&self.tenants[i].policy, share),
+            );
+        }
+        slot.1
+    }
+
+    /// Gives back the pools that aged out or whose limit changed, and drops those of a daemon
+    /// that crashed.
+    fn sweep_pools(&mut self, world: &World, t_ms: u64) {
+        let Some(res) = self.reservations.as_mut() else {
+            return;
+        };
+        for r in 0..self.regions {
+            let up = world.daemon_up(r, t_ms);
+            if !up && self.daemon_up[r] {
+                res.crash(r);
+            }
+            self.daemon_up[r] = up;
+        }
+        let live = res.take_live();
+        for &(r, i) in &live {
+            let local = world.local_ms(r, t_ms);
+            let params = self.params(r, i, local);
+            if let Some(res) = self.reservations.as_mut() {
+                res.sweep(&mut self.stores, r, i, local, &params);
+            }
+        }
+        if let Some(res) = self.reservations.as_mut() {
+            res.keep_live(live);
         }
     }
 }
@@ -59,6 +113,28 @@ impl Strategy for Quotad {
     fn advance(&mut self, world: &World, t_ms: u64) {
         self.stores.advance(world, t_ms);
         self.control.advance(world, t_ms);
+        self.sweep_pools(world, t_ms);
+    }
+
+    fn finish(&mut self, world: &World, t_ms: u64) {
+        // Shutdown gives every pool back.
+        let Some(live) = self.reservations.as_mut().map(Reservations::take_live) else {
+            return;
+        };
+        for &(r, i) in &live {
+            let local = world.local_ms(r, t_ms);
+            let params = self.params(r, i, local);
+            if let Some(res) = self.reservations.as_mut() {
+                res.give_back(&mut self.stores, r, i, local, &params);
+            }
+        }
+        if let Some(res) = self.reservations.as_mut() {
+            res.keep_live(live);
+        }
+    }
+
+    fn store_calls(&self) -> Option<StoreCalls> {
+        Some(self.stores.calls())
     }
 
     fn on_floor(&self, world: &World, t_ms: u64, region: RegionIx) -> bool {
@@ -94,21 +170,22 @@ impl Quotad {
     fn decide_in(&mut self, world: &World, region: RegionIx, at_ms: u64, req: &Request) -> Verdict {
         let i = req.tenant as usize;
         let local = world.local_ms(region, at_ms);
-        let share = self.control.enforced_ppm(region, i, local);
-        let policy = &self.tenants[i].policy;
-        let slot = &mut self.cache[i * self.regions + region];
-        if slot.0 != share {
-            *slot = (share, BucketParams::for_share(policy, share));
-        }
-        let params = slot.1;
-        let allowed = self.stores.decide(
-            region,
-            req.tenant,
-            policy.fail_mode,
-            local,
-            &params,
-            req.cost,
-        );
+        let params = self.params(region, i, local);
+        let fail_mode = self.tenants[i].policy.fail_mode;
+        let allowed = match self.reservations.as_mut() {
+            Some(res) => res.decide(
+                &mut self.stores,
+                region,
+                req.tenant,
+                fail_mode,
+                local,
+                &params,
+                req.cost,
+            ),
+            None => self
+                .stores
+                .decide(region, req.tenant, fail_mode, local, &params, req.cost),
+        };
         Verdict::against(allowed, &params, req.cost, LOCAL_DECISION_US)
     }
 
