@@ -22,7 +22,14 @@
 //! - `livez`: quotad's `/livez`, the HTTP floor with no decision at all;
 //! - `batch`: `POST /v1/check/batch` with 16 checks (16 tenants) a request, on concurrency / 16
 //!   connections, so as many checks are in flight as for the others (concurrency ≥ 16 only;
-//!   its latency is a whole batch's).
+//!   its latency is a whole batch's);
+//! - `hot`: `POST /v1/check` with every worker on one tenant: a hot bucket, decided from
+//!   reservations (its row also reports Redis calls per decision, from `INFO commandstats`);
+//! - `cold` and `cold-off`: `POST /v1/check` with each worker walking 10 000 tenants, so no
+//!   bucket is hot, on quotad and on a second quotad on the same runtime with
+//!   `redis.reservations = false`: what reservations cost where they do not apply;
+//! - `denied`: every worker on one spent tenant (10 a second): Redis calls per retry interval,
+//!   with the denial cache answering the rest.
 //!
 //! Both servers share the runtime the binary builds (`quotad::server::build_runtime`: one
 //! worker per core but one by default; `QUOTAD_WORKER_THREADS=2` to compare) with a real
@@ -62,6 +69,10 @@ static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
 static REDIS_PID: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
 const TOKEN: &str = "bench-token";
 const TENANTS: usize = 64;
+/// The `denied` tenant's limit per second (and burst): its retry interval is 1 s / this.
+const DENIED_PER_S: u64 = 10;
+/// Tenants the `cold` candidates walk through.
+const COLD_TENANTS: usize = 10_000;
 /// Checks per request of the `batch` candidate.
 const BATCH: usize = 16;
 /// Bucket capacity and refill in whole tokens: far above what a run can spend.
@@ -261,23 +272,43 @@ fn http_request(method: &str, path: &str, body: &str, token: Option<&str>) -> Ve
 
 /// Drives HTTP requests at `addr`: worker `w` sends `requests[w % len]` over its own connection;
 /// each request counts as `per_request` operations (the checks in a batch).
+/// How an HTTP candidate's workers send their requests.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum How {
+    /// Worker `w` sends `requests[w]` (modulo their number) over and over; all admitted.
+    Same,
+    /// Worker `w` starts at `requests[w]` and goes `conc` further after each; all admitted.
+    Walk,
+    /// As `Same`, on a spent bucket: answered 429, or 200 when a token has come back.
+    Denied,
+}
+
+/// Drives HTTP requests, as `how` says.
 async fn drive_http(
     conc: usize,
     secs: f64,
     addr: SocketAddr,
     requests: Arc<Vec<Vec<u8>>>,
     per_request: u64,
+    how: How,
 ) -> Outcome {
     drive(conc, secs, |w, end| {
         let requests = requests.clone();
         async move {
             let mut conn = HttpConn::connect(addr).await.expect("connecting");
-            let request = &requests[w % requests.len()];
+            let mut i = w % requests.len();
             let (mut ops, mut h) = (0, histogram());
             while Instant::now() < end {
                 let t0 = Instant::now();
+                let request = &requests[i];
+                if how == How::Walk {
+                    i = (i + conc.max(1)) % requests.len();
+                }
                 let status = conn.send(request).await.expect("an HTTP request failed");
-                assert_eq!(status, 200, "a benchmark request was not admitted");
+                assert!(
+                    status == 200 || (how == How::Denied && status == 429),
+                    "a benchmark request was answered {status}"
+                );
                 h.record(t0.elapsed().as_nanos() as u64).unwrap();
                 ops += per_request;
             }
@@ -462,6 +493,8 @@ impl Plan {
 #[derive(Clone, Copy)]
 struct Targets {
     quotad: SocketAddr,
+    /// The same daemon with `redis.reservations = false`.
+    quotad_off: SocketAddr,
     bare: SocketAddr,
     params: BucketParams,
 }
@@ -477,28 +510,38 @@ fn main() -> anyhow::Result<()> {
     listener.set_nonblocking(true)?;
     let bare_listener = std::net::TcpListener::bind("127.0.0.1:0")?;
     bare_listener.set_nonblocking(true)?;
+    let off_listener = std::net::TcpListener::bind("127.0.0.1:0")?;
+    off_listener.set_nonblocking(true)?;
     let targets = Targets {
         quotad: listener.local_addr()?,
+        quotad_off: off_listener.local_addr()?,
         bare: bare_listener.local_addr()?,
         params,
     };
-    // The single-region coordinator keeps its policies on disk: a throwaway directory.
-    let data_dir = tempfile::tempdir()?;
-    let redis_url = redis.url();
-    let data_path = data_dir.path().display().to_string();
-    let env = move |k: &str| match k {
-        "QUOTAD_ADMIN_TOKEN" => Some(TOKEN.to_string()),
-        "QUOTAD_REDIS_URL" => Some(redis_url.clone()),
-        "QUOTAD_DATA_DIR" => Some(data_path.clone()),
-        "QUOTAD_WORKER_THREADS" => std::env::var(k).ok(),
-        _ => None,
+    // The single-region coordinator keeps its policies on disk: a throwaway directory each.
+    let (data_dir, off_dir) = (tempfile::tempdir()?, tempfile::tempdir()?);
+    let settings_in = |dir: &tempfile::TempDir| {
+        let redis_url = redis.url();
+        let data_path = dir.path().display().to_string();
+        let env = move |k: &str| match k {
+            "QUOTAD_ADMIN_TOKEN" => Some(TOKEN.to_string()),
+            "QUOTAD_REDIS_URL" => Some(redis_url.clone()),
+            "QUOTAD_DATA_DIR" => Some(data_path.clone()),
+            "QUOTAD_WORKER_THREADS" => std::env::var(k).ok(),
+            _ => None,
+        };
+        Config::load(None, &env).map_err(anyhow::Error::new)
     };
-    let settings = Config::load(None, &env).map_err(anyhow::Error::new)?;
+    let settings = settings_in(&data_dir)?;
+    let mut off = settings_in(&off_dir)?;
+    if let Some(r) = off.config.redis.as_mut() {
+        r.reservations = false;
+    }
     // Logs as the binary writes them, at the default level.
     quotad::telemetry::init_tracing(&settings.config.telemetry)?;
     let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
     let bare = (bare_listener, redis.client(), params);
-    let server = spawn_server(settings, listener, bare, stop_rx)?;
+    let server = spawn_server((settings, listener), (off, off_listener), bare, stop_rx)?;
 
     // The load generator on a thread of its own, named so its CPU time can be read.
     let client = std::thread::Builder::new()
@@ -522,8 +565,8 @@ fn main() -> anyhow::Result<()> {
 /// config's default), on a thread named like the runtime's workers: a current-thread runtime
 /// runs on this thread.
 fn spawn_server(
-    settings: quotad::config::Settings,
-    listener: std::net::TcpListener,
+    (settings, listener): (quotad::config::Settings, std::net::TcpListener),
+    (off, off_listener): (quotad::config::Settings, std::net::TcpListener),
     (bare_listener, bare_client, params): (std::net::TcpListener, redis::Client, BucketParams),
     stop_rx: tokio::sync::oneshot::Receiver<()>,
 ) -> std::io::Result<std::thread::JoinHandle<anyhow::Result<()>>> {
@@ -544,12 +587,26 @@ fn spawn_server(
                 let bare_listener = tokio::net::TcpListener::from_std(bare_listener)?;
                 tokio::spawn(async move { axum::serve(bare_listener, router).await });
                 let listener = tokio::net::TcpListener::from_std(listener)?;
-                // The exporter the binary installs, so metrics cost what they cost in production.
+                let off_listener = tokio::net::TcpListener::from_std(off_listener)?;
+                // The exporter the binary installs, so metrics cost what they cost in production
+                // (both daemons record into it).
                 let metrics = quotad::telemetry::install_metrics()?;
-                quotad::server::serve(settings, listener, Some(metrics), async move {
+                let (stop_off_tx, stop_off_rx) = tokio::sync::oneshot::channel::<()>();
+                let off = tokio::spawn(quotad::server::serve(
+                    off,
+                    off_listener,
+                    Some(metrics.clone()),
+                    async move {
+                        let _ = stop_off_rx.await;
+                    },
+                ));
+                let served = quotad::server::serve(settings, listener, Some(metrics), async move {
                     let _ = stop_rx.await;
                 })
-                .await
+                .await;
+                let _ = stop_off_tx.send(());
+                off.await??;
+                served
             })
         })
 }
@@ -592,7 +649,55 @@ async fn set_up_quotad(addr: SocketAddr) -> anyhow::Result<()> {
             .await?;
         anyhow::ensure!((200..300).contains(&status), "PUT policy: {status}");
     }
+    let status = conn
+        .send(&http_request("PUT", "/v1/tenants/hot/policies/bench", &spec, Some(TOKEN)))
+        .await?;
+    anyhow::ensure!((200..300).contains(&status), "PUT policy: {status}");
+    // 10 a second, burst 10: flooded, a token comes back every 100 ms.
+    let denied = serde_json::json!({"limit": DENIED_PER_S, "window_ms": 1000}).to_string();
+    let status = conn
+        .send(&http_request("PUT", "/v1/tenants/denied/policies/bench", &denied, Some(TOKEN)))
+        .await?;
+    anyhow::ensure!((200..300).contains(&status), "PUT policy: {status}");
+    put_cold(&mut conn).await
+}
+
+/// The `cold` candidates' policies, in batches.
+async fn put_cold(conn: &mut HttpConn) -> anyhow::Result<()> {
+    for chunk in (0..COLD_TENANTS).collect::<Vec<_>>().chunks(1000) {
+        let policies: Vec<_> = chunk
+            .iter()
+            .map(|i| {
+                serde_json::json!({"tenant": cold_tenant(*i), "policy": "bench",
+                    "limit": LIMIT_PER_S, "window_ms": 1000, "burst": BURST})
+            })
+            .collect();
+        let body = serde_json::json!({ "policies": policies }).to_string();
+        let status = conn
+            .send(&http_request("POST", "/v1/policies/batch", &body, Some(TOKEN)))
+            .await?;
+        anyhow::ensure!(status == 200, "POST /v1/policies/batch: {status}");
+    }
     Ok(())
+}
+
+/// Waits for the second daemon and stores the cold tenants' policies there.
+async fn set_up_quotad_off(addr: SocketAddr) -> anyhow::Result<()> {
+    let deadline = Instant::now() + Duration::from_secs(20);
+    let mut conn = loop {
+        if let Ok(mut c) = HttpConn::connect(addr).await {
+            if let Ok(200) = c.send(&http_request("GET", "/readyz", "", None)).await {
+                break c;
+            }
+        }
+        anyhow::ensure!(Instant::now() < deadline, "the second quotad did not start");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    };
+    put_cold(&mut conn).await
+}
+
+fn cold_tenant(i: usize) -> String {
+    format!("cold-{i}")
 }
 
 /// The pre-rendered HTTP requests of each HTTP candidate.
@@ -601,6 +706,9 @@ struct Requests {
     batch: Arc<Vec<Vec<u8>>>,
     bare: Arc<Vec<Vec<u8>>>,
     livez: Arc<Vec<Vec<u8>>>,
+    hot: Arc<Vec<Vec<u8>>>,
+    denied: Arc<Vec<Vec<u8>>>,
+    cold: Arc<Vec<Vec<u8>>>,
 }
 
 impl Requests {
@@ -627,11 +735,18 @@ impl Requests {
                 })
                 .collect::<Vec<_>>(),
         );
+        let one = |t: &str| {
+            let body = serde_json::json!({"tenant": t, "policy": "bench", "cost": 1});
+            http_request("POST", "/v1/check", &body.to_string(), None)
+        };
         Self {
             quotad: check("/v1/check"),
             batch,
             bare: check("/check"),
             livez: Arc::new(vec![b"GET /livez HTTP/1.1\r\nhost: bench\r\n\r\n".to_vec()]),
+            hot: Arc::new(vec![one("hot")]),
+            denied: Arc::new(vec![one("denied")]),
+            cold: Arc::new((0..COLD_TENANTS).map(|i| one(&cold_tenant(i))).collect()),
         }
     }
 }
@@ -663,6 +778,7 @@ impl Raw {
 
 async fn run_client(plan: &Plan, redis: &RedisServer, targets: Targets) -> anyhow::Result<()> {
     set_up_quotad(targets.quotad).await?;
+    set_up_quotad_off(targets.quotad_off).await?;
     let requests = Requests::new();
     let raw = Raw::new(redis).await?;
     println!(
@@ -704,6 +820,14 @@ struct Scenario {
     quotad: Outcome,
     livez: Outcome,
     batch: Outcome,
+    hot: Outcome,
+    /// EVALSHA calls per decision of `hot`.
+    hot_calls: f64,
+    cold: Outcome,
+    cold_off: Outcome,
+    denied: Outcome,
+    /// EVALSHA calls of `denied` per retry interval of its bucket.
+    denied_calls: f64,
 }
 
 async fn run_scenario(
@@ -723,6 +847,10 @@ async fn run_scenario(
         ("quotad", &s.quotad),
         ("livez", &s.livez),
         ("batch", &s.batch),
+        ("hot", &s.hot),
+        ("cold", &s.cold),
+        ("cold-off", &s.cold_off),
+        ("denied", &s.denied),
     ] {
         if !plan.wanted(name) || (name == "batch" && conc < BATCH) {
             continue;
@@ -750,7 +878,35 @@ async fn run_scenario(
         );
     }
     print_summary(plan, conc, round, &s, rbench.map(|(rps, _, _)| rps));
+    if plan.wanted("hot") || plan.wanted("cold") {
+        println!(
+            "{:>5} summary | hot tenant {:.2}× raw, {:.2}× livez, p50 {:+.1} µs over livez, \
+             {:.4} Redis calls per decision; cold tenants with reservations {:.2}× without; \
+             a denied tenant flooding: {:.2} Redis calls per retry interval (round {})",
+            conc,
+            s.hot.rate() / s.raw.rate(),
+            s.hot.rate() / s.livez.rate(),
+            s.hot.p(0.5) - s.livez.p(0.5),
+            s.hot_calls,
+            s.cold.rate() / s.cold_off.rate(),
+            s.denied_calls,
+            round + 1,
+        );
+    }
     Ok(())
+}
+
+/// EVALSHA calls Redis has counted (every decision, reservation and refund is one).
+async fn evalsha_calls(conn: &mut redis::aio::MultiplexedConnection) -> anyhow::Result<u64> {
+    let stats: String = redis::cmd("INFO")
+        .arg("commandstats")
+        .query_async(conn)
+        .await?;
+    Ok(stats
+        .lines()
+        .find_map(|l| l.strip_prefix("cmdstat_evalsha:calls="))
+        .and_then(|rest| rest.split(',').next())
+        .map_or(Ok(0), str::parse)?)
 }
 
 /// Drives every candidate in turn at `conc`.
@@ -794,6 +950,7 @@ async fn drive_all(
         targets.bare,
         requests.bare.clone(),
         1,
+        How::Same,
     )
     .await;
     let quotad = drive_http(
@@ -802,6 +959,7 @@ async fn drive_all(
         targets.quotad,
         requests.quotad.clone(),
         1,
+        How::Same,
     )
     .await;
     let livez = drive_http(
@@ -810,6 +968,7 @@ async fn drive_all(
         targets.quotad,
         requests.livez.clone(),
         1,
+        How::Same,
     )
     .await;
     // The same number of checks in flight, BATCH to a request.
@@ -824,8 +983,52 @@ async fn drive_all(
         targets.quotad,
         requests.batch.clone(),
         BATCH as u64,
+        How::Same,
     )
     .await;
+    let mut conn = raw.conn.clone();
+    let before = evalsha_calls(&mut conn).await?;
+    let hot = drive_http(
+        conc,
+        plan.secs_of("hot"),
+        targets.quotad,
+        requests.hot.clone(),
+        1,
+        How::Same,
+    )
+    .await;
+    let hot_calls = (evalsha_calls(&mut conn).await? - before) as f64 / hot.ops.max(1) as f64;
+    let cold = drive_http(
+        conc,
+        plan.secs_of("cold"),
+        targets.quotad,
+        requests.cold.clone(),
+        1,
+        How::Walk,
+    )
+    .await;
+    let cold_off = drive_http(
+        conc,
+        plan.secs_of("cold-off"),
+        targets.quotad_off,
+        requests.cold.clone(),
+        1,
+        How::Walk,
+    )
+    .await;
+    let before = evalsha_calls(&mut conn).await?;
+    let started = Instant::now();
+    let denied = drive_http(
+        conc,
+        plan.secs_of("denied"),
+        targets.quotad,
+        requests.denied.clone(),
+        1,
+        How::Denied,
+    )
+    .await;
+    let intervals = started.elapsed().as_secs_f64() * DENIED_PER_S as f64;
+    let denied_calls = (evalsha_calls(&mut conn).await? - before) as f64 / intervals.max(1.0);
     Ok(Scenario {
         raw: raw_o,
         raw_c,
@@ -833,6 +1036,12 @@ async fn drive_all(
         quotad,
         livez,
         batch,
+        hot,
+        hot_calls,
+        cold,
+        cold_off,
+        denied,
+        denied_calls,
     })
 }
 
