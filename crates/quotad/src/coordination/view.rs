@@ -226,4 +226,73 @@ mod tests {
         assert_eq!(view.enforced_share_ppm(Some(&g), 1_000), 100_000);
         assert_eq!(view.enforced_share_ppm(None, 0), 0);
     }
+
+    fn entry(version: u64, share_ppm: u32) -> PolicyEntry {
+        let policy = quota_core::PolicySpec {
+            limit: 100.0,
+            window_ms: 60_000.0,
+            ..Default::default()
+        }
+        .validate()
+        .unwrap();
+        PolicyEntry {
+            policy: Policy { version, ..policy },
+            grants: [(
+                RegionId::new("eu").unwrap(),
+                Grant {
+                    share_ppm,
+                    floor_ppm: 0,
+                },
+            )]
+            .into(),
+            home: None,
+            mode: BudgetMode::Split,
+        }
+    }
+
+    #[test]
+    fn resolution_is_explicit_then_promoted_then_plan_then_default() {
+        let t = |s: &str| TenantId::new(s).unwrap();
+        let calls = PolicyName::new("calls").unwrap();
+        let (pro, default) = (
+            TenantId::for_plan(&PlanName::new("pro").unwrap()),
+            TenantId::for_plan(&PlanName::new(DEFAULT_PLAN).unwrap()),
+        );
+        let mut v = ClusterView::default();
+        v.policies
+            .insert((pro.clone(), calls.clone()), entry(5, 300_000));
+        v.policies
+            .insert((default.clone(), calls.clone()), entry(6, 300_000));
+        v.plan_assignments
+            .insert(t("s"), PlanName::new("pro").unwrap());
+        let promoted = |class: &TenantId, version| PromotedEntry {
+            class: class.clone(),
+            entry: entry(version, 900_000),
+        };
+        v.promoted
+            .insert((t("s"), calls.clone()), promoted(&pro, 5));
+        let share = |v: &ClusterView, s: &str| {
+            let r = v.resolve(&t(s), &calls).unwrap();
+            (
+                r.entry.policy.version,
+                r.entry.grants.values().next().unwrap().share_ppm,
+                r.promoted,
+            )
+        };
+        // Promoted in its class: the class's version, its own share.
+        assert_eq!(share(&v, "s"), (5, 900_000, true));
+        // Not promoted: the default plan's class.
+        assert_eq!(share(&v, "o"), (6, 300_000, false));
+        // An entry of another class (the subject moved plans) is not used.
+        v.promoted
+            .insert((t("o"), calls.clone()), promoted(&pro, 5));
+        assert_eq!(share(&v, "o"), (6, 300_000, false));
+        // Nor one of an older version of the class.
+        v.policies.insert((pro, calls.clone()), entry(7, 300_000));
+        assert_eq!(share(&v, "s"), (7, 300_000, false));
+        // An explicit policy comes first.
+        v.policies
+            .insert((t("s"), calls.clone()), entry(8, 1_000_000));
+        assert_eq!(share(&v, "s"), (8, 1_000_000, false));
+    }
 }
