@@ -683,6 +683,16 @@ mod tests {
             .sum();
         assert_eq!(c.shares(0)[2], PPM - floors, "{:?}", c.shares(0));
         assert_eq!(c.s.promoted.len(), 1);
+        // Region 2 enforces more than its class share: not evicted yet, whoever asks.
+        let r = c.apply(Operation::SetPromoted {
+            membership: c.s.membership,
+            changes: vec![PromotedChange::Evict { key: subject(0) }],
+        });
+        assert!(
+            matches!(r, Response::PromotedSet { accepted: 0, .. }),
+            "{r:?}"
+        );
+        assert_eq!(c.s.promoted.len(), 1);
     }
 
     #[test]
@@ -862,5 +872,99 @@ mod tests {
             "{r:?}"
         );
         assert_eq!(c.s.promoted, before);
+    }
+
+    /// The share region `r` enforces for subject `i` in state `s`: its promoted share if its
+    /// checks decide under the entry, else its class's share.
+    fn effective(s: &CoordinatorState, i: usize, r: usize) -> u32 {
+        let key = subject(i);
+        match s.promoted.get(&key) {
+            Some(p) if s.promotion_applies(&key, p) => p.entry.share(r),
+            _ => s
+                .class_of(&key.tenant, &key.policy)
+                .and_then(|c| s.entries.get(&c))
+                .map_or(0, |e| e.share(r)),
+        }
+    }
+
+    proptest::proptest! {
+        #![proptest_config(proptest::prelude::ProptestConfig::with_cases(96))]
+        /// Whatever the leader proposes and in whatever order regions acknowledge, no subject
+        /// is enforced more than its budget: each region may enforce what any state since
+        /// the epoch it acknowledged gave the subject (leases never run out here), and those
+        /// sum to at most the whole.
+        #[test]
+        fn a_subject_is_never_enforced_more_than_its_budget(
+            ops in proptest::collection::vec((0u8..6, 0usize..3, 0u32..=100, 0u32..=100, 0u32..=100), 1..40)
+        ) {
+            let mut c = Cluster::new(PromotionConfig::default());
+            let mut history = vec![c.s.clone()];
+            for (kind, r, x, y, z) in ops {
+                let shares = vec![x * 10_000, y * 10_000, z * 10_000];
+                let i = r % 2;
+                match kind {
+                    0 => {
+                        c.apply(Operation::SetShares {
+                            membership: c.s.membership,
+                            entries: vec![crate::coordinator::ShareEntry {
+                                key: PolicyKey::new(pro(), subject(0).policy),
+                                shares_ppm: shares,
+                                home: crate::coordinator::HomeChange::Keep,
+                            }],
+                        });
+                    }
+                    1 => {
+                        let region = c.s.region(r).unwrap();
+                        let acked = region.acked_epoch
+                            + u64::from(x) * (c.s.epoch - region.acked_epoch) / 100;
+                        c.apply(Operation::RenewLease {
+                            region: RegionId::new(REGIONS[r]).unwrap(),
+                            acked_epoch: acked,
+                        });
+                    }
+                    2 => {
+                        c.denied(r as u8, i, u64::from(x) / 10 + 1);
+                        c.demand.set(subject(i), shares.iter().map(|&v| u64::from(v) * 20).collect());
+                        c.now += 100;
+                        let changes = c.tracker.plan(&c.s, &mut c.demand, &AllocatorConfig::default(), c.now);
+                        c.apply(Operation::SetPromoted { membership: c.s.membership, changes });
+                    }
+                    3 => {
+                        c.apply(Operation::SetPromoted {
+                            membership: c.s.membership,
+                            changes: vec![PromotedChange::Shares { key: subject(i), shares_ppm: shares }],
+                        });
+                    }
+                    4 => {
+                        c.apply(Operation::SetPromoted {
+                            membership: c.s.membership,
+                            changes: vec![PromotedChange::Evict { key: subject(i) }],
+                        });
+                    }
+                    _ => {
+                        c.apply(Operation::SetPromoted {
+                            membership: c.s.membership,
+                            changes: vec![PromotedChange::Promote { key: subject(i), class: pro(), shares_ppm: shares }],
+                        });
+                    }
+                }
+                c.now += 10;
+                history.push(c.s.clone());
+                for i in 0..2 {
+                    let total: u64 = (0..3)
+                        .map(|r| {
+                            let acked = c.s.region(r).unwrap().acked_epoch;
+                            history
+                                .iter()
+                                .filter(|h| h.epoch >= acked)
+                                .map(|h| u64::from(effective(h, i, r)))
+                                .max()
+                                .unwrap_or(0)
+                        })
+                        .sum();
+                    proptest::prop_assert!(total <= u64::from(PPM), "subject {} enforced {} ppm", i, total);
+                }
+            }
+        }
     }
 }
