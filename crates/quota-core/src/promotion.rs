@@ -327,6 +327,7 @@ pub struct PromotionTracker {
 }
 
 impl PromotionTracker {
+    /// A tracker with no candidates and no calm subjects yet.
     pub fn new(config: PromotionConfig) -> Self {
         Self {
             config,
@@ -334,6 +335,7 @@ impl PromotionTracker {
         }
     }
 
+    /// The tuning it was made with.
     pub fn config(&self) -> &PromotionConfig {
         &self.config
     }
