@@ -193,3 +193,35 @@ async fn receive_usage(State(me): State<Arc<Replicated>>, req: axum::extract::Re
     me.record_report(&report);
     StatusCode::NO_CONTENT.into_response()
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_report_names_denied_subjects_only_when_it_has_some() {
+        let t = TenantId::new("s").unwrap();
+        let p = PolicyName::new("calls").unwrap();
+        let plain = UsageReport {
+            region: RegionId::new("eu").unwrap(),
+            interval_ms: 200,
+            usage: vec![(t.clone(), p.clone(), 3, 1)],
+            denied: vec![],
+        };
+        let json = serde_json::to_value(&plain).unwrap();
+        assert!(json.get("denied").is_none(), "{json}");
+        let back: UsageReport = serde_json::from_value(json).unwrap();
+        assert!(back.denied.is_empty());
+        let with = UsageReport {
+            denied: vec![(t, p, 3, 1)],
+            ..plain
+        };
+        let back: UsageReport =
+            serde_json::from_value(serde_json::to_value(&with).unwrap()).unwrap();
+        assert_eq!(back.denied, with.denied);
+        // Unknown fields are still refused.
+        let mut odd = serde_json::to_value(&with).unwrap();
+        odd["extra"] = serde_json::json!(1);
+        assert!(serde_json::from_value::<UsageReport>(odd).is_err());
+    }
+}
