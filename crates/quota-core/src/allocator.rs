@@ -319,15 +319,15 @@ fn enforceable_after(
 
 /// The region slots of one round: how many, which hold a region, which may take share, whose
 /// lease has lapsed.
-struct Slots {
-    n: usize,
-    live: [bool; MAX_REGIONS],
-    eligible: [bool; MAX_REGIONS],
-    lapsed: [bool; MAX_REGIONS],
+pub(crate) struct Slots {
+    pub(crate) n: usize,
+    pub(crate) live: [bool; MAX_REGIONS],
+    pub(crate) eligible: [bool; MAX_REGIONS],
+    pub(crate) lapsed: [bool; MAX_REGIONS],
 }
 
 impl Slots {
-    fn of(state: &CoordinatorState, now_ms: u64) -> Self {
+    pub(crate) fn of(state: &CoordinatorState, now_ms: u64) -> Self {
         let n = state.regions.len().min(MAX_REGIONS);
         let mut live = [false; MAX_REGIONS];
         let mut eligible = [false; MAX_REGIONS];
@@ -559,18 +559,18 @@ fn largest_share(entry: &Entry, eligible: &[bool]) -> Option<u8> {
 }
 
 /// What one round's steps share: the state, its slots, the step and the time.
-struct Round<'a> {
-    state: &'a CoordinatorState,
-    slots: &'a Slots,
-    max_step_ppm: u32,
-    now: u64,
+pub(crate) struct Round<'a> {
+    pub(crate) state: &'a CoordinatorState,
+    pub(crate) slots: &'a Slots,
+    pub(crate) max_step_ppm: u32,
+    pub(crate) now: u64,
 }
 
 /// Steps `current` towards `target` in two passes: the first decides the decreases, whose
 /// revocations shape the room the second pass grants increases into. Then no share is left
 /// holding part of one unit: a decrease below one unit goes to 0, an increase below one unit
 /// becomes one unit if there is room for it, else 0.
-fn step_revoking_first(
+pub(crate) fn step_revoking_first(
     round: &Round<'_>,
     entry: &Entry,
     current: &[u32],

@@ -47,6 +47,7 @@ use crate::ids::{PlanName, PolicyName, RegionId, TenantId};
 use crate::lease::{LeaseConfig, LeaseConfigError, Revocation};
 use crate::mode::{budget_mode, whole_share, BudgetMode};
 use crate::policy::{Policy, PolicySpec, Tier, PPM};
+pub use crate::promotion::{Promoted, PromotedChange};
 use crate::split::even_split;
 
 pub use crate::split::MAX_REGIONS;
@@ -228,6 +229,14 @@ pub enum Operation {
     AssignPlan { tenant: TenantId, plan: PlanName },
     /// Removes a tenant's plan assignment.
     UnassignPlan { tenant: TenantId },
+    /// Promotes, moves and evicts subjects of a plan's classes with entries of their own
+    /// ([`crate::promotion`]); each change is accepted or rejected on its own, like
+    /// `SetShares`.
+    SetPromoted {
+        /// The membership version the leader planned against.
+        membership: u64,
+        changes: Vec<PromotedChange>,
+    },
 }
 
 /// One entry of a refused [`Operation::PutPolicies`].
@@ -408,6 +417,13 @@ pub enum Response {
     InvalidPlan {
         field: String,
     },
+    /// The outcome of a `SetPromoted`.
+    PromotedSet {
+        /// The epoch of the change (unchanged when nothing was accepted).
+        epoch: u64,
+        accepted: u32,
+        rejected: u32,
+    },
 }
 
 /// A broken safety invariant, found by [`CoordinatorState::check_invariant`].
@@ -456,6 +472,10 @@ pub struct CoordinatorState {
     /// Tenants assigned to a plan; the plan's policies live in `entries` under its reserved
     /// subject, so the state holds O(plans + assignments + explicit policies).
     pub plan_assignments: BTreeMap<TenantId, PlanName>,
+    /// Subjects of a plan's class with a share vector of their own, by (subject, policy
+    /// name): at most [`crate::promotion::MAX_PROMOTED`], so the state stays O(plans +
+    /// assignments + explicit policies + promoted entries).
+    pub promoted: BTreeMap<PolicyKey, Promoted>,
     /// Recent responses, oldest first, for idempotency.
     pub recent: VecDeque<(RequestId, Response)>,
 }
@@ -502,6 +522,10 @@ impl CoordinatorState {
             Operation::DeletePlan { plan } => self.delete_plan(plan, now),
             Operation::AssignPlan { tenant, plan } => self.assign_plan(tenant, plan),
             Operation::UnassignPlan { tenant } => self.unassign_plan(tenant),
+            Operation::SetPromoted {
+                membership,
+                changes,
+            } => self.set_promoted(*membership, changes, now),
         };
         if self.recent.len() >= DEDUP_WINDOW {
             self.recent.pop_front();
@@ -650,7 +674,8 @@ impl CoordinatorState {
 
     /// Checks `Σ enforceable ≤ PPM` for every policy at the state's own time.
     pub fn check_invariant(&self) -> Result<(), InvariantViolation> {
-        for (key, entry) in &self.entries {
+        let promoted = self.promoted.iter().map(|(k, p)| (k, &p.entry));
+        for (key, entry) in self.entries.iter().chain(promoted) {
             let enforceable_ppm = self.enforceable_total(entry, self.last_now_ms);
             if enforceable_ppm > u64::from(PPM) {
                 return Err(InvariantViolation {
@@ -765,6 +790,9 @@ impl CoordinatorState {
                 } else if entry.pin.is_none() {
                     entry.pin = auto_home;
                 }
+                // A plan's subjects keep their promoted shares under the new terms.
+                let policy = entry.policy.clone();
+                self.sync_promoted_policy(key, &policy);
             }
         }
         (version, epoch)
@@ -872,6 +900,7 @@ impl CoordinatorState {
         entry.pin = None;
         entry.deleted = true;
         prune(entry, &regions, now);
+        self.drop_promoted_of(key);
         Response::PolicyDeleted { epoch }
     }
 
@@ -1049,9 +1078,21 @@ impl CoordinatorState {
         now: u64,
     ) -> Result<Vec<Revocation>, EntryRejection> {
         let entry = self.check_entry_shape(update)?;
+        self.check_shares(entry, &update.shares_ppm, epoch, now)
+    }
+
+    /// Validates new shares for `entry` (one per slot, checked by the caller) and returns the
+    /// revocations they create: whole units, floors kept, `Σ enforceable ≤ PPM` after.
+    pub(crate) fn check_shares(
+        &self,
+        entry: &Entry,
+        shares_ppm: &[u32],
+        epoch: u64,
+        now: u64,
+    ) -> Result<Vec<Revocation>, EntryRejection> {
         let mut revocations = Vec::new();
         let mut total = 0u64;
-        for (r, &new) in update.shares_ppm.iter().enumerate() {
+        for (r, &new) in shares_ppm.iter().enumerate() {
             let Some(region) = self.region(r) else {
                 if new > 0 {
                     return Err(EntryRejection::BadShare {
@@ -1209,6 +1250,10 @@ impl CoordinatorState {
             || self.entries.values().any(|e| {
                 self.enforceable(e, r, now_ms) > 0 || e.pin.is_some_and(|p| p.home == index)
             })
+            || self
+                .promoted
+                .values()
+                .any(|p| self.enforceable(&p.entry, r, now_ms) > 0)
     }
 
     fn remove_region(&mut self, id: &RegionId, now: u64) -> Response {
@@ -1220,7 +1265,8 @@ impl CoordinatorState {
         }
         let r = usize::from(index);
         self.regions[r] = None;
-        for entry in self.entries.values_mut() {
+        let promoted = self.promoted.values_mut().map(|p| &mut p.entry);
+        for entry in self.entries.values_mut().chain(promoted) {
             entry.revocations.retain(|v| usize::from(v.region) != r);
         }
         // Trailing empty slots go, so share vectors stay short.
@@ -1228,7 +1274,8 @@ impl CoordinatorState {
             self.regions.pop();
         }
         let slots = self.regions.len();
-        for entry in self.entries.values_mut() {
+        let promoted = self.promoted.values_mut().map(|p| &mut p.entry);
+        for entry in self.entries.values_mut().chain(promoted) {
             entry.shares_ppm.truncate(slots);
         }
         self.membership += 1;
@@ -1290,7 +1337,7 @@ fn initial_split(state: &CoordinatorState, policy: &Policy, home: Option<u8>) ->
 }
 
 /// Adds a revocation, merging with the region's existing one.
-fn add_revocation(entry: &mut Entry, rev: Revocation, acked_epoch: u64, now_ms: u64) {
+pub(crate) fn add_revocation(entry: &mut Entry, rev: Revocation, acked_epoch: u64, now_ms: u64) {
     match entry
         .revocations
         .iter_mut()
@@ -1305,7 +1352,7 @@ fn add_revocation(entry: &mut Entry, rev: Revocation, acked_epoch: u64, now_ms: 
 }
 
 /// The epoch a region slot acknowledged; an empty slot enforces nothing.
-fn acked_of(regions: &[Option<RegionState>], region: usize) -> u64 {
+pub(crate) fn acked_of(regions: &[Option<RegionState>], region: usize) -> u64 {
     regions
         .get(region)
         .and_then(Option::as_ref)
@@ -1313,7 +1360,7 @@ fn acked_of(regions: &[Option<RegionState>], region: usize) -> u64 {
 }
 
 /// Drops revocations that can never matter again.
-fn prune(entry: &mut Entry, regions: &[Option<RegionState>], now: u64) {
+pub(crate) fn prune(entry: &mut Entry, regions: &[Option<RegionState>], now: u64) {
     entry.revocations.retain(|v| {
         regions
             .get(usize::from(v.region))

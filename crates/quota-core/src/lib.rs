@@ -8,6 +8,7 @@
 //! - [`bounds`]: the numeric bounds shared by validation, the reference code and the scripts.
 //! - [`ids`]: validated tenant, policy and region ids; one-way hashing of raw identities.
 //! - [`plan`]: plans (named sets of policies for classes of subjects) and their resolution.
+//! - [`promotion`]: subjects of a plan denied at their class's share, with shares of their own.
 //! - [`policy`]: policies and their validation (every problem reported at once).
 //! - [`bucket`]: the reference token bucket, bit-exact with `lua/token_bucket.lua`.
 //! - [`window`]: the reference sliding window, exact with `lua/sliding_window.lua`.
@@ -34,6 +35,7 @@ pub mod lease;
 pub mod mode;
 pub mod plan;
 pub mod policy;
+pub mod promotion;
 pub mod region;
 pub mod reservation;
 pub mod share;

@@ -11,9 +11,10 @@ use serde::Serialize;
 ///
 /// Bump it whenever an encoded type changes shape (postcard cannot tell): 2 added
 /// `CoordinatorState::tenant_pins` (tenant-level pins), 3 plans (`plan_assignments`, the plan
-/// operations) and a policy's shadow mode, so an older snapshot, log or peer message is
-/// refused by name instead of decoding wrong.
-pub const FORMAT_VERSION: u8 = 3;
+/// operations) and a policy's shadow mode, 4 promoted subjects (`CoordinatorState::promoted`,
+/// `Operation::SetPromoted`), so an older snapshot, log or peer message is refused by name
+/// instead of decoding wrong.
+pub const FORMAT_VERSION: u8 = 4;
 
 /// Why bytes could not be encoded or decoded.
 #[derive(Debug, thiserror::Error)]
@@ -36,8 +37,16 @@ pub fn encode<T: Serialize + ?Sized>(value: &T) -> Result<Vec<u8>, CodecError> {
 
 /// Decodes bytes written by [`encode`], rejecting other versions and trailing garbage.
 pub fn decode<T: DeserializeOwned>(bytes: &[u8]) -> Result<T, CodecError> {
+    decode_versions(bytes, &[])
+}
+
+/// [`decode`], also reading the older `versions` a caller knows its type kept the shape of.
+pub fn decode_versions<T: DeserializeOwned>(
+    bytes: &[u8],
+    versions: &[u8],
+) -> Result<T, CodecError> {
     let (&version, body) = bytes.split_first().ok_or(CodecError::Empty)?;
-    if version != FORMAT_VERSION {
+    if version != FORMAT_VERSION && !versions.contains(&version) {
         return Err(CodecError::UnknownVersion {
             found: version,
             expected: FORMAT_VERSION,
@@ -73,6 +82,10 @@ mod tests {
         let mut trailing = bytes;
         trailing.push(0);
         assert!(decode::<(u64, Option<String>)>(&trailing).is_err());
+        let mut old = encode(&7u64).unwrap();
+        old[0] = 3;
+        assert!(decode::<u64>(&old).is_err());
+        assert_eq!(decode_versions::<u64>(&old, &[3]).unwrap(), 7);
     }
 
     proptest::proptest! {

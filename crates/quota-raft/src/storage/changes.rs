@@ -21,6 +21,8 @@ enum Touched {
     Tenant(TenantId),
     /// Anything: membership, region slots, a snapshot.
     All,
+    /// Promoted subjects' shares only.
+    Promoted,
 }
 
 /// What changed between two revisions.
@@ -31,6 +33,9 @@ pub struct Changes {
     pub keys: BTreeSet<PolicyKey>,
     /// Tenants whose every policy and whose pin may have changed.
     pub tenants: BTreeSet<TenantId>,
+    /// Promoted subjects may have changed: their shares, or their class (any change of a
+    /// plan's policy). The set is small ([`quota_core::promotion::MAX_PROMOTED`]): rebuild it.
+    pub promoted: bool,
 }
 
 impl Changes {
@@ -43,7 +48,7 @@ impl Changes {
     }
 
     pub fn is_empty(&self) -> bool {
-        !self.all && self.keys.is_empty() && self.tenants.is_empty()
+        !self.all && self.keys.is_empty() && self.tenants.is_empty() && !self.promoted
     }
 
     /// What applying `op` may change.
@@ -58,16 +63,22 @@ impl Changes {
         self.all |= other.all;
         self.keys.extend(other.keys);
         self.tenants.extend(other.tenants);
+        self.promoted |= other.promoted;
     }
 
     fn add(&mut self, t: &Touched) {
         match t {
             Touched::Nothing => {}
-            Touched::Keys(keys) => self.keys.extend(keys.iter().cloned()),
+            Touched::Keys(keys) => {
+                self.promoted |= keys.iter().any(|k| k.tenant.plan().is_some());
+                self.keys.extend(keys.iter().cloned());
+            }
             Touched::Tenant(t) => {
+                self.promoted |= t.plan().is_some();
                 self.tenants.insert(t.clone());
             }
             Touched::All => self.all = true,
+            Touched::Promoted => self.promoted = true,
         }
     }
 }
@@ -98,6 +109,9 @@ fn touched(op: &Operation) -> Touched {
         // Region slots and floors: every grant may change.
         Operation::PutRegion { .. } | Operation::RemoveRegion { .. } => Touched::All,
         Operation::RenewLease { .. } | Operation::SetLeaseConfig { .. } => Touched::Nothing,
+        // Promoted subjects decide under their class's policy, not under a policy of theirs:
+        // a reader rebuilds them whole whenever `promoted` is set.
+        Operation::SetPromoted { .. } => Touched::Promoted,
     }
 }
 
@@ -186,6 +200,30 @@ mod tests {
         assert_eq!(c.keys, BTreeSet::from([key("b")]));
         assert_eq!(c.tenants, BTreeSet::from([TenantId::new("c").unwrap()]));
         assert!(j.since(3, 3).is_empty());
+    }
+
+    #[test]
+    fn promotions_and_plan_changes_mark_the_promoted_subjects() {
+        let mut j = Journal::default();
+        j.record(1, Some(&unpin("a")));
+        assert!(!j.since(0, 1).promoted);
+        j.record(
+            2,
+            Some(&Operation::SetPromoted {
+                membership: 1,
+                changes: vec![],
+            }),
+        );
+        let c = j.since(1, 2);
+        assert!(c.promoted && !c.is_empty() && c.keys.is_empty());
+        let plan = TenantId::for_plan(&quota_core::PlanName::new("pro").unwrap());
+        j.record(
+            3,
+            Some(&Operation::Unpin {
+                key: PolicyKey::new(plan, PolicyName::new("p").unwrap()),
+            }),
+        );
+        assert!(j.since(2, 3).promoted);
     }
 
     #[test]

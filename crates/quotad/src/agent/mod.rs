@@ -27,6 +27,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use futures::stream::{self, StreamExt as _};
+use quota_core::heavy::TopK;
+use quota_core::{PolicyName, TenantId};
 use quota_store::{BucketRef, Store as _, StoreError, UsageRecord};
 use tokio::sync::watch;
 
@@ -123,19 +125,15 @@ pub async fn run_apply(
 
 /// Usage of subjects' buckets under a plan's policy, summed into that class (its reserved
 /// subject): the allocator learns class demand, and a report is O(classes + explicit
-/// policies) entries however many subjects were active. A bucket of a version the view does
-/// not resolve to (a superseded one) is kept as it is; the leader ignores what it does not know.
+/// policies + promoted subjects) entries however many subjects were active. A promoted
+/// subject's usage stays its own (its entry has its own demand estimate). A bucket of a
+/// version the view does not resolve to (a superseded one) is kept as it is; the leader
+/// ignores what it does not know.
 pub(crate) fn by_class(view: &ClusterView, usage: Vec<UsageRecord>) -> Vec<UsageRecord> {
     let mut classes: std::collections::BTreeMap<BucketRef, (u64, u64)> = Default::default();
     let mut out = Vec::with_capacity(usage.len());
     for u in usage {
-        let class = view
-            .resolve(&u.bucket.tenant, &u.bucket.policy)
-            .and_then(|r| {
-                r.plan
-                    .filter(|_| r.entry.policy.version == u.bucket.version)
-            });
-        match class {
+        match class_of(view, &u.bucket) {
             Some(class) => {
                 let key = BucketRef {
                     tenant: class.clone(),
@@ -159,6 +157,44 @@ pub(crate) fn by_class(view: &ClusterView, usage: Vec<UsageRecord>) -> Vec<Usage
             }),
     );
     out
+}
+
+/// The class a subject's bucket decides under at its class's share: `None` for an explicit
+/// policy, a promoted subject, or a bucket of another version.
+fn class_of<'a>(view: &'a ClusterView, bucket: &BucketRef) -> Option<&'a TenantId> {
+    let r = view.resolve(&bucket.tenant, &bucket.policy)?;
+    r.plan
+        .filter(|_| !r.promoted && r.entry.policy.version == bucket.version)
+}
+
+/// The subjects most denied at their class's share in `usage`: a space-saving top-K
+/// ([`quota_core::heavy`]) of their denials, each with its admitted tokens and the denials it
+/// certainly had, heaviest first. Subject ids are the bucket's (identities arrive hashed).
+pub(crate) fn denied_at_class_share(
+    view: &ClusterView,
+    usage: &[UsageRecord],
+    k: usize,
+) -> Vec<(TenantId, PolicyName, u64, u64)> {
+    let mut top = TopK::new(k);
+    let mut admitted: std::collections::BTreeMap<(&TenantId, &PolicyName), u64> =
+        Default::default();
+    for u in usage.iter().filter(|u| u.denied > 0) {
+        if class_of(view, &u.bucket).is_some() {
+            let key = (&u.bucket.tenant, &u.bucket.policy);
+            top.add(key, u.denied);
+            let a = admitted.entry(key).or_default();
+            *a = a.saturating_add(u.admitted);
+        }
+    }
+    top.heavy()
+        .into_iter()
+        .filter(|h| h.guaranteed() > 0)
+        .map(|h| {
+            let (t, p) = h.key;
+            let a = admitted.get(&h.key).copied().unwrap_or(0);
+            (t.clone(), p.clone(), a, h.guaranteed())
+        })
+        .collect()
 }
 
 /// Runs the report loop (multi-region) until `shutdown` fires.
@@ -186,8 +222,11 @@ pub async fn run_report(
                 Ok(mut usage) => {
                     // Checks sent to another region are demand here, where their callers are.
                     usage.extend(decider.take_forwarded_usage());
-                    let usage = by_class(&decider.view(), usage);
-                    match r.report_usage(&usage, interval_ms.max(1)).await {
+                    let view = decider.view();
+                    let denied = denied_at_class_share(&view, &usage, r.promotion_top_k());
+                    let usage = by_class(&view, usage);
+                    drop(view);
+                    match r.report_usage(&usage, denied, interval_ms.max(1)).await {
                         Ok(()) => Reported::Delivered,
                         Err(e) => {
                             tracing::debug!(error = %e, "Usage report not delivered.");
@@ -403,6 +442,124 @@ mod tests {
         assert!(
             !check(1).await.unwrap().decision.allowed,
             "more than the difference"
+        );
+    }
+
+    fn record(tenant: &TenantId, policy: &str, version: u64, a: u64, d: u64) -> UsageRecord {
+        UsageRecord {
+            bucket: BucketRef {
+                tenant: tenant.clone(),
+                policy: PolicyName::new(policy).unwrap(),
+                version,
+            },
+            admitted: a,
+            denied: d,
+        }
+    }
+
+    /// A view with plan "pro" (`calls` at version 7), subjects a, b, c assigned to it, b
+    /// promoted, and an explicit policy `calls` of tenant x at version 3.
+    fn plan_view() -> (ClusterView, TenantId) {
+        use crate::coordination::view::{Grant, PolicyEntry, PromotedEntry};
+        let pro = TenantId::for_plan(&quota_core::PlanName::new("pro").unwrap());
+        let entry = |version| PolicyEntry {
+            policy: quota_core::Policy {
+                version,
+                ..policy(100.0, 100.0)
+            },
+            grants: [(
+                quota_core::RegionId::new("eu").unwrap(),
+                Grant {
+                    share_ppm: 500_000,
+                    floor_ppm: 0,
+                },
+            )]
+            .into(),
+            home: None,
+            mode: quota_core::mode::BudgetMode::Split,
+        };
+        let calls = PolicyName::new("calls").unwrap();
+        let t = |s: &str| TenantId::new(s).unwrap();
+        let mut view = ClusterView::default();
+        view.policies.insert((pro.clone(), calls.clone()), entry(7));
+        view.policies.insert((t("x"), calls.clone()), entry(3));
+        for s in ["a", "b", "c"] {
+            view.plan_assignments
+                .insert(t(s), quota_core::PlanName::new("pro").unwrap());
+        }
+        view.promoted.insert(
+            (t("b"), calls),
+            PromotedEntry {
+                class: pro.clone(),
+                entry: entry(7),
+            },
+        );
+        (view, pro)
+    }
+
+    #[test]
+    fn by_class_sums_subjects_into_their_class_and_keeps_the_rest() {
+        let (view, pro) = plan_view();
+        let t = |s: &str| TenantId::new(s).unwrap();
+        let usage = vec![
+            record(&t("a"), "calls", 7, 5, 1),
+            record(&t("c"), "calls", 7, 2, 3),
+            // Superseded version: kept as it is, the leader ignores it.
+            record(&t("a"), "calls", 6, 4, 0),
+            // Promoted: its own demand.
+            record(&t("b"), "calls", 7, 9, 9),
+            // Explicit policy.
+            record(&t("x"), "calls", 3, 1, 1),
+        ];
+        let mut out = by_class(&view, usage);
+        out.sort_by(|a, b| {
+            (&a.bucket.tenant, a.bucket.version).cmp(&(&b.bucket.tenant, b.bucket.version))
+        });
+        let got: Vec<_> = out
+            .iter()
+            .map(|u| {
+                (
+                    u.bucket.tenant.clone(),
+                    u.bucket.version,
+                    u.admitted,
+                    u.denied,
+                )
+            })
+            .collect();
+        let mut want = vec![
+            (pro, 7, 7, 4),
+            (t("a"), 6, 4, 0),
+            (t("b"), 7, 9, 9),
+            (t("x"), 3, 1, 1),
+        ];
+        want.sort_by(|a, b| (&a.0, a.1).cmp(&(&b.0, b.1)));
+        assert_eq!(got, want);
+    }
+
+    #[test]
+    fn denied_subjects_of_classes_are_reported_heaviest_first() {
+        let (view, _) = plan_view();
+        let t = |s: &str| TenantId::new(s).unwrap();
+        let usage = vec![
+            record(&t("a"), "calls", 7, 5, 1),
+            record(&t("c"), "calls", 7, 2, 30),
+            record(&t("b"), "calls", 7, 9, 99),
+            record(&t("x"), "calls", 3, 1, 50),
+            record(&t("a"), "calls", 6, 4, 70),
+        ];
+        let calls = PolicyName::new("calls").unwrap();
+        // Only subjects at their class's share: not promoted b, explicit x or version 6.
+        assert_eq!(
+            denied_at_class_share(&view, &usage, 64),
+            vec![
+                (t("c"), calls.clone(), 2, 30),
+                (t("a"), calls.clone(), 5, 1)
+            ]
+        );
+        // One counter: c takes a's over, counting 31 with an error of 1, so 30 certain.
+        assert_eq!(
+            denied_at_class_share(&view, &usage, 1),
+            vec![(t("c"), calls, 2, 30)]
         );
     }
 }

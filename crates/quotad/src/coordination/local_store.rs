@@ -18,7 +18,15 @@ use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
 use quota_core::{PlanName, Policy, PolicyName, RegionId, TenantId};
-use quota_raft::codec::{decode, encode, CodecError};
+use quota_raft::codec::{decode_versions, encode, CodecError};
+
+/// Format versions whose values here have the shape of the current one (version 4 changed only
+/// the replicated state), so a store written by them is read as it is.
+const READABLE_VERSIONS: &[u8] = &[3];
+
+fn decode<T: serde::de::DeserializeOwned>(bytes: &[u8]) -> Result<T, CodecError> {
+    decode_versions(bytes, READABLE_VERSIONS)
+}
 use redb::{Database, Durability, ReadableDatabase, ReadableTable, TableDefinition};
 
 /// Policies by (tenant, policy name).

@@ -36,6 +36,19 @@ pub type PolicyMap = imbl::OrdMap<(TenantId, PolicyName), PolicyEntry>;
 /// Tenants assigned to a plan: persistent, so a view after one assignment copies one path.
 pub type PlanAssignments = imbl::OrdMap<TenantId, PlanName>;
 
+/// A subject of a plan's class with shares of its own ([`quota_core::promotion`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PromotedEntry {
+    /// The plan's reserved subject whose class this is.
+    pub class: TenantId,
+    /// The class's policy (same version, so the subject keeps its bucket) at the subject's
+    /// own grants.
+    pub entry: PolicyEntry,
+}
+
+/// Promoted subjects by (subject, policy name): at most a few thousand.
+pub type PromotedMap = imbl::OrdMap<(TenantId, PolicyName), PromotedEntry>;
+
 /// The policy a check of a subject decides under, and whose it is.
 #[derive(Debug, Clone, Copy)]
 pub struct Resolved<'a> {
@@ -43,6 +56,8 @@ pub struct Resolved<'a> {
     /// The plan whose policy this is (the subject decides in its own bucket at this class's
     /// share and version); `None` for the subject's explicit policy.
     pub plan: Option<&'a TenantId>,
+    /// The subject is promoted: `entry` holds the class's policy at the subject's own grants.
+    pub promoted: bool,
 }
 
 /// An immutable snapshot of coordinator state, as this region sees it.
@@ -56,6 +71,8 @@ pub struct ClusterView {
     pub tenant_pins: Arc<BTreeMap<TenantId, RegionId>>,
     /// Tenants assigned to a plan.
     pub plan_assignments: PlanAssignments,
+    /// Subjects of a class with shares of their own.
+    pub promoted: PromotedMap,
     /// Coordinator time (wall-clock ms) each region's lease ends, for display; `u64::MAX` =
     /// never. Regions count their own lease, see [`ClusterView::lease_end_local_ms`].
     pub region_leases: BTreeMap<RegionId, u64>,
@@ -78,10 +95,15 @@ impl ClusterView {
     }
 
     /// What a check of `subject`'s `policy` decides under: the subject's explicit policy of
-    /// that name, else its assigned plan's policy, else the `default` plan's.
+    /// that name, else its own shares of its class if it is promoted there, else its assigned
+    /// plan's policy, else the `default` plan's.
     pub fn resolve(&self, subject: &TenantId, policy: &PolicyName) -> Option<Resolved<'_>> {
         if let Some(entry) = self.policy(subject, policy) {
-            return Some(Resolved { entry, plan: None });
+            return Some(Resolved {
+                entry,
+                plan: None,
+                promoted: false,
+            });
         }
         let class = |plan: &PlanName| {
             let key = (TenantId::for_plan(plan), policy.clone());
@@ -90,12 +112,34 @@ impl ClusterView {
                 .map(|((t, _), entry)| Resolved {
                     entry,
                     plan: Some(t),
+                    promoted: false,
                 })
         };
-        self.plan_assignments
+        let resolved = self
+            .plan_assignments
             .get(subject)
             .and_then(class)
-            .or_else(|| PlanName::new(DEFAULT_PLAN).ok().as_ref().and_then(class))
+            .or_else(|| PlanName::new(DEFAULT_PLAN).ok().as_ref().and_then(class))?;
+        if self.promoted.is_empty() {
+            return Some(resolved);
+        }
+        // Promoted within this class at its current version only: a subject that moved to
+        // another plan decides there, whatever entry it still has.
+        let own = self
+            .promoted
+            .get(&(subject.clone(), policy.clone()))
+            .filter(|p| {
+                Some(&p.class) == resolved.plan
+                    && p.entry.policy.version == resolved.entry.policy.version
+            });
+        Some(match own {
+            Some(p) => Resolved {
+                entry: &p.entry,
+                plan: resolved.plan,
+                promoted: true,
+            },
+            None => resolved,
+        })
     }
 
     /// Every plan (a plan exists while it holds a policy) after `after`, in name order.
@@ -181,5 +225,74 @@ mod tests {
         assert_eq!(view.enforced_share_ppm(Some(&g), 999), 600_000);
         assert_eq!(view.enforced_share_ppm(Some(&g), 1_000), 100_000);
         assert_eq!(view.enforced_share_ppm(None, 0), 0);
+    }
+
+    fn entry(version: u64, share_ppm: u32) -> PolicyEntry {
+        let policy = quota_core::PolicySpec {
+            limit: 100.0,
+            window_ms: 60_000.0,
+            ..Default::default()
+        }
+        .validate()
+        .unwrap();
+        PolicyEntry {
+            policy: Policy { version, ..policy },
+            grants: [(
+                RegionId::new("eu").unwrap(),
+                Grant {
+                    share_ppm,
+                    floor_ppm: 0,
+                },
+            )]
+            .into(),
+            home: None,
+            mode: BudgetMode::Split,
+        }
+    }
+
+    #[test]
+    fn resolution_is_explicit_then_promoted_then_plan_then_default() {
+        let t = |s: &str| TenantId::new(s).unwrap();
+        let calls = PolicyName::new("calls").unwrap();
+        let (pro, default) = (
+            TenantId::for_plan(&PlanName::new("pro").unwrap()),
+            TenantId::for_plan(&PlanName::new(DEFAULT_PLAN).unwrap()),
+        );
+        let mut v = ClusterView::default();
+        v.policies
+            .insert((pro.clone(), calls.clone()), entry(5, 300_000));
+        v.policies
+            .insert((default.clone(), calls.clone()), entry(6, 300_000));
+        v.plan_assignments
+            .insert(t("s"), PlanName::new("pro").unwrap());
+        let promoted = |class: &TenantId, version| PromotedEntry {
+            class: class.clone(),
+            entry: entry(version, 900_000),
+        };
+        v.promoted
+            .insert((t("s"), calls.clone()), promoted(&pro, 5));
+        let share = |v: &ClusterView, s: &str| {
+            let r = v.resolve(&t(s), &calls).unwrap();
+            (
+                r.entry.policy.version,
+                r.entry.grants.values().next().unwrap().share_ppm,
+                r.promoted,
+            )
+        };
+        // Promoted in its class: the class's version, its own share.
+        assert_eq!(share(&v, "s"), (5, 900_000, true));
+        // Not promoted: the default plan's class.
+        assert_eq!(share(&v, "o"), (6, 300_000, false));
+        // An entry of another class (the subject moved plans) is not used.
+        v.promoted
+            .insert((t("o"), calls.clone()), promoted(&pro, 5));
+        assert_eq!(share(&v, "o"), (6, 300_000, false));
+        // Nor one of an older version of the class.
+        v.policies.insert((pro, calls.clone()), entry(7, 300_000));
+        assert_eq!(share(&v, "s"), (7, 300_000, false));
+        // An explicit policy comes first.
+        v.policies
+            .insert((t("s"), calls.clone()), entry(8, 1_000_000));
+        assert_eq!(share(&v, "s"), (8, 1_000_000, false));
     }
 }

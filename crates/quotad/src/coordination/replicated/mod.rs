@@ -33,6 +33,7 @@ use quota_core::allocator::AllocatorConfig;
 use quota_core::coordinator::{Operation, RequestId, Response};
 use quota_core::demand::DemandTracker;
 use quota_core::lease::LeaseConfig;
+use quota_core::promotion::{PromotionConfig, PromotionTracker};
 use quota_core::{Command, RegionId, TenantId};
 use quota_raft::{Member, RaftConfig, Role};
 use tokio::sync::watch;
@@ -56,6 +57,8 @@ pub struct Replicated {
     lease: Mutex<lease::LeaseClock>,
     lease_config: LeaseConfig,
     demand: Mutex<DemandTracker>,
+    /// Candidates for promotion and promoted subjects' calm, on the leader (soft state).
+    promotion: Mutex<PromotionTracker>,
     allocator: AllocatorConfig,
     rebalance_interval_ms: u64,
     id_prefix: u64,
@@ -76,6 +79,7 @@ struct Derived {
     policies: PolicyMap,
     tenant_pins: Arc<BTreeMap<TenantId, RegionId>>,
     plan_assignments: crate::coordination::view::PlanAssignments,
+    promoted: crate::coordination::view::PromotedMap,
 }
 
 fn unavailable(e: impl std::fmt::Display) -> CoordError {
@@ -140,6 +144,7 @@ impl Replicated {
                 drift_margin_ms: cfg.coordination.drift_margin_ms,
             },
             demand: Mutex::new(DemandTracker::new(allocator.ewma_alpha_ppm)),
+            promotion: Mutex::new(PromotionTracker::new(PromotionConfig::default())),
             allocator,
             rebalance_interval_ms: cfg.coordination.rebalance_interval_ms,
             id_prefix: rand::random(),

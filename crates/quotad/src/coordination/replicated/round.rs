@@ -2,7 +2,7 @@
 //! drained regions, then rebalance.
 
 use quota_core::allocator;
-use quota_core::coordinator::{Operation, Response};
+use quota_core::coordinator::{Command, Operation, Response};
 use quota_core::RegionId;
 
 use super::Replicated;
@@ -157,7 +157,46 @@ impl Replicated {
                 Ok(_) => {}
                 Err(e) => {
                     tracing::warn!(error = %e, "Committing shares failed.");
-                    break;
+                    return;
+                }
+            }
+        }
+        self.promote(now).await;
+    }
+
+    /// Promotes, moves and evicts subjects of plans' classes ([`quota_core::promotion`]),
+    /// against the state the class shares just committed to.
+    async fn promote(&self, now: u64) {
+        let (membership, changes) = {
+            let mut demand = self.demand.lock().unwrap_or_else(|e| e.into_inner());
+            let mut tracker = self.promotion.lock().unwrap_or_else(|e| e.into_inner());
+            self.raft.read(|s| {
+                let changes = tracker.plan(s, &mut demand, &self.allocator, now);
+                (s.membership, changes)
+            })
+        };
+        let chunk = (self.allocator.max_entries_per_command as usize).max(1);
+        for changes in changes.chunks(chunk) {
+            let cmd = Command {
+                request: self.request_id(),
+                now_ms: now,
+                op: Operation::SetPromoted {
+                    membership,
+                    changes: changes.to_vec(),
+                },
+            };
+            match self.raft.write(cmd).await {
+                Ok(Response::PromotedSet {
+                    epoch,
+                    accepted,
+                    rejected,
+                }) => {
+                    tracing::debug!(epoch, accepted, rejected, "Promoted subjects committed.");
+                }
+                Ok(_) => {}
+                Err(e) => {
+                    tracing::warn!(error = %e, "Committing promoted subjects failed.");
+                    return;
                 }
             }
         }

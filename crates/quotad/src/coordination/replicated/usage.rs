@@ -35,6 +35,11 @@ pub struct UsageReport {
     pub interval_ms: u64,
     /// `(tenant, policy, admitted, denied)`.
     pub usage: Vec<(TenantId, PolicyName, u64, u64)>,
+    /// `(subject, policy, admitted, denied)` of the subjects most denied at their class's
+    /// share (a top-K; `denied` is what each certainly had), for promotion. Left out when
+    /// empty, so a report without any reads as before.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub denied: Vec<(TenantId, PolicyName, u64, u64)>,
 }
 
 impl Replicated {
@@ -42,9 +47,11 @@ impl Replicated {
     pub async fn report_usage(
         &self,
         usage: &[UsageRecord],
+        denied: Vec<(TenantId, PolicyName, u64, u64)>,
         interval_ms: u64,
     ) -> Result<(), CoordError> {
         let report = UsageReport {
+            denied,
             region: self.region.clone(),
             interval_ms,
             usage: usage
@@ -115,6 +122,35 @@ impl Replicated {
             .lock()
             .unwrap_or_else(|e| e.into_inner())
             .record(slot, report.interval_ms, &usage);
+        if report.denied.is_empty() {
+            return;
+        }
+        let denied: Vec<(PolicyKey, Usage)> = report
+            .denied
+            .iter()
+            .map(|(t, p, admitted, denied)| {
+                (
+                    PolicyKey::new(t.clone(), p.clone()),
+                    Usage {
+                        admitted: *admitted,
+                        denied: *denied,
+                    },
+                )
+            })
+            .collect();
+        self.promotion
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .record(slot, report.interval_ms, &denied);
+    }
+
+    /// How many subjects a report names as denied at their class's share.
+    pub fn promotion_top_k(&self) -> usize {
+        self.promotion
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .config()
+            .top_k
     }
 
     /// The peer listener's router: Raft's protocol plus the usage endpoint.
@@ -156,4 +192,36 @@ async fn receive_usage(State(me): State<Arc<Replicated>>, req: axum::extract::Re
     }
     me.record_report(&report);
     StatusCode::NO_CONTENT.into_response()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_report_names_denied_subjects_only_when_it_has_some() {
+        let t = TenantId::new("s").unwrap();
+        let p = PolicyName::new("calls").unwrap();
+        let plain = UsageReport {
+            region: RegionId::new("eu").unwrap(),
+            interval_ms: 200,
+            usage: vec![(t.clone(), p.clone(), 3, 1)],
+            denied: vec![],
+        };
+        let json = serde_json::to_value(&plain).unwrap();
+        assert!(json.get("denied").is_none(), "{json}");
+        let back: UsageReport = serde_json::from_value(json).unwrap();
+        assert!(back.denied.is_empty());
+        let with = UsageReport {
+            denied: vec![(t, p, 3, 1)],
+            ..plain
+        };
+        let back: UsageReport =
+            serde_json::from_value(serde_json::to_value(&with).unwrap()).unwrap();
+        assert_eq!(back.denied, with.denied);
+        // Unknown fields are still refused.
+        let mut odd = serde_json::to_value(&with).unwrap();
+        odd["extra"] = serde_json::json!(1);
+        assert!(serde_json::from_value::<UsageReport>(odd).is_err());
+    }
 }

@@ -8,7 +8,9 @@ use quota_core::{PolicyName, RegionId, TenantId};
 use quota_raft::Changes;
 
 use super::{Derived, Replicated};
-use crate::coordination::view::{ClusterView, Grant, PlanAssignments, PolicyEntry, PolicyMap};
+use crate::coordination::view::{
+    ClusterView, Grant, PlanAssignments, PolicyEntry, PolicyMap, PromotedEntry, PromotedMap,
+};
 
 impl Replicated {
     /// Rebuilds the view from the applied state and this region's lease; publishes it if it
@@ -68,6 +70,9 @@ fn view_of(
             if changes.all || !changes.tenants.is_empty() {
                 d.tenant_pins = Arc::new(pins_of(s));
             }
+            if changes.all || changes.promoted {
+                d.promoted = promoted_of(s);
+            }
             d.revision = revision;
             d
         }
@@ -79,6 +84,7 @@ fn view_of(
                 policies,
                 tenant_pins: Arc::new(pins_of(s)),
                 plan_assignments: assignments_of(s),
+                promoted: promoted_of(s),
             }
         }
     };
@@ -86,6 +92,7 @@ fn view_of(
         policies: d.policies.clone(),
         tenant_pins: d.tenant_pins.clone(),
         plan_assignments: d.plan_assignments.clone(),
+        promoted: d.promoted.clone(),
         region_leases: region_leases_of(s),
         epoch: s.epoch,
         lease_end_local_ms,
@@ -227,6 +234,25 @@ fn sync_policies(map: &mut PolicyMap, s: &CoordinatorState) {
     for (key, entry) in upserts {
         map.insert((key.tenant.clone(), key.policy.clone()), entry_of(s, entry));
     }
+}
+
+/// Every promoted subject, at its class's policy and its own grants (a small set, rebuilt
+/// whole when it may have changed).
+fn promoted_of(s: &CoordinatorState) -> PromotedMap {
+    s.promoted
+        .iter()
+        .map(|(k, p)| {
+            let entry = PolicyEntry {
+                home: None,
+                ..entry_of(s, &p.entry)
+            };
+            let promoted = PromotedEntry {
+                class: p.class.clone(),
+                entry,
+            };
+            ((k.tenant.clone(), k.policy.clone()), promoted)
+        })
+        .collect()
 }
 
 /// Every plan assignment (a whole rebuild only).
