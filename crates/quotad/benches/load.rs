@@ -664,7 +664,7 @@ async fn set_up_quotad(addr: SocketAddr) -> anyhow::Result<()> {
 
 /// The `cold` candidates' policies, in batches.
 async fn put_cold(conn: &mut HttpConn) -> anyhow::Result<()> {
-    for chunk in (0..COLD_TENANTS).collect::<Vec<_>>().chunks(1000) {
+    for chunk in (0..COLD_TENANTS).collect::<Vec<_>>().chunks(200) {
         let policies: Vec<_> = chunk
             .iter()
             .map(|i| {
