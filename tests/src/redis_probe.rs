@@ -129,16 +129,5 @@ pub async fn all_still_spent(d: &Daemon, tenants: &[String]) -> anyhow::Result<(
     Ok(())
 }
 
-/// EVALSHA calls Redis counted since the last `CONFIG RESETSTAT` (every decision, parameter
-/// write, reservation and refund is one).
-pub async fn evalsha_calls(conn: &mut redis::aio::MultiplexedConnection) -> anyhow::Result<u64> {
-    let stats: String = redis::cmd("INFO")
-        .arg("commandstats")
-        .query_async(conn)
-        .await?;
-    Ok(stats
-        .lines()
-        .find_map(|l| l.strip_prefix("cmdstat_evalsha:calls="))
-        .and_then(|rest| rest.split(',').next())
-        .map_or(Ok(0), str::parse)?)
-}
+/// EVALSHA calls Redis counted since the last `CONFIG RESETSTAT`.
+pub use redis_harness::evalsha_calls;

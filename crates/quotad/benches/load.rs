@@ -650,13 +650,23 @@ async fn set_up_quotad(addr: SocketAddr) -> anyhow::Result<()> {
         anyhow::ensure!((200..300).contains(&status), "PUT policy: {status}");
     }
     let status = conn
-        .send(&http_request("PUT", "/v1/tenants/hot/policies/bench", &spec, Some(TOKEN)))
+        .send(&http_request(
+            "PUT",
+            "/v1/tenants/hot/policies/bench",
+            &spec,
+            Some(TOKEN),
+        ))
         .await?;
     anyhow::ensure!((200..300).contains(&status), "PUT policy: {status}");
     // 10 a second, burst 10: flooded, a token comes back every 100 ms.
     let denied = serde_json::json!({"limit": DENIED_PER_S, "window_ms": 1000}).to_string();
     let status = conn
-        .send(&http_request("PUT", "/v1/tenants/denied/policies/bench", &denied, Some(TOKEN)))
+        .send(&http_request(
+            "PUT",
+            "/v1/tenants/denied/policies/bench",
+            &denied,
+            Some(TOKEN),
+        ))
         .await?;
     anyhow::ensure!((200..300).contains(&status), "PUT policy: {status}");
     put_cold(&mut conn).await
@@ -674,7 +684,12 @@ async fn put_cold(conn: &mut HttpConn) -> anyhow::Result<()> {
             .collect();
         let body = serde_json::json!({ "policies": policies }).to_string();
         let status = conn
-            .send(&http_request("POST", "/v1/policies/batch", &body, Some(TOKEN)))
+            .send(&http_request(
+                "POST",
+                "/v1/policies/batch",
+                &body,
+                Some(TOKEN),
+            ))
             .await?;
         anyhow::ensure!(status == 200, "POST /v1/policies/batch: {status}");
     }
@@ -896,19 +911,6 @@ async fn run_scenario(
     Ok(())
 }
 
-/// EVALSHA calls Redis has counted (every decision, reservation and refund is one).
-async fn evalsha_calls(conn: &mut redis::aio::MultiplexedConnection) -> anyhow::Result<u64> {
-    let stats: String = redis::cmd("INFO")
-        .arg("commandstats")
-        .query_async(conn)
-        .await?;
-    Ok(stats
-        .lines()
-        .find_map(|l| l.strip_prefix("cmdstat_evalsha:calls="))
-        .and_then(|rest| rest.split(',').next())
-        .map_or(Ok(0), str::parse)?)
-}
-
 /// Drives every candidate in turn at `conc`.
 async fn drive_all(
     plan: &Plan,
@@ -987,7 +989,7 @@ async fn drive_all(
     )
     .await;
     let mut conn = raw.conn.clone();
-    let before = evalsha_calls(&mut conn).await?;
+    let before = redis_harness::evalsha_calls(&mut conn).await?;
     let hot = drive_http(
         conc,
         plan.secs_of("hot"),
@@ -997,7 +999,8 @@ async fn drive_all(
         How::Same,
     )
     .await;
-    let hot_calls = (evalsha_calls(&mut conn).await? - before) as f64 / hot.ops.max(1) as f64;
+    let hot_calls =
+        (redis_harness::evalsha_calls(&mut conn).await? - before) as f64 / hot.ops.max(1) as f64;
     let cold = drive_http(
         conc,
         plan.secs_of("cold"),
@@ -1016,7 +1019,7 @@ async fn drive_all(
         How::Walk,
     )
     .await;
-    let before = evalsha_calls(&mut conn).await?;
+    let before = redis_harness::evalsha_calls(&mut conn).await?;
     let started = Instant::now();
     let denied = drive_http(
         conc,
@@ -1028,7 +1031,8 @@ async fn drive_all(
     )
     .await;
     let intervals = started.elapsed().as_secs_f64() * DENIED_PER_S as f64;
-    let denied_calls = (evalsha_calls(&mut conn).await? - before) as f64 / intervals.max(1.0);
+    let denied_calls =
+        (redis_harness::evalsha_calls(&mut conn).await? - before) as f64 / intervals.max(1.0);
     Ok(Scenario {
         raw: raw_o,
         raw_c,

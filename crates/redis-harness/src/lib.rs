@@ -163,6 +163,23 @@ pub struct TlsFiles {
     pub require_client_cert: bool,
 }
 
+/// EVALSHA calls Redis counted since its start or the last `CONFIG RESETSTAT` (every quotad
+/// decision, parameter write, reservation and refund is one), from `INFO commandstats`.
+pub async fn evalsha_calls(
+    conn: &mut redis::aio::MultiplexedConnection,
+) -> redis::RedisResult<u64> {
+    let stats: String = redis::cmd("INFO")
+        .arg("commandstats")
+        .query_async(conn)
+        .await?;
+    Ok(stats
+        .lines()
+        .find_map(|l| l.strip_prefix("cmdstat_evalsha:calls="))
+        .and_then(|rest| rest.split(',').next())
+        .and_then(|n| n.parse().ok())
+        .unwrap_or(0))
+}
+
 impl TlsFiles {
     /// `redis-server` arguments serving TLS on `tls_port` with these files.
     pub fn server_args(&self, tls_port: u16) -> Vec<String> {
