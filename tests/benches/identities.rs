@@ -188,5 +188,16 @@ async fn main() -> anyhow::Result<()> {
         "redis keys: start {keys_start}, end {keys_end}, after {keys_after} ({:.0} s after the load)",
         waited.elapsed().as_secs_f64() + 5.0
     );
+    // What is left, by key (ids in keys are hashed, never raw identities).
+    let left: Vec<String> = redis::cmd("KEYS").arg("*").query_async(&mut c).await?;
+    for key in left {
+        let kind: String = redis::cmd("TYPE").arg(&key).query_async(&mut c).await?;
+        let bytes: Option<u64> = redis::cmd("MEMORY")
+            .arg("USAGE")
+            .arg(&key)
+            .query_async(&mut c)
+            .await?;
+        println!("left: {key} ({kind}, {} B)", bytes.unwrap_or(0));
+    }
     Ok(())
 }
