@@ -1,36 +1,27 @@
 //! Admin-write benchmark: sequential policy PUTs to the leader of three regions (real `quotad`
-//! and `redis-server` processes on loopback), first with no policies stored, then with many,
-//! in the same run. An admin write should cost the daemons what changed, not what is stored.
+//! and `redis-server` processes on loopback), first with nothing stored, then with many
+//! policies and as many plan assignments stored, in the same run. An admin write should cost
+//! the daemons what changed, not what is stored.
 //!
 //! ```text
 //! cargo build --release -p quotad && cargo bench -p quotad-system-tests --bench admin_writes
 //! QUOTAD_BENCH_STORED=100000 QUOTAD_BENCH_PUTS=300 cargo bench -p quotad-system-tests --bench admin_writes
 //! ```
 //!
-//! The stored policies are loaded through `POST /v1/policies/batch` (500 a request) and the
-//! run waits until every region's view holds them before measuring again.
+//! The stored policies are loaded through `POST /v1/policies/batch` and the assignments (of
+//! tenants with no policy of their own, to one plan) through `POST /v1/plans/assignments/batch`,
+//! 500 a request; the run waits until every region's view holds them before measuring again.
 
 // A benchmark measures real elapsed time.
 #![allow(clippy::disallowed_methods)]
 
+mod common;
+
 use std::time::{Duration, Instant};
 
-use anyhow::Context as _;
-use quotad_system_tests::{eventually, Cluster, Daemon, Timings, TOKEN};
+use common::{env_or, pct};
+use quotad_system_tests::{Cluster, Daemon, Timings, TOKEN};
 use serde_json::json;
-
-fn env_or<T: std::str::FromStr>(name: &str, default: T) -> T {
-    std::env::var(name)
-        .ok()
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(default)
-}
-
-/// Percentile `q` (0..=1) of sorted latencies, in ms.
-fn pct(sorted: &[Duration], q: f64) -> f64 {
-    let i = ((sorted.len() as f64 - 1.0) * q).round() as usize;
-    sorted[i].as_secs_f64() * 1e3
-}
 
 /// `puts` sequential PUTs of fresh policies (tenant `t-<tag>-<i>`) to `leader`: the latency
 /// of each (a failed one counts with its time) and how many failed.
@@ -53,51 +44,9 @@ async fn measure(leader: &Daemon, tag: &str, puts: usize) -> (Vec<Duration>, usi
     (lat, failed)
 }
 
-/// Policies a load request stores (within the default body limit).
-const BATCH: usize = 500;
-
-/// Stores `n` policies on `leader` in batches of [`BATCH`].
-async fn load(leader: &Daemon, n: usize) -> anyhow::Result<()> {
-    for start in (0..n).step_by(BATCH) {
-        let policies: Vec<_> = (start..(start + BATCH).min(n))
-            .map(|i| json!({"tenant": format!("s-{i}"), "policy": "writes", "limit": 100, "window_ms": 60000}))
-            .collect();
-        let r = leader
-            .request(
-                "POST",
-                "/v1/policies/batch",
-                Some(TOKEN),
-                Some(json!({ "policies": policies }).to_string()),
-            )
-            .await?;
-        anyhow::ensure!(r.status == 200, "batch answered {}: {}", r.status, r.body);
-    }
-    Ok(())
-}
-
-/// Waits until every region's view holds at least `n` policies.
-async fn settled(cluster: &Cluster, n: u64) -> anyhow::Result<()> {
-    for d in &cluster.daemons {
-        eventually(
-            Duration::from_secs(600),
-            Duration::from_millis(500),
-            || async {
-                let s = d
-                    .request("GET", "/v1/status", Some(TOKEN), None)
-                    .await
-                    .ok()?;
-                (s.body["policies"].as_u64()? >= n).then_some(())
-            },
-        )
-        .await
-        .with_context(|| format!("a region never held {n} policies"))?;
-    }
-    Ok(())
-}
-
-fn row(name: &str, (lat, failed): &(Vec<Duration>, usize)) {
+fn row(policies: usize, assignments: usize, (lat, failed): &(Vec<Duration>, usize)) {
     println!(
-        "{name:<10} {:>6} {:>7} {:>9.2} {:>9.2} {:>9.2}",
+        "{policies:>9} {assignments:>11} {:>6} {:>7} {:>9.2} {:>9.2} {:>9.2}",
         lat.len(),
         failed,
         pct(lat, 0.5),
@@ -118,31 +67,45 @@ async fn main() -> anyhow::Result<()> {
         ..Timings::default()
     };
     let cluster = Cluster::start(&["a", "b", "c"], &timings).await?;
-    let s = cluster.daemons[0].get("/v1/status").await?;
-    let leader_id = s.body["raft"]["leader"]
-        .as_str()
-        .context("no leader")?
-        .to_string();
-    let leader = cluster.daemon(&leader_id);
+    let leader = common::leader(&cluster).await?;
 
     let empty = measure(leader, "empty", puts).await;
-    eprintln!("measured with none stored; loading {stored}");
+    eprintln!("measured with none stored; loading {stored} policies and {stored} assignments");
+    let plan = json!({"policies": {"calls": {"limit": 100, "window_ms": 60000}}});
+    let r = leader
+        .request(
+            "PUT",
+            "/v1/plans/bench",
+            Some(TOKEN),
+            Some(plan.to_string()),
+        )
+        .await?;
+    anyhow::ensure!(
+        r.status == 200,
+        "plan PUT answered {}: {}",
+        r.status,
+        r.body
+    );
     let t0 = Instant::now();
-    load(leader, stored).await?;
-    settled(&cluster, (stored + puts) as u64).await?;
+    common::load_policies(leader, "s-", stored).await?;
+    common::load_assignments(leader, "a-", stored, "bench").await?;
+    // The plan's policy is one more.
+    common::policies_everywhere(&cluster, (stored + puts + 1) as u64).await?;
+    common::assigned_everywhere(&cluster, &format!("a-{}", stored - 1), "bench").await?;
     let loaded_in = t0.elapsed();
     eprintln!("loaded in {:.1} s", loaded_in.as_secs_f64());
     let full = measure(leader, "full", puts).await;
 
     println!("policy PUT to the leader of three regions, sequential, latency in ms");
     println!(
-        "{:<10} {:>6} {:>7} {:>9} {:>9} {:>9}",
-        "stored", "puts", "failed", "p50", "p99", "max"
+        "{:>9} {:>11} {:>6} {:>7} {:>9} {:>9} {:>9}",
+        "policies", "assignments", "puts", "failed", "p50", "p99", "max"
     );
-    row("0", &empty);
-    row(&format!("{}", stored + puts), &full);
+    row(0, 0, &empty);
+    row(stored + puts + 1, stored, &full);
     println!(
-        "ratio p50 {:.2}, p99 {:.2}; {stored} policies loaded and in every view in {:.1} s",
+        "ratio p50 {:.2}, p99 {:.2}; {stored} policies and {stored} assignments loaded and in \
+         every view in {:.1} s",
         pct(&full.0, 0.5) / pct(&empty.0, 0.5),
         pct(&full.0, 0.99) / pct(&empty.0, 0.99),
         loaded_in.as_secs_f64()

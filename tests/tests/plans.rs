@@ -124,3 +124,43 @@ async fn an_identity_on_a_daemon_without_a_key_is_refused_by_name() -> anyhow::R
     assert_eq!(r.body["errors"][0]["field"], "identity");
     Ok(())
 }
+
+/// Regression: a single-region daemon reports usage to no one, and once left the activity
+/// index in Redis listing every bucket ever checked, so one-shot identities left an entry each
+/// after their buckets expired. It is drained each report interval now.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_single_region_drains_the_activity_index() -> anyhow::Result<()> {
+    let redis = RedisServer::start()?;
+    let d = Daemon::start_with_env(&redis_config(&redis.url()), &[KEY]).await?;
+    put_default_plan(&d).await?;
+    for i in 0..50 {
+        let body = json!({"identity": format!("one-shot-{i}"), "policy": "login"});
+        let r = d
+            .request("POST", "/v1/check", None, Some(body.to_string()))
+            .await?;
+        assert_eq!(r.status, 200, "{}", r.body);
+    }
+    let mut con = redis.client().get_multiplexed_async_connection().await?;
+    let listed = || {
+        let mut con = con.clone();
+        async move {
+            let n: u64 = redis::cmd("SCARD")
+                .arg(quota_core::keys::ACTIVE_INDEX)
+                .query_async(&mut con)
+                .await
+                .ok()?;
+            (n == 0).then_some(())
+        }
+    };
+    let drained = quotad_system_tests::eventually(
+        Duration::from_secs(10),
+        Duration::from_millis(100),
+        listed,
+    )
+    .await;
+    assert!(drained.is_some(), "the activity index was never drained");
+    // The buckets themselves stay until their TTLs pass.
+    let keys: Vec<String> = redis::cmd("KEYS").arg("*").query_async(&mut con).await?;
+    assert!(keys.len() > 50, "{} keys", keys.len());
+    Ok(())
+}

@@ -61,6 +61,9 @@ pub const MAX_LISTED_REJECTIONS: usize = 8;
 /// Most policies one [`Operation::PutPolicies`] may carry: a Raft entry of a few hundred KiB.
 pub const MAX_BATCH_POLICIES: usize = 1000;
 
+/// Most assignments one [`Operation::AssignPlans`] may carry (a Raft entry of tens of KiB).
+pub const MAX_BATCH_ASSIGNMENTS: usize = 1000;
+
 /// Most invalid entries a refused batch names (the responses are kept for deduplication).
 pub const MAX_LISTED_INVALID: usize = 100;
 
@@ -236,6 +239,13 @@ pub enum Operation {
         /// The membership version the leader planned against.
         membership: u64,
         changes: Vec<PromotedChange>,
+    },
+    /// Assigns (`Some`) or unassigns (`None`) up to [`MAX_BATCH_ASSIGNMENTS`] tenants in one
+    /// step, all or none: a reserved tenant or a plan that does not exist refuses the batch.
+    /// Applied in order (a tenant named twice ends as its last entry says). One entry per
+    /// batch instead of per tenant is what makes loading many assignments fast.
+    AssignPlans {
+        assignments: Vec<(TenantId, Option<PlanName>)>,
     },
 }
 
@@ -424,6 +434,15 @@ pub enum Response {
         accepted: u32,
         rejected: u32,
     },
+    /// An [`Operation::AssignPlans`] batch applied whole.
+    PlansAssigned,
+    /// An [`Operation::AssignPlans`] batch refused as a whole, nothing changed: the first
+    /// [`MAX_LISTED_INVALID`] entries naming a reserved tenant (`tenant`) or no live plan
+    /// (`plan`), out of `total`.
+    InvalidAssignments {
+        entries: Vec<InvalidEntry>,
+        total: u32,
+    },
 }
 
 /// A broken safety invariant, found by [`CoordinatorState::check_invariant`].
@@ -526,6 +545,7 @@ impl CoordinatorState {
                 membership,
                 changes,
             } => self.set_promoted(*membership, changes, now),
+            Operation::AssignPlans { assignments } => self.assign_plans(assignments),
         };
         if self.recent.len() >= DEDUP_WINDOW {
             self.recent.pop_front();

@@ -8,7 +8,12 @@
 //! the subject, at the class version) at the class share of the limit, so Σ shares ≤ 1 keeps
 //! every subject within its limit worldwide while the state stays O(plans + assignments).
 
-use crate::coordinator::{CoordinatorState, PolicyKey, Response, MAX_BATCH_POLICIES};
+use std::collections::BTreeMap;
+
+use crate::coordinator::{
+    CoordinatorState, InvalidEntry, PolicyKey, Response, MAX_BATCH_ASSIGNMENTS, MAX_BATCH_POLICIES,
+    MAX_LISTED_INVALID,
+};
 use crate::ids::{PlanName, PolicyName, TenantId};
 use crate::policy::Policy;
 
@@ -139,6 +144,62 @@ impl CoordinatorState {
             Some(_) => Response::PlanUnassigned,
             None => Response::TenantHasNoPlan,
         }
+    }
+
+    /// Every entry is checked before any is applied, so a refused batch changes nothing; each
+    /// distinct plan is looked up once.
+    pub(crate) fn assign_plans(
+        &mut self,
+        assignments: &[(TenantId, Option<PlanName>)],
+    ) -> Response {
+        if assignments.len() > MAX_BATCH_ASSIGNMENTS {
+            return Response::BatchTooLarge {
+                max: MAX_BATCH_ASSIGNMENTS as u32,
+            };
+        }
+        let mut live: BTreeMap<&PlanName, bool> = BTreeMap::new();
+        let mut invalid = Vec::new();
+        let mut total = 0u32;
+        for (index, (tenant, plan)) in assignments.iter().enumerate() {
+            let mut fields = Vec::new();
+            if tenant.reserved().is_some() {
+                fields.push("tenant".to_string());
+            }
+            if let Some(plan) = plan {
+                let exists = *live
+                    .entry(plan)
+                    .or_insert_with(|| self.live_of(&TenantId::for_plan(plan)).next().is_some());
+                if !exists {
+                    fields.push("plan".to_string());
+                }
+            }
+            if !fields.is_empty() {
+                total += 1;
+                if invalid.len() < MAX_LISTED_INVALID {
+                    invalid.push(InvalidEntry {
+                        index: index as u32,
+                        fields,
+                    });
+                }
+            }
+        }
+        if total > 0 {
+            return Response::InvalidAssignments {
+                entries: invalid,
+                total,
+            };
+        }
+        for (tenant, plan) in assignments {
+            match plan {
+                Some(plan) => {
+                    self.plan_assignments.insert(tenant.clone(), plan.clone());
+                }
+                None => {
+                    self.plan_assignments.remove(tenant);
+                }
+            }
+        }
+        Response::PlansAssigned
     }
 
     /// The class entry a check of `subject`'s `policy` decides under when the subject has no
@@ -349,6 +410,95 @@ mod tests {
             assert_eq!(s.plan_assignments, before.plan_assignments);
             assert_eq!(s.last_version, before.last_version);
         }
+    }
+
+    #[test]
+    fn an_assignment_batch_is_all_or_none() {
+        let mut s = with_regions();
+        for (id, p) in [(1, "pro"), (2, "free")] {
+            apply(
+                &mut s,
+                id,
+                Operation::PutPlan {
+                    plan: plan(p),
+                    policies: vec![(name("calls"), policy(10.0))],
+                },
+            );
+        }
+        let batch = |entries: &[(&str, Option<&str>)]| Operation::AssignPlans {
+            assignments: entries
+                .iter()
+                .map(|(t, p)| (tenant(t), p.map(plan)))
+                .collect(),
+        };
+        let r = apply(
+            &mut s,
+            3,
+            batch(&[("a", Some("pro")), ("b", Some("free")), ("c", Some("pro"))]),
+        );
+        assert_eq!(r, Response::PlansAssigned);
+        assert_eq!(s.plan_assignments.len(), 3);
+        // One unknown plan and one reserved tenant refuse the whole batch, each named.
+        let before = s.clone();
+        let reserved = TenantId::for_plan(&plan("pro"));
+        let r = apply(
+            &mut s,
+            4,
+            Operation::AssignPlans {
+                assignments: vec![
+                    (tenant("a"), None),
+                    (tenant("d"), Some(plan("nope"))),
+                    (reserved, Some(plan("pro"))),
+                ],
+            },
+        );
+        assert_eq!(
+            r,
+            Response::InvalidAssignments {
+                entries: vec![
+                    InvalidEntry {
+                        index: 1,
+                        fields: vec!["plan".into()]
+                    },
+                    InvalidEntry {
+                        index: 2,
+                        fields: vec!["tenant".into()]
+                    },
+                ],
+                total: 2,
+            }
+        );
+        assert_eq!(s.plan_assignments, before.plan_assignments);
+        // `None` unassigns (a tenant without a plan too); later entries win.
+        let r = apply(
+            &mut s,
+            5,
+            batch(&[
+                ("a", None),
+                ("z", None),
+                ("b", Some("pro")),
+                ("b", Some("free")),
+            ]),
+        );
+        assert_eq!(r, Response::PlansAssigned);
+        assert_eq!(s.plan_assignments.get(&tenant("a")), None);
+        assert_eq!(s.plan_assignments.get(&tenant("b")), Some(&plan("free")));
+        let too_many = (0..=MAX_BATCH_ASSIGNMENTS)
+            .map(|i| (tenant(&format!("t{i}")), None))
+            .collect();
+        let r = apply(
+            &mut s,
+            6,
+            Operation::AssignPlans {
+                assignments: too_many,
+            },
+        );
+        assert_eq!(
+            r,
+            Response::BatchTooLarge {
+                max: MAX_BATCH_ASSIGNMENTS as u32
+            }
+        );
     }
 
     proptest! {

@@ -351,6 +351,12 @@ fn background_tasks(
             report_interval,
             stop_rx.clone(),
         )));
+    } else {
+        tasks.push(tokio::spawn(agent::run_drain(
+            state.decider.clone(),
+            report_interval,
+            stop_rx.clone(),
+        )));
     }
     tasks.push(tokio::spawn(keep_a_timer_pending(
         pending_timer_period(cfg),

@@ -8,7 +8,7 @@ use quota_core::TenantId;
 
 /// Revisions the journal remembers; a reader further behind rebuilds whole.
 const JOURNAL_REVISIONS: usize = 1024;
-/// Policy keys the journal holds at most (batches name up to 1000 each).
+/// Policy keys and tenants the journal holds at most (batches name up to 1000 each).
 const JOURNAL_KEYS: usize = 65_536;
 
 /// What one command may have changed in the policies, their shares, floors and pins.
@@ -19,6 +19,8 @@ enum Touched {
     /// Every policy of a tenant, and the tenant's pin and plan (a plan's policies are the
     /// policies of its reserved subject).
     Tenant(TenantId),
+    /// As `Tenant`, for each of several tenants (a batch of plan assignments).
+    Tenants(Vec<TenantId>),
     /// Anything: membership, region slots, a snapshot.
     All,
     /// Promoted subjects' shares only.
@@ -77,6 +79,7 @@ impl Changes {
                 self.promoted |= t.plan().is_some();
                 self.tenants.insert(t.clone());
             }
+            Touched::Tenants(ts) => self.tenants.extend(ts.iter().cloned()),
             Touched::All => self.all = true,
             Touched::Promoted => self.promoted = true,
         }
@@ -101,6 +104,9 @@ fn touched(op: &Operation) -> Touched {
         | Operation::UnpinTenant { tenant }
         | Operation::AssignPlan { tenant, .. }
         | Operation::UnassignPlan { tenant } => Touched::Tenant(tenant.clone()),
+        Operation::AssignPlans { assignments } => {
+            Touched::Tenants(assignments.iter().map(|(t, _)| t.clone()).collect())
+        }
         // A plan's policies live under its reserved subject: one range, however many tenants
         // the plan has.
         Operation::PutPlan { plan, .. } | Operation::DeletePlan { plan } => {
@@ -120,13 +126,14 @@ fn touched(op: &Operation) -> Touched {
 pub(super) struct Journal {
     /// `(revision, touched)`, oldest first, consecutive revisions.
     entries: VecDeque<(u64, Touched)>,
-    /// Policy keys held in `entries`.
+    /// Policy keys and tenants held in `entries`.
     keys: usize,
 }
 
 fn key_count(t: &Touched) -> usize {
     match t {
         Touched::Keys(k) => k.len(),
+        Touched::Tenants(t) => t.len(),
         _ => 0,
     }
 }
@@ -200,6 +207,15 @@ mod tests {
         assert_eq!(c.keys, BTreeSet::from([key("b")]));
         assert_eq!(c.tenants, BTreeSet::from([TenantId::new("c").unwrap()]));
         assert!(j.since(3, 3).is_empty());
+        // A batch of assignments names each of its tenants.
+        let (d, e) = (TenantId::new("d").unwrap(), TenantId::new("e").unwrap());
+        j.record(
+            4,
+            Some(&Operation::AssignPlans {
+                assignments: vec![(d.clone(), None), (e.clone(), None)],
+            }),
+        );
+        assert_eq!(j.since(3, 4).tenants, BTreeSet::from([d, e]));
     }
 
     #[test]

@@ -249,6 +249,27 @@ pub async fn run_report(
     }
 }
 
+/// A single region reports usage to no one, but its store still lists every bucket checked in
+/// the activity index; draining it each report interval keeps one-shot subjects (identities)
+/// from leaving an entry behind once their buckets expire.
+pub async fn run_drain(
+    decider: Arc<Decider>,
+    report_interval: Duration,
+    mut shutdown: watch::Receiver<bool>,
+) {
+    let mut tick = tokio::time::interval(report_interval);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tokio::select! {
+            _ = shutdown.changed() => break,
+            _ = tick.tick() => {}
+        }
+        if let Err(e) = decider.store().collect_usage(MAX_USAGE_RECORDS).await {
+            tracing::debug!(error = %e, "Usage collection failed.");
+        }
+    }
+}
+
 /// Brings the store in line with `view`: writes the parameters of every bucket that changed,
 /// renews those due, and rewrites everything once the store was replaced. True if every write
 /// succeeded; with the writes that succeeded and that failed.

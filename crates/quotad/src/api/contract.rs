@@ -204,6 +204,13 @@ fn bound_bodies(s: &mut Schemas) {
     set(s, "CheckBody", "cost", whole(1, MAX_COST, true));
     set(s, "PinBody", "region", id(RegionId::MAX_LEN));
     set(s, "AssignBody", "plan", id(quota_core::PlanName::MAX_LEN));
+    set(s, "AssignmentItem", "tenant", id(TenantId::MAX_LEN));
+    set(
+        s,
+        "AssignmentItem",
+        "plan",
+        id_or_null(quota_core::PlanName::MAX_LEN),
+    );
     set(s, "PolicyBody", "mode", one_of(&["enforcing", "shadow"]));
     set(
         s,
@@ -279,6 +286,8 @@ fn close_bodies(s: &mut Schemas) {
         "BatchBody",
         "PlanBody",
         "AssignBody",
+        "AssignmentBatchBody",
+        "AssignmentItem",
     ] {
         if let Some(RefOr::T(Schema::Object(o))) = s.get_mut(name) {
             o.additional_properties = Some(Box::new(

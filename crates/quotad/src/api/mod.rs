@@ -5,10 +5,11 @@
 //! (`POST /v1/check` past the router, the rest through it), [`check`] (decisions), [`batch`]
 //! (batches of them), [`forwarded`] (checks forwarded over the peer listener), [`tenants`]
 //! (policies, pins, allowance), [`plans`] (plans and tenants' plans), [`policy_batch`] (many
-//! policies in one step), [`cluster`] (status,
+//! policies in one step), [`assignment_batch`] (many tenants' plans in one step), [`cluster`] (status,
 //! membership, listing, health, metrics), [`problem`] (the one `ApiError`), [`auth`] (scoped
 //! bearer tokens on routes, the audit layer on mutations), [`state`] (what handlers share).
 
+pub mod assignment_batch;
 pub mod auth;
 pub mod batch;
 pub mod check;
@@ -59,6 +60,7 @@ pub type Api = edge::Edge<routes::Routes>;
         plans::put_tenant_plan,
         plans::get_tenant_plan,
         plans::delete_tenant_plan,
+        assignment_batch::put_assignments,
         cluster::status,
         cluster::members,
         cluster::add_member,
@@ -141,6 +143,10 @@ pub(crate) fn router(state: AppState) -> Router {
                 .merge(admin("plan.unassign", delete(plans::delete_tenant_plan))),
         )
         .route("/v1/plans", read(get(plans::list_plans)))
+        .route(
+            "/v1/plans/assignments/batch",
+            admin("assignments.batch", post(assignment_batch::put_assignments)),
+        )
         .route(
             "/v1/plans/{plan}",
             read(get(plans::get_plan))

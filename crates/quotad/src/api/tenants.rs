@@ -49,6 +49,7 @@ pub(crate) fn coord_error(e: CoordError) -> ApiError {
         CoordError::InvalidPolicies { entries, total } => {
             refused_policies(&entries, total, |_| String::new())
         }
+        CoordError::InvalidAssignments { .. } => ApiError::field("plan", &e),
         CoordError::UnknownRegion { .. } => ApiError::field("region", &e),
         CoordError::UnknownPlan => ApiError::UnknownField {
             field: "plan".into(),

@@ -1522,6 +1522,48 @@ async fn every_status_a_route_answers_is_in_the_document() {
             None,
         ),
         (
+            "POST",
+            "/v1/plans/assignments/batch",
+            "/v1/plans/assignments/batch".into(),
+            t,
+            Some(r#"{"assignments":[{"tenant":"acme","plan":"pro"},{"tenant":"b","plan":null}]}"#),
+        ),
+        (
+            "POST",
+            "/v1/plans/assignments/batch",
+            "/v1/plans/assignments/batch".into(),
+            t,
+            Some(r#"{"assignments":[{"tenant":"acme","plan":"nope"}]}"#),
+        ),
+        (
+            "POST",
+            "/v1/plans/assignments/batch",
+            "/v1/plans/assignments/batch".into(),
+            t,
+            Some(r#"{"assignments":[]}"#),
+        ),
+        (
+            "POST",
+            "/v1/plans/assignments/batch",
+            "/v1/plans/assignments/batch".into(),
+            t,
+            Some(r#"{"assignments":[{"tenant":"acme"}]}"#),
+        ),
+        (
+            "POST",
+            "/v1/plans/assignments/batch",
+            "/v1/plans/assignments/batch".into(),
+            None,
+            Some(r#"{"assignments":[{"tenant":"acme","plan":"pro"}]}"#),
+        ),
+        (
+            "POST",
+            "/v1/plans/assignments/batch",
+            "/v1/plans/assignments/batch".into(),
+            t,
+            Some(&big),
+        ),
+        (
             "DELETE",
             "/v1/plans/{plan}",
             "/v1/plans/pro".into(),
@@ -1852,6 +1894,9 @@ fn accepted_body(method: &str, template: &str) -> Option<&'static str> {
             Some(r#"{"policies":{"login":{"limit":5,"window_ms":900000}}}"#)
         }
         ("put", "/v1/tenants/{tenant}/plan") => Some(r#"{"plan":"default"}"#),
+        ("post", "/v1/plans/assignments/batch") => Some(
+            r#"{"assignments":[{"tenant":"acme","plan":"default"},{"tenant":"b","plan":null}]}"#,
+        ),
         ("post", "/v1/policies/batch") => {
             Some(r#"{"policies":[{"tenant":"acme","policy":"reads","limit":1,"window_ms":1000}]}"#)
         }
@@ -2146,6 +2191,131 @@ mod plans {
 
     async fn check(router: &Api, body: &str) -> Reply {
         send(router, "POST", "/v1/check", None, Some(body)).await
+    }
+
+    async fn assign_batch(router: &Api, body: &Value) -> Reply {
+        send(
+            router,
+            "POST",
+            "/v1/plans/assignments/batch",
+            Some(TOKEN),
+            Some(&body.to_string()),
+        )
+        .await
+    }
+
+    async fn plan_of(router: &Api, tenant: &str) -> Option<String> {
+        let uri = format!("/v1/tenants/{tenant}/plan");
+        let r = send(router, "GET", &uri, Some(TOKEN), None).await;
+        r.body["plan"].as_str().map(str::to_string)
+    }
+
+    #[tokio::test]
+    async fn an_assignment_batch_sets_every_plan_or_none() {
+        let mut st = state();
+        Arc::get_mut(&mut st).unwrap().body_limit_bytes = 2 << 20;
+        let router = app(st);
+        let r = put(&router, "/v1/plans/pro", LOGIN_5_PER_15_MIN).await;
+        assert_eq!(r.status, StatusCode::OK, "{}", r.body);
+        let r = put(&router, "/v1/tenants/old/plan", r#"{"plan":"pro"}"#).await;
+        assert_eq!(r.status, StatusCode::NO_CONTENT, "{}", r.body);
+        let r = assign_batch(
+            &router,
+            &json!({"assignments": [
+                {"tenant": "acme", "plan": "pro"},
+                {"tenant": "globex", "plan": "pro"},
+                {"tenant": "old", "plan": null},
+                {"tenant": "never", "plan": null},
+            ]}),
+        )
+        .await;
+        assert_eq!(r.status, StatusCode::OK, "{}", r.body);
+        assert_eq!(r.body, json!({"assigned": 2, "unassigned": 2}));
+        assert_eq!(plan_of(&router, "acme").await.as_deref(), Some("pro"));
+        assert_eq!(plan_of(&router, "globex").await.as_deref(), Some("pro"));
+        assert_eq!(plan_of(&router, "old").await, None);
+        // An assigned tenant decides under the plan's policy at once.
+        let r = check(&router, r#"{"tenant":"acme","policy":"login"}"#).await;
+        assert_eq!(r.status, StatusCode::OK, "{}", r.body);
+        assert_eq!(r.body["remaining"], 4, "{}", r.body);
+
+        // Every problem by its place; nothing changes, not even the valid entries.
+        let r = assign_batch(
+            &router,
+            &json!({"assignments": [
+                {"tenant": "acme", "plan": null},
+                {"tenant": "a.b", "plan": "pro"},
+                {"tenant": "acme", "plan": "pro"},
+                {"tenant": "--plan--pro", "plan": "pro"},
+                {"tenant": "initech", "plan": "not a plan"},
+                {"tenant": "hooli"},
+            ]}),
+        )
+        .await;
+        assert_eq!(r.status, StatusCode::BAD_REQUEST, "{}", r.body);
+        assert!(is_problem(&r));
+        assert_eq!(
+            problem_fields(&r),
+            ["assignments[5].plan"],
+            "a missing plan is refused by the body's shape first: {}",
+            r.body
+        );
+        let r = assign_batch(
+            &router,
+            &json!({"assignments": [
+                {"tenant": "acme", "plan": null},
+                {"tenant": "a.b", "plan": "pro"},
+                {"tenant": "acme", "plan": "pro"},
+                {"tenant": "--plan--pro", "plan": "pro"},
+                {"tenant": "initech", "plan": "not a plan"},
+            ]}),
+        )
+        .await;
+        assert_eq!(r.status, StatusCode::BAD_REQUEST, "{}", r.body);
+        assert_eq!(
+            problem_fields(&r),
+            [
+                "assignments[1].tenant",
+                "assignments[2].tenant",
+                "assignments[3].tenant",
+                "assignments[4].plan",
+            ],
+            "{}",
+            r.body
+        );
+        assert_eq!(plan_of(&router, "acme").await.as_deref(), Some("pro"));
+        // A plan that does not exist is the coordinator's refusal, named the same way.
+        let r = assign_batch(
+            &router,
+            &json!({"assignments": [
+                {"tenant": "acme", "plan": null},
+                {"tenant": "initech", "plan": "enterprise"},
+            ]}),
+        )
+        .await;
+        assert_eq!(r.status, StatusCode::BAD_REQUEST, "{}", r.body);
+        assert_eq!(problem_fields(&r), ["assignments[1].plan"], "{}", r.body);
+        assert_eq!(r.body["errors"][0]["message"], "no such plan");
+        assert_eq!(plan_of(&router, "acme").await.as_deref(), Some("pro"));
+        assert_eq!(plan_of(&router, "initech").await, None);
+        // The size bounds: 1 to the coordinator's most.
+        let max = quota_core::coordinator::MAX_BATCH_ASSIGNMENTS;
+        let entries = |n: usize| {
+            let entries: Vec<_> = (0..n)
+                .map(|i| json!({"tenant": format!("t{i}"), "plan": "pro"}))
+                .collect();
+            json!({ "assignments": entries })
+        };
+        for n in [0, max + 1] {
+            let r = assign_batch(&router, &entries(n)).await;
+            assert_eq!(r.status, StatusCode::BAD_REQUEST, "{n}: {}", r.body);
+            assert_eq!(problem_fields(&r), ["assignments"], "{n}");
+        }
+        let r = assign_batch(&router, &entries(max)).await;
+        assert_eq!(r.status, StatusCode::OK, "{}", r.body);
+        assert_eq!(r.body["assigned"], max);
+        let last = format!("t{}", max - 1);
+        assert_eq!(plan_of(&router, &last).await.as_deref(), Some("pro"));
     }
 
     #[tokio::test]

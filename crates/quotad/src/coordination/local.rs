@@ -5,12 +5,13 @@ use std::collections::BTreeMap;
 use std::path::Path;
 use std::sync::{Arc, Mutex};
 
+use quota_core::coordinator::{InvalidEntry, MAX_BATCH_ASSIGNMENTS, MAX_LISTED_INVALID};
 use quota_core::mode::BudgetMode;
 use quota_core::{PlanName, Policy, PolicyName, RegionId, TenantId, PPM};
 use tokio::sync::watch;
 
 use crate::coordination::local_store::{LocalStore, LocalStoreError};
-use crate::coordination::mutation::{CoordError, PolicyPut};
+use crate::coordination::mutation::{CoordError, PlanAssignment, PolicyPut};
 use crate::coordination::status::{CoordinatorStatus, MemberStatus};
 use crate::coordination::view::{tenant_keys, ClusterView, Grant, PolicyEntry, PolicyMap};
 
@@ -110,13 +111,17 @@ impl LocalCoordinator {
         &self,
         f: impl FnOnce(&mut ClusterView) -> Result<T, LocalStoreError>,
     ) -> Result<T, CoordError> {
+        self.try_mutate(|view| f(view).map_err(|e| write_failed(&e)))
+    }
+
+    /// As [`Self::mutate`], for a change `f` may refuse after looking at the view under the
+    /// lock; a refusal changes and publishes nothing.
+    fn try_mutate<T>(
+        &self,
+        f: impl FnOnce(&mut ClusterView) -> Result<T, CoordError>,
+    ) -> Result<T, CoordError> {
         let mut view = self.view.lock().unwrap_or_else(|e| e.into_inner());
-        let out = f(&mut view).map_err(|e| {
-            tracing::error!(error = %e, "Writing the single-region coordinator state failed.");
-            CoordError::Unavailable {
-                reason: e.to_string(),
-            }
-        })?;
+        let out = f(&mut view)?;
         view.epoch += 1;
         self.tx.send_replace(Arc::new(view.clone()));
         Ok(out)
@@ -310,6 +315,63 @@ impl LocalCoordinator {
         })
     }
 
+    /// Assigns or unassigns `batch` in one transaction, all or none, refusing it as the
+    /// replicated coordinator does (a reserved tenant, a plan that does not exist).
+    pub fn assign_plans(&self, batch: &[PlanAssignment]) -> Result<(), CoordError> {
+        if batch.len() > MAX_BATCH_ASSIGNMENTS {
+            return Err(CoordError::Rejected {
+                message: format!("a batch holds at most {MAX_BATCH_ASSIGNMENTS} assignments"),
+            });
+        }
+        if batch.is_empty() {
+            return Ok(());
+        }
+        // Checked under the lock the write takes, so no plan goes in between.
+        self.try_mutate(|s| {
+            let mut entries = Vec::new();
+            let mut total = 0;
+            for (index, (tenant, plan)) in batch.iter().enumerate() {
+                let mut fields = Vec::new();
+                if tenant.reserved().is_some() {
+                    fields.push("tenant".to_string());
+                }
+                if plan
+                    .as_ref()
+                    .is_some_and(|p| s.plan_policies(p).next().is_none())
+                {
+                    fields.push("plan".to_string());
+                }
+                if !fields.is_empty() {
+                    total += 1;
+                    if entries.len() < MAX_LISTED_INVALID {
+                        entries.push(InvalidEntry {
+                            index: index as u32,
+                            fields,
+                        });
+                    }
+                }
+            }
+            if total > 0 {
+                return Err(CoordError::InvalidAssignments { entries, total });
+            }
+            let entries: Vec<_> = batch.iter().map(|(t, p)| (t, p.as_ref())).collect();
+            self.store
+                .put_assignments(&entries)
+                .map_err(|e| write_failed(&e))?;
+            for (tenant, plan) in batch {
+                match plan {
+                    Some(plan) => {
+                        s.plan_assignments.insert(tenant.clone(), plan.clone());
+                    }
+                    None => {
+                        s.plan_assignments.remove(tenant);
+                    }
+                }
+            }
+            Ok(())
+        })
+    }
+
     pub fn status(&self) -> CoordinatorStatus {
         let applied_index = self.view.lock().unwrap_or_else(|e| e.into_inner()).epoch;
         CoordinatorStatus {
@@ -323,5 +385,13 @@ impl LocalCoordinator {
                 voter: true,
             }],
         }
+    }
+}
+
+/// A failed write of the state file: logged, and the mutation unavailable.
+fn write_failed(e: &LocalStoreError) -> CoordError {
+    tracing::error!(error = %e, "Writing the single-region coordinator state failed.");
+    CoordError::Unavailable {
+        reason: e.to_string(),
     }
 }

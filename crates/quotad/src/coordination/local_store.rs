@@ -172,18 +172,31 @@ impl LocalStore {
         tenant: &TenantId,
         plan: Option<&PlanName>,
     ) -> Result<(), LocalStoreError> {
-        let value = plan.map(|p| self.encode(p, "plan")).transpose()?;
+        self.put_assignments(&[(tenant, plan)])
+    }
+
+    /// Assigns or unassigns several tenants in one transaction: all or none, one fsync.
+    pub fn put_assignments(
+        &self,
+        entries: &[(&TenantId, Option<&PlanName>)],
+    ) -> Result<(), LocalStoreError> {
+        let values = entries
+            .iter()
+            .map(|(_, plan)| plan.map(|p| self.encode(p, "plan")).transpose())
+            .collect::<Result<Vec<_>, _>>()?;
         let run = || -> Result<(), redb::Error> {
             let mut txn = self.db.begin_write()?;
             txn.set_durability(Durability::Immediate)?;
             {
                 let mut table = txn.open_table(ASSIGNMENTS)?;
-                match &value {
-                    Some(v) => {
-                        table.insert(tenant.as_str(), v.as_slice())?;
-                    }
-                    None => {
-                        table.remove(tenant.as_str())?;
+                for ((tenant, _), value) in entries.iter().zip(&values) {
+                    match value {
+                        Some(v) => {
+                            table.insert(tenant.as_str(), v.as_slice())?;
+                        }
+                        None => {
+                            table.remove(tenant.as_str())?;
+                        }
                     }
                 }
             }

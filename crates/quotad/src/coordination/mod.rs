@@ -26,7 +26,7 @@ use quota_core::{PlanName, Policy, PolicyName, RegionId, TenantId};
 use tokio::sync::watch;
 
 pub use local::LocalCoordinator;
-pub use mutation::{CoordError, PolicyPut, Removal};
+pub use mutation::{CoordError, PlanAssignment, PolicyPut, Removal};
 pub use replicated::Replicated;
 pub use status::{CoordinatorStatus, MemberStatus};
 pub use view::{
@@ -156,6 +156,14 @@ impl Coordinator {
         match self {
             Coordinator::Local(c) => c.unassign_plan(&tenant),
             Coordinator::Replicated(c) => c.unassign_plan(tenant).await,
+        }
+    }
+
+    /// Assigns or unassigns several tenants in one step, all or none.
+    pub async fn assign_plans(&self, batch: Vec<PlanAssignment>) -> Result<(), CoordError> {
+        match self {
+            Coordinator::Local(c) => c.assign_plans(&batch),
+            Coordinator::Replicated(c) => c.assign_plans(batch).await,
         }
     }
 
@@ -385,6 +393,56 @@ mod tests {
             c.put_policy(t, p, policy_of(200.0)).await.unwrap().version,
             52
         );
+    }
+
+    #[tokio::test]
+    async fn an_assignment_batch_is_one_durable_step_all_or_none() {
+        let dir = tempfile::tempdir().unwrap();
+        let eu = RegionId::new("eu").unwrap();
+        let pro = PlanName::new("pro").unwrap();
+        let tenant = |t: &str| TenantId::new(t).unwrap();
+        {
+            let c = open_local(&eu, dir.path());
+            let calls = PolicyName::new("calls").unwrap();
+            c.put_plan(pro.clone(), vec![(calls, policy())])
+                .await
+                .unwrap();
+            let batch = vec![
+                (tenant("a"), Some(pro.clone())),
+                (tenant("b"), Some(pro.clone())),
+            ];
+            c.assign_plans(batch).await.unwrap();
+            let mut rx = c.subscribe();
+            rx.borrow_and_update();
+            let refused = c
+                .assign_plans(vec![
+                    (tenant("a"), None),
+                    (tenant("c"), Some(PlanName::new("nope").unwrap())),
+                ])
+                .await
+                .unwrap_err();
+            assert_eq!(
+                refused,
+                CoordError::InvalidAssignments {
+                    entries: vec![quota_core::coordinator::InvalidEntry {
+                        index: 1,
+                        fields: vec!["plan".into()],
+                    }],
+                    total: 1,
+                }
+            );
+            assert!(
+                !rx.has_changed().unwrap(),
+                "a refused batch changes nothing"
+            );
+            assert_eq!(c.view().plan_assignments.get(&tenant("a")), Some(&pro));
+            c.assign_plans(vec![(tenant("b"), None)]).await.unwrap();
+        }
+        let c = open_local(&eu, dir.path());
+        let view = c.view();
+        assert_eq!(view.plan_assignments.get(&tenant("a")), Some(&pro));
+        assert_eq!(view.plan_assignments.get(&tenant("b")), None);
+        assert_eq!(view.plan_assignments.len(), 1);
     }
 
     #[test]

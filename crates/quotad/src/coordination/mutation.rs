@@ -1,7 +1,7 @@
 //! What a mutation takes and why one did not commit, for either coordinator.
 
 use quota_core::coordinator::InvalidEntry;
-use quota_core::{Policy, PolicyName, RegionId, TenantId};
+use quota_core::{PlanName, Policy, PolicyName, RegionId, TenantId};
 
 /// Why a mutation did not commit. Business answers ("no such policy") are values, not errors.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -28,6 +28,13 @@ pub enum CoordError {
     /// An assignment to a plan that does not exist.
     #[error("no such plan")]
     UnknownPlan,
+    /// Assignments the coordinator refused (a reserved tenant, a plan that does not exist), by
+    /// their place in the request (the first ones of `total`); nothing changed.
+    #[error("{total} assignments refused: {entries:?}")]
+    InvalidAssignments {
+        entries: Vec<InvalidEntry>,
+        total: u32,
+    },
     /// A plan command the coordinator refused, naming the field.
     #[error("{field}: refused by the coordinator")]
     InvalidPlan { field: String },
@@ -45,3 +52,6 @@ pub enum Removal {
 
 /// One policy of a batch: whose, which, and what.
 pub type PolicyPut = (TenantId, PolicyName, Policy);
+
+/// One entry of an assignment batch: a tenant and its plan (`None`: no plan).
+pub type PlanAssignment = (TenantId, Option<PlanName>);

@@ -5,7 +5,7 @@ use quota_core::coordinator::{Operation, Response};
 use quota_core::{PlanName, Policy, PolicyName, TenantId};
 
 use super::{unavailable, Replicated};
-use crate::coordination::mutation::CoordError;
+use crate::coordination::mutation::{CoordError, PlanAssignment};
 
 impl Replicated {
     /// Creates or replaces a plan; returns its policies with their versions, in order.
@@ -62,6 +62,29 @@ impl Replicated {
                 Ok(true)
             }
             Response::TenantHasNoPlan => Ok(false),
+            other => Err(unavailable(format!("unexpected answer {other:?}"))),
+        }
+    }
+
+    /// Assigns or unassigns `batch` as one replicated command: all or none.
+    pub async fn assign_plans(&self, batch: Vec<PlanAssignment>) -> Result<(), CoordError> {
+        if batch.is_empty() {
+            return Ok(());
+        }
+        match self
+            .write(Operation::AssignPlans { assignments: batch })
+            .await?
+        {
+            Response::PlansAssigned => {
+                self.rebuild_view();
+                Ok(())
+            }
+            Response::InvalidAssignments { entries, total } => {
+                Err(CoordError::InvalidAssignments { entries, total })
+            }
+            Response::BatchTooLarge { max } => Err(CoordError::Rejected {
+                message: format!("a batch holds at most {max} assignments"),
+            }),
             other => Err(unavailable(format!("unexpected answer {other:?}"))),
         }
     }

@@ -462,6 +462,28 @@ mod tests {
         assert!(v.resolve(&t7, &calls).is_none(), "no plan and no default");
         assert_eq!(v.plan_assignments.len(), 49);
         assert_eq!(v.plans_after(None), vec![plan.clone()]);
+        // A batch assigns and unassigns many tenants in one command, named one by one.
+        let batch = Operation::AssignPlans {
+            assignments: (0..60)
+                .map(|i| {
+                    let tenant = TenantId::new(format!("t{i}")).unwrap();
+                    (tenant, (i % 2 == 0).then(|| plan.clone()))
+                })
+                .collect(),
+        };
+        assert_eq!(
+            apply(&mut s, &mut c, 13, 3_000, batch),
+            Response::PlansAssigned
+        );
+        assert!(
+            !c.all,
+            "a batch of assignments never asks for a whole rebuild"
+        );
+        let v = view_of(&mut derived, &s, 4, &std::mem::take(&mut c), 0);
+        assert_eq!(v.plan_assignments.len(), 30);
+        assert_eq!(v.plan_assignments, assignments_of(&s));
+        assert!(v.resolve(&t7, &calls).is_none());
+        assert_eq!(v.resolve(&t8, &calls).unwrap().entry.policy.limit, 20);
     }
 
     #[test]
