@@ -32,6 +32,6 @@ pub use http::Reply;
 pub use metrics::metric_value;
 pub use poll::eventually;
 pub use redis_probe::{
-    all_still_spent, client_with_password, decides_through_redis, evalsha_calls, params_keys,
-    params_present, until_all_normal, QUOTAD_ACL,
+    all_still_spent, client_with_password, command_calls, decides_through_redis, evalsha_calls,
+    params_keys, params_present, until_all_normal, QUOTAD_ACL,
 };

@@ -129,5 +129,5 @@ pub async fn all_still_spent(d: &Daemon, tenants: &[String]) -> anyhow::Result<(
     Ok(())
 }
 
-/// EVALSHA calls Redis counted since the last `CONFIG RESETSTAT`.
-pub use redis_harness::evalsha_calls;
+/// Calls Redis counted since the last `CONFIG RESETSTAT`: EVALSHA, or any command by name.
+pub use redis_harness::{command_calls, evalsha_calls};

@@ -125,9 +125,9 @@ async fn an_identity_on_a_daemon_without_a_key_is_refused_by_name() -> anyhow::R
     Ok(())
 }
 
-/// Regression: a single-region daemon reports usage to no one, and once left the activity
-/// index in Redis listing every bucket ever checked, so one-shot identities left an entry each
-/// after their buckets expired. It is drained each report interval now.
+/// A single-region daemon reports usage to no one, yet drains the activity index in Redis
+/// (every `agent::DRAIN_INTERVAL`, 10 s), so one-shot identities leave no entry behind once
+/// their buckets expire.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_single_region_drains_the_activity_index() -> anyhow::Result<()> {
     let redis = RedisServer::start()?;
@@ -153,7 +153,7 @@ async fn a_single_region_drains_the_activity_index() -> anyhow::Result<()> {
         }
     };
     let drained = quotad_system_tests::eventually(
-        Duration::from_secs(10),
+        Duration::from_secs(15),
         Duration::from_millis(100),
         listed,
     )

@@ -406,6 +406,20 @@ pub fn plan(
     plan
 }
 
+/// A plan's class entry sums the demand of all its subjects, which exceeds one subject's
+/// budget in every region, so a max-min fair split of it would be even whatever the regions'
+/// loads: its demand is taken as shares of the whole instead (region r's `demand_r / Σ demand`
+/// of the budget), so the class's shares follow where its subjects are.
+fn as_shares_of_demand(demand_ppm: &mut [u64]) {
+    let total: u128 = demand_ppm.iter().map(|&d| u128::from(d)).sum();
+    if total == 0 {
+        return;
+    }
+    for d in demand_ppm.iter_mut() {
+        *d = (u128::from(*d) * u128::from(PPM) / total) as u64;
+    }
+}
+
 /// One policy's share change this round, or `None` when it is not worth a log entry.
 fn plan_entry(
     state: &CoordinatorState,
@@ -424,6 +438,9 @@ fn plan_entry(
             *slot = (u128::from(d) * u128::from(PPM) / u128::from(rate))
                 .min(u128::from(u64::MAX / 4)) as u64;
         }
+    }
+    if key.tenant.plan().is_some() {
+        as_shares_of_demand(&mut demand_ppm[..n]);
     }
     let demand_ppm = &demand_ppm[..n];
     let mut floors = [0u32; MAX_REGIONS];
@@ -667,6 +684,26 @@ mod tests {
             choose_home(Some(2), &[10, 40, 25], &[true, true, false], 250_000),
             Some(1)
         );
+    }
+
+    #[test]
+    fn a_class_splits_by_where_its_subjects_are() {
+        // Ten and thirty times one subject's budget: taken as it is, every region wants more
+        // than the whole, and the split is even.
+        let eligible = [true; 2];
+        let mut raw = [10 * u64::from(PPM), 30 * u64::from(PPM)];
+        let mut even = [0u32; 2];
+        target_into(&[0, 0], &raw, &eligible, &mut even);
+        assert_eq!(even, [500_000, 500_000]);
+        as_shares_of_demand(&mut raw);
+        assert_eq!(raw, [250_000, 750_000]);
+        let mut split = [0u32; 2];
+        target_into(&[0, 0], &raw, &eligible, &mut split);
+        assert_eq!(split, [250_000, 750_000]);
+        // No demand stays no demand.
+        let mut none = [0u64; 3];
+        as_shares_of_demand(&mut none);
+        assert_eq!(none, [0; 3]);
     }
 
     #[test]

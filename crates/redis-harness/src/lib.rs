@@ -163,21 +163,31 @@ pub struct TlsFiles {
     pub require_client_cert: bool,
 }
 
-/// EVALSHA calls Redis counted since its start or the last `CONFIG RESETSTAT` (every quotad
-/// decision, parameter write, reservation and refund is one), from `INFO commandstats`.
-pub async fn evalsha_calls(
+/// Calls of `command` (lower case, e.g. `evalsha`, or `hset`, which scripts' calls count in
+/// too) Redis counted since its start or the last `CONFIG RESETSTAT`, from `INFO commandstats`.
+pub async fn command_calls(
     conn: &mut redis::aio::MultiplexedConnection,
+    command: &str,
 ) -> redis::RedisResult<u64> {
     let stats: String = redis::cmd("INFO")
         .arg("commandstats")
         .query_async(conn)
         .await?;
+    let prefix = format!("cmdstat_{command}:calls=");
     Ok(stats
         .lines()
-        .find_map(|l| l.strip_prefix("cmdstat_evalsha:calls="))
+        .find_map(|l| l.strip_prefix(prefix.as_str()))
         .and_then(|rest| rest.split(',').next())
         .and_then(|n| n.parse().ok())
         .unwrap_or(0))
+}
+
+/// EVALSHA calls (every quotad decision, parameter write, usage collection, reservation and
+/// refund is one), as [`command_calls`] counts them.
+pub async fn evalsha_calls(
+    conn: &mut redis::aio::MultiplexedConnection,
+) -> redis::RedisResult<u64> {
+    command_calls(conn, "evalsha").await
 }
 
 impl TlsFiles {
