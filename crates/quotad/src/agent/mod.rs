@@ -257,21 +257,30 @@ pub const DRAIN_INTERVAL: Duration = Duration::from_secs(10);
 /// A single region reports usage to no one, but its store still lists every bucket checked in
 /// the activity index; draining it every [`DRAIN_INTERVAL`] (or report interval, if longer)
 /// keeps one-shot subjects (identities) from leaving an entry behind once their buckets expire.
+/// Never while the breaker is open: a failing store (a Cluster master failing over) gets no
+/// extra load from it, and a drain that fails waits twice as long before the next, up to 8×.
 pub async fn run_drain(
     decider: Arc<Decider>,
     report_interval: Duration,
     mut shutdown: watch::Receiver<bool>,
 ) {
-    let mut tick = tokio::time::interval(report_interval.max(DRAIN_INTERVAL));
-    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let every = report_interval.max(DRAIN_INTERVAL);
+    let mut wait = every;
     loop {
         tokio::select! {
             _ = shutdown.changed() => break,
-            _ = tick.tick() => {}
+            () = tokio::time::sleep(wait) => {}
         }
-        if let Err(e) = decider.store().collect_usage(MAX_USAGE_RECORDS).await {
-            tracing::debug!(error = %e, "Usage collection failed.");
+        if decider.store_degraded() {
+            continue;
         }
+        wait = match decider.store().collect_usage(MAX_USAGE_RECORDS).await {
+            Ok(_) => every,
+            Err(e) => {
+                tracing::debug!(error = %e, "Usage collection failed.");
+                (wait * 2).min(every * 8)
+            }
+        };
     }
 }
 
