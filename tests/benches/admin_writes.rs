@@ -20,7 +20,7 @@ mod common;
 use std::time::{Duration, Instant};
 
 use common::{env_or, pct};
-use quotad_system_tests::{Cluster, Daemon, Timings, TOKEN};
+use quotad_system_tests::Daemon;
 use serde_json::json;
 
 /// `puts` sequential PUTs of fresh policies (tenant `t-<tag>-<i>`) to `leader`: the latency
@@ -59,33 +59,17 @@ fn row(policies: usize, assignments: usize, (lat, failed): &(Vec<Duration>, usiz
 async fn main() -> anyhow::Result<()> {
     let stored: usize = env_or("QUOTAD_BENCH_STORED", 100_000);
     let puts: usize = env_or("QUOTAD_BENCH_PUTS", 200);
-    let timings = Timings {
-        report_interval_ms: 500,
-        rebalance_interval_ms: 2_000,
-        lease_ms: 30_000,
-        drift_margin_ms: 500,
-        ..Timings::default()
-    };
-    let cluster = Cluster::start(&["a", "b", "c"], &timings).await?;
+    let cluster = common::three_regions().await?;
     let leader = common::leader(&cluster).await?;
 
     let empty = measure(leader, "empty", puts).await;
     eprintln!("measured with none stored; loading {stored} policies and {stored} assignments");
-    let plan = json!({"policies": {"calls": {"limit": 100, "window_ms": 60000}}});
-    let r = leader
-        .request(
-            "PUT",
-            "/v1/plans/bench",
-            Some(TOKEN),
-            Some(plan.to_string()),
-        )
-        .await?;
-    anyhow::ensure!(
-        r.status == 200,
-        "plan PUT answered {}: {}",
-        r.status,
-        r.body
-    );
+    common::put_plan(
+        leader,
+        "bench",
+        json!({"calls": {"limit": 100, "window_ms": 60000}}),
+    )
+    .await?;
     let t0 = Instant::now();
     common::load_policies(leader, "s-", stored).await?;
     common::load_assignments(leader, "a-", stored, "bench").await?;

@@ -65,21 +65,12 @@ async fn main() -> anyhow::Result<()> {
     )
     .await?;
     let pid = daemon.pid().context("no pid")?;
-    let plan = json!({"policies": {"login": {"limit": 5, "window_ms": 1000}}});
-    let r = daemon
-        .request(
-            "PUT",
-            "/v1/plans/default",
-            Some(TOKEN),
-            Some(plan.to_string()),
-        )
-        .await?;
-    anyhow::ensure!(
-        r.status == 200,
-        "plan PUT answered {}: {}",
-        r.status,
-        r.body
-    );
+    common::put_plan(
+        &daemon,
+        "default",
+        json!({"login": {"limit": 5, "window_ms": 1000}}),
+    )
+    .await?;
     let mut c = redis.client().get_multiplexed_async_connection().await?;
     // Let the agent apply the plan and settle before the baseline.
     tokio::time::sleep(Duration::from_secs(2)).await;

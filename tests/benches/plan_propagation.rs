@@ -23,7 +23,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context as _};
 use common::{env_or, pct};
-use quotad_system_tests::{Cluster, Daemon, Timings, TOKEN};
+use quotad_system_tests::{Cluster, Daemon, TOKEN};
 use serde_json::json;
 
 const PLAN: &str = "bench";
@@ -34,22 +34,8 @@ const COST: u64 = 100;
 const POLL: Duration = Duration::from_millis(5);
 
 async fn put_plan(leader: &Daemon, limit: u64) -> anyhow::Result<()> {
-    let body = json!({"policies": {"calls": {"limit": limit, "window_ms": 3_600_000}}});
-    let r = leader
-        .request(
-            "PUT",
-            &format!("/v1/plans/{PLAN}"),
-            Some(TOKEN),
-            Some(body.to_string()),
-        )
-        .await?;
-    anyhow::ensure!(
-        r.status == 200,
-        "plan PUT answered {}: {}",
-        r.status,
-        r.body
-    );
-    Ok(())
+    let policies = json!({"calls": {"limit": limit, "window_ms": 3_600_000}});
+    common::put_plan(leader, PLAN, policies).await
 }
 
 /// Polls `d` with the probe until its answer is `admitted`; the time since `t0`.
@@ -110,14 +96,7 @@ fn ms(d: Duration) -> f64 {
 async fn main() -> anyhow::Result<()> {
     let tenants: usize = env_or("QUOTAD_BENCH_TENANTS", 100_000);
     let rounds: usize = env_or("QUOTAD_BENCH_ROUNDS", 5);
-    let timings = Timings {
-        report_interval_ms: 500,
-        rebalance_interval_ms: 2_000,
-        lease_ms: 30_000,
-        drift_margin_ms: 500,
-        ..Timings::default()
-    };
-    let cluster = Cluster::start(&["a", "b", "c"], &timings).await?;
+    let cluster = common::three_regions().await?;
     let leader = common::leader(&cluster).await?;
     put_plan(leader, SMALL).await?;
     let t0 = Instant::now();

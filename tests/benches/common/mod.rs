@@ -7,7 +7,7 @@
 use std::time::Duration;
 
 use anyhow::Context as _;
-use quotad_system_tests::{eventually, Cluster, Daemon, TOKEN};
+use quotad_system_tests::{eventually, Cluster, Daemon, Timings, TOKEN};
 use serde_json::json;
 
 /// Entries a load request carries (within the default 64 KiB body limit).
@@ -24,6 +24,39 @@ pub fn env_or<T: std::str::FromStr>(name: &str, default: T) -> T {
 pub fn pct(sorted: &[Duration], q: f64) -> f64 {
     let i = ((sorted.len() as f64 - 1.0) * q).round() as usize;
     sorted[i].as_secs_f64() * 1e3
+}
+
+/// Three regions on loopback with the benches' timings (0.5 s reports, 2 s rounds, 30 s
+/// leases), and their leader.
+pub async fn three_regions() -> anyhow::Result<Cluster> {
+    let timings = Timings {
+        report_interval_ms: 500,
+        rebalance_interval_ms: 2_000,
+        lease_ms: 30_000,
+        drift_margin_ms: 500,
+        ..Timings::default()
+    };
+    Cluster::start(&["a", "b", "c"], &timings).await
+}
+
+/// PUTs `plan` with `policies` (a plan body's `policies` object) on `d`; fails unless 200.
+pub async fn put_plan(d: &Daemon, plan: &str, policies: serde_json::Value) -> anyhow::Result<()> {
+    let body = json!({ "policies": policies });
+    let r = d
+        .request(
+            "PUT",
+            &format!("/v1/plans/{plan}"),
+            Some(TOKEN),
+            Some(body.to_string()),
+        )
+        .await?;
+    anyhow::ensure!(
+        r.status == 200,
+        "plan PUT answered {}: {}",
+        r.status,
+        r.body
+    );
+    Ok(())
 }
 
 /// The leader of `cluster`, as the first daemon sees it.
