@@ -391,6 +391,29 @@ pub fn carry_over(
     s
 }
 
+/// A lower bound on the ms after decision `d` (of a check of `cost` at `params`) before a check
+/// of `cost` or more can be admitted again, or `None` when the decision does not bound it (an
+/// admission that leaves `cost` or more, or a bucket that never refills).
+///
+/// A denial's bound is its retry time. An admission that leaves fewer than `cost` tokens is
+/// bounded from its time to full: filling takes `reset` ms, and the last `capacity − cost` of
+/// it at least `⌈(capacity − cost) · P / R⌉`, so `cost` tokens are at least `reset` less that
+/// away, and at most 1 ms more (ceilings of a difference). Tokens come only from the refill,
+/// so nobody else's spending can make either bound shorter.
+pub fn next_admission_ms(params: &BucketParams, cost: u64, d: &Decision) -> Option<u64> {
+    if !d.allowed {
+        return d.retry_after_ms;
+    }
+    let cost_ut = cost.checked_mul(UT)?;
+    if cost == 0 || d.remaining >= cost || cost_ut > params.capacity_ut || params.refill_ut == 0 {
+        return None;
+    }
+    let reset = d.reset_ms?;
+    let above = u128::from(params.capacity_ut - cost_ut) * u128::from(params.period_ms);
+    let from_cost_to_full = above.div_ceil(u128::from(params.refill_ut));
+    Some(reset.saturating_sub(u64::try_from(from_cost_to_full).unwrap_or(u64::MAX)))
+}
+
 /// Idle time after which a bucket may be forgotten: at least the time to refill completely, so
 /// an expired bucket (read as full) never grants more than the live one would.
 pub fn idle_ttl_ms(params: &BucketParams, state: &BucketState) -> u64 {
@@ -656,5 +679,59 @@ mod tests {
         let (_, s) = decide(0, &p, None, 10);
         assert_eq!(idle_ttl_ms(&p, &s), 5000);
         assert_eq!(refill(5000, &p, Some(&s)).tokens_ut, p.capacity_ut);
+    }
+
+    #[test]
+    fn an_admission_that_leaves_less_than_its_cost_bounds_the_next() {
+        // 10 a second, burst 10: spending 10 leaves nothing; the next token is 100 ms away.
+        let p = params(10, 10);
+        let (d, s) = decide(0, &p, None, 10);
+        assert_eq!(next_admission_ms(&p, 1, &d), Some(100));
+        assert!(!decide(99, &p, Some(&s), 1).0.allowed);
+        assert!(decide(100, &p, Some(&s), 1).0.allowed);
+        // Leaving 5, a cost of 5 could come back at once: no bound.
+        let (d, _) = decide(0, &p, None, 5);
+        assert_eq!(next_admission_ms(&p, 5, &d), None);
+        // A denial is bounded by its retry time; no refill never comes back.
+        let (d, _) = decide(0, &p, Some(&s), 3);
+        assert_eq!(next_admission_ms(&p, 3, &d), Some(300));
+        let still = BucketParams::new(10 * UT, 0).unwrap();
+        let (d, _) = decide(0, &still, None, 10);
+        assert_eq!(next_admission_ms(&still, 1, &d), None);
+    }
+
+    proptest::proptest! {
+        /// The bound is never later than the bucket's next admission of that cost, and at most
+        /// 1 ms earlier, for any parameters, state and cost (rational refills included).
+        #[test]
+        fn the_next_admission_bound_is_safe_and_tight(
+            cap_tokens in 1u64..2_000,
+            refill_ut in 1u64..5_000_000_000,
+            period_ms in 1u64..600_000,
+            level in 0.0f64..=1.0,
+            carry in 0u64..600_000,
+            cost_pick in 0.0f64..=1.0,
+            now in 0u64..1_000_000,
+        ) {
+            let Ok(p) = BucketParams::per_period(cap_tokens * UT, refill_ut, period_ms) else {
+                return Ok(());
+            };
+            let prior = BucketState {
+                tokens_ut: (p.capacity_ut as f64 * level) as u64,
+                carry: carry % period_ms,
+                ts_ms: now,
+                period_ms,
+            };
+            let cost = 1 + ((cap_tokens - 1) as f64 * cost_pick) as u64;
+            let (d, s) = decide(now, &p, Some(&prior), cost);
+            let Some(b) = next_admission_ms(&p, cost, &d) else {
+                proptest::prop_assert!(d.allowed && d.remaining >= cost);
+                return Ok(());
+            };
+            if b > 0 {
+                proptest::prop_assert!(!decide(now + b - 1, &p, Some(&s), cost).0.allowed);
+            }
+            proptest::prop_assert!(decide(now + b + 1, &p, Some(&s), cost).0.allowed);
+        }
     }
 }
