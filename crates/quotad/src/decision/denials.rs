@@ -1,45 +1,89 @@
-//! The denial cache: a token bucket that denied a check with retry time R denies every check of
-//! at least that cost until R has passed, so those are answered here without a Redis call.
+//! The denial cache: a token bucket that will not admit a check of some cost for R ms answers
+//! every check of at least that cost as a denial until R has passed, without a Redis call.
 //!
 //! Exact for a token bucket: tokens come back only at the refill rate, and anyone else's
 //! spending (other daemons on the same Redis, gateways running the script) only delays them.
 //! So if `cost` tokens are not there before R, no check of cost ≥ `cost` can succeed before R.
-//! Two things could make R wrong, and both void the entry:
+//! R comes from two answers of the store: a denial's retry time, and an admission that left
+//! fewer than its cost ([`quota_core::bucket::next_admission_ms`]).
 //!
-//! - the bucket's parameters change: an entry is keyed by the limit the check passed, and any
-//!   parameter write by this region's agent drops every entry taken before it
-//!   ([`Denials::forget_all`]), since the stored parameters decide over the passed limit;
-//! - clocks: R is counted from Redis's `TIME`, the entry's end from this daemon's monotonic
-//!   clock, started when the call was *sent* (at or before Redis's now) and cut by
-//!   [`RATE_MARGIN`], so the entry ends no later than Redis would start admitting.
+//! A flood on such a bucket costs Redis one call per retry interval: when R is about to pass,
+//! checks of that bucket wait for one probe (the first check at the expected time) instead of
+//! each asking Redis, and take its answer, which is either the admission of the token that came
+//! back (leaving another R) or a new denial.
+//!
+//! Clocks. R counts from Redis's now, which is its `TIME` cut to whole ms, so at most 1 ms
+//! before the call reached Redis; the daemon measures from when the call was *sent* (before it
+//! reached Redis) on its monotonic clock, and gives up [`RATE_MARGIN_PPM`] of R for clocks running
+//! at slightly different rates. An entry therefore answers denials only until
+//! `sent + (R − 1 ms)(1 − margin)`, which is never after Redis would admit; the probe goes at
+//! `answered + R(1 + margin)`, which is never before (Redis's now was no later than the answer),
+//! and checks that arrive in between wait for it, at most [`MAX_HOLD`].
+//!
+//! Two things could make R wrong, and both void the entry: the bucket's parameters change (an
+//! entry is keyed by the limit the check passed, and any parameter write by this region's
+//! agent drops every entry taken before it, [`Denials::forget_all`], since the stored
+//! parameters decide over the passed limit), or a smaller cost (it is asked of Redis).
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use quota_core::bucket::next_admission_ms;
 use quota_core::Decision;
 use quota_store::{BucketRef, Limit};
+use tokio::sync::Notify;
 use tokio::time::Instant;
 
 /// Most buckets remembered at once: a flood over many buckets cannot grow the cache past this.
 pub const MAX_ENTRIES: usize = 65_536;
 
-/// The fraction of R an entry gives up, for clocks that run at slightly different rates (NTP
-/// slews a wall clock by at most 500 ppm).
-pub const RATE_MARGIN: f64 = 0.001;
+/// The part of R, in millionths, an entry gives up for clocks that run at slightly different
+/// rates (NTP slews a wall clock by at most 500 ppm).
+pub const RATE_MARGIN_PPM: u64 = 1_000;
 
-/// Shortest retry time worth remembering: below it the next check would as well ask Redis.
-const MIN_RETRY_MS: u64 = 2;
+/// Longest a check waits past the end of a standing denial for the probe. It covers the
+/// whole-ms cut of Redis's time, a round trip and the rate margin of retry times up to about
+/// two seconds; with longer ones the probe goes before the token is due, and its denial (a
+/// short retry) leads to a second probe.
+pub const MAX_HOLD: Duration = Duration::from_millis(5);
 
-#[derive(Debug, Clone)]
+#[derive(Debug)]
 struct Entry {
     limit: Limit,
     cost: u64,
-    /// When the denial was sent for, and until when it stands.
+    /// When the call that made the entry was sent: its times count down from here.
     sent: Instant,
+    /// Checks are answered as denials before this.
     until: Instant,
+    /// The probe goes at this time; checks that arrive between `until` and here wait for it.
+    probe_at: Instant,
+    /// When the bucket is expected to admit again (the Retry-After answered).
+    due: Instant,
+    /// What the store answered (its level and time to full at `sent`).
     decision: Decision,
+    /// A check is asking the store for this bucket; the others wait for `settled`.
+    probing: bool,
+    settled: Arc<Notify>,
+}
+
+/// Where a check stands against the cache, from [`Denials::look`].
+#[derive(Debug)]
+pub enum Look {
+    /// Answered: a denial still stands.
+    Denied(Decision),
+    /// Look again at `until` (when the probe is due; `None`: when the probe settles), or when
+    /// `settled` is notified, whichever comes first.
+    Wait {
+        until: Option<Instant>,
+        settled: Arc<Notify>,
+    },
+    /// This check is the probe: ask the store, then [`Denials::remember`] the answer (or
+    /// [`Denials::abandon`] the probe).
+    Probe,
+    /// Nothing stands for this check: ask the store.
+    Ask,
 }
 
 /// Denials still standing, by bucket.
@@ -57,33 +101,58 @@ pub struct Ticket {
     generation: u64,
 }
 
+impl Ticket {
+    /// The same ticket for a call sent at `now`: a write since it was taken still counts.
+    pub fn sent_at(self, now: Instant) -> Self {
+        Self { sent: now, ..self }
+    }
+}
+
 impl Denials {
-    /// A denial still standing for a check of `bucket` at `limit` and `cost`, as the store
-    /// would answer it at `now`: not allowed, its retry time counted down.
-    pub fn answer(
-        &self,
-        bucket: &BucketRef,
-        limit: &Limit,
-        cost: u64,
-        now: Instant,
-    ) -> Option<Decision> {
-        let mut entries = self.entries.lock().unwrap_or_else(|e| e.into_inner());
-        let e = entries.get(bucket)?;
-        if e.limit != *limit || now >= e.until {
-            entries.remove(bucket);
-            return None;
+    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<BucketRef, Entry>> {
+        self.entries.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Where a check of `bucket` at `limit` and `cost` stands at `now`: a denial the store would
+    /// answer too, a wait for the bucket's probe, the probe itself, or a call of its own.
+    pub fn look(&self, bucket: &BucketRef, limit: &Limit, cost: u64, now: Instant) -> Look {
+        let mut entries = self.lock();
+        let Some(e) = entries.get_mut(bucket) else {
+            return Look::Ask;
+        };
+        if e.limit != *limit {
+            if let Some(e) = entries.remove(bucket) {
+                e.settled.notify_waiters();
+            }
+            return Look::Ask;
         }
         if cost < e.cost {
-            return None;
+            return Look::Ask;
         }
-        let gone = now.saturating_duration_since(e.sent).as_millis() as u64;
-        let left = e.until.saturating_duration_since(now).as_millis() as u64;
-        Some(Decision {
-            allowed: false,
-            remaining: e.decision.remaining,
-            retry_after_ms: Some(left.max(1)),
-            reset_ms: e.decision.reset_ms.map(|r| r.saturating_sub(gone)),
-        })
+        if now < e.until {
+            let gone = now.saturating_duration_since(e.sent).as_millis() as u64;
+            let left = e.due.saturating_duration_since(now);
+            return Look::Denied(Decision {
+                allowed: false,
+                remaining: e.decision.remaining,
+                retry_after_ms: Some((left.as_micros().div_ceil(1000) as u64).max(1)),
+                reset_ms: e.decision.reset_ms.map(|r| r.saturating_sub(gone)),
+            });
+        }
+        if e.probing {
+            return Look::Wait {
+                until: None,
+                settled: e.settled.clone(),
+            };
+        }
+        if now >= e.probe_at {
+            e.probing = true;
+            return Look::Probe;
+        }
+        Look::Wait {
+            until: Some(e.probe_at),
+            settled: e.settled.clone(),
+        }
     }
 
     /// A ticket for a store call about to be sent.
@@ -94,8 +163,13 @@ impl Denials {
         }
     }
 
-    /// Remembers the store's answer to a token-bucket check sent with `ticket`, if it is a
-    /// denial with a retry time and no parameter write came between.
+    /// Remembers the store's answer `d`, received at `answered`, to a token-bucket check of
+    /// `cost` sent with `ticket`: a denial with a retry time, or with `admissions` an admission
+    /// that left less than the cost, stands until the bucket could admit that cost again.
+    /// Any other answer, or one to a call sent before a parameter write, settles the bucket's
+    /// probe without an entry. `admissions` is false where tokens may be held in the daemon
+    /// (a reservation pool), which the store's answer does not count.
+    #[allow(clippy::too_many_arguments)]
     pub fn remember(
         &self,
         ticket: Ticket,
@@ -103,52 +177,73 @@ impl Denials {
         limit: &Limit,
         cost: u64,
         d: &Decision,
+        answered: Instant,
+        admissions: bool,
     ) {
-        let (false, Limit::TokenBucket(_), Some(retry_ms)) = (d.allowed, limit, d.retry_after_ms)
-        else {
-            return;
+        let wait_ms = match limit {
+            Limit::TokenBucket(p) if !d.allowed || admissions => next_admission_ms(p, cost, d),
+            _ => None,
         };
-        let standing_ms = (retry_ms as f64 * (1.0 - RATE_MARGIN)) as u64;
-        if standing_ms < MIN_RETRY_MS {
-            return;
-        }
-        let until = ticket.sent + Duration::from_millis(standing_ms);
-        let mut entries = self.entries.lock().unwrap_or_else(|e| e.into_inner());
+        let mut entries = self.lock();
         // Checked under the lock that `forget_all` takes too: a write after this point drops
         // the entry, one before it is seen here.
-        if self.generation.load(Ordering::Acquire) != ticket.generation {
+        let current = self.generation.load(Ordering::Acquire) == ticket.generation;
+        let (Some(wait_ms), true) = (wait_ms.filter(|&w| w > 0), current) else {
+            settle(&mut entries, bucket);
             return;
-        }
+        };
         if entries.len() >= MAX_ENTRIES && !entries.contains_key(bucket) {
-            let now = Instant::now();
-            entries.retain(|_, e| e.until > now);
+            entries.retain(|_, e| e.probing || e.until > answered);
             if entries.len() >= MAX_ENTRIES {
                 return;
             }
         }
-        entries.insert(
-            bucket.clone(),
-            Entry {
-                limit: *limit,
-                cost,
-                sent: ticket.sent,
-                until,
-                decision: *d,
-            },
-        );
+        let until = ticket.sent + with_margin(wait_ms - 1, false);
+        let due = answered.max(ticket.sent) + with_margin(wait_ms, true);
+        let decision = Decision {
+            allowed: false,
+            remaining: d.remaining,
+            retry_after_ms: Some(wait_ms),
+            reset_ms: d.reset_ms,
+        };
+        let entry = Entry {
+            limit: *limit,
+            cost,
+            sent: ticket.sent,
+            until,
+            probe_at: due.min(until + MAX_HOLD),
+            due,
+            decision,
+            probing: false,
+            settled: Arc::new(Notify::new()),
+        };
+        if let Some(old) = entries.insert(bucket.clone(), entry) {
+            old.settled.notify_waiters();
+        }
+    }
+
+    /// Ends a probe that got no answer (the store out, an error, the check dropped): the
+    /// bucket's entry goes, and the checks waiting for the probe ask the store themselves.
+    pub fn abandon(&self, bucket: &BucketRef) {
+        let mut entries = self.lock();
+        if entries.get(bucket).is_some_and(|e| e.probing) {
+            settle(&mut entries, bucket);
+        }
     }
 
     /// Drops every entry, and every answer still in flight: a bucket's stored parameters
     /// changed.
     pub fn forget_all(&self) {
-        let mut entries = self.entries.lock().unwrap_or_else(|e| e.into_inner());
+        let mut entries = self.lock();
         self.generation.fetch_add(1, Ordering::AcqRel);
-        entries.clear();
+        for (_, e) in entries.drain() {
+            e.settled.notify_waiters();
+        }
     }
 
     /// How many entries are held.
     pub fn len(&self) -> usize {
-        self.entries.lock().unwrap_or_else(|e| e.into_inner()).len()
+        self.lock().len()
     }
 
     /// Whether no entry is held.
@@ -157,9 +252,30 @@ impl Denials {
     }
 }
 
+/// Drops `bucket`'s entry and wakes the checks waiting on it.
+fn settle(entries: &mut HashMap<BucketRef, Entry>, bucket: &BucketRef) {
+    if let Some(e) = entries.remove(bucket) {
+        e.settled.notify_waiters();
+    }
+}
+
+/// `ms` less (or with `more`, plus) the rate margin, rounded to the microsecond towards the
+/// safe side: earlier for the end of denials, later for the probe.
+fn with_margin(ms: u64, more: bool) -> Duration {
+    let us = ms.saturating_mul(1_000);
+    let margin = us.saturating_mul(RATE_MARGIN_PPM).div_ceil(1_000_000);
+    Duration::from_micros(if more {
+        us.saturating_add(margin)
+    } else {
+        us - margin
+    })
+}
+
 #[cfg(test)]
 mod tests {
-    use quota_core::bucket::BucketParams;
+    use std::pin::pin;
+
+    use quota_core::bucket::{BucketParams, UT};
     use quota_core::{PolicyName, TenantId};
 
     use super::*;
@@ -172,8 +288,9 @@ mod tests {
         }
     }
 
+    /// `capacity` tokens, refilling `capacity` a second.
     fn limit(capacity: u64) -> Limit {
-        let ut = capacity * quota_core::bucket::UT;
+        let ut = capacity * UT;
         Limit::TokenBucket(BucketParams::new(ut, ut).unwrap())
     }
 
@@ -186,26 +303,119 @@ mod tests {
         }
     }
 
+    fn us(t0: Instant, us: u64) -> Instant {
+        t0 + Duration::from_micros(us)
+    }
+
+    fn denied(l: Look) -> Decision {
+        match l {
+            Look::Denied(d) => d,
+            other => panic!("expected a denial, got {other:?}"),
+        }
+    }
+
     #[test]
-    fn a_denial_stands_for_its_retry_time_at_that_cost_or_more() {
+    fn a_denial_stands_until_redis_could_admit_then_one_check_probes() {
         let d = Denials::default();
         let t0 = Instant::now();
         let (b, l) = (bucket(), limit(10));
-        d.remember(d.ticket(t0), &b, &l, 2, &denial(1_000));
-        let at = |ms| t0 + Duration::from_millis(ms);
-        let a = d.answer(&b, &l, 2, at(400)).unwrap();
-        assert!(!a.allowed);
-        assert_eq!(a.retry_after_ms, Some(599));
+        // Sent at t0, answered 1 ms later: retry 1 000 ms.
+        d.remember(d.ticket(t0), &b, &l, 2, &denial(1_000), us(t0, 1_000), true);
+        let a = denied(d.look(&b, &l, 2, us(t0, 400_000)));
+        // Retry-After counts to when the token is due: 1 ms + 1 001 ms.
+        assert_eq!(a.retry_after_ms, Some(602));
         assert_eq!(a.reset_ms, Some(4_600));
-        assert!(d.answer(&b, &l, 5, at(400)).is_some(), "a larger cost");
         assert!(
-            d.answer(&b, &l, 1, at(400)).is_none(),
-            "a smaller cost asks"
+            matches!(d.look(&b, &l, 5, us(t0, 400_000)), Look::Denied(_)),
+            "a larger cost"
         );
-        // R less the rate margin: 999 ms.
-        assert!(d.answer(&b, &l, 2, at(998)).is_some());
-        assert!(d.answer(&b, &l, 2, at(999)).is_none());
-        assert!(d.is_empty(), "an entry past its time is dropped");
+        assert!(
+            matches!(d.look(&b, &l, 1, us(t0, 400_000)), Look::Ask),
+            "a smaller cost"
+        );
+        // Redis's now may be up to 1 ms before the call was sent: (R − 1 ms) less 0.1 %.
+        denied(d.look(&b, &l, 2, us(t0, 998_000)));
+        // Then the checks wait for the probe, due 1 ms + R + 0.1 % after the send.
+        match d.look(&b, &l, 2, us(t0, 998_100)) {
+            Look::Wait { until, .. } => assert_eq!(until, Some(us(t0, 1_002_000))),
+            other => panic!("{other:?}"),
+        }
+        assert!(matches!(d.look(&b, &l, 2, us(t0, 1_002_000)), Look::Probe));
+        assert!(
+            matches!(
+                d.look(&b, &l, 2, us(t0, 1_002_000)),
+                Look::Wait { until: None, .. }
+            ),
+            "one probe at a time"
+        );
+    }
+
+    #[tokio::test]
+    async fn the_probes_answer_wakes_the_waiting_checks() {
+        let d = Denials::default();
+        let t0 = Instant::now();
+        let (b, l) = (bucket(), limit(10));
+        d.remember(d.ticket(t0), &b, &l, 1, &denial(100), t0, true);
+        let probe_at = us(t0, 100_100);
+        assert!(matches!(d.look(&b, &l, 1, probe_at), Look::Probe));
+        let Look::Wait { settled, .. } = d.look(&b, &l, 1, probe_at) else {
+            panic!("a second check waits");
+        };
+        let mut woken = pin!(settled.notified());
+        woken.as_mut().enable();
+        // The probe is admitted and leaves nothing: 10 a second, the next token in 100 ms.
+        let admitted = Decision {
+            allowed: true,
+            remaining: 0,
+            retry_after_ms: Some(0),
+            reset_ms: Some(1_000),
+        };
+        d.remember(d.ticket(probe_at), &b, &l, 1, &admitted, probe_at, true);
+        assert!(tokio::time::timeout(Duration::ZERO, woken).await.is_ok());
+        let a = denied(d.look(&b, &l, 1, probe_at + Duration::from_millis(50)));
+        assert_eq!(a.remaining, 0);
+        assert_eq!(a.retry_after_ms, Some(51), "due 100.1 ms after the probe");
+    }
+
+    #[tokio::test]
+    async fn an_abandoned_probe_leaves_the_others_to_ask() {
+        let d = Denials::default();
+        let t0 = Instant::now();
+        let (b, l) = (bucket(), limit(10));
+        d.remember(d.ticket(t0), &b, &l, 1, &denial(100), t0, true);
+        let probe_at = us(t0, 100_100);
+        assert!(matches!(d.look(&b, &l, 1, probe_at), Look::Probe));
+        let Look::Wait { settled, .. } = d.look(&b, &l, 1, probe_at) else {
+            panic!("a second check waits");
+        };
+        let mut woken = pin!(settled.notified());
+        woken.as_mut().enable();
+        d.abandon(&b);
+        assert!(tokio::time::timeout(Duration::ZERO, woken).await.is_ok());
+        assert!(matches!(d.look(&b, &l, 1, probe_at), Look::Ask));
+    }
+
+    #[test]
+    fn an_admission_that_leaves_less_than_its_cost_stands_as_a_denial() {
+        let d = Denials::default();
+        let t0 = Instant::now();
+        let (b, l) = (bucket(), limit(10));
+        // 10 tokens, 10 a second, 3 left (700 ms to full): 5 are 200 ms away at the least.
+        let admitted = Decision {
+            allowed: true,
+            remaining: 3,
+            retry_after_ms: Some(0),
+            reset_ms: Some(700),
+        };
+        d.remember(d.ticket(t0), &b, &l, 5, &admitted, t0, true);
+        let a = denied(d.look(&b, &l, 5, us(t0, 100_000)));
+        assert_eq!((a.remaining, a.reset_ms), (3, Some(600)));
+        assert!(matches!(d.look(&b, &l, 3, us(t0, 100_000)), Look::Ask));
+        // Not where the daemon may hold tokens of its own; not when enough is left.
+        let d = Denials::default();
+        d.remember(d.ticket(t0), &b, &l, 5, &admitted, t0, false);
+        d.remember(d.ticket(t0), &b, &l, 3, &admitted, t0, true);
+        assert!(d.is_empty());
     }
 
     #[test]
@@ -213,15 +423,19 @@ mod tests {
         let d = Denials::default();
         let t0 = Instant::now();
         let b = bucket();
-        d.remember(d.ticket(t0), &b, &limit(10), 1, &denial(1_000));
-        assert!(d.answer(&b, &limit(20), 1, t0).is_none(), "a new share");
-        d.remember(d.ticket(t0), &b, &limit(10), 1, &denial(1_000));
+        d.remember(d.ticket(t0), &b, &limit(10), 1, &denial(1_000), t0, true);
+        assert!(
+            matches!(d.look(&b, &limit(20), 1, t0), Look::Ask),
+            "a new share"
+        );
+        assert!(d.is_empty());
+        d.remember(d.ticket(t0), &b, &limit(10), 1, &denial(1_000), t0, true);
         d.forget_all();
-        assert!(d.answer(&b, &limit(10), 1, t0).is_none());
+        assert!(matches!(d.look(&b, &limit(10), 1, t0), Look::Ask));
         // An answer to a call sent before a write is not remembered.
         let ticket = d.ticket(t0);
         d.forget_all();
-        d.remember(ticket, &b, &limit(10), 1, &denial(1_000));
+        d.remember(ticket, &b, &limit(10), 1, &denial(1_000), t0, true);
         assert!(d.is_empty());
     }
 
@@ -234,19 +448,19 @@ mod tests {
             limit: 5,
             window_ms: 1_000,
         };
-        d.remember(d.ticket(t0), &b, &window, 1, &denial(500));
+        d.remember(d.ticket(t0), &b, &window, 1, &denial(500), t0, true);
         let never = Decision {
             retry_after_ms: None,
             ..denial(0)
         };
-        d.remember(d.ticket(t0), &b, &limit(10), 1, &never);
-        let allowed = Decision {
-            allowed: true,
-            ..denial(0)
-        };
-        d.remember(d.ticket(t0), &b, &limit(10), 1, &allowed);
-        d.remember(d.ticket(t0), &b, &limit(10), 1, &denial(1));
+        d.remember(d.ticket(t0), &b, &limit(10), 1, &never, t0, true);
         assert!(d.is_empty());
+        // A 1 ms retry answers no denial but holds the checks for its probe.
+        d.remember(d.ticket(t0), &b, &limit(10), 1, &denial(1), t0, true);
+        assert!(matches!(
+            d.look(&b, &limit(10), 1, t0),
+            Look::Wait { until: Some(_), .. }
+        ));
     }
 
     #[test]
@@ -258,7 +472,7 @@ mod tests {
                 version: i,
                 ..bucket()
             };
-            d.remember(d.ticket(t0), &b, &limit(10), 1, &denial(60_000));
+            d.remember(d.ticket(t0), &b, &limit(10), 1, &denial(60_000), t0, true);
         }
         assert_eq!(d.len(), MAX_ENTRIES);
     }

@@ -10,6 +10,7 @@ pub mod multi;
 pub mod reservations;
 
 use std::collections::HashMap;
+use std::pin::Pin;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -22,12 +23,13 @@ use quota_store::{
     AnyStore, BucketRef, CheckRequest, EmbeddedStore, Limit, Store, StoreError, UsageRecord,
 };
 use serde::{Deserialize, Serialize};
+use tokio::sync::futures::OwnedNotified;
 use tokio::sync::watch;
 
 use crate::clock;
 use crate::coordination::{ClusterView, PolicyEntry};
 use crate::decision::breaker::{Admission, Breaker};
-use crate::decision::denials::Denials;
+use crate::decision::denials::{Denials, Look, Ticket};
 use crate::decision::reservations::{Refund, Reservations, Step};
 use crate::secret::Secret;
 use crate::telemetry::{self, DecisionMetrics, Outcome};
@@ -490,6 +492,9 @@ impl Decider {
         forwarded: bool,
     ) -> Result<Verdict, CheckError> {
         let started = clock::monotonic();
+        // Taken before the view is read: a parameter write after this point (of a share newer
+        // than the limit read here) keeps this check's answer out of the denial cache.
+        let ticket = self.denials.ticket(started);
         let view = self.view();
         // The subject's own policy, else its plan's: either way its own bucket, at the
         // version and share of the entry it resolved to.
@@ -540,7 +545,7 @@ impl Decider {
                     reason: "this region holds too little of the policy's budget for now",
                 })
             }
-            _ => self.decide_here(bucket, limit, cost, policy).await,
+            _ => self.decide_here(bucket, limit, cost, policy, ticket).await,
         }
         .map(|v| self.count_shadow(&policy_name, v));
         self.metrics.record(
@@ -649,6 +654,7 @@ impl Decider {
         limit: Limit,
         cost: u64,
         policy: Policy,
+        ticket: Ticket,
     ) -> Result<Verdict, CheckError> {
         let req = CheckRequest {
             bucket,
@@ -656,7 +662,7 @@ impl Decider {
             cost,
             now_ms: None,
         };
-        match self.ask_store(&req).await {
+        match self.ask_store(&req, ticket).await {
             Ok(Some(decision)) => Ok(self.verdict_here(decision, policy, Mode::Normal)),
             Ok(None) => self.fail_over(req, policy).await,
             Err(e) => {
@@ -679,7 +685,12 @@ impl Decider {
     /// store answered but refused this request or its bucket's data. A refusal is one bucket's
     /// fault, not an outage: it never counts against the breaker, so one tenant's bad data
     /// cannot degrade the region for the others.
-    async fn ask_store(&self, req: &CheckRequest) -> Result<Option<Decision>, StoreError> {
+    /// `ticket` was taken before the limit was read (see [`Decider::check`]).
+    async fn ask_store(
+        &self,
+        req: &CheckRequest,
+        ticket: Ticket,
+    ) -> Result<Option<Decision>, StoreError> {
         if is_embedded(&self.store) {
             return match self.store.check(req).await {
                 Ok(d) => Ok(Some(d)),
@@ -687,11 +698,14 @@ impl Decider {
                 Err(_) => Ok(None),
             };
         }
+        let probe = match self.standing_denial(req).await {
+            Ok(d) => {
+                self.denial_cache_hits.increment(1);
+                return Ok(Some(d));
+            }
+            Err(probe) => probe,
+        };
         let t0 = clock::monotonic();
-        if let Some(d) = self.denials.answer(&req.bucket, &req.limit, req.cost, t0) {
-            self.denial_cache_hits.increment(1);
-            return Ok(Some(d));
-        }
         if let Some(r) = self.reservations.as_ref().filter(|_| req.cost > 0) {
             let mut refunds = Vec::new();
             let (step, taking) = r
@@ -717,7 +731,7 @@ impl Decider {
                         reservations: r,
                         bucket: &req.bucket,
                     };
-                    let ticket = self.denials.ticket(t0);
+                    let ticket = ticket.sent_at(t0);
                     let Some(answer) = self.call_store(t0, self.store.reserve(req, batch)).await?
                     else {
                         return Ok(None);
@@ -734,20 +748,85 @@ impl Decider {
                         &mut refunds,
                     );
                     self.give_back(refunds);
-                    self.denials
-                        .remember(ticket, &req.bucket, &req.limit, req.cost, &d);
+                    // A pool counts in `d`: an admission that leaves less than the cost here
+                    // and in Redis holds no tokens in the pool either.
+                    self.remember(req, ticket, &d, true, probe);
                     return Ok(Some(d));
                 }
                 Step::Single => {}
             }
         }
-        let ticket = self.denials.ticket(t0);
+        let ticket = ticket.sent_at(t0);
         let d = self.call_store(t0, self.store.check(req)).await?;
         if let Some(d) = &d {
-            self.denials
-                .remember(ticket, &req.bucket, &req.limit, req.cost, d);
+            // A single check while the pool or a batch may hold tokens (its wait for the
+            // batch ran out): Redis's level does not count them.
+            let admissions = self
+                .reservations
+                .as_ref()
+                .is_none_or(|r| r.idle(&req.bucket));
+            self.remember(req, ticket, d, admissions, probe);
         }
         Ok(d)
+    }
+
+    /// Remembers a store answer in the denial cache, settling this check's probe if it was one.
+    fn remember(
+        &self,
+        req: &CheckRequest,
+        ticket: Ticket,
+        d: &Decision,
+        admissions: bool,
+        probe: Option<Probe<'_>>,
+    ) {
+        self.denials.remember(
+            ticket,
+            &req.bucket,
+            &req.limit,
+            req.cost,
+            d,
+            clock::monotonic(),
+            admissions,
+        );
+        std::mem::forget(probe);
+    }
+
+    /// A denial still standing for this check (answered without the store), or else whether
+    /// this check is its bucket's probe. Waits, at most the store's timeout, while another
+    /// check probes the bucket or the probe is not yet due.
+    async fn standing_denial<'a>(
+        &'a self,
+        req: &'a CheckRequest,
+    ) -> Result<Decision, Option<Probe<'a>>> {
+        let deadline = clock::monotonic() + self.store_timeout;
+        let mut armed: Option<Pin<Box<OwnedNotified>>> = None;
+        loop {
+            let now = clock::monotonic();
+            match self.denials.look(&req.bucket, &req.limit, req.cost, now) {
+                Look::Denied(d) => return Ok(d),
+                Look::Ask => return Err(None),
+                Look::Probe => {
+                    return Err(Some(Probe {
+                        denials: &self.denials,
+                        bucket: &req.bucket,
+                    }))
+                }
+                Look::Wait { .. } if now >= deadline => return Err(None),
+                Look::Wait { until, settled } => match armed.take() {
+                    // Armed first, then looked at again: a probe settling in between is seen
+                    // by the look, one settling after it wakes the wait.
+                    None => {
+                        let mut woken = Box::pin(settled.notified_owned());
+                        woken.as_mut().enable();
+                        armed = Some(woken);
+                    }
+                    Some(woken) => {
+                        let at = until.map_or(deadline, |u| u.min(deadline));
+                        let _ = tokio::time::timeout_at(at, woken).await;
+                    }
+                },
+            }
+        }
     }
 
     /// One store call through the breaker: `Ok(None)` when the breaker is open or the store is
@@ -945,6 +1024,19 @@ struct Pending<'a> {
 impl Drop for Pending<'_> {
     fn drop(&mut self) {
         self.reservations.abandon(self.bucket);
+    }
+}
+
+/// A check probing a bucket whose denial is ending: dropped without an answer remembered (the
+/// store out, an error, the request dropped), it ends the probe so checks waiting for it go on.
+struct Probe<'a> {
+    denials: &'a Denials,
+    bucket: &'a BucketRef,
+}
+
+impl Drop for Probe<'_> {
+    fn drop(&mut self) {
+        self.denials.abandon(self.bucket);
     }
 }
 

@@ -235,6 +235,14 @@ impl Reservations {
         }
     }
 
+    /// Whether no tokens of `bucket` are held here or being taken: the store's level is all
+    /// there is.
+    pub fn idle(&self, bucket: &BucketRef) -> bool {
+        self.lock()
+            .get(bucket)
+            .is_none_or(|s| !s.in_flight && s.pool.is_none_or(|p| p.tokens == 0))
+    }
+
     /// Whole tokens of `bucket` held here, for reads of its level.
     pub fn held(&self, bucket: &BucketRef) -> u64 {
         self.lock()
