@@ -16,8 +16,8 @@
 -- arithmetic is quota-core bucket::refund exactly (a differential test holds them equal).
 
 -- quotad shared helpers: begin. The same text in every script in lua/ (each script runs on its
--- own, so the helpers are copied, not included); a test holds the copies equal and the bounds
--- equal to quota-core's bounds.rs.
+-- own, so the block is copied, not included); a test holds the copies equal, the bounds equal to
+-- quota-core's bounds.rs, and every call of quotad_helpers to the same arguments.
 local UT = 1000000 -- micro-tokens per token
 local MAX_CAP = 9007199254740991 -- 2^53 - 1: capacities and refills in µt, times and TTLs in ms
 local MAX_PERIOD = 2678400000 -- longest refill period in ms (31 days, below 2^32)
@@ -30,6 +30,7 @@ local MAX_WINDOW_MS = 2678400000 -- longest window: 31 days
 local MAX_WINDOW_PRODUCT = 2251799813685248 -- 2^51: largest limit * window
 local EXACT_LOG_MAX = 128 -- largest sliding-window limit kept as an exact log
 local DEFAULT_MIN_TTL_MS = 60000 -- minimum idle TTL when none is given
+local DEFAULT_MIN_TTL_ARG = '60000' -- the same as a command argument
 local COLLECT_MAX = 100000 -- most keys one usage collection takes
 local STATE_LEN = 96 -- bytes of a token-bucket state
 local STATE_LEN_NO_PERIOD = 88 -- bytes of a state written without its period (period 1000)
@@ -41,188 +42,216 @@ local STATE_FMT = '<dddddddddddd'
 local STATE_FMT_NO_PERIOD = '<ddddddddddd'
 -- Usage counters ad = dn = 0 as they sit in a state (bytes 25..40): two doubles 0.0.
 local ZERO_USAGE = '\0\0\0\0\0\0\0\0\0\0\0\0\0\0\0\0'
-
-local fmod = math.fmod
-local ceil = math.ceil
+local ERR = 'ERR quotad: ' -- prefix of every error reply
+-- A decimal integer argument: 1 to 16 digits, no sign, point, exponent, hex or space.
+local DIGITS = '^%d+$'
 local find = string.find
 
-local function err(what)
-  return redis.error_reply('ERR quotad: ' .. what)
-end
+-- The helpers. Lua creates a closure for every function a script defines, on every call, and
+-- one upvalue object for every local a closure captures, so they are made by one call, where a
+-- script needs them: quotad_helpers(MAX_CAP, MAX_PERIOD, MAX_FILL, DEFAULT_PERIOD_MS,
+-- MAX_WINDOW_LIMIT, MAX_WINDOW_MS, MAX_WINDOW_PRODUCT, STATE_LEN, STATE_LEN_NO_PERIOD,
+-- STATE_FMT, STATE_FMT_NO_PERIOD) returns them in a table. The factory captures nothing (the
+-- bounds come as arguments), so defining it costs one closure; token_bucket.lua decides its
+-- common paths without it. Exactness: every value is an integer below 2^53, so x % y (x >= 0,
+-- y >= 1) is exact there, as math.fmod is everywhere.
+local function quotad_helpers(MAX_CAP, MAX_PERIOD, MAX_FILL, DEFAULT_PERIOD_MS,
+    MAX_WINDOW_LIMIT, MAX_WINDOW_MS, MAX_WINDOW_PRODUCT, STATE_LEN, STATE_LEN_NO_PERIOD,
+    STATE_FMT, STATE_FMT_NO_PERIOD)
+  local fmod, ceil, find = math.fmod, math.ceil, string.find
 
--- A decimal integer string (1 to 16 digits: no sign, point, exponent, hex or space) at most
--- max, as a number; nil for anything else.
-local function int(s, max)
-  if type(s) ~= 'string' or #s == 0 or #s > 16 or find(s, '%D') then
-    return nil
+  local function err(what)
+    return redis.error_reply('ERR quotad: ' .. what)
   end
-  local n = tonumber(s)
-  if n > max then
-    return nil
-  end
-  return n
-end
 
--- An optional explicit now in ms ('' or absent: Redis TIME, in whole ms); nil when invalid.
-local function arg_now(s)
-  if s == nil or s == '' then
-    local t = redis.call('TIME')
-    local us = tonumber(t[2])
-    return tonumber(t[1]) * 1000 + (us - fmod(us, 1000)) / 1000
-  end
-  return int(s, MAX_CAP)
-end
-
--- An optional integer argument in 1..max ('' or absent: default); nil when invalid.
-local function opt_int(s, default, max)
-  if s == nil or s == '' then
-    return default
-  end
-  local n = int(s, max)
-  if n == nil or n < 1 then
-    return nil
-  end
-  return n
-end
-
--- A reply that is a Redis error (redis.pcall), e.g. WRONGTYPE: the key holds another type.
-local function failed(r)
-  return type(r) == 'table' and r.err ~= nil
-end
-
--- Token-bucket parameters within the bounds of quota-core BucketParams::per_period: cap µt,
--- refilling rate µt every per ms. floor(cap / rate) * per is compared with MAX_FILL, below
--- 2^53, so even a product rounded above 2^53 compares correctly. x % 1 == 0 is false for NaN
--- and infinities.
-local function bucket_ok(cap, rate, per)
-  if cap == nil or rate == nil or per == nil or cap % 1 ~= 0 or rate % 1 ~= 0 or per % 1 ~= 0
-      or cap < 0 or cap > MAX_CAP or rate < 0 or rate > MAX_CAP or per < 1
-      or per > MAX_PERIOD then
-    return false
-  end
-  return rate == 0 or (cap - fmod(cap, rate)) / rate * per < MAX_FILL
-end
-
--- Sliding-window parameters within the bounds of quota-core WindowParams::new (integers).
-local function window_ok(limit, w)
-  return limit ~= nil and w ~= nil and limit <= MAX_WINDOW_LIMIT and w >= 1
-    and w <= MAX_WINDOW_MS and limit * w <= MAX_WINDOW_PRODUCT
-end
-
--- The fields of a token-bucket state, or nil when v is not one (wrong length, NaN, a fraction
--- or a value out of bounds; without a lease, until = -1 and the floor 0, 0): tokens, carry, ts,
--- ad, dn, cap, rate, src, until, fcap, frate, per.
-local function state_decode(v)
-  local t, c, ts, ad, dn, cap, rate, src, lease_end, fcap, frate, per
-  if #v == STATE_LEN then
-    t, c, ts, ad, dn, cap, rate, src, lease_end, fcap, frate, per = struct.unpack(STATE_FMT, v)
-  elseif #v == STATE_LEN_NO_PERIOD then
-    t, c, ts, ad, dn, cap, rate, src, lease_end, fcap, frate =
-      struct.unpack(STATE_FMT_NO_PERIOD, v)
-    per = DEFAULT_PERIOD_MS
-  else
-    return nil
-  end
-  if t % 1 == 0 and t >= 0 and t <= MAX_CAP and ts % 1 == 0 and ts >= 0 and ts <= MAX_CAP
-      and ad % 1 == 0 and ad >= 0 and ad <= MAX_CAP and dn % 1 == 0 and dn >= 0
-      and dn <= MAX_CAP and bucket_ok(cap, rate, per) and c % 1 == 0 and c >= 0 and c < per
-      and (src == 0 or src == 1)
-      and ((lease_end == -1 and fcap == 0 and frate == 0) or (lease_end % 1 == 0
-        and lease_end >= 0 and lease_end <= MAX_CAP and bucket_ok(fcap, frate, per))) then
-    return t, c, ts, ad, dn, cap, rate, src, lease_end, fcap, frate, per
-  end
-  return nil
-end
-
--- floor((a * b + c) / p) and its remainder for integers a, b, c < p <= MAX_PERIOD (< 2^32),
--- exact: when a * b + c could pass 2^53, b is split at 2^16 so no product does.
-local function muldiv(a, b, c, p)
-  local n = a * b + c
-  if n <= MAX_CAP then
-    local r = fmod(n, p)
-    return (n - r) / p, r
-  end
-  local bl = fmod(b, 65536)
-  local x = a * ((b - bl) / 65536)
-  local xr = fmod(x, p)
-  local y = xr * 65536 + a * bl + c
-  local yr = fmod(y, p)
-  return (x - xr) / p * 65536 + (y - yr) / p, yr
-end
-
--- Whether e ms from carry c add at least need µt (need > 0) at rate µt per per ms, i.e.
--- need <= floor((e * rate + c) / per), exact for any e: with e = q * per + e0 and
--- rate = a * per + b, e * rate + c = (q * rate + e0 * a) * per + (e0 * b + c), and the terms are
--- taken off need one by one, so a product above 2^53 (inexact) only ever stands for "more than
--- enough".
-local function enough(e, need, c, rate, per)
-  local e0, b = fmod(e, per), fmod(rate, per)
-  need = need - (e - e0) / per * rate
-  if need <= 0 then
-    return true
-  end
-  need = need - e0 * ((rate - b) / per)
-  if need <= 0 then
-    return true
-  end
-  return need <= muldiv(e0, b, c, per)
-end
-
--- ceil((need * per - carry) / rate), the ms until need more µt accrue (need > 0, rate > 0):
--- directly when need * per is exact, else estimated in doubles (off by less than 1 below the
--- fill bound) and made exact with enough.
-local function time_to(need, carry, rate, per)
-  local n = need * per
-  if n <= MAX_CAP then
-    n = n - carry
-    local r = fmod(n, rate)
-    if r > 0 then
-      return (n - r) / rate + 1
+  -- A decimal integer string (1 to 16 digits: no sign, point, exponent, hex or space) at most
+  -- max, as a number; nil for anything else.
+  local function int(s, max)
+    if type(s) ~= 'string' or #s == 0 or #s > 16 or find(s, '%D') then
+      return nil
     end
-    return n / rate
+    local n = tonumber(s)
+    if n > max then
+      return nil
+    end
+    return n
   end
-  local t = ceil((n - carry) / rate)
-  if not enough(t, need, carry, rate, per) then
-    return t + 1
-  end
-  if t > 1 and enough(t - 1, need, carry, rate, per) then
-    return t - 1
-  end
-  return t
-end
 
--- A bucket's tokens and carry clipped to cap and refilled from ts to now at rate per per ms
--- (nothing when now <= ts: a clock stepping back), and the latest time seen. The µt added are
--- floor((e * rate + c) / per), the carry its remainder: directly when e * rate + c is exact,
--- else split as in enough (the sum stays below cap - tokens there, so every term is exact).
-local function refilled(tokens, carry, ts, cap, rate, per, now)
-  if tokens >= cap then
-    tokens, carry = cap, 0
+  -- An optional explicit now in ms ('' or absent: Redis TIME, in whole ms); nil when invalid.
+  local function arg_now(s)
+    if s == nil or s == '' then
+      local t = redis.call('TIME')
+      local us = tonumber(t[2])
+      return tonumber(t[1]) * 1000 + (us - fmod(us, 1000)) / 1000
+    end
+    return int(s, MAX_CAP)
   end
-  if now <= ts then
-    return tokens, carry, ts
+
+  -- An optional integer argument in 1..max ('' or absent: default); nil when invalid.
+  local function opt_int(s, default, max)
+    if s == nil or s == '' then
+      return default
+    end
+    local n = int(s, max)
+    if n == nil or n < 1 then
+      return nil
+    end
+    return n
   end
-  if tokens < cap and rate > 0 then
-    local e = now - ts
-    local n = e * rate + carry
+
+  -- A reply that is a Redis error (redis.pcall), e.g. WRONGTYPE: the key holds another type.
+  local function failed(r)
+    return type(r) == 'table' and r.err ~= nil
+  end
+
+  -- Token-bucket parameters within the bounds of quota-core BucketParams::per_period: cap µt,
+  -- refilling rate µt every per ms. floor(cap / rate) * per is compared with MAX_FILL, below
+  -- 2^53, so even a product rounded above 2^53 compares correctly. x % 1 == 0 is false for NaN
+  -- and infinities.
+  local function bucket_ok(cap, rate, per)
+    if cap == nil or rate == nil or per == nil or cap % 1 ~= 0 or rate % 1 ~= 0
+        or per % 1 ~= 0 or cap < 0 or cap > MAX_CAP or rate < 0 or rate > MAX_CAP or per < 1
+        or per > MAX_PERIOD then
+      return false
+    end
+    return rate == 0 or (cap - fmod(cap, rate)) / rate * per < MAX_FILL
+  end
+
+  -- Sliding-window parameters within the bounds of quota-core WindowParams::new (integers).
+  local function window_ok(limit, w)
+    return limit ~= nil and w ~= nil and limit <= MAX_WINDOW_LIMIT and w >= 1
+      and w <= MAX_WINDOW_MS and limit * w <= MAX_WINDOW_PRODUCT
+  end
+
+  -- The fields of a token-bucket state, or nil when v is not one (wrong length, NaN, a
+  -- fraction or a value out of bounds; without a lease, until = -1 and the floor 0, 0):
+  -- tokens, carry, ts, ad, dn, cap, rate, src, until, fcap, frate, per.
+  local function state_decode(v)
+    local t, c, ts, ad, dn, cap, rate, src, lease_end, fcap, frate, per
+    if #v == STATE_LEN then
+      t, c, ts, ad, dn, cap, rate, src, lease_end, fcap, frate, per =
+        struct.unpack(STATE_FMT, v)
+    elseif #v == STATE_LEN_NO_PERIOD then
+      t, c, ts, ad, dn, cap, rate, src, lease_end, fcap, frate =
+        struct.unpack(STATE_FMT_NO_PERIOD, v)
+      per = DEFAULT_PERIOD_MS
+    else
+      return nil
+    end
+    if t % 1 == 0 and t >= 0 and t <= MAX_CAP and ts % 1 == 0 and ts >= 0 and ts <= MAX_CAP
+        and ad % 1 == 0 and ad >= 0 and ad <= MAX_CAP and dn % 1 == 0 and dn >= 0
+        and dn <= MAX_CAP and bucket_ok(cap, rate, per) and c % 1 == 0 and c >= 0 and c < per
+        and (src == 0 or src == 1)
+        and ((lease_end == -1 and fcap == 0 and frate == 0) or (lease_end % 1 == 0
+          and lease_end >= 0 and lease_end <= MAX_CAP and bucket_ok(fcap, frate, per))) then
+      return t, c, ts, ad, dn, cap, rate, src, lease_end, fcap, frate, per
+    end
+    return nil
+  end
+
+  -- floor((a * b + c) / p) and its remainder for integers a, b, c < p <= MAX_PERIOD (< 2^32),
+  -- exact: when a * b + c could pass 2^53, b is split at 2^16 so no product does.
+  local function muldiv(a, b, c, p)
+    local n = a * b + c
     if n <= MAX_CAP then
-      local r = fmod(n, per)
-      local add = (n - r) / per
-      if add >= cap - tokens then
+      local r = fmod(n, p)
+      return (n - r) / p, r
+    end
+    local bl = fmod(b, 65536)
+    local x = a * ((b - bl) / 65536)
+    local xr = fmod(x, p)
+    local y = xr * 65536 + a * bl + c
+    local yr = fmod(y, p)
+    return (x - xr) / p * 65536 + (y - yr) / p, yr
+  end
+
+  -- Whether e ms from carry c add at least need µt (need > 0) at rate µt per per ms, i.e.
+  -- need <= floor((e * rate + c) / per), exact for any e: with e = q * per + e0 and
+  -- rate = a * per + b, e * rate + c = (q * rate + e0 * a) * per + (e0 * b + c), and the terms
+  -- are taken off need one by one, so a product above 2^53 (inexact) only ever stands for
+  -- "more than enough".
+  local function enough(e, need, c, rate, per)
+    local e0, b = fmod(e, per), fmod(rate, per)
+    need = need - (e - e0) / per * rate
+    if need <= 0 then
+      return true
+    end
+    need = need - e0 * ((rate - b) / per)
+    if need <= 0 then
+      return true
+    end
+    return need <= muldiv(e0, b, c, per)
+  end
+
+  -- ceil((need * per - carry) / rate), the ms until need more µt accrue (need > 0, rate > 0):
+  -- directly when need * per is exact, else estimated in doubles (off by less than 1 below the
+  -- fill bound) and made exact with enough.
+  local function time_to(need, carry, rate, per)
+    local n = need * per
+    if n <= MAX_CAP then
+      n = n - carry
+      local r = fmod(n, rate)
+      if r > 0 then
+        return (n - r) / rate + 1
+      end
+      return n / rate
+    end
+    local t = ceil((n - carry) / rate)
+    if not enough(t, need, carry, rate, per) then
+      return t + 1
+    end
+    if t > 1 and enough(t - 1, need, carry, rate, per) then
+      return t - 1
+    end
+    return t
+  end
+
+  -- A bucket's tokens and carry clipped to cap and refilled from ts to now at rate per per ms
+  -- (nothing when now <= ts: a clock stepping back), and the latest time seen. The µt added are
+  -- floor((e * rate + c) / per), the carry its remainder: directly when e * rate + c is exact,
+  -- else split as in enough (the sum stays below cap - tokens there, so every term is exact).
+  local function refilled(tokens, carry, ts, cap, rate, per, now)
+    if tokens >= cap then
+      tokens, carry = cap, 0
+    end
+    if now <= ts then
+      return tokens, carry, ts
+    end
+    if tokens < cap and rate > 0 then
+      local e = now - ts
+      local n = e * rate + carry
+      if n <= MAX_CAP then
+        local r = fmod(n, per)
+        local add = (n - r) / per
+        if add >= cap - tokens then
+          return cap, 0, now
+        end
+        return tokens + add, r, now
+      end
+      if enough(e, cap - tokens, carry, rate, per) then
         return cap, 0, now
       end
-      return tokens + add, r, now
+      local e0, b = fmod(e, per), fmod(rate, per)
+      local q, r = muldiv(e0, b, carry, per)
+      return tokens + (e - e0) / per * rate + e0 * ((rate - b) / per) + q, r, now
     end
-    if enough(e, cap - tokens, carry, rate, per) then
-      return cap, 0, now
-    end
-    local e0, b = fmod(e, per), fmod(rate, per)
-    local q, r = muldiv(e0, b, carry, per)
-    return tokens + (e - e0) / per * rate + e0 * ((rate - b) / per) + q, r, now
+    return tokens, carry, now
   end
-  return tokens, carry, now
+
+  return {
+    err = err, int = int, arg_now = arg_now, opt_int = opt_int, failed = failed,
+    bucket_ok = bucket_ok, window_ok = window_ok, state_decode = state_decode,
+    time_to = time_to, refilled = refilled,
+  }
 end
 -- quotad shared helpers: end.
+
+local h = quotad_helpers(MAX_CAP, MAX_PERIOD, MAX_FILL, DEFAULT_PERIOD_MS, MAX_WINDOW_LIMIT,
+  MAX_WINDOW_MS, MAX_WINDOW_PRODUCT, STATE_LEN, STATE_LEN_NO_PERIOD, STATE_FMT,
+  STATE_FMT_NO_PERIOD)
+local err, int, arg_now, state_decode, refilled =
+  h.err, h.int, h.arg_now, h.state_decode, h.refilled
+local fmod = math.fmod
 
 if #KEYS ~= 1 then
   return err('expected 1 key')

@@ -2,8 +2,9 @@
 //! Redis side by side, concurrency 1 and 64, hot key and random keys), and Redis server CPU per
 //! decision for `token_bucket.lua` (one packed string: GET + SET PX) against the previous
 //! hash-based script (`benches/token_bucket_hash.lua`: HMGET params, HMGET + HSET state), a
-//! seed-article-style baseline script and the bare TIME+GET+SET PX floor, interleaved in one
-//! run with ratios.
+//! seed-article-style baseline script, the bare TIME+GET+SET PX floor and the floor of the
+//! decision script's contract (its commands, state and reply without its checks or arithmetic),
+//! interleaved in one run with ratios.
 //!
 //! Then a check of two limits at once (`token_buckets.lua`, one EVALSHA) against the same two
 //! limits checked one after the other (two EVALSHAs), random keys.
@@ -60,6 +61,28 @@ return allowed
 
 /// A rejected design (state and parameters in hashes), kept only for comparison.
 const HASH_TOKEN_BUCKET_LUA: &str = include_str!("token_bucket_hash.lua");
+
+/// The floor of `token_bucket.lua`'s contract, with its keys and arguments: Redis TIME, GET of
+/// the 96-byte state (unpacked), on a missing key HGETALL of the parameters and SADD to the
+/// activity index, SET PX of a packed state, a 4-field reply; no argument or state checks and
+/// no refill arithmetic.
+const CONTRACT_FLOOR_LUA: &str = r#"
+local t = redis.call('TIME')
+local now = t[1] * 1000
+local v = redis.call('GET', KEYS[1])
+local tokens, carry, ts, ad, dn, cap, rate, src, lease_end, fcap, frate, per =
+  0, 0, now, 0, 0, 0, 0, 0, -1, 0, 0, 1000
+if v then
+  tokens, carry, ts, ad, dn, cap, rate, src, lease_end, fcap, frate, per =
+    struct.unpack('<dddddddddddd', v)
+else
+  redis.call('HGETALL', KEYS[2])
+  redis.call('SADD', KEYS[3], KEYS[1])
+end
+redis.call('SET', KEYS[1], struct.pack('<dddddddddddd', tokens, carry, now, ad + 1, dn, cap,
+  rate, src, lease_end, fcap, frate, per), 'PX', '60000')
+return { 1, 0, 0, 0 }
+"#;
 
 /// The floor: read Redis time, read a key, write it with an expiry.
 const BARE_LUA: &str = r#"
@@ -447,6 +470,7 @@ async fn main() {
     for keys in [Keys::Hot, Keys::Random] {
         let (mut ours, mut hash, mut seed, mut bare) = (f64::MAX, f64::MAX, f64::MAX, f64::MAX);
         let (mut stored, mut other, mut other_stored) = (f64::MAX, f64::MAX, f64::MAX);
+        let (mut floor, mut floor_stored) = (f64::MAX, f64::MAX);
         let tb = quota_store::script::TOKEN_BUCKET_LUA;
         let run =
             |script, stored| server_cpu(&server, script, keys, n, quotad_args, quotad_keys, stored);
@@ -457,6 +481,8 @@ async fn main() {
                 other = other.min(run(src, false).await);
                 other_stored = other_stored.min(run(src, true).await);
             }
+            floor = floor.min(run(CONTRACT_FLOOR_LUA, false).await);
+            floor_stored = floor_stored.min(run(CONTRACT_FLOOR_LUA, true).await);
             hash = hash.min(run(HASH_TOKEN_BUCKET_LUA, false).await);
             seed = seed.min(
                 server_cpu(
@@ -479,6 +505,8 @@ async fn main() {
         println!("  previous token_bucket (hashes)           {hash:>6.2} µs");
         println!("  seed-style baseline (HMGET/HSET/EXPIRE)  {seed:>6.2} µs");
         println!("  bare TIME+GET+SET PX                     {bare:>6.2} µs");
+        println!("  contract floor, parameters stored        {floor_stored:>6.2} µs");
+        println!("  contract floor, fallback only            {floor:>6.2} µs");
         println!(
             "  ratio stored / seed baseline             {:>6.2}",
             stored / seed
@@ -494,6 +522,16 @@ async fn main() {
         println!(
             "  ratio token_bucket / bare                {:>6.2}",
             ours / bare
+        );
+        println!(
+            "  ratio floor stored · fallback / seed     {:>6.2} · {:.2}",
+            floor_stored / seed,
+            floor / seed
+        );
+        println!(
+            "  ratio stored · fallback / their floor    {:>6.2} · {:.2}",
+            stored / floor_stored,
+            ours / floor
         );
         if compare.is_some() {
             println!("  compared script, parameters stored       {other_stored:>6.2} µs");

@@ -1,7 +1,13 @@
-//! The Lua scripts share one block of helpers (bounds, the error reply, integer validation,
-//! `TIME` to ms, the token-bucket state layout), copied into each script because gateways run
-//! every script on its own. This test fails when a copy drifts, when a bound in Lua differs
-//! from quota-core's, or when a script defines a bound of its own outside the block.
+//! The Lua scripts share one block (bounds, the token-bucket state layout, and the helpers: the
+//! error reply, integer validation, `TIME` to ms, state decoding, the exact refill and waits,
+//! made by one factory, `quotad_helpers`), copied into each script because gateways run every
+//! script on its own. This test fails when a copy drifts, when a bound in Lua differs from
+//! quota-core's, when a script defines a bound or a helper of its own outside the block, or when
+//! a script calls the factory with other arguments than it takes (they are positional).
+//!
+//! `token_bucket.lua` alone does the common work of those helpers inline (so a decision creates
+//! no closure) and calls the factory only on its rare paths; the differential, fuzz and
+//! bad-input tests hold its decisions, states and error replies to the references.
 
 use quota_core::bounds::{
     DEFAULT_PERIOD_MS, EXACT_LOG_MAX, MAX_BURST, MAX_CAPACITY_UT, MAX_FILL_BOUND_MS,
@@ -109,6 +115,44 @@ fn lua_bounds_equal_quota_core_bounds() {
     }
     assert!(block.contains("local STATE_FMT = '<dddddddddddd'"));
     assert!(block.contains("local STATE_FMT_NO_PERIOD = '<ddddddddddd'"));
+    // The default minimum TTL as a command argument, and the error prefix the Rust side reads.
+    assert!(block.contains(&format!(
+        "local DEFAULT_MIN_TTL_ARG = '{DEFAULT_MIN_IDLE_TTL_MS}'"
+    )));
+    assert!(block.contains("local ERR = 'ERR quotad: '"));
+    assert!(block.contains("redis.error_reply('ERR quotad: ' .. what)"));
+}
+
+/// The parameter list of the factory, `quotad_helpers(...)`, as written in the block.
+fn factory_params(block: &str) -> Vec<String> {
+    let def = "local function quotad_helpers(";
+    let start = block.find(def).expect("the block defines quotad_helpers") + def.len();
+    let len = block[start..].find(')').unwrap();
+    words(&block[start..start + len])
+}
+
+fn words(list: &str) -> Vec<String> {
+    list.split(',').map(|w| w.trim().to_string()).collect()
+}
+
+#[test]
+fn every_factory_call_passes_the_bounds_it_takes() {
+    let (block, _) = split(SCRIPTS[0].0, SCRIPTS[0].1);
+    let params = factory_params(&block);
+    assert!(params.len() >= 10, "{params:?}");
+    for (name, src) in SCRIPTS {
+        let (_, rest) = split(name, src);
+        let calls: Vec<&str> = rest.split("quotad_helpers(").skip(1).collect();
+        assert!(!calls.is_empty(), "{name}: never makes the helpers");
+        for call in calls {
+            let args = &call[..call.find(')').unwrap()];
+            assert_eq!(
+                words(args),
+                params,
+                "{name}: quotad_helpers called with other arguments"
+            );
+        }
+    }
 }
 
 #[test]
@@ -134,8 +178,15 @@ fn no_script_defines_bounds_or_helpers_outside_the_block() {
                 "function err(",
                 "function int(",
                 "function time_to(",
+                "function refilled(",
+                "function state_decode(",
+                "function quotad_helpers(",
                 "'TIME'",
             ] {
+                // token_bucket.lua reads TIME inline (see the module comment).
+                if helper == "'TIME'" && name == "token_bucket.lua" {
+                    continue;
+                }
                 assert!(
                     !t.contains(helper),
                     "{name}: {helper} outside the helper block"
@@ -155,4 +206,5 @@ fn the_block_is_found_by_the_checks() {
     let (block, _) = split(SCRIPTS[0].0, SCRIPTS[0].1);
     assert!(constants(&block).len() >= 12);
     assert!(block.contains("local function err(") && block.contains("local function int("));
+    assert!(factory_params(&block).contains(&"MAX_CAP".to_string()));
 }
