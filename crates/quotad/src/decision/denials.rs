@@ -59,7 +59,8 @@ struct Entry {
     until: Instant,
     /// The probe goes at this time; checks that arrive between `until` and here wait for it.
     probe_at: Instant,
-    /// When the bucket is expected to admit again (the Retry-After answered).
+    /// When the bucket is expected to admit again, as Redis counts from the call's send: the
+    /// retry time answered (the probe waits a little longer, for clocks).
     due: Instant,
     /// What the store answered (its level and time to full at `sent`).
     decision: Decision,
@@ -199,7 +200,7 @@ impl Denials {
             }
         }
         let until = ticket.sent + with_margin(wait_ms - 1, false);
-        let due = answered.max(ticket.sent) + with_margin(wait_ms, true);
+        let probe_at = answered.max(ticket.sent) + with_margin(wait_ms, true);
         let decision = Decision {
             allowed: false,
             remaining: d.remaining,
@@ -211,8 +212,8 @@ impl Denials {
             cost,
             sent: ticket.sent,
             until,
-            probe_at: due.min(until + MAX_HOLD),
-            due,
+            probe_at: probe_at.min(until + MAX_HOLD),
+            due: ticket.sent + Duration::from_millis(wait_ms),
             decision,
             probing: false,
             settled: Arc::new(Notify::new()),
@@ -322,8 +323,8 @@ mod tests {
         // Sent at t0, answered 1 ms later: retry 1 000 ms.
         d.remember(d.ticket(t0), &b, &l, 2, &denial(1_000), us(t0, 1_000), true);
         let a = denied(d.look(&b, &l, 2, us(t0, 400_000)));
-        // Retry-After counts to when the token is due: 1 ms + 1 001 ms.
-        assert_eq!(a.retry_after_ms, Some(602));
+        // Retry-After counts R from the send, as Redis would answer then.
+        assert_eq!(a.retry_after_ms, Some(600));
         assert_eq!(a.reset_ms, Some(4_600));
         assert!(
             matches!(d.look(&b, &l, 5, us(t0, 400_000)), Look::Denied(_)),
@@ -374,7 +375,7 @@ mod tests {
         assert!(tokio::time::timeout(Duration::ZERO, woken).await.is_ok());
         let a = denied(d.look(&b, &l, 1, probe_at + Duration::from_millis(50)));
         assert_eq!(a.remaining, 0);
-        assert_eq!(a.retry_after_ms, Some(51), "due 100.1 ms after the probe");
+        assert_eq!(a.retry_after_ms, Some(50), "due 100 ms after the probe");
     }
 
     #[tokio::test]
