@@ -31,6 +31,12 @@
 //! - `denied`: every worker on one spent tenant (10 a second): Redis calls per retry interval,
 //!   with the denial cache answering the rest.
 //!
+//! Then `paired`: `livez`, `hot` and `raw` again in alternating short slices
+//! (`QUOTAD_BENCH_PAIRS`, default 8, of `QUOTAD_BENCH_SLICE_MS`, default 500, each), so whatever
+//! the host does between rounds falls on all three alike; it reports the median and range of
+//! the hot tenant's ratios per slice trio. On a shared machine whose throughput swings between
+//! rounds, these are the ratios to read.
+//!
 //! Both servers share the runtime the binary builds (`quotad::server::build_runtime`: one
 //! worker per core but one by default; `QUOTAD_WORKER_THREADS=2` to compare) with a real
 //! `redis-server` from redis-harness. The load generator is deliberately light, since it shares
@@ -455,6 +461,9 @@ fn env_or<T: std::str::FromStr>(name: &str, default: T) -> T {
 /// What a run measures, from `QUOTAD_BENCH_…`.
 struct Plan {
     secs: f64,
+    /// Slice trios of the paired comparison, and each slice's length.
+    pairs: usize,
+    slice_secs: f64,
     rounds: usize,
     client_threads: usize,
     concs: Vec<usize>,
@@ -466,6 +475,8 @@ impl Plan {
     fn from_env() -> Self {
         Self {
             secs: env_or("QUOTAD_BENCH_SECS", 5.0),
+            pairs: env_or("QUOTAD_BENCH_PAIRS", 8),
+            slice_secs: env_or("QUOTAD_BENCH_SLICE_MS", 500.0) / 1000.0,
             rounds: env_or("QUOTAD_BENCH_ROUNDS", 1),
             client_threads: env_or("QUOTAD_BENCH_CLIENT_THREADS", 1),
             concs: std::env::var("QUOTAD_BENCH_CONCURRENCY")
@@ -893,6 +904,9 @@ async fn run_scenario(
         );
     }
     print_summary(plan, conc, round, &s, rbench.map(|(rps, _, _)| rps));
+    if plan.only.is_none() && plan.pairs > 0 {
+        paired(plan, targets, requests, raw, conc).await;
+    }
     if plan.wanted("hot") || plan.wanted("cold") {
         println!(
             "{:>5} summary | hot tenant {:.2}× raw, {:.2}× livez, p50 {:+.1} µs over livez, \
@@ -909,6 +923,78 @@ async fn run_scenario(
         );
     }
     Ok(())
+}
+
+/// The median and the range of `v`.
+fn spread(mut v: Vec<f64>) -> (f64, f64, f64) {
+    v.sort_by(f64::total_cmp);
+    let n = v.len();
+    let median = if n % 2 == 1 {
+        v[n / 2]
+    } else {
+        (v[n / 2 - 1] + v[n / 2]) / 2.0
+    };
+    (median, v[0], v[n - 1])
+}
+
+/// The hot tenant against `/livez` and raw EVALSHA pipelined, in alternating short slices (the
+/// order reversed every other trio), so the host's drift falls on all three alike.
+async fn paired(plan: &Plan, targets: Targets, requests: &Requests, raw: &Raw, conc: usize) {
+    let (mut vs_livez, mut vs_raw, mut over) = (Vec::new(), Vec::new(), Vec::new());
+    for i in 0..plan.pairs {
+        let livez = || {
+            drive_http(
+                conc,
+                plan.slice_secs,
+                targets.quotad,
+                requests.livez.clone(),
+                1,
+                How::Same,
+            )
+        };
+        let raw_o = || {
+            drive_raw(
+                conc,
+                plan.slice_secs,
+                &raw.script,
+                &raw.keys,
+                vec![raw.conn.clone(); conc],
+                targets.params,
+            )
+        };
+        let hot = || {
+            drive_http(
+                conc,
+                plan.slice_secs,
+                targets.quotad,
+                requests.hot.clone(),
+                1,
+                How::Same,
+            )
+        };
+        let (l, h, r) = if i % 2 == 0 {
+            let l = livez().await;
+            let h = hot().await;
+            (l, h, raw_o().await)
+        } else {
+            let r = raw_o().await;
+            let h = hot().await;
+            (livez().await, h, r)
+        };
+        vs_livez.push(h.rate() / l.rate());
+        vs_raw.push(h.rate() / r.rate());
+        over.push(h.p(0.5) - l.p(0.5));
+    }
+    let (l, l_lo, l_hi) = spread(vs_livez);
+    let (r, r_lo, r_hi) = spread(vs_raw);
+    let (o, o_lo, o_hi) = spread(over);
+    println!(
+        "{conc:>5}  paired | hot tenant over {} slice trios of {:.0} ms: {l:.2}× livez \
+         ({l_lo:.2}–{l_hi:.2}), {r:.2}× raw ({r_lo:.2}–{r_hi:.2}), p50 {o:+.1} µs over livez \
+         ({o_lo:+.1} to {o_hi:+.1}); medians (ranges)",
+        plan.pairs,
+        plan.slice_secs * 1000.0,
+    );
 }
 
 /// Drives every candidate in turn at `conc`.
