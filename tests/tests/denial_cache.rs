@@ -57,10 +57,12 @@ async fn a_flood_on_a_denied_bucket_costs_redis_one_call_per_retry_interval() ->
     let calls = evalsha_calls(&mut conn).await?;
     let (_, metrics) = d.get_text("/metrics").await?;
     let hits = metric_value(&metrics, "quotad_denial_cache_hits_total", &[]).unwrap_or(0.0);
+    let probes = metric_value(&metrics, "quotad_denial_cache_probes_total", &[]).unwrap_or(0.0);
     let intervals = elapsed_ms / 100;
     eprintln!(
         "flood of {} checks from 8 callers in {elapsed_ms} ms: {admitted} admitted, {denied} \
-         denied, {calls} EVALSHA calls, {hits} cache hits ({intervals} retry intervals)",
+         denied, {calls} EVALSHA calls, {hits} cache hits, {probes} probes ({intervals} retry \
+         intervals)",
         admitted + denied
     );
     // Exact: the tokens that came back, no more; and every one of them, though the checks
@@ -73,6 +75,11 @@ async fn a_flood_on_a_denied_bucket_costs_redis_one_call_per_retry_interval() ->
         calls <= intervals + 2,
         "{calls} EVALSHA calls for {admitted} admissions and {denied} denials in {intervals} \
          retry intervals"
+    );
+    // Every token after the first was found by a probe the other callers waited for.
+    assert!(
+        probes as u64 + 2 >= intervals && probes as u64 <= calls,
+        "{probes} probes, {calls} calls in {intervals} intervals"
     );
     assert!(
         denied >= 10 * intervals,

@@ -34,6 +34,9 @@ pub const REBALANCE_DURATION_SECONDS: &str = "quotad_rebalance_duration_seconds"
 pub const FORWARDED_TOTAL: &str = "quotad_forwarded_checks_total";
 /// Checks answered by a denial still standing, without a store call.
 pub const DENIAL_CACHE_HITS_TOTAL: &str = "quotad_denial_cache_hits_total";
+/// Checks that asked the store for a bucket whose standing denial ran out, while the other
+/// checks of that bucket waited for their answer.
+pub const DENIAL_CACHE_PROBES_TOTAL: &str = "quotad_denial_cache_probes_total";
 /// Checks admitted from a reservation, without a store call.
 pub const RESERVATION_HITS_TOTAL: &str = "quotad_reservation_hits_total";
 /// Store calls that took a batch of tokens for a reservation.

@@ -351,17 +351,23 @@ mod tests {
         );
     }
 
+    /// A bucket denied for 100 ms at `t0`, at its probe's time: one check probes, a second
+    /// waits on the returned notify.
+    fn probing(d: &Denials, b: &BucketRef, l: &Limit, t0: Instant) -> (Instant, Arc<Notify>) {
+        d.remember(d.ticket(t0), b, l, 1, &denial(100), t0, true);
+        let probe_at = us(t0, 100_100);
+        assert!(matches!(d.look(b, l, 1, probe_at), Look::Probe));
+        let Look::Wait { settled, .. } = d.look(b, l, 1, probe_at) else {
+            panic!("a second check waits");
+        };
+        (probe_at, settled)
+    }
+
     #[tokio::test]
     async fn the_probes_answer_wakes_the_waiting_checks() {
         let d = Denials::default();
-        let t0 = Instant::now();
         let (b, l) = (bucket(), limit(10));
-        d.remember(d.ticket(t0), &b, &l, 1, &denial(100), t0, true);
-        let probe_at = us(t0, 100_100);
-        assert!(matches!(d.look(&b, &l, 1, probe_at), Look::Probe));
-        let Look::Wait { settled, .. } = d.look(&b, &l, 1, probe_at) else {
-            panic!("a second check waits");
-        };
+        let (probe_at, settled) = probing(&d, &b, &l, Instant::now());
         let mut woken = pin!(settled.notified());
         woken.as_mut().enable();
         // The probe is admitted and leaves nothing: 10 a second, the next token in 100 ms.
@@ -381,14 +387,8 @@ mod tests {
     #[tokio::test]
     async fn an_abandoned_probe_leaves_the_others_to_ask() {
         let d = Denials::default();
-        let t0 = Instant::now();
         let (b, l) = (bucket(), limit(10));
-        d.remember(d.ticket(t0), &b, &l, 1, &denial(100), t0, true);
-        let probe_at = us(t0, 100_100);
-        assert!(matches!(d.look(&b, &l, 1, probe_at), Look::Probe));
-        let Look::Wait { settled, .. } = d.look(&b, &l, 1, probe_at) else {
-            panic!("a second check waits");
-        };
+        let (probe_at, settled) = probing(&d, &b, &l, Instant::now());
         let mut woken = pin!(settled.notified());
         woken.as_mut().enable();
         d.abandon(&b);

@@ -235,6 +235,7 @@ pub struct Decider {
     /// more are answered without Redis until their retry time has passed.
     denials: Denials,
     denial_cache_hits: Counter,
+    denial_cache_probes: Counter,
     /// Hot token buckets' tokens taken from Redis in batches and handed out here; `None`
     /// when turned off (`redis.reservations = false`) or on the embedded store.
     reservations: Option<Reservations>,
@@ -272,6 +273,7 @@ impl Decider {
             store_errors: metrics::counter!(telemetry::STORE_ERRORS_TOTAL, "region" => region.clone()),
             forward_failures: metrics::counter!(telemetry::FORWARDED_TOTAL, "region" => region.clone(), "outcome" => "unreachable"),
             denial_cache_hits: metrics::counter!(telemetry::DENIAL_CACHE_HITS_TOTAL, "region" => region.clone()),
+            denial_cache_probes: metrics::counter!(telemetry::DENIAL_CACHE_PROBES_TOTAL, "region" => region.clone()),
             reservation_hits: metrics::counter!(telemetry::RESERVATION_HITS_TOTAL, "region" => region.clone()),
             reservation_batches: metrics::counter!(telemetry::RESERVATION_BATCHES_TOTAL, "region" => region),
             reservations: (p.reservations && !is_embedded(&p.store)).then(Reservations::default),
@@ -806,10 +808,11 @@ impl Decider {
                 Look::Denied(d) => return Ok(d),
                 Look::Ask => return Err(None),
                 Look::Probe => {
+                    self.denial_cache_probes.increment(1);
                     return Err(Some(Probe {
                         denials: &self.denials,
                         bucket: &req.bucket,
-                    }))
+                    }));
                 }
                 Look::Wait { .. } if now >= deadline => return Err(None),
                 Look::Wait { until, settled } => match armed.take() {
