@@ -166,10 +166,11 @@ impl Denials {
 
     /// Remembers the store's answer `d`, received at `answered`, to a token-bucket check of
     /// `cost` sent with `ticket`: a denial with a retry time, or with `admissions` an admission
-    /// that left less than the cost, stands until the bucket could admit that cost again.
-    /// Any other answer, or one to a call sent before a parameter write, settles the bucket's
-    /// probe without an entry. `admissions` is false where tokens may be held in the daemon
-    /// (a reservation pool), which the store's answer does not count.
+    /// that left less than the cost, stands until the bucket could admit that cost again (and
+    /// replaces the bucket's entry, settling its probe). Returns false, taking no lock, for
+    /// any other answer, and for one to a call sent before a parameter write. `admissions` is
+    /// false where tokens may be held in the daemon (a reservation pool), which the store's
+    /// answer does not count.
     #[allow(clippy::too_many_arguments)]
     pub fn remember(
         &self,
@@ -180,23 +181,24 @@ impl Denials {
         d: &Decision,
         answered: Instant,
         admissions: bool,
-    ) {
+    ) -> bool {
         let wait_ms = match limit {
             Limit::TokenBucket(p) if !d.allowed || admissions => next_admission_ms(p, cost, d),
             _ => None,
         };
+        let Some(wait_ms) = wait_ms.filter(|&w| w > 0) else {
+            return false;
+        };
         let mut entries = self.lock();
         // Checked under the lock that `forget_all` takes too: a write after this point drops
         // the entry, one before it is seen here.
-        let current = self.generation.load(Ordering::Acquire) == ticket.generation;
-        let (Some(wait_ms), true) = (wait_ms.filter(|&w| w > 0), current) else {
-            settle(&mut entries, bucket);
-            return;
-        };
+        if self.generation.load(Ordering::Acquire) != ticket.generation {
+            return false;
+        }
         if entries.len() >= MAX_ENTRIES && !entries.contains_key(bucket) {
             entries.retain(|_, e| e.probing || e.until > answered);
             if entries.len() >= MAX_ENTRIES {
-                return;
+                return false;
             }
         }
         let until = ticket.sent + with_margin(wait_ms - 1, false);
@@ -221,6 +223,7 @@ impl Denials {
         if let Some(old) = entries.insert(bucket.clone(), entry) {
             old.settled.notify_waiters();
         }
+        true
     }
 
     /// Ends a probe that got no answer (the store out, an error, the check dropped): the
@@ -414,8 +417,8 @@ mod tests {
         assert!(matches!(d.look(&b, &l, 3, us(t0, 100_000)), Look::Ask));
         // Not where the daemon may hold tokens of its own; not when enough is left.
         let d = Denials::default();
-        d.remember(d.ticket(t0), &b, &l, 5, &admitted, t0, false);
-        d.remember(d.ticket(t0), &b, &l, 3, &admitted, t0, true);
+        assert!(!d.remember(d.ticket(t0), &b, &l, 5, &admitted, t0, false));
+        assert!(!d.remember(d.ticket(t0), &b, &l, 3, &admitted, t0, true));
         assert!(d.is_empty());
     }
 
@@ -436,7 +439,7 @@ mod tests {
         // An answer to a call sent before a write is not remembered.
         let ticket = d.ticket(t0);
         d.forget_all();
-        d.remember(ticket, &b, &limit(10), 1, &denial(1_000), t0, true);
+        assert!(!d.remember(ticket, &b, &limit(10), 1, &denial(1_000), t0, true));
         assert!(d.is_empty());
     }
 

@@ -761,18 +761,22 @@ impl Decider {
         let ticket = ticket.sent_at(t0);
         let d = self.call_store(t0, self.store.check(req)).await?;
         if let Some(d) = &d {
-            // A single check while the pool or a batch may hold tokens (its wait for the
-            // batch ran out): Redis's level does not count them.
-            let admissions = self
-                .reservations
-                .as_ref()
-                .is_none_or(|r| r.idle(&req.bucket));
+            // An admission that leaves less than the cost stands only while no tokens of the
+            // bucket are held here (this single check may have given up waiting for a batch):
+            // Redis's level does not count them.
+            let admissions = d.remaining >= req.cost
+                || self
+                    .reservations
+                    .as_ref()
+                    .is_none_or(|r| r.idle(&req.bucket));
             self.remember(req, ticket, d, admissions, probe);
         }
         Ok(d)
     }
 
-    /// Remembers a store answer in the denial cache, settling this check's probe if it was one.
+    /// Remembers a store answer in the denial cache. If this check was its bucket's probe, the
+    /// new entry settles it; an answer that leaves none ends the probe (the guard's drop), so
+    /// the checks waiting for it ask the store themselves.
     fn remember(
         &self,
         req: &CheckRequest,
@@ -781,7 +785,7 @@ impl Decider {
         admissions: bool,
         probe: Option<Probe<'_>>,
     ) {
-        self.denials.remember(
+        let stands = self.denials.remember(
             ticket,
             &req.bucket,
             &req.limit,
@@ -790,7 +794,9 @@ impl Decider {
             clock::monotonic(),
             admissions,
         );
-        std::mem::forget(probe);
+        if stands {
+            std::mem::forget(probe);
+        }
     }
 
     /// A denial still standing for this check (answered without the store), or else whether
