@@ -167,8 +167,8 @@ impl Denials {
     /// Remembers the store's answer `d`, received at `answered`, to a token-bucket check of
     /// `cost` sent with `ticket`: a denial with a retry time, or with `admissions` an admission
     /// that left less than the cost, stands until the bucket could admit that cost again (and
-    /// replaces the bucket's entry, settling its probe). Returns false, taking no lock, for
-    /// any other answer, and for one to a call sent before a parameter write. `admissions` is
+    /// replaces the bucket's entry, settling its probe). Returns false for any other answer
+    /// (taking no lock) and for one to a call sent before a parameter write. `admissions` is
     /// false where tokens may be held in the daemon (a reservation pool), which the store's
     /// answer does not count.
     #[allow(clippy::too_many_arguments)]
@@ -226,8 +226,9 @@ impl Denials {
         true
     }
 
-    /// Ends a probe that got no answer (the store out, an error, the check dropped): the
-    /// bucket's entry goes, and the checks waiting for the probe ask the store themselves.
+    /// Ends a probe whose answer left no entry, or that got none (the store out, an error, the
+    /// check dropped): the bucket's entry goes, and the checks waiting for the probe ask the
+    /// store themselves.
     pub fn abandon(&self, bucket: &BucketRef) {
         let mut entries = self.lock();
         if entries.get(bucket).is_some_and(|e| e.probing) {
