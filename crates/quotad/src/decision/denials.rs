@@ -62,8 +62,9 @@ struct Entry {
     /// When the bucket is expected to admit again, as Redis counts from the call's send: the
     /// retry time answered (the probe waits a little longer, for clocks).
     due: Instant,
-    /// What the store answered (its level and time to full at `sent`).
-    decision: Decision,
+    /// The store's answer: tokens left, and ms to full, at `sent`.
+    remaining: u64,
+    reset_ms: Option<u64>,
     /// A check is asking the store for this bucket; the others wait for `settled`.
     probing: bool,
     settled: Arc<Notify>,
@@ -135,9 +136,9 @@ impl Denials {
             let left = e.due.saturating_duration_since(now);
             return Look::Denied(Decision {
                 allowed: false,
-                remaining: e.decision.remaining,
+                remaining: e.remaining,
                 retry_after_ms: Some((left.as_micros().div_ceil(1000) as u64).max(1)),
-                reset_ms: e.decision.reset_ms.map(|r| r.saturating_sub(gone)),
+                reset_ms: e.reset_ms.map(|r| r.saturating_sub(gone)),
             });
         }
         if e.probing {
@@ -203,12 +204,6 @@ impl Denials {
         }
         let until = ticket.sent + with_margin(wait_ms - 1, false);
         let probe_at = answered.max(ticket.sent) + with_margin(wait_ms, true);
-        let decision = Decision {
-            allowed: false,
-            remaining: d.remaining,
-            retry_after_ms: Some(wait_ms),
-            reset_ms: d.reset_ms,
-        };
         let entry = Entry {
             limit: *limit,
             cost,
@@ -216,7 +211,8 @@ impl Denials {
             until,
             probe_at: probe_at.min(until + MAX_HOLD),
             due: ticket.sent + Duration::from_millis(wait_ms),
-            decision,
+            remaining: d.remaining,
+            reset_ms: d.reset_ms,
             probing: false,
             settled: Arc::new(Notify::new()),
         };
