@@ -21,8 +21,13 @@ pub const HORIZON_MS: u64 = 50;
 /// The most of a bucket's capacity one batch may take, in parts per million (1 %).
 pub const MAX_BATCH_PPM: u64 = 10_000;
 
-/// Demand is counted over intervals of this length; the rate is the last full interval's.
+/// Demand is counted over intervals of this length; the rate is the last full interval's, or
+/// the interval so far once it is [`MIN_OBSERVED_MS`] long and shows more.
 pub const INTERVAL_MS: u64 = 100;
+
+/// The shortest part of an interval whose demand sizes a batch: a bucket that turns hot gets
+/// batches after this long, not after a whole interval of one store call per decision.
+pub const MIN_OBSERVED_MS: u64 = 10;
 
 /// A pool older than this goes back to the store unused: demand stopped, or slowed below what
 /// the batch was sized for.
@@ -78,13 +83,20 @@ impl Sizer {
 
     /// How many multiples of `cost` one store call should take for a bucket of `capacity_ut`
     /// at `now_ms`: [`HORIZON_MS`] of the observed demand, at most [`MAX_BATCH_PPM`] of the
-    /// capacity, and 1 (a plain decision) when that is less than 2.
+    /// capacity, and 1 (a plain decision) when that is less than 2. The demand is the last
+    /// full interval's or, when more, the current interval's so far: its checks came in the
+    /// whole milliseconds from its start to `now_ms`, both counted.
     pub fn batch(&mut self, now_ms: u64, cost: u64, capacity_ut: u64) -> u64 {
         if cost == 0 {
             return 1;
         }
         self.roll(now_ms);
-        let demand = self.last.saturating_mul(HORIZON_MS) / INTERVAL_MS / cost;
+        let mut demand = self.last.saturating_mul(HORIZON_MS) / INTERVAL_MS;
+        let observed_ms = now_ms.saturating_sub(self.started_ms) + 1;
+        if observed_ms >= MIN_OBSERVED_MS {
+            demand = demand.max(self.counting.saturating_mul(HORIZON_MS) / observed_ms);
+        }
+        let demand = demand / cost;
         let cap_ut = u128::from(capacity_ut) * u128::from(MAX_BATCH_PPM) / 1_000_000;
         let most = (cap_ut / (u128::from(cost) * u128::from(UT))) as u64;
         let k = demand.min(most);
@@ -159,6 +171,35 @@ mod tests {
         assert_eq!(s.batch(100, 2, 5_000 * UT), 25);
         // Demand that stops ages out: after two quiet intervals the rate is 0.
         assert_eq!(s.batch(350, 2, 1_000_000 * UT), 1);
+    }
+
+    #[test]
+    fn a_bucket_that_turns_hot_gets_batches_within_the_first_interval() {
+        let mut s = Sizer::new(0);
+        // 3 checks a ms from a cold start: too short a span to size from before 10 ms.
+        for t in 0..MIN_OBSERVED_MS - 1 {
+            for _ in 0..3 {
+                s.observe(t, 1);
+            }
+            assert_eq!(s.batch(t, 1, 1_000_000 * UT), 1, "at {t} ms");
+        }
+        // 30 checks in the 10 ms 0..=9: 50 ms of it is 150.
+        s.observe(MIN_OBSERVED_MS - 1, 1);
+        s.observe(MIN_OBSERVED_MS - 1, 1);
+        s.observe(MIN_OBSERVED_MS - 1, 1);
+        assert_eq!(s.batch(MIN_OBSERVED_MS - 1, 1, 1_000_000 * UT), 150);
+        // Still at most 1 % of the capacity.
+        assert_eq!(s.batch(MIN_OBSERVED_MS - 1, 1, 10_000 * UT), 100);
+        // A full interval that showed more than the interval so far still counts.
+        let mut busy = Sizer::new(0);
+        for t in 0..INTERVAL_MS {
+            busy.observe(t, 1);
+            busy.observe(t, 1);
+        }
+        for t in INTERVAL_MS..INTERVAL_MS + 20 {
+            busy.observe(t, 1);
+        }
+        assert_eq!(busy.batch(INTERVAL_MS + 19, 1, 1_000_000 * UT), 100);
     }
 
     #[test]

@@ -124,23 +124,32 @@ impl Reservations {
             let notify = {
                 let ms = self.ms(Instant::now().max(now));
                 let mut slots = self.lock();
-                if !slots.contains_key(bucket) && slots.len() >= MAX_SLOTS {
-                    return (Step::Single, self.taking(now));
+                // Looked up before it is inserted: a hot bucket's checks copy no key.
+                if !slots.contains_key(bucket) {
+                    if slots.len() >= MAX_SLOTS {
+                        return (Step::Single, self.taking(now));
+                    }
+                    slots.insert(
+                        bucket.clone(),
+                        Slot {
+                            limit: *limit,
+                            sizer: Sizer::new(ms),
+                            pool: None,
+                            at_take: Decision {
+                                allowed: true,
+                                remaining: 0,
+                                retry_after_ms: Some(0),
+                                reset_ms: Some(0),
+                            },
+                            in_flight: false,
+                            filled: Arc::new(Notify::new()),
+                            seen_ms: ms,
+                        },
+                    );
                 }
-                let slot = slots.entry(bucket.clone()).or_insert_with(|| Slot {
-                    limit: *limit,
-                    sizer: Sizer::new(ms),
-                    pool: None,
-                    at_take: Decision {
-                        allowed: true,
-                        remaining: 0,
-                        retry_after_ms: Some(0),
-                        reset_ms: Some(0),
-                    },
-                    in_flight: false,
-                    filled: Arc::new(Notify::new()),
-                    seen_ms: ms,
-                });
+                let Some(slot) = slots.get_mut(bucket) else {
+                    return (Step::Single, self.taking(now));
+                };
                 slot.seen_ms = ms;
                 if slot.limit != *limit {
                     give_back(bucket, slot.pool.take(), refunds);
@@ -313,7 +322,7 @@ fn answer(at_take: &Decision, held: u64) -> Decision {
 #[cfg(test)]
 mod tests {
     use quota_core::bucket::{BucketParams, UT};
-    use quota_core::reservation::{INTERVAL_MS, MAX_AGE_MS};
+    use quota_core::reservation::{MAX_AGE_MS, MIN_OBSERVED_MS};
     use quota_core::{PolicyName, TenantId};
 
     use super::*;
@@ -341,11 +350,11 @@ mod tests {
 
     const WAIT: Duration = Duration::from_millis(100);
 
-    /// Checks of cost 1 at 1 per ms for one interval, each decided singly: the demand a
-    /// bucket must show before it gets batches.
+    /// Checks of cost 1 at 1 per ms, each decided singly, until the next one shows the
+    /// demand a bucket must show before it gets batches.
     async fn warm_up(r: &Reservations, l: &Limit) {
         let mut refunds = Vec::new();
-        for _ in 0..INTERVAL_MS {
+        for _ in 0..MIN_OBSERVED_MS - 1 {
             let (step, _) = r
                 .begin(&bucket(), l, 1, Instant::now(), WAIT, &mut refunds)
                 .await;
