@@ -31,11 +31,14 @@
 //! - `denied`: every worker on one spent tenant (10 a second): Redis calls per retry interval,
 //!   with the denial cache answering the rest.
 //!
-//! Then `paired`: `livez`, `hot` and `raw` again in alternating short slices
+//! Then `paired`: `livez`, `hot`, `raw` and `echo` again in alternating short slices
 //! (`QUOTAD_BENCH_PAIRS`, default 8, of `QUOTAD_BENCH_SLICE_MS`, default 500, each), so whatever
-//! the host does between rounds falls on all three alike; it reports the median and range of
-//! the hot tenant's ratios per slice trio. On a shared machine whose throughput swings between
-//! rounds, these are the ratios to read.
+//! the host does between rounds falls on all four alike; it reports the median and range of
+//! the hot tenant's ratios per set of slices. On a shared machine whose throughput swings
+//! between rounds, these are the ratios to read. `echo` is a minimal axum handler on the server
+//! runtime that takes the hot check's request (its JSON body parsed) and answers a body and
+//! headers of the same shape, deciding nothing: the HTTP exchange a check is, with no
+//! middleware, which `/livez` (a GET with no body) is not.
 //!
 //! Both servers share the runtime the binary builds (`quotad::server::build_runtime`: one
 //! worker per core but one by default; `QUOTAD_WORKER_THREADS=2` to compare) with a real
@@ -383,6 +386,42 @@ struct BareAnswer {
     remaining: i64,
 }
 
+/// The answer `echo` gives: the fields and sizes of quotad's.
+#[derive(serde::Serialize)]
+struct EchoAnswer {
+    allowed: bool,
+    remaining: u64,
+    retry_after_ms: u64,
+    reset_ms: u64,
+    region: &'static str,
+    decided_by: &'static str,
+    mode: &'static str,
+}
+
+/// `echo`: the hot check's exchange (its body parsed, an answer of the same shape and headers)
+/// with no decision and no middleware.
+async fn echo_check(Json(b): Json<BareBody>) -> axum::response::Response {
+    use axum::response::IntoResponse;
+    let remaining = BURST - b.cost;
+    let headers = [
+        (
+            "ratelimit-policy",
+            format!("\"{}\";q={LIMIT_PER_S};w=1", b.policy),
+        ),
+        ("ratelimit", format!("\"{}\";r={remaining};t=1", b.policy)),
+    ];
+    let answer = EchoAnswer {
+        allowed: !b.tenant.is_empty(),
+        remaining,
+        retry_after_ms: 0,
+        reset_ms: 1,
+        region: "local",
+        decided_by: "local",
+        mode: "normal",
+    };
+    (headers, Json(answer)).into_response()
+}
+
 /// The bare handler: one EVALSHA of the same script, nothing else.
 async fn bare_check(
     State(s): State<Bare>,
@@ -594,7 +633,8 @@ fn spawn_server(
                 };
                 let router = Router::new()
                     .route("/check", post(bare_check))
-                    .with_state(bare);
+                    .with_state(bare)
+                    .route("/echo", post(echo_check));
                 let bare_listener = tokio::net::TcpListener::from_std(bare_listener)?;
                 tokio::spawn(async move { axum::serve(bare_listener, router).await });
                 let listener = tokio::net::TcpListener::from_std(listener)?;
@@ -733,6 +773,8 @@ struct Requests {
     bare: Arc<Vec<Vec<u8>>>,
     livez: Arc<Vec<Vec<u8>>>,
     hot: Arc<Vec<Vec<u8>>>,
+    /// The hot check's request, sent to `echo`.
+    echo: Arc<Vec<Vec<u8>>>,
     denied: Arc<Vec<Vec<u8>>>,
     cold: Arc<Vec<Vec<u8>>>,
 }
@@ -761,16 +803,18 @@ impl Requests {
                 })
                 .collect::<Vec<_>>(),
         );
-        let one = |t: &str| {
+        let to = |path: &str, t: &str| {
             let body = serde_json::json!({"tenant": t, "policy": "bench", "cost": 1});
-            http_request("POST", "/v1/check", &body.to_string(), None)
+            http_request("POST", path, &body.to_string(), None)
         };
+        let one = |t: &str| to("/v1/check", t);
         Self {
             quotad: check("/v1/check"),
             batch,
             bare: check("/check"),
             livez: Arc::new(vec![b"GET /livez HTTP/1.1\r\nhost: bench\r\n\r\n".to_vec()]),
             hot: Arc::new(vec![one("hot")]),
+            echo: Arc::new(vec![to("/echo", "hot")]),
             denied: Arc::new(vec![one("denied")]),
             cold: Arc::new((0..COLD_TENANTS).map(|i| one(&cold_tenant(i))).collect()),
         }
@@ -937,21 +981,18 @@ fn spread(mut v: Vec<f64>) -> (f64, f64, f64) {
     (median, v[0], v[n - 1])
 }
 
-/// The hot tenant against `/livez` and raw EVALSHA pipelined, in alternating short slices (the
-/// order reversed every other trio), so the host's drift falls on all three alike.
+/// The hot tenant against `/livez`, raw EVALSHA pipelined and `echo`, in alternating short
+/// slices (the order reversed every other set), so the host's drift falls on all four alike.
 async fn paired(plan: &Plan, targets: Targets, requests: &Requests, raw: &Raw, conc: usize) {
     let (mut vs_livez, mut vs_raw, mut over) = (Vec::new(), Vec::new(), Vec::new());
+    let (mut vs_echo, mut echo_livez) = (Vec::new(), Vec::new());
     for i in 0..plan.pairs {
-        let livez = || {
-            drive_http(
-                conc,
-                plan.slice_secs,
-                targets.quotad,
-                requests.livez.clone(),
-                1,
-                How::Same,
-            )
+        let http = |addr, requests: &Arc<Vec<Vec<u8>>>| {
+            drive_http(conc, plan.slice_secs, addr, requests.clone(), 1, How::Same)
         };
+        let livez = || http(targets.quotad, &requests.livez);
+        let hot = || http(targets.quotad, &requests.hot);
+        let echo = || http(targets.bare, &requests.echo);
         let raw_o = || {
             drive_raw(
                 conc,
@@ -962,36 +1003,33 @@ async fn paired(plan: &Plan, targets: Targets, requests: &Requests, raw: &Raw, c
                 targets.params,
             )
         };
-        let hot = || {
-            drive_http(
-                conc,
-                plan.slice_secs,
-                targets.quotad,
-                requests.hot.clone(),
-                1,
-                How::Same,
-            )
-        };
-        let (l, h, r) = if i % 2 == 0 {
+        let (l, h, r, e) = if i % 2 == 0 {
             let l = livez().await;
             let h = hot().await;
-            (l, h, raw_o().await)
+            let r = raw_o().await;
+            (l, h, r, echo().await)
         } else {
+            let e = echo().await;
             let r = raw_o().await;
             let h = hot().await;
-            (livez().await, h, r)
+            (livez().await, h, r, e)
         };
         vs_livez.push(h.rate() / l.rate());
         vs_raw.push(h.rate() / r.rate());
+        vs_echo.push(h.rate() / e.rate());
+        echo_livez.push(e.rate() / l.rate());
         over.push(h.p(0.5) - l.p(0.5));
     }
     let (l, l_lo, l_hi) = spread(vs_livez);
     let (r, r_lo, r_hi) = spread(vs_raw);
+    let (e, e_lo, e_hi) = spread(vs_echo);
+    let (el, el_lo, el_hi) = spread(echo_livez);
     let (o, o_lo, o_hi) = spread(over);
     println!(
-        "{conc:>5}  paired | hot tenant over {} slice trios of {:.0} ms: {l:.2}× livez \
-         ({l_lo:.2}–{l_hi:.2}), {r:.2}× raw ({r_lo:.2}–{r_hi:.2}), p50 {o:+.1} µs over livez \
-         ({o_lo:+.1} to {o_hi:+.1}); medians (ranges)",
+        "{conc:>5}  paired | hot tenant over {} slice sets of {:.0} ms: {l:.2}× livez \
+         ({l_lo:.2}–{l_hi:.2}), {r:.2}× raw ({r_lo:.2}–{r_hi:.2}), {e:.2}× echo \
+         ({e_lo:.2}–{e_hi:.2}), p50 {o:+.1} µs over livez ({o_lo:+.1} to {o_hi:+.1}); \
+         echo {el:.2}× livez ({el_lo:.2}–{el_hi:.2}); medians (ranges)",
         plan.pairs,
         plan.slice_secs * 1000.0,
     );
