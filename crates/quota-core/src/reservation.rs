@@ -22,12 +22,17 @@ pub const HORIZON_MS: u64 = 50;
 pub const MAX_BATCH_PPM: u64 = 10_000;
 
 /// Demand is counted over intervals of this length; the rate is the last full interval's, or
-/// the interval so far once it is [`MIN_OBSERVED_MS`] long and shows more.
+/// the interval so far once it is [`MIN_OBSERVED_MS`] long, holds [`MIN_OBSERVED_CHECKS`]
+/// checks and shows more.
 pub const INTERVAL_MS: u64 = 100;
 
 /// The shortest part of an interval whose demand sizes a batch: a bucket that turns hot gets
 /// batches after this long, not after a whole interval of one store call per decision.
 pub const MIN_OBSERVED_MS: u64 = 10;
+
+/// The fewest checks of an interval so far whose rate sizes a batch: one check a few ms into
+/// an interval says little, and a cold bucket must not take batches it then gives back.
+pub const MIN_OBSERVED_CHECKS: u64 = 4;
 
 /// A pool older than this goes back to the store unused: demand stopped, or slowed below what
 /// the batch was sized for.
@@ -84,8 +89,9 @@ impl Sizer {
     /// How many multiples of `cost` one store call should take for a bucket of `capacity_ut`
     /// at `now_ms`: [`HORIZON_MS`] of the observed demand, at most [`MAX_BATCH_PPM`] of the
     /// capacity, and 1 (a plain decision) when that is less than 2. The demand is the last
-    /// full interval's or, when more, the current interval's so far: its checks came in the
-    /// whole milliseconds from its start to `now_ms`, both counted.
+    /// full interval's or, when more, the current interval's so far (once it spans
+    /// [`MIN_OBSERVED_MS`] and holds [`MIN_OBSERVED_CHECKS`] checks of `cost`): its checks came
+    /// in the whole milliseconds from its start to `now_ms`, both counted.
     pub fn batch(&mut self, now_ms: u64, cost: u64, capacity_ut: u64) -> u64 {
         if cost == 0 {
             return 1;
@@ -93,7 +99,9 @@ impl Sizer {
         self.roll(now_ms);
         let mut demand = self.last.saturating_mul(HORIZON_MS) / INTERVAL_MS;
         let observed_ms = now_ms.saturating_sub(self.started_ms) + 1;
-        if observed_ms >= MIN_OBSERVED_MS {
+        if observed_ms >= MIN_OBSERVED_MS
+            && self.counting >= MIN_OBSERVED_CHECKS.saturating_mul(cost)
+        {
             demand = demand.max(self.counting.saturating_mul(HORIZON_MS) / observed_ms);
         }
         let demand = demand / cost;
@@ -190,6 +198,15 @@ mod tests {
         assert_eq!(s.batch(MIN_OBSERVED_MS - 1, 1, 1_000_000 * UT), 150);
         // Still at most 1 % of the capacity.
         assert_eq!(s.batch(MIN_OBSERVED_MS - 1, 1, 10_000 * UT), 100);
+        // A cold bucket whose checks happen to come early in an interval: 3 checks in its first
+        // 10 ms (300 a second, were they the rate) are too few to size from; a fourth is not.
+        let mut cold = Sizer::new(0);
+        for t in [0, 4, 9] {
+            cold.observe(t, 1);
+            assert_eq!(cold.batch(t, 1, 1_000_000 * UT), 1, "at {t} ms");
+        }
+        cold.observe(11, 1);
+        assert_eq!(cold.batch(11, 1, 1_000_000 * UT), 16);
         // A full interval that showed more than the interval so far still counts.
         let mut busy = Sizer::new(0);
         for t in 0..INTERVAL_MS {
