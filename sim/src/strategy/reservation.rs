@@ -201,14 +201,22 @@ mod tests {
         let w = world(vec![]);
         let p = params();
         let (mut r, mut st) = (Reservations::new(3, 1), RegionalStores::new(3, 1));
-        // 10 checks a millisecond: a call each while cold (the first interval), then batches
-        // of 50 ms of demand, 500 tokens.
-        let cold = run(&mut r, &mut st, &w, &p, (0, 100, 10));
-        assert_eq!((cold, st.calls().reserved), (1_000, 1_000));
-        // 19 batches by 1 020 ms, the last with 300 tokens left.
-        let admitted = run(&mut r, &mut st, &w, &p, (100, 1_020, 10));
-        assert_eq!(admitted, 9_200);
-        assert_eq!(st.calls().total(), 1_000 + 19);
+        // 10 checks a millisecond: a call each while cold (until the interval so far spans
+        // 10 ms), then batches of 50 ms of demand: 455 tokens at 9 ms (91 checks in 10 ms),
+        // about 500 from then on.
+        let cold = run(&mut r, &mut st, &w, &p, (0, 9, 10));
+        assert_eq!((cold, st.calls().reserved), (90, 90));
+        // 21 batches by 1 020 ms, the last taken at 1 004 ms with 341 tokens left.
+        let admitted = run(&mut r, &mut st, &w, &p, (9, 1_020, 10));
+        assert_eq!(admitted, 10_110);
+        assert_eq!(st.calls().total(), 90 + 21);
+        assert_eq!(
+            r.pools[0].map(|h| h.pool),
+            Some(Pool {
+                tokens: 341,
+                taken_ms: 1_004
+            })
+        );
         // The sweep's list names the pool once, and forgets it once given back.
         let live = r.take_live();
         assert_eq!(live, [(0, 0)]);
@@ -250,8 +258,15 @@ mod tests {
         }]);
         let p = params();
         let (mut r, mut st) = (Reservations::new(3, 1), RegionalStores::new(3, 1));
-        // The last batch, taken at 150 ms, holds 50 tokens at 195 ms.
+        // The last batch, taken at 154 ms, holds 91 tokens at 195 ms.
         let before = run(&mut r, &mut st, &w, &p, (0, 195, 10));
+        assert_eq!(
+            r.pools[0].map(|h| h.pool),
+            Some(Pool {
+                tokens: 91,
+                taken_ms: 154
+            })
+        );
         let calls = st.calls().total();
         // Down: the pool answers (fail mode closed would deny everything) and no call is made.
         let during = run(&mut r, &mut st, &w, &p, (200, 210, 1));
@@ -264,10 +279,10 @@ mod tests {
         assert!(r.pools[0].is_none());
         assert_eq!(st.calls().total(), calls, "no refund reached the Redis");
         assert!(!r.decide(&mut st, 0, 0, FailMode::Closed, aged, &p, 1));
-        // Back up: the bucket holds what was never reserved; the 40 tokens left in the pool
+        // Back up: the bucket holds what was never reserved; the 81 tokens left in the pool
         // are lost.
         st.advance(&w, 2_000);
-        let left = 100_000 - before - during - 40;
+        let left = 100_000 - before - during - 81;
         assert!(st.decide(0, 0, FailMode::Closed, 2_000, &p, left as u32));
         assert!(!st.decide(0, 0, FailMode::Closed, 2_000, &p, 1));
     }
