@@ -4,7 +4,7 @@
 
 mod common;
 
-use common::{fresh_bucket, req, store, tokens};
+use common::{conn, fresh_bucket, req, store, tokens};
 use quota_store::redis_store::COLLECT_CALL_KEYS;
 use quota_store::Store;
 use redis_harness::{command_calls, RedisServer};
@@ -21,11 +21,7 @@ async fn a_drain_of_many_buckets_takes_them_a_few_hundred_a_call() {
     futures::future::try_join_all(checks.iter().map(|c| s.check(c)))
         .await
         .unwrap();
-    let mut conn = server
-        .client()
-        .get_multiplexed_async_connection()
-        .await
-        .unwrap();
+    let mut conn = conn(&server).await;
     let _: () = redis::cmd("CONFIG")
         .arg("RESETSTAT")
         .query_async(&mut conn)

@@ -10,18 +10,10 @@ mod common;
 
 use std::time::Duration;
 
-use common::{fresh_bucket, req, tokens};
+use common::{conn, fresh_bucket, req, tokens};
 use quota_store::{Limit, RedisStore, RedisStoreConfig, SetParams, Store};
 use redis::AsyncCommands;
 use redis_harness::RedisServer;
-
-async fn conn(server: &RedisServer) -> redis::aio::MultiplexedConnection {
-    server
-        .client()
-        .get_multiplexed_async_connection()
-        .await
-        .unwrap()
-}
 
 /// A store whose buckets may expire as soon as they would read full.
 async fn fast_expiry_store(server: &RedisServer) -> RedisStore {

@@ -98,3 +98,12 @@ pub fn tls(pki: &redis_harness::pki::TestPki, client: bool) -> quota_store::Tls 
         }),
     }
 }
+
+/// A plain connection to `server`, for reading or resetting its state beside a store.
+pub async fn conn(server: &RedisServer) -> redis::aio::MultiplexedConnection {
+    server
+        .client()
+        .get_multiplexed_async_connection()
+        .await
+        .unwrap()
+}

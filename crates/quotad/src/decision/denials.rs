@@ -123,9 +123,7 @@ impl Denials {
             return Look::Ask;
         };
         if e.limit != *limit {
-            if let Some(e) = entries.remove(bucket) {
-                e.settled.notify_waiters();
-            }
+            settle(&mut entries, bucket);
             return Look::Ask;
         }
         if cost < e.cost {
