@@ -31,6 +31,7 @@ local MAX_WINDOW_PRODUCT = 2251799813685248 -- 2^51: largest limit * window
 local EXACT_LOG_MAX = 128 -- largest sliding-window limit kept as an exact log
 local DEFAULT_MIN_TTL_MS = 60000 -- minimum idle TTL when none is given
 local DEFAULT_MIN_TTL_ARG = '60000' -- the same as a command argument
+local DEFAULT_PERIOD_ARG = '1000' -- DEFAULT_PERIOD_MS as a command argument
 local COLLECT_MAX = 100000 -- most keys one usage collection takes
 local STATE_LEN = 96 -- bytes of a token-bucket state
 local STATE_LEN_NO_PERIOD = 88 -- bytes of a state written without its period (period 1000)

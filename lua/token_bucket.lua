@@ -86,6 +86,7 @@ local MAX_WINDOW_PRODUCT = 2251799813685248 -- 2^51: largest limit * window
 local EXACT_LOG_MAX = 128 -- largest sliding-window limit kept as an exact log
 local DEFAULT_MIN_TTL_MS = 60000 -- minimum idle TTL when none is given
 local DEFAULT_MIN_TTL_ARG = '60000' -- the same as a command argument
+local DEFAULT_PERIOD_ARG = '1000' -- DEFAULT_PERIOD_MS as a command argument
 local COLLECT_MAX = 100000 -- most keys one usage collection takes
 local STATE_LEN = 96 -- bytes of a token-bucket state
 local STATE_LEN_NO_PERIOD = 88 -- bytes of a state written without its period (period 1000)
@@ -302,7 +303,11 @@ end
 -- quotad shared helpers: end.
 
 -- Arguments. An integer argument is checked inline as int() does (find(s, DIGITS), then s + 0),
--- so the common paths create no closure; an error reply is ERR .. what.
+-- so the common paths create no closure; an error reply is ERR .. what. The values a daemon
+-- sends on most calls (cost and batch 1, the default minimum TTL, a per-second fallback
+-- period) are first compared as strings: Lua interns strings, so that is one pointer
+-- comparison where the check and the parse (a pattern match and strtod) cost Redis about a
+-- thousand instructions.
 local keys, argv = KEYS, ARGV
 local k1, k2, k3 = keys[1], keys[2], keys[3]
 if #keys ~= 3 then
@@ -316,24 +321,29 @@ if n_args < 3 or n_args > 7 then
   return redis.error_reply(ERR .. 'expected 3 to 7 arguments')
 end
 local s = argv[1]
-local cost = #s <= 16 and find(s, DIGITS) and s + 0
-if not cost or cost > MAX_COST then
-  return redis.error_reply(ERR .. 'cost must be an integer in 0..' .. MAX_COST)
+local cost = 1
+if s ~= '1' then
+  cost = #s <= 16 and find(s, DIGITS) and s + 0
+  if not cost or cost > MAX_COST then
+    return redis.error_reply(ERR .. 'cost must be an integer in 0..' .. MAX_COST)
+  end
 end
 local batch = 1
 if n_args == 7 then
   s = argv[7]
-  batch = #s <= 16 and find(s, DIGITS) and s + 0
-  if not batch or batch < 1 or batch > MAX_COST or cost * batch > MAX_COST then
-    return redis.error_reply(ERR .. 'batch must be an integer in 1..' .. MAX_COST
-      .. ' with cost * batch at most ' .. MAX_COST)
+  if s ~= '1' then -- a batch of 1 is within every bound (cost is)
+    batch = #s <= 16 and find(s, DIGITS) and s + 0
+    if not batch or batch < 1 or batch > MAX_COST or cost * batch > MAX_COST then
+      return redis.error_reply(ERR .. 'batch must be an integer in 1..' .. MAX_COST
+        .. ' with cost * batch at most ' .. MAX_COST)
+    end
   end
 end
 -- The minimum TTL, and as the SET argument the string itself when Redis reads it as given (no
 -- leading zero; a number argument costs Redis a conversion).
 local min_ttl, min_ttl_arg = DEFAULT_MIN_TTL_MS, DEFAULT_MIN_TTL_ARG
 s = argv[5]
-if s and s ~= '' then
+if s and s ~= '' and s ~= DEFAULT_MIN_TTL_ARG then
   min_ttl = #s <= 16 and find(s, '^[1-9]%d*$') and s + 0
   if min_ttl then
     min_ttl_arg = s
@@ -465,7 +475,7 @@ if src == 0 then
   cap = #a <= 16 and find(a, DIGITS) and a + 0
   rate = #b <= 16 and find(b, DIGITS) and b + 0
   per = DEFAULT_PERIOD_MS
-  if c and c ~= '' then
+  if c and c ~= '' and c ~= DEFAULT_PERIOD_ARG then
     per = #c <= 16 and find(c, DIGITS) and c + 0
   end
   if not (cap and rate and per and cap <= MAX_CAP and rate <= MAX_CAP and per >= 1

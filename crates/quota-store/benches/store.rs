@@ -1,7 +1,7 @@
 //! Store benchmark: decisions per second and latency through the `Store` API (embedded and
 //! Redis side by side, concurrency 1 and 64, hot key and random keys), and Redis server CPU per
 //! decision for `token_bucket.lua` (one packed string: GET + SET PX) against the previous
-//! hash-based script (`benches/token_bucket_hash.lua`: HMGET params, HMGET + HSET state), a
+//! hash-based script (`benches/lua/token_bucket_hash.lua`: HMGET params, HMGET + HSET state), a
 //! seed-article-style baseline script, the bare TIME+GET+SET PX floor and the floor of the
 //! decision script's contract (its commands, state and reply without its checks or arithmetic),
 //! interleaved in one run with ratios.
@@ -22,6 +22,7 @@ use std::time::{Duration, Instant};
 use hdrhistogram::Histogram;
 use quota_core::bucket::UT;
 use quota_core::{BucketParams, PolicyName, TenantId};
+use quota_store::script::Arg;
 use quota_store::{
     BucketRef, CheckRequest, EmbeddedStore, Limit, LimitCheck, MultiCheckRequest, RedisStore,
     RedisStoreConfig, Store,
@@ -31,7 +32,7 @@ use redis_harness::RedisServer;
 
 /// Interleaved rounds of the server-CPU runs (the minimum is reported: it is the least
 /// disturbed by other load on the machine).
-const ROUNDS: usize = 3;
+const ROUNDS: usize = 5;
 
 /// Tenants in the random-keys runs.
 const KEYSPACE: u64 = 100_000;
@@ -39,58 +40,17 @@ const KEYSPACE: u64 = 100_000;
 /// Shaped like the seed articles' token bucket: HMGET, refill in floats, HSET, EXPIRE, float
 /// arguments (capacity, tokens per second, now in seconds, cost). No usage counters, no
 /// validation, no retry-after or reset.
-const SEED_BASELINE_LUA: &str = r#"
-local bucket = redis.call('HMGET', KEYS[1], 'tokens', 'ts')
-local capacity = tonumber(ARGV[1])
-local refill = tonumber(ARGV[2])
-local now = tonumber(ARGV[3])
-local cost = tonumber(ARGV[4])
-local tokens = tonumber(bucket[1]) or capacity
-local last_ts = tonumber(bucket[2]) or now
-local elapsed = math.max(0, now - last_ts)
-tokens = math.min(capacity, tokens + elapsed * refill)
-local allowed = 0
-if tokens >= cost then
-  tokens = tokens - cost
-  allowed = 1
-end
-redis.call('HSET', KEYS[1], 'tokens', tokens, 'ts', now)
-redis.call('EXPIRE', KEYS[1], math.ceil(capacity / refill) * 2)
-return allowed
-"#;
+const SEED_BASELINE_LUA: &str = include_str!("lua/seed_baseline.lua");
 
 /// A rejected design (state and parameters in hashes), kept only for comparison.
-const HASH_TOKEN_BUCKET_LUA: &str = include_str!("token_bucket_hash.lua");
+const HASH_TOKEN_BUCKET_LUA: &str = include_str!("lua/token_bucket_hash.lua");
 
-/// The floor of `token_bucket.lua`'s contract, with its keys and arguments: Redis TIME, GET of
-/// the 96-byte state (unpacked), on a missing key HGETALL of the parameters and SADD to the
-/// activity index, SET PX of a packed state, a 4-field reply; no argument or state checks and
-/// no refill arithmetic.
-const CONTRACT_FLOOR_LUA: &str = r#"
-local t = redis.call('TIME')
-local now = t[1] * 1000
-local v = redis.call('GET', KEYS[1])
-local tokens, carry, ts, ad, dn, cap, rate, src, lease_end, fcap, frate, per =
-  0, 0, now, 0, 0, 0, 0, 0, -1, 0, 0, 1000
-if v then
-  tokens, carry, ts, ad, dn, cap, rate, src, lease_end, fcap, frate, per =
-    struct.unpack('<dddddddddddd', v)
-else
-  redis.call('HGETALL', KEYS[2])
-  redis.call('SADD', KEYS[3], KEYS[1])
-end
-redis.call('SET', KEYS[1], struct.pack('<dddddddddddd', tokens, carry, now, ad + 1, dn, cap,
-  rate, src, lease_end, fcap, frate, per), 'PX', '60000')
-return { 1, 0, 0, 0 }
-"#;
+/// The floor of `token_bucket.lua`'s contract (what it needs from Redis, no checks and no
+/// arithmetic).
+const CONTRACT_FLOOR_LUA: &str = include_str!("lua/contract_floor.lua");
 
 /// The floor: read Redis time, read a key, write it with an expiry.
-const BARE_LUA: &str = r#"
-local t = redis.call('TIME')
-local v = redis.call('GET', KEYS[1])
-redis.call('SET', KEYS[1], t[1], 'PX', 60000)
-return 1
-"#;
+const BARE_LUA: &str = include_str!("lua/bare.lua");
 
 fn scale() -> f64 {
     std::env::var("QUOTAD_BENCH_SCALE")
@@ -371,14 +331,30 @@ fn quotad_keys(t: u64) -> Vec<String> {
 }
 
 fn quotad_args(_: usize) -> Vec<String> {
-    // Production path: Redis TIME, fallback parameters (none stored). The new script then uses
-    // its default minimum idle TTL (60 s, what the store passes); the previous one takes 4.
-    vec![
-        "1".into(),
-        (1000 * UT).to_string(),
-        (100_000 * UT).to_string(),
-        String::new(),
-    ]
+    // What a daemon sends for a bucket without a reservation: cost 1, the fallback parameters,
+    // Redis TIME, the default minimum idle TTL, the refill period and a batch of 1.
+    let req = CheckRequest {
+        bucket: bucket(0),
+        limit: limit(),
+        cost: 1,
+        now_ms: None,
+    };
+    let ttl = quota_store::DEFAULT_MIN_IDLE_TTL_MS.to_string();
+    let (args, n) = quota_store::script::decision_args(&req, &ttl);
+    let mut out: Vec<String> = args[..n]
+        .iter()
+        .map(|a| match a {
+            Arg::Str(s) => s.to_string(),
+            Arg::Num(n) => n.to_string(),
+        })
+        .collect();
+    out.push("1".into());
+    out
+}
+
+/// The previous script takes cost, fallback pair and now only.
+fn hash_args(i: usize) -> Vec<String> {
+    quotad_args(i).into_iter().take(4).collect()
 }
 
 fn plain_key(t: u64) -> Vec<String> {
@@ -483,7 +459,18 @@ async fn main() {
             }
             floor = floor.min(run(CONTRACT_FLOOR_LUA, false).await);
             floor_stored = floor_stored.min(run(CONTRACT_FLOOR_LUA, true).await);
-            hash = hash.min(run(HASH_TOKEN_BUCKET_LUA, false).await);
+            hash = hash.min(
+                server_cpu(
+                    &server,
+                    HASH_TOKEN_BUCKET_LUA,
+                    keys,
+                    n,
+                    hash_args,
+                    quotad_keys,
+                    false,
+                )
+                .await,
+            );
             seed = seed.min(
                 server_cpu(
                     &server,

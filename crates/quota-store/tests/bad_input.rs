@@ -204,6 +204,64 @@ fn token_bucket_rejects_every_bad_argument() {
     }
 }
 
+/// `token_bucket.lua` compares the values a daemon sends on most calls (cost and batch `1`,
+/// the default minimum TTL `60000`, the period `1000`) as strings before parsing: the same
+/// numbers spelled otherwise (leading zeros) must decide, write and expire alike.
+#[test]
+fn common_argument_values_decide_as_their_other_spellings() {
+    let server = RedisServer::start().unwrap();
+    let mut c = common::sync_conn(&server);
+    let (b2, p2) = ("qd:v1:{bad}:y:1:b", "qd:v1:{bad}:y:1:p");
+    // Cost 1 then 3 (denied), batches of 1 and 5, across refills that leave a carry.
+    let calls: &[(&str, &str, &str)] = &[
+        ("1000", "1", "1"),
+        ("1001", "1", "5"),
+        ("1003", "3", "1"),
+        ("1010", "1", "1"),
+        ("1500", "1", "5"),
+    ];
+    for (now, cost, batch) in calls {
+        let zero = |s: &str| format!("0{s}");
+        let usual = eval(
+            &mut c,
+            TOKEN_BUCKET_LUA,
+            &[B, P, IX],
+            &[cost, "5000000", "1234567", now, "60000", "1000", batch],
+        )
+        .unwrap();
+        let (cost0, batch0) = (zero(cost), zero(batch));
+        let other = eval(
+            &mut c,
+            TOKEN_BUCKET_LUA,
+            &[b2, p2, IX],
+            &[
+                &cost0, "5000000", "1234567", now, "060000", "01000", &batch0,
+            ],
+        )
+        .unwrap();
+        assert_eq!(usual, other, "now {now}, cost {cost}, batch {batch}");
+        let states: Vec<Vec<u8>> = [B, b2]
+            .iter()
+            .map(|k| redis::cmd("GET").arg(*k).query(&mut c).unwrap())
+            .collect();
+        assert_eq!(states[0], states[1], "state after now {now}");
+        for k in [B, b2] {
+            let pttl: i64 = redis::cmd("PTTL").arg(k).query(&mut c).unwrap();
+            assert!((59_000..=60_000).contains(&pttl), "{k}: pttl {pttl}");
+        }
+    }
+    // The period 1000 is the default: given or not, the same state.
+    let _: () = redis::cmd("FLUSHALL").query(&mut c).unwrap();
+    for (key, per) in [(B, Some("1000")), (b2, None)] {
+        let mut args = vec!["2", "5000000", "1234567", "77", "60000"];
+        args.extend(per);
+        eval(&mut c, TOKEN_BUCKET_LUA, &[key, P, IX], &args).unwrap();
+    }
+    let a: Vec<u8> = redis::cmd("GET").arg(B).query(&mut c).unwrap();
+    let b: Vec<u8> = redis::cmd("GET").arg(b2).query(&mut c).unwrap();
+    assert_eq!(a, b);
+}
+
 #[test]
 fn sliding_window_rejects_every_bad_argument() {
     let server = RedisServer::start().unwrap();
