@@ -31,8 +31,8 @@
 -- are not touched at all: a limit that would have admitted spends and counts nothing.
 --
 -- Cost: TIME (unless now is given), one GET per limit, one SET PX per limit written, one SADD
--- for all the limits first decided in this report interval; HMGET of a limit's parameters only
--- when its bucket key is missing.
+-- for all the limits first decided in this report interval; HGETALL of a limit's parameters
+-- only when its bucket key is missing.
 
 -- quotad shared helpers: begin. The same text in every script in lua/ (each script runs on its
 -- own, so the block is copied, not included); a test holds the copies equal, the bounds equal to
@@ -266,93 +266,197 @@ local function quotad_helpers(MAX_CAP, MAX_PERIOD, MAX_FILL, DEFAULT_PERIOD_MS,
 end
 -- quotad shared helpers: end.
 
-local h = quotad_helpers(MAX_CAP, MAX_PERIOD, MAX_FILL, DEFAULT_PERIOD_MS, MAX_WINDOW_LIMIT,
-  MAX_WINDOW_MS, MAX_WINDOW_PRODUCT, STATE_LEN, STATE_LEN_NO_PERIOD, STATE_FMT,
-  STATE_FMT_NO_PERIOD)
-local err, int, arg_now, opt_int, failed, bucket_ok, state_decode, time_to, refilled =
-  h.err, h.int, h.arg_now, h.opt_int, h.failed, h.bucket_ok, h.state_decode, h.time_to, h.refilled
-local fmod = math.fmod
-
-local n_keys = #KEYS
+-- The common paths run inline, as in token_bucket.lua (see there for why): the checks of
+-- int(), opt_int(), bucket_ok() and state_decode(), the refill and the waits in their exact
+-- direct forms (x % y for math.fmod), the helpers made only where a product passes 2^53, and
+-- each limit's fields kept in an array (one allocation) rather than a table of named fields.
+local keys, argv = KEYS, ARGV
+local n_keys = #keys
 if n_keys < 3 or n_keys % 2 ~= 1 or n_keys > 2 * MAX_LIMITS + 1 then
-  return err('expected 2 keys for each of 1..' .. MAX_LIMITS .. ' limits and the activity index')
+  return redis.error_reply(ERR .. 'expected 2 keys for each of 1..' .. MAX_LIMITS
+    .. ' limits and the activity index')
 end
 local n = (n_keys - 1) / 2
-local index = KEYS[n_keys]
-local seen = {}
-for i = 1, n_keys do
-  if seen[KEYS[i]] then
-    return err('the ' .. n_keys .. ' keys must be distinct')
+local index = keys[n_keys]
+-- Distinct keys: pairwise for up to 4 limits (no table to allocate), else through a set.
+local repeated = false
+if n_keys <= 9 then
+  for i = 2, n_keys do
+    local k = keys[i]
+    for j = 1, i - 1 do
+      if keys[j] == k then
+        repeated = true
+      end
+    end
   end
-  seen[KEYS[i]] = true
+else
+  local seen = {}
+  for i = 1, n_keys do
+    local k = keys[i]
+    if seen[k] then
+      repeated = true
+    end
+    seen[k] = true
+  end
 end
-if #ARGV ~= 3 + 3 * n then
-  return err('expected ' .. (3 + 3 * n) .. ' arguments for ' .. n .. ' limits')
+if repeated then
+  return redis.error_reply(ERR .. 'the ' .. n_keys .. ' keys must be distinct')
 end
-local cost = int(ARGV[1], MAX_COST)
-if cost == nil then
-  return err('cost must be an integer in 0..' .. MAX_COST)
+if #argv ~= 3 + 3 * n then
+  return redis.error_reply(ERR .. 'expected ' .. (3 + 3 * n) .. ' arguments for ' .. n
+    .. ' limits')
 end
-local min_ttl = opt_int(ARGV[3], DEFAULT_MIN_TTL_MS, MAX_CAP)
-if min_ttl == nil then
-  return err('minimum TTL must be an integer number of ms in 1..' .. MAX_CAP)
+-- Cost 1 and the default minimum TTL are compared as strings first (token_bucket.lua).
+local s = argv[1]
+local cost = 1
+if s ~= '1' then
+  cost = #s <= 16 and find(s, DIGITS) and s + 0
+  if not cost or cost > MAX_COST then
+    return redis.error_reply(ERR .. 'cost must be an integer in 0..' .. MAX_COST)
+  end
 end
-local now = arg_now(ARGV[2])
-if now == nil then
-  return err('now must be an integer number of ms')
+local min_ttl, min_ttl_arg = DEFAULT_MIN_TTL_MS, DEFAULT_MIN_TTL_ARG
+s = argv[3]
+if s ~= '' and s ~= DEFAULT_MIN_TTL_ARG then
+  min_ttl = #s <= 16 and find(s, '^[1-9]%d*$') and s + 0
+  if min_ttl then
+    min_ttl_arg = s
+  else
+    min_ttl = #s <= 16 and find(s, DIGITS) and s + 0
+    min_ttl_arg = min_ttl
+  end
+  if not min_ttl or min_ttl < 1 or min_ttl > MAX_CAP then
+    return redis.error_reply(ERR .. 'minimum TTL must be an integer number of ms in 1..'
+      .. MAX_CAP)
+  end
+end
+local now
+s = argv[2]
+if s ~= '' then
+  now = #s <= 16 and find(s, DIGITS) and s + 0
+  if not now or now > MAX_CAP then
+    return redis.error_reply(ERR .. 'now must be an integer number of ms')
+  end
+else
+  local t = redis.call('TIME')
+  local us = t[2] + 0
+  now = t[1] * 1000 + (us - us % 1000) / 1000
 end
 
--- Limit i's bucket refilled to now, as token_bucket.lua reads it: its fields, or nil and the
--- error reply.
-local function load(i)
-  local at = 'limit ' .. i .. ': '
-  local v = redis.pcall('GET', KEYS[2 * i - 1])
-  if type(v) == 'table' then
-    return nil, err(at .. 'the state key holds another type')
-  end
+-- Each limit refilled to now, as token_bucket.lua reads it, into buckets[i] = { tokens, carry,
+-- ts, ad, dn, cap, rate, per, share_cap, share_rate, src, lease_end, fcap, frate, reset,
+-- written }; the last two are filled in by the decision.
+local h -- the helpers, made only where a product passes 2^53
+local cost_ut = cost * UT
+local buckets = {}
+local admitted = true
+for i = 1, n do
+  local v = redis.pcall('GET', keys[2 * i - 1])
   local tokens, carry, ts, ad, dn, cap, rate, src, lease_end, fcap, frate, per, cper
   if v then
-    tokens, carry, ts, ad, dn, cap, rate, src, lease_end, fcap, frate, per = state_decode(v)
-    if tokens == nil then
-      return nil, err(at .. 'stored state is invalid')
+    local len = #v
+    if len == STATE_LEN then
+      tokens, carry, ts, ad, dn, cap, rate, src, lease_end, fcap, frate, per =
+        struct.unpack(STATE_FMT, v)
+    elseif len == STATE_LEN_NO_PERIOD then
+      tokens, carry, ts, ad, dn, cap, rate, src, lease_end, fcap, frate =
+        struct.unpack(STATE_FMT_NO_PERIOD, v)
+      per = DEFAULT_PERIOD_MS
+    elseif type(v) == 'table' then
+      return redis.error_reply(ERR .. 'limit ' .. i .. ': the state key holds another type')
+    else
+      return redis.error_reply(ERR .. 'limit ' .. i .. ': stored state is invalid')
+    end
+    if not (tokens % 1 + ts % 1 + ad % 1 + dn % 1 + cap % 1 + rate % 1 + per % 1 + carry % 1 == 0
+        and tokens >= 0 and tokens <= MAX_CAP and ts >= 0 and ts <= MAX_CAP and ad >= 0
+        and ad <= MAX_CAP and dn >= 0 and dn <= MAX_CAP and cap >= 0 and cap <= MAX_CAP
+        and rate >= 0 and rate <= MAX_CAP and per >= 1 and per <= MAX_PERIOD
+        and (rate == 0 or cap * per < MAX_FILL or (cap - cap % rate) / rate * per < MAX_FILL)
+        and carry >= 0 and carry < per and (src == 0 or src == 1)
+        and ((lease_end == -1 and fcap == 0 and frate == 0) or (lease_end % 1 + fcap % 1
+          + frate % 1 == 0 and lease_end >= 0 and lease_end <= MAX_CAP and fcap >= 0
+          and fcap <= MAX_CAP and frate >= 0 and frate <= MAX_CAP
+          and (frate == 0 or fcap * per < MAX_FILL
+            or (fcap - fcap % frate) / frate * per < MAX_FILL)))) then
+      return redis.error_reply(ERR .. 'limit ' .. i .. ': stored state is invalid')
     end
     cper = per
   else
-    local p = redis.pcall('HMGET', KEYS[2 * i], 'cap', 'rate', 'until', 'fcap', 'frate', 'per')
-    if failed(p) then
-      return nil, err(at .. 'the parameters key holds another type')
+    local p = redis.pcall('HGETALL', keys[2 * i])
+    if p.err then
+      return redis.error_reply(ERR .. 'limit ' .. i .. ': the parameters key holds another type')
     end
     lease_end, fcap, frate = -1, 0, 0
-    if p[1] or p[2] then
-      cap, rate = int(p[1], MAX_CAP), int(p[2], MAX_CAP)
-      per = opt_int(p[6] or '', DEFAULT_PERIOD_MS, MAX_PERIOD)
-      if not bucket_ok(cap, rate, per) then
-        return nil, err(at .. 'stored parameters are invalid')
-      end
-      if p[3] or p[4] or p[5] then
-        lease_end, fcap, frate = int(p[3], MAX_CAP), int(p[4], MAX_CAP), int(p[5], MAX_CAP)
-        if lease_end == nil or not bucket_ok(fcap, frate, per) then
-          return nil, err(at .. 'stored parameters are invalid')
+    src = 0
+    local n_p = #p
+    if n_p > 0 then
+      local a, b, c, u, f, g -- cap, rate, per, until, fcap, frate
+      for j = 1, n_p, 2 do
+        local name = p[j]
+        if name == 'cap' then
+          a = p[j + 1]
+        elseif name == 'rate' then
+          b = p[j + 1]
+        elseif name == 'per' then
+          c = p[j + 1]
+        elseif name == 'until' then
+          u = p[j + 1]
+        elseif name == 'fcap' then
+          f = p[j + 1]
+        elseif name == 'frate' then
+          g = p[j + 1]
         end
       end
-      src = 1
-    else
-      src = 0
+      if a or b then
+        cap = a and #a <= 16 and find(a, DIGITS) and a + 0
+        rate = b and #b <= 16 and find(b, DIGITS) and b + 0
+        per = DEFAULT_PERIOD_MS
+        if c and c ~= '' then
+          per = #c <= 16 and find(c, DIGITS) and c + 0
+        end
+        if not (cap and rate and per and cap <= MAX_CAP and rate <= MAX_CAP and per >= 1
+            and per <= MAX_PERIOD
+            and (rate == 0 or cap * per < MAX_FILL or (cap - cap % rate) / rate * per < MAX_FILL))
+        then
+          return redis.error_reply(ERR .. 'limit ' .. i .. ': stored parameters are invalid')
+        end
+        if u or f or g then
+          lease_end = u and #u <= 16 and find(u, DIGITS) and u + 0
+          fcap = f and #f <= 16 and find(f, DIGITS) and f + 0
+          frate = g and #g <= 16 and find(g, DIGITS) and g + 0
+          if not (lease_end and fcap and frate and lease_end <= MAX_CAP and fcap <= MAX_CAP
+              and frate <= MAX_CAP and (frate == 0 or fcap * per < MAX_FILL
+                or (fcap - fcap % frate) / frate * per < MAX_FILL)) then
+            return redis.error_reply(ERR .. 'limit ' .. i .. ': stored parameters are invalid')
+          end
+        end
+        src = 1
+      end
     end
     tokens, carry, ts, ad, dn = -1, 0, now, 0, 0
   end
   if src == 0 then
-    local a, b, c = ARGV[3 * i + 1], ARGV[3 * i + 2], ARGV[3 * i + 3]
+    local a, b, c = argv[3 * i + 1], argv[3 * i + 2], argv[3 * i + 3]
     if a == '' and b == '' then
       if c ~= '' then
-        return nil, err(at .. 'a fallback period needs a fallback capacity and refill')
+        return redis.error_reply(ERR .. 'limit ' .. i
+          .. ': a fallback period needs a fallback capacity and refill')
       end
-      return nil, err(at .. 'no parameters stored and no fallback given')
+      return redis.error_reply(ERR .. 'limit ' .. i
+        .. ': no parameters stored and no fallback given')
     end
-    cap, rate, per = int(a, MAX_CAP), int(b, MAX_CAP), opt_int(c, DEFAULT_PERIOD_MS, MAX_PERIOD)
-    if not bucket_ok(cap, rate, per) then
-      return nil, err(at .. 'fallback capacity, refill and period must be integers within the '
-        .. 'bucket bounds')
+    cap = #a <= 16 and find(a, DIGITS) and a + 0
+    rate = #b <= 16 and find(b, DIGITS) and b + 0
+    per = DEFAULT_PERIOD_MS
+    if c ~= '' and c ~= DEFAULT_PERIOD_ARG then
+      per = #c <= 16 and find(c, DIGITS) and c + 0
+    end
+    if not (cap and rate and per and cap <= MAX_CAP and rate <= MAX_CAP and per >= 1
+        and per <= MAX_PERIOD
+        and (rate == 0 or cap * per < MAX_FILL or (cap - cap % rate) / rate * per < MAX_FILL))
+    then
+      return redis.error_reply(ERR .. 'limit ' .. i .. ': fallback capacity, refill and period '
+        .. 'must be integers within the bucket bounds')
     end
     cper = cper or per
   end
@@ -366,100 +470,139 @@ local function load(i)
   if tokens < 0 then
     tokens = cap
   end
-  tokens, carry, ts = refilled(tokens, carry, ts, cap, rate, per, now)
-  return { tokens = tokens, carry = carry, ts = ts, ad = ad, dn = dn, cap = cap, rate = rate,
-    per = per, share_cap = share_cap, share_rate = share_rate, src = src,
-    lease_end = lease_end, fcap = fcap, frate = frate }
-end
-
--- ms until bucket b is full (0 when full, -1 = never).
-local function reset_of(b)
-  if b.tokens >= b.cap then
-    return 0
-  elseif b.rate == 0 then
-    return -1
+  -- refilled(), inline.
+  if tokens >= cap then
+    tokens, carry = cap, 0
   end
-  return time_to(b.cap - b.tokens, b.carry, b.rate, b.per)
-end
-
-local cost_ut = cost * UT
-local buckets = {}
-local admitted = true
-for i = 1, n do
-  local b, e = load(i)
-  if b == nil then
-    return e
+  if now > ts then
+    if tokens < cap and rate > 0 then
+      local m = (now - ts) * rate + carry
+      if m > MAX_CAP then
+        h = h or quotad_helpers(MAX_CAP, MAX_PERIOD, MAX_FILL, DEFAULT_PERIOD_MS,
+          MAX_WINDOW_LIMIT, MAX_WINDOW_MS, MAX_WINDOW_PRODUCT, STATE_LEN, STATE_LEN_NO_PERIOD,
+          STATE_FMT, STATE_FMT_NO_PERIOD)
+        tokens, carry = h.refilled(tokens, carry, ts, cap, rate, per, now)
+      else
+        local r = m % per
+        local add = (m - r) / per
+        if add >= cap - tokens then
+          tokens, carry = cap, 0
+        else
+          tokens, carry = tokens + add, r
+        end
+      end
+    end
+    ts = now
   end
-  b.admits = cost_ut <= b.tokens
-  admitted = admitted and b.admits
-  buckets[i] = b
-end
-
-local out = {}
-if cost == 0 then
-  for i = 1, n do
-    local b = buckets[i]
-    local k = 4 * i
-    out[k - 3], out[k - 2], out[k - 1], out[k] = 1, (b.tokens - fmod(b.tokens, UT)) / UT, 0,
-      reset_of(b)
+  if cost_ut > tokens then
+    admitted = false
   end
-  return out
+  buckets[i] = { tokens, carry, ts, ad, dn, cap, rate, per, share_cap, share_rate, src,
+    lease_end, fcap, frate, 0, false }
 end
 
 -- Decide each: spend on all when all admit; else deny where it does not, touch nothing else.
-local listed = {}
+-- A peek (cost 0) admits everywhere and writes nothing. out holds 4 fields a limit; listed the
+-- state keys to add to the activity index.
+local out, listed = {}, nil
 for i = 1, n do
   local b = buckets[i]
-  local allowed, retry = 1, 0
+  local tokens, carry, cap, rate, per = b[1], b[2], b[6], b[7], b[8]
+  local allowed, retry, write = 1, 0, cost > 0
   if admitted then
-    b.tokens = b.tokens - cost_ut
-    b.write = true
-  elseif not b.admits then
-    if cost_ut > b.cap or b.rate == 0 then
+    tokens = tokens - cost_ut
+    b[1] = tokens
+  elseif cost_ut > tokens then
+    if cost_ut > cap or rate == 0 then
       allowed, retry = 0, -1
     else
-      allowed, retry = 0, time_to(cost_ut - b.tokens, b.carry, b.rate, b.per)
+      -- time_to(), inline: ceil((need * per - carry) / rate).
+      allowed = 0
+      local m = (cost_ut - tokens) * per
+      if m > MAX_CAP then
+        h = h or quotad_helpers(MAX_CAP, MAX_PERIOD, MAX_FILL, DEFAULT_PERIOD_MS,
+          MAX_WINDOW_LIMIT, MAX_WINDOW_MS, MAX_WINDOW_PRODUCT, STATE_LEN, STATE_LEN_NO_PERIOD,
+          STATE_FMT, STATE_FMT_NO_PERIOD)
+        retry = h.time_to(cost_ut - tokens, carry, rate, per)
+      else
+        m = m - carry
+        local r = m % rate
+        retry = (m - r) / rate
+        if r > 0 then
+          retry = retry + 1
+        end
+      end
     end
-    b.write = true
+  else
+    write = false -- admits, but another limit denies: untouched
   end
-  b.reset = reset_of(b)
-  if b.write and b.ad + b.dn == 0 then
-    listed[#listed + 1] = KEYS[2 * i - 1]
+  local reset = 0 -- ms until full; -1: never (no refill)
+  if tokens < cap then
+    if rate == 0 then
+      reset = -1
+    else
+      local m = (cap - tokens) * per
+      if m > MAX_CAP then
+        h = h or quotad_helpers(MAX_CAP, MAX_PERIOD, MAX_FILL, DEFAULT_PERIOD_MS,
+          MAX_WINDOW_LIMIT, MAX_WINDOW_MS, MAX_WINDOW_PRODUCT, STATE_LEN, STATE_LEN_NO_PERIOD,
+          STATE_FMT, STATE_FMT_NO_PERIOD)
+        reset = h.time_to(cap - tokens, carry, rate, per)
+      else
+        m = m - carry
+        local r = m % rate
+        reset = (m - r) / rate
+        if r > 0 then
+          reset = reset + 1
+        end
+      end
+    end
+  end
+  b[15], b[16] = reset, write
+  if write and b[4] + b[5] == 0 then
+    listed = listed or {}
+    listed[#listed + 1] = keys[2 * i - 1]
   end
   local k = 4 * i
-  out[k - 3], out[k - 2], out[k - 1], out[k] = allowed, (b.tokens - fmod(b.tokens, UT)) / UT,
-    retry, b.reset
+  out[k - 3], out[k - 2], out[k - 1], out[k] = allowed, (tokens - tokens % UT) / UT, retry,
+    reset
+end
+if cost == 0 then
+  return out
 end
 
--- Writes, last: the index (the only write that can fail, one SADD for all), then the states.
-if #listed > 0 and failed(redis.pcall('SADD', index, unpack(listed))) then
-  return err('the activity index holds another type')
+-- Writes, last: the index (the only write that can fail, one SADD for all; it answers the
+-- number added, else an error table), then the states.
+if listed then
+  local r = redis.pcall('SADD', index, unpack(listed))
+  if type(r) ~= 'number' then
+    return redis.error_reply(ERR .. 'the activity index holds another type')
+  end
 end
 for i = 1, n do
   local b = buckets[i]
-  if b.write then
+  if b[16] then
+    local ad, dn = b[4], b[5]
     -- Usage counters saturate at MAX_CAP, so a state stays valid.
     if admitted then
-      b.ad = b.ad + cost
-      if b.ad > MAX_CAP then
-        b.ad = MAX_CAP
+      ad = ad + cost
+      if ad > MAX_CAP then
+        ad = MAX_CAP
       end
     else
-      b.dn = b.dn + cost
-      if b.dn > MAX_CAP then
-        b.dn = MAX_CAP
+      dn = dn + cost
+      if dn > MAX_CAP then
+        dn = MAX_CAP
       end
     end
-    local packed = struct.pack(STATE_FMT, b.tokens, b.carry, b.ts, b.ad, b.dn, b.share_cap,
-      b.share_rate, b.src, b.lease_end, b.fcap, b.frate, b.per)
-    if b.reset == -1 then
-      redis.call('SET', KEYS[2 * i - 1], packed)
+    local packed = struct.pack(STATE_FMT, b[1], b[2], b[3], ad, dn, b[9], b[10], b[11], b[12],
+      b[13], b[14], b[8])
+    local reset = b[15]
+    if reset == -1 then
+      redis.call('SET', keys[2 * i - 1], packed)
+    elseif reset < min_ttl then
+      redis.call('SET', keys[2 * i - 1], packed, 'PX', min_ttl_arg)
     else
-      local ttl = b.reset
-      if ttl < min_ttl then
-        ttl = min_ttl
-      end
-      redis.call('SET', KEYS[2 * i - 1], packed, 'PX', ttl)
+      redis.call('SET', keys[2 * i - 1], packed, 'PX', reset)
     end
   end
 end

@@ -7,7 +7,8 @@ mod common;
 use common::{fresh_bucket, req, tokens};
 use quota_core::BucketParams;
 use quota_store::script::{
-    COLLECT_USAGE_LUA, REFUND_LUA, SET_PARAMS_LUA, SLIDING_WINDOW_LUA, TOKEN_BUCKET_LUA,
+    COLLECT_USAGE_LUA, REFUND_LUA, SET_PARAMS_LUA, SLIDING_WINDOW_LUA, TOKEN_BUCKETS_LUA,
+    TOKEN_BUCKET_LUA,
 };
 use quota_store::{Limit, SetParams, Store, StoreError};
 use redis_harness::RedisServer;
@@ -260,6 +261,52 @@ fn common_argument_values_decide_as_their_other_spellings() {
     let a: Vec<u8> = redis::cmd("GET").arg(B).query(&mut c).unwrap();
     let b: Vec<u8> = redis::cmd("GET").arg(b2).query(&mut c).unwrap();
     assert_eq!(a, b);
+}
+
+/// `token_buckets.lua` compares keys pairwise up to 4 limits and through a set beyond: at every
+/// number of limits, any repeated key is refused and nothing is written.
+#[test]
+fn token_buckets_refuses_a_repeated_key_at_every_number_of_limits() {
+    let server = RedisServer::start().unwrap();
+    let mut c = common::sync_conn(&server);
+    for n in 1..=16usize {
+        let mut keys: Vec<String> = (0..n)
+            .flat_map(|i| {
+                [
+                    format!("qd:v1:{{rep}}:l{i}:1:b"),
+                    format!("qd:v1:{{rep}}:l{i}:1:p"),
+                ]
+            })
+            .collect();
+        keys.push("qd:v1:{rep}:ix".into());
+        let mut args = vec!["1".to_string(), "77".into(), "".into()];
+        for _ in 0..n {
+            args.extend(["5000000".into(), "1000".into(), "".into()]);
+        }
+        let call = |c: &mut redis::Connection, keys: &[String]| {
+            let k: Vec<&str> = keys.iter().map(String::as_str).collect();
+            let a: Vec<&str> = args.iter().map(String::as_str).collect();
+            eval(c, TOKEN_BUCKETS_LUA, &k, &a)
+        };
+        // Every pair of positions, the index included.
+        for i in 0..keys.len() {
+            for j in i + 1..keys.len() {
+                let mut bad = keys.clone();
+                bad[j] = bad[i].clone();
+                assert_quotad_error(
+                    call(&mut c, &bad),
+                    &format!("{n} limits, key {j} = key {i}"),
+                );
+            }
+        }
+        let size: u64 = redis::cmd("DBSIZE").query(&mut c).unwrap();
+        assert_eq!(size, 0, "{n} limits: a refused call wrote");
+        match call(&mut c, &keys).unwrap() {
+            redis::Value::Array(v) => assert_eq!(v.len(), 4 * n),
+            v => panic!("{n} limits: {v:?}"),
+        }
+        let _: () = redis::cmd("FLUSHALL").query(&mut c).unwrap();
+    }
 }
 
 #[test]
