@@ -12,7 +12,7 @@
 # capacity and refill, Redis TIME, the default minimum TTL, the period, a batch of 1), on one
 # hot key and on random keys of 100 000 tenants, with each bucket's parameters stored first
 # ("stored") or not ("fallback"). Needs valgrind, redis-server, redis-cli and redis-benchmark.
-# About two minutes at the default 3000 calls per run.
+# About 2.5 minutes at the default 3000 calls per run.
 set -euo pipefail
 
 calls=${1:-3000}
@@ -34,7 +34,7 @@ free_port() {
   python3 -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'
 }
 
-# measure <script> <hot|random> <stored|fallback> <quotad|seed>: instructions per EVALSHA.
+# measure <script> <hot|random> <stored|fallback> <quotad|seed|multi>: instructions per EVALSHA.
 measure() {
   local script=$1 keys=$2 params=$3 shape=$4
   local port out tag sha n ir
@@ -65,6 +65,12 @@ measure() {
   if [ "$shape" = seed ]; then
     redis-benchmark -p "$port" -q -n "$calls" -r "$keyspace" -c 8 \
       EVALSHA "$sha" 1 "seed:$tag" "${seed_args[@]}" >/dev/null
+  elif [ "$shape" = multi ]; then
+    # The bench's two limits: the one above, and 1 000 000 tokens refilling 100 000 000 a day.
+    redis-benchmark -p "$port" -q -n "$calls" -r "$keyspace" -c 8 \
+      EVALSHA "$sha" 5 "qd:v1:$tag:writes:1:b" "qd:v1:$tag:writes:1:p" \
+      "qd:v1:$tag:daily:1:b" "qd:v1:$tag:daily:1:p" qd:v1:active \
+      1 '' 60000 1000000000 100000000000 1000 1000000000000 100000000000000 86400000 >/dev/null
   else
     redis-benchmark -p "$port" -q -n "$calls" -r "$keyspace" -c 8 \
       EVALSHA "$sha" 3 "qd:v1:$tag:writes:1:b" "qd:v1:$tag:writes:1:p" qd:v1:active \
@@ -95,6 +101,7 @@ for keys in hot random; do
   done
   r[seed.$keys]=$(measure "$bench/seed_baseline.lua" "$keys" fallback seed)
 done
+r[multi]=$(measure "$root/lua/token_buckets.lua" random fallback multi)
 
 ratio() { awk -v a="$1" -v b="$2" 'BEGIN { printf "%.2f", a / b }'; }
 row() { printf '  %-44s %10s %12s\n' "$1" "$2" "$3"; }
@@ -123,3 +130,6 @@ for params in stored fallback; do
       "$(ratio "${r[tb.random.$params]}" "${r[other.random.$params]}")"
   fi
 done
+echo "== two limits at once (token_buckets.lua, random keys, fallback) =="
+row "token_buckets.lua, 2 limits" "" "${r[multi]}"
+row "ratio ÷ 2 calls of token_bucket.lua" "" "$(ratio "${r[multi]}" $((2 * ${r[tb.random.fallback]})))"
