@@ -31,10 +31,10 @@
 //! - `denied`: every worker on one spent tenant (10 a second): Redis calls per retry interval,
 //!   with the denial cache answering the rest.
 //!
-//! Then `paired`: `livez`, `hot`, `raw` and `echo` again in alternating short slices
-//! (`QUOTAD_BENCH_PAIRS`, default 8, of `QUOTAD_BENCH_SLICE_MS`, default 500, each), so whatever
-//! the host does between rounds falls on all four alike; it reports the median and range of
-//! the hot tenant's ratios per set of slices. On a shared machine whose throughput swings
+//! Then `paired`: `livez`, `hot`, `raw`, `echo`, `cold` and `cold-off` again in alternating
+//! short slices (`QUOTAD_BENCH_PAIRS`, default 8, of `QUOTAD_BENCH_SLICE_MS`, default 500,
+//! each), so whatever the host does between rounds falls on all of them alike; it reports the
+//! median and range of the hot tenant's ratios, and of cold over cold-off, per set of slices. On a shared machine whose throughput swings
 //! between rounds, these are the ratios to read. `echo` is a minimal axum handler on the server
 //! runtime that takes the hot check's request (its JSON body parsed) and answers a body and
 //! headers of the same shape, deciding nothing: the HTTP exchange a check is, with no
@@ -981,18 +981,21 @@ fn spread(mut v: Vec<f64>) -> (f64, f64, f64) {
     (median, v[0], v[n - 1])
 }
 
-/// The hot tenant against `/livez`, raw EVALSHA pipelined and `echo`, in alternating short
-/// slices (the order reversed every other set), so the host's drift falls on all four alike.
+/// The hot tenant against `/livez`, raw EVALSHA pipelined and `echo`, and cold tenants with
+/// reservations against without, in alternating short slices (the order reversed every other
+/// set), so the host's drift falls on all of them alike.
 async fn paired(plan: &Plan, targets: Targets, requests: &Requests, raw: &Raw, conc: usize) {
     let (mut vs_livez, mut vs_raw, mut over) = (Vec::new(), Vec::new(), Vec::new());
-    let (mut vs_echo, mut echo_livez) = (Vec::new(), Vec::new());
+    let (mut vs_echo, mut echo_livez, mut vs_cold_off) = (Vec::new(), Vec::new(), Vec::new());
     for i in 0..plan.pairs {
-        let http = |addr, requests: &Arc<Vec<Vec<u8>>>| {
-            drive_http(conc, plan.slice_secs, addr, requests.clone(), 1, How::Same)
+        let http = |addr, requests: &Arc<Vec<Vec<u8>>>, how| {
+            drive_http(conc, plan.slice_secs, addr, requests.clone(), 1, how)
         };
-        let livez = || http(targets.quotad, &requests.livez);
-        let hot = || http(targets.quotad, &requests.hot);
-        let echo = || http(targets.bare, &requests.echo);
+        let livez = || http(targets.quotad, &requests.livez, How::Same);
+        let hot = || http(targets.quotad, &requests.hot, How::Same);
+        let echo = || http(targets.bare, &requests.echo, How::Same);
+        let cold = || http(targets.quotad, &requests.cold, How::Walk);
+        let cold_off = || http(targets.quotad_off, &requests.cold, How::Walk);
         let raw_o = || {
             drive_raw(
                 conc,
@@ -1003,17 +1006,22 @@ async fn paired(plan: &Plan, targets: Targets, requests: &Requests, raw: &Raw, c
                 targets.params,
             )
         };
-        let (l, h, r, e) = if i % 2 == 0 {
+        let (l, h, r, e, c, co) = if i % 2 == 0 {
             let l = livez().await;
             let h = hot().await;
             let r = raw_o().await;
-            (l, h, r, echo().await)
+            let e = echo().await;
+            let c = cold().await;
+            (l, h, r, e, c, cold_off().await)
         } else {
+            let co = cold_off().await;
+            let c = cold().await;
             let e = echo().await;
             let r = raw_o().await;
             let h = hot().await;
-            (livez().await, h, r, e)
+            (livez().await, h, r, e, c, co)
         };
+        vs_cold_off.push(c.rate() / co.rate());
         vs_livez.push(h.rate() / l.rate());
         vs_raw.push(h.rate() / r.rate());
         vs_echo.push(h.rate() / e.rate());
@@ -1025,11 +1033,13 @@ async fn paired(plan: &Plan, targets: Targets, requests: &Requests, raw: &Raw, c
     let (e, e_lo, e_hi) = spread(vs_echo);
     let (el, el_lo, el_hi) = spread(echo_livez);
     let (o, o_lo, o_hi) = spread(over);
+    let (c, c_lo, c_hi) = spread(vs_cold_off);
     println!(
         "{conc:>5}  paired | hot tenant over {} slice sets of {:.0} ms: {l:.2}× livez \
          ({l_lo:.2}–{l_hi:.2}), {r:.2}× raw ({r_lo:.2}–{r_hi:.2}), {e:.2}× echo \
          ({e_lo:.2}–{e_hi:.2}), p50 {o:+.1} µs over livez ({o_lo:+.1} to {o_hi:+.1}); \
-         echo {el:.2}× livez ({el_lo:.2}–{el_hi:.2}); medians (ranges)",
+         echo {el:.2}× livez ({el_lo:.2}–{el_hi:.2}); cold tenants with reservations \
+         {c:.2}× without ({c_lo:.2}–{c_hi:.2}); medians (ranges)",
         plan.pairs,
         plan.slice_secs * 1000.0,
     );
