@@ -216,3 +216,57 @@ async fn sentinels_and_servers_over_mutual_tls_through_a_failover() {
 
     spent_after_failover(&mut sentinel, &s, &b, l, before).await;
 }
+
+/// A sentinel lookup checks the master it is given over a connection of its own (a TLS
+/// handshake here, slow in a debug build): with calls that time out long before a lookup can
+/// end, the lookup still ends, and the store follows the failover.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_failover_is_followed_when_calls_time_out_before_a_lookup_ends() {
+    let dir = tempfile::tempdir().unwrap();
+    let pki = TestPki::generate(dir.path(), "sentinel-slow").unwrap();
+    let client_cert = pki.client_cert_args();
+    let extra: Vec<&str> = client_cert.iter().map(String::as_str).collect();
+    let files = pki.server_files(true);
+    let mut sentinel = RedisSentinel::start_opts(
+        "slow-lookup",
+        1000,
+        &SentinelOptions {
+            tls: Some(&files),
+            extra: &extra,
+            ..SentinelOptions::default()
+        },
+    )
+    .unwrap();
+    let config = RedisStoreConfig::new(Topology::Sentinel {
+        urls: sentinel.tls_urls(),
+        master_name: sentinel.name().to_string(),
+    })
+    .with_timeout(Duration::from_millis(100))
+    .with_tls(tls(&pki, true));
+    // Opening waits longer than one call (it reaches the first master).
+    let s = RedisStore::connect(config).await.unwrap();
+    let b = fresh_bucket("sentinel-slow");
+    let l = tokens(1, 0);
+    let d = first_decision(&s, &req(&b, l, 1, None), Duration::from_secs(30), |_| {})
+        .await
+        .expect("decides through the first master");
+    assert!(d.allowed && d.remaining == 0, "{d:?}");
+    let mut master = sentinel.master_mut().client().get_connection().unwrap();
+    let acked: i64 = redis::cmd("WAIT")
+        .arg(1)
+        .arg(10_000)
+        .query(&mut master)
+        .unwrap();
+    assert_eq!(acked, 1, "the replica has the spent bucket");
+    sentinel.master_mut().stop();
+    // The master is gone: a decision now comes from the promoted replica.
+    let d = first_decision(&s, &req(&b, l, 1, None), Duration::from_secs(30), |e| {
+        assert!(
+            !matches!(e, StoreError::Script { .. } | StoreError::Refused { .. }),
+            "only unavailability during a failover: {e}"
+        )
+    })
+    .await
+    .expect("decides through the promoted replica");
+    assert!(!d.allowed && d.remaining == 0, "the bucket survived: {d:?}");
+}

@@ -5,9 +5,10 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use arc_swap::ArcSwapOption;
+use futures::future::{BoxFuture, FutureExt, Shared};
 use redis::aio::{ConnectionManager, ConnectionManagerConfig};
 use redis::sentinel::{SentinelClient, SentinelClientBuilder, SentinelServerType};
-use redis::RedisError;
+use redis::{ErrorKind, RedisError};
 
 use super::config::manager_config;
 use super::tls::{ensure_crypto_provider, is_tls};
@@ -29,7 +30,12 @@ pub(super) struct SentinelMaster {
     pub(super) stale: AtomicBool,
     /// When the sentinels were last asked.
     asked: Mutex<Option<Instant>>,
+    /// The lookup under way, which every call that needs the master awaits.
+    lookup: Mutex<Option<Lookup>>,
 }
+
+/// A lookup of the master, in a task of its own (see [`SentinelMaster::manager`]).
+type Lookup = Shared<BoxFuture<'static, redis::RedisResult<ConnectionManager>>>;
 
 /// The master the sentinels last named (`host:port`) and the connection to it.
 struct SentinelNamed {
@@ -40,22 +46,61 @@ struct SentinelNamed {
 impl SentinelMaster {
     /// The current master's connection, asking the sentinels first if there is none or it is
     /// stale (at most once per [`SENTINEL_ASK_INTERVAL`]).
-    pub(super) async fn manager(&self) -> redis::RedisResult<ConnectionManager> {
-        let fresh = |this: &Self| {
-            let current = this.current.load_full()?;
-            let recent = this
-                .asked
-                .lock()
-                .unwrap_or_else(|e| e.into_inner())
-                .is_some_and(|at| at.elapsed() < SENTINEL_ASK_INTERVAL);
-            (!this.stale.load(Ordering::Relaxed) || recent).then(|| current.manager.clone())
-        };
-        if let Some(m) = fresh(self) {
+    ///
+    /// The sentinels are asked in a task of its own, which every waiting call shares: a call
+    /// that times out must not cancel the lookup. A lookup checks the master it is given with a
+    /// connection of its own, a TLS handshake under TLS; cancelled with each call, one slower
+    /// than the call timeout would start over on every call and never end.
+    pub(super) async fn manager(self: &Arc<Self>) -> redis::RedisResult<ConnectionManager> {
+        if let Some(m) = self.fresh() {
             return Ok(m);
         }
+        let lookup = {
+            let mut slot = self.lookup.lock().unwrap_or_else(|e| e.into_inner());
+            match &*slot {
+                Some(l) => l.clone(),
+                None => {
+                    let this = Arc::clone(self);
+                    let task = tokio::spawn(async move {
+                        let r = this.ask().await;
+                        *this.lookup.lock().unwrap_or_else(|e| e.into_inner()) = None;
+                        r
+                    });
+                    let l = async move {
+                        task.await.unwrap_or_else(|e| {
+                            Err(RedisError::from((
+                                ErrorKind::Io,
+                                "the sentinel lookup failed",
+                                e.to_string(),
+                            )))
+                        })
+                    }
+                    .boxed()
+                    .shared();
+                    *slot = Some(l.clone());
+                    l
+                }
+            }
+        };
+        lookup.await
+    }
+
+    /// The current master's connection unless the sentinels are to be asked.
+    fn fresh(&self) -> Option<ConnectionManager> {
+        let current = self.current.load_full()?;
+        let recent = self
+            .asked
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .is_some_and(|at| at.elapsed() < SENTINEL_ASK_INTERVAL);
+        (!self.stale.load(Ordering::Relaxed) || recent).then(|| current.manager.clone())
+    }
+
+    /// Asks the sentinels for the master and keeps its connection.
+    async fn ask(&self) -> redis::RedisResult<ConnectionManager> {
         let mut sentinel = self.sentinel.lock().await;
-        // Another call may have asked while this one waited.
-        if let Some(m) = fresh(self) {
+        // Answered since the lookup began.
+        if let Some(m) = self.fresh() {
             return Ok(m);
         }
         *self.asked.lock().unwrap_or_else(|e| e.into_inner()) = Some(Instant::now());
@@ -165,6 +210,7 @@ impl SentinelMaster {
             current: ArcSwapOption::empty(),
             stale: AtomicBool::new(false),
             asked: Mutex::new(None),
+            lookup: Mutex::new(None),
         })
     }
 }
