@@ -57,6 +57,27 @@ async fn spent_after_failover(
     assert_ne!(s.instance().await.unwrap(), before, "another server");
 }
 
+/// A master, a replica and three sentinels named `name`, all over mutual TLS with the
+/// certificates of a PKI made in `dir` (replication and the sentinels' own connections present
+/// the client certificate too).
+fn tls_sentinel(dir: &std::path::Path, name: &str) -> (TestPki, RedisSentinel) {
+    let pki = TestPki::generate(dir, name).unwrap();
+    let client_cert = pki.client_cert_args();
+    let extra: Vec<&str> = client_cert.iter().map(String::as_str).collect();
+    let files = pki.server_files(true);
+    let sentinel = RedisSentinel::start_opts(
+        name,
+        1000,
+        &SentinelOptions {
+            tls: Some(&files),
+            extra: &extra,
+            ..SentinelOptions::default()
+        },
+    )
+    .unwrap();
+    (pki, sentinel)
+}
+
 #[tokio::test]
 async fn the_store_follows_a_failover_to_the_promoted_replica() {
     let mut sentinel = RedisSentinel::start("quotad", 1000).unwrap();
@@ -164,21 +185,7 @@ async fn sentinels_that_require_a_password_get_it() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sentinels_and_servers_over_mutual_tls_through_a_failover() {
     let dir = tempfile::tempdir().unwrap();
-    let pki = TestPki::generate(dir.path(), "sentinel-tls").unwrap();
-    // Replication and the sentinels' own connections present the client certificate too.
-    let client_cert = pki.client_cert_args();
-    let extra: Vec<&str> = client_cert.iter().map(String::as_str).collect();
-    let files = pki.server_files(true);
-    let mut sentinel = RedisSentinel::start_opts(
-        "tls-master",
-        1000,
-        &SentinelOptions {
-            tls: Some(&files),
-            extra: &extra,
-            ..SentinelOptions::default()
-        },
-    )
-    .unwrap();
+    let (pki, mut sentinel) = tls_sentinel(dir.path(), "tls-master");
     let config = |tls: Tls| {
         RedisStoreConfig::new(Topology::Sentinel {
             urls: sentinel.tls_urls(),
@@ -223,20 +230,7 @@ async fn sentinels_and_servers_over_mutual_tls_through_a_failover() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_failover_is_followed_when_calls_time_out_before_a_lookup_ends() {
     let dir = tempfile::tempdir().unwrap();
-    let pki = TestPki::generate(dir.path(), "sentinel-slow").unwrap();
-    let client_cert = pki.client_cert_args();
-    let extra: Vec<&str> = client_cert.iter().map(String::as_str).collect();
-    let files = pki.server_files(true);
-    let mut sentinel = RedisSentinel::start_opts(
-        "slow-lookup",
-        1000,
-        &SentinelOptions {
-            tls: Some(&files),
-            extra: &extra,
-            ..SentinelOptions::default()
-        },
-    )
-    .unwrap();
+    let (pki, mut sentinel) = tls_sentinel(dir.path(), "slow-lookup");
     let config = RedisStoreConfig::new(Topology::Sentinel {
         urls: sentinel.tls_urls(),
         master_name: sentinel.name().to_string(),
