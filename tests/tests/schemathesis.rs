@@ -2,8 +2,8 @@
 //! one included) runs against a real daemon on the embedded store and on Redis, with the admin
 //! token and without it, and the test fails on any failure it reports.
 //!
-//! schemathesis is a Python tool (PyPI); `.ci/run` installs the pinned version when it is
-//! missing. Without it this test fails, naming the install step.
+//! schemathesis is a Python tool (PyPI); `scripts/install-test-deps.sh` installs the pinned
+//! version when it is missing. Without it this test fails, naming the install step.
 
 use std::path::PathBuf;
 use std::process::Command;
@@ -12,7 +12,7 @@ use anyhow::{bail, Context};
 use quotad_system_tests::{embedded_config, redis_config, Daemon, TOKEN};
 use redis_harness::RedisServer;
 
-/// The version `.ci/run` installs.
+/// The version `scripts/install-test-deps.sh` installs.
 const SCHEMATHESIS_VERSION: &str = "4.32.5";
 /// Examples per operation and phase: with 18 operations and four phases, over 2 000 cases
 /// per run (60 gave ~1 300 with the token and ~1 700 without).
@@ -37,7 +37,7 @@ fn schemathesis() -> anyhow::Result<PathBuf> {
     }
     bail!(
         "schemathesis is not installed: run `pip install -r tests/python/requirements.txt` (schemathesis=={SCHEMATHESIS_VERSION}) \
-         (.ci/run installs it when missing)"
+         (scripts/install-test-deps.sh installs it when missing)"
     )
 }
 
