@@ -3,6 +3,11 @@
 //! mode without waiting on a sick Redis; after `open_ms` one probe call is let through, and a
 //! success closes it again. Recovery is automatic.
 //!
+//! Fault: a request future dropped while its call is in flight (the client gone, an HTTP/2
+//! stream reset, Envoy cancelling at its timeout) never reports an outcome. Every call holds a
+//! [`Permit`] whose drop ends an unreported probe, so the next call probes at once instead of
+//! the breaker staying half-open for ever.
+//!
 //! The state sits under a `std::sync::Mutex` touched for a few instructions per call and never
 //! across an await.
 
@@ -27,13 +32,37 @@ enum State {
     HalfOpen,
 }
 
-/// Whether a call may go to the store.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Admission {
-    /// Call the store, then report with [`Breaker::record`].
-    Call,
-    /// The store is considered down: use the fail mode.
-    Reject,
+/// Leave to call the store once: report the outcome with [`Permit::record`]. Dropped without a
+/// report (the caller went away mid-call), a probe's permit reopens the breaker with its wait
+/// already over, so the next call probes.
+#[derive(Debug)]
+#[must_use = "a permit reports the call's outcome"]
+pub struct Permit<'a> {
+    breaker: &'a Breaker,
+    /// The one call of the half-open state.
+    probe: bool,
+}
+
+impl Permit<'_> {
+    /// Reports the call's outcome: `ok` is false for an error; a slow success also counts
+    /// against the store.
+    pub fn record(self, ok: bool, took: Duration) {
+        self.breaker.record(ok, took);
+        std::mem::forget(self);
+    }
+}
+
+impl Drop for Permit<'_> {
+    fn drop(&mut self) {
+        if self.probe {
+            self.breaker.update(|s| match s {
+                State::HalfOpen => State::Open {
+                    until: clock::monotonic(),
+                },
+                other => other,
+            });
+        }
+    }
 }
 
 /// The breaker itself.
@@ -60,22 +89,24 @@ impl Breaker {
         }
     }
 
-    /// Asks whether to call the store now.
-    pub fn admit(&self) -> Admission {
+    /// Leave to call the store now, or `None` while it is considered down (use the fail mode).
+    pub fn admit(&self) -> Option<Permit<'_>> {
         let mut s = self.state.lock().unwrap_or_else(|e| e.into_inner());
-        match *s {
-            State::Closed { .. } => Admission::Call,
+        let probe = match *s {
+            State::Closed { .. } => false,
             State::Open { until } if clock::monotonic() >= until => {
                 *s = State::HalfOpen;
-                Admission::Call
+                true
             }
-            State::Open { .. } | State::HalfOpen => Admission::Reject,
-        }
+            State::Open { .. } | State::HalfOpen => return None,
+        };
+        Some(Permit {
+            breaker: self,
+            probe,
+        })
     }
 
-    /// Reports a call's outcome: `ok` is false for an error; a slow success also counts against
-    /// the store.
-    pub fn record(&self, ok: bool, took: Duration) {
+    fn record(&self, ok: bool, took: Duration) {
         let failed = !ok || took > self.slow;
         self.update(|s| match (s, failed) {
             (_, false) => State::Closed { failures: 0 },
@@ -145,16 +176,16 @@ mod tests {
         let fast = Duration::from_millis(1);
         b.record(false, fast);
         b.record(false, fast);
-        assert_eq!(b.admit(), Admission::Call);
-        b.record(false, fast);
+        let permit = b.admit().expect("closed");
+        permit.record(false, fast);
         assert!(b.is_open());
-        assert_eq!(b.admit(), Admission::Reject);
+        assert!(b.admit().is_none());
         tokio::time::advance(Duration::from_millis(101)).await;
-        assert_eq!(b.admit(), Admission::Call, "one probe");
-        assert_eq!(b.admit(), Admission::Reject, "only one probe at a time");
-        b.record(true, fast);
+        let probe = b.admit().expect("one probe");
+        assert!(b.admit().is_none(), "only one probe at a time");
+        probe.record(true, fast);
         assert!(!b.is_open());
-        assert_eq!(b.admit(), Admission::Call);
+        assert!(b.admit().is_some());
     }
 
     #[tokio::test(start_paused = true)]
@@ -166,9 +197,8 @@ mod tests {
         }
         assert!(b.is_open());
         tokio::time::advance(Duration::from_millis(101)).await;
-        assert_eq!(b.admit(), Admission::Call);
-        b.record(false, Duration::ZERO);
-        assert_eq!(b.admit(), Admission::Reject);
+        b.admit().expect("a probe").record(false, Duration::ZERO);
+        assert!(b.admit().is_none());
     }
 
     #[tokio::test(start_paused = true)]
@@ -187,12 +217,45 @@ mod tests {
         let b = breaker();
         b.trip();
         assert!(b.is_open());
-        assert_eq!(b.admit(), Admission::Reject);
+        assert!(b.admit().is_none());
         tokio::time::advance(Duration::from_millis(99)).await;
-        assert_eq!(b.admit(), Admission::Reject, "open for open_ms");
+        assert!(b.admit().is_none(), "open for open_ms");
         tokio::time::advance(Duration::from_millis(2)).await;
-        assert_eq!(b.admit(), Admission::Call, "then one probe");
-        b.record(true, Duration::ZERO);
+        b.admit()
+            .expect("then one probe")
+            .record(true, Duration::ZERO);
         assert!(!b.is_open());
+    }
+
+    /// Regression: a probe whose request future was dropped mid-call (a client that hung up,
+    /// Envoy cancelling at its timeout) left the breaker half-open, answering every later check
+    /// from the fail mode until restart.
+    #[tokio::test(start_paused = true)]
+    async fn a_dropped_probe_lets_the_next_call_probe_at_once() {
+        let b = breaker();
+        b.trip();
+        tokio::time::advance(Duration::from_millis(101)).await;
+        let probe = b.admit().expect("a probe");
+        assert!(b.admit().is_none(), "one probe at a time");
+        drop(probe);
+        assert!(b.is_open(), "a dropped probe proves nothing");
+        b.admit()
+            .expect("the next call probes without waiting open_ms again")
+            .record(true, Duration::ZERO);
+        assert!(!b.is_open());
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_dropped_call_while_closed_changes_nothing() {
+        let b = breaker();
+        b.record(false, Duration::ZERO);
+        b.record(false, Duration::ZERO);
+        drop(b.admit().expect("closed"));
+        assert!(!b.is_open());
+        b.admit().expect("closed").record(false, Duration::ZERO);
+        assert!(
+            b.is_open(),
+            "the dropped call neither counted nor reset the failures"
+        );
     }
 }

@@ -28,7 +28,7 @@ use tokio::sync::watch;
 
 use crate::clock;
 use crate::coordination::{ClusterView, PolicyEntry};
-use crate::decision::breaker::{Admission, Breaker};
+use crate::decision::breaker::Breaker;
 use crate::decision::denials::{Denials, Look, Ticket};
 use crate::decision::reservations::{Refund, Reservations, Step};
 use crate::secret::Secret;
@@ -845,26 +845,27 @@ impl Decider {
         t0: tokio::time::Instant,
         call: impl std::future::Future<Output = Result<T, StoreError>>,
     ) -> Result<Option<T>, StoreError> {
-        if self.breaker.admit() != Admission::Call {
+        let Some(permit) = self.breaker.admit() else {
             return Ok(None);
-        }
+        };
         // The Redis store bounds every call with its configured timeout (a timeout is a
-        // `StoreError`), so no second timer is armed here.
+        // `StoreError`), so no second timer is armed here. Dropped here, the permit ends a
+        // probe that can no longer report.
         let r = call.await;
         let took = t0.elapsed();
         self.store_latency.record(took.as_secs_f64());
         match r {
             Ok(d) => {
-                self.breaker.record(true, took);
+                permit.record(true, took);
                 Ok(Some(d))
             }
             Err(e) if !e.is_outage() => {
-                self.breaker.record(true, took);
+                permit.record(true, took);
                 Err(e)
             }
             Err(e) => {
                 self.store_errors.increment(1);
-                self.breaker.record(false, took);
+                permit.record(false, took);
                 tracing::debug!(region = %self.region, error = %e, "Store call failed.");
                 Ok(None)
             }

@@ -13,7 +13,6 @@ use quota_core::{Decision, FailMode, Policy, PolicyName, RegionId, TenantId};
 use quota_store::{Limit, LimitCheck, MultiCheckRequest, Store, StoreError};
 
 use crate::clock;
-use crate::decision::breaker::Admission;
 use crate::decision::{is_embedded, CheckError, Decider, Mode};
 use crate::telemetry::Outcome;
 
@@ -201,29 +200,8 @@ impl Decider {
                 Err(_) => Ok(None),
             };
         }
-        if self.breaker.admit() != Admission::Call {
-            return Ok(None);
-        }
-        let t0 = clock::monotonic();
-        let r = self.store.check_all(req).await;
-        let took = t0.elapsed();
-        self.store_latency.record(took.as_secs_f64());
-        match r {
-            Ok(d) => {
-                self.breaker.record(true, took);
-                Ok(Some(d))
-            }
-            Err(e) if !e.is_outage() => {
-                self.breaker.record(true, took);
-                Err(e)
-            }
-            Err(e) => {
-                self.store_errors.increment(1);
-                self.breaker.record(false, took);
-                tracing::debug!(region = %self.region, error = %e, "Store call failed.");
-                Ok(None)
-            }
-        }
+        self.call_store(clock::monotonic(), self.store.check_all(req))
+            .await
     }
 
     /// The strictest fail mode of the policies, with the store unavailable.
