@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
-# Unpacks promtool and prometheus from Debian's `prometheus` package into target/prometheus, for
-# the alert rules' tests (tests/tests/alerts.rs). Only unpacked, not installed: installing the
+# Unpacks promtool and prometheus from Debian's `prometheus` package into the directory named as
+# the first argument (default target/prometheus), for the alert rules' tests
+# (tests/tests/alerts.rs; scripts/install-test-deps.sh passes its cache directory). Only unpacked, not installed: installing the
 # package would also start a Prometheus service. Elsewhere, put any Prometheus 2.x's promtool
 # and prometheus on PATH, or name their directory in QUOTAD_PROMETHEUS_DIR.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-dest=target/prometheus
+dest=${1:-target/prometheus}
 if [ -x "$dest/promtool" ] && [ -x "$dest/prometheus" ]; then
     exit 0
 fi

@@ -1,13 +1,17 @@
 #!/usr/bin/env bash
 # Installs what the tests need and is missing, on Debian or Ubuntu: redis-server and redis-cli
 # (with TLS; they also run the Sentinel tests' sentinels), a C compiler (mimalloc and ring build C
-# code), promtool and prometheus for the alert rules' tests (unpacked into target/prometheus, not
-# installed as a service), a Python virtual environment under target/ with the pinned packages of
-# tests/python/requirements.txt (grpcio for the Envoy client tests, schemathesis for the OpenAPI
-# contract test), and cargo-nextest. Each step is skipped when its tool is already there, so a
-# second run costs a few version checks. Elsewhere, install the same by hand: README.md, "Tests".
+# code), promtool and prometheus for the alert rules' tests (unpacked, not installed as a
+# service), a Python virtual environment with the pinned packages of tests/python/requirements.txt
+# (grpcio for the Envoy client tests, schemathesis for the OpenAPI contract test), and
+# cargo-nextest. Each step is skipped when its tool is already there, so a second run costs a few
+# version checks. Elsewhere, install the same by hand: README.md, "Tests".
 #
-# Prints the virtual environment's bin directory last, for the caller's PATH.
+# The unpacked Prometheus and the virtual environment live in $QUOTAD_TEST_CACHE (default
+# ~/.cache/quotad-tests), outside the checkout, so a fresh clone reuses them. Prints two lines
+# for the caller's environment: the virtual environment's bin directory (for PATH), then the
+# directory holding promtool and prometheus (for QUOTAD_PROMETHEUS_DIR; empty when they are
+# on PATH).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -36,12 +40,19 @@ if ! command -v cc >/dev/null 2>&1; then
     apt_install gcc libc6-dev
 fi
 
+cache="${QUOTAD_TEST_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/quotad-tests}"
+mkdir -p "$cache"
+
+prometheus_dir=
 if ! { command -v promtool && command -v prometheus; } >/dev/null 2>&1; then
-    log "unpacking promtool and prometheus (Debian package prometheus) into target/prometheus"
-    scripts/fetch-prometheus.sh >&2
+    prometheus_dir="$cache/prometheus"
+    if [ ! -x "$prometheus_dir/promtool" ] || [ ! -x "$prometheus_dir/prometheus" ]; then
+        log "unpacking promtool and prometheus (Debian package prometheus) into $prometheus_dir"
+    fi
+    scripts/fetch-prometheus.sh "$prometheus_dir" >&2
 fi
 
-python_venv="$PWD/target/python-tests"
+python_venv="$cache/python-tests"
 python_stamp="$python_venv/requirements.sha256"
 python_want=$(sha256sum tests/python/requirements.txt | cut -d' ' -f1)
 if [ "$(cat "$python_stamp" 2>/dev/null)" != "$python_want" ]; then
@@ -62,3 +73,4 @@ if ! cargo nextest --version >/dev/null 2>&1; then
 fi
 
 echo "$python_venv/bin"
+echo "$prometheus_dir"

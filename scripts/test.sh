@@ -4,6 +4,11 @@
 # profile. Extra arguments go to nextest (a filter, `-p quota-core`, `--no-fail-fast`, ...).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-venv_bin=$(scripts/install-test-deps.sh)
+deps=$(scripts/install-test-deps.sh)
+venv_bin=$(sed -n 1p <<<"$deps")
+prometheus_dir=$(sed -n 2p <<<"$deps")
 export PATH="$venv_bin:$PATH"
+if [ -n "$prometheus_dir" ]; then
+    export QUOTAD_PROMETHEUS_DIR="$prometheus_dir"
+fi
 exec cargo nextest run --workspace --profile ci --locked "$@"
