@@ -3,18 +3,28 @@
 //! give it, each region's peers are where those files put them, and the image's health check
 //! follows `/readyz`.
 //!
+//! The Kubernetes regions talk over mutual TLS with certificates from cert-manager. The test
+//! stands in for cert-manager: from the manifests' CA Issuers and Certificates it makes the
+//! Secrets each StatefulSet mounts (rcgen), so check-config reads real files, and checks that
+//! each region's certificate names its identity and the DNS names the other regions dial.
+//!
 //! The manifests are read as text, not through a YAML parser: each ConfigMap holds its TOML as
-//! one literal block, and the few facts checked (mounts, variable names, addresses) sit on lines
-//! of their own. Kubernetes keeps plain manifests (`kubectl apply -k` with no generator), so
-//! kubernetes-validate in `.ci/run` checks exactly what is applied.
+//! one literal block, and the few facts checked (mounts, variable names, addresses, a
+//! Certificate's names and usages) sit on lines of their own. Kubernetes keeps plain manifests
+//! (`kubectl apply -k` with no generator), so scripts/check-packaging.sh, run by `.ci/run`,
+//! validates exactly what is applied.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::io::{Read as _, Write as _};
 use std::net::TcpListener;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
 use quotad_system_tests::{embedded_config, quotad_binary, Daemon};
+use rcgen::{
+    BasicConstraints, CertificateParams, CertifiedIssuer, DnType, ExtendedKeyUsagePurpose, IsCa,
+    KeyPair, KeyUsagePurpose, SanType,
+};
 
 fn repo() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("..")
@@ -243,56 +253,220 @@ fn metadata_name(doc: &str) -> Option<&str> {
     doc.lines().find_map(|l| l.strip_prefix("  name: "))
 }
 
-#[test]
-fn kubernetes_configmaps_pass_check_config_and_name_the_service_addresses() {
+fn indent(line: &str) -> usize {
+    line.len() - line.trim_start().len()
+}
+
+/// The lines nested under the first `key:` line of `doc` (more indented than it).
+fn nested(doc: &str, key: &str) -> String {
+    let mut lines = doc.lines().skip_while(|l| l.trim() != format!("{key}:"));
+    let Some(head) = lines.next() else {
+        return String::new();
+    };
+    let lines: Vec<_> = lines
+        .take_while(|l| indent(l) > indent(head) || l.trim().starts_with("- "))
+        .collect();
+    lines.join("\n")
+}
+
+/// The value of the first `key: value` line of `doc`, unquoted.
+fn value<'a>(doc: &'a str, key: &str) -> Option<&'a str> {
+    doc.lines()
+        .find_map(|l| l.trim().strip_prefix(key)?.strip_prefix(": "))
+        .map(|v| v.trim_matches('"'))
+}
+
+/// The items of the list under `key:`.
+fn items(doc: &str, key: &str) -> Vec<String> {
+    nested(doc, key)
+        .lines()
+        .filter_map(|l| l.trim().strip_prefix("- "))
+        .map(str::to_string)
+        .collect()
+}
+
+/// `key = "value"` of `[section]` in a TOML text.
+fn toml_value<'a>(toml: &'a str, section: &str, key: &str) -> Option<&'a str> {
+    toml.lines()
+        .skip_while(|l| l.trim() != format!("[{section}]"))
+        .skip(1)
+        .take_while(|l| !l.starts_with('['))
+        .find_map(|l| l.strip_prefix(key)?.strip_prefix(" = "))
+        .map(|v| v.trim_matches('"'))
+}
+
+/// A Go duration in whole hours, as the manifests write cert-manager's (`2160h`).
+fn hours(duration: &str) -> u64 {
+    duration
+        .strip_suffix('h')
+        .and_then(|h| h.parse().ok())
+        .unwrap_or_else(|| panic!("{duration:?} is not a duration in hours"))
+}
+
+/// The `Issuer` a `Certificate` names.
+fn issuer_of(cert: &str) -> String {
+    let issuer = nested(cert, "issuerRef");
+    assert_eq!(value(&issuer, "kind"), Some("Issuer"), "{cert}");
+    value(&issuer, "name").expect("issuerRef.name").to_string()
+}
+
+/// The resources `kubectl apply -k deploy/kubernetes` applies: `(kind, name, text)` of every
+/// document of every file the kustomization lists, and the kustomization's namespace.
+fn kubernetes_resources() -> (Vec<(String, String, String)>, String) {
     let dir = repo().join("deploy/kubernetes");
     let kustomization = read(&dir.join("kustomization.yaml"));
-    let mut docs = Vec::new();
+    let namespace = value(&kustomization, "namespace")
+        .expect("the kustomization sets a namespace")
+        .to_string();
+    let files = items(&kustomization, "resources");
     for entry in std::fs::read_dir(&dir).unwrap() {
-        let path = entry.unwrap().path();
-        let name = path.file_name().unwrap().to_string_lossy().into_owned();
-        if name.starts_with("region-") {
-            assert!(
-                kustomization.contains(&format!("\n  - {name}\n")),
-                "{name} is applied"
-            );
-            let text = read(&path);
-            docs.extend(text.split("\n---\n").map(str::to_string));
+        let name = entry.unwrap().file_name().to_string_lossy().into_owned();
+        if name.starts_with("region-") || name == "pki.yaml" {
+            assert!(files.contains(&name), "{name} is applied");
         }
     }
-    let kind = |doc: &str, k: &str| doc.lines().any(|l| l == format!("kind: {k}"));
-    // Every Service's cluster IP and its ports by name.
+    let mut docs = Vec::new();
+    for file in files {
+        for doc in read(&dir.join(&file)).split("\n---\n") {
+            let kind = value(doc, "kind").unwrap_or_else(|| panic!("{file}: a kind"));
+            let name = metadata_name(doc).unwrap_or_else(|| panic!("{file}: a name"));
+            docs.push((kind.to_string(), name.to_string(), doc.to_string()));
+        }
+    }
+    (docs, namespace)
+}
+
+/// The `Certificate` of `docs` that makes Secret `secret`.
+fn certificate_for<'a>(docs: &'a [(String, String, String)], secret: &str) -> &'a str {
+    docs.iter()
+        .find(|(k, _, d)| k == "Certificate" && value(d, "secretName") == Some(secret))
+        .map(|(_, _, doc)| doc.as_str())
+        .unwrap_or_else(|| panic!("no Certificate makes the Secret {secret}"))
+}
+
+/// Stands in for cert-manager: a CA per CA `Issuer` of the manifests (one whose `ca.secretName`
+/// is a CA `Certificate` from a self-signed `Issuer`), and certificates made as a
+/// `Certificate`'s spec asks (its DNS names, URIs and usages), as cert-manager writes them into
+/// the Certificate's Secret.
+struct CertManager<'a> {
+    docs: &'a [(String, String, String)],
+    cas: BTreeMap<String, CertifiedIssuer<'static, KeyPair>>,
+}
+
+impl<'a> CertManager<'a> {
+    fn new(docs: &'a [(String, String, String)]) -> Self {
+        let get = |kind: &str, name: &str| {
+            docs.iter()
+                .find(|(k, n, _)| k == kind && n == name)
+                .map(|(_, _, doc)| doc.as_str())
+                .unwrap_or_else(|| panic!("no {kind} {name}"))
+        };
+        let mut cas = BTreeMap::new();
+        for (_, issuer, doc) in docs.iter().filter(|(k, _, _)| k == "Issuer") {
+            if doc.contains("\n  selfSigned: {}") {
+                continue;
+            }
+            let spec = nested(doc, "ca");
+            let secret = value(&spec, "secretName")
+                .unwrap_or_else(|| panic!("Issuer {issuer}: a self-signed or a CA issuer"));
+            let ca = certificate_for(docs, secret);
+            assert_eq!(value(ca, "isCA"), Some("true"), "{secret} is a CA");
+            assert!(
+                get("Issuer", &issuer_of(ca)).contains("\n  selfSigned: {}"),
+                "{secret} bootstraps from a self-signed Issuer"
+            );
+            let mut p = CertificateParams::new(Vec::<String>::new()).unwrap();
+            p.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
+            p.distinguished_name
+                .push(DnType::CommonName, value(ca, "commonName").unwrap());
+            p.key_usages = vec![KeyUsagePurpose::KeyCertSign, KeyUsagePurpose::CrlSign];
+            let ca = CertifiedIssuer::self_signed(p, KeyPair::generate().unwrap()).unwrap();
+            cas.insert(issuer.clone(), ca);
+        }
+        Self { docs, cas }
+    }
+
+    /// The `Certificate` that makes Secret `secret`.
+    fn certificate(&self, secret: &str) -> &'a str {
+        certificate_for(self.docs, secret)
+    }
+
+    /// Writes `tls.crt`, `tls.key` and `ca.crt` of Secret `secret` into `dir`.
+    fn write_secret(&self, secret: &str, dir: &Path) {
+        let cert = self.certificate(secret);
+        let issuer = issuer_of(cert);
+        let ca = self
+            .cas
+            .get(&issuer)
+            .unwrap_or_else(|| panic!("the Secret {secret} comes from {issuer}, not a CA Issuer"));
+        let mut p = CertificateParams::new(items(cert, "dnsNames")).unwrap();
+        for uri in items(cert, "uris") {
+            p.subject_alt_names
+                .push(SanType::URI(uri.as_str().try_into().unwrap()));
+        }
+        p.key_usages = vec![KeyUsagePurpose::DigitalSignature];
+        p.extended_key_usages = items(cert, "usages")
+            .iter()
+            .filter_map(|u| match u.as_str() {
+                "server auth" => Some(ExtendedKeyUsagePurpose::ServerAuth),
+                "client auth" => Some(ExtendedKeyUsagePurpose::ClientAuth),
+                _ => None,
+            })
+            .collect();
+        let key = KeyPair::generate().unwrap();
+        let signed = p.signed_by(&key, ca).unwrap();
+        std::fs::create_dir_all(dir).unwrap();
+        for (file, text) in [
+            ("tls.crt", signed.pem()),
+            ("tls.key", key.serialize_pem()),
+            ("ca.crt", ca.pem()),
+        ] {
+            std::fs::write(dir.join(file), text).unwrap();
+        }
+    }
+}
+
+#[test]
+fn kubernetes_configmaps_pass_check_config_and_name_the_services_over_mutual_tls() {
+    let (docs, namespace) = kubernetes_resources();
+    let of_kind = |k: &'static str| docs.iter().filter(move |(kind, _, _)| kind == k);
+    // Every Service's ports by name; the regions find them by DNS name, not a fixed address.
     let mut services = BTreeMap::new();
-    for doc in docs.iter().filter(|d| kind(d, "Service")) {
-        let name = metadata_name(doc).unwrap().to_string();
-        let ip = doc
-            .lines()
-            .find_map(|l| l.trim().strip_prefix("clusterIP: "))
-            .unwrap_or_else(|| panic!("Service {name} has no fixed cluster IP"))
-            .to_string();
+    for (_, name, doc) in of_kind("Service") {
+        assert!(!doc.contains("clusterIP:"), "Service {name}: no fixed IP");
         let lines: Vec<_> = doc.lines().map(str::trim).collect();
         let ports: BTreeMap<_, _> = lines
             .windows(2)
             .filter_map(|w| Some((w[0].strip_prefix("- name: ")?, w[1].strip_prefix("port: ")?)))
             .map(|(n, p)| (n.to_string(), p.to_string()))
             .collect();
-        services.insert(name, (ip, ports));
+        services.insert(name.clone(), ports);
     }
+    let cert_manager = CertManager::new(&docs);
     let tmp = tempfile::tempdir().unwrap();
     let mut regions_seen = Vec::new();
-    for sts in docs.iter().filter(|d| kind(d, "StatefulSet")) {
-        let name = metadata_name(sts).unwrap();
+    let mut peer_issuers = BTreeSet::new();
+    for (_, name, sts) in of_kind("StatefulSet") {
         assert!(
             sts.contains("\"/etc/quotad/quotad.toml\""),
             "{name} runs the mounted config"
         );
+        // Volume mounts (name to path) and the Secrets of secret volumes (name to Secret).
+        let (mut mounts, mut secrets) = (BTreeMap::new(), BTreeMap::new());
+        let mut item = "";
+        for line in sts.lines().map(str::trim) {
+            if let Some(n) = line.strip_prefix("- name: ") {
+                item = n;
+            } else if let Some(path) = line.strip_prefix("mountPath: ") {
+                mounts.insert(item, path);
+            } else if let Some(secret) = line.strip_prefix("secretName: ") {
+                secrets.insert(item, secret);
+            }
+        }
+        let paths: BTreeSet<_> = mounts.values().copied().collect();
         assert!(
-            sts.contains("mountPath: /etc/quotad\n"),
-            "{name} mounts its ConfigMap"
-        );
-        assert!(
-            sts.contains("mountPath: /var/lib/quotad\n"),
-            "{name} keeps its data on a volume"
+            paths.contains("/etc/quotad") && paths.contains("/var/lib/quotad"),
+            "{name} mounts its ConfigMap and keeps its data on a volume: {mounts:?}"
         );
         let configmap = sts
             .lines()
@@ -300,13 +474,22 @@ fn kubernetes_configmaps_pass_check_config_and_name_the_service_addresses() {
             .nth(1)
             .and_then(|l| l.trim().strip_prefix("name: "))
             .unwrap_or_else(|| panic!("{name} mounts no ConfigMap"));
-        let toml = docs
-            .iter()
-            .filter(|d| kind(d, "ConfigMap") && metadata_name(d) == Some(configmap))
-            .find_map(|d| literal_block(d, "quotad.toml"))
+        let toml = of_kind("ConfigMap")
+            .filter(|(_, n, _)| n == configmap)
+            .find_map(|(_, _, d)| literal_block(d, "quotad.toml"))
             .unwrap_or_else(|| panic!("no ConfigMap {configmap} with a quotad.toml"));
+
+        // Each mounted Secret as cert-manager fills it, in a directory of its own: the config's
+        // paths under the mount point move there.
+        let mut local = toml.clone();
+        for (volume, secret) in &secrets {
+            let mount = mounts[volume];
+            let dir = tmp.path().join(name).join(mount.trim_start_matches('/'));
+            cert_manager.write_secret(secret, &dir);
+            local = local.replace(&format!("\"{mount}/"), &format!("\"{}/", dir.display()));
+        }
         let file = tmp.path().join(format!("{configmap}.toml"));
-        std::fs::write(&file, toml).unwrap();
+        std::fs::write(&file, local).unwrap();
 
         let mut env = image_env();
         env.extend(kubernetes_env(sts));
@@ -314,30 +497,69 @@ fn kubernetes_configmaps_pass_check_config_and_name_the_service_addresses() {
             env.iter().any(|(k, _)| k == "QUOTAD_PEER_TOKEN"),
             "{name} gives QUOTAD_PEER_TOKEN"
         );
+        // check-config reads the TLS files: the peer certificate must name this region.
         let printed = check_config(&file, &env);
         let region = top_level(&printed, "region");
-        assert_eq!(format!("quotad-{region}"), name);
+        assert_eq!(format!("quotad-{region}"), *name);
         let members = regions(&printed);
         assert_eq!(members.len(), 3, "{name}");
-        for (id, api, peer) in members {
+        for (id, api, peer) in &members {
             for (service, port, addr) in [
-                (format!("quotad-{id}"), "api", &api),
-                (format!("quotad-{id}-peer"), "peer", &peer),
+                (format!("quotad-{id}"), "api", api),
+                (format!("quotad-{id}-peer"), "peer", peer),
             ] {
-                let (cluster_ip, ports) = services
+                let ports = services
                     .get(&service)
                     .unwrap_or_else(|| panic!("{name} names region {id}, which has no {service}"));
                 assert_eq!(
                     *addr,
-                    format!("{cluster_ip}:{}", ports[port]),
-                    "{name}: region {id}'s {port} address is Service {service}'s"
+                    format!("{service}.{namespace}.svc.cluster.local:{}", ports[port]),
+                    "{name}: region {id}'s {port} address is Service {service}'s DNS name"
                 );
             }
         }
+        let (_, api, peer) = members.iter().find(|(id, _, _)| id == region).unwrap();
+
+        // The certificates behind the config's TLS files: the names the others dial, the
+        // usages each end of a connection checks, renewal before they run out.
+        let certificate = |section: &str, usages: &[&str], dials: &str| {
+            let path = toml_value(&toml, section, "tls_cert_file")
+                .unwrap_or_else(|| panic!("{name}: [{section}] serves TLS"));
+            let dir = Path::new(path).parent().unwrap().to_str().unwrap();
+            let (volume, _) = mounts
+                .iter()
+                .find(|(_, m)| **m == dir)
+                .unwrap_or_else(|| panic!("{name}: nothing mounted at {dir}"));
+            let cert = cert_manager.certificate(secrets[volume]);
+            let dns = items(cert, "dnsNames");
+            let host = dials.rsplit_once(':').unwrap().0;
+            assert!(dns.iter().any(|d| d == host), "{name}: {host} in {dns:?}");
+            for usage in usages {
+                assert!(
+                    items(cert, "usages").iter().any(|u| u == usage),
+                    "{name}: {usage}"
+                );
+            }
+            let (duration, renew) = (value(cert, "duration"), value(cert, "renewBefore"));
+            assert!(
+                hours(renew.unwrap()) < hours(duration.unwrap()),
+                "{name}: renewed before it runs out"
+            );
+            cert
+        };
+        let peer_cert = certificate("peer", &["server auth", "client auth"], peer);
+        peer_issuers.insert(issuer_of(peer_cert));
+        certificate("api", &["server auth"], api);
+        certificate("envoy", &["server auth"], api);
         regions_seen.push(region.to_string());
     }
     regions_seen.sort();
     assert_eq!(regions_seen, ["a", "b", "c"]);
+    assert_eq!(
+        peer_issuers.len(),
+        1,
+        "one CA for every region's peer certificate"
+    );
 }
 
 /// One connection answered with `status_line`, on a loopback port.
