@@ -12,6 +12,7 @@ use crate::api::problem::{bad_request, ApiError, ApiJson, ApiPath, Problem};
 use crate::api::state::AppState;
 use crate::api::tenants::{coord_error, PolicyView};
 use crate::clock;
+use crate::config::validate::check_authority;
 use crate::coordination::{MemberStatus, Removal};
 
 /// Raft state as seen by this node.
@@ -159,9 +160,10 @@ pub async fn members(State(state): State<AppState>) -> axum::Json<MembersView> {
 pub struct NewMember {
     pub node_id: u64,
     pub region: String,
-    /// `host:port` of its peer (Raft) listener.
+    /// `host:port` of its peer (Raft) listener: a DNS name (resolved at each new connection)
+    /// or an IP address (IPv6 in brackets), as in `[[regions]]`.
     pub peer: String,
-    /// `host:port` of its admin API.
+    /// `host:port` of its admin API, in the same form.
     pub api: String,
 }
 
@@ -186,9 +188,9 @@ pub async fn add_member(
         return Err(ApiError::field("node_id", &"must be at least 1"));
     }
     RegionId::new(m.region.as_str()).map_err(|e| ApiError::field("region", &e))?;
+    // The form `[[regions]]` takes; the Raft transport resolves a host name per connection.
     for (field, addr) in [("peer", &m.peer), ("api", &m.api)] {
-        addr.parse::<std::net::SocketAddr>()
-            .map_err(|_| ApiError::field(field, &"must be an IP:port address"))?;
+        check_authority(addr).map_err(|why| ApiError::field(field, &why))?;
     }
     let member = quota_raft::Member {
         region: m.region,

@@ -2618,3 +2618,89 @@ mod plans {
         assert_eq!(shadowed, 5);
     }
 }
+
+/// `POST /v1/cluster/members` takes `peer` and `api` in the form `[[regions]]` takes: a DNS
+/// name or an IP address (IPv6 in brackets) and a port 1–65535. Anything else is a 400 naming
+/// the field, before the coordinator is asked.
+#[tokio::test]
+async fn a_new_member_is_addressed_by_host_name_or_ip() {
+    let router = app(state());
+    let add = |peer: &str, api: &str| {
+        json!({"node_id": 4, "region": "d", "peer": peer, "api": api}).to_string()
+    };
+    let before = send(&router, "GET", "/v1/cluster/members", Some(TOKEN), None).await;
+    assert_eq!(before.status, StatusCode::OK, "{}", before.body);
+    let bad = [
+        ("", "127.0.0.1:7450", "peer", "not empty"),
+        ("localhost", "127.0.0.1:7450", "peer", "no port"),
+        ("[::1]", "127.0.0.1:7450", "peer", "no port"),
+        ("localhost:0", "127.0.0.1:7450", "peer", "1 to 65535"),
+        ("127.0.0.1:0", "127.0.0.1:7450", "peer", "1 to 65535"),
+        ("[::1]:0", "127.0.0.1:7450", "peer", "1 to 65535"),
+        ("localhost:65536", "127.0.0.1:7450", "peer", "1 to 65535"),
+        ("localhost:http", "127.0.0.1:7450", "peer", "1 to 65535"),
+        ("::1:7451", "127.0.0.1:7450", "peer", "IPv6 in brackets"),
+        ("a_b.example:7451", "127.0.0.1:7450", "peer", "DNS name"),
+        ("no such host:7451", "127.0.0.1:7450", "peer", "DNS name"),
+        ("-d.example:7451", "127.0.0.1:7450", "peer", "DNS name"),
+        ("localhost:7451", "quotad-d", "api", "no port"),
+        ("localhost:7451", "quotad-d:0", "api", "1 to 65535"),
+    ];
+    for (peer, api, field, says) in bad {
+        let r = send(
+            &router,
+            "POST",
+            "/v1/cluster/members",
+            Some(TOKEN),
+            Some(&add(peer, api)),
+        )
+        .await;
+        assert_eq!(
+            r.status,
+            StatusCode::BAD_REQUEST,
+            "{peer:?} {api:?}: {}",
+            r.body
+        );
+        assert!(is_problem(&r), "{peer:?} {api:?}");
+        assert_eq!(r.body["code"], "INVALID_REQUEST");
+        assert_eq!(r.body["errors"][0]["field"], field, "{peer:?} {api:?}");
+        let message = r.body["errors"][0]["message"].as_str().unwrap_or_default();
+        assert!(message.contains(says), "{peer:?} {api:?}: {message}");
+    }
+    let after = send(&router, "GET", "/v1/cluster/members", Some(TOKEN), None).await;
+    assert_eq!(after.body, before.body, "a refused member changes nothing");
+
+    // Accepted addresses reach the coordinator, which a single-region daemon answers with 409
+    // (tests/tests/membership.rs adds a region by host name to a cluster).
+    for (peer, api) in [
+        ("localhost:7451", "localhost:7450"),
+        (
+            "quotad-d-0.quotad-d.quotad.svc.cluster.local:7451",
+            "quotad-d.quotad:7450",
+        ),
+        ("10.0.4.10:7451", "10.0.4.10:7450"),
+        ("[::1]:7451", "[2001:db8::4]:7450"),
+    ] {
+        let r = send(
+            &router,
+            "POST",
+            "/v1/cluster/members",
+            Some(TOKEN),
+            Some(&add(peer, api)),
+        )
+        .await;
+        assert_eq!(
+            r.status,
+            StatusCode::CONFLICT,
+            "{peer:?} {api:?}: {}",
+            r.body
+        );
+        assert!(
+            r.body["detail"]
+                .as_str()
+                .is_some_and(|d| d.contains("single-region")),
+            "{peer:?} {api:?}: {}",
+            r.body
+        );
+    }
+}

@@ -226,6 +226,16 @@ impl Config {
 fn check_redis(p: &mut Vec<ConfigProblem>, redis: &RedisConfig) {
     check_redis_addresses(p, redis);
     positive(p, "redis.timeout_ms", redis.timeout_ms);
+    if redis.timeout_ms >= quota_core::bounds::ONCE_KEY_MS {
+        p.push(problem(
+            "redis.timeout_ms",
+            format!(
+                "must be below {} ms: a retried refund or usage collection is recognised for \
+                 that long",
+                quota_core::bounds::ONCE_KEY_MS
+            ),
+        ));
+    }
     if (1..100).contains(&redis.password_check_ms) {
         p.push(problem(
             "redis.password_check_ms",
@@ -253,29 +263,55 @@ fn parse_addr(p: &mut Vec<ConfigProblem>, field: &str, s: &str) -> Option<Socket
 
 /// A `host:port` or `IP:port` a region is reached at (a host name is resolved per connection).
 fn parse_authority(p: &mut Vec<ConfigProblem>, field: &str, s: &str) -> Option<String> {
-    if s.parse::<SocketAddr>().is_ok() {
-        return Some(s.to_string());
+    match check_authority(s) {
+        Ok(()) => Some(s.to_string()),
+        Err(why) => {
+            p.push(problem(field, format!("{why} (got {s:?})")));
+            None
+        }
     }
-    let ok = s.rsplit_once(':').is_some_and(|(host, port)| {
-        let labels_ok = !host.is_empty()
-            && host.len() <= 253
-            && host.split('.').all(|l| {
-                !l.is_empty()
-                    && l.len() <= 63
-                    && !l.starts_with('-')
-                    && !l.ends_with('-')
-                    && l.chars().all(|c| c.is_ascii_alphanumeric() || c == '-')
-            });
-        labels_ok && port.parse::<u16>().is_ok_and(|p| p > 0)
-    });
-    if ok {
-        Some(s.to_string())
+}
+
+/// Checks an address a region is reached at, in `[[regions]]` and in `POST /v1/cluster/members`
+/// alike: `host:port` with a DNS name, or `IP:port` (IPv6 in brackets), the port 1–65535.
+///
+/// Only the form is checked: a host name is resolved by the peer transport at each new
+/// connection, so a region that moves to another address is followed.
+pub fn check_authority(s: &str) -> Result<(), &'static str> {
+    if s.is_empty() {
+        return Err("must be host:port or IP:port, not empty");
+    }
+    // An IPv6 address holds colons itself: its port follows the closing bracket.
+    let split = match s.strip_prefix('[') {
+        Some(rest) => rest
+            .split_once("]:")
+            .map(|(ip, port)| (format!("[{ip}]"), port)),
+        None => s
+            .rsplit_once(':')
+            .map(|(host, port)| (host.to_string(), port)),
+    };
+    let Some((host, port)) = split else {
+        return Err("has no port: expected host:port or IP:port");
+    };
+    if !port.parse::<u16>().is_ok_and(|p| p > 0) {
+        return Err("the port must be a number from 1 to 65535");
+    }
+    if s.parse::<SocketAddr>().is_ok() {
+        return Ok(());
+    }
+    let dns_name = !host.is_empty()
+        && host.len() <= 253
+        && host.split('.').all(|l| {
+            !l.is_empty()
+                && l.len() <= 63
+                && !l.starts_with('-')
+                && !l.ends_with('-')
+                && l.chars().all(|c| c.is_ascii_alphanumeric() || c == '-')
+        });
+    if dns_name {
+        Ok(())
     } else {
-        p.push(problem(
-            field,
-            format!("must be a host:port or IP:port address (got {s:?})"),
-        ));
-        None
+        Err("the host must be a DNS name or an IP address (IPv6 in brackets)")
     }
 }
 
@@ -1040,6 +1076,17 @@ seed_urls = ["redis://10.0.0.2:26379", "redis://10.0.0.3:26379"]
     }
 
     #[test]
+    fn the_redis_timeout_stays_below_the_life_of_a_calls_once_key() {
+        for (ms, ok) in [(0, false), (1, true), (9_999, true), (10_000, false)] {
+            let fields = problem_fields(&format!("[redis]\ntimeout_ms = {ms}\n"));
+            assert_eq!(fields.is_empty(), ok, "{ms}: {fields:?}");
+            if !ok {
+                assert_eq!(fields, ["redis.timeout_ms"]);
+            }
+        }
+    }
+
+    #[test]
     fn the_envoy_listener_is_off_by_default_and_checked_when_on() {
         let s = Config::load(None, &no_env).unwrap();
         assert_eq!(s.envoy_listen, None);
@@ -1210,6 +1257,11 @@ seed_urls = ["redis://10.0.0.2:26379", "redis://10.0.0.3:26379"]
         for bad in [
             "quotad-a",
             "quotad-a:0",
+            "127.0.0.1:0",
+            "[::1]:0",
+            "[::1]",
+            "::1:7451",
+            "quotad-a:65536",
             "-a.example:7451",
             "a..b:7451",
             "a_b:7451",
