@@ -1,12 +1,16 @@
 //! `sim`: runs the scenario suite and prints the table (see the crate docs of `sim`).
 
-use std::io::IsTerminal;
+use std::fs::File;
+use std::io::{IsTerminal, Write as _};
+use std::path::{Path, PathBuf};
 use std::time::Instant;
 
 use anyhow::Context;
 use clap::Parser;
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
-use sim::options::{Format, Options};
+use sim::options::Options;
+use sim::per_subject::SubjectRun;
+use sim::simulation::ScenarioRun;
 use sim::{per_subject, plot, report};
 
 fn main() {
@@ -25,6 +29,11 @@ fn run() -> anyhow::Result<()> {
             std::process::exit(2);
         }
     };
+    // Every file is created before the run, so a path that cannot be written fails at once
+    // rather than after minutes of simulation.
+    let per_subject_file = opts.per_subject_csv.as_deref().map(create).transpose()?;
+    let out_dir = opts.out.as_deref().map(OutDir::create).transpose()?;
+
     let scenarios = opts.scenarios();
     let strategies = opts.strategies();
     let jobs = opts
@@ -47,30 +56,18 @@ fn run() -> anyhow::Result<()> {
         per_subject.then(|| per_subject::run(&opts.subject_config(&cfg), &mut |n| bar.inc(n)));
     bar.finish_and_clear();
 
-    if !runs.is_empty() {
-        let out = match opts.format {
-            Format::Table => report::table(&runs),
-            Format::Csv => report::csv(&runs),
-            Format::Json => report::json(&runs),
-        };
-        print!("{out}");
-    }
+    let stdout = report::render(opts.format, &runs, subjects.as_ref());
+    std::io::stdout()
+        .lock()
+        .write_all(stdout.as_bytes())
+        .context("writing to stdout")?;
+
     if let Some(run) = &subjects {
-        let out = match opts.format {
-            Format::Table => per_subject::table(run),
-            Format::Csv => per_subject::csv(run),
-            Format::Json => per_subject::json(run),
-        };
-        if !runs.is_empty() {
-            println!();
-        }
-        print!("{out}");
         eprintln!(
             "per_subject: {} simulated decisions in {:.2} s wall on 1 thread",
             run.decisions, run.wall_s
         );
     }
-
     let decisions: u64 = runs.iter().map(|r| r.decisions).sum();
     let busy_s: f64 = runs.iter().map(|r| r.wall_s).sum();
     if !runs.is_empty() {
@@ -82,21 +79,59 @@ fn run() -> anyhow::Result<()> {
         );
     }
 
-    if let Some(dir) = &opts.out {
-        std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
-        let path = dir.join("results.csv");
-        std::fs::write(&path, report::csv(&runs))
+    if let (Some((path, mut file)), Some(run)) = (per_subject_file, &subjects) {
+        file.write_all(per_subject::csv(run).as_bytes())
             .with_context(|| format!("writing {}", path.display()))?;
-        for run in &runs {
-            let path = dir.join(format!("{}_series.csv", run.scenario));
+    }
+    if let Some(out) = out_dir {
+        out.write(&runs, subjects.as_ref())?;
+    }
+    Ok(())
+}
+
+/// Creates (or truncates) a file for writing.
+fn create(path: &Path) -> anyhow::Result<(PathBuf, File)> {
+    let file = File::create(path).with_context(|| format!("creating {}", path.display()))?;
+    Ok((path.to_path_buf(), file))
+}
+
+/// The `--out` directory, with `results.csv` created up front.
+struct OutDir {
+    dir: PathBuf,
+    results: (PathBuf, File),
+}
+
+impl OutDir {
+    fn create(dir: &Path) -> anyhow::Result<Self> {
+        std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
+        let results = create(&dir.join("results.csv"))?;
+        Ok(Self {
+            dir: dir.to_path_buf(),
+            results,
+        })
+    }
+
+    /// Writes `results.csv`, `per_subject.csv` when it ran, and per scenario its series and
+    /// plots.
+    fn write(self, runs: &[ScenarioRun], subjects: Option<&SubjectRun>) -> anyhow::Result<()> {
+        let (path, mut file) = self.results;
+        file.write_all(report::csv(runs).as_bytes())
+            .with_context(|| format!("writing {}", path.display()))?;
+        if let Some(run) = subjects {
+            let path = self.dir.join("per_subject.csv");
+            std::fs::write(&path, per_subject::csv(run))
+                .with_context(|| format!("writing {}", path.display()))?;
+        }
+        for run in runs {
+            let path = self.dir.join(format!("{}_series.csv", run.scenario));
             std::fs::write(&path, report::series_csv(run))
                 .with_context(|| format!("writing {}", path.display()))?;
-            plot::plot_scenario(dir, run)?;
+            plot::plot_scenario(&self.dir, run)?;
         }
         eprintln!(
             "wrote results.csv, per-scenario series and SVG plots to {}",
-            dir.display()
+            self.dir.display()
         );
+        Ok(())
     }
-    Ok(())
 }

@@ -111,11 +111,17 @@ pub struct Options {
     /// `global_store` behaviour when cut off from the store.
     #[arg(long, value_enum, default_value_t = GlobalFail::Closed)]
     pub global_fail: GlobalFail,
-    /// Output format on stdout.
+    /// Output format on stdout. `table`: the suite's table, then per_subject's. `csv`: one
+    /// table, the suite's (per_subject's when it runs alone; with both, per_subject's goes to
+    /// --per-subject-csv or --out). `json`: one document, {"scenarios": [..], "per_subject": [..]}.
     #[arg(long, value_enum, default_value_t = Format::Table)]
     pub format: Format,
-    /// Also write results.csv, per-second series and SVG plots into this directory.
-    #[arg(long)]
+    /// Also write per_subject's table as CSV to this file.
+    #[arg(long, value_name = "PATH")]
+    pub per_subject_csv: Option<PathBuf>,
+    /// Also write results.csv, per_subject.csv, per-second series and SVG plots into this
+    /// directory.
+    #[arg(long, value_name = "DIR")]
     pub out: Option<PathBuf>,
     /// Worker threads (scenarios run in parallel; output does not depend on this).
     #[arg(long)]
@@ -237,6 +243,7 @@ impl Options {
         );
         self.check_counts(&mut e);
         self.check_scenarios(duration_ms, &mut e);
+        self.check_outputs(&mut e);
         if self.jobs == Some(0) {
             e.push("--jobs must be at least 1".to_string());
         }
@@ -328,6 +335,30 @@ impl Options {
         }
     }
 
+    /// Whether every table that runs has somewhere to go: CSV on stdout is one table.
+    fn check_outputs(&self, e: &mut Vec<String>) {
+        let per_subject = self.per_subject();
+        if self.per_subject_csv.is_some() && !per_subject {
+            e.push(
+                "--per-subject-csv needs the per_subject scenario (run by default, or named with \
+                 --scenario per_subject)"
+                    .to_string(),
+            );
+        }
+        if self.format == Format::Csv
+            && per_subject
+            && !self.scenarios().is_empty()
+            && self.per_subject_csv.is_none()
+            && self.out.is_none()
+        {
+            e.push(
+                "--format csv prints one table, the suite's: name a file for per_subject's with \
+                 --per-subject-csv PATH (or --out DIR), or choose scenarios with --scenario"
+                    .to_string(),
+            );
+        }
+    }
+
     /// The command line that reproduces a run of one scenario and strategy with these options.
     pub fn repro(&self, scenario: ScenarioKind, strategy: StrategyKind) -> String {
         format!(
@@ -386,6 +417,36 @@ mod tests {
         assert!(e.iter().any(|m| m.contains("--regions")));
         assert!(e.iter().any(|m| m.contains("--lease")));
         assert!(e.iter().any(|m| m.contains("--tick-ms")));
+    }
+
+    #[test]
+    fn csv_with_both_tables_needs_a_file_for_per_subject() {
+        let err = |args: &[&str]| {
+            let o = Options::try_parse_from(args).unwrap();
+            o.run_config().err().map(|e| e.0.join("\n"))
+        };
+        let e = err(&["sim", "--format", "csv"]).expect("two tables for one stream");
+        assert!(e.contains("--per-subject-csv"), "{e}");
+        assert_eq!(
+            err(&["sim", "--format", "csv", "--per-subject-csv", "p.csv"]),
+            None
+        );
+        assert_eq!(err(&["sim", "--format", "csv", "--out", "results"]), None);
+        assert_eq!(
+            err(&["sim", "--format", "csv", "--scenario", "per_subject"]),
+            None
+        );
+        assert_eq!(
+            err(&["sim", "--format", "csv", "--scenario", "steady"]),
+            None
+        );
+        assert_eq!(err(&["sim", "--format", "json"]), None);
+        let e = err(&["sim", "--scenario", "steady", "--per-subject-csv", "p.csv"])
+            .expect("no per_subject table to write");
+        assert!(
+            e.contains("--per-subject-csv needs the per_subject scenario"),
+            "{e}"
+        );
     }
 
     #[test]

@@ -3,7 +3,11 @@
 
 use std::fmt::Write as _;
 
+use serde::Serialize;
+
 use crate::metrics::Summary;
+use crate::options::Format;
+use crate::per_subject::{SubjectRow, SubjectRun};
 use crate::simulation::ScenarioRun;
 
 /// The CSV header, also the column order of the table (which leaves out the raw counts).
@@ -34,6 +38,22 @@ fn conv(s: &Summary) -> String {
         (0, _) => "-".to_string(),
         (_, None) => "never".to_string(),
         (_, Some(x)) => format!("{x:.0}"),
+    }
+}
+
+/// What `sim` prints on stdout. `table`: the suite's table, then per_subject's after a blank
+/// line. `csv`: one table, the suite's, or per_subject's when it ran alone (the options see
+/// to it that per_subject's has a file of its own when both ran). `json`: one document.
+pub fn render(format: Format, runs: &[ScenarioRun], subjects: Option<&SubjectRun>) -> String {
+    match (format, subjects) {
+        (Format::Table, Some(run)) if !runs.is_empty() => {
+            table(runs) + "\n" + &crate::per_subject::table(run)
+        }
+        (Format::Table, Some(run)) => crate::per_subject::table(run),
+        (Format::Table, None) => table(runs),
+        (Format::Csv, Some(run)) if runs.is_empty() => crate::per_subject::csv(run),
+        (Format::Csv, _) => csv(runs),
+        (Format::Json, _) => json(runs, subjects),
     }
 }
 
@@ -141,13 +161,87 @@ pub fn csv(runs: &[ScenarioRun]) -> String {
     out
 }
 
-/// JSON: an array of summaries (null where undefined).
-pub fn json(runs: &[ScenarioRun]) -> String {
-    let rows: Vec<&Summary> = runs
-        .iter()
-        .flat_map(|r| r.strategies.iter().map(|x| &x.summary))
-        .collect();
-    serde_json::to_string_pretty(&rows).expect("summaries serialise") + "\n"
+/// One (scenario, strategy) row in JSON: the CSV's columns by the same names, numbers as
+/// numbers, `null` where the CSV cell is empty, `floor_s` an array of seconds per region; and
+/// `demand_shifts`, which tells a `null` `convergence_s` apart: no shift (0) or one that never
+/// settled (the CSV's `never`).
+#[derive(Debug, Serialize)]
+struct JsonRow<'a> {
+    scenario: &'a str,
+    strategy: &'a str,
+    overshoot_window: f64,
+    overshoot_1s: f64,
+    goodput: Option<f64>,
+    goodput_healthy: Option<f64>,
+    floor_s: &'a [f64],
+    false_denial_rate: Option<f64>,
+    goodput_converged: Option<f64>,
+    false_denial_converged: Option<f64>,
+    p50_decision_ms: f64,
+    p99_decision_ms: f64,
+    convergence_s: Option<f64>,
+    demand_shifts: usize,
+    forwarded_fraction: Option<f64>,
+    never: u64,
+    decisions: u64,
+    admitted_tokens: u64,
+    ideal_tokens: u64,
+    store_calls_per_decision: Option<f64>,
+    store_calls_decide: Option<u64>,
+    store_calls_reserved: Option<u64>,
+    store_calls_reserve_denied: Option<u64>,
+    store_calls_refund: Option<u64>,
+}
+
+impl<'a> From<&'a Summary> for JsonRow<'a> {
+    fn from(s: &'a Summary) -> Self {
+        Self {
+            scenario: &s.scenario,
+            strategy: &s.strategy,
+            overshoot_window: s.overshoot_window,
+            overshoot_1s: s.overshoot_1s,
+            goodput: s.goodput,
+            goodput_healthy: s.goodput_healthy,
+            floor_s: &s.floor_s,
+            false_denial_rate: s.false_denial_rate,
+            goodput_converged: s.goodput_converged,
+            false_denial_converged: s.false_denial_converged,
+            p50_decision_ms: s.p50_decision_ms,
+            p99_decision_ms: s.p99_decision_ms,
+            convergence_s: s.convergence_s,
+            demand_shifts: s.demand_shifts,
+            forwarded_fraction: s.forwarded,
+            never: s.never,
+            decisions: s.decisions,
+            admitted_tokens: s.admitted_tokens,
+            ideal_tokens: s.ideal_tokens,
+            store_calls_per_decision: s.store_calls_per_decision(),
+            store_calls_decide: s.store_calls.map(|c| c.decisions),
+            store_calls_reserved: s.store_calls.map(|c| c.reserved),
+            store_calls_reserve_denied: s.store_calls.map(|c| c.reserve_denied),
+            store_calls_refund: s.store_calls.map(|c| c.refunds),
+        }
+    }
+}
+
+/// Both tables in one JSON document.
+#[derive(Debug, Serialize)]
+struct Document<'a> {
+    scenarios: Vec<JsonRow<'a>>,
+    per_subject: &'a [SubjectRow],
+}
+
+/// JSON: one document, `{"scenarios": [...], "per_subject": [...]}`, each an array of rows
+/// keyed by the names of its CSV header (an empty array for a table that did not run).
+pub fn json(runs: &[ScenarioRun], subjects: Option<&SubjectRun>) -> String {
+    let doc = Document {
+        scenarios: runs
+            .iter()
+            .flat_map(|r| r.strategies.iter().map(|x| JsonRow::from(&x.summary)))
+            .collect(),
+        per_subject: subjects.map_or(&[], |s| &s.rows),
+    };
+    serde_json::to_string_pretty(&doc).expect("rows serialise") + "\n"
 }
 
 /// Per-second series of one scenario as CSV: the ideal's admitted tokens and requests, and per
@@ -222,5 +316,22 @@ mod tests {
         assert_eq!(row.split(',').count(), CSV_HEADER.split(',').count());
         assert!(row.starts_with("steady,quotad,1.000000,0.500000,0.990000,1.000000,0.0/2.5,,"));
         assert!(row.ends_with(",0.400000,1,2,1,0"));
+    }
+
+    /// A JSON row has every CSV column under the same name, and `demand_shifts`.
+    #[test]
+    fn json_rows_are_keyed_by_the_csv_header() {
+        let s = summary();
+        let v = serde_json::to_value(JsonRow::from(&s)).unwrap();
+        let keys: Vec<&str> = v.as_object().unwrap().keys().map(String::as_str).collect();
+        let mut want: Vec<&str> = CSV_HEADER.split(',').chain(["demand_shifts"]).collect();
+        let mut got = keys.clone();
+        want.sort_unstable();
+        got.sort_unstable();
+        assert_eq!(got, want);
+        assert_eq!(v["forwarded_fraction"], 0.25);
+        assert_eq!(v["false_denial_rate"], serde_json::Value::Null);
+        assert_eq!(v["store_calls_reserved"], 2);
+        assert_eq!(v["floor_s"], serde_json::json!([0.0, 2.5]));
     }
 }

@@ -87,14 +87,12 @@ pub struct SubjectRow {
 }
 
 /// A whole run.
-#[derive(Debug, Clone, Serialize)]
+#[derive(Debug, Clone)]
 pub struct SubjectRun {
     pub regions: usize,
     pub subjects: usize,
     pub rows: Vec<SubjectRow>,
-    #[serde(skip)]
     pub decisions: u64,
-    #[serde(skip)]
     pub wall_s: f64,
 }
 
@@ -280,9 +278,4 @@ pub fn csv(run: &SubjectRun) -> String {
         );
     }
     out
-}
-
-/// The run as JSON.
-pub fn json(run: &SubjectRun) -> String {
-    serde_json::to_string_pretty(run).expect("rows serialise") + "\n"
 }
