@@ -2,6 +2,8 @@
 -- agent. Costs O(buckets taken), never a scan of the keyspace.
 --
 -- KEYS[1]  activity index (set of state keys; qd:v1:active, or one cluster slot's index)
+-- KEYS[2]  optional: this collection's reply, unique per call, in KEYS[1]'s slot
+--          (<index>:c:<id>)
 -- ARGV[1]  how many keys to take at most, integer 1..100000
 -- returns  {taken, key, admitted tokens, denied tokens, key, admitted, denied, ...}: taken is
 --          how many keys left the index (expired ones included), so a caller knows to go on
@@ -19,6 +21,12 @@
 -- lost while the key lives. Keys that expired in between are skipped: their usage is lost, which
 -- the minimum idle TTL of the decision scripts bounds (collect more often than it). On Redis
 -- Cluster the state keys share the index's slot, so touching them here stays within one slot.
+--
+-- Exactly once: a call can run twice (a connection that broke after Redis ran the script,
+-- retried by the daemon or by the Cluster client). A second run would take the next keys and
+-- the first run's usage, already reset in Redis, would be lost with its reply. With KEYS[2] the
+-- reply is kept there (MessagePack, exact for every integer below 2^53, for ONCE_MS) and a run
+-- that finds it answers it again and takes nothing.
 
 -- quotad shared helpers: begin. The same text in every script in lua/ (each script runs on its
 -- own, so the block is copied, not included); a test holds the copies equal, the bounds equal to
@@ -38,6 +46,7 @@ local DEFAULT_MIN_TTL_MS = 60000 -- minimum idle TTL when none is given
 local DEFAULT_MIN_TTL_ARG = '60000' -- the same as a command argument
 local DEFAULT_PERIOD_ARG = '1000' -- DEFAULT_PERIOD_MS as a command argument
 local COLLECT_MAX = 100000 -- most keys one usage collection takes
+local ONCE_MS = 10000 -- how long a key making a call exactly once lives: past any retry of it
 local STATE_LEN = 96 -- bytes of a token-bucket state
 local STATE_LEN_NO_PERIOD = 88 -- bytes of a state written without its period (period 1000)
 -- Token-bucket state: 12 little-endian doubles (exact for integers below 2^53): tokens (µt),
@@ -257,12 +266,31 @@ local h = quotad_helpers(MAX_CAP, MAX_PERIOD, MAX_FILL, DEFAULT_PERIOD_MS, MAX_W
   STATE_FMT_NO_PERIOD)
 local err, int, failed, state_decode = h.err, h.int, h.failed, h.state_decode
 
-if #KEYS ~= 1 or #ARGV ~= 1 then
-  return err('expected 1 key and 1 argument')
+if (#KEYS ~= 1 and #KEYS ~= 2) or #ARGV ~= 1 then
+  return err('expected 1 or 2 keys and 1 argument')
 end
 local max = int(ARGV[1], COLLECT_MAX)
 if max == nil or max < 1 then
   return err('max must be an integer in 1..' .. COLLECT_MAX)
+end
+if KEYS[2] then
+  local kept = redis.pcall('GET', KEYS[2])
+  if failed(kept) then
+    return err('the reply key holds another type')
+  end
+  if kept then
+    -- Only what this script stored is answered: {taken, key, admitted, denied, ...}.
+    local ok, r = pcall(cmsgpack.unpack, kept)
+    if not ok or type(r) ~= 'table' or #r % 3 ~= 1 or type(r[1]) ~= 'number' then
+      return err('the reply key holds something else')
+    end
+    for i = 2, #r, 3 do
+      if type(r[i]) ~= 'string' or type(r[i + 1]) ~= 'number' or type(r[i + 2]) ~= 'number' then
+        return err('the reply key holds something else')
+      end
+    end
+    return r
+  end
 end
 
 -- pcall: an index of another type is an error reply before anything is taken.
@@ -298,5 +326,8 @@ for _, k in ipairs(keys) do
     out[#out + 1] = ad
     out[#out + 1] = dn
   end
+end
+if KEYS[2] then
+  redis.call('SET', KEYS[2], cmsgpack.pack(out), 'PX', ONCE_MS)
 end
 return out

@@ -1,11 +1,19 @@
 -- refund.lua: gives tokens of a daemon's reservation back to a token bucket (quotad).
 --
 -- KEYS[1]  bucket state (string, see token_bucket.lua)   qd:v1:{tenant}:<policy>:<version>:b
+-- KEYS[2]  optional: this refund's marker, unique per refund, in KEYS[1]'s slot
+--          (qd:v1:{tenant}:<policy>:<version>:b:r:<id>)
 -- ARGV[1]  tokens to give back, whole tokens, integer 1..9007199254
 -- ARGV[2]  optional explicit now in ms since the epoch ('' or absent: Redis TIME)
 -- returns  the bucket's remaining whole tokens after the refund (-1: no state, nothing to do)
 -- errors   'ERR quotad: <what>' for an invalid argument, a key of another type or a state out
 --          of bounds; nothing is written then.
+--
+-- Exactly once: a refund is not idempotent, and a call can run twice (a connection that broke
+-- after Redis ran the script, retried by the daemon or by the Cluster client), which would
+-- credit the tokens twice and let the region admit more than it spent. With KEYS[2] the first
+-- run sets the marker (for MARKER_MS) and a run that finds it changes nothing and answers the
+-- level as it stands.
 --
 -- The bucket is refilled to now under the parameters its state holds (the floor's after the
 -- lease end), then up by the tokens, never above the capacity: a bucket that filled meanwhile
@@ -33,6 +41,7 @@ local DEFAULT_MIN_TTL_MS = 60000 -- minimum idle TTL when none is given
 local DEFAULT_MIN_TTL_ARG = '60000' -- the same as a command argument
 local DEFAULT_PERIOD_ARG = '1000' -- DEFAULT_PERIOD_MS as a command argument
 local COLLECT_MAX = 100000 -- most keys one usage collection takes
+local ONCE_MS = 10000 -- how long a key making a call exactly once lives: past any retry of it
 local STATE_LEN = 96 -- bytes of a token-bucket state
 local STATE_LEN_NO_PERIOD = 88 -- bytes of a state written without its period (period 1000)
 -- Token-bucket state: 12 little-endian doubles (exact for integers below 2^53): tokens (µt),
@@ -254,8 +263,8 @@ local err, int, arg_now, state_decode, refilled =
   h.err, h.int, h.arg_now, h.state_decode, h.refilled
 local fmod = math.fmod
 
-if #KEYS ~= 1 then
-  return err('expected 1 key')
+if #KEYS ~= 1 and #KEYS ~= 2 then
+  return err('expected 1 or 2 keys')
 end
 if #ARGV < 1 or #ARGV > 2 then
   return err('expected 1 or 2 arguments')
@@ -272,18 +281,30 @@ local v = redis.pcall('GET', KEYS[1])
 if type(v) == 'table' then
   return err('the state key holds another type')
 end
+local tokens, carry, ts, ad, dn, cap, rate, src, lease_end, fcap, frate, per
+if v then
+  tokens, carry, ts, ad, dn, cap, rate, src, lease_end, fcap, frate, per = state_decode(v)
+  if tokens == nil then
+    return err('stored state is invalid')
+  end
+end
+-- The marker is set even when there is no state: a replay must not credit a state made since.
+local replay = false
+if KEYS[2] then
+  -- NX fails on any existing key, whatever its type: a replay.
+  replay = not redis.call('SET', KEYS[2], '1', 'NX', 'PX', ONCE_MS)
+end
 if not v then
   return -1
-end
-local tokens, carry, ts, ad, dn, cap, rate, src, lease_end, fcap, frate, per = state_decode(v)
-if tokens == nil then
-  return err('stored state is invalid')
 end
 local ecap, erate = cap, rate
 if src == 1 and lease_end >= 0 and now >= lease_end then
   ecap, erate = fcap, frate
 end
 tokens, carry, ts = refilled(tokens, carry, ts, ecap, erate, per, now)
+if replay then
+  return (tokens - fmod(tokens, UT)) / UT
+end
 local back_ut = back * UT
 if back_ut >= ecap - tokens then
   tokens, carry = ecap, 0

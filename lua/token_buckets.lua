@@ -52,6 +52,7 @@ local DEFAULT_MIN_TTL_MS = 60000 -- minimum idle TTL when none is given
 local DEFAULT_MIN_TTL_ARG = '60000' -- the same as a command argument
 local DEFAULT_PERIOD_ARG = '1000' -- DEFAULT_PERIOD_MS as a command argument
 local COLLECT_MAX = 100000 -- most keys one usage collection takes
+local ONCE_MS = 10000 -- how long a key making a call exactly once lives: past any retry of it
 local STATE_LEN = 96 -- bytes of a token-bucket state
 local STATE_LEN_NO_PERIOD = 88 -- bytes of a state written without its period (period 1000)
 -- Token-bucket state: 12 little-endian doubles (exact for integers below 2^53): tokens (µt),

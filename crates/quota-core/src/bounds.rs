@@ -79,3 +79,8 @@ const _: () = {
     assert!(3 * MAX_WINDOW_PRODUCT < 1 << 53);
     assert!(MAX_WINDOW_PRODUCT / MAX_WINDOW_MS == 840_725);
 };
+
+/// How long `refund.lua` and `collect_usage.lua` keep the key that makes one call apply once
+/// (a refund's marker, a collection's reply), in ms: a retry of the call (the store's own, or a
+/// Cluster client's) comes within the store's timeout, which configuration keeps below this.
+pub const ONCE_KEY_MS: u64 = 10_000;

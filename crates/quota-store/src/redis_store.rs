@@ -215,8 +215,11 @@ impl Store for RedisStore {
     ) -> Result<Option<u64>, StoreError> {
         crate::validate_refund(tokens, now_ms)?;
         let state = bucket.state_key(StateKind::Bucket);
+        let marker = calls::once_key(&state, "r");
         let args = [Arg::Num(tokens), now_ms.map_or(Arg::Str(""), Arg::Num)];
-        let left: i64 = self.invoke(&self.scripts.refund, &[&state], &args).await?;
+        let left: i64 = self
+            .invoke(&self.scripts.refund, &[&state, &marker], &args)
+            .await?;
         Ok(u64::try_from(left).ok())
     }
 

@@ -446,7 +446,10 @@ fn refund_rejects_bad_arguments_and_writes_nothing() {
     for (case, args) in cases {
         assert_quotad_error(eval(&mut c, REFUND_LUA, &[B], args), case);
     }
-    assert_quotad_error(eval(&mut c, REFUND_LUA, &[B, P], &["1"]), "two keys");
+    assert_quotad_error(
+        eval(&mut c, REFUND_LUA, &[B, "qd:v1:{t}:x:1:b:r:1", P], &["1"]),
+        "three keys",
+    );
     let _: () = redis::cmd("HSET")
         .arg("qd:v1:{bad}:y:1:b")
         .arg("f")
@@ -487,6 +490,22 @@ fn collect_usage_rejects_bad_max() {
         assert_quotad_error(eval(&mut c, COLLECT_USAGE_LUA, &[IX], &[max]), max);
     }
     assert_quotad_error(eval(&mut c, COLLECT_USAGE_LUA, &[IX], &[]), "no max");
+    let reply = "qd:v1:active:c:1";
+    assert_quotad_error(
+        eval(&mut c, COLLECT_USAGE_LUA, &[IX, reply, B], &["10"]),
+        "three keys",
+    );
+    // A reply key of another type is refused before anything is taken.
+    let _: () = redis::cmd("HSET")
+        .arg(reply)
+        .arg("f")
+        .arg("v")
+        .query(&mut c)
+        .unwrap();
+    assert_quotad_error(
+        eval(&mut c, COLLECT_USAGE_LUA, &[IX, reply], &["10"]),
+        "a hash as the reply key",
+    );
 }
 
 #[tokio::test]

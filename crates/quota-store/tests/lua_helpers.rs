@@ -12,7 +12,7 @@
 use quota_core::bounds::{
     DEFAULT_PERIOD_MS, EXACT_LOG_MAX, MAX_BURST, MAX_CAPACITY_UT, MAX_FILL_BOUND_MS,
     MAX_LIMITS_PER_CHECK, MAX_PERIOD_MS, MAX_REFILL_UT, MAX_WINDOW_LIMIT, MAX_WINDOW_MS,
-    MAX_WINDOW_PRODUCT, UT,
+    MAX_WINDOW_PRODUCT, ONCE_KEY_MS, UT,
 };
 use quota_store::script::{
     COLLECT_BATCH_MAX, COLLECT_USAGE_LUA, REFUND_LUA, SET_PARAMS_LUA, SLIDING_WINDOW_LUA,
@@ -91,6 +91,7 @@ fn lua_bounds_equal_quota_core_bounds() {
         ("EXACT_LOG_MAX", EXACT_LOG_MAX),
         ("DEFAULT_MIN_TTL_MS", DEFAULT_MIN_IDLE_TTL_MS),
         ("COLLECT_MAX", COLLECT_BATCH_MAX as u64),
+        ("ONCE_MS", ONCE_KEY_MS),
         // 12 doubles (see STATE_FMT), 11 in the layout without the period.
         ("STATE_LEN", 12 * 8),
         ("STATE_LEN_NO_PERIOD", 11 * 8),

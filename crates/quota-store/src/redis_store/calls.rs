@@ -20,6 +20,26 @@ use crate::{BucketRef, StoreError, UsageRecord};
 /// trips, small enough that no step holds Redis for long.
 const SCAN_COUNT: usize = 1000;
 
+/// A key in `base`'s hash slot that names one call of a script that must not apply twice
+/// (`<base>:<kind>:<id>`): the script marks it on its first run, and a replay of the same call
+/// (the same keys) finds it. Ids are a per-process random prefix and a counter, so calls of
+/// every daemon on one Redis differ.
+pub(super) fn once_key(base: &str, kind: &str) -> String {
+    use std::hash::{BuildHasher, Hasher};
+    use std::sync::atomic::AtomicU64;
+    use std::sync::OnceLock;
+    static PROCESS: OnceLock<u64> = OnceLock::new();
+    static NEXT: AtomicU64 = AtomicU64::new(0);
+    // RandomState is seeded from the OS's randomness once per process.
+    let process = *PROCESS.get_or_init(|| {
+        let mut h = std::collections::hash_map::RandomState::new().build_hasher();
+        h.write_u64(u64::from(std::process::id()));
+        h.finish()
+    });
+    let n = NEXT.fetch_add(1, Ordering::Relaxed);
+    format!("{base}:{kind}:{process:016x}{n:x}")
+}
+
 impl RedisStore {
     /// PINGs Redis through `source`, as [`reachable`](Self::reachable) describes.
     pub(super) async fn ping(&self, source: &Source) -> Result<(), StoreError> {
@@ -164,9 +184,12 @@ impl RedisStore {
             };
             match once().await {
                 // A connection found dead (e.g. Redis restarted) is replaced by the manager;
-                // one retry on the new connection hides that from the caller. If the script did
-                // run before the connection broke, the retry counts the cost twice: that errs
-                // towards denying, never towards over-admitting.
+                // one retry on the new connection hides that from the caller. The script may
+                // have run before the connection broke (so may a Cluster client's own retries),
+                // so every script is safe to run twice: a decision or a batch spends twice,
+                // which errs towards denying; set_params.lua writes the same parameters again;
+                // refund.lua and collect_usage.lua are exactly once through a key unique to
+                // the call (`once_key`), which a replay finds.
                 Err(e)
                     if e.is_connection_dropped()
                         || e.is_connection_refusal()
@@ -198,8 +221,9 @@ impl RedisStore {
         max: usize,
     ) -> Result<(usize, Vec<UsageRecord>), StoreError> {
         let n = Arg::Num(max.clamp(1, COLLECT_BATCH_MAX) as u64);
+        let reply_key = once_key(index, "c");
         let reply: Vec<Value> = self
-            .invoke(&self.scripts.collect_usage, &[index], &[n])
+            .invoke(&self.scripts.collect_usage, &[index, &reply_key], &[n])
             .await?;
         parse_usage(reply)
     }
