@@ -24,6 +24,18 @@ pub struct Cluster {
     pub proxies: Vec<FaultProxy>,
 }
 
+/// A daemon started to join a [`Cluster`] ([`Cluster::start_joining`]), with its Redis and the
+/// addresses its `[[regions]]` entry gives.
+#[derive(Debug)]
+pub struct Joining {
+    pub daemon: Daemon,
+    pub redis: redis_harness::RedisServer,
+    /// `host:port` of its API.
+    pub api: String,
+    /// `host:port` of its peer listener.
+    pub peer: String,
+}
+
 /// Timings of test clusters: short so rounds are quick, long enough for 2 cores in debug.
 #[derive(Debug)]
 pub struct Timings {
@@ -143,54 +155,16 @@ impl Cluster {
         }
         let mut members = String::new();
         for (i, n) in names.iter().enumerate() {
-            members.push_str(&format!(
-                "[[regions]]\nid = \"{n}\"\nnode_id = {}\napi = \"127.0.0.1:{}\"\npeer = \"{}\"\n\n",
-                i + 1,
-                api[i],
-                proxies[i].addr
+            members.push_str(&region_entry(
+                n,
+                i as u64 + 1,
+                &format!("127.0.0.1:{}", api[i]),
+                &proxies[i].addr.to_string(),
             ));
         }
         let mut daemons = Vec::new();
         for (i, n) in names.iter().enumerate() {
-            let config = format!(
-                r#"region = "{n}"
-[api]
-listen = "127.0.0.1:{api}"
-forward_timeout_ms = 300
-[peer]
-listen = "127.0.0.1:{peer}"
-[redis]
-url = "{redis}"
-timeout_ms = 200
-[breaker]
-failure_threshold = 3
-slow_call_ms = 200
-open_ms = 300
-[coordination]
-report_interval_ms = {ri}
-rebalance_interval_ms = {rb}
-lease_ms = {lease}
-drift_margin_ms = {margin}
-[raft]
-heartbeat_interval_ms = {hb}
-election_timeout_min_ms = {el_min}
-election_timeout_max_ms = {el_max}
-write_timeout_ms = 1500
-[telemetry]
-log_level = "info"
-
-{members}"#,
-                api = api[i],
-                peer = peer[i],
-                redis = redis[i].url(),
-                ri = t.report_interval_ms,
-                rb = t.rebalance_interval_ms,
-                lease = t.lease_ms,
-                margin = t.drift_margin_ms,
-                hb = t.heartbeat_interval_ms,
-                el_min = t.election_timeout_min_ms,
-                el_max = t.election_timeout_max_ms,
-            );
+            let config = daemon_config(n, api[i], peer[i], &redis[i].url(), t, &members);
             daemons.push(Daemon::spawn(
                 &config,
                 api[i],
@@ -207,6 +181,50 @@ log_level = "info"
             }
         }
         Ok((daemons, proxies))
+    }
+
+    /// Starts a daemon for a new region `name` with its own redis-server, configured to join
+    /// this cluster as node `node_id`: its `[[regions]]` lists the cluster's regions and itself
+    /// at `host:<port>` (so it never initializes a cluster of its own). It serves at once but
+    /// takes part only once the leader adds it (`POST /v1/cluster/members`).
+    pub async fn start_joining(
+        &self,
+        name: &str,
+        node_id: u64,
+        host: &str,
+        t: &Timings,
+    ) -> anyhow::Result<Joining> {
+        let redis = redis_harness::RedisServer::start()?;
+        let mut last = None;
+        // As in `start`: a port taken between picking and binding is retried on fresh ones.
+        for _ in 0..3 {
+            let (api, peer) = (free_port()?, free_port()?);
+            let mut members = String::new();
+            for (i, n) in self.names.iter().enumerate() {
+                members.push_str(&region_entry(
+                    n,
+                    i as u64 + 1,
+                    &format!("127.0.0.1:{}", self.daemons[i].api_port),
+                    &self.proxies[i].addr.to_string(),
+                ));
+            }
+            let (api_addr, peer_addr) = (format!("{host}:{api}"), format!("{host}:{peer}"));
+            members.push_str(&region_entry(name, node_id, &api_addr, &peer_addr));
+            let config = daemon_config(name, api, peer, &redis.url(), t, &members);
+            let mut daemon = Daemon::spawn(&config, api, &[("QUOTAD_PEER_TOKEN", PEER_TOKEN)])?;
+            match daemon.wait_ready(Duration::from_secs(30)).await {
+                Ok(()) => {
+                    return Ok(Joining {
+                        daemon,
+                        redis,
+                        api: api_addr,
+                        peer: peer_addr,
+                    })
+                }
+                Err(e) => last = Some(e.context(daemon.log_text())),
+            }
+        }
+        Err(last.unwrap_or_else(|| anyhow::anyhow!("the joining daemon did not start")))
     }
 
     /// Index of a region by name.
@@ -258,4 +276,59 @@ log_level = "info"
         let p = &r.body["policies"][0]["this_region"];
         Some((p["share"].as_f64()?, p["enforced_share"].as_f64()?))
     }
+}
+
+/// One `[[regions]]` entry.
+fn region_entry(id: &str, node_id: u64, api: &str, peer: &str) -> String {
+    format!(
+        "[[regions]]\nid = \"{id}\"\nnode_id = {node_id}\napi = \"{api}\"\npeer = \"{peer}\"\n\n"
+    )
+}
+
+/// The config of region `name`'s daemon: API and peer listeners on loopback `api` and `peer`,
+/// its Redis at `redis`, timings `t`, and the `[[regions]]` entries `members`.
+fn daemon_config(
+    name: &str,
+    api: u16,
+    peer: u16,
+    redis: &str,
+    t: &Timings,
+    members: &str,
+) -> String {
+    format!(
+        r#"region = "{name}"
+[api]
+listen = "127.0.0.1:{api}"
+forward_timeout_ms = 300
+[peer]
+listen = "127.0.0.1:{peer}"
+[redis]
+url = "{redis}"
+timeout_ms = 200
+[breaker]
+failure_threshold = 3
+slow_call_ms = 200
+open_ms = 300
+[coordination]
+report_interval_ms = {ri}
+rebalance_interval_ms = {rb}
+lease_ms = {lease}
+drift_margin_ms = {margin}
+[raft]
+heartbeat_interval_ms = {hb}
+election_timeout_min_ms = {el_min}
+election_timeout_max_ms = {el_max}
+write_timeout_ms = 1500
+[telemetry]
+log_level = "info"
+
+{members}"#,
+        ri = t.report_interval_ms,
+        rb = t.rebalance_interval_ms,
+        lease = t.lease_ms,
+        margin = t.drift_margin_ms,
+        hb = t.heartbeat_interval_ms,
+        el_min = t.election_timeout_min_ms,
+        el_max = t.election_timeout_max_ms,
+    )
 }
