@@ -34,6 +34,12 @@ fn run() -> anyhow::Result<()> {
     let per_subject_file = opts.per_subject_csv.as_deref().map(create).transpose()?;
     let out_dir = opts.out.as_deref().map(OutDir::create).transpose()?;
 
+    if opts.per_subject_skipped() {
+        eprintln!(
+            "note: --format csv prints one table, the suite's; per_subject did not run (name a \
+             file for its table with --per-subject-csv PATH or --out DIR)"
+        );
+    }
     let scenarios = opts.scenarios();
     let strategies = opts.strategies();
     let jobs = opts

@@ -193,6 +193,22 @@ fn per_subject_alone_is_the_csv_table() {
     );
 }
 
+/// `sim --format csv` with nothing more (the default suite, per_subject included) is one table:
+/// per_subject, with nowhere to go, does not run, and stderr says how to get it.
+#[test]
+fn csv_alone_is_the_suites_table_and_says_where_per_subject_goes() {
+    let args: Vec<&str> = SMALL.iter().copied().chain(["--format", "csv"]).collect();
+    let out = sim(&args);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{stderr}");
+    assert!(stderr.contains("--per-subject-csv"), "{stderr}");
+    let stdout = String::from_utf8(out.stdout).unwrap();
+    assert_eq!(
+        one_table(&stdout),
+        (sim::report::CSV_HEADER.into(), SUITE_ROWS)
+    );
+}
+
 /// The keys of every object in `rows`, which must be the same for all.
 fn keys(rows: &[Value]) -> Vec<String> {
     let mut first: Vec<String> = rows[0].as_object().unwrap().keys().cloned().collect();
@@ -316,15 +332,11 @@ fn outputs_that_cannot_be_written_are_refused_before_the_run() {
         .collect();
     assert_refused(&sim(&args), &under_file);
 
-    // Two tables for one CSV stream, and a per_subject file with no per_subject run, are
-    // refused as options (exit code 2).
-    for (args, expected) in [
-        (vec!["--format", "csv"], "--format csv prints one table"),
-        (
-            vec!["--scenario", "steady", "--per-subject-csv", "p.csv"],
-            "--per-subject-csv needs the per_subject scenario",
-        ),
-    ] {
+    // A per_subject file with no per_subject run is refused as an option (exit code 2).
+    for (args, expected) in [(
+        vec!["--scenario", "steady", "--per-subject-csv", "p.csv"],
+        "--per-subject-csv needs the per_subject scenario",
+    )] {
         let out = sim(&args);
         let stderr = String::from_utf8_lossy(&out.stderr);
         assert_eq!(out.status.code(), Some(2), "{stderr}");
