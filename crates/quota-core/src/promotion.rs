@@ -32,6 +32,9 @@ use serde::{Deserialize, Serialize};
 
 use crate::allocator::{step_revoking_first, AllocatorConfig, Round, Slots};
 use crate::bucket::UT;
+// A change is part of the replicated command vocabulary, defined with the other operations'
+// payloads; it is built here, by the tracker.
+pub use crate::coordinator::PromotedChange;
 use crate::coordinator::{
     acked_of, add_revocation, prune, CoordinatorState, Entry, PolicyKey, Response,
 };
@@ -53,27 +56,6 @@ pub struct Promoted {
     /// The subject's shares and revocations; its policy is the class's, version included, so
     /// the subject keeps its bucket.
     pub entry: Entry,
-}
-
-/// One change of a [`crate::coordinator::Operation::SetPromoted`].
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-pub enum PromotedChange {
-    /// Gives `key` (a subject and a policy name) an entry of its own under `class`, started at
-    /// the class's shares and then moved to `shares_ppm` if that is safe (else it stays at the
-    /// class's shares).
-    Promote {
-        key: PolicyKey,
-        class: TenantId,
-        shares_ppm: Vec<u32>,
-    },
-    /// Moves a promoted entry's shares.
-    Shares {
-        key: PolicyKey,
-        shares_ppm: Vec<u32>,
-    },
-    /// Drops a promoted entry: accepted once it enforces at most the class's share in every
-    /// region, or at once when the subject no longer decides under its class.
-    Evict { key: PolicyKey },
 }
 
 impl CoordinatorState {

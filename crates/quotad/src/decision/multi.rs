@@ -106,7 +106,7 @@ impl Decider {
                 }
                 // As for one policy: a share here that cannot hold the cost at all is reduced
                 // capacity for now, not a denial that could never end.
-                if !super::holds(&limit, cost) && !self.breaker.is_open() {
+                if !super::check::holds(&limit, cost) && !self.breaker.is_open() {
                     return Err(MultiError::Check(CheckError::ReducedCapacity {
                         policy: name.clone(),
                         reason: "this region holds too little of the policy's budget for now",
