@@ -3,11 +3,13 @@
 //!
 //! - A check dropped by its client while it is the breaker's probe leaves the breaker able to
 //!   recover: once Redis answers again, decisions go through it.
+//! - A Redis that may evict keys (an evicted bucket comes back full) is reported: a warning, a
+//!   metric for the alert rule, and the count of keys it evicted.
 
 use std::process::Command;
 use std::time::{Duration, Instant};
 
-use quotad_system_tests::{eventually, redis_config, Daemon};
+use quotad_system_tests::{eventually, metric_value, redis_config, Daemon};
 use redis_harness::RedisServer;
 use serde_json::json;
 
@@ -111,5 +113,74 @@ async fn a_probe_dropped_by_its_client_does_not_wedge_the_breaker() -> anyhow::R
         back.elapsed()
     );
     assert_eq!(d.get("/v1/status").await?.body["store"]["state"], "ok");
+    Ok(())
+}
+
+async fn metric(d: &Daemon, name: &str) -> Option<f64> {
+    let (_, text) = d.get_text("/metrics").await.ok()?;
+    metric_value(&text, name, &[("region", "b")])
+}
+
+/// Nothing read `maxmemory-policy`: a Redis under memory pressure with `allkeys-lru` evicted
+/// spent buckets, which came back full, and nothing said so.
+#[tokio::test]
+async fn a_redis_that_may_evict_keys_is_reported_with_its_evictions() -> anyhow::Result<()> {
+    let redis =
+        RedisServer::start_with(&["--maxmemory", "8mb", "--maxmemory-policy", "allkeys-lru"])?;
+    let d = Daemon::start(&redis_config(&redis.url())).await?;
+    let flagged = eventually(
+        Duration::from_secs(10),
+        Duration::from_millis(50),
+        || async { (metric(&d, "quotad_redis_may_evict").await == Some(1.0)).then_some(()) },
+    )
+    .await;
+    assert!(flagged.is_some(), "quotad_redis_may_evict is 1");
+    assert!(
+        d.log_text().contains("Redis may evict quotad's keys"),
+        "a warning names the problem:\n{}",
+        d.log_text()
+    );
+    assert_eq!(
+        metric(&d, "quotad_redis_evicted_keys_total").await,
+        Some(0.0)
+    );
+
+    // Fill Redis past its limit: it evicts, and the daemon counts it.
+    let mut c = redis.client().get_multiplexed_async_connection().await?;
+    let blob = vec![b'x'; 64 * 1024];
+    for i in 0..400 {
+        let _: () = redis::cmd("SET")
+            .arg(format!("filler:{i}"))
+            .arg(&blob)
+            .query_async(&mut c)
+            .await?;
+    }
+    let counted = eventually(
+        Duration::from_secs(10),
+        Duration::from_millis(50),
+        || async {
+            metric(&d, "quotad_redis_evicted_keys_total")
+                .await
+                .filter(|n| *n > 0.0)
+        },
+    )
+    .await;
+    assert!(counted.is_some(), "evictions are counted");
+    Ok(())
+}
+
+#[tokio::test]
+async fn a_redis_that_never_evicts_is_reported_as_such() -> anyhow::Result<()> {
+    // Redis's default: maxmemory-policy noeviction.
+    let redis = RedisServer::start()?;
+    let d = Daemon::start(&redis_config(&redis.url())).await?;
+    let read = eventually(
+        Duration::from_secs(10),
+        Duration::from_millis(50),
+        || async { metric(&d, "quotad_redis_may_evict").await },
+    )
+    .await;
+    assert_eq!(read, Some(0.0));
+    assert!(!d.log_text().contains("Redis may evict"));
     Ok(())
 }

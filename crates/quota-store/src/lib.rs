@@ -488,6 +488,35 @@ impl AnyStore {
     pub fn embedded() -> Self {
         Self::Embedded(EmbeddedStore::new())
     }
+
+    /// What Redis says of evicting keys; `None` for the embedded store, which never evicts.
+    pub async fn eviction(&self) -> Option<Result<Eviction, StoreError>> {
+        match self {
+            Self::Embedded(_) => None,
+            Self::Redis(s) => Some(s.eviction().await),
+        }
+    }
+}
+
+/// Redis's eviction settings and count. An evicted bucket state comes back full (the scripts
+/// read a missing state as a full bucket, which is safe only for expiry) and an evicted
+/// parameters key drops the region to the fallback limit, so quotad needs `noeviction`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Eviction {
+    /// `maxmemory-policy` (of a Cluster master that may evict, if any).
+    pub policy: String,
+    /// `maxmemory` of that server; 0 is no limit, under which nothing is evicted.
+    pub maxmemory_bytes: u64,
+    /// `evicted_keys` since the server started (summed over a Cluster's masters).
+    pub evicted_keys: u64,
+}
+
+impl Eviction {
+    /// True when the server may evict keys: a policy other than `noeviction` under a memory
+    /// limit. `volatile-*` policies count too: every bucket state has a TTL.
+    pub fn may_evict(&self) -> bool {
+        self.policy != "noeviction" && self.maxmemory_bytes > 0
+    }
 }
 
 impl Store for AnyStore {

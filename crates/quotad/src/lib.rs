@@ -21,6 +21,7 @@
 //! - [`agent`]: the region agent (applies shares, collects usage) and its ledger of what the
 //!   store was told.
 //! - [`envoy_rls`]: Envoy's rate limit service (gRPC) over the same decision path.
+//! - [`eviction`]: whether the regional Redis may evict quotad's keys.
 //! - [`redis_password`]: re-reading the Redis password file, for rotation without a restart.
 //! - [`telemetry`]: metric names, the Prometheus exporter, log set-up.
 //! - [`clock`]: the only place that reads real time.
@@ -34,6 +35,7 @@ pub mod config;
 pub mod coordination;
 pub mod decision;
 pub mod envoy_rls;
+pub mod eviction;
 pub mod redis_password;
 pub mod secret;
 pub mod server;

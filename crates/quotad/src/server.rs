@@ -22,7 +22,7 @@ use crate::decision::breaker::Breaker;
 use crate::decision::{Decider, DeciderParts};
 use crate::secret::Secret;
 use crate::tokens::Tokens;
-use crate::{agent, envoy_rls, redis_password, telemetry};
+use crate::{agent, envoy_rls, eviction, redis_password, telemetry};
 use quota_raft::tls::{PeerHttp, ServerTls};
 
 /// Resolves once SIGTERM or Ctrl-C arrives.
@@ -364,6 +364,12 @@ fn background_tasks(
     )));
     tasks.push(tokio::spawn(sweep_reservations(
         state.decider.clone(),
+        stop_rx.clone(),
+    )));
+    tasks.push(tokio::spawn(eviction::run(
+        state.decider.store().clone(),
+        report_interval,
+        settings.region.to_string(),
         stop_rx.clone(),
     )));
     if let Some(watch) = password_watch(settings, state.decider.store(), stop_rx) {

@@ -69,6 +69,12 @@ pub const LEASE_RENEWALS_TOTAL: &str = "quotad_lease_renewals_total";
 pub const ADMIN_REQUESTS_TOTAL: &str = "quotad_admin_requests_total";
 /// Time to decide one check in the HTTP handler, in seconds.
 pub const CHECK_DURATION_SECONDS: &str = "quotad_check_duration_seconds";
+/// 1 while the regional Redis may evict keys (a `maxmemory-policy` other than `noeviction`
+/// under a memory limit), else 0; absent until read, and for the embedded store.
+pub const REDIS_MAY_EVICT: &str = "quotad_redis_may_evict";
+/// Keys the regional Redis evicted since it started (`INFO stats` `evicted_keys`; summed over
+/// a Cluster's masters).
+pub const REDIS_EVICTED_KEYS_TOTAL: &str = "quotad_redis_evicted_keys_total";
 
 /// Latency buckets in seconds, set explicitly so Prometheus gets histograms, not summaries.
 const LATENCY_BUCKETS: &[f64] = &[

@@ -14,7 +14,7 @@ use super::sentinel::failover_sign;
 use super::source::{Conn, Source};
 use super::{RedisStore, CONNECT_WAIT};
 use crate::script::{Arg, COLLECT_BATCH_MAX};
-use crate::{BucketRef, StoreError, UsageRecord};
+use crate::{BucketRef, Eviction, StoreError, UsageRecord};
 
 /// Keys one `SCAN` step looks at: large enough that a sweep of a big keyspace takes few round
 /// trips, small enough that no step holds Redis for long.
@@ -231,15 +231,7 @@ impl RedisStore {
     /// The run ids of the servers behind this store, sorted and joined (every master of a
     /// Cluster). A restarted or failed-over server has a new one.
     pub(super) async fn run_ids(&self) -> Result<String, StoreError> {
-        let mut info = redis::cmd("INFO");
-        info.arg("server");
-        let reply: Value = match &*self.source.load_full() {
-            Source::Single(_) | Source::Sentinel(_) => self.command(&info).await?,
-            Source::Cluster(c) => {
-                let all = RoutingInfo::MultiNode((MultipleNodeRoutingInfo::AllMasters, None));
-                self.bounded(c.route(info, all)).await?
-            }
-        };
+        let reply = self.info_of_masters("server").await?;
         let mut ids = Vec::new();
         info_values(&reply, "run_id", &mut ids);
         if ids.is_empty() {
@@ -249,6 +241,59 @@ impl RedisStore {
         }
         ids.sort_unstable();
         Ok(ids.join(","))
+    }
+
+    /// `INFO <section>` of the server, or of every master of a Cluster.
+    async fn info_of_masters(&self, section: &str) -> Result<Value, StoreError> {
+        let mut info = redis::cmd("INFO");
+        info.arg(section);
+        match &*self.source.load_full() {
+            Source::Single(_) | Source::Sentinel(_) => self.command(&info).await,
+            Source::Cluster(c) => {
+                let all = RoutingInfo::MultiNode((MultipleNodeRoutingInfo::AllMasters, None));
+                self.bounded(c.route(info, all)).await
+            }
+        }
+    }
+
+    /// Whether this Redis may evict keys under memory pressure, from `INFO memory` and
+    /// `INFO stats` (every master of a Cluster: the first that may evict, evictions summed).
+    pub async fn eviction(&self) -> Result<Eviction, StoreError> {
+        let memory = self.info_of_masters("memory").await?;
+        let stats = self.info_of_masters("stats").await?;
+        let (mut policies, mut limits, mut evicted) = (Vec::new(), Vec::new(), Vec::new());
+        info_values(&memory, "maxmemory_policy", &mut policies);
+        info_values(&memory, "maxmemory", &mut limits);
+        info_values(&stats, "evicted_keys", &mut evicted);
+        if policies.is_empty() || policies.len() != limits.len() {
+            return Err(StoreError::Protocol {
+                reason: "INFO memory reported no maxmemory_policy".into(),
+            });
+        }
+        let number = |v: &String| {
+            v.parse::<u64>().map_err(|_| StoreError::Protocol {
+                reason: format!("INFO reported a count that is not one: {v}"),
+            })
+        };
+        let nodes = policies
+            .into_iter()
+            .zip(limits.iter().map(number).collect::<Result<Vec<_>, _>>()?)
+            .map(|(policy, maxmemory)| Eviction {
+                policy,
+                maxmemory_bytes: maxmemory,
+                evicted_keys: 0,
+            });
+        let mut worst = nodes
+            .reduce(|a, b| {
+                if !a.may_evict() && b.may_evict() {
+                    b
+                } else {
+                    a
+                }
+            })
+            .expect("one node at least");
+        worst.evicted_keys = evicted.iter().map(number).sum::<Result<u64, _>>()?;
+        Ok(worst)
     }
 
     /// Every bucket whose parameters this Redis holds, on every master of a Cluster, by `SCAN`:
