@@ -162,6 +162,11 @@ pub async fn build_state(
         reservations: cfg.redis.as_ref().is_some_and(|r| r.reservations),
         store_timeout: Duration::from_millis(cfg.redis.as_ref().map_or(0, |r| r.timeout_ms)),
     });
+    let decider = if cfg.redis.as_ref().is_some_and(|r| !r.denial_cache) {
+        decider.without_denial_cache()
+    } else {
+        decider
+    };
     let decider = Arc::new(match peer_tls {
         Some(tls) => decider.forwarding_over_peer(
             PeerHttp::new(Some(tls), |b| b.tcp_nodelay(true))

@@ -159,6 +159,30 @@ pub(crate) fn by_class(view: &ClusterView, usage: Vec<UsageRecord>) -> Vec<Usage
     out
 }
 
+/// Adds `cached` (denied tokens the daemon answered without Redis) to the records of the same
+/// buckets in `usage`, or as records of their own: a bucket's denials are one figure, for
+/// demand and for the heavy subjects alike.
+pub(crate) fn add_denied(usage: &mut Vec<UsageRecord>, cached: &[UsageRecord]) {
+    let mut left: std::collections::HashMap<&BucketRef, u64> = Default::default();
+    for c in cached {
+        let d = left.entry(&c.bucket).or_default();
+        *d = d.saturating_add(c.denied);
+    }
+    for u in usage.iter_mut() {
+        if let Some(d) = left.remove(&u.bucket) {
+            u.denied = u.denied.saturating_add(d);
+        }
+    }
+    usage.extend(cached.iter().filter_map(|c| {
+        let denied = left.remove(&c.bucket)?;
+        Some(UsageRecord {
+            bucket: c.bucket.clone(),
+            admitted: 0,
+            denied,
+        })
+    }));
+}
+
 /// The class a subject's bucket decides under at its class's share: `None` for an explicit
 /// policy, a promoted subject, or a bucket of another version.
 fn class_of<'a>(view: &'a ClusterView, bucket: &BucketRef) -> Option<&'a TenantId> {
@@ -222,6 +246,9 @@ pub async fn run_report(
                 Ok(mut usage) => {
                     // Checks sent to another region are demand here, where their callers are.
                     usage.extend(decider.take_forwarded_usage());
+                    // Denials answered from the denial cache never reached Redis's counters.
+                    let cached = decider.take_cached_denials();
+                    add_denied(&mut usage, &cached);
                     let view = decider.view();
                     let denied = denied_at_class_share(&view, &usage, r.promotion_top_k());
                     let usage = by_class(&view, usage);
@@ -229,6 +256,8 @@ pub async fn run_report(
                     match r.report_usage(&usage, denied, interval_ms.max(1)).await {
                         Ok(()) => Reported::Delivered,
                         Err(e) => {
+                            // They go with the next report instead.
+                            decider.restore_cached_denials(cached);
                             tracing::debug!(error = %e, "Usage report not delivered.");
                             Reported::Undelivered
                         }
@@ -275,7 +304,11 @@ pub async fn run_drain(
             continue;
         }
         wait = match decider.store().collect_usage(MAX_USAGE_RECORDS).await {
-            Ok(_) => every,
+            Ok(_) => {
+                // Reported to no one either: kept, they would only fill their map.
+                drop(decider.take_cached_denials());
+                every
+            }
             Err(e) => {
                 tracing::debug!(error = %e, "Usage collection failed.");
                 (wait * 2).min(every * 8)
@@ -596,5 +629,45 @@ mod tests {
             denied_at_class_share(&view, &usage, 1),
             vec![(t("c"), calls, 2, 30)]
         );
+    }
+
+    #[test]
+    fn cached_denials_join_their_buckets_in_demand_and_heavy_subjects() {
+        let (view, pro) = plan_view();
+        let t = |s: &str| TenantId::new(s).unwrap();
+        let calls = PolicyName::new("calls").unwrap();
+        // What Redis counted: c, flooded, saw one probe a retry interval denied.
+        let mut usage = vec![
+            record(&t("a"), "calls", 7, 5, 1),
+            record(&t("c"), "calls", 7, 2, 1),
+        ];
+        // What the daemon answered from its cache: c's flood, and x, never seen by Redis in
+        // this interval.
+        let cached = vec![
+            record(&t("c"), "calls", 7, 0, 40),
+            record(&t("x"), "calls", 3, 0, 6),
+        ];
+        add_denied(&mut usage, &cached);
+        let mut got: Vec<_> = usage
+            .iter()
+            .map(|u| (u.bucket.tenant.clone(), u.admitted, u.denied))
+            .collect();
+        got.sort();
+        assert_eq!(
+            got,
+            [(t("a"), 5, 1), (t("c"), 2, 41), (t("x"), 0, 6)],
+            "one record a bucket, denials added once"
+        );
+        // The flooded subject leads the promotion candidates...
+        assert_eq!(
+            denied_at_class_share(&view, &usage, 1),
+            vec![(t("c"), calls.clone(), 2, 41)]
+        );
+        // ...and its class reports the flood as demand.
+        let class = by_class(&view, usage)
+            .into_iter()
+            .find(|u| u.bucket.tenant == pro)
+            .unwrap();
+        assert_eq!((class.admitted, class.denied), (7, 42));
     }
 }

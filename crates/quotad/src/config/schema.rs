@@ -150,6 +150,9 @@ pub struct RedisConfig {
     /// costs Redis a call per batch instead of one per decision (docs/architecture.md,
     /// "Reservations").
     pub reservations: bool,
+    /// Answer checks of a token bucket that stands denied for R ms as denials until R has
+    /// passed, without Redis (docs/architecture.md, "The denial cache").
+    pub denial_cache: bool,
 }
 
 /// How the regional Redis is deployed.
@@ -331,6 +334,7 @@ impl Default for RedisConfig {
             tls_key_file: None,
             timeout_ms: 50,
             reservations: true,
+            denial_cache: true,
         }
     }
 }

@@ -24,6 +24,11 @@
 //! entry is keyed by the limit the check passed, and any parameter write by this region's
 //! agent drops every entry taken before it, [`Denials::forget_all`], since the stored
 //! parameters decide over the passed limit), or a smaller cost (it is asked of Redis).
+//!
+//! A cached denial never reaches Redis, so the bucket's usage counters there do not see it.
+//! It is demand all the same (a starved region under a flood must report the flood, not its
+//! share), so its cost is counted here ([`Unreported`]) and drained with the usage report,
+//! which adds it to the bucket's denied tokens.
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -32,12 +37,18 @@ use std::time::Duration;
 
 use quota_core::bucket::next_admission_ms;
 use quota_core::Decision;
-use quota_store::{BucketRef, Limit};
+use quota_store::{BucketRef, Limit, UsageRecord};
 use tokio::sync::Notify;
 use tokio::time::Instant;
 
 /// Most buckets remembered at once: a flood over many buckets cannot grow the cache past this.
 pub const MAX_ENTRIES: usize = 65_536;
+
+/// Most buckets whose cached denials wait for a report at once. At the cap, denials of a
+/// bucket not yet counted go unreported until the next report drains the counts (demand is
+/// then under-reported, as if those checks had not come); buckets already counted keep
+/// counting.
+pub const MAX_UNREPORTED: usize = 65_536;
 
 /// The part of R, in millionths, an entry gives up for clocks that run at slightly different
 /// rates (NTP slews a wall clock by at most 500 ppm).
@@ -251,6 +262,57 @@ impl Denials {
     }
 }
 
+/// Tokens of checks the cache denied that no usage report has carried yet, by bucket: the
+/// denied tokens Redis did not count. Keyed by the bucket as Redis keys its counters, so no
+/// identity is kept that the store does not already hold (subjects arrive hashed).
+#[derive(Debug, Default)]
+pub struct Unreported {
+    denied: Mutex<HashMap<BucketRef, u64>>,
+}
+
+impl Unreported {
+    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<BucketRef, u64>> {
+        self.denied.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Counts a check of `cost` the cache denied. False when the map is full and `bucket` is
+    /// not in it: that denial goes unreported.
+    pub fn count(&self, bucket: &BucketRef, cost: u64) -> bool {
+        let mut denied = self.lock();
+        // Looked up before it is inserted: a flooded bucket's checks copy no key.
+        if let Some(tokens) = denied.get_mut(bucket) {
+            *tokens = tokens.saturating_add(cost);
+            return true;
+        }
+        if denied.len() >= MAX_UNREPORTED {
+            return false;
+        }
+        denied.insert(bucket.clone(), cost);
+        true
+    }
+
+    /// Every count so far, as usage records of denied tokens, leaving none: each denial is
+    /// handed to one report.
+    pub fn take(&self) -> Vec<UsageRecord> {
+        std::mem::take(&mut *self.lock())
+            .into_iter()
+            .map(|(bucket, denied)| UsageRecord {
+                bucket,
+                admitted: 0,
+                denied,
+            })
+            .collect()
+    }
+
+    /// Puts back what [`Unreported::take`] handed to a report that was not delivered, added to
+    /// what was counted since (within the cap, as [`Unreported::count`]).
+    pub fn restore(&self, records: Vec<UsageRecord>) {
+        for r in records.into_iter().filter(|r| r.denied > 0) {
+            self.count(&r.bucket, r.denied);
+        }
+    }
+}
+
 /// Drops `bucket`'s entry and wakes the checks waiting on it.
 fn settle(entries: &mut HashMap<BucketRef, Entry>, bucket: &BucketRef) {
     if let Some(e) = entries.remove(bucket) {
@@ -460,6 +522,72 @@ mod tests {
             d.look(&b, &limit(10), 1, t0),
             Look::Wait { until: Some(_), .. }
         ));
+    }
+
+    fn drained(records: Vec<UsageRecord>) -> Vec<(u64, u64)> {
+        let mut v: Vec<_> = records
+            .into_iter()
+            .map(|r| {
+                assert_eq!(r.admitted, 0, "cached answers are denials");
+                (r.bucket.version, r.denied)
+            })
+            .collect();
+        v.sort_unstable();
+        v
+    }
+
+    #[test]
+    fn cached_denials_are_drained_once() {
+        let u = Unreported::default();
+        let b2 = BucketRef {
+            version: 2,
+            ..bucket()
+        };
+        assert!(u.count(&bucket(), 3));
+        assert!(u.count(&bucket(), 4));
+        assert!(u.count(&b2, 1));
+        assert_eq!(drained(u.take()), [(1, 7), (2, 1)]);
+        assert!(u.take().is_empty(), "a second report carries nothing again");
+        u.count(&bucket(), 5);
+        assert_eq!(drained(u.take()), [(1, 5)], "only what came since");
+    }
+
+    #[test]
+    fn an_undelivered_report_puts_its_denials_back() {
+        let u = Unreported::default();
+        u.count(&bucket(), 7);
+        let taken = u.take();
+        // Denied while the report was on its way.
+        u.count(&bucket(), 2);
+        u.restore(taken);
+        assert_eq!(drained(u.take()), [(1, 9)], "nothing lost, nothing twice");
+    }
+
+    #[test]
+    fn unreported_denials_stay_bounded() {
+        let u = Unreported::default();
+        let nth = |i: u64| BucketRef {
+            version: i,
+            ..bucket()
+        };
+        for i in 0..MAX_UNREPORTED as u64 {
+            assert!(u.count(&nth(i), 1));
+        }
+        assert!(
+            !u.count(&nth(MAX_UNREPORTED as u64), 1),
+            "a new bucket at the cap"
+        );
+        assert!(u.count(&nth(0), 1), "a counted bucket keeps counting");
+        let taken = u.take();
+        assert_eq!(taken.len(), MAX_UNREPORTED);
+        assert_eq!(
+            taken.iter().map(|r| r.denied).sum::<u64>(),
+            MAX_UNREPORTED as u64 + 1
+        );
+        // Drained, the map takes new buckets again; a restore stays within the cap.
+        assert!(u.count(&nth(MAX_UNREPORTED as u64), 1));
+        u.restore(taken);
+        assert_eq!(u.lock().len(), MAX_UNREPORTED);
     }
 
     #[test]

@@ -9,7 +9,7 @@
 use std::pin::Pin;
 
 use quota_core::{Decision, Policy};
-use quota_store::{AnyStore, BucketRef, CheckRequest, Limit, Store, StoreError};
+use quota_store::{AnyStore, BucketRef, CheckRequest, Limit, Store, StoreError, UsageRecord};
 use tokio::sync::futures::OwnedNotified;
 
 use super::denials::{Denials, Look, Ticket};
@@ -26,6 +26,17 @@ impl Decider {
         if let Some(r) = &self.reservations {
             self.give_back(r.take_all());
         }
+    }
+
+    /// The denied tokens of checks the denial cache answered since the last call, by bucket,
+    /// for the usage report to add to what Redis counted.
+    pub fn take_cached_denials(&self) -> Vec<UsageRecord> {
+        self.cached_denied.take()
+    }
+
+    /// Puts back cached denials taken for a report that was not delivered, for the next one.
+    pub fn restore_cached_denials(&self, records: Vec<UsageRecord>) {
+        self.cached_denied.restore(records);
     }
 
     /// Gives reserved tokens back to the store, in the background.
@@ -132,6 +143,8 @@ impl Decider {
         let probe = match self.standing_denial(req).await {
             Ok(d) => {
                 self.denial_cache_hits.increment(1);
+                // Redis does not count this denial: the usage report adds it.
+                self.cached_denied.count(&req.bucket, req.cost);
                 return Ok(Some(d));
             }
             Err(probe) => probe,
@@ -214,6 +227,9 @@ impl Decider {
         admissions: bool,
         probe: Option<Probe<'_>>,
     ) {
+        if !self.denial_cache {
+            return;
+        }
         let stands = self.denials.remember(
             ticket,
             &req.bucket,
@@ -235,6 +251,9 @@ impl Decider {
         &'a self,
         req: &'a CheckRequest,
     ) -> Result<Decision, Option<Probe<'a>>> {
+        if !self.denial_cache {
+            return Err(None);
+        }
         let deadline = clock::monotonic() + self.store_timeout;
         let mut armed: Option<Pin<Box<OwnedNotified>>> = None;
         loop {

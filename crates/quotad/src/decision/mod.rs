@@ -51,7 +51,7 @@ use tokio::sync::watch;
 use crate::clock;
 use crate::coordination::{ClusterView, PolicyEntry};
 use crate::decision::breaker::Breaker;
-use crate::decision::denials::Denials;
+use crate::decision::denials::{Denials, Unreported};
 use crate::decision::reservations::Reservations;
 use crate::secret::Secret;
 use crate::telemetry::{self, DecisionMetrics};
@@ -93,6 +93,11 @@ pub struct Decider {
     /// Token-bucket denials still standing: further checks of those buckets at that cost or
     /// more are answered without Redis until their retry time has passed.
     denials: Denials,
+    /// Answer standing denials from `denials` (`redis.denial_cache`).
+    denial_cache: bool,
+    /// Tokens of checks the denial cache answered since the last report, by bucket: Redis
+    /// never saw them, and they are demand all the same.
+    cached_denied: Unreported,
     denial_cache_hits: Counter,
     denial_cache_probes: Counter,
     /// Hot token buckets' tokens taken from Redis in batches and handed out here; `None`
@@ -150,7 +155,15 @@ impl Decider {
             peer_token: p.peer_token,
             forwarded_usage: Mutex::default(),
             denials: Denials::default(),
+            denial_cache: true,
+            cached_denied: Unreported::default(),
         }
+    }
+
+    /// Asks the store about every check, remembering no denial (`redis.denial_cache = false`).
+    pub fn without_denial_cache(mut self) -> Self {
+        self.denial_cache = false;
+        self
     }
 
     /// Forwards checks over the peer mutual-TLS channel with `http`, to the home's peer
@@ -197,7 +210,7 @@ impl Decider {
     }
 
     fn params_of(&self, view: &ClusterView, entry: &PolicyEntry) -> (Policy, u32, Limit) {
-        let share = view.enforced_share_ppm(entry.grants.get(&self.region), clock::wall_ms());
+        let share = view.enforced_share_ppm(entry.grants.get(&self.region), clock::monotonic_ms());
         (
             entry.policy.clone(),
             share,
