@@ -17,6 +17,10 @@
 -- ARGV[9]  optional explicit now in ms since the epoch ('' or absent: Redis TIME)
 -- ARGV[10] optional token-bucket refill period in ms, 1..2678400000, of the parameters and the
 --          floor alike ('' or absent: 1000, rate per second); '' for a sliding window
+-- ARGV[11] optional, with a lease: the latest lease end in ms since the epoch on this server's
+--          clock ('' or absent: none); until = min(now + lease, this), so a call that runs
+--          late (queued, or Redis stalled after it was sent) still ends the lease no later
+--          than the region's own lease end, which the caller mapped onto this clock
 -- returns  1
 -- errors   'ERR quotad: <what>' for an invalid argument (token-bucket pairs within the bucket
 --          bounds, sliding-window pairs within the window bounds sliding_window.lua applies),
@@ -24,7 +28,7 @@
 --          before the first write, so nothing is written then.
 --
 -- The hash is replaced (DEL + HSET): cap, rate, per [, until, fcap, frate] or limit, window
--- [, until, flimit, fwindow], until = now + lease in this server's clock. The decision scripts enforce
+-- [, until, flimit, fwindow], until = min(now + lease, ARGV[11]) in this server's clock. The decision scripts enforce
 -- the floor from until on by themselves: the region agent renews until once half of it has
 -- passed, so a region whose daemon died falls back to its floor when its stored lease ends
 -- (at the latest when its lease does) even while gateways keep calling this Redis directly.
@@ -295,8 +299,8 @@ local bucket_ok, window_ok, state_decode, time_to, refilled =
   h.bucket_ok, h.window_ok, h.state_decode, h.time_to, h.refilled
 local fmod = math.fmod
 
-if (#KEYS < 2 or #KEYS > 5 or #KEYS == 4) or #ARGV < 4 or #ARGV > 10 then
-  return err('expected 2, 3 or 5 keys and 4 to 10 arguments')
+if (#KEYS < 2 or #KEYS > 5 or #KEYS == 4) or #ARGV < 4 or #ARGV > 11 then
+  return err('expected 2, 3 or 5 keys and 4 to 11 arguments')
 end
 for i = 1, #KEYS do
   for j = i + 1, #KEYS do
@@ -351,6 +355,16 @@ if ARGV[6] ~= nil and ARGV[6] ~= '' then
 elseif (ARGV[7] ~= nil and ARGV[7] ~= '') or (ARGV[8] ~= nil and ARGV[8] ~= '') then
   return err('a floor needs a lease')
 end
+local not_after
+if ARGV[11] ~= nil and ARGV[11] ~= '' then
+  not_after = int(ARGV[11], MAX_CAP)
+  if not_after == nil then
+    return err('the latest lease end must be an integer number of ms')
+  end
+  if not lease then
+    return err('a latest lease end needs a lease')
+  end
+end
 local now = arg_now(ARGV[9])
 if now == nil then
   return err('now must be an integer number of ms')
@@ -360,6 +374,9 @@ if lease then
   lease_end = now + lease
   if lease_end > MAX_CAP then
     return err('the lease ends too late')
+  end
+  if not_after and not_after < lease_end then
+    lease_end = not_after
   end
 end
 

@@ -564,9 +564,11 @@ impl Store for EmbeddedStore {
     async fn set_params(&self, req: &SetParams) -> Result<(), StoreError> {
         req.validate()?;
         let now = req.now_ms.unwrap_or_else(|| (self.clock)());
-        let lease = req
-            .lease
-            .map(|l| (now.saturating_add(l.remaining_ms), l.floor));
+        // The end as set_params.lua stores it: never past the latest end the caller allows.
+        let lease = req.lease.map(|l| {
+            let end = now.saturating_add(l.remaining_ms);
+            (l.not_after_ms.map_or(end, |n| end.min(n)), l.floor)
+        });
         let mut shard = self.shard(&req.bucket);
         self.carry_over(&mut shard, req, now);
         if let Limit::TokenBucket(p) = req.limit {
@@ -596,6 +598,10 @@ impl Store for EmbeddedStore {
     /// In process: what was written stays for the life of the store.
     async fn instance(&self) -> Result<String, StoreError> {
         Ok("embedded".to_string())
+    }
+
+    async fn clock_ms(&self) -> Result<u64, StoreError> {
+        Ok((self.clock)())
     }
 
     async fn list_params(&self) -> Result<Vec<BucketRef>, StoreError> {

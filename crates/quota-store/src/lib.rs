@@ -253,6 +253,11 @@ pub struct LeaseEnd {
     pub remaining_ms: u64,
     /// The limit in force from the lease end on (the region's floor); the same kind.
     pub floor: Limit,
+    /// The latest end the store may keep, on its own clock (ms since the epoch): it keeps
+    /// `min(now + remaining_ms, not_after_ms)`, so a write that runs late (queued behind a
+    /// long pass, or sent before Redis stalled) still ends no later than the region's lease.
+    /// `None`: `now + remaining_ms`.
+    pub not_after_ms: Option<u64>,
 }
 
 /// Parameters for one bucket, as the region agent writes them.
@@ -309,7 +314,17 @@ impl SetParams {
         self.lease = Some(LeaseEnd {
             remaining_ms,
             floor,
+            not_after_ms: None,
         });
+        self
+    }
+
+    /// The same, its lease ending no later than `not_after_ms` on the store's clock (see
+    /// [`LeaseEnd::not_after_ms`]). Without a lease, nothing changes.
+    pub fn not_after(mut self, not_after_ms: u64) -> Self {
+        if let Some(l) = &mut self.lease {
+            l.not_after_ms = Some(not_after_ms);
+        }
         self
     }
 
@@ -341,6 +356,11 @@ impl SetParams {
             if lease.remaining_ms > MAX_CAPACITY_UT / 2 {
                 return Err(StoreError::Rejected {
                     reason: format!("a lease of {} ms is too long", lease.remaining_ms),
+                });
+            }
+            if lease.not_after_ms.is_some_and(|n| n > MAX_CAPACITY_UT) {
+                return Err(StoreError::Rejected {
+                    reason: "the latest lease end is too large".into(),
                 });
             }
         }
@@ -461,6 +481,11 @@ pub trait Store: Send + Sync {
     /// value once it may be gone (a restarted or failed-over Redis has a new run id). The region
     /// agent rewrites every bucket's parameters when it changes.
     fn instance(&self) -> impl std::future::Future<Output = Result<String, StoreError>> + Send;
+    /// The store's clock, ms since the epoch rounded down: what `set_params` counts a lease
+    /// from. A Redis Cluster answers with the earliest of its masters' clocks, so an end
+    /// mapped from it onto any master's clock is never later than meant. The region agent
+    /// brackets it with its own clock to send [`LeaseEnd::not_after_ms`].
+    fn clock_ms(&self) -> impl std::future::Future<Output = Result<u64, StoreError>> + Send;
     /// Every bucket whose parameters the store holds, whoever wrote them: the region agent
     /// clears those its view no longer has (a policy deleted, or replaced by a new version,
     /// while this daemon was down). O(keys stored): the agent asks once per store instance and
@@ -571,6 +596,13 @@ impl Store for AnyStore {
         match self {
             Self::Embedded(s) => s.instance().await,
             Self::Redis(s) => s.instance().await,
+        }
+    }
+
+    async fn clock_ms(&self) -> Result<u64, StoreError> {
+        match self {
+            Self::Embedded(s) => s.clock_ms().await,
+            Self::Redis(s) => s.clock_ms().await,
         }
     }
 

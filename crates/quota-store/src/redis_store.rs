@@ -281,6 +281,10 @@ impl Store for RedisStore {
         self.run_ids().await
     }
 
+    async fn clock_ms(&self) -> Result<u64, StoreError> {
+        self.time_of_masters().await
+    }
+
     async fn list_params(&self) -> Result<Vec<BucketRef>, StoreError> {
         self.params_held().await
     }

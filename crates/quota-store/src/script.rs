@@ -106,8 +106,8 @@ pub fn decisions_from_reply(reply: &[i64], n: usize) -> Result<Vec<Decision>, St
 }
 
 /// The ARGV of `set_params.lua` for `req`: the limit's field pairs, the minimum idle TTL,
-/// the lease (remaining ms and floor pair, or empty), the explicit now (or empty) and for a
-/// token bucket the refill period.
+/// the lease (remaining ms and floor pair, or empty), the explicit now (or empty), for a
+/// token bucket the refill period, and the latest lease end (or empty).
 pub fn set_params_args(req: &SetParams, min_idle_ttl_ms: &str) -> Vec<String> {
     let pair = |l: Limit| match l {
         Limit::TokenBucket(p) => (p.capacity_ut, p.refill_ut),
@@ -118,10 +118,15 @@ pub fn set_params_args(req: &SetParams, min_idle_ttl_ms: &str) -> Vec<String> {
         Limit::SlidingWindow { .. } => ("limit", "window"),
     };
     let (v1, v2) = pair(req.limit);
-    let (lease, g1, g2) = match req.lease {
+    let (lease, g1, g2, not_after) = match req.lease {
         Some(l) => {
             let (g1, g2) = pair(l.floor);
-            (l.remaining_ms.to_string(), g1.to_string(), g2.to_string())
+            (
+                l.remaining_ms.to_string(),
+                g1.to_string(),
+                g2.to_string(),
+                l.not_after_ms.map(|n| n.to_string()).unwrap_or_default(),
+            )
         }
         None => Default::default(),
     };
@@ -139,6 +144,7 @@ pub fn set_params_args(req: &SetParams, min_idle_ttl_ms: &str) -> Vec<String> {
             Limit::TokenBucket(p) => p.period_ms.to_string(),
             Limit::SlidingWindow { .. } => String::new(),
         },
+        not_after,
     ]
 }
 

@@ -410,8 +410,40 @@ fn set_params_rejects_bad_arguments() {
             &["limit", "1", "window", "1", "", "", "", "", "", "1000"],
         ),
         (
+            "latest lease end without a lease",
+            &["cap", "1", "rate", "1", "", "", "", "", "", "", "5000"],
+        ),
+        (
+            "float latest lease end",
+            &["cap", "1", "rate", "1", "", "1000", "1", "1", "", "", "5.5"],
+        ),
+        (
+            "negative latest lease end",
+            &["cap", "1", "rate", "1", "", "1000", "1", "1", "", "", "-1"],
+        ),
+        (
+            "latest lease end above 2^53",
+            &[
+                "cap",
+                "1",
+                "rate",
+                "1",
+                "",
+                "1000",
+                "1",
+                "1",
+                "",
+                "",
+                "9007199254740992",
+            ],
+        ),
+        (
+            "latest lease end in hex",
+            &["cap", "1", "rate", "1", "", "1000", "1", "1", "", "", "0x10"],
+        ),
+        (
             "too many",
-            &["cap", "1", "rate", "1", "", "", "", "", "", "1000", "x"],
+            &["cap", "1", "rate", "1", "", "", "", "", "", "1000", "", "x"],
         ),
     ];
     for (case, args) in cases {
@@ -548,6 +580,9 @@ async fn invalid_requests_never_reach_redis() {
         SetParams::new(b.clone(), tokens(1, 1)).with_lease(1000, Limit::TokenBucket(out_of_range)),
         SetParams::new(b.clone(), tokens(1, 1)).with_lease(1000, window),
         SetParams::new(b.clone(), tokens(1, 1)).with_lease(u64::MAX, tokens(0, 0)),
+        SetParams::new(b.clone(), tokens(1, 1))
+            .with_lease(1000, tokens(0, 0))
+            .not_after(u64::MAX),
         SetParams::new(b.clone(), tokens(1, 1)).at(u64::MAX),
     ];
     for p in &bad_params {

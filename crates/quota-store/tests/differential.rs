@@ -9,7 +9,7 @@
 //! Then the embedded store against the Redis store through the `Store` trait: decisions, peeks
 //! (cost 0), reservations and refunds (`token_bucket.lua`'s batch, `refund.lua`, the embedded
 //! store on `quota_core::bucket::reserve` and `refund`) and usage, with parameters written with
-//! and without lease ends; and checks of
+//! and without lease ends (and latest lease ends, `not_after`); and checks of
 //! several limits at once (`token_buckets.lua`, the embedded store and
 //! `quota_core::bucket::decide_all`), every limit's decision and stored state equal.
 
@@ -365,6 +365,8 @@ thread_local! {
     static CHECKS: Cell<u64> = const { Cell::new(0) };
     /// Reservations among them.
     static RESERVATIONS: Cell<u64> = const { Cell::new(0) };
+    /// Lease writes whose latest end came before the lease's own end (the earlier one holds).
+    static CUT_LEASES: Cell<u64> = const { Cell::new(0) };
 }
 
 fn config() -> ProptestConfig {
@@ -749,15 +751,17 @@ enum StoreStep {
         dt: i64,
         cost: u64,
     },
-    /// New stored parameters, optionally with a lease of `lease.0` ms and floor `lease.1`.
+    /// New stored parameters, optionally with a lease of `lease.0` ms and floor `lease.1`,
+    /// ending no later than `lease.2` ms from now if given (before or after the lease's own
+    /// end, or before now).
     Set {
         limit: Limit,
-        lease: Option<(u64, Limit)>,
+        lease: Option<(u64, Limit, Option<i64>)>,
     },
     /// The same, for the policy's next version, replacing the current one (a changed policy).
     Replace {
         limit: Limit,
-        lease: Option<(u64, Limit)>,
+        lease: Option<(u64, Limit, Option<i64>)>,
     },
     Collect,
     /// A reservation: up to `batch` multiples of `cost` (token buckets only).
@@ -805,7 +809,11 @@ fn store_steps(
         .prop_map(|(dt, tokens)| StoreStep::Refund { dt, tokens });
     let (w_reserve, w_refund) = if reservations { (4, 2) } else { (0, 0) };
     let ms = prop_oneof![0u64..=5_000, (0u64..=40).prop_map(|k| k * 50)];
-    let lease = proptest::option::of((ms, limit.clone()));
+    let not_after = proptest::option::of(prop_oneof![
+        -500i64..=6_000,
+        (-2i64..=40).prop_map(|k| k * 50)
+    ]);
+    let lease = proptest::option::of((ms, limit.clone(), not_after));
     let set =
         (limit.clone(), lease.clone()).prop_map(|(limit, lease)| StoreStep::Set { limit, lease });
     let replace = (limit, lease).prop_map(|(limit, lease)| StoreStep::Replace { limit, lease });
@@ -822,10 +830,31 @@ fn store_steps(
     )
 }
 
+/// `p` with the lease of a [`StoreStep`] written at `now`, if any.
+fn with_lease(p: SetParams, lease: &Option<(u64, Limit, Option<i64>)>, now: u64) -> SetParams {
+    match lease {
+        Some((ms, floor, not_after)) => {
+            let p = p.with_lease(*ms, *floor);
+            match not_after {
+                Some(d) => {
+                    let not_after = now.saturating_add_signed(*d);
+                    if not_after < now + ms {
+                        CUT_LEASES.set(CUT_LEASES.get() + 1);
+                    }
+                    p.not_after(not_after)
+                }
+                None => p,
+            }
+        }
+        None => p,
+    }
+}
+
 /// The embedded store (the no-Redis default) against the Redis store, through the `Store`
 /// trait with explicit time: every decision, peek and usage report equal, with parameters
-/// written with and without lease ends (the floor takes over at the end by itself), and across
-/// changed policies (a new version replacing the bucket, keeping what it had spent).
+/// written with and without lease ends (the floor takes over at the end by itself, the
+/// earlier of the lease and its latest end), and across changed policies (a new version
+/// replacing the bucket, keeping what it had spent).
 fn run_stores(
     rt: &tokio::runtime::Runtime,
     redis: &RedisStore,
@@ -851,20 +880,15 @@ fn run_stores(
                     prop_assert_eq!(got, want, "step {} at {}", i, now);
                 }
                 StoreStep::Set { limit, lease } => {
-                    let mut p = SetParams::new(b.clone(), *limit).at(now);
-                    if let Some((ms, floor)) = lease {
-                        p = p.with_lease(*ms, *floor);
-                    }
+                    let p = with_lease(SetParams::new(b.clone(), *limit).at(now), lease, now);
                     embedded.set_params(&p).await.unwrap();
                     redis.set_params(&p).await.unwrap();
                 }
                 StoreStep::Replace { limit, lease } => {
                     let old = b.version;
                     b.version += 1;
-                    let mut p = SetParams::new(b.clone(), *limit).at(now).replacing(old);
-                    if let Some((ms, floor)) = lease {
-                        p = p.with_lease(*ms, *floor);
-                    }
+                    let p = SetParams::new(b.clone(), *limit).at(now).replacing(old);
+                    let p = with_lease(p, lease, now);
                     embedded.set_params(&p).await.unwrap();
                     redis.set_params(&p).await.unwrap();
                 }
@@ -944,11 +968,13 @@ fn embedded_and_redis_stores_agree_on_buckets_with_leases() {
         "{} reservations",
         RESERVATIONS.get()
     );
+    assert!(CUT_LEASES.get() >= 100, "{} cut leases", CUT_LEASES.get());
 }
 
 #[test]
 fn embedded_and_redis_stores_agree_on_windows_with_leases() {
     stores_agree(small_window(), false, "stores, sliding window");
+    assert!(CUT_LEASES.get() >= 100, "{} cut leases", CUT_LEASES.get());
 }
 
 /// A step of a check of several limits at once.

@@ -39,6 +39,7 @@ both_stores!(
     cost_above_capacity_is_a_denial,
     a_peek_spends_and_counts_nothing,
     the_floor_takes_over_at_the_lease_end,
+    a_lease_ends_at_the_earlier_of_its_time_and_latest_end,
     cleared_params_and_state_are_gone,
     listed_params_are_those_held,
     a_changed_policy_keeps_what_was_spent,
@@ -150,6 +151,38 @@ async fn a_peek_spends_and_counts_nothing<S: Store>(s: &S) {
     assert_eq!((d.allowed, d.remaining, d.reset_ms), (true, 3, Some(990)));
     let d = s.check(&req(&bw, w, 3, Some(T0 + 20))).await.unwrap();
     assert!(d.allowed);
+}
+
+/// Issue 36: the store keeps the earlier of `now + remaining` and the latest end it is given
+/// (`not_after`, the region's lease end on the store's clock), so a write that runs late
+/// cannot carry the lease past the region's.
+async fn a_lease_ends_at_the_earlier_of_its_time_and_latest_end<S: Store>(s: &S) {
+    let fallback = tokens(100, 100);
+    // Written at T0 with 5 s left: (latest end from T0, when the floor takes over).
+    let cases: [(Option<i64>, u64); 5] = [
+        (None, T0 + 5_000),
+        (Some(3_000), T0 + 3_000),
+        (Some(5_000), T0 + 5_000),
+        (Some(9_000), T0 + 5_000),
+        // Already past: the floor from the write on.
+        (Some(-1), T0),
+    ];
+    for (i, (not_after, end)) in cases.into_iter().enumerate() {
+        let b = fresh_bucket(&format!("latest-end-{i}"));
+        let mut p = SetParams::new(b.clone(), tokens(10, 10)).with_lease(5_000, tokens(2, 1));
+        if let Some(d) = not_after {
+            p = p.not_after(T0.saturating_add_signed(d));
+        }
+        s.set_params(&p.at(T0)).await.unwrap();
+        let left = |at: u64| {
+            let b = b.clone();
+            async move { s.check(&req(&b, fallback, 0, Some(at))).await.unwrap() }
+        };
+        if end > T0 {
+            assert_eq!(left(end - 1).await.remaining, 10, "{not_after:?}: share held");
+        }
+        assert_eq!(left(end).await.remaining, 2, "{not_after:?}: floor at {end}");
+    }
 }
 
 async fn the_floor_takes_over_at_the_lease_end<S: Store>(s: &S) {

@@ -243,6 +243,27 @@ impl RedisStore {
         Ok(ids.join(","))
     }
 
+    /// `TIME` of the server, or the earliest of every master of a Cluster, in whole ms
+    /// (rounded down).
+    pub(super) async fn time_of_masters(&self) -> Result<u64, StoreError> {
+        let time = redis::cmd("TIME");
+        let reply = match &*self.source.load_full() {
+            Source::Single(_) | Source::Sentinel(_) => self.command(&time).await?,
+            Source::Cluster(c) => {
+                let all = RoutingInfo::MultiNode((MultipleNodeRoutingInfo::AllMasters, None));
+                self.bounded(c.route(time, all)).await?
+            }
+        };
+        let mut readings = Vec::new();
+        time_values(&reply, &mut readings);
+        readings
+            .into_iter()
+            .min()
+            .ok_or_else(|| StoreError::Protocol {
+                reason: format!("TIME answered {reply:?}"),
+            })
+    }
+
     /// `INFO <section>` of the server, or of every master of a Cluster.
     async fn info_of_masters(&self, section: &str) -> Result<Value, StoreError> {
         let mut info = redis::cmd("INFO");
@@ -398,6 +419,28 @@ fn info_values(v: &Value, field: &str, out: &mut Vec<String>) {
             items.iter().for_each(|i| info_values(i, field, out));
         }
         Value::Map(pairs) => pairs.iter().for_each(|(_, i)| info_values(i, field, out)),
+        _ => {}
+    }
+}
+
+/// Collects the ms of every `TIME` reply (`[seconds, microseconds]`) in `v`: one for a server,
+/// one per master of a Cluster (an array or map of replies).
+fn time_values(v: &Value, out: &mut Vec<u64>) {
+    let number = |v: &Value| match v {
+        Value::BulkString(b) => std::str::from_utf8(b).ok()?.parse::<u64>().ok(),
+        Value::Int(n) => u64::try_from(*n).ok(),
+        _ => None,
+    };
+    match v {
+        Value::Array(items) => match items.as_slice() {
+            [s, us] if number(s).is_some() && number(us).is_some() => {
+                let ms = |s: u64, us: u64| s.saturating_mul(1000).saturating_add(us / 1000);
+                out.extend(number(s).zip(number(us)).map(|(s, us)| ms(s, us)));
+            }
+            // Per master: an array of replies, or of `[address, reply]` pairs.
+            _ => items.iter().for_each(|i| time_values(i, out)),
+        },
+        Value::Map(pairs) => pairs.iter().for_each(|(_, i)| time_values(i, out)),
         _ => {}
     }
 }
