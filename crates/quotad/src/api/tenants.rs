@@ -18,6 +18,7 @@ use quota_store::{BucketRef, Limit};
 
 use crate::clock;
 use crate::coordination::{tenant_policies, CoordError};
+use crate::decision::{is_embedded, outage};
 
 /// A tenant id as a client may name it: valid, and not reserved (an identity's hash or an
 /// internal subject), so a crafted tenant id can never alias an identity or a plan.
@@ -375,8 +376,8 @@ pub struct PolicyAllowance {
     pub home: Option<String>,
     pub this_region: ThisRegionView,
     pub regions: Vec<RegionShareView>,
-    /// If this region were cut off now: tokens it could admit beyond what the global bucket
-    /// allows, in the worst case (see the handler's docs).
+    /// If this region were cut off now, or its Redis went out: tokens it could admit beyond
+    /// what the global bucket allows, in the worst case (see the handler's docs).
     pub worst_case_overshoot_tokens: f64,
 }
 
@@ -395,7 +396,11 @@ pub struct AllowanceView {
 /// non-floor part only after the lease ends (drift margin late by its clock), so by design no
 /// token is granted twice. What can still be spent twice is the refill of the non-floor share
 /// over the two drift margins if clocks drift beyond the bound, plus tokens the cut-off bucket
-/// holds at that moment: `(share − floor) · (C + r · 2 · margin)`.
+/// holds at that moment: `(share − floor) · (C + r · 2 · margin)`. Plus what an outage of
+/// this region's Redis can add under the policy's `local` fail mode: nothing for a token
+/// bucket, which continues in process from Redis's last answer and is charged back; the
+/// enforced share's limit for a sliding window, whose in-process window starts unspent
+/// (`decision::outage`). An embedded store has no outage.
 #[utoipa::path(
     get,
     path = "/v1/tenants/{tenant}/allowance",
@@ -449,11 +454,17 @@ pub async fn allowance(
         // A lease that never ends (a single region) is never reused elsewhere: nothing to spend
         // twice.
         let leased = grant.is_some() && lease_of(&region).is_some();
-        let overshoot = if leased {
+        let cut_off = if leased {
             non_floor * (p.burst as f64 + rate_tokens_per_s * 2.0 * margin_ms as f64 / 1000.0)
         } else {
             0.0
         };
+        let redis_out = if p.fail_mode == FailMode::Local && !is_embedded(state.decider.store()) {
+            outage::overshoot_tokens(&limit)
+        } else {
+            0.0
+        };
+        let overshoot = cut_off + redis_out;
         policies.push(PolicyAllowance {
             policy: name.as_str().to_string(),
             limit: p.limit,

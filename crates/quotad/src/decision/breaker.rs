@@ -14,6 +14,7 @@
 use std::sync::Mutex;
 use std::time::Duration;
 
+use tokio::sync::watch;
 use tokio::time::Instant;
 
 use crate::clock;
@@ -73,6 +74,8 @@ pub struct Breaker {
     slow: Duration,
     open_for: Duration,
     region: String,
+    /// Whether it is open, for tasks that wait for the store to come back.
+    open: watch::Sender<bool>,
 }
 
 impl Breaker {
@@ -86,6 +89,7 @@ impl Breaker {
             slow: Duration::from_millis(cfg.slow_call_ms),
             open_for: Duration::from_millis(cfg.open_ms),
             region: region.to_string(),
+            open: watch::Sender::new(false),
         }
     }
 
@@ -134,6 +138,10 @@ impl Breaker {
         let before_open = !matches!(*s, State::Closed { .. });
         *s = next(*s);
         let now_open = !matches!(*s, State::Closed { .. });
+        if before_open != now_open {
+            // Under the lock: watchers see the transitions in order.
+            self.open.send_replace(now_open);
+        }
         drop(s);
         if before_open != now_open {
             metrics::gauge!(telemetry::DEGRADED, "region" => self.region.clone())
@@ -144,6 +152,11 @@ impl Breaker {
                 tracing::info!(region = %self.region, "Regional store recovered: circuit breaker closed.");
             }
         }
+    }
+
+    /// Follows whether it is open (true) or closed.
+    pub fn watch_open(&self) -> watch::Receiver<bool> {
+        self.open.subscribe()
     }
 
     /// True while decisions bypass the store.

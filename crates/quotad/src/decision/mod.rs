@@ -23,6 +23,8 @@
 //! - `forward`: checks decided in another region, one at a time or a home's batch in one
 //!   request, and the floor here when the home does not answer.
 //! - `fail_mode`: the policy's fail mode while this region's store is out.
+//! - [`outage`]: the `local` fail mode's in-process buckets, continued from Redis's last
+//!   answers and charged back to it; the store as decisions see it ([`outage::Regional`]).
 //! - [`breaker`], [`denials`], [`reservations`]: the state the local path keeps; [`multi`]:
 //!   checks of several limits at once.
 
@@ -33,6 +35,7 @@ mod fail_mode;
 mod forward;
 mod local;
 pub mod multi;
+pub mod outage;
 pub mod reservations;
 #[cfg(test)]
 pub(crate) mod tests;
@@ -52,6 +55,7 @@ use crate::clock;
 use crate::coordination::{ClusterView, PolicyEntry};
 use crate::decision::breaker::Breaker;
 use crate::decision::denials::{Denials, Unreported};
+use crate::decision::outage::{InProcess, Outage, Regional};
 use crate::decision::reservations::Reservations;
 use crate::secret::Secret;
 use crate::telemetry::{self, DecisionMetrics};
@@ -69,9 +73,14 @@ pub fn is_embedded(store: &AnyStore) -> bool {
 #[derive(Debug)]
 pub struct Decider {
     region: RegionId,
-    store: AnyStore,
-    fallback: EmbeddedStore,
-    breaker: Breaker,
+    /// The regional store, remembering its answers for the `local` fail mode.
+    store: Regional,
+    /// The `local` fail mode's buckets, continued from the store's answers.
+    fallback: InProcess,
+    /// A pinned tenant's floor while its home does not answer.
+    home_floor: EmbeddedStore,
+    outage: Arc<Outage>,
+    breaker: Arc<Breaker>,
     view: watch::Receiver<Arc<ClusterView>>,
     /// Where each region takes forwarded checks: its API address, or its peer address when
     /// `over_peer`.
@@ -131,6 +140,7 @@ pub struct DeciderParts {
 impl Decider {
     pub fn new(p: DeciderParts) -> Self {
         let region = p.region.as_str().to_string();
+        let outage = Arc::new(Outage::default());
         Self {
             metrics: DecisionMetrics::new(&region),
             store_latency: metrics::histogram!(telemetry::STORE_LATENCY_SECONDS, "region" => region.clone()),
@@ -143,9 +153,11 @@ impl Decider {
             reservations: (p.reservations && !is_embedded(&p.store)).then(Reservations::default),
             store_timeout: p.store_timeout,
             region: p.region,
-            store: p.store,
-            fallback: EmbeddedStore::new(),
-            breaker: p.breaker,
+            store: Regional::new(p.store, outage.clone()),
+            fallback: InProcess::new(outage.clone()),
+            home_floor: EmbeddedStore::new(),
+            outage,
+            breaker: Arc::new(p.breaker),
             view: p.view,
             homes: p.homes,
             http: PeerHttp::new(None, |b| b)
@@ -184,9 +196,14 @@ impl Decider {
         &self.store
     }
 
-    /// The in-process bucket used when the store is down.
-    pub fn fallback(&self) -> &EmbeddedStore {
+    /// The in-process buckets used when the store is down.
+    pub fn fallback(&self) -> &InProcess {
         &self.fallback
+    }
+
+    /// What the region knows of its buckets' levels and owes to Redis after an outage.
+    pub fn outage(&self) -> &Outage {
+        &self.outage
     }
 
     /// The breaker's state, for /v1/status.
