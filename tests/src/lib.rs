@@ -15,14 +15,18 @@
 //! - [`poll`]: [`eventually`], polling with a deadline.
 //! - [`metrics`]: samples of the Prometheus text.
 //! - [`fault_proxy`]: the TCP proxy that cuts regions apart.
+//! - [`prometheus`]: a real Prometheus scraping daemons ([`Prometheus`]); its binaries.
+//! - [`grafana`]: the Grafana dashboard's panels and queries.
 
 pub mod cluster;
 pub mod config;
 pub mod daemon;
 pub mod fault_proxy;
+pub mod grafana;
 pub mod http;
 pub mod metrics;
 pub mod poll;
+pub mod prometheus;
 pub mod redis_probe;
 
 pub use cluster::{Cluster, Timings, PEER_TOKEN};
@@ -31,6 +35,7 @@ pub use daemon::{free_port, quotad_binary, Daemon, TOKEN};
 pub use http::Reply;
 pub use metrics::metric_value;
 pub use poll::eventually;
+pub use prometheus::Prometheus;
 pub use redis_probe::{
     all_still_spent, client_with_password, command_calls, decides_through_redis, evalsha_calls,
     params_keys, params_present, until_all_normal, QUOTAD_ACL,

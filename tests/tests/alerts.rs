@@ -7,45 +7,26 @@
 //!   only at evaluation) and, while all is well, no alert is pending or firing;
 //! - every exported metric is in the table of `docs/metrics.md`;
 //! - one label set per metric and daemon (two exporters of one name would double every sum);
+//! - every query of the Grafana dashboard (`deploy/grafana/quotad.json`) answers, with checks
+//!   flowing in every region: no error, something to draw, only exported metrics, and only
+//!   the chosen region's series when `$region` names one;
 //! - with region b's Redis killed, `QuotadStoreDegraded` and `QuotadDegradedDecisions` go
 //!   pending for b, and with region c cut off, `QuotadOnFloors` goes pending for c once its
 //!   lease has run out, each naming only that region; no other alert names another region.
 //!
-//! `promtool` and `prometheus` come from Debian's `prometheus` package (`.ci/run` unpacks them
-//! into `target/prometheus`); `QUOTAD_PROMETHEUS_DIR` names another directory holding them.
+//! `promtool` and `prometheus` come from Debian's `prometheus` package
+//! (`scripts/fetch-prometheus.sh` unpacks them into `target/prometheus`);
+//! `QUOTAD_PROMETHEUS_DIR` names another directory holding them.
 
-use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::path::Path;
+use std::process::Command;
 use std::time::Duration;
 
 use anyhow::{bail, Context as _};
-use quotad_system_tests::{eventually, free_port, Cluster, Timings};
+use quotad_system_tests::grafana::{self, BUILT_IN_VARIABLES};
+use quotad_system_tests::prometheus::{metric_names, rules_dir, tool};
+use quotad_system_tests::{eventually, Cluster, Prometheus, Timings};
 use serde_json::{json, Value};
-
-fn rules_dir() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("../deploy/prometheus")
-}
-
-/// A Prometheus tool: from `QUOTAD_PROMETHEUS_DIR`, `target/prometheus` or `PATH`.
-fn tool(name: &str) -> anyhow::Result<PathBuf> {
-    let mut dirs: Vec<PathBuf> = std::env::var_os("QUOTAD_PROMETHEUS_DIR")
-        .map(PathBuf::from)
-        .into_iter()
-        .collect();
-    dirs.push(Path::new(env!("CARGO_MANIFEST_DIR")).join("../target/prometheus"));
-    if let Some(path) = std::env::var_os("PATH") {
-        dirs.extend(std::env::split_paths(&path));
-    }
-    dirs.into_iter()
-        .map(|d| d.join(name))
-        .find(|p| p.is_file())
-        .with_context(|| {
-            format!(
-                "{name} not found in QUOTAD_PROMETHEUS_DIR, target/prometheus or PATH: .ci/run \
-                 unpacks it from Debian's prometheus package (see docs/metrics.md)"
-            )
-        })
-}
 
 fn promtool(args: &[&str]) -> anyhow::Result<String> {
     let out = Command::new(tool("promtool")?)
@@ -70,154 +51,6 @@ fn the_rules_pass_promtool_and_their_unit_tests() -> anyhow::Result<()> {
     let tested = promtool(&["test", "rules", "quotad-rules.test.yml"])?;
     assert!(tested.contains("SUCCESS"), "{tested}");
     Ok(())
-}
-
-/// The `quotad_…` metric names a rules file mentions.
-fn metric_names(rules: &str) -> Vec<String> {
-    let mut names: Vec<String> = rules
-        .match_indices("quotad_")
-        .filter(|(i, _)| {
-            // Not the tail of a longer word.
-            !rules[..*i]
-                .chars()
-                .next_back()
-                .is_some_and(|c| c.is_ascii_alphanumeric() || c == '_' || c == ':')
-        })
-        .map(|(i, _)| {
-            rules[i..]
-                .chars()
-                .take_while(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || *c == '_')
-                .collect()
-        })
-        .collect();
-    names.sort();
-    names.dedup();
-    names
-}
-
-/// A Prometheus server, killed when dropped.
-struct Prometheus {
-    child: Child,
-    base: String,
-    http: reqwest::Client,
-    dir: tempfile::TempDir,
-}
-
-impl Prometheus {
-    /// Scrapes `targets` (`host:port`) as job `quotad` every second and evaluates the rules
-    /// every second.
-    async fn start(targets: &[String]) -> anyhow::Result<Self> {
-        let dir = tempfile::tempdir()?;
-        let rules = rules_dir().join("quotad-rules.yml").canonicalize()?;
-        let config = format!(
-            "global:\n  scrape_interval: 1s\n  evaluation_interval: 1s\n\
-             rule_files:\n  - {rules:?}\n\
-             scrape_configs:\n  - job_name: quotad\n    static_configs:\n      - targets: {targets:?}\n",
-        );
-        let config_path = dir.path().join("prometheus.yml");
-        std::fs::write(&config_path, config)?;
-        let port = free_port()?;
-        let log = std::fs::File::create(dir.path().join("prometheus.log"))?;
-        let child = Command::new(tool("prometheus")?)
-            .arg(format!("--config.file={}", config_path.display()))
-            .arg(format!(
-                "--storage.tsdb.path={}",
-                dir.path().join("data").display()
-            ))
-            .arg(format!("--web.listen-address=127.0.0.1:{port}"))
-            .arg("--log.level=warn")
-            .stdout(Stdio::null())
-            .stderr(log)
-            .spawn()
-            .context("starting prometheus")?;
-        let p = Self {
-            child,
-            base: format!("http://127.0.0.1:{port}"),
-            http: reqwest::Client::new(),
-            dir,
-        };
-        let ready = eventually(
-            Duration::from_secs(20),
-            Duration::from_millis(100),
-            || async {
-                let r = p
-                    .http
-                    .get(format!("{}/-/ready", p.base))
-                    .send()
-                    .await
-                    .ok()?;
-                r.status().is_success().then_some(())
-            },
-        )
-        .await;
-        if ready.is_none() {
-            bail!("prometheus not ready:\n{}", p.log());
-        }
-        Ok(p)
-    }
-
-    fn log(&self) -> String {
-        std::fs::read_to_string(self.dir.path().join("prometheus.log")).unwrap_or_default()
-    }
-
-    /// The `data` of an API answer.
-    async fn api(&self, path: &str, query: &[(&str, &str)]) -> anyhow::Result<Value> {
-        let body: Value = self
-            .http
-            .get(format!("{}/api/v1/{path}", self.base))
-            .query(query)
-            .send()
-            .await?
-            .json()
-            .await?;
-        if body["status"] != "success" {
-            bail!("prometheus /api/v1/{path} answered {body}");
-        }
-        Ok(body["data"].clone())
-    }
-
-    /// The result vector of an instant query.
-    async fn query(&self, q: &str) -> anyhow::Result<Vec<Value>> {
-        let data = self.api("query", &[("query", q)]).await?;
-        Ok(data["result"].as_array().cloned().unwrap_or_default())
-    }
-
-    /// Pending and firing alerts as (name, region, state).
-    async fn alerts(&self) -> anyhow::Result<Vec<(String, String, String)>> {
-        let data = self.api("alerts", &[]).await?;
-        let alerts = data["alerts"].as_array().cloned().unwrap_or_default();
-        Ok(alerts
-            .iter()
-            .map(|a| {
-                let s = |v: &Value| v.as_str().unwrap_or_default().to_string();
-                (
-                    s(&a["labels"]["alertname"]),
-                    s(&a["labels"]["region"]),
-                    s(&a["state"]),
-                )
-            })
-            .collect())
-    }
-
-    /// Every rule, once each has been evaluated: (name, health, last error).
-    async fn evaluated_rules(&self) -> anyhow::Result<Vec<(String, String, String)>> {
-        let data = self.api("rules", &[]).await?;
-        let mut out = Vec::new();
-        for g in data["groups"].as_array().into_iter().flatten() {
-            for r in g["rules"].as_array().into_iter().flatten() {
-                let s = |v: &Value| v.as_str().unwrap_or_default().to_string();
-                out.push((s(&r["name"]), s(&r["health"]), s(&r["lastError"])));
-            }
-        }
-        Ok(out)
-    }
-}
-
-impl Drop for Prometheus {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
 }
 
 /// Waits until alert `name` is pending or firing for `region`, and for no other region.
@@ -306,17 +139,11 @@ async fn a_real_prometheus_evaluates_the_rules_against_a_three_region_cluster() 
     let rules_text = std::fs::read_to_string(rules_dir().join("quotad-rules.yml"))?;
     let names = metric_names(&rules_text);
     assert!(names.len() >= 15, "{names:?}");
-    let exported = prometheus.api("label/__name__/values", &[]).await?;
-    let exported: Vec<&str> = exported
-        .as_array()
-        .into_iter()
-        .flatten()
-        .filter_map(Value::as_str)
-        .collect();
+    let exported = prometheus.metric_names().await?;
     let missing: Vec<_> = names
         .iter()
         .filter(|n| *n != "quotad_redis_password_reloads_total")
-        .filter(|n| !exported.contains(&n.as_str()))
+        .filter(|n| !exported.contains(n))
         .collect();
     assert!(missing.is_empty(), "not exported: {missing:?}");
     // Every exported metric is documented in the table of docs/metrics.md.
@@ -430,16 +257,159 @@ async fn a_real_prometheus_evaluates_the_rules_against_a_three_region_cluster() 
             )
         })
         .collect();
-    assert!(unexpected.is_empty(), "unexpected alerts: {unexpected:?}");
+    assert!(
+        unexpected.is_empty(),
+        "unexpected alerts: {unexpected:?}; Redis p99 by region: {:?}; calls: {:?}",
+        prometheus
+            .query("quotad:store_latency_seconds:p99_5m")
+            .await?,
+        prometheus
+            .query("sum by (region, le) (increase(quotad_store_latency_seconds_bucket[5m])) > 0")
+            .await?
+    );
+
+    // The dashboard with b degraded and c on floors (after the alerts, so its checks do not
+    // add Redis calls to the windows the alerts watch).
+    dashboard_queries_answer(&prometheus, &cluster, &exported).await?;
     Ok(())
 }
 
-#[test]
-fn metric_names_are_read_whole_and_only_as_words() {
-    let text = "expr: rate(quotad_store_errors_total[5m]) / x_quotad_no\n\
-                record: quotad:decisions:rate5m\n  quotad_degraded == 1";
-    assert_eq!(
-        metric_names(text),
-        ["quotad_degraded", "quotad_store_errors_total"]
+/// Every query of the Grafana dashboard, its variables set as Grafana would, answers with
+/// something to draw: no error, at least one series, not only NaN, only metrics the daemons
+/// export; with `$region` set to region a, only a's series. The `region` variable's own query
+/// lists every region, and the state panels show b's open breaker and c on floors.
+async fn dashboard_queries_answer(
+    prometheus: &Prometheus,
+    cluster: &Cluster,
+    exported: &[String],
+) -> anyhow::Result<()> {
+    let dashboard = grafana::load_dashboard()?;
+    let mut regions = cluster.names.clone();
+    regions.sort();
+    let definition = grafana::variable(&dashboard, "region").context("no `region` variable")?
+        ["definition"]
+        .as_str()
+        .unwrap_or_default()
+        .to_string();
+    let (metric, label) = grafana::label_values(&definition)
+        .with_context(|| format!("`region` is not a label_values query: {definition:?}"))?;
+    let values = prometheus
+        .api(&format!("label/{label}/values"), &[("match[]", metric)])
+        .await?;
+    assert_eq!(values, json!(regions), "{definition}");
+
+    // Checks in every region within the rate window, so every rate and quantile has a value:
+    // admitted in a, decided by b's fail mode, denied beyond c's floor.
+    for d in &cluster.daemons {
+        for _ in 0..20 {
+            let r = d.check("acme", "writes", 1).await?;
+            assert!(
+                [200, 429, 503].contains(&r.status),
+                "{}: {} {:?}",
+                d.base(),
+                r.status,
+                r.body
+            );
+        }
+    }
+    let window = BUILT_IN_VARIABLES
+        .iter()
+        .find(|(n, _)| *n == "__rate_interval")
+        .map(|(_, v)| *v)
+        .unwrap_or("1m");
+    let scraped = eventually(
+        Duration::from_secs(20),
+        Duration::from_millis(250),
+        || async {
+            let q = format!(
+                "sum by (region) (increase(quotad_check_duration_seconds_count[{window}])) > 0"
+            );
+            let seen = prometheus.query(&q).await.ok()?;
+            (seen.len() == regions.len()).then_some(())
+        },
+    )
+    .await;
+    assert!(scraped.is_some(), "the checks never showed in Prometheus");
+
+    let queries = grafana::queries(&dashboard);
+    assert!(queries.len() >= 20, "{queries:?}");
+    let mut failures = Vec::new();
+    for q in &queries {
+        for region in [".*", "a"] {
+            let mut vars = vec![("region", region)];
+            vars.extend_from_slice(BUILT_IN_VARIABLES);
+            let expr = grafana::substitute(&q.expr, &vars)?;
+            let whose = format!("{} ({}) with region {region:?}", q.panel, q.ref_id);
+            let unknown: Vec<_> = metric_names(&expr)
+                .into_iter()
+                .filter(|n| !exported.contains(n))
+                .collect();
+            if !unknown.is_empty() {
+                failures.push(format!("{whose}: not exported: {unknown:?}"));
+            }
+            let result = match prometheus.query(&expr).await {
+                Ok(r) => r,
+                Err(e) => {
+                    failures.push(format!("{whose}: {e:#}"));
+                    continue;
+                }
+            };
+            let value = |s: &Value| s["value"][1].as_str().unwrap_or_default().to_string();
+            if result.iter().all(|s| value(s) == "NaN") {
+                failures.push(format!("{whose}: nothing to draw: {result:?}"));
+            }
+            let others: Vec<_> = result
+                .iter()
+                .filter_map(|s| s["metric"]["region"].as_str())
+                .filter(|r| region != ".*" && r != &region)
+                .collect();
+            if !others.is_empty() {
+                failures.push(format!("{whose}: series of other regions: {others:?}"));
+            }
+        }
+    }
+    assert!(
+        failures.is_empty(),
+        "dashboard queries failing:\n{}",
+        failures.join("\n")
     );
+
+    // The state panels show the failures: 1 is "open: degraded" and "leased".
+    let by_region = |title: &str| {
+        let expr = queries
+            .iter()
+            .find(|q| q.panel == title)
+            .map(|q| q.expr.clone())
+            .unwrap_or_else(|| panic!("no panel {title:?}"));
+        let mut vars = vec![("region", ".*")];
+        vars.extend_from_slice(BUILT_IN_VARIABLES);
+        async move {
+            let result = prometheus
+                .query(&grafana::substitute(&expr, &vars)?)
+                .await?;
+            let mut values: Vec<(String, String)> = result
+                .iter()
+                .map(|s| {
+                    let v = |v: &Value| v.as_str().unwrap_or_default().to_string();
+                    (v(&s["metric"]["region"]), v(&s["value"][1]))
+                })
+                .collect();
+            values.sort();
+            anyhow::Ok(values)
+        }
+    };
+    let pairs = |v: &[(&str, &str)]| -> Vec<(String, String)> {
+        v.iter()
+            .map(|(r, x)| (r.to_string(), x.to_string()))
+            .collect()
+    };
+    assert_eq!(
+        by_region("Circuit breaker").await?,
+        pairs(&[("a", "0"), ("b", "1"), ("c", "0")])
+    );
+    assert_eq!(
+        by_region("Lease state").await?,
+        pairs(&[("a", "1"), ("b", "1"), ("c", "0")])
+    );
+    Ok(())
 }
