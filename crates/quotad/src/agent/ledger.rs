@@ -53,8 +53,11 @@ pub(super) struct Held {
     limit: Limit,
     /// The floor from the lease end on; `None` without a lease.
     floor: Option<Limit>,
-    /// The share the store may hold, until when (local wall-clock ms; `u64::MAX` = no end).
-    /// After a failed write: the larger of what it held and what was sent.
+    /// The share the store may hold, until when (local monotonic ms, see
+    /// [`crate::clock::monotonic_ms`]; `u64::MAX` = no end): the lease end the write carried,
+    /// which the store never outlasts however late the write runs (it also gets that end on
+    /// its own clock, [`quota_store::LeaseEnd::not_after_ms`]). After a failed write: the
+    /// larger of what it held and what was sent.
     share: u32,
     pub(super) until_ms: u64,
     /// When to rewrite it unchanged, to renew the lease end it carries.
@@ -110,7 +113,7 @@ pub struct Written {
     /// write succeeds (it carries what the old bucket had spent, [`SetParams::replacing`]).
     replaced: HashMap<Key, u64>,
     /// The generation whose store was last swept for buckets this daemon never saw go, and
-    /// when (local wall-clock ms).
+    /// when (local monotonic ms).
     swept: Option<(u64, u64)>,
     /// How long after its lease first holds the view is surely caught up with the log.
     sweep_settle_ms: u64,

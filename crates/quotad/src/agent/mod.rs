@@ -21,6 +21,7 @@
 //!   sends it to the leader, then renews the lease through the log with the acknowledged epoch.
 
 mod ledger;
+mod store_clock;
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
@@ -39,6 +40,7 @@ use crate::coordination::{ClusterView, Coordinator, Replicated};
 use crate::decision::Decider;
 use crate::telemetry::{AgentMetrics, ReportMetrics, Reported, WriteOutcomes};
 use ledger::{Write, SWEEP_RETRY_MS};
+use store_clock::lease_end_on_store;
 
 /// Most usage records drained per report: bounds one report's size.
 const MAX_USAGE_RECORDS: usize = 10_000;
@@ -65,7 +67,7 @@ pub async fn run_apply(
     // A replicated daemon's view may lag the log at start; after a lease of renewals going
     // through it, it has caught up with everything committed before this daemon started.
     let settle = if replicated.is_some() { lease_ms } else { 0 };
-    let mut written = Written::new(clock::wall_ms(), lease_ms).with_sweep_settle(settle);
+    let mut written = Written::new(clock::monotonic_ms(), lease_ms).with_sweep_settle(settle);
     let pacing = Pacing {
         report_interval_ms: report_interval.as_millis() as u64,
         lease_ms,
@@ -76,7 +78,7 @@ pub async fn run_apply(
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
         let current = view.borrow_and_update().clone();
-        let now = clock::wall_ms();
+        let now = clock::monotonic_ms();
         let until_lease_end = if current.lease_end_local_ms > now {
             Duration::from_millis(current.lease_end_local_ms - now).min(FAR)
         } else {
@@ -103,7 +105,8 @@ pub async fn run_apply(
         metrics.share_writes(outcomes);
         let applied = match &replicated {
             Some(r) => {
-                let bounded = !all && written.bounded_by(&v, decider.region(), clock::wall_ms());
+                let bounded =
+                    !all && written.bounded_by(&v, decider.region(), clock::monotonic_ms());
                 if bounded {
                     tracing::debug!(
                         epoch = v.epoch,
@@ -339,18 +342,30 @@ pub async fn apply_shares(
         Err(e) => tracing::debug!(error = %e, "Store instance unknown."),
     }
     written.retain_in(view);
-    let planned_at = clock::wall_ms();
-    let writes = written.plan(view, decider.region(), planned_at, pacing);
-    let results = until_first_failure(writes, |mut w: Write| async move {
+    let planned_at = clock::monotonic_ms();
+    let mut writes = written.plan(view, decider.region(), planned_at, pacing);
+    if writes.iter().any(|w| w.req.lease.is_some()) {
+        // Each write carries the lease end mapped onto the store's clock as well as the time
+        // left, and the store keeps the earlier: however late a write runs, what it stores
+        // ends no later than the region's lease.
+        match lease_end_on_store(&store, view.lease_end_local_ms).await {
+            Ok(not_after) => {
+                for lease in writes.iter_mut().filter_map(|w| w.req.lease.as_mut()) {
+                    lease.not_after_ms = Some(not_after);
+                }
+            }
+            Err(e) => {
+                tracing::debug!(error = %e, "Reading the store's clock failed.");
+                written.planned(view, planned_at, false);
+                return (false, WriteOutcomes::default());
+            }
+        }
+    }
+    let results = until_first_failure(writes, |w: Write| async move {
         let r = store.set_params(&w.req).await;
         // Whether or not it succeeded, the store may now hold the new parameters.
         if w.changes {
             decider.forget_denials();
-        }
-        // The store counts the lease from when it ran the write, no later than now: what it
-        // holds ends by now + the time sent, an upper bound even if the call failed.
-        if let Some(lease) = &w.req.lease {
-            w.held.until_ms = clock::wall_ms().saturating_add(lease.remaining_ms);
         }
         if let Err(e) = &r {
             tracing::debug!(tenant = %w.req.bucket.tenant, policy = %w.req.bucket.policy, error = %e, "Applying a share failed.");
@@ -375,14 +390,14 @@ pub async fn apply_shares(
         }
     }
     written.planned(view, planned_at, all);
-    if all && written.sweep_due(view, clock::wall_ms()) {
+    if all && written.sweep_due(view, clock::monotonic_ms()) {
         // With the view applied: leftovers of what was deleted while this daemon was down (a
         // restarted Redis is empty, and the sweep then finds nothing).
         match store.list_params().await {
-            Ok(held) => written.sweep(view, held, clock::wall_ms()),
+            Ok(held) => written.sweep(view, held, clock::monotonic_ms()),
             Err(e) => {
                 tracing::warn!(error = %e, retry_in_ms = SWEEP_RETRY_MS, "Sweeping stored parameters failed.");
-                written.sweep_failed(clock::wall_ms());
+                written.sweep_failed(clock::monotonic_ms());
             }
         }
     }

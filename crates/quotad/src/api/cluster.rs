@@ -59,8 +59,10 @@ pub struct StoreView {
 pub struct LeaseView {
     /// Grants this region holds.
     pub grants: usize,
-    /// Local wall-clock ms at which the region stops enforcing more than its floors (lease end
-    /// minus the drift margin); `null` when the lease never ends (single region).
+    /// Wall-clock ms at which the region stops enforcing more than its floors (lease end minus
+    /// the drift margin), for display: this answer's wall time plus what is left of the lease,
+    /// which the region counts on its monotonic clock; `null` when the lease never ends
+    /// (single region), 0 before any lease.
     pub ends_at_ms: Option<u64>,
     /// Milliseconds left; 0 when the region holds no lease (it enforces its floors).
     pub remaining_ms: Option<u64>,
@@ -94,8 +96,9 @@ pub async fn status(State(state): State<AppState>) -> axum::Json<StatusView> {
         .values()
         .filter(|e| e.grants.contains_key(region))
         .count();
+    // The lease end is on the monotonic clock; shown on the wall clock as of this answer.
     let end = (view.lease_end_local_ms != u64::MAX).then_some(view.lease_end_local_ms);
-    let now = clock::wall_ms();
+    let (now, wall) = (clock::monotonic_ms(), clock::wall_ms());
     axum::Json(StatusView {
         region: region.as_str().to_string(),
         version: env!("CARGO_PKG_VERSION").to_string(),
@@ -128,7 +131,13 @@ pub async fn status(State(state): State<AppState>) -> axum::Json<StatusView> {
         },
         lease: LeaseView {
             grants,
-            ends_at_ms: end,
+            ends_at_ms: end.map(|e| {
+                if e == 0 {
+                    0
+                } else {
+                    (wall + e).saturating_sub(now)
+                }
+            }),
             remaining_ms: end.map(|e| e.saturating_sub(now)),
         },
         policies: view.policies.len(),

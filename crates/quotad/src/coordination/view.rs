@@ -78,8 +78,10 @@ pub struct ClusterView {
     pub region_leases: BTreeMap<RegionId, u64>,
     /// Bumped on every committed change regions must apply.
     pub epoch: u64,
-    /// Local wall-clock ms at which this region must stop enforcing more than its floors (its
-    /// lease end minus the drift margin, counted by its own clock); `u64::MAX` = never.
+    /// Local monotonic ms ([`crate::clock::monotonic_ms`]) at which this region must stop
+    /// enforcing more than its floors: the instant it sent the renewal plus the lease minus the
+    /// drift margin, counted on its own monotonic clock, so no wall-clock step moves it;
+    /// `u64::MAX` = never.
     pub lease_end_local_ms: u64,
     /// The last policy version issued when this view was taken. Versions are never reused, so
     /// a bucket at a version up to this one that the view does not hold is gone for good;
@@ -172,8 +174,8 @@ impl ClusterView {
             .map(|((_, p), e)| (p, e))
     }
 
-    /// The share this region enforces for a grant at local time `now_ms`: the grant while the
-    /// lease holds, the floor after.
+    /// The share this region enforces for a grant at local monotonic time `now_ms`
+    /// ([`crate::clock::monotonic_ms`]): the grant while the lease holds, the floor after.
     pub fn enforced_share_ppm(&self, grant: Option<&Grant>, now_ms: u64) -> u32 {
         match grant {
             Some(g) if now_ms < self.lease_end_local_ms => g.share_ppm,

@@ -1,4 +1,5 @@
-//! This region's lease: counted by its own clock, renewed through the log with the acknowledged
+//! This region's lease: counted by its own monotonic clock ([`clock::monotonic_ms`], so a wall
+//! clock stepped backwards cannot lengthen it), renewed through the log with the acknowledged
 //! epoch, and told truthfully: the log says "Lease ran out" once for every lapse and
 //! `quotad_lease_remaining_ms` reads the time left when it is scraped.
 //!
@@ -29,7 +30,7 @@ pub struct LeaseWatch {
 /// A change in whether the region holds its lease.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum LeaseChange {
-    /// The lease ended at `end_ms` (local time): the region enforces only its floors.
+    /// The lease ended at `end_ms` (local monotonic ms): the region enforces only its floors.
     Lapsed { end_ms: u64 },
     /// A lease holds until `end_ms`: the region enforces its shares.
     Granted { end_ms: u64 },
@@ -85,14 +86,15 @@ impl LeaseClock {
 }
 
 impl Replicated {
-    /// Local wall-clock ms at which this region's lease (minus the margin) ends; 0 without one.
+    /// Local monotonic ms ([`clock::monotonic_ms`]) at which this region's lease (minus the
+    /// margin) ends; 0 without one.
     pub fn lease_end_local_ms(&self) -> u64 {
         let lease = self.lease.lock().unwrap_or_else(|e| e.into_inner());
         lease.end_ms(self.lease_config.drift_margin_ms)
     }
 
     /// Looks at the lease now: logs a lapse or a grant not told yet and sets
-    /// `quotad_lease_remaining_ms`. Returns the lease end (local ms, 0 without one).
+    /// `quotad_lease_remaining_ms`. Returns the lease end (local monotonic ms, 0 without one).
     pub fn observe_lease(&self) -> u64 {
         self.change_lease(|_| ())
     }
@@ -105,7 +107,7 @@ impl Replicated {
 
     /// Runs `change` on the lease clock and tells what it did to the lease ([`LeaseClock::change`]).
     fn change_lease(&self, change: impl FnOnce(&mut RegionView)) -> u64 {
-        let now = clock::wall_ms();
+        let now = clock::monotonic_ms();
         let (told, after) = self.lease.lock().unwrap_or_else(|e| e.into_inner()).change(
             now,
             self.lease_config.drift_margin_ms,
@@ -171,7 +173,9 @@ impl Replicated {
             .unwrap_or_else(|e| e.into_inner())
             .view
             .applied_epoch();
-        let sent = clock::wall_ms();
+        // On the monotonic clock: the lease runs out `lease_ms - margin` after this, whatever
+        // the wall clock does meanwhile (only the leader's clock stamps the commit).
+        let sent = clock::monotonic_ms();
         let op = Operation::RenewLease {
             region: self.region.clone(),
             acked_epoch,

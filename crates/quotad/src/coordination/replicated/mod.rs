@@ -10,7 +10,8 @@
 //! Usage reports are soft state: they go to the leader over the peer listener, never through
 //! the Raft log. Policies, pins, shares and lease renewals are commands; the leader stamps them
 //! with its wall clock and `apply` never reads one. The region counts its own lease with
-//! quota-core's `RegionView` (from when it sent the renewal, minus the drift margin), so it
+//! quota-core's `RegionView` on its monotonic clock (from when it sent the renewal, minus the
+//! drift margin; a wall clock stepped back does not lengthen it), so it
 //! stops enforcing a share before the coordinator can hand it to anyone else.
 //!
 //! The member's jobs, one file each: [`writes`] (policy, pin and membership commands),
