@@ -1,6 +1,7 @@
 //! Start-up and shutdown: builds the store, coordinator, decider and agent from validated
-//! settings, serves the API, and on shutdown turns /readyz to 503, drains in-flight requests,
-//! then stops the background tasks.
+//! settings, serves the API, turns /readyz to 200 once the daemon can decide for its region
+//! ([`crate::coordination::readiness`]), and on shutdown turns it to 503, drains in-flight
+//! requests, then stops the background tasks.
 
 use std::collections::HashMap;
 use std::future::{Future, IntoFuture as _};
@@ -17,7 +18,7 @@ use tokio::task::JoinHandle;
 
 use crate::api::{self, AppShared, AppState};
 use crate::config::{Config, RuntimeConfig, SecretSource, Settings, ENV_REDIS_PASSWORD};
-use crate::coordination::{Coordinator, LocalCoordinator, Replicated};
+use crate::coordination::{readiness, Coordinator, LocalCoordinator, Replicated};
 use crate::decision::breaker::Breaker;
 use crate::decision::{Decider, DeciderParts};
 use crate::secret::Secret;
@@ -519,8 +520,9 @@ async fn envoy_task(
     Ok(tasks)
 }
 
-/// Serves the API until `shutdown` resolves (or Raft stops for good), then turns /readyz to
-/// 503 and drains in-flight requests for up to `api.drain_timeout_ms`.
+/// Serves the API until `shutdown` resolves (or Raft stops for good), with /readyz 200 from
+/// when the coordinator waits for nothing more, then turns it to 503 and drains in-flight
+/// requests for up to `api.drain_timeout_ms`.
 async fn serve_api(
     settings: &Settings,
     listener: TcpListener,
@@ -530,8 +532,22 @@ async fn serve_api(
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> anyhow::Result<()> {
     let ready = state.ready.clone();
+    let coordinator = state.coordinator.clone();
     let router = api::app(state);
-    ready.store(true, Ordering::Relaxed);
+    // Draining wins over readiness: both are decided under this lock.
+    let draining = Arc::new(std::sync::Mutex::new(false));
+    // A single region is ready before it serves; a cluster member once it can decide for its
+    // region and take pins to it.
+    let readiness = if coordinator.readiness().is_empty() {
+        ready.store(true, Ordering::Relaxed);
+        None
+    } else {
+        Some(tokio::spawn(become_ready(
+            coordinator,
+            ready.clone(),
+            draining.clone(),
+        )))
+    };
     let local = listener
         .local_addr()
         .context("reading the API listener address")?;
@@ -557,7 +573,11 @@ async fn serve_api(
                 *fatal_seen.lock().unwrap_or_else(|e| e.into_inner()) = Some(message);
             }
         }
-        drain_ready.store(false, Ordering::Relaxed);
+        {
+            let mut draining = draining.lock().unwrap_or_else(|e| e.into_inner());
+            *draining = true;
+            drain_ready.store(false, Ordering::Relaxed);
+        }
         tracing::info!("Shutdown requested: draining in-flight requests.");
         let _ = drain_tx.send(());
     };
@@ -591,11 +611,52 @@ async fn serve_api(
             Ok(())
         }
     };
+    if let Some(wait) = readiness {
+        wait.abort();
+    }
     if let Some(message) = fatal.lock().unwrap_or_else(|e| e.into_inner()).take() {
         // The background tasks stop, and Raft shuts down, in `serve` before this is seen.
         return Err(anyhow::anyhow!("the Raft coordinator stopped: {message}"));
     }
     served
+}
+
+/// How often readiness is looked at besides on every view change (the Raft group's members
+/// are not part of the view).
+const READINESS_POLL: Duration = Duration::from_millis(100);
+
+/// Turns `ready` on once the coordinator waits for nothing more ([`Coordinator::readiness`]),
+/// unless shutdown began first. Each change in what it waits for is logged.
+async fn become_ready(
+    coordinator: Arc<Coordinator>,
+    ready: Arc<AtomicBool>,
+    draining: Arc<std::sync::Mutex<bool>>,
+) {
+    let mut view = coordinator.subscribe();
+    let mut told = String::new();
+    loop {
+        let awaited = coordinator.readiness();
+        if awaited.is_empty() {
+            let draining = draining.lock().unwrap_or_else(|e| e.into_inner());
+            if !*draining {
+                ready.store(true, Ordering::Relaxed);
+            }
+            return;
+        }
+        let waiting_for = readiness::describe(&awaited);
+        if waiting_for != told {
+            tracing::info!(waiting_for = %waiting_for, "Not ready yet.");
+            told = waiting_for;
+        }
+        tokio::select! {
+            changed = view.changed() => {
+                if changed.is_err() {
+                    return;
+                }
+            }
+            () = tokio::time::sleep(READINESS_POLL) => {}
+        }
+    }
 }
 
 /// Keeps the replicated view fresh (on every applied entry) and runs the leader's rounds.

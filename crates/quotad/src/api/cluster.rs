@@ -73,7 +73,11 @@ pub struct LeaseView {
 pub struct StatusView {
     pub region: String,
     pub version: String,
+    /// Whether `/readyz` answers 200.
     pub ready: bool,
+    /// What the daemon waits for before it is ready, one line each (empty once it was ready,
+    /// and while it starts serving or drains for shutdown).
+    pub waiting_for: Vec<String>,
     pub raft: RaftView,
     pub store: StoreView,
     pub lease: LeaseView,
@@ -103,6 +107,12 @@ pub async fn status(State(state): State<AppState>) -> axum::Json<StatusView> {
         region: region.as_str().to_string(),
         version: env!("CARGO_PKG_VERSION").to_string(),
         ready: state.ready.load(Ordering::Relaxed),
+        waiting_for: state
+            .coordinator
+            .readiness()
+            .iter()
+            .map(ToString::to_string)
+            .collect(),
         raft: RaftView {
             role: s.role.to_string(),
             leader: s.leader.map(|r| r.as_str().to_string()),
@@ -380,14 +390,24 @@ pub async fn livez() -> &'static str {
     "ok\n"
 }
 
-/// Readiness: 503 while starting or draining for shutdown.
-#[utoipa::path(get, path = "/readyz", responses((status = 200, body = String, content_type = "text/plain"), (status = 503, description = "Starting or draining", body = String, content_type = "text/plain")), tag = "health")]
-pub async fn readyz(State(state): State<AppState>) -> (StatusCode, &'static str) {
+/// Readiness: 200 once the daemon can decide for its region (a cluster member: registered,
+/// with every region of its group, and holding its first lease), 503 before and while
+/// draining for shutdown; the body says what it waits for.
+#[utoipa::path(get, path = "/readyz", responses((status = 200, body = String, content_type = "text/plain"), (status = 503, description = "Starting (the body says what it waits for) or draining", body = String, content_type = "text/plain")), tag = "health")]
+pub async fn readyz(State(state): State<AppState>) -> (StatusCode, String) {
     if state.ready.load(Ordering::Relaxed) {
-        (StatusCode::OK, "ready\n")
-    } else {
-        (StatusCode::SERVICE_UNAVAILABLE, "not ready\n")
+        return (StatusCode::OK, "ready\n".to_string());
     }
+    let awaited = state.coordinator.readiness();
+    let body = if awaited.is_empty() {
+        "not ready: starting to serve, or draining for shutdown\n".to_string()
+    } else {
+        format!(
+            "not ready: waiting for {}\n",
+            crate::coordination::readiness::describe(&awaited)
+        )
+    };
+    (StatusCode::SERVICE_UNAVAILABLE, body)
 }
 
 /// Prometheus metrics.

@@ -16,6 +16,7 @@
 mod local;
 pub mod local_store;
 mod mutation;
+pub mod readiness;
 pub mod replicated;
 mod status;
 pub mod view;
@@ -27,6 +28,7 @@ use tokio::sync::watch;
 
 pub use local::LocalCoordinator;
 pub use mutation::{CoordError, PlanAssignment, PolicyPut, Removal};
+pub use readiness::Awaited;
 pub use replicated::Replicated;
 pub use status::{CoordinatorStatus, MemberStatus};
 pub use view::{
@@ -193,6 +195,15 @@ impl Coordinator {
         match self {
             Coordinator::Local(_) => Err(CoordError::NotClustered),
             Coordinator::Replicated(c) => c.remove_member(node_id).await,
+        }
+    }
+
+    /// What this daemon waits for before it takes traffic ([`readiness`]): nothing for a
+    /// single region; empty for a member once it was ready, and from then on.
+    pub fn readiness(&self) -> Vec<Awaited> {
+        match self {
+            Coordinator::Local(_) => Vec::new(),
+            Coordinator::Replicated(c) => c.readiness(),
         }
     }
 

@@ -16,17 +16,19 @@
 //!
 //! The member's jobs, one file each: [`writes`] (policy, pin and membership commands),
 //! [`lease`] (renewing this region's lease), [`usage`] (usage reports, sent and received),
-//! [`round`] (the leader's round) and [`views`] (views built from the applied state).
+//! [`round`] (the leader's round), [`views`] (views built from the applied state) and
+//! [`readiness`] (what this member waits for before it takes traffic).
 
 mod lease;
 mod plans;
+mod readiness;
 mod round;
 pub mod usage;
 mod views;
 mod writes;
 
 use std::collections::BTreeMap;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -71,6 +73,8 @@ pub struct Replicated {
     peer_tls: Option<PeerSecurity>,
     /// The policies and pins of the last view, with the state revision they were built from.
     derived: Mutex<Option<Derived>>,
+    /// Set once this member was ready ([`Replicated::readiness`]), and kept.
+    ready: AtomicBool,
 }
 
 /// The O(policies) part of a view, kept while the state's revision stays the same.
@@ -154,6 +158,7 @@ impl Replicated {
             peer_token,
             peer_tls,
             derived: Mutex::new(None),
+            ready: AtomicBool::new(false),
         })
     }
 
