@@ -1,0 +1,178 @@
+//! The `local` fail mode across an outage of the regional Redis: the in-process bucket goes on
+//! from what Redis last answered (not from a full bucket), what it admits is charged to Redis
+//! when Redis returns, and so admissions before, during and after the outage stay within the
+//! one bucket's bound, `burst + rate · t` over the test's whole run.
+
+use std::process::Command;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+use anyhow::Context as _;
+use quotad_system_tests::fault_proxy::FaultProxy;
+use quotad_system_tests::{eventually, redis_config, Daemon};
+use redis_harness::RedisServer;
+use serde_json::json;
+
+const BURST: u64 = 20;
+/// 20 tokens a minute.
+const RATE_PER_S: f64 = 20.0 / 60.0;
+
+fn signal(pid: u32, sig: &str) -> anyhow::Result<()> {
+    let ok = Command::new("kill")
+        .args([sig, &pid.to_string()])
+        .status()?
+        .success();
+    anyhow::ensure!(ok, "kill {sig} {pid} failed");
+    Ok(())
+}
+
+/// Admissions counted over the whole test.
+#[derive(Default)]
+struct Tally {
+    admitted: AtomicU64,
+}
+
+impl Tally {
+    /// One check of cost 1: its mode; an admission counted. Anything but 200 or 429 fails.
+    async fn check(&self, d: &Daemon) -> anyhow::Result<String> {
+        let r = d.check("acme", "writes", 1).await?;
+        match r.status {
+            200 => {
+                self.admitted.fetch_add(1, Ordering::Relaxed);
+            }
+            429 => {}
+            s => anyhow::bail!("check answered {s}: {}", r.body),
+        }
+        Ok(r.body["mode"].as_str().unwrap_or_default().to_string())
+    }
+
+    /// Checks until one is decided in `mode` (within 10 s), each counted.
+    async fn until_mode(&self, d: &Daemon, mode: &str) -> bool {
+        eventually(
+            Duration::from_secs(10),
+            Duration::from_millis(20),
+            || async {
+                let m = self.check(d).await.ok()?;
+                (m == mode).then_some(())
+            },
+        )
+        .await
+        .is_some()
+    }
+
+    fn admitted(&self) -> u64 {
+        self.admitted.load(Ordering::Relaxed)
+    }
+}
+
+/// Regression: the in-process bucket started full whatever Redis had spent, and nothing was
+/// charged back, so an outage admitted up to a whole burst more than the bucket allows: here
+/// 12 spent before it, 20 more during it, and after it what Redis had left.
+///
+/// Redis stopped (SIGSTOP): the calls the daemon gave up on run when it resumes, spending for
+/// no one.
+#[tokio::test]
+async fn a_stopped_redis_admits_no_more_than_the_bucket_allows() -> anyhow::Result<()> {
+    let redis = RedisServer::start()?;
+    // Redis timeout 100 ms, failure_threshold 2, open_ms 200 (`redis_config`).
+    let d = Daemon::start(&redis_config(&redis.url())).await?;
+    let pid = redis.pid();
+    within_the_bound_across(&d, || signal(pid, "-STOP"), || signal(pid, "-CONT")).await
+}
+
+/// Redis out of the daemon's reach (a proxy refusing its connections): no call it gave up on
+/// runs later, so the checks after the outage stay within the bound only if what was admitted
+/// in process is charged to Redis.
+#[tokio::test]
+async fn tokens_admitted_in_process_are_charged_when_redis_returns() -> anyhow::Result<()> {
+    let redis = RedisServer::start()?;
+    let proxy = FaultProxy::start(format!("127.0.0.1:{}", redis.port()).parse()?).await?;
+    let d = Daemon::start(&redis_config(&format!("redis://{}", proxy.addr))).await?;
+    let pid = d.pid().context("the daemon's pid")?;
+    proxy.set_candidates(&[pid]);
+    within_the_bound_across(
+        &d,
+        || {
+            proxy.block(&[pid]);
+            Ok(())
+        },
+        || {
+            proxy.heal();
+            Ok(())
+        },
+    )
+    .await
+}
+
+/// 12 checks before an outage (`cut` to `heal`), 25 decided in process during it, 20 after
+/// decisions go through Redis again: every admission counted, their sum within
+/// `burst + rate · t` for the time from before the first check to after the last.
+async fn within_the_bound_across(
+    d: &Daemon,
+    cut: impl FnOnce() -> anyhow::Result<()>,
+    heal: impl FnOnce() -> anyhow::Result<()>,
+) -> anyhow::Result<()> {
+    // One region: the whole budget here. Burst 20: 1 % of it is one check, too few to
+    // reserve, so every check asks Redis.
+    d.put_policy(
+        "acme",
+        "writes",
+        json!({"limit": BURST, "window_ms": 60000, "fail_mode": "local"}),
+    )
+    .await?;
+    let t = Tally::default();
+    // The bound counts from before the first check to after the last: generous.
+    let started = Instant::now();
+
+    for _ in 0..12 {
+        assert_eq!(t.check(d).await?, "normal");
+    }
+    assert_eq!(t.admitted(), 12, "the bucket held its burst");
+
+    cut()?;
+    let during = async {
+        // Errors, not panics, in here: Redis comes back whatever happens.
+        anyhow::ensure!(
+            t.until_mode(d, "degraded_local").await,
+            "checks are decided in process while Redis is out"
+        );
+        for _ in 0..25 {
+            let mode = t.check(d).await?;
+            anyhow::ensure!(
+                mode == "degraded_local",
+                "decided {mode} while Redis is out"
+            );
+        }
+        anyhow::Ok(t.admitted() - 12)
+    }
+    .await;
+    heal()?;
+    let during = during?;
+    let outage = started.elapsed();
+    // Redis had 8 left: the in-process bucket goes on from there (a bucket starting empty
+    // would admit none of them).
+    assert!(
+        during >= 8,
+        "{during} admitted in process; Redis had 8 left"
+    );
+
+    assert!(
+        t.until_mode(d, "normal").await,
+        "decisions go through Redis again once it answers"
+    );
+    for _ in 0..20 {
+        t.check(d).await?;
+    }
+    let elapsed = started.elapsed();
+    let admitted = t.admitted();
+    let bound = BURST as f64 + RATE_PER_S * elapsed.as_secs_f64();
+    eprintln!(
+        "admitted {admitted} (12 before the outage, {during} during it) in {elapsed:?} \
+         (outage over at {outage:?}); the bucket allows {bound:.2}"
+    );
+    assert!(
+        admitted as f64 <= bound,
+        "admitted {admitted} in {elapsed:?}: more than the bucket's {bound:.2}"
+    );
+    Ok(())
+}
