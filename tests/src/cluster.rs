@@ -47,6 +47,8 @@ pub struct Timings {
     pub heartbeat_interval_ms: u64,
     pub election_timeout_min_ms: u64,
     pub election_timeout_max_ms: u64,
+    /// The daemons' `redis.denial_cache` (not a timing: the one daemon switch a test turns).
+    pub denial_cache: bool,
 }
 
 impl Default for Timings {
@@ -59,6 +61,7 @@ impl Default for Timings {
             heartbeat_interval_ms: 100,
             election_timeout_min_ms: 400,
             election_timeout_max_ms: 800,
+            denial_cache: true,
         }
     }
 }
@@ -284,6 +287,7 @@ listen = "127.0.0.1:{peer}"
 [redis]
 url = "{redis}"
 timeout_ms = 200
+denial_cache = {denial_cache}
 [breaker]
 failure_threshold = 3
 slow_call_ms = 200
@@ -309,5 +313,6 @@ log_level = "info"
         hb = t.heartbeat_interval_ms,
         el_min = t.election_timeout_min_ms,
         el_max = t.election_timeout_max_ms,
+        denial_cache = t.denial_cache,
     )
 }
