@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Installs what the tests need and is missing, on Debian or Ubuntu: redis-server and redis-cli
 # (with TLS; they also run the Sentinel tests' sentinels), a C compiler (mimalloc and ring build C
-# code), promtool and prometheus for the alert rules' tests (unpacked, not installed as a
+# code), libfaketime (a daemon's wall clock stepped while its monotonic clock runs on, in
+# tests/tests/lease_clock.rs), promtool and prometheus for the alert rules' tests (unpacked, not installed as a
 # service), a Python virtual environment with the pinned packages of tests/python/requirements.txt
 # (grpcio for the Envoy client tests, schemathesis for the OpenAPI contract test), and
 # cargo-nextest. Each step is skipped when its tool is already there, so a second run costs a few
@@ -38,6 +39,11 @@ redis-server --version >&2
 if ! command -v cc >/dev/null 2>&1; then
     log "installing a C compiler (Debian package gcc)"
     apt_install gcc libc6-dev
+fi
+
+if [ ! -e /usr/lib/x86_64-linux-gnu/faketime/libfaketimeMT.so.1 ]; then
+    log "installing libfaketime (Debian package libfaketime)"
+    apt_install libfaketime
 fi
 
 cache="${QUOTAD_TEST_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/quotad-tests}"
