@@ -47,6 +47,8 @@ pub struct Timings {
     pub heartbeat_interval_ms: u64,
     pub election_timeout_min_ms: u64,
     pub election_timeout_max_ms: u64,
+    /// The daemons' `redis.denial_cache` (not a timing: the one daemon switch a test turns).
+    pub denial_cache: bool,
 }
 
 impl Default for Timings {
@@ -59,12 +61,15 @@ impl Default for Timings {
             heartbeat_interval_ms: 100,
             election_timeout_min_ms: 400,
             election_timeout_max_ms: 800,
+            denial_cache: true,
         }
     }
 }
 
 impl Cluster {
-    /// Starts regions `names` and waits until every daemon is ready and a leader exists.
+    /// Starts regions `names` and returns as soon as every daemon is ready (`/readyz` 200): its
+    /// region and every other one registered, and holding its first lease, so a pin to any
+    /// region commits and a policy put then is decided in every region from its first check.
     pub async fn start(names: &[&str], t: &Timings) -> anyhow::Result<Self> {
         Self::start_with_env(names, t, &[]).await
     }
@@ -103,45 +108,13 @@ impl Cluster {
                 Err(e) => return Err(e),
             }
         };
-        let cluster = Self {
+        Ok(Self {
             _serial: serial,
             names: names.iter().map(|s| s.to_string()).collect(),
             daemons,
             redis,
             proxies,
-        };
-        let leader = eventually(
-            Duration::from_secs(20),
-            Duration::from_millis(100),
-            || async {
-                let s = cluster.daemons[0].get("/v1/status").await.ok()?;
-                s.body["raft"]["leader"].as_str().map(str::to_string)
-            },
-        )
-        .await;
-        anyhow::ensure!(
-            leader.is_some(),
-            "no Raft leader elected: {}",
-            cluster.daemons[0].log_text()
-        );
-        // Every region registered and holding a lease: the cluster is ready for policies.
-        for d in &cluster.daemons {
-            let leased = eventually(
-                Duration::from_secs(20),
-                Duration::from_millis(100),
-                || async {
-                    let s = d.get("/v1/status").await.ok()?;
-                    (s.body["lease"]["remaining_ms"].as_u64()? > 0).then_some(())
-                },
-            )
-            .await;
-            anyhow::ensure!(
-                leased.is_some(),
-                "a region never got a lease: {}",
-                d.log_text()
-            );
-        }
-        Ok(cluster)
+        })
     }
 
     /// Spawns one daemon per region (with a fault proxy in front of each peer port) and waits
@@ -196,8 +169,9 @@ impl Cluster {
 
     /// Starts a daemon for a new region `name` with its own redis-server, configured to join
     /// this cluster as node `node_id`: its `[[regions]]` lists the cluster's regions and itself
-    /// at `host:<port>` (so it never initializes a cluster of its own). It serves at once but
-    /// takes part only once the leader adds it (`POST /v1/cluster/members`).
+    /// at `host:<port>` (so it never initializes a cluster of its own). It serves at once (this
+    /// returns once `/livez` answers) but takes part, and is ready, only once the leader adds
+    /// it (`POST /v1/cluster/members`).
     pub async fn start_joining(
         &self,
         name: &str,
@@ -223,17 +197,25 @@ impl Cluster {
             members.push_str(&region_entry(name, node_id, &api_addr, &peer_addr));
             let config = daemon_config(name, api, peer, &redis.url(), t, &members);
             let mut daemon = Daemon::spawn(&config, api, &[("QUOTAD_PEER_TOKEN", PEER_TOKEN)])?;
-            match daemon.wait_ready(Duration::from_secs(30)).await {
-                Ok(()) => {
-                    return Ok(Joining {
-                        daemon,
-                        redis,
-                        api: api_addr,
-                        peer: peer_addr,
-                    })
-                }
-                Err(e) => last = Some(e.context(daemon.log_text())),
+            // Not ready until it is a member: it serves (`/livez`) and waits to be added.
+            let live = eventually(
+                Duration::from_secs(30),
+                Duration::from_millis(50),
+                || async { (daemon.get_text("/livez").await.ok()?.0 == 200).then_some(()) },
+            )
+            .await;
+            if live.is_some() && daemon.is_running() {
+                return Ok(Joining {
+                    daemon,
+                    redis,
+                    api: api_addr,
+                    peer: peer_addr,
+                });
             }
+            last = Some(anyhow::anyhow!(
+                "the joining daemon did not serve: {}",
+                daemon.log_text()
+            ));
         }
         Err(last.unwrap_or_else(|| anyhow::anyhow!("the joining daemon did not start")))
     }
@@ -316,6 +298,7 @@ listen = "127.0.0.1:{peer}"
 [redis]
 url = "{redis}"
 timeout_ms = 200
+denial_cache = {denial_cache}
 [breaker]
 failure_threshold = 3
 slow_call_ms = 200
@@ -341,5 +324,6 @@ log_level = "info"
         hb = t.heartbeat_interval_ms,
         el_min = t.election_timeout_min_ms,
         el_max = t.election_timeout_max_ms,
+        denial_cache = t.denial_cache,
     )
 }
