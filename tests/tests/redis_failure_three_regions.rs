@@ -802,9 +802,10 @@ fn b_decides_each_policy_by_its_fail_mode_while_down(run: &Run) {
     }
 }
 
-/// local: an in-process bucket at B's share: it starts full (capacity s·C) and refills at
-/// s·r, so over the span of its decisions it admits at most s·C + s·r·span; and it admits
-/// about what the share refills over the part of the outage B's lease is sure to cover.
+/// local: an in-process bucket at B's share: it goes on from what B's Redis last answered (at
+/// most full, capacity s·C) and refills at s·r, so over the span of its decisions it admits at
+/// most s·C + s·r·span; and it admits about what the share refills over the part of the
+/// outage B's lease is sure to cover.
 fn b_admits_about_its_share_of_local_while_down(run: &Run, t: &Timings) {
     let (b, killed_at, restart_at) = (run.b, run.killed_at, run.restart_at);
     let local = of(&run.down_in(b), LOCAL);
