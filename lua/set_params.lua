@@ -55,8 +55,9 @@
 -- state yet and the old one has stored parameters, what the old window still counts stays
 -- counted (quota-core window::carry_over). Both exact logs: the old entries both windows
 -- cover, as they are; otherwise the tokens the old window counts now (limit - remaining of a
--- peek, at most its limit) are recorded as admitted now, as one log entry or in the current
--- fixed window's counter. The new state expires as sliding_window.lua would set it.
+-- peek, at most its limit; sub-window counters add all they count) are recorded as admitted
+-- now, as one log entry or as a two-counter state (ws, cu) that sliding_window.lua converts.
+-- The new state expires as sliding_window.lua would set it.
 
 -- quotad shared helpers: begin. The same text in every script in lua/ (each script runs on its
 -- own, so the block is copied, not included); a test holds the copies equal, the bounds equal to
@@ -428,7 +429,7 @@ if KEYS[5] then
   if failed(op) then
     return err('the replaced parameters key holds another type')
   end
-  local oh = redis.pcall('HMGET', KEYS[3], 'l', 'ws', 'cu', 'pv', 'ts')
+  local oh = redis.pcall('HMGET', KEYS[3], 'l', 'ws', 'cu', 'pv', 'ts', 'c', 'w', 'b', 's')
   if failed(oh) then
     return err('the replaced window state key holds another type')
   end
@@ -476,6 +477,31 @@ if KEYS[5] then
     if (log ~= '' and chars - 1 ~= #log) or find(log, '[^%d:,]') then
       return err('the replaced window state is invalid')
     end
+    -- Sub-window counters (sliding_window.lua): what they still count at t.
+    local counted = 0
+    if oh[6] then
+      local cw, cb, cs = ofield(7, MAX_WINDOW_MS), ofield(8, MAX_CAP), ofield(9, MAX_CAP)
+      if not (cw and cb and cs) or cw < 1 then
+        return err('the replaced window state is invalid')
+      end
+      local sw = math.ceil(cw / 128)
+      local r = fmod(cw - 1, sw)
+      local n = (cw - 1 - r) / sw + 1
+      if r > 0 then
+        n = n + 1
+      end
+      if #oh[6] ~= 8 * n then
+        return err('the replaced window state is invalid')
+      end
+      local i = (t - fmod(t, sw)) / sw
+      counted = cs
+      for j = cb + 1, math.min(i, cb + n) do
+        counted = counted - struct.unpack('<d', oh[6], 8 * fmod(j, n) + 1)
+      end
+      if not (counted % 1 == 0 and counted >= 0) then
+        return err('the replaced window state is invalid')
+      end
+    end
     local nl, nw = v1, v2
     if lease and now >= lease_end then
       nl, nw = g1, g2
@@ -507,14 +533,21 @@ if KEYS[5] then
       end
       used = ol - (free - fmod(free, ow)) / ow
     end
+    used = used + counted
     local reset = 0
     if ol <= EXACT_LOG_MAX and nl <= EXACT_LOG_MAX then
+      if counted > 0 then
+        entries[#entries + 1] = string.format('%d:%d', t, counted)
+      end
       if #entries > 0 then
         local last = ts_list[1]
         for i = 1, #ts_list do
           if ts_list[i] + ow > t and ts_list[i] + nw > t then
             last = ts_list[i]
           end
+        end
+        if counted > 0 then
+          last = t
         end
         wstate = { 'l', table.concat(entries, ',') }
         reset = last + nw - t

@@ -16,13 +16,25 @@
 --           reset_ms (ms until the window is empty)}
 -- errors   'ERR quotad: <what>' for every invalid argument, repeated key, key of another type,
 --          stored parameter or state out of bounds; nothing is written then (every check
---          comes before the first write).
+--          comes before the first write). Stored entries and counters are checked as they are
+--          read.
 --
 -- The arithmetic is quota-core/src/window.rs exactly (a differential test holds them equal).
+-- Neither representation admits more than the limit in any window of W ms.
 -- limit <= 128: an exact log of admitted (ms, cost) entries in field l, 'ms:cost,ms:cost,...',
 -- oldest first, one entry per millisecond (same-ms requests are merged, never collide), at most
--- `limit` entries. limit > 128: two fixed-window counters (ws start, cu current, pv previous),
--- the previous weighted by its overlap with the sliding window: an approximation.
+-- `limit` entries, and their sum in u. A call reads the entries that leave (at the front) and
+-- the newest (at the end), never the whole log. A log without u is summed whole once.
+-- limit > 128: sub-window counters. W is cut into sub-windows of sub = ceil(W / 128) ms
+-- aligned to multiples of sub, and the last n = ceil((W - 1) / sub) + 1 are counted (the most
+-- any W ms overlaps): c packs n little-endian doubles, sub-window j at slot j % n; w is the
+-- window they were cut for, b the newest sub-window advanced to, s their sum, a the sub-window
+-- of the latest admission. A token counts for W to W + 2 * sub - 2 ms (exactly W when W <= 128).
+-- Limit changes: hl is the limit the window enforces; a lower limit applies at once, a higher
+-- one (hr) only from hu = W after it was first seen (a higher one still restarts the wait), so
+-- the tokens another region admitted before giving up the share count before the raise does.
+-- Another representation (the limit crossing 128, counters cut for another W, or the
+-- two-counter fields ws / cu / pv): every token it still counts is counted as admitted now.
 -- Denied requests are not recorded. A clock stepping back is clamped to ts, the latest time seen.
 -- Usage fields ad / dn and expiry deadline x as in token_bucket.lua (listed in the index while
 -- ad + dn > 0).
@@ -266,8 +278,7 @@ local h = quotad_helpers(MAX_CAP, MAX_PERIOD, MAX_FILL, DEFAULT_PERIOD_MS, MAX_W
 local err, int, arg_now, opt_int, failed, window_ok =
   h.err, h.int, h.arg_now, h.opt_int, h.failed, h.window_ok
 local fmod = math.fmod
-
-local fmt = string.format
+local fmt, sub, match = string.format, string.sub, string.match
 
 if #KEYS ~= 3 then
   return err('expected 3 keys')
@@ -328,147 +339,377 @@ else
   return err('no parameters stored and no fallback given')
 end
 
-local h = redis.pcall('HMGET', KEYS[1], 'l', 'ws', 'cu', 'pv', 'ts', 'ad', 'dn', 'x')
-if failed(h) then
+local st = redis.pcall('HMGET', KEYS[1], 'l', 'u', 'c', 'w', 'b', 's', 'a', 'ws', 'cu', 'pv',
+  'hl', 'hr', 'hu', 'ts', 'ad', 'dn', 'x')
+if failed(st) then
   return err('the state key holds another type')
 end
 -- Every stored number is an integer within its bound (a missing field is 0), checked before
 -- anything is written.
 local function field(i, max)
-  local s = h[i]
+  local s = st[i]
   if not s then
     return 0
   end
   return int(s, max)
 end
-local ws, cu, pv = field(2, MAX_CAP), field(3, MAX_WINDOW_LIMIT), field(4, MAX_WINDOW_LIMIT)
-local seen, ad, dn, x = field(5, MAX_CAP), field(6, MAX_CAP), field(7, MAX_CAP), field(8, MAX_CAP)
-if not (ws and cu and pv and seen and ad and dn and x) then
+local u, cw, cb, cs, ca = field(2, MAX_CAP), field(4, MAX_WINDOW_MS), field(5, MAX_CAP),
+  field(6, MAX_CAP), field(7, MAX_CAP)
+local ws, cu, pv = field(8, MAX_CAP), field(9, MAX_WINDOW_LIMIT), field(10, MAX_WINDOW_LIMIT)
+local hl, hr, hu = field(11, MAX_WINDOW_LIMIT), field(12, MAX_WINDOW_LIMIT), field(13, MAX_CAP)
+local seen, ad, dn, x = field(14, MAX_CAP), field(15, MAX_CAP), field(16, MAX_CAP),
+  field(17, MAX_CAP)
+if not (u and cw and cb and cs and ca and ws and cu and pv and hl and hr and hu and seen and ad
+    and dn and x) then
   return err('stored state is invalid')
 end
 if seen > now then
   now = seen
 end
-local out = { 'HSET', KEYS[1], 'ts', fmt('%d', now) }
 
-local allowed, retry, remaining, reset
-if limit <= EXACT_LOG_MAX then
-  local log = h[1] or ''
-  local ts_list, cost_list, used, chars = {}, {}, 0, 0
-  for a, b in string.gmatch(log, '(%d+):(%d+)') do
-    local t, c = int(a, now), int(b, MAX_COST)
-    if t == nil or c == nil or c < 1 then
-      return err('stored state is invalid')
-    end
-    chars = chars + #a + #b + 2
-    if t + w > now then
-      ts_list[#ts_list + 1] = t
-      cost_list[#cost_list + 1] = c
-      used = used + c
-    end
+-- The sub-window length and count of a window of wl ms: ceil(wl / 128) (128 is quota-core
+-- window::SUB_WINDOWS) and ceil((wl - 1) / sub) + 1.
+local function geometry(wl)
+  local sw = (wl + 127 - fmod(wl + 127, 128)) / 128
+  local r = fmod(wl - 1, sw)
+  local n = (wl - 1 - r) / sw + 1
+  if r > 0 then
+    n = n + 1
   end
-  if (log ~= '' and chars - 1 ~= #log) or find(log, '[^%d:,]') or used > MAX_CAP then
+  return sw, n
+end
+
+local counts = st[3]
+local cn
+if counts then
+  if cw < 1 then
     return err('stored state is invalid')
   end
-  local n = #ts_list
+  local _
+  _, cn = geometry(cw)
+  if #counts ~= 8 * cn or ca > cb then
+    return err('stored state is invalid')
+  end
+end
+local bad = false
+-- Counter slot k (0-based), checked.
+local function slot(k)
+  local v = struct.unpack('<d', counts, 8 * k + 1)
+  if not (v % 1 == 0 and v >= 0 and v <= MAX_CAP) then
+    bad = true
+    return 0
+  end
+  return v
+end
+local function set_slot(k, v)
+  counts = sub(counts, 1, 8 * k) .. struct.pack('<d', v) .. sub(counts, 8 * k + 9)
+end
+-- What the counters still count at now.
+local function counted()
+  if not counts or cs == 0 then
+    return 0
+  end
+  local sw, n = geometry(cw)
+  local i = (now - fmod(now, sw)) / sw
+  local last = cb + n
+  if i < last then
+    last = i
+  end
+  local left = cs
+  for j = cb + 1, last do
+    left = left - slot(fmod(j, n))
+  end
+  if left < 0 then
+    bad = true
+  end
+  return left
+end
+
+-- Limit changes: a cut applies at once, a raise after it has stood a window.
+local lim = limit
+if st[11] and limit > hl then
+  if hu == 0 or limit > hr then
+    hu = now + w
+  elseif now >= hu then
+    hl, hr, hu = limit, 0, 0
+  end
+  if hu > 0 then
+    hr, lim = limit, hl
+  end
+else
+  hl, hr, hu = limit, 0, 0
+end
+
+-- Tokens another representation still counts, counted again as admitted now.
+local moved = 0
+if now < ws + 2 * w then
+  moved = cu + pv
+end
+
+local out = { 'HSET', KEYS[1], 'ts', fmt('%d', now) }
+local drop = { 'HDEL', KEYS[1] }
+local allowed, retry, remaining, reset
+-- The wait until cost fits (cost <= limit): at the limit in force, or at the raised one once
+-- it applies. free_in(k): the wait until k counted tokens have left.
+local function wait(free_in, used)
+  local a, b
+  if cost <= lim then
+    a = free_in(used + cost - lim)
+  end
+  if lim < limit and hu > 0 then
+    b = free_in(used + cost - limit)
+    if hu - now > b then
+      b = hu - now
+    end
+  end
+  if a == nil or (b ~= nil and b < a) then
+    return b
+  end
+  return a
+end
+
+if limit <= EXACT_LOG_MAX then
+  moved = moved + counted()
+  local log = st[1] or ''
+  local used = u
+  if log ~= '' and not st[2] then
+    -- No sum stored: the log is read whole, once.
+    local chars = 0
+    used = 0
+    for a, b in string.gmatch(log, '(%d+):(%d+)') do
+      local t, c = int(a, now), int(b, MAX_COST)
+      if t == nil or c == nil or c < 1 then
+        return err('stored state is invalid')
+      end
+      chars = chars + #a + #b + 2
+      used = used + c
+    end
+    if chars - 1 ~= #log or string.find(log, '[^%d:,]') or used > MAX_CAP then
+      return err('stored state is invalid')
+    end
+  end
+  -- The entries that have left the window, at the front.
+  local pos = 1
+  while pos <= #log do
+    local a, b, e = match(log, '^(%d+):(%d+)()', pos)
+    local t, c = int(a, now), int(b, MAX_COST)
+    if t == nil or c == nil or c < 1 or c > used or (e <= #log and sub(log, e, e) ~= ',') then
+      return err('stored state is invalid')
+    end
+    if t + w > now then
+      break
+    end
+    used = used - c
+    pos = e + 1
+  end
+  if pos > #log then
+    if used ~= 0 then
+      return err('stored state is invalid')
+    end
+    log = ''
+  elseif pos > 1 then
+    log = sub(log, pos)
+  end
+  -- The newest entry: where it starts, its ms and cost.
+  local function newest()
+    local cut = string.find(log, ',[^,]*$', math.max(1, #log - 28))
+    local from = cut and cut + 1 or 1
+    local a, b = match(log, '^(%d+):(%d+)$', from)
+    local t, c = int(a, now), int(b, MAX_COST)
+    if t == nil or c == nil then
+      bad = true
+      return from, 0, 0
+    end
+    return from, t, c
+  end
+  local function append(c)
+    if log == '' then
+      log = fmt('%d:%d', now, c)
+    else
+      local from, t, lc = newest()
+      if t == now then
+        log = sub(log, 1, from - 1) .. fmt('%d:%d', now, lc + c)
+      else
+        log = log .. ',' .. fmt('%d:%d', now, c)
+      end
+    end
+    used = used + c
+  end
+  if moved > 0 then
+    append(moved)
+  end
   if cost == 0 then
     allowed, retry = 1, 0
-  elseif cost <= limit and used + cost <= limit then
+  elseif cost <= lim and used + cost <= lim then
     allowed, retry = 1, 0
-    if n > 0 and ts_list[n] == now then
-      cost_list[n] = cost_list[n] + cost
-    else
-      n = n + 1
-      ts_list[n], cost_list[n] = now, cost
-    end
-    used = used + cost
+    append(cost)
   elseif cost > limit then
     allowed, retry = 0, -1
   else
     allowed = 0
-    local need, freed = used + cost - limit, 0
-    for i = 1, n do
-      freed = freed + cost_list[i]
-      if freed >= need then
-        retry = ts_list[i] + w - now
-        break
+    retry = wait(function(need)
+      if need <= 0 then
+        return 0
       end
-    end
+      local q, freed = 1, 0
+      while q <= #log do
+        local a, b, e = match(log, '^(%d+):(%d+)()', q)
+        local t, c = int(a, now), int(b, MAX_COST)
+        if t == nil or c == nil then
+          bad = true
+          return 0
+        end
+        freed = freed + c
+        if freed >= need then
+          return t + w - now
+        end
+        q = e + 1
+      end
+      return 0
+    end, used)
   end
-  remaining = limit - used
+  remaining = lim - used
   if remaining < 0 then
     remaining = 0
   end
   reset = 0
-  local parts = {}
-  for i = 1, n do
-    parts[i] = fmt('%d:%d', ts_list[i], cost_list[i])
+  if log ~= '' then
+    local _, t = newest()
+    reset = t + w - now
   end
-  if n > 0 then
-    reset = ts_list[n] + w - now
+  if bad then
+    return err('stored state is invalid')
   end
-  out[#out + 1], out[#out + 2] = 'l', table.concat(parts, ',')
-  if ws ~= 0 or cu ~= 0 or pv ~= 0 then
-    out[#out + 1], out[#out + 2] = 'ws', '0'
-    out[#out + 1], out[#out + 2] = 'cu', '0'
-    out[#out + 1], out[#out + 2] = 'pv', '0'
+  if log ~= (st[1] or '') or used ~= u or (log ~= '' and not st[2]) then
+    out[#out + 1], out[#out + 2] = 'l', log
+    out[#out + 1], out[#out + 2] = 'u', fmt('%d', used)
+  end
+  if counts then
+    drop[#drop + 1], drop[#drop + 2], drop[#drop + 3], drop[#drop + 4], drop[#drop + 5] =
+      'c', 'w', 'b', 's', 'a'
   end
 else
-  local start = now - fmod(now, w)
-  if ws + w == start then
-    pv, cu = cu, 0
-  elseif ws ~= start then
-    pv, cu = 0, 0
+  local log = st[1]
+  if log and log ~= '' then
+    -- An exact log: what it counts.
+    local chars = 0
+    for a, b in string.gmatch(log, '(%d+):(%d+)') do
+      local t, c = int(a, now), int(b, MAX_COST)
+      if t == nil or c == nil or c < 1 then
+        return err('stored state is invalid')
+      end
+      chars = chars + #a + #b + 2
+      if t + w > now then
+        moved = moved + c
+      end
+    end
+    if chars - 1 ~= #log or string.find(log, '[^%d:,]') then
+      return err('stored state is invalid')
+    end
   end
-  ws = start
-  local off = now - start
-  local cap = limit * w
+  if counts and cw ~= w then
+    moved = moved + counted()
+    counts = nil
+  end
+  local sw, n = geometry(w)
+  local i = (now - fmod(now, sw)) / sw
+  if not counts then
+    counts, cw, cb, cs, ca = string.rep('\0', 8 * n), w, i, 0, 0
+  end
+  -- Advance to sub-window i: the sub-windows that leave the count are emptied.
+  if i > cb then
+    if i - cb >= n then
+      for j = cb + 1, cb + n do
+        cs = cs - slot(fmod(j, n))
+      end
+      counts = string.rep('\0', 8 * n)
+    else
+      for j = cb + 1, i do
+        local k = fmod(j, n)
+        local v = slot(k)
+        if v > 0 then
+          cs = cs - v
+          set_slot(k, 0)
+        end
+      end
+    end
+    cb = i
+  end
+  if cs < 0 then
+    bad = true
+  end
+  local cur = fmod(i, n)
+  local add = moved
+  if moved > 0 then
+    cs, ca = cs + moved, i
+  end
   if cost == 0 then
     allowed, retry = 1, 0
-  elseif cost <= limit and pv * (w - off) + (cu + cost) * w <= cap then
+  elseif cost <= lim and cs + cost <= lim then
     allowed, retry = 1, 0
-    cu = cu + cost
+    add = add + cost
+    cs, ca = cs + cost, i
   elseif cost > limit then
     allowed, retry = 0, -1
-  elseif cu + cost <= limit then
-    local k = (limit - cu - cost) * w
-    allowed, retry = 0, w - (k - fmod(k, pv)) / pv - off
   else
-    local k = (limit - cost) * w
-    local fade = w - (k - fmod(k, cu)) / cu
-    if fade < 0 then
-      fade = 0
-    end
-    allowed, retry = 0, (w - off) + fade
+    allowed = 0
+    retry = wait(function(need)
+      if need <= 0 then
+        return 0
+      end
+      -- The moved tokens are in cs already; their slot is written below.
+      local v = { struct.unpack('<' .. string.rep('d', n), counts) }
+      v[cur + 1] = v[cur + 1] + add
+      local from = i - n + 1
+      if from < 0 then
+        from = 0
+      end
+      local freed = 0
+      for j = from, i do
+        freed = freed + v[fmod(j, n) + 1]
+        if freed >= need then
+          return (j + n) * sw - now
+        end
+      end
+      return 0
+    end, cs)
   end
-  -- Counters left by a larger limit (a changed fallback) can exceed 2^53 in the products
-  -- above; a denial still waits at least 1 ms.
-  if allowed == 0 and retry ~= -1 and retry < 1 then
-    retry = 1
+  if add > 0 then
+    set_slot(cur, slot(cur) + add)
   end
-  local est = pv * (w - off) + cu * w
-  remaining = 0
-  if cap > est then
-    local free = cap - est
-    remaining = (free - fmod(free, w)) / w
+  if bad then
+    return err('stored state is invalid')
   end
-  if cu > 0 then
-    reset = (w - off) + w
-  elseif pv > 0 then
-    reset = w - off
-  else
-    reset = 0
+  remaining = lim - cs
+  if remaining < 0 then
+    remaining = 0
   end
-  out[#out + 1], out[#out + 2] = 'ws', fmt('%d', ws)
-  out[#out + 1], out[#out + 2] = 'cu', fmt('%d', cu)
-  out[#out + 1], out[#out + 2] = 'pv', fmt('%d', pv)
-  if h[1] and h[1] ~= '' then
-    out[#out + 1], out[#out + 2] = 'l', ''
+  reset = 0
+  if cs > 0 then
+    reset = (ca + n) * sw - now
+  end
+  out[#out + 1], out[#out + 2] = 'c', counts
+  out[#out + 1], out[#out + 2] = 'w', fmt('%d', cw)
+  out[#out + 1], out[#out + 2] = 'b', fmt('%d', cb)
+  out[#out + 1], out[#out + 2] = 's', fmt('%d', cs)
+  out[#out + 1], out[#out + 2] = 'a', fmt('%d', ca)
+  if st[1] then
+    drop[#drop + 1], drop[#drop + 2] = 'l', 'u'
   end
 end
 
 if cost == 0 then
   return { 1, remaining, 0, reset }
+end
+if st[8] or st[9] or st[10] then
+  drop[#drop + 1], drop[#drop + 2], drop[#drop + 3] = 'ws', 'cu', 'pv'
+end
+if not st[11] or hl ~= tonumber(st[11]) then
+  out[#out + 1], out[#out + 2] = 'hl', fmt('%d', hl)
+end
+if hr ~= field(12, MAX_WINDOW_LIMIT) or hu ~= field(13, MAX_CAP) then
+  out[#out + 1], out[#out + 2] = 'hr', fmt('%d', hr)
+  out[#out + 1], out[#out + 2] = 'hu', fmt('%d', hu)
 end
 -- Writes, last: the index (the only write that can fail), then the state.
 if ad + dn == 0 and failed(redis.pcall('SADD', KEYS[3], KEYS[1])) then
@@ -479,15 +720,22 @@ if allowed == 1 then
 else
   out[#out + 1], out[#out + 2] = 'dn', fmt('%d', math.min(dn + cost, MAX_CAP))
 end
--- Expiry: once the window is empty the key is not needed (a missing window is an empty one).
+-- Expiry: once the window is empty and no raise is pending the key is not needed (a missing
+-- window is an empty one).
 local ttl = reset
+if hu - now > ttl then
+  ttl = hu - now
+end
 if ttl < min_ttl then
   ttl = min_ttl
 end
 local set_ttl
-if h[8] == nil or now + ttl > x then
+if st[17] == nil or now + ttl > x then
   set_ttl = ttl + (ttl - fmod(ttl, 4)) / 4
   out[#out + 1], out[#out + 2] = 'x', fmt('%d', now + set_ttl)
+end
+if #drop > 2 then
+  redis.call(unpack(drop))
 end
 redis.call(unpack(out))
 if set_ttl then

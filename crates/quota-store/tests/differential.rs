@@ -265,6 +265,45 @@ fn run_bucket(
     })
 }
 
+/// The window state stored at `k`, every field of either representation (a missing field is
+/// 0); `u`, the log's sum, checked against the log.
+fn window_state(conn: &mut redis::Connection, k: &str) -> Result<WindowState, String> {
+    let got: Vec<Option<String>> = redis::cmd("HMGET")
+        .arg(k)
+        .arg(
+            &[
+                "l", "u", "w", "b", "s", "a", "ws", "cu", "pv", "hl", "hr", "hu", "ts",
+            ][..],
+        )
+        .query(conn)
+        .unwrap();
+    let counts: Option<Vec<u8>> = redis::cmd("HGET").arg(k).arg("c").query(conn).unwrap();
+    let log = parse_log(got[0].as_deref().unwrap_or(""));
+    let sum: u64 = log.iter().map(|&(_, c)| c).sum();
+    if got[0].is_some() && field(&got[1]) != sum {
+        return Err(format!("u {:?} is not the log's sum {sum}", got[1]));
+    }
+    Ok(WindowState {
+        log,
+        counts: counts
+            .unwrap_or_default()
+            .chunks(8)
+            .map(|c| f64::from_le_bytes(c.try_into().unwrap()) as u64)
+            .collect(),
+        counts_window_ms: field(&got[2]),
+        sub: field(&got[3]),
+        sum: field(&got[4]),
+        last_sub: field(&got[5]),
+        win_start_ms: field(&got[6]),
+        cur: field(&got[7]),
+        prev: field(&got[8]),
+        held_limit: got[9].as_ref().map(|v| v.parse().unwrap()),
+        raise_to: field(&got[10]),
+        raise_at_ms: field(&got[11]),
+        ts_ms: field(&got[12]),
+    })
+}
+
 fn parse_log(s: &str) -> Vec<(u64, u64)> {
     s.split(',')
         .filter(|e| !e.is_empty())
@@ -331,18 +370,8 @@ fn run_window(
                         now,
                         p
                     );
-                    let got: Vec<Option<String>> = redis::cmd("HMGET")
-                        .arg(&k)
-                        .arg(&["l", "ws", "cu", "pv", "ts"][..])
-                        .query(&mut f.conn)
-                        .unwrap();
-                    let got = WindowState {
-                        log: parse_log(got[0].as_deref().unwrap_or("")),
-                        win_start_ms: field(&got[1]),
-                        cur: field(&got[2]),
-                        prev: field(&got[3]),
-                        ts_ms: field(&got[4]),
-                    };
+                    let got = window_state(&mut f.conn, &k)
+                        .map_err(|e| TestCaseError::fail(format!("step {i}: {e}")))?;
                     if cost > 0 {
                         state = Some(next);
                     }
