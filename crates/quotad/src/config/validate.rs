@@ -19,6 +19,10 @@ struct Listeners {
     envoy: Option<SocketAddr>,
 }
 
+/// Most a host clock's rate may be off, in parts per million: NTP slews a clock by at most
+/// 500 ppm, and an undisciplined quartz clock drifts less.
+const CLOCK_RATE_PPM: u64 = 500;
+
 impl Config {
     /// Validates everything and resolves secrets, reporting every problem at once.
     pub fn resolve(
@@ -151,6 +155,31 @@ impl Config {
         }
         if self.regions.len() > 1 {
             self.check_failover_fits_the_lease(p);
+            self.check_margin_covers_the_store_clock(p);
+        }
+    }
+
+    /// The agent stores this region's lease end in Redis mapped onto Redis's clock through a
+    /// `TIME` reading (docs/architecture.md, lease safety): what the mapping cannot know is how
+    /// far the two clocks' rates drift apart over the lease, each within [`CLOCK_RATE_PPM`],
+    /// and where in the `TIME` round trip (at most `redis.timeout_ms`) Redis read its clock.
+    /// `drift_margin_ms` budgets both.
+    fn check_margin_covers_the_store_clock(&self, p: &mut Vec<ConfigProblem>) {
+        let c = &self.coordination;
+        let drift_ms =
+            (u128::from(c.lease_ms) * u128::from(2 * CLOCK_RATE_PPM)).div_ceil(1_000_000);
+        let round_trip_ms = self.redis.as_ref().map_or(0, |r| r.timeout_ms);
+        let needed_ms = drift_ms as u64 + round_trip_ms;
+        if c.drift_margin_ms < needed_ms {
+            p.push(problem(
+                "coordination.drift_margin_ms",
+                format!(
+                    "must cover the rate drift between this daemon's clock and Redis's over one \
+                     lease ({drift_ms} ms: {CLOCK_RATE_PPM} ppm each over lease_ms) plus a Redis \
+                     TIME round trip (redis.timeout_ms, {round_trip_ms} ms): at least \
+                     {needed_ms} ms"
+                ),
+            ));
         }
     }
 
@@ -773,6 +802,30 @@ peer = "127.0.0.1:3"
             message.contains("raft.election_timeout_max_ms 3000"),
             "{message}"
         );
+    }
+
+    /// Issue 36: the lease end stored in Redis is mapped onto Redis's clock; the margin covers
+    /// the clocks' rate drift over a lease and a TIME round trip.
+    #[test]
+    fn the_margin_covers_the_store_clock_mapping() {
+        let text = |lease: u64, margin: u64, redis_timeout: u64| {
+            format!(
+                "[redis]\nurl = \"redis://127.0.0.1:6379\"\ntimeout_ms = {redis_timeout}\n\
+                 [coordination]\nreport_interval_ms = 500\nlease_ms = {lease}\n\
+                 drift_margin_ms = {margin}\n[raft]\nheartbeat_interval_ms = 100\n\
+                 election_timeout_min_ms = 400\nelection_timeout_max_ms = 800\n\
+                 [[regions]]\nid = \"a\"\nnode_id = 1\napi = \"127.0.0.1:1\"\npeer = \"127.0.0.1:2\"\n\
+                 [[regions]]\nid = \"b\"\nnode_id = 2\napi = \"127.0.0.1:3\"\npeer = \"127.0.0.1:4\"\n"
+            )
+        };
+        let refused =
+            |t: String| problem_fields(&t).contains(&"coordination.drift_margin_ms".to_string());
+        // 300 s leases: 300 ms of rate drift, plus a 50 ms round trip.
+        assert!(!refused(text(300_000, 350, 50)));
+        assert!(refused(text(300_000, 349, 50)));
+        assert!(refused(text(300_000, 350, 51)));
+        // The defaults (30 s, 1 s margin, 50 ms timeout) leave room.
+        assert!(!refused(text(30_000, 1_000, 50)));
     }
 
     #[test]
