@@ -348,7 +348,7 @@ pub async fn apply_shares(
         // Each write carries the lease end mapped onto the store's clock as well as the time
         // left, and the store keeps the earlier: however late a write runs, what it stores
         // ends no later than the region's lease.
-        match lease_end_on_store(&store, view.lease_end_local_ms).await {
+        match lease_end_on_store(store, view.lease_end_local_ms).await {
             Ok(not_after) => {
                 for lease in writes.iter_mut().filter_map(|w| w.req.lease.as_mut()) {
                     lease.not_after_ms = Some(not_after);

@@ -25,7 +25,7 @@ pub(super) async fn lease_end_on_store(
 mod tests {
     use std::collections::BTreeMap;
     use std::process::Command;
-    use std::time::{Duration, Instant};
+    use std::time::Duration;
 
     use quota_core::share::limit_for_share;
     use quota_core::{PolicyName, PolicySpec, RegionId, TenantId};
@@ -156,7 +156,7 @@ mod tests {
             report_interval_ms: 1_000,
             lease_ms: LEASE_MS,
         };
-        let started = Instant::now();
+        let started = clock::monotonic();
         let (all, outcomes) = apply_shares(&state.decider, &view, &mut written, pacing).await;
         let took = started.elapsed();
         assert!(all, "every write succeeded: {outcomes:?}");
