@@ -176,3 +176,38 @@ async fn within_the_bound_across(
     );
     Ok(())
 }
+
+/// The allowance's worst case counts what a Redis outage can add under `local`: nothing for a
+/// token bucket (one region: nothing from being cut off either), the share's limit for a
+/// sliding window, whose in-process window starts unspent; `closed` adds nothing.
+#[tokio::test]
+async fn the_allowance_counts_what_an_outage_can_add() -> anyhow::Result<()> {
+    let redis = RedisServer::start()?;
+    let d = Daemon::start(&redis_config(&redis.url())).await?;
+    for (policy, spec) in [
+        ("bucket", json!({"limit": 20, "window_ms": 60000})),
+        (
+            "window",
+            json!({"limit": 30, "window_ms": 60000, "algorithm": "sliding_window"}),
+        ),
+        (
+            "window-closed",
+            json!({"limit": 30, "window_ms": 60000, "algorithm": "sliding_window",
+                   "fail_mode": "closed"}),
+        ),
+    ] {
+        d.put_policy("acme", policy, spec).await?;
+    }
+    let r = d.get("/v1/tenants/acme/allowance").await?;
+    assert_eq!(r.status, 200, "{}", r.body);
+    let worst = |policy: &str| {
+        r.body["policies"]
+            .as_array()
+            .and_then(|ps| ps.iter().find(|p| p["policy"] == policy))
+            .map(|p| p["worst_case_overshoot_tokens"].clone())
+    };
+    assert_eq!(worst("bucket"), Some(json!(0.0)), "{}", r.body);
+    assert_eq!(worst("window"), Some(json!(30.0)), "{}", r.body);
+    assert_eq!(worst("window-closed"), Some(json!(0.0)), "{}", r.body);
+    Ok(())
+}

@@ -45,8 +45,7 @@ impl Decider {
                 if decision.allowed && req.cost > 0 {
                     // Owed to Redis: charged once the breaker closes, if no check of the
                     // bucket has charged it before.
-                    self.outage
-                        .settle_when_closed((*self.store).clone(), self.breaker.clone());
+                    self.outage.settle_when_closed(&self.store, &self.breaker);
                 }
                 Ok(self.verdict_here(decision, policy, Mode::DegradedLocal))
             }

@@ -77,6 +77,8 @@ struct Buckets {
     entries: HashMap<BucketRef, Entry>,
     /// Numbers Redis's answers.
     answers: u64,
+    /// Entries that owe tokens.
+    owing: usize,
 }
 
 /// Remembers Redis's answer for `bucket` at `params`: `remaining` whole tokens at `now`, later
@@ -96,15 +98,39 @@ fn see(b: &mut Buckets, bucket: &BucketRef, params: &BucketParams, remaining: u6
 }
 
 impl Buckets {
-    /// The bucket's entry, made room for: `None` when every entry owes tokens.
+    /// The bucket's entry, made room for: `None` when every entry owes tokens. The key is
+    /// cloned only for a new entry (this runs on every answer from Redis).
     fn entry(&mut self, bucket: &BucketRef) -> Option<&mut Entry> {
-        if self.entries.len() >= MAX_BUCKETS && !self.entries.contains_key(bucket) {
-            self.entries.retain(|_, e| !e.idle());
+        if !self.entries.contains_key(bucket) {
             if self.entries.len() >= MAX_BUCKETS {
-                return None;
+                self.entries.retain(|_, e| !e.idle());
+                if self.entries.len() >= MAX_BUCKETS {
+                    return None;
+                }
+            }
+            self.entries.insert(bucket.clone(), Entry::default());
+        }
+        self.entries.get_mut(bucket)
+    }
+
+    /// Adds `cost` admitted in process at `params` to what `bucket` owes.
+    fn owe(&mut self, bucket: &BucketRef, params: &BucketParams, cost: u64) {
+        let e = self.entries.get_mut(bucket).expect("decided with an entry");
+        if e.owed == 0 {
+            self.owing += 1;
+        }
+        e.owed = e.owed.saturating_add(cost);
+        e.params = Some(*params);
+    }
+
+    /// Takes `tokens` charged to Redis off what `bucket` owes.
+    fn paid(&mut self, bucket: &BucketRef, tokens: u64) {
+        if let Some(e) = self.entries.get_mut(bucket).filter(|e| e.owed > 0) {
+            e.owed = e.owed.saturating_sub(tokens);
+            if e.owed == 0 {
+                self.owing -= 1;
             }
         }
-        Some(self.entries.entry(bucket.clone()).or_default())
     }
 }
 
@@ -198,8 +224,7 @@ impl Outage {
             e.local = e.local.map(|(_, from)| (s, from));
         }
         if d.allowed && cost > 0 {
-            e.owed = e.owed.saturating_add(cost);
-            e.params = Some(*params);
+            b.owe(bucket, params, cost);
             self.owing.store(true, Ordering::Release);
         }
         Some(d)
@@ -214,16 +239,19 @@ impl Outage {
             let e = b.entry(bucket)?;
             states.push((*params, Some(self.local_state(e, params, now))));
         }
+        // Making room for a later limit may have dropped an earlier one's (unspent) entry.
+        if limits.iter().any(|(k, _)| !b.entries.contains_key(k)) {
+            return None;
+        }
         let outcomes = bucket::decide_all(now, &states, cost);
         let admitted = cost > 0 && outcomes.iter().all(|o| o.decision.allowed);
         for ((bucket, params), o) in limits.iter().zip(&outcomes) {
-            let e = b.entries.get_mut(bucket).expect("made above");
+            let e = b.entries.get_mut(bucket).expect("looked at above");
             if let Some(s) = o.state {
                 e.local = e.local.map(|(_, from)| (s, from));
             }
             if admitted {
-                e.owed = e.owed.saturating_add(cost);
-                e.params = Some(*params);
+                b.owe(bucket, params, cost);
             }
         }
         if admitted {
@@ -308,11 +336,11 @@ impl Outage {
 
     /// Settles every bucket owed once the breaker closes, in a task started at most once at a
     /// time (by the first admission in process).
-    pub fn settle_when_closed(self: &Arc<Self>, store: AnyStore, breaker: Arc<Breaker>) {
+    pub fn settle_when_closed(self: &Arc<Self>, store: &AnyStore, breaker: &Arc<Breaker>) {
         if self.settling.swap(true, Ordering::AcqRel) {
             return;
         }
-        let outage = self.clone();
+        let (outage, store, breaker) = (self.clone(), store.clone(), breaker.clone());
         tokio::spawn(async move {
             let mut open = breaker.watch_open();
             loop {
@@ -359,25 +387,25 @@ async fn charge(
         now_ms: None,
     };
     outage.charges.fetch_add(1, Ordering::Relaxed);
-    let r = store.reserve(&req, tokens.min(MAX_COST)).await;
+    // More than one call can take (9 · 10⁹ tokens) stays owed for the next.
+    let tokens = tokens.min(MAX_COST);
+    let r = store.reserve(&req, tokens).await;
     let now = outage.now_ms();
     let mut b = outage.lock();
     if let Some(e) = b.entries.get_mut(&req.bucket) {
         if let Some(n) = e.charging.take() {
             n.notify_waiters();
         }
-        match &r {
-            // Charged once: what is owed beyond `tokens` was admitted after this charge was
-            // sent. Charged with the answer remembered, under one lock: the next check here
-            // starts from the answer less only what is still owed.
-            Ok(_) => e.owed = e.owed.saturating_sub(tokens),
-            Err(err) => {
-                e.failed = true;
-                tracing::debug!(error = %err, "Charging tokens admitted in process failed; they stay owed.");
-            }
+        if let Err(err) = &r {
+            e.failed = true;
+            tracing::debug!(error = %err, "Charging tokens admitted in process failed; they stay owed.");
         }
     }
     if let Ok((d, taken)) = &r {
+        // Charged once: what is owed beyond `tokens` was admitted after this charge was sent.
+        // Paid with the answer remembered, under one lock: the next check here starts from
+        // the answer less only what is still owed.
+        b.paid(&req.bucket, tokens);
         see(&mut b, &req.bucket, &params, d.remaining, now);
         if *taken < tokens {
             tracing::debug!(
@@ -388,7 +416,7 @@ async fn charge(
             );
         }
     }
-    if b.entries.values().all(|e| e.owed == 0) {
+    if b.owing == 0 {
         outage.owing.store(false, Ordering::Release);
     }
 }
@@ -711,6 +739,40 @@ mod tests {
         );
         // The next outage starts from the charge's answer: empty.
         assert_eq!(admitted(&o, &p), 0);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn what_is_owed_is_charged_once_the_breaker_closes() {
+        let (store, p) = redis_holding(10, 10).await;
+        let cfg = crate::config::BreakerConfig {
+            failure_threshold: 1,
+            slow_call_ms: 1_000,
+            open_ms: 100,
+        };
+        let breaker = Arc::new(Breaker::new(&cfg, "eu"));
+        breaker.trip();
+        let o = Arc::new(Outage::default());
+        o.seen(&bucket(), &p, 10);
+        for _ in 0..3 {
+            assert!(o.decide(&bucket(), &p, 1).unwrap().allowed);
+        }
+        o.settle_when_closed(&store, &breaker);
+        o.settle_when_closed(&store, &breaker);
+        tokio::time::advance(Duration::from_millis(150)).await;
+        assert_eq!(o.charges(), 0, "nothing is sent while the breaker is open");
+        // Another check's probe closes it.
+        breaker
+            .admit()
+            .expect("a probe")
+            .record(true, Duration::ZERO);
+        for _ in 0..100 {
+            if o.owed(&bucket()) == 0 {
+                break;
+            }
+            tokio::task::yield_now().await;
+        }
+        assert_eq!(o.owed(&bucket()), 0);
+        assert_eq!((o.charges(), left(&store, p).await), (1, 7));
     }
 
     /// Polls `f` once: its output if it is ready.
