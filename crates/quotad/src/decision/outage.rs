@@ -62,8 +62,9 @@ struct Entry {
     params: Option<BucketParams>,
     /// A charge is in flight; checks of the bucket wait for it.
     charging: Option<Arc<Notify>>,
-    /// The latest charge failed: the checks that waited for it fail too.
-    failed: bool,
+    /// The latest charge failed (`true`: the store was out, `false`: it refused the bucket's
+    /// data): the checks that waited for it fail the same way.
+    failed: Option<bool>,
 }
 
 impl Entry {
@@ -281,15 +282,19 @@ impl Outage {
                 match &e.charging {
                     Some(n) => n.clone(),
                     None if e.owed == 0 => return Ok(()),
-                    None if waited && e.failed => {
-                        return Err(StoreError::Unavailable {
-                            reason: "charging what was admitted in process failed".into(),
-                        })
+                    // A refusal stays one bucket's fault, never an outage (see `local`).
+                    None if waited && e.failed.is_some() => {
+                        let reason = "charging what was admitted in process failed".to_string();
+                        return Err(if e.failed == Some(true) {
+                            StoreError::Unavailable { reason }
+                        } else {
+                            StoreError::Rejected { reason }
+                        });
                     }
                     None => {
                         let n = Arc::new(Notify::new());
                         e.charging = Some(n.clone());
-                        e.failed = false;
+                        e.failed = None;
                         let (tokens, params) = (e.owed, e.params.expect("set with owed"));
                         // The charge runs in a task of its own. Fault: a check's future dropped
                         // mid-charge (its client gone, Envoy cancelling at its timeout) would
@@ -353,8 +358,10 @@ impl Outage {
                     };
                     let t0 = clock::monotonic();
                     let r = outage.settle(&store, &bucket).await;
-                    permit.record(r.is_ok(), t0.elapsed());
-                    if r.is_err() {
+                    // A refusal of one bucket's data is no outage (see `local`).
+                    let store_up = r.as_ref().map_or_else(|e| !e.is_outage(), |_| true);
+                    permit.record(store_up, t0.elapsed());
+                    if !store_up {
                         break;
                     }
                 }
@@ -397,9 +404,20 @@ async fn charge(
             n.notify_waiters();
         }
         if let Err(err) = &r {
-            e.failed = true;
+            e.failed = Some(err.is_outage());
+        }
+    }
+    match &r {
+        Err(err) if err.is_outage() => {
             tracing::debug!(error = %err, "Charging tokens admitted in process failed; they stay owed.");
         }
+        // Redis refuses this bucket's data: no charge can ever land, and its checks are
+        // refused (reduced capacity) until the data is put right.
+        Err(err) => {
+            tracing::warn!(error = %err, owed = tokens, "Redis refuses a bucket that owes tokens admitted in process; they are dropped.");
+            b.paid(&req.bucket, tokens);
+        }
+        Ok(_) => {}
     }
     if let Ok((d, taken)) = &r {
         // Charged once: what is owed beyond `tokens` was admitted after this charge was sent.
