@@ -247,7 +247,7 @@ impl EmbeddedStore {
             return;
         };
         let new_p = match req.lease {
-            Some(l) if l.remaining_ms == 0 => match l.floor {
+            Some(l) if l.end_at(now) <= now => match l.floor {
                 Limit::TokenBucket(f) => f,
                 Limit::SlidingWindow { .. } => return,
             },
@@ -309,7 +309,7 @@ impl EmbeddedStore {
             return;
         };
         let new_limit = match req.lease {
-            Some(l) if l.remaining_ms == 0 => l.floor,
+            Some(l) if l.end_at(now) <= now => l.floor,
             _ => req.limit,
         };
         let (
@@ -565,10 +565,7 @@ impl Store for EmbeddedStore {
         req.validate()?;
         let now = req.now_ms.unwrap_or_else(|| (self.clock)());
         // The end as set_params.lua stores it: never past the latest end the caller allows.
-        let lease = req.lease.map(|l| {
-            let end = now.saturating_add(l.remaining_ms);
-            (l.not_after_ms.map_or(end, |n| end.min(n)), l.floor)
-        });
+        let lease = req.lease.map(|l| (l.end_at(now), l.floor));
         let mut shard = self.shard(&req.bucket);
         self.carry_over(&mut shard, req, now);
         if let Limit::TokenBucket(p) = req.limit {

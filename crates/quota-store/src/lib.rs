@@ -260,6 +260,15 @@ pub struct LeaseEnd {
     pub not_after_ms: Option<u64>,
 }
 
+impl LeaseEnd {
+    /// Where a write the store runs at `now_ms` puts the lease end: `now_ms + remaining_ms`, or
+    /// the latest end if that is earlier (at or before `now_ms`: the floor is in force at once).
+    pub fn end_at(&self, now_ms: u64) -> u64 {
+        let end = now_ms.saturating_add(self.remaining_ms);
+        self.not_after_ms.map_or(end, |n| end.min(n))
+    }
+}
+
 /// Parameters for one bucket, as the region agent writes them.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct SetParams {
