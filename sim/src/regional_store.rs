@@ -10,7 +10,9 @@
 //! Every call that reaches a Redis (a decision, a reservation, a refund) is counted, so
 //! strategies can be compared by the store calls they make per decision.
 
-use quota_core::bucket::{decide, refund, reserve, BucketParams, BucketState};
+use quota_core::bucket::{
+    decide, next_admission_ms, refund, reserve, BucketParams, BucketState,
+};
 use quota_core::FailMode;
 use serde::Serialize;
 
@@ -44,6 +46,9 @@ pub struct RegionalStores {
     fallback: Vec<Option<BucketState>>,
     down: Vec<bool>,
     calls: StoreCalls,
+    /// What the last call that reached a Redis bounds: ms before a check of its cost or more
+    /// can be admitted again ([`next_admission_ms`]), for the daemon's denial cache.
+    last_wait_ms: Option<u64>,
 }
 
 impl RegionalStores {
@@ -54,6 +59,7 @@ impl RegionalStores {
             fallback: vec![None; regions * tenants],
             down: vec![false; regions],
             calls: StoreCalls::default(),
+            last_wait_ms: None,
         }
     }
 
@@ -65,6 +71,13 @@ impl RegionalStores {
     /// The calls that reached a Redis so far.
     pub fn calls(&self) -> StoreCalls {
         self.calls
+    }
+
+    /// Takes what the last call that reached a Redis bounds: the ms before a check of its
+    /// cost or more can be admitted again, if its answer bounds it (a denial, or an admission
+    /// that left fewer tokens than its cost); `None` too after a call that did not reach one.
+    pub fn take_wait_ms(&mut self) -> Option<u64> {
+        self.last_wait_ms.take()
     }
 
     /// Notices Redis outages starting or ending at `t_ms` (call once per tick).
@@ -97,18 +110,23 @@ impl RegionalStores {
         cost: u32,
     ) -> bool {
         let i = tenant as usize * self.regions + region;
-        let slot = if self.down[region] {
+        self.last_wait_ms = None;
+        let up = !self.down[region];
+        let slot = if up {
+            self.calls.decisions += 1;
+            &mut self.states[i]
+        } else {
             match fail_mode {
                 FailMode::Open => return true,
                 FailMode::Closed => return false,
                 FailMode::Local => &mut self.fallback[i],
             }
-        } else {
-            self.calls.decisions += 1;
-            &mut self.states[i]
         };
         let (d, s) = decide(local_ms, params, slot.as_ref(), u64::from(cost));
         *slot = Some(s);
+        if up {
+            self.last_wait_ms = next_admission_ms(params, u64::from(cost), &d);
+        }
         d.allowed
     }
 
@@ -131,6 +149,11 @@ impl RegionalStores {
         let i = tenant as usize * self.regions + region;
         let (d, granted, s) = reserve(local_ms, params, self.states[i].as_ref(), cost, batch);
         self.states[i] = Some(s);
+        // The level a batch leaves bounds the next admission only when nothing of it is held
+        // (a batch of one): the caller's pool counts too.
+        self.last_wait_ms = (granted <= 1)
+            .then(|| next_admission_ms(params, cost, &d))
+            .flatten();
         if d.allowed {
             self.calls.reserved += 1;
         } else {

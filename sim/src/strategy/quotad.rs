@@ -5,6 +5,14 @@
 //! The same machinery, configured differently, is `rebalance_no_lease` (no leases, no
 //! revoke-before-grant) and `quotad_pinned` (critical tenants pinned, other regions forward
 //! their checks to the home region); with [`Reservations`] it is `quotad_reserved`.
+//!
+//! Every variant runs the daemon's denial cache ([`Denials`]): a Redis answer that bounds the
+//! next admission (a denial's retry time R, or an admission that left fewer tokens than its
+//! cost) answers the region's later checks of that bucket, at that cost or more, as denials
+//! for R less 1 ms and the daemon's 0.1 % rate margin, without a store call, as long as the
+//! region enforces the same parameters. A cached denial counts as demand like any other
+//! denial. What it can get wrong, a refund raising the level while a denial stands, is what
+//! the daemon gets wrong.
 
 use quota_core::bucket::UT;
 use quota_core::{BucketParams, Tier};
@@ -29,6 +37,81 @@ pub struct Quotad {
     reservations: Option<Reservations>,
     /// Per region: whether its daemon was up at the last tick.
     daemon_up: Vec<bool>,
+    /// Per (tenant, region): the denial standing in the region's daemon.
+    denials: Denials,
+}
+
+/// The daemon's denial cache: per (tenant, region) at most one standing denial.
+#[derive(Debug)]
+struct Denials {
+    regions: usize,
+    standing: Vec<Option<Standing>>,
+}
+
+/// A denial standing for checks of `cost` or more at `params`, until local time `until_ms`.
+#[derive(Debug, Clone, Copy)]
+struct Standing {
+    params: BucketParams,
+    cost: u32,
+    until_ms: u64,
+}
+
+/// The part of R, in millionths, an entry gives up for clock rates (the daemon's
+/// `RATE_MARGIN_PPM`).
+const RATE_MARGIN_PPM: u64 = 1_000;
+
+impl Denials {
+    fn new(regions: usize, tenants: usize) -> Self {
+        Self {
+            regions,
+            standing: vec![None; regions * tenants],
+        }
+    }
+
+    /// Whether a denial stands for a check of `cost` at `params` in `region` at `local_ms`.
+    fn stands(
+        &self,
+        region: RegionIx,
+        tenant: usize,
+        params: &BucketParams,
+        cost: u32,
+        local_ms: u64,
+    ) -> bool {
+        self.standing[tenant * self.regions + region]
+            .is_some_and(|s| s.params == *params && cost >= s.cost && local_ms < s.until_ms)
+    }
+
+    /// Remembers a store answer sent at `local_ms` that bounds the next admission of `cost` by
+    /// `wait_ms` (or forgets the entry when it does not).
+    fn remember(
+        &mut self,
+        region: RegionIx,
+        tenant: usize,
+        params: &BucketParams,
+        cost: u32,
+        local_ms: u64,
+        wait_ms: Option<u64>,
+    ) {
+        let slot = &mut self.standing[tenant * self.regions + region];
+        *slot = wait_ms.filter(|&w| w > 1).map(|w| {
+            let hold_us = (w - 1) * 1_000;
+            let hold_us = hold_us - (hold_us * RATE_MARGIN_PPM).div_ceil(1_000_000);
+            Standing {
+                params: *params,
+                cost,
+                // Whole ms: a check at local_ms + hold_us / 1000 comes after the hold ends
+                // when the hold is not whole, so it asks the store.
+                until_ms: local_ms + hold_us.div_ceil(1_000),
+            }
+        });
+    }
+
+    /// Forgets every denial of `region`: its daemon stopped.
+    fn forget_region(&mut self, region: RegionIx) {
+        for s in self.standing.iter_mut().skip(region).step_by(self.regions) {
+            *s = None;
+        }
+    }
 }
 
 impl Quotad {
@@ -58,6 +141,7 @@ impl Quotad {
             cache: vec![(u32::MAX, params0); n * setup.tenants.len()],
             reservations: None,
             daemon_up: vec![true; n],
+            denials: Denials::new(n, setup.tenants.len()),
         }
     }
 
@@ -85,16 +169,19 @@ impl Quotad {
     /// Gives back the pools that aged out or whose limit changed, and drops those of a daemon
     /// that crashed.
     fn sweep_pools(&mut self, world: &World, t_ms: u64) {
-        let Some(res) = self.reservations.as_mut() else {
-            return;
-        };
         for r in 0..self.regions {
             let up = world.daemon_up(r, t_ms);
             if !up && self.daemon_up[r] {
-                res.crash(r);
+                self.denials.forget_region(r);
+                if let Some(res) = self.reservations.as_mut() {
+                    res.crash(r);
+                }
             }
             self.daemon_up[r] = up;
         }
+        let Some(res) = self.reservations.as_mut() else {
+            return;
+        };
         let live = res.take_live();
         for &(r, i) in &live {
             let local = world.local_ms(r, t_ms);
@@ -172,6 +259,9 @@ impl Quotad {
         let local = world.local_ms(region, at_ms);
         let params = self.params(region, i, local);
         let fail_mode = self.tenants[i].policy.fail_mode;
+        if self.denials.stands(region, i, &params, req.cost, local) {
+            return Verdict::against(false, &params, req.cost, LOCAL_DECISION_US);
+        }
         let allowed = match self.reservations.as_mut() {
             Some(res) => res.decide(
                 &mut self.stores,
@@ -186,6 +276,15 @@ impl Quotad {
                 .stores
                 .decide(region, req.tenant, fail_mode, local, &params, req.cost),
         };
+        // An admission stands as a denial only while no tokens of the bucket are held here:
+        // Redis's level does not count them.
+        let held = self
+            .reservations
+            .as_ref()
+            .is_some_and(|r| r.held(region, i) > 0);
+        let wait_ms = self.stores.take_wait_ms().filter(|_| !(allowed && held));
+        self.denials
+            .remember(region, i, &params, req.cost, local, wait_ms);
         Verdict::against(allowed, &params, req.cost, LOCAL_DECISION_US)
     }
 
@@ -237,4 +336,39 @@ enum Forward {
     No,
     /// To `region`, decided there at true time `at_ms`; the caller waits `latency_us` in all.
     To(RegionIx, u64, u64),
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn params(tokens: u64) -> BucketParams {
+        BucketParams::new(tokens * UT, tokens * UT).unwrap()
+    }
+
+    #[test]
+    fn a_denial_stands_for_its_retry_time_less_the_margins() {
+        let mut d = Denials::new(3, 2);
+        let p = params(10);
+        // Denied at 1 000 with 100 ms to wait: standing until 1 000 + 99 ms less 0.1 %.
+        d.remember(1, 0, &p, 2, 1_000, Some(100));
+        assert!(d.stands(1, 0, &p, 2, 1_000));
+        assert!(d.stands(1, 0, &p, 5, 1_098), "a larger cost too");
+        assert!(!d.stands(1, 0, &p, 2, 1_099), "98.9 ms is not 99");
+        assert!(
+            !d.stands(1, 0, &p, 1, 1_050),
+            "a smaller cost asks the store"
+        );
+        assert!(!d.stands(1, 0, &params(20), 2, 1_050), "other parameters");
+        assert!(!d.stands(0, 0, &p, 2, 1_050) && !d.stands(1, 1, &p, 2, 1_050));
+        // An answer that bounds nothing (or by 1 ms, which the margin eats) forgets it.
+        d.remember(1, 0, &p, 2, 1_010, Some(1));
+        assert!(!d.stands(1, 0, &p, 2, 1_010));
+        d.remember(1, 0, &p, 2, 1_010, Some(100));
+        d.forget_region(1);
+        assert!(
+            !d.stands(1, 0, &p, 2, 1_010),
+            "a crashed daemon keeps nothing"
+        );
+    }
 }

@@ -108,6 +108,11 @@ impl Reservations {
         true
     }
 
+    /// Whole tokens of `tenant`'s pool in `region`.
+    pub fn held(&self, region: RegionIx, tenant: usize) -> u64 {
+        self.pools[tenant * self.regions + region].map_or(0, |h| h.pool.tokens)
+    }
+
     /// Gives `tenant`'s pool in `region` back when it aged out or was taken at another limit
     /// than `params`, the limit the region enforces at `local_ms`.
     pub fn sweep(
