@@ -13,9 +13,8 @@ use quotad_system_tests::{eventually, redis_config, Daemon};
 use redis_harness::RedisServer;
 use serde_json::json;
 
+/// The policy's limit and burst; its window is each test's.
 const BURST: u64 = 20;
-/// 20 tokens a minute.
-const RATE_PER_S: f64 = 20.0 / 60.0;
 
 fn signal(pid: u32, sig: &str) -> anyhow::Result<()> {
     let ok = Command::new("kill")
@@ -77,7 +76,13 @@ async fn a_stopped_redis_admits_no_more_than_the_bucket_allows() -> anyhow::Resu
     // Redis timeout 100 ms, failure_threshold 2, open_ms 200 (`redis_config`).
     let d = Daemon::start(&redis_config(&redis.url())).await?;
     let pid = redis.pid();
-    within_the_bound_across(&d, || signal(pid, "-STOP"), || signal(pid, "-CONT")).await
+    within_the_bound_across(
+        &d,
+        (60_000, Duration::ZERO),
+        || signal(pid, "-STOP"),
+        || signal(pid, "-CONT"),
+    )
+    .await
 }
 
 /// Redis out of the daemon's reach (a proxy refusing its connections): no call it gave up on
@@ -92,6 +97,7 @@ async fn tokens_admitted_in_process_are_charged_when_redis_returns() -> anyhow::
     proxy.set_candidates(&[pid]);
     within_the_bound_across(
         &d,
+        (60_000, Duration::ZERO),
         || {
             proxy.block(&[pid]);
             Ok(())
@@ -104,20 +110,49 @@ async fn tokens_admitted_in_process_are_charged_when_redis_returns() -> anyhow::
     .await
 }
 
-/// 12 checks before an outage (`cut` to `heal`), 25 decided in process during it, 20 after
+/// An outage long enough for the in-process bucket to refill more than a burst, on a bucket
+/// that refills in 2 s: it goes on refilling at the share's rate, and the charge takes the Redis
+/// bucket (full again by then) as low as it goes; the refill both credited is not charged, and
+/// the bound still holds.
+#[tokio::test]
+async fn a_long_outage_refills_in_process_and_charges_what_redis_holds() -> anyhow::Result<()> {
+    let redis = RedisServer::start()?;
+    let proxy = FaultProxy::start(format!("127.0.0.1:{}", redis.port()).parse()?).await?;
+    let d = Daemon::start(&redis_config(&format!("redis://{}", proxy.addr))).await?;
+    let pid = d.pid().context("the daemon's pid")?;
+    proxy.set_candidates(&[pid]);
+    within_the_bound_across(
+        &d,
+        (2_000, Duration::from_millis(2_500)),
+        || {
+            proxy.block(&[pid]);
+            Ok(())
+        },
+        || {
+            proxy.heal();
+            Ok(())
+        },
+    )
+    .await
+}
+
+/// For a policy of `BURST` tokens per `window_ms`: 12 checks before an outage (`cut` to
+/// `heal`), during it 25 decided in process and more until it has lasted `at_least`, 20 after
 /// decisions go through Redis again: every admission counted, their sum within
 /// `burst + rate · t` for the time from before the first check to after the last.
 async fn within_the_bound_across(
     d: &Daemon,
+    (window_ms, at_least): (u64, Duration),
     cut: impl FnOnce() -> anyhow::Result<()>,
     heal: impl FnOnce() -> anyhow::Result<()>,
 ) -> anyhow::Result<()> {
+    let rate_per_s = BURST as f64 * 1000.0 / window_ms as f64;
     // One region: the whole budget here. Burst 20: 1 % of it is one check, too few to
     // reserve, so every check asks Redis.
     d.put_policy(
         "acme",
         "writes",
-        json!({"limit": BURST, "window_ms": 60000, "fail_mode": "local"}),
+        json!({"limit": BURST, "window_ms": window_ms, "fail_mode": "local"}),
     )
     .await?;
     let t = Tally::default();
@@ -130,30 +165,36 @@ async fn within_the_bound_across(
     assert_eq!(t.admitted(), 12, "the bucket held its burst");
 
     cut()?;
+    let cut_at = Instant::now();
     let during = async {
         // Errors, not panics, in here: Redis comes back whatever happens.
         anyhow::ensure!(
             t.until_mode(d, "degraded_local").await,
             "checks are decided in process while Redis is out"
         );
-        for _ in 0..25 {
+        let local_from = Instant::now();
+        let mut n = 0;
+        while n < 25 || cut_at.elapsed() < at_least {
             let mode = t.check(d).await?;
             anyhow::ensure!(
                 mode == "degraded_local",
                 "decided {mode} while Redis is out"
             );
+            n += 1;
         }
-        anyhow::Ok(t.admitted() - 12)
+        // What the in-process bucket refilled while the test watched it; half, to be generous.
+        let refilled = (rate_per_s * local_from.elapsed().as_secs_f64() / 2.0).floor() as u64;
+        anyhow::Ok((t.admitted() - 12, refilled))
     }
     .await;
     heal()?;
-    let during = during?;
+    let (during, refilled) = during?;
     let outage = started.elapsed();
     // Redis had 8 left: the in-process bucket goes on from there (a bucket starting empty
-    // would admit none of them).
+    // would admit none of them), and refills.
     assert!(
-        during >= 8,
-        "{during} admitted in process; Redis had 8 left"
+        during >= 8 + refilled,
+        "{during} admitted in process; Redis had 8 left, and at least {refilled} refilled"
     );
 
     assert!(
@@ -165,7 +206,7 @@ async fn within_the_bound_across(
     }
     let elapsed = started.elapsed();
     let admitted = t.admitted();
-    let bound = BURST as f64 + RATE_PER_S * elapsed.as_secs_f64();
+    let bound = BURST as f64 + rate_per_s * elapsed.as_secs_f64();
     eprintln!(
         "admitted {admitted} (12 before the outage, {during} during it) in {elapsed:?} \
          (outage over at {outage:?}); the bucket allows {bound:.2}"
