@@ -214,3 +214,24 @@ async fn a_password_protected_cluster_takes_the_credentials() {
         assert!(d.allowed && d.remaining == 0, "{d:?}");
     }
 }
+
+/// The store's clock on a Cluster is read from every master (`TIME` routed to all of them) and
+/// is the earliest: between what the masters showed before the call and after it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_clock_of_a_cluster_is_read_from_its_masters() {
+    let cluster = RedisCluster::start().unwrap();
+    let cfg = RedisStoreConfig::cluster(cluster.urls()).with_timeout(Duration::from_secs(5));
+    let s = RedisStore::connect(cfg).await.unwrap();
+    let node_ms = |n: &redis_harness::RedisServer| -> u64 {
+        let mut c = n.client().get_connection().unwrap();
+        let (secs, us): (u64, u64) = redis::cmd("TIME").query(&mut c).unwrap();
+        secs * 1000 + us / 1000
+    };
+    let before = cluster.nodes().iter().map(node_ms).min().unwrap();
+    let clock = s.clock_ms().await.unwrap();
+    let after = cluster.nodes().iter().map(node_ms).max().unwrap();
+    assert!(
+        (before..=after).contains(&clock),
+        "{clock} not within {before}..={after}"
+    );
+}
