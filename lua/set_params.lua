@@ -429,7 +429,7 @@ if KEYS[5] then
   if failed(op) then
     return err('the replaced parameters key holds another type')
   end
-  local oh = redis.pcall('HMGET', KEYS[3], 'l', 'ws', 'cu', 'pv', 'ts', 'c', 'w', 'b', 's')
+  local oh = redis.pcall('HMGET', KEYS[3], 'l', 'ws', 'cu', 'pv', 'ts', 'c')
   if failed(oh) then
     return err('the replaced window state key holds another type')
   end
@@ -479,24 +479,29 @@ if KEYS[5] then
     end
     -- Sub-window counters (sliding_window.lua): what they still count at t.
     local counted = 0
-    if oh[6] then
-      local cw, cb, cs = ofield(7, MAX_WINDOW_MS), ofield(8, MAX_CAP), ofield(9, MAX_CAP)
-      if not (cw and cb and cs) or cw < 1 then
+    local oc = oh[6]
+    if oc then
+      if #oc < 32 then
         return err('the replaced window state is invalid')
       end
-      local sw = math.ceil(cw / 128)
+      local cw, cb, cs = struct.unpack('<ddd', oc)
+      if not (cw % 1 + cb % 1 + cs % 1 == 0 and cw >= 1 and cw <= MAX_WINDOW_MS and cb >= 0
+          and cb <= MAX_CAP and cs >= 0 and cs <= MAX_CAP) then
+        return err('the replaced window state is invalid')
+      end
+      local sw = (cw + 127 - fmod(cw + 127, 128)) / 128
       local r = fmod(cw - 1, sw)
       local n = (cw - 1 - r) / sw + 1
       if r > 0 then
         n = n + 1
       end
-      if #oh[6] ~= 8 * n then
+      if #oc ~= 32 + 8 * n then
         return err('the replaced window state is invalid')
       end
       local i = (t - fmod(t, sw)) / sw
       counted = cs
       for j = cb + 1, math.min(i, cb + n) do
-        counted = counted - struct.unpack('<d', oh[6], 8 * fmod(j, n) + 1)
+        counted = counted - struct.unpack('<d', oc, 33 + 8 * fmod(j, n))
       end
       if not (counted % 1 == 0 and counted >= 0) then
         return err('the replaced window state is invalid')

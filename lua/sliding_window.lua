@@ -25,16 +25,19 @@
 -- oldest first, one entry per millisecond (same-ms requests are merged, never collide), at most
 -- `limit` entries, and their sum in u. A call reads the entries that leave (at the front) and
 -- the newest (at the end), never the whole log. A log without u is summed whole once.
--- limit > 128: sub-window counters. W is cut into sub-windows of sub = ceil(W / 128) ms
--- aligned to multiples of sub, and the last n = ceil((W - 1) / sub) + 1 are counted (the most
--- any W ms overlaps): c packs n little-endian doubles, sub-window j at slot j % n; w is the
--- window they were cut for, b the newest sub-window advanced to, s their sum, a the sub-window
--- of the latest admission. A token counts for W to W + 2 * sub - 2 ms (exactly W when W <= 128).
--- Limit changes: hl is the limit the window enforces; a lower limit applies at once, a higher
--- one (hr) only from hu = W after it was first seen (a higher one still restarts the wait), so
--- the tokens another region admitted before giving up the share count before the raise does.
+-- limit > 128: sub-window counters in field c. W is cut into sub-windows of sub = ceil(W / 128)
+-- ms aligned to multiples of sub, and the last n = ceil((W - 1) / sub) + 1 are counted (the
+-- most any W ms overlaps): c packs little-endian doubles, the window W they were cut for, the
+-- newest sub-window advanced to, their sum, the sub-window of the latest admission, then n
+-- counts (sub-window j at slot j % n). A token counts for W to W + 2 * sub - 2 ms (exactly W
+-- when W <= 128).
+-- Limit changes, field h: the limit the window enforces, or 'limit:raise:at' while a raise is
+-- pending. A lower limit applies at once, a higher one only from `at` = W after it was first
+-- seen (a higher one still restarts the wait), so the tokens another region admitted before
+-- giving up the share count before the raise does.
 -- Another representation (the limit crossing 128, counters cut for another W, or the
--- two-counter fields ws / cu / pv): every token it still counts is counted as admitted now.
+-- two-counter fields ws / cu / pv of a state without h): every token it still counts is
+-- counted as admitted now.
 -- Denied requests are not recorded. A clock stepping back is clamped to ts, the latest time seen.
 -- Usage fields ad / dn and expiry deadline x as in token_bucket.lua (listed in the index while
 -- ad + dn > 0).
@@ -272,162 +275,191 @@ local function quotad_helpers(MAX_CAP, MAX_PERIOD, MAX_FILL, DEFAULT_PERIOD_MS,
 end
 -- quotad shared helpers: end.
 
-local h = quotad_helpers(MAX_CAP, MAX_PERIOD, MAX_FILL, DEFAULT_PERIOD_MS, MAX_WINDOW_LIMIT,
-  MAX_WINDOW_MS, MAX_WINDOW_PRODUCT, STATE_LEN, STATE_LEN_NO_PERIOD, STATE_FMT,
-  STATE_FMT_NO_PERIOD)
-local err, int, arg_now, opt_int, failed, window_ok =
-  h.err, h.int, h.arg_now, h.opt_int, h.failed, h.window_ok
-local fmod = math.fmod
-local fmt, sub, match = string.format, string.sub, string.match
-
-if #KEYS ~= 3 then
-  return err('expected 3 keys')
+-- Arguments, inline as token_bucket.lua checks them (find(s, DIGITS), then s + 0): the common
+-- paths create no closure and never make the helpers.
+local keys, argv = KEYS, ARGV
+local k1, k2, k3 = keys[1], keys[2], keys[3]
+local fmt, sub, match, byte, fmod = string.format, string.sub, string.match, string.byte,
+  math.fmod
+if #keys ~= 3 then
+  return redis.error_reply(ERR .. 'expected 3 keys')
 end
-if KEYS[1] == KEYS[2] or KEYS[1] == KEYS[3] or KEYS[2] == KEYS[3] then
-  return err('the 3 keys must be distinct')
+if k1 == k2 or k1 == k3 or k2 == k3 then
+  return redis.error_reply(ERR .. 'the 3 keys must be distinct')
 end
-if #ARGV < 3 or #ARGV > 5 then
-  return err('expected 3 to 5 arguments')
+local n_args = #argv
+if n_args < 3 or n_args > 5 then
+  return redis.error_reply(ERR .. 'expected 3 to 5 arguments')
 end
-local cost = int(ARGV[1], MAX_COST)
-if cost == nil then
-  return err('cost must be an integer in 0..' .. MAX_COST)
+local s = argv[1]
+local cost = 1
+if s ~= '1' then
+  cost = #s <= 16 and find(s, DIGITS) and s + 0
+  if not cost or cost > MAX_COST then
+    return redis.error_reply(ERR .. 'cost must be an integer in 0..' .. MAX_COST)
+  end
 end
 local fb_limit, fb_window
-if ARGV[2] ~= '' or ARGV[3] ~= '' then
-  fb_limit = int(ARGV[2], MAX_WINDOW_LIMIT)
-  fb_window = int(ARGV[3], MAX_WINDOW_MS)
-  if not window_ok(fb_limit, fb_window) then
-    return err('fallback limit and window must be integers within the window bounds')
+local a, b = argv[2], argv[3]
+if a ~= '' or b ~= '' then
+  fb_limit = #a <= 16 and find(a, DIGITS) and a + 0
+  fb_window = #b <= 16 and find(b, DIGITS) and b + 0
+  if not (fb_limit and fb_window and fb_limit <= MAX_WINDOW_LIMIT and fb_window >= 1
+      and fb_window <= MAX_WINDOW_MS and fb_limit * fb_window <= MAX_WINDOW_PRODUCT) then
+    return redis.error_reply(ERR
+      .. 'fallback limit and window must be integers within the window bounds')
   end
 end
-local min_ttl = opt_int(ARGV[5], DEFAULT_MIN_TTL_MS, MAX_CAP)
-if min_ttl == nil then
-  return err('minimum TTL must be an integer number of ms in 1..' .. MAX_CAP)
-end
-local now = arg_now(ARGV[4])
-if now == nil then
-  return err('now must be an integer number of ms')
-end
-
-local limit, w
--- pcall: a key of another type is an error reply, not a raised WRONGTYPE.
-local p = redis.pcall('HMGET', KEYS[2], 'limit', 'window', 'until', 'flimit', 'fwindow')
-if failed(p) then
-  return err('the parameters key holds another type')
-end
-if p[1] or p[2] then
-  limit = int(p[1], MAX_WINDOW_LIMIT)
-  w = int(p[2], MAX_WINDOW_MS)
-  if not window_ok(limit, w) then
-    return err('stored parameters are invalid')
+local min_ttl = DEFAULT_MIN_TTL_MS
+s = argv[5]
+if s and s ~= '' and s ~= DEFAULT_MIN_TTL_ARG then
+  min_ttl = #s <= 16 and find(s, DIGITS) and s + 0
+  if not min_ttl or min_ttl < 1 or min_ttl > MAX_CAP then
+    return redis.error_reply(ERR .. 'minimum TTL must be an integer number of ms in 1..'
+      .. MAX_CAP)
   end
-  if p[3] or p[4] or p[5] then
-    -- A lease end (see set_params.lua): the floor is in force from then on.
-    local lease_end = int(p[3], MAX_CAP)
-    local fl, fw = int(p[4], MAX_WINDOW_LIMIT), int(p[5], MAX_WINDOW_MS)
-    if lease_end == nil or not window_ok(fl, fw) then
-      return err('stored parameters are invalid')
-    end
-    if now >= lease_end then
-      limit, w = fl, fw
-    end
+end
+local now
+s = argv[4]
+if s and s ~= '' then
+  now = #s <= 16 and find(s, DIGITS) and s + 0
+  if not now or now > MAX_CAP then
+    return redis.error_reply(ERR .. 'now must be an integer number of ms')
   end
-elseif fb_limit then
-  limit, w = fb_limit, fb_window
 else
-  return err('no parameters stored and no fallback given')
+  local t = redis.call('TIME')
+  local us = t[2] + 0
+  now = t[1] * 1000 + (us - us % 1000) / 1000
 end
 
-local st = redis.pcall('HMGET', KEYS[1], 'l', 'u', 'c', 'w', 'b', 's', 'a', 'ws', 'cu', 'pv',
-  'hl', 'hr', 'hu', 'ts', 'ad', 'dn', 'x')
-if failed(st) then
-  return err('the state key holds another type')
+-- Parameters: the stored ones (HGETALL: at most the five fields set_params.lua writes), else
+-- the fallback. pcall: a key of another type is an error reply, not a raised WRONGTYPE.
+local limit, w
+local p = redis.pcall('HGETALL', k2)
+if p.err then
+  return redis.error_reply(ERR .. 'the parameters key holds another type')
 end
--- Every stored number is an integer within its bound (a missing field is 0), checked before
--- anything is written.
-local function field(i, max)
-  local s = st[i]
-  if not s then
-    return 0
+local n_p = #p
+if n_p > 0 then
+  local pl, pw, pu, pfl, pfw
+  for i = 1, n_p, 2 do
+    local name = p[i]
+    if name == 'limit' then
+      pl = p[i + 1]
+    elseif name == 'window' then
+      pw = p[i + 1]
+    elseif name == 'until' then
+      pu = p[i + 1]
+    elseif name == 'flimit' then
+      pfl = p[i + 1]
+    elseif name == 'fwindow' then
+      pfw = p[i + 1]
+    end
   end
-  return int(s, max)
+  if pl or pw then
+    limit = pl and #pl <= 16 and find(pl, DIGITS) and pl + 0
+    w = pw and #pw <= 16 and find(pw, DIGITS) and pw + 0
+    if not (limit and w and limit <= MAX_WINDOW_LIMIT and w >= 1 and w <= MAX_WINDOW_MS
+        and limit * w <= MAX_WINDOW_PRODUCT) then
+      return redis.error_reply(ERR .. 'stored parameters are invalid')
+    end
+    if pu or pfl or pfw then
+      -- A lease end (see set_params.lua): the floor is in force from then on.
+      local lease_end = pu and #pu <= 16 and find(pu, DIGITS) and pu + 0
+      local fl = pfl and #pfl <= 16 and find(pfl, DIGITS) and pfl + 0
+      local fw = pfw and #pfw <= 16 and find(pfw, DIGITS) and pfw + 0
+      if not (lease_end and lease_end <= MAX_CAP and fl and fw and fl <= MAX_WINDOW_LIMIT
+          and fw >= 1 and fw <= MAX_WINDOW_MS and fl * fw <= MAX_WINDOW_PRODUCT) then
+        return redis.error_reply(ERR .. 'stored parameters are invalid')
+      end
+      if now >= lease_end then
+        limit, w = fl, fw
+      end
+    end
+  end
 end
-local u, cw, cb, cs, ca = field(2, MAX_CAP), field(4, MAX_WINDOW_MS), field(5, MAX_CAP),
-  field(6, MAX_CAP), field(7, MAX_CAP)
-local ws, cu, pv = field(8, MAX_CAP), field(9, MAX_WINDOW_LIMIT), field(10, MAX_WINDOW_LIMIT)
-local hl, hr, hu = field(11, MAX_WINDOW_LIMIT), field(12, MAX_WINDOW_LIMIT), field(13, MAX_CAP)
-local seen, ad, dn, x = field(14, MAX_CAP), field(15, MAX_CAP), field(16, MAX_CAP),
-  field(17, MAX_CAP)
-if not (u and cw and cb and cs and ca and ws and cu and pv and hl and hr and hu and seen and ad
-    and dn and x) then
-  return err('stored state is invalid')
+if not limit then
+  if not fb_limit then
+    return redis.error_reply(ERR .. 'no parameters stored and no fallback given')
+  end
+  limit, w = fb_limit, fb_window
+end
+
+-- The state. Every stored number is an integer within its bound (a missing field is 0),
+-- checked before anything is written.
+local st = redis.pcall('HMGET', k1, 'l', 'u', 'c', 'h', 'ts', 'ad', 'dn', 'x')
+if st.err then
+  return redis.error_reply(ERR .. 'the state key holds another type')
+end
+local log, su, counts, sh, sts, sx = st[1] or '', st[2], st[3], st[4], st[5], st[8]
+local u, seen, ad, dn, x = 0, 0, 0, 0, 0
+if su then
+  u = #su <= 16 and find(su, DIGITS) and su + 0
+end
+if sts then
+  seen = #sts <= 16 and find(sts, DIGITS) and sts + 0
+end
+s = st[6]
+if s then
+  ad = #s <= 16 and find(s, DIGITS) and s + 0
+end
+s = st[7]
+if s then
+  dn = #s <= 16 and find(s, DIGITS) and s + 0
+end
+if sx then
+  x = #sx <= 16 and find(sx, DIGITS) and sx + 0
+end
+if not (u and seen and ad and dn and x and u <= MAX_CAP and seen <= MAX_CAP and ad <= MAX_CAP
+    and dn <= MAX_CAP and x <= MAX_CAP) then
+  return redis.error_reply(ERR .. 'stored state is invalid')
 end
 if seen > now then
   now = seen
 end
-
--- The sub-window length and count of a window of wl ms: ceil(wl / 128) (128 is quota-core
--- window::SUB_WINDOWS) and ceil((wl - 1) / sub) + 1.
-local function geometry(wl)
-  local sw = (wl + 127 - fmod(wl + 127, 128)) / 128
-  local r = fmod(wl - 1, sw)
-  local n = (wl - 1 - r) / sw + 1
-  if r > 0 then
-    n = n + 1
+-- h: the limit the window enforces, and with a raise pending 'limit:raise:at'.
+local hl, hr, hu = -1, 0, 0
+if sh then
+  if #sh <= 10 and find(sh, DIGITS) then
+    hl = sh + 0
+  else
+    local c1, c2, c3 = match(sh, '^(%d+):(%d+):(%d+)$')
+    hl = c1 and #c1 <= 10 and c1 + 0
+    hr = c2 and #c2 <= 10 and c2 + 0
+    hu = c3 and #c3 <= 16 and c3 + 0
+    if not (hl and hr and hu and hu >= 1 and hr > hl) then
+      return redis.error_reply(ERR .. 'stored state is invalid')
+    end
   end
-  return sw, n
+  if hl > MAX_WINDOW_LIMIT or hr > MAX_WINDOW_LIMIT or hu > MAX_CAP then
+    return redis.error_reply(ERR .. 'stored state is invalid')
+  end
+end
+-- A state without h (the two-counter layout, or written by set_params.lua): what its counters
+-- ws / cu / pv may still count (all of both, until two windows after ws) is counted as
+-- admitted now.
+local moved, legacy = 0, false
+if sts and not sh then
+  local o = redis.call('HMGET', k1, 'ws', 'cu', 'pv')
+  if o[1] or o[2] or o[3] then
+    legacy = true
+    local hp = quotad_helpers(MAX_CAP, MAX_PERIOD, MAX_FILL, DEFAULT_PERIOD_MS,
+      MAX_WINDOW_LIMIT, MAX_WINDOW_MS, MAX_WINDOW_PRODUCT, STATE_LEN, STATE_LEN_NO_PERIOD,
+      STATE_FMT, STATE_FMT_NO_PERIOD)
+    local ws, cu, pv = hp.int(o[1] or '0', MAX_CAP), hp.int(o[2] or '0', MAX_WINDOW_LIMIT),
+      hp.int(o[3] or '0', MAX_WINDOW_LIMIT)
+    if not (ws and cu and pv) then
+      return redis.error_reply(ERR .. 'stored state is invalid')
+    end
+    if now < ws + 2 * w then
+      moved = cu + pv
+    end
+  end
 end
 
-local counts = st[3]
-local cn
-if counts then
-  if cw < 1 then
-    return err('stored state is invalid')
-  end
-  local _
-  _, cn = geometry(cw)
-  if #counts ~= 8 * cn or ca > cb then
-    return err('stored state is invalid')
-  end
-end
-local bad = false
--- Counter slot k (0-based), checked.
-local function slot(k)
-  local v = struct.unpack('<d', counts, 8 * k + 1)
-  if not (v % 1 == 0 and v >= 0 and v <= MAX_CAP) then
-    bad = true
-    return 0
-  end
-  return v
-end
-local function set_slot(k, v)
-  counts = sub(counts, 1, 8 * k) .. struct.pack('<d', v) .. sub(counts, 8 * k + 9)
-end
--- What the counters still count at now.
-local function counted()
-  if not counts or cs == 0 then
-    return 0
-  end
-  local sw, n = geometry(cw)
-  local i = (now - fmod(now, sw)) / sw
-  local last = cb + n
-  if i < last then
-    last = i
-  end
-  local left = cs
-  for j = cb + 1, last do
-    left = left - slot(fmod(j, n))
-  end
-  if left < 0 then
-    bad = true
-  end
-  return left
-end
-
--- Limit changes: a cut applies at once, a raise after it has stood a window.
+-- Limit changes: a cut applies at once, a raise once it has stood a window.
 local lim = limit
-if st[11] and limit > hl then
+if hl >= 0 and limit > hl then
   if hu == 0 or limit > hr then
     hu = now + w
   elseif now >= hu then
@@ -440,61 +472,84 @@ else
   hl, hr, hu = limit, 0, 0
 end
 
--- Tokens another representation still counts, counted again as admitted now.
-local moved = 0
-if now < ws + 2 * w then
-  moved = cu + pv
+-- Sub-window counters c: the little-endian doubles window, newest sub-window, sum, sub-window
+-- of the latest admission, then n counts (sub-window j at slot j % n).
+local cw, cb, cs, ca, csub, cn
+if counts then
+  if #counts < 32 then
+    return redis.error_reply(ERR .. 'stored state is invalid')
+  end
+  cw, cb, cs, ca = struct.unpack('<dddd', counts)
+  if not (cw % 1 + cb % 1 + cs % 1 + ca % 1 == 0 and cw >= 1 and cw <= MAX_WINDOW_MS
+      and cb >= 0 and cb <= MAX_CAP and cs >= 0 and cs <= MAX_CAP and ca >= 0 and ca <= cb) then
+    return redis.error_reply(ERR .. 'stored state is invalid')
+  end
+  -- ceil(cw / 128) (128: quota-core window::SUB_WINDOWS) and ceil((cw - 1) / sub) + 1.
+  csub = (cw + 127 - (cw + 127) % 128) / 128
+  local r = (cw - 1) % csub
+  cn = (cw - 1 - r) / csub + 1
+  if r > 0 then
+    cn = cn + 1
+  end
+  if #counts ~= 32 + 8 * cn then
+    return redis.error_reply(ERR .. 'stored state is invalid')
+  end
 end
+local bad = false
 
-local out = { 'HSET', KEYS[1], 'ts', fmt('%d', now) }
-local drop = { 'HDEL', KEYS[1] }
+local out = { 'HSET', k1, 'ts', fmt('%d', now) }
+local drop
 local allowed, retry, remaining, reset
--- The wait until cost fits (cost <= limit): at the limit in force, or at the raised one once
--- it applies. free_in(k): the wait until k counted tokens have left.
-local function wait(free_in, used)
-  local a, b
-  if cost <= lim then
-    a = free_in(used + cost - lim)
-  end
-  if lim < limit and hu > 0 then
-    b = free_in(used + cost - limit)
-    if hu - now > b then
-      b = hu - now
-    end
-  end
-  if a == nil or (b ~= nil and b < a) then
-    return b
-  end
-  return a
-end
-
 if limit <= EXACT_LOG_MAX then
-  moved = moved + counted()
-  local log = st[1] or ''
+  if counts and cs > 0 then
+    -- Counters: what they still count, counted as admitted now.
+    local i = (now - now % csub) / csub
+    local last = cb + cn
+    if i < last then
+      last = i
+    end
+    local left = cs
+    for j = cb + 1, last do
+      local v = struct.unpack('<d', counts, 33 + 8 * (j % cn))
+      if not (v % 1 == 0 and v >= 0) then
+        bad = true
+      end
+      left = left - v
+    end
+    if bad or left < 0 then
+      return redis.error_reply(ERR .. 'stored state is invalid')
+    end
+    moved = moved + left
+  end
+  local n_log = #log
   local used = u
-  if log ~= '' and not st[2] then
-    -- No sum stored: the log is read whole, once.
+  if n_log > 0 and not su then
+    -- No sum stored (a log written by set_params.lua or of the two-counter layout's time):
+    -- read whole, once.
     local chars = 0
     used = 0
-    for a, b in string.gmatch(log, '(%d+):(%d+)') do
-      local t, c = int(a, now), int(b, MAX_COST)
-      if t == nil or c == nil or c < 1 then
-        return err('stored state is invalid')
+    for e1, e2 in string.gmatch(log, '(%d+):(%d+)') do
+      local t = #e1 <= 16 and e1 + 0
+      local c = #e2 <= 16 and e2 + 0
+      if not (t and c and t <= now and c >= 1 and c <= MAX_COST) then
+        return redis.error_reply(ERR .. 'stored state is invalid')
       end
-      chars = chars + #a + #b + 2
+      chars = chars + #e1 + #e2 + 2
       used = used + c
     end
-    if chars - 1 ~= #log or string.find(log, '[^%d:,]') or used > MAX_CAP then
-      return err('stored state is invalid')
+    if chars - 1 ~= n_log or find(log, '[^%d:,]') or used > MAX_CAP then
+      return redis.error_reply(ERR .. 'stored state is invalid')
     end
   end
   -- The entries that have left the window, at the front.
   local pos = 1
-  while pos <= #log do
-    local a, b, e = match(log, '^(%d+):(%d+)()', pos)
-    local t, c = int(a, now), int(b, MAX_COST)
-    if t == nil or c == nil or c < 1 or c > used or (e <= #log and sub(log, e, e) ~= ',') then
-      return err('stored state is invalid')
+  while pos <= n_log do
+    local e1, e2, e = match(log, '^(%d+):(%d+)()', pos)
+    local t = e1 and #e1 <= 16 and e1 + 0
+    local c = e2 and #e2 <= 16 and e2 + 0
+    if not (t and c and t <= now and c >= 1 and c <= used
+        and (e > n_log or byte(log, e) == 44)) then
+      return redis.error_reply(ERR .. 'stored state is invalid')
     end
     if t + w > now then
       break
@@ -502,60 +557,61 @@ if limit <= EXACT_LOG_MAX then
     used = used - c
     pos = e + 1
   end
-  if pos > #log then
+  if pos > n_log then
     if used ~= 0 then
-      return err('stored state is invalid')
+      return redis.error_reply(ERR .. 'stored state is invalid')
     end
     log = ''
   elseif pos > 1 then
     log = sub(log, pos)
   end
-  -- The newest entry: where it starts, its ms and cost.
-  local function newest()
-    local cut = string.find(log, ',[^,]*$', math.max(1, #log - 28))
-    local from = cut and cut + 1 or 1
-    local a, b = match(log, '^(%d+):(%d+)$', from)
-    local t, c = int(a, now), int(b, MAX_COST)
-    if t == nil or c == nil then
-      bad = true
-      return from, 0, 0
+  -- The newest entry: where it starts, its ms and cost (entries are at most 27 characters).
+  local from, newest, newest_c = 1, -1, 0
+  n_log = #log
+  if n_log > 0 then
+    local cut = find(log, ',[^,]*$', n_log > 28 and n_log - 28 or 1)
+    if cut then
+      from = cut + 1
     end
-    return from, t, c
-  end
-  local function append(c)
-    if log == '' then
-      log = fmt('%d:%d', now, c)
-    else
-      local from, t, lc = newest()
-      if t == now then
-        log = sub(log, 1, from - 1) .. fmt('%d:%d', now, lc + c)
-      else
-        log = log .. ',' .. fmt('%d:%d', now, c)
-      end
+    local e1, e2 = match(log, '^(%d+):(%d+)$', from)
+    newest = e1 and #e1 <= 16 and e1 + 0
+    newest_c = e2 and #e2 <= 16 and e2 + 0
+    if not (newest and newest_c and newest <= now) then
+      return redis.error_reply(ERR .. 'stored state is invalid')
     end
-    used = used + c
   end
-  if moved > 0 then
-    append(moved)
-  end
-  if cost == 0 then
+  -- Appended (merged into the newest entry when it is of this ms): what moved, and the cost.
+  local add = moved
+  if cost > 0 and cost <= lim and used + moved + cost <= lim then
     allowed, retry = 1, 0
-  elseif cost <= lim and used + cost <= lim then
+    add = add + cost
+  elseif cost == 0 then
     allowed, retry = 1, 0
-    append(cost)
   elseif cost > limit then
     allowed, retry = 0, -1
   else
     allowed = 0
-    retry = wait(function(need)
-      if need <= 0 then
-        return 0
-      end
+  end
+  if add > 0 then
+    if newest == now then
+      log = sub(log, 1, from - 1) .. fmt('%d:%d', now, newest_c + add)
+    elseif n_log > 0 then
+      log = log .. fmt(',%d:%d', now, add)
+      from = n_log + 2
+    else
+      log = fmt('%d:%d', now, add)
+    end
+    newest = now
+    used = used + add
+  end
+  if not retry then
+    -- The wait until need counted tokens have left: the entry where they add up.
+    local function free_in(need)
       local q, freed = 1, 0
-      while q <= #log do
-        local a, b, e = match(log, '^(%d+):(%d+)()', q)
-        local t, c = int(a, now), int(b, MAX_COST)
-        if t == nil or c == nil then
+      while need > 0 and q <= #log do
+        local e1, e2, e = match(log, '^(%d+):(%d+)()', q)
+        local t, c = e1 and e1 + 0, e2 and e2 + 0
+        if not (t and c) then
           bad = true
           return 0
         end
@@ -566,79 +622,119 @@ if limit <= EXACT_LOG_MAX then
         q = e + 1
       end
       return 0
-    end, used)
+    end
+    if cost <= lim then
+      retry = free_in(used + cost - lim)
+    end
+    if lim < limit and hu > 0 then
+      local r = free_in(used + cost - limit)
+      if hu - now > r then
+        r = hu - now
+      end
+      if not retry or r < retry then
+        retry = r
+      end
+    end
   end
   remaining = lim - used
   if remaining < 0 then
     remaining = 0
   end
   reset = 0
-  if log ~= '' then
-    local _, t = newest()
-    reset = t + w - now
+  if newest >= 0 and log ~= '' then
+    reset = newest + w - now
   end
   if bad then
-    return err('stored state is invalid')
+    return redis.error_reply(ERR .. 'stored state is invalid')
   end
-  if log ~= (st[1] or '') or used ~= u or (log ~= '' and not st[2]) then
-    out[#out + 1], out[#out + 2] = 'l', log
-    out[#out + 1], out[#out + 2] = 'u', fmt('%d', used)
+  if log ~= (st[1] or '') or used ~= u or not su then
+    out[5], out[6], out[7], out[8] = 'l', log, 'u', fmt('%d', used)
   end
   if counts then
-    drop[#drop + 1], drop[#drop + 2], drop[#drop + 3], drop[#drop + 4], drop[#drop + 5] =
-      'c', 'w', 'b', 's', 'a'
+    drop = 'c'
   end
 else
-  local log = st[1]
-  if log and log ~= '' then
+  if log ~= '' then
     -- An exact log: what it counts.
     local chars = 0
-    for a, b in string.gmatch(log, '(%d+):(%d+)') do
-      local t, c = int(a, now), int(b, MAX_COST)
-      if t == nil or c == nil or c < 1 then
-        return err('stored state is invalid')
+    for e1, e2 in string.gmatch(log, '(%d+):(%d+)') do
+      local t = #e1 <= 16 and e1 + 0
+      local c = #e2 <= 16 and e2 + 0
+      if not (t and c and t <= now and c >= 1 and c <= MAX_COST) then
+        return redis.error_reply(ERR .. 'stored state is invalid')
       end
-      chars = chars + #a + #b + 2
+      chars = chars + #e1 + #e2 + 2
       if t + w > now then
         moved = moved + c
       end
     end
-    if chars - 1 ~= #log or string.find(log, '[^%d:,]') then
-      return err('stored state is invalid')
+    if chars - 1 ~= #log or find(log, '[^%d:,]') then
+      return redis.error_reply(ERR .. 'stored state is invalid')
     end
   end
+  -- A sub-window slot, checked.
+  local function slot(k)
+    local v = struct.unpack('<d', counts, 33 + 8 * k)
+    if not (v % 1 == 0 and v >= 0 and v <= MAX_CAP) then
+      bad = true
+      return 0
+    end
+    return v
+  end
+  local n
   if counts and cw ~= w then
-    moved = moved + counted()
+    -- Counters cut for another window: what they still count, counted as admitted now.
+    local i = (now - now % csub) / csub
+    local last = cb + cn
+    if i < last then
+      last = i
+    end
+    local left = cs
+    for j = cb + 1, last do
+      left = left - slot(j % cn)
+    end
+    if left < 0 then
+      bad = true
+    end
+    moved = moved + left
     counts = nil
   end
-  local sw, n = geometry(w)
-  local i = (now - fmod(now, sw)) / sw
-  if not counts then
-    counts, cw, cb, cs, ca = string.rep('\0', 8 * n), w, i, 0, 0
+  local sw = (w + 127 - (w + 127) % 128) / 128
+  local r = (w - 1) % sw
+  n = (w - 1 - r) / sw + 1
+  if r > 0 then
+    n = n + 1
+  end
+  local i = (now - now % sw) / sw
+  local body
+  if counts then
+    body = sub(counts, 33)
+  else
+    body, cw, cb, cs, ca = string.rep('\0', 8 * n), w, i, 0, 0
   end
   -- Advance to sub-window i: the sub-windows that leave the count are emptied.
   if i > cb then
     if i - cb >= n then
       for j = cb + 1, cb + n do
-        cs = cs - slot(fmod(j, n))
+        cs = cs - slot(j % n)
       end
-      counts = string.rep('\0', 8 * n)
+      body = string.rep('\0', 8 * n)
     else
       for j = cb + 1, i do
-        local k = fmod(j, n)
+        local k = j % n
         local v = slot(k)
         if v > 0 then
           cs = cs - v
-          set_slot(k, 0)
+          body = sub(body, 1, 8 * k) .. '\0\0\0\0\0\0\0\0' .. sub(body, 8 * k + 9)
         end
       end
     end
     cb = i
   end
-  if cs < 0 then
-    bad = true
+  if bad or cs < 0 then
+    return redis.error_reply(ERR .. 'stored state is invalid')
   end
-  local cur = fmod(i, n)
+  local cur = i % n
   local add = moved
   if moved > 0 then
     cs, ca = cs + moved, i
@@ -653,32 +749,42 @@ else
     allowed, retry = 0, -1
   else
     allowed = 0
-    retry = wait(function(need)
+    -- The moved tokens are in cs already; their slot is written below.
+    local v = { struct.unpack('<' .. string.rep('d', n), body) }
+    v[cur + 1] = v[cur + 1] + add
+    local from = i - n + 1
+    if from < 0 then
+      from = 0
+    end
+    local function free_in(need)
+      local freed = 0
       if need <= 0 then
         return 0
       end
-      -- The moved tokens are in cs already; their slot is written below.
-      local v = { struct.unpack('<' .. string.rep('d', n), counts) }
-      v[cur + 1] = v[cur + 1] + add
-      local from = i - n + 1
-      if from < 0 then
-        from = 0
-      end
-      local freed = 0
       for j = from, i do
-        freed = freed + v[fmod(j, n) + 1]
+        freed = freed + v[j % n + 1]
         if freed >= need then
           return (j + n) * sw - now
         end
       end
       return 0
-    end, cs)
+    end
+    if cost <= lim then
+      retry = free_in(cs + cost - lim)
+    end
+    if lim < limit and hu > 0 then
+      local rr = free_in(cs + cost - limit)
+      if hu - now > rr then
+        rr = hu - now
+      end
+      if not retry or rr < retry then
+        retry = rr
+      end
+    end
   end
   if add > 0 then
-    set_slot(cur, slot(cur) + add)
-  end
-  if bad then
-    return err('stored state is invalid')
+    local v = struct.unpack('<d', body, 8 * cur + 1)
+    body = sub(body, 1, 8 * cur) .. struct.pack('<d', v + add) .. sub(body, 8 * cur + 9)
   end
   remaining = lim - cs
   if remaining < 0 then
@@ -688,32 +794,27 @@ else
   if cs > 0 then
     reset = (ca + n) * sw - now
   end
-  out[#out + 1], out[#out + 2] = 'c', counts
-  out[#out + 1], out[#out + 2] = 'w', fmt('%d', cw)
-  out[#out + 1], out[#out + 2] = 'b', fmt('%d', cb)
-  out[#out + 1], out[#out + 2] = 's', fmt('%d', cs)
-  out[#out + 1], out[#out + 2] = 'a', fmt('%d', ca)
-  if st[1] then
-    drop[#drop + 1], drop[#drop + 2] = 'l', 'u'
+  out[5], out[6] = 'c', struct.pack('<dddd', cw, cb, cs, ca) .. body
+  if st[1] or su then
+    drop = 'l'
   end
 end
 
 if cost == 0 then
   return { 1, remaining, 0, reset }
 end
-if st[8] or st[9] or st[10] then
-  drop[#drop + 1], drop[#drop + 2], drop[#drop + 3] = 'ws', 'cu', 'pv'
-end
-if not st[11] or hl ~= tonumber(st[11]) then
-  out[#out + 1], out[#out + 2] = 'hl', fmt('%d', hl)
-end
-if hr ~= field(12, MAX_WINDOW_LIMIT) or hu ~= field(13, MAX_CAP) then
-  out[#out + 1], out[#out + 2] = 'hr', fmt('%d', hr)
-  out[#out + 1], out[#out + 2] = 'hu', fmt('%d', hu)
-end
 -- Writes, last: the index (the only write that can fail), then the state.
-if ad + dn == 0 and failed(redis.pcall('SADD', KEYS[3], KEYS[1])) then
-  return err('the activity index holds another type')
+if ad + dn == 0 and type(redis.pcall('SADD', k3, k1)) == 'table' then
+  return redis.error_reply(ERR .. 'the activity index holds another type')
+end
+local hold
+if hu > 0 then
+  hold = fmt('%d:%d:%d', hl, hr, hu)
+else
+  hold = fmt('%d', hl)
+end
+if hold ~= sh then
+  out[#out + 1], out[#out + 2] = 'h', hold
 end
 if allowed == 1 then
   out[#out + 1], out[#out + 2] = 'ad', fmt('%d', math.min(ad + cost, MAX_CAP))
@@ -730,15 +831,20 @@ if ttl < min_ttl then
   ttl = min_ttl
 end
 local set_ttl
-if st[17] == nil or now + ttl > x then
-  set_ttl = ttl + (ttl - fmod(ttl, 4)) / 4
+if not sx or now + ttl > x then
+  set_ttl = ttl + (ttl - ttl % 4) / 4
   out[#out + 1], out[#out + 2] = 'x', fmt('%d', now + set_ttl)
 end
-if #drop > 2 then
-  redis.call(unpack(drop))
+if drop == 'c' then
+  redis.call('HDEL', k1, 'c')
+elseif drop == 'l' then
+  redis.call('HDEL', k1, 'l', 'u')
+end
+if legacy then
+  redis.call('HDEL', k1, 'ws', 'cu', 'pv')
 end
 redis.call(unpack(out))
 if set_ttl then
-  redis.call('PEXPIRE', KEYS[1], fmt('%d', set_ttl))
+  redis.call('PEXPIRE', k1, fmt('%d', set_ttl))
 end
 return { allowed, remaining, retry, reset }

@@ -6,17 +6,22 @@
 # instruction ratios on a hot key, and on random keys memory adds to the µs.
 #
 #   crates/quota-store/benches/lua_instructions.sh [calls per run] [another token_bucket.lua]
+#       [another sliding_window.lua]
 #
 # Each run starts redis-server under valgrind on a free loopback port and sends the calls with
 # redis-benchmark: the keys and arguments of `benches/store.rs` (a daemon's: cost 1, fallback
 # capacity and refill, Redis TIME, the default minimum TTL, the period, a batch of 1), on one
 # hot key and on random keys of 100 000 tenants, with each bucket's parameters stored first
-# ("stored") or not ("fallback"). Needs valgrind, redis-server, redis-cli and redis-benchmark.
-# About 2.5 minutes at the default 3000 calls per run.
+# ("stored") or not ("fallback"). Then lua/sliding_window.lua with the daemon's arguments and
+# fallback parameters: 100 per second on the hot key (the exact log, full), 5 per 15 minutes
+# on random keys (the exact log, mostly new), 1000 per second on the hot key (sub-window
+# counters). Needs valgrind, redis-server, redis-cli and redis-benchmark. About 3.5 minutes at
+# the default 3000 calls per run.
 set -euo pipefail
 
 calls=${1:-3000}
 other=${2:-}
+other_window=${3:-}
 root=$(cd "$(dirname "$0")/../../.." && pwd)
 bench=$root/crates/quota-store/benches/lua
 work=$(mktemp -d)
@@ -65,6 +70,12 @@ measure() {
   if [ "$shape" = seed ]; then
     redis-benchmark -p "$port" -q -n "$calls" -r "$keyspace" -c 8 \
       EVALSHA "$sha" 1 "seed:$tag" "${seed_args[@]}" >/dev/null
+  elif [ "${shape%%:*}" = window ]; then
+    # window:<limit>:<window ms>
+    local wl=${shape#window:}
+    redis-benchmark -p "$port" -q -n "$calls" -r "$keyspace" -c 8 \
+      EVALSHA "$sha" 3 "qd:v1:$tag:logins:1:w" "qd:v1:$tag:logins:1:p" qd:v1:active \
+      1 "${wl%%:*}" "${wl#*:}" '' 60000 >/dev/null
   elif [ "$shape" = multi ]; then
     # The bench's two limits: the one above, and 1 000 000 tokens refilling 100 000 000 a day.
     redis-benchmark -p "$port" -q -n "$calls" -r "$keyspace" -c 8 \
@@ -102,6 +113,13 @@ for keys in hot random; do
   r[seed.$keys]=$(measure "$bench/seed_baseline.lua" "$keys" fallback seed)
 done
 r[multi]=$(measure "$root/lua/token_buckets.lua" random fallback multi)
+windows=("hot window:100:1000" "random window:5:900000" "hot window:1000:1000")
+for w in "${windows[@]}"; do
+  r[sw.$w]=$(measure "$root/lua/sliding_window.lua" "${w%% *}" fallback "${w#* }")
+  if [ -n "$other_window" ]; then
+    r[osw.$w]=$(measure "$other_window" "${w%% *}" fallback "${w#* }")
+  fi
+done
 
 ratio() { awk -v a="$1" -v b="$2" 'BEGIN { printf "%.2f", a / b }'; }
 row() { printf '  %-44s %10s %12s\n' "$1" "$2" "$3"; }
@@ -133,3 +151,14 @@ done
 echo "== two limits at once (token_buckets.lua, random keys, fallback) =="
 row "token_buckets.lua, 2 limits" "" "${r[multi]}"
 row "ratio ÷ 2 calls of token_bucket.lua" "" "$(ratio "${r[multi]}" $((2 * ${r[tb.random.fallback]})))"
+echo "== sliding_window.lua (fallback parameters) =="
+row "" "per call" "÷ token_bucket.lua"
+for w in "${windows[@]}"; do
+  keys=${w%% *}
+  wl=${w#*:}
+  label="${wl%%:*} per ${wl#*:} ms, $keys"
+  row "$label" "${r[sw.$w]}" "$(ratio "${r[sw.$w]}" "${r[tb.$keys.fallback]}")"
+  if [ -n "$other_window" ]; then
+    row "  compared script" "${r[osw.$w]}" "$(ratio "${r[osw.$w]}" "${r[tb.$keys.fallback]}")"
+  fi
+done

@@ -439,7 +439,9 @@ fn set_params_rejects_bad_arguments() {
         ),
         (
             "latest lease end in hex",
-            &["cap", "1", "rate", "1", "", "1000", "1", "1", "", "", "0x10"],
+            &[
+                "cap", "1", "rate", "1", "", "1000", "1", "1", "", "", "0x10",
+            ],
         ),
         (
             "too many",
@@ -796,4 +798,178 @@ fn wrong_types_repeated_keys_and_corrupt_state_are_errors_that_write_nothing() {
     );
     let n: u64 = redis::cmd("DBSIZE").query(&mut c).unwrap();
     assert_eq!(n, 0);
+}
+
+/// A hash's fields and values sorted by field (DUMP's order of a large hash moves with its
+/// table's rehashing, even on reads).
+fn hash_fields(c: &mut redis::Connection, key: &str) -> Vec<(String, Vec<u8>)> {
+    let mut v: Vec<(String, Vec<u8>)> = redis::cmd("HGETALL").arg(key).query(c).unwrap();
+    v.sort();
+    v
+}
+
+#[test]
+fn corrupt_window_states_are_errors_that_write_nothing() {
+    let server = RedisServer::start().unwrap();
+    let mut c = common::sync_conn(&server);
+    let w = "qd:v1:{bad}:x:1:w";
+    // c: window, newest sub-window, sum, latest admission's sub-window, then 126 counts.
+    let counters_of = |head: [f64; 4], slot1: f64| -> Vec<u8> {
+        let mut v: Vec<u8> = head.iter().flat_map(|x| x.to_le_bytes()).collect();
+        v.extend(std::iter::repeat_n(0u8, 8 * 126));
+        v[40..48].copy_from_slice(&slot1.to_le_bytes());
+        v
+    };
+    // 200 per 1000 ms (sub-window counters: 8 ms, 126 of them) at now 8, or 5 per 1000 ms
+    // (the exact log) at now 10 000.
+    let counters: &[&str] = &["1", "200", "1000", "8"];
+    let log: &[&str] = &["1", "5", "1000", "10000"];
+    let cf = |v: Vec<u8>| vec![("c", v)];
+    let cases: Vec<(&str, Vec<(&str, Vec<u8>)>, &[&str])> = vec![
+        (
+            "garbage log",
+            vec![("l", b"x:1".to_vec()), ("u", b"1".to_vec())],
+            log,
+        ),
+        ("log without sum", vec![("l", b"5:1,x".to_vec())], log),
+        (
+            "sum above the log",
+            vec![("l", b"5:1".to_vec()), ("u", b"3".to_vec())],
+            log,
+        ),
+        ("sum without a log", vec![("u", b"2".to_vec())], log),
+        (
+            "log entry in the future",
+            vec![("l", b"20000:1".to_vec()), ("u", b"1".to_vec())],
+            log,
+        ),
+        ("counters too short", cf(b"short".to_vec()), counters),
+        (
+            "counters of another length",
+            cf(counters_of([300.0, 0.0, 0.0, 0.0], 0.0)),
+            counters,
+        ),
+        (
+            "counters of no window",
+            cf(counters_of([0.0, 0.0, 0.0, 0.0], 0.0)),
+            counters,
+        ),
+        (
+            "negative sum",
+            cf(counters_of([1000.0, 0.0, -1.0, 0.0], 0.0)),
+            counters,
+        ),
+        (
+            "latest admission after the newest",
+            cf(counters_of([1000.0, 0.0, 0.0, 1.0], 0.0)),
+            counters,
+        ),
+        (
+            "NaN counter",
+            cf(counters_of([1000.0, 0.0, 5.0, 0.0], f64::NAN)),
+            counters,
+        ),
+        (
+            "fractional counter",
+            cf(counters_of([1000.0, 0.0, 5.0, 0.0], 1.5)),
+            counters,
+        ),
+        (
+            "counter above the sum",
+            cf(counters_of([1000.0, 0.0, 5.0, 0.0], 9.0)),
+            counters,
+        ),
+        (
+            "NaN header",
+            cf(counters_of([1000.0, f64::NAN, 5.0, 0.0], 0.0)),
+            counters,
+        ),
+        ("fractional held limit", vec![("h", b"1.5".to_vec())], log),
+        (
+            "raise below the held limit",
+            vec![("h", b"5:3:100".to_vec())],
+            log,
+        ),
+        ("raise without a time", vec![("h", b"1:5:0".to_vec())], log),
+        (
+            "held limit above the bound",
+            vec![("h", b"1000000001".to_vec())],
+            log,
+        ),
+    ];
+    for (case, fields, args) in cases {
+        let _: () = redis::cmd("FLUSHALL").query(&mut c).unwrap();
+        let mut q = redis::cmd("HSET");
+        q.arg(w);
+        for (f, v) in &fields {
+            q.arg(*f).arg(v.as_slice());
+        }
+        let _: () = q.query(&mut c).unwrap();
+        let before = hash_fields(&mut c, w);
+        assert_quotad_error(eval(&mut c, SLIDING_WINDOW_LUA, &[w, P, IX], args), case);
+        assert_eq!(hash_fields(&mut c, w), before, "{case}");
+        let size: u64 = redis::cmd("DBSIZE").query(&mut c).unwrap();
+        assert_eq!(size, 1, "{case}: a refused call wrote");
+    }
+}
+
+/// Window states in the two-counter layout, or a log without its sum, are read, not refused:
+/// every token they may still count is counted as admitted now, which errs toward denying.
+#[test]
+fn window_states_of_the_two_counter_layout_err_toward_denying() {
+    let server = RedisServer::start().unwrap();
+    let mut c = common::sync_conn(&server);
+    let w = "qd:v1:{old}:x:1:w";
+    let p = "qd:v1:{old}:x:1:p";
+    let ix = "qd:v1:{old}:active";
+    let call = |c: &mut redis::Connection, args: &[&str]| -> Vec<i64> {
+        let v = eval(c, SLIDING_WINDOW_LUA, &[w, p, ix], args).unwrap();
+        redis::from_redis_value(v).unwrap()
+    };
+    // 150 in [1000, 2000) and 100 before: the two-counter estimate at 2500 was 150 (the
+    // current window over), but both counters count until 3000 here.
+    let _: () = redis::cmd("HSET")
+        .arg(w)
+        .arg(&["ws", "1000", "cu", "150", "pv", "100", "ts", "1900"][..])
+        .query(&mut c)
+        .unwrap();
+    assert_eq!(call(&mut c, &["0", "300", "1000", "2500"])[1], 50);
+    let d = call(&mut c, &["51", "300", "1000", "2500"]);
+    assert_eq!(d[0], 0, "{d:?}");
+    let old: Vec<Option<String>> = redis::cmd("HMGET")
+        .arg(w)
+        .arg(&["ws", "cu", "pv"][..])
+        .query(&mut c)
+        .unwrap();
+    assert_eq!(old, [None, None, None]);
+    // The counters' sum (their third double) holds all 250.
+    let counters: Vec<u8> = redis::cmd("HGET").arg(w).arg("c").query(&mut c).unwrap();
+    assert_eq!(
+        f64::from_le_bytes(counters[16..24].try_into().unwrap()),
+        250.0
+    );
+    // Past 2 windows after its start nothing of it counts.
+    let _: () = redis::cmd("DEL").arg(w).query(&mut c).unwrap();
+    let _: () = redis::cmd("HSET")
+        .arg(w)
+        .arg(&["ws", "1000", "cu", "150", "pv", "100", "ts", "1900"][..])
+        .query(&mut c)
+        .unwrap();
+    assert_eq!(call(&mut c, &["0", "300", "1000", "3000"])[1], 300);
+    // A log without its sum is summed once, then kept with it.
+    let _: () = redis::cmd("DEL").arg(w).query(&mut c).unwrap();
+    let _: () = redis::cmd("HSET")
+        .arg(w)
+        .arg(&["l", "100:3,900:2", "ts", "900"][..])
+        .query(&mut c)
+        .unwrap();
+    assert_eq!(call(&mut c, &["1", "5", "1000", "1000"])[..2], [0, 0]);
+    let d = call(&mut c, &["3", "5", "1000", "1100"]);
+    assert_eq!(d[..2], [1, 0]);
+    let log: Vec<String> = redis::cmd("HMGET")
+        .arg(w)
+        .arg(&["l", "u"][..])
+        .query(&mut c)
+        .unwrap();
+    assert_eq!(log, ["900:2,1100:3", "5"]);
 }

@@ -270,11 +270,7 @@ fn run_bucket(
 fn window_state(conn: &mut redis::Connection, k: &str) -> Result<WindowState, String> {
     let got: Vec<Option<String>> = redis::cmd("HMGET")
         .arg(k)
-        .arg(
-            &[
-                "l", "u", "w", "b", "s", "a", "ws", "cu", "pv", "hl", "hr", "hu", "ts",
-            ][..],
-        )
+        .arg(&["l", "u", "h", "ws", "cu", "pv", "ts"][..])
         .query(conn)
         .unwrap();
     let counts: Option<Vec<u8>> = redis::cmd("HGET").arg(k).arg("c").query(conn).unwrap();
@@ -283,24 +279,33 @@ fn window_state(conn: &mut redis::Connection, k: &str) -> Result<WindowState, St
     if got[0].is_some() && field(&got[1]) != sum {
         return Err(format!("u {:?} is not the log's sum {sum}", got[1]));
     }
+    // c: window, newest sub-window, sum, latest admission's sub-window, then the counts.
+    let c: Vec<u64> = counts
+        .unwrap_or_default()
+        .chunks(8)
+        .map(|c| f64::from_le_bytes(c.try_into().unwrap()) as u64)
+        .collect();
+    let (head, counts) = c.split_at(c.len().min(4));
+    let at = |i: usize| head.get(i).copied().unwrap_or(0);
+    // h: the held limit, or held:raise:at.
+    let h: Vec<u64> = got[2]
+        .as_deref()
+        .map(|h| h.split(':').map(|v| v.parse().unwrap()).collect())
+        .unwrap_or_default();
     Ok(WindowState {
         log,
-        counts: counts
-            .unwrap_or_default()
-            .chunks(8)
-            .map(|c| f64::from_le_bytes(c.try_into().unwrap()) as u64)
-            .collect(),
-        counts_window_ms: field(&got[2]),
-        sub: field(&got[3]),
-        sum: field(&got[4]),
-        last_sub: field(&got[5]),
-        win_start_ms: field(&got[6]),
-        cur: field(&got[7]),
-        prev: field(&got[8]),
-        held_limit: got[9].as_ref().map(|v| v.parse().unwrap()),
-        raise_to: field(&got[10]),
-        raise_at_ms: field(&got[11]),
-        ts_ms: field(&got[12]),
+        counts: counts.to_vec(),
+        counts_window_ms: at(0),
+        sub: at(1),
+        sum: at(2),
+        last_sub: at(3),
+        win_start_ms: field(&got[3]),
+        cur: field(&got[4]),
+        prev: field(&got[5]),
+        held_limit: h.first().copied(),
+        raise_to: h.get(1).copied().unwrap_or(0),
+        raise_at_ms: h.get(2).copied().unwrap_or(0),
+        ts_ms: field(&got[6]),
     })
 }
 
