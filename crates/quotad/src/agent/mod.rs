@@ -10,7 +10,9 @@
 //!   succeeded it acknowledges the view's epoch. A pass writes only buckets whose parameters
 //!   changed, renewals that are due, and everything when the store is a new instance (a
 //!   restarted Redis is empty), [`WRITE_CONCURRENCY`] at a time. Each write carries the lease
-//!   end and the floor, so the store falls back on its own if this daemon dies. With the store
+//!   end (also mapped onto the store's clock, [`store_clock`], so no stored end outlasts the
+//!   region's lease) and the floor, so the store falls back on its own if this daemon dies.
+//!   A pass that cannot read the store's clock writes nothing. With the store
 //!   unreachable it still acknowledges once the store cannot hold more than the epoch grants
 //!   (no share was cut, or the cut share's stored lease ran out): the `local` fail mode
 //!   enforces the granted share in process, and the region's lease must not lapse meanwhile.
@@ -324,7 +326,8 @@ pub async fn run_drain(
 /// renews those due, and rewrites everything once the store was replaced. True if every write
 /// succeeded; with the writes that succeeded and that failed.
 ///
-/// While the lease holds, each write carries the time left on it and the floor: the store drops
+/// While the lease holds, each write carries the time left on it, its end on the store's clock
+/// (the store keeps the earlier end, however late the write runs) and the floor: the store drops
 /// to the floor at the lease end by itself, so if this daemon dies, its Redis (which gateways
 /// may call directly) stops holding share the coordinator gives elsewhere. A bucket's stored
 /// end is renewed once half of it has passed, so it trails the lease by at most about half a
