@@ -37,3 +37,20 @@ pub fn monotonic_ms() -> u64 {
     let origin = *ORIGIN.get_or_init(|| now.checked_sub(ORIGIN_BEFORE).unwrap_or(now));
     now.saturating_duration_since(origin).as_millis() as u64
 }
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use super::*;
+
+    /// The lease scale runs on tokio's clock: a paused test moves it, and only by what it
+    /// advances.
+    #[tokio::test(start_paused = true)]
+    async fn monotonic_ms_follows_the_tokio_clock() {
+        let start = monotonic_ms();
+        assert!(start > 0, "0 means no lease");
+        tokio::time::advance(Duration::from_millis(1_500)).await;
+        assert_eq!(monotonic_ms() - start, 1_500);
+    }
+}
