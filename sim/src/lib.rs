@@ -21,6 +21,8 @@
 //! - [`simulation`]: the engine that runs a scenario.
 //! - [`per_subject`]: the `per_subject` scenario: 100 000 subjects of one plan, in an engine of
 //!   its own.
+//! - [`sliding_window`]: "at most N in any W" policies split over the regions, decided by
+//!   `quota_core::window`, in a small engine of their own.
 //! - [`report`], [`plot`]: table, CSV and JSON output; SVG plots.
 //! - [`options`]: the command line.
 
@@ -35,6 +37,7 @@ pub mod regional_store;
 pub mod report;
 pub mod scenario;
 pub mod simulation;
+pub mod sliding_window;
 pub mod strategy;
 pub mod traffic;
 pub mod world;

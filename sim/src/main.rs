@@ -8,10 +8,10 @@ use std::time::Instant;
 use anyhow::Context;
 use clap::Parser;
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
-use sim::options::Options;
+use sim::options::{Format, Options};
 use sim::per_subject::SubjectRun;
 use sim::simulation::ScenarioRun;
-use sim::{per_subject, plot, report};
+use sim::{per_subject, plot, report, sliding_window};
 
 fn main() {
     if let Err(e) = run() {
@@ -62,7 +62,13 @@ fn run() -> anyhow::Result<()> {
         per_subject.then(|| per_subject::run(&opts.subject_config(&cfg), &mut |n| bar.inc(n)));
     bar.finish_and_clear();
 
-    let stdout = report::render(opts.format, &runs, subjects.as_ref());
+    let mut stdout = report::render(opts.format, &runs, subjects.as_ref());
+    // The default suite's table ends with sliding-window policies (a small engine of their
+    // own; not in the CSV or JSON documents).
+    if opts.scenarios.is_empty() && opts.format == Format::Table {
+        let rows = sliding_window::run(cfg.seed, cfg.regions, cfg.duration_ms);
+        stdout = stdout + "\n" + &sliding_window::table(&rows);
+    }
     std::io::stdout()
         .lock()
         .write_all(stdout.as_bytes())

@@ -800,6 +800,9 @@ fn wrong_types_repeated_keys_and_corrupt_state_are_errors_that_write_nothing() {
     assert_eq!(n, 0);
 }
 
+/// Fields to write into a hash.
+type Fields = Vec<(&'static str, Vec<u8>)>;
+
 /// A hash's fields and values sorted by field (DUMP's order of a large hash moves with its
 /// table's rehashing, even on reads).
 fn hash_fields(c: &mut redis::Connection, key: &str) -> Vec<(String, Vec<u8>)> {
@@ -825,7 +828,7 @@ fn corrupt_window_states_are_errors_that_write_nothing() {
     let counters: &[&str] = &["1", "200", "1000", "8"];
     let log: &[&str] = &["1", "5", "1000", "10000"];
     let cf = |v: Vec<u8>| vec![("c", v)];
-    let cases: Vec<(&str, Vec<(&str, Vec<u8>)>, &[&str])> = vec![
+    let cases: Vec<(&str, Fields, &[&str])> = vec![
         (
             "garbage log",
             vec![("l", b"x:1".to_vec()), ("u", b"1".to_vec())],
