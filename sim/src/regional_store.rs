@@ -10,9 +10,7 @@
 //! Every call that reaches a Redis (a decision, a reservation, a refund) is counted, so
 //! strategies can be compared by the store calls they make per decision.
 
-use quota_core::bucket::{
-    decide, next_admission_ms, refund, reserve, BucketParams, BucketState,
-};
+use quota_core::bucket::{decide, next_admission_ms, refund, reserve, BucketParams, BucketState};
 use quota_core::FailMode;
 use serde::Serialize;
 
