@@ -23,7 +23,7 @@ use crate::decision::breaker::Breaker;
 use crate::decision::{Decider, DeciderParts};
 use crate::secret::Secret;
 use crate::tokens::Tokens;
-use crate::{agent, envoy_rls, eviction, redis_password, telemetry};
+use crate::{agent, decision, envoy_rls, eviction, redis_password, telemetry};
 use quota_raft::tls::{PeerHttp, ServerTls};
 
 /// Resolves once SIGTERM or Ctrl-C arrives.
@@ -370,6 +370,11 @@ fn background_tasks(
     )));
     tasks.push(tokio::spawn(sweep_reservations(
         state.decider.clone(),
+        stop_rx.clone(),
+    )));
+    tasks.push(tokio::spawn(decision::exposure::run_metrics(
+        state.decider.clone(),
+        cfg.coordination.drift_margin_ms,
         stop_rx.clone(),
     )));
     tasks.push(tokio::spawn(eviction::run(

@@ -75,6 +75,12 @@ pub const REDIS_MAY_EVICT: &str = "quotad_redis_may_evict";
 /// Keys the regional Redis evicted since it started (`INFO stats` `evicted_keys`; summed over
 /// a Cluster's masters).
 pub const REDIS_EVICTED_KEYS_TOTAL: &str = "quotad_redis_evicted_keys_total";
+/// This region's enforced share averaged over every policy it holds, 0 to 1 (summed over
+/// regions, at most 1), every [`METRICS_UPKEEP_INTERVAL`].
+pub const SHARE_MEAN: &str = "quotad_share_mean";
+/// The allowance's `worst_case_overshoot_tokens` summed over every policy: what this region
+/// could admit beyond the budgets if it were cut off, or lost its Redis, now.
+pub const WORST_CASE_OVERSHOOT_TOKENS: &str = "quotad_worst_case_overshoot_tokens";
 
 /// Latency buckets in seconds, set explicitly so Prometheus gets histograms, not summaries.
 const LATENCY_BUCKETS: &[f64] = &[

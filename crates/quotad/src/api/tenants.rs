@@ -18,7 +18,7 @@ use quota_store::{BucketRef, Limit};
 
 use crate::clock;
 use crate::coordination::{tenant_policies, CoordError};
-use crate::decision::{is_embedded, outage};
+use crate::decision::{exposure, is_embedded};
 
 /// A tenant id as a client may name it: valid, and not reserved (an identity's hash or an
 /// internal subject), so a crafted tenant id can never alias an identity or a plan.
@@ -391,16 +391,8 @@ pub struct AllowanceView {
 
 /// A tenant's global budgets and where they are.
 ///
-/// The worst-case overshoot if this region were cut off now: the region keeps enforcing its
-/// share until its lease ends (drift margin early by its clock) and the coordinator reuses the
-/// non-floor part only after the lease ends (drift margin late by its clock), so by design no
-/// token is granted twice. What can still be spent twice is the refill of the non-floor share
-/// over the two drift margins if clocks drift beyond the bound, plus tokens the cut-off bucket
-/// holds at that moment: `(share − floor) · (C + r · 2 · margin)`. Plus what an outage of
-/// this region's Redis can add under the policy's `local` fail mode: nothing for a token
-/// bucket, which continues in process from Redis's last answer and is charged back; the
-/// enforced share's limit for a sliding window, whose in-process window starts unspent
-/// (`decision::outage`). An embedded store has no outage.
+/// The worst-case overshoot if this region were cut off, or lost its Redis, now: see
+/// `decision::exposure`.
 #[utoipa::path(
     get,
     path = "/v1/tenants/{tenant}/allowance",
@@ -449,22 +441,17 @@ pub async fn allowance(
                 (limit as f64, limit as f64 * 1000.0 / window_ms as f64)
             }
         };
-        let rate_tokens_per_s = p.rate_ut_per_s() as f64 / UT as f64;
-        let non_floor = frac(enforced.saturating_sub(p.whole_floor_ppm()));
         // A lease that never ends (a single region) is never reused elsewhere: nothing to spend
         // twice.
         let leased = grant.is_some() && lease_of(&region).is_some();
-        let cut_off = if leased {
-            non_floor * (p.burst as f64 + rate_tokens_per_s * 2.0 * margin_ms as f64 / 1000.0)
-        } else {
-            0.0
-        };
-        let redis_out = if p.fail_mode == FailMode::Local && !is_embedded(state.decider.store()) {
-            outage::overshoot_tokens(&limit)
-        } else {
-            0.0
-        };
-        let overshoot = cut_off + redis_out;
+        let overshoot = exposure::worst_case_overshoot_tokens(
+            p,
+            enforced,
+            &limit,
+            leased,
+            margin_ms,
+            is_embedded(state.decider.store()),
+        );
         policies.push(PolicyAllowance {
             policy: name.as_str().to_string(),
             limit: p.limit,

@@ -27,10 +27,12 @@
 //!   answers and charged back to it; the store as decisions see it ([`outage::Regional`]).
 //! - [`breaker`], [`denials`], [`reservations`]: the state the local path keeps; [`multi`]:
 //!   checks of several limits at once.
+//! - [`exposure`]: what this region could admit beyond a budget if cut off or without Redis.
 
 pub mod breaker;
 mod check;
 pub mod denials;
+pub mod exposure;
 mod fail_mode;
 mod forward;
 mod local;
