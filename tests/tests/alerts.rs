@@ -12,7 +12,8 @@
 //!   the chosen region's series when `$region` names one;
 //! - with region b's Redis killed, `QuotadStoreDegraded` and `QuotadDegradedDecisions` go
 //!   pending for b, and with region c cut off, `QuotadOnFloors` goes pending for c once its
-//!   lease has run out, each naming only that region; no other alert names another region.
+//!   lease has run out, each naming only that region; no other alert names another region
+//!   (`QuotadStoreSlow` aside, which a loaded test host can set off anywhere).
 //!
 //! `promtool` and `prometheus` come from Debian's `prometheus` package
 //! (`scripts/fetch-prometheus.sh` unpacks them into `target/prometheus`);
@@ -208,8 +209,17 @@ async fn a_real_prometheus_evaluates_the_rules_against_a_three_region_cluster() 
     assert!(unhealthy.is_empty(), "rules failing: {unhealthy:?}");
     // A few more evaluations with rates over several scrapes.
     tokio::time::sleep(Duration::from_secs(3)).await;
+    // QuotadStoreSlow watches Redis's p99 against 10 ms: a debug daemon on a loaded test host
+    // crosses that with a handful of slow calls, so it may go pending here whatever the code
+    // does, here and below. It is held to firing in its promtool unit test instead.
+    let healthy_alerts: Vec<_> = prometheus
+        .alerts()
+        .await?
+        .into_iter()
+        .filter(|a| a.0 != "QuotadStoreSlow")
+        .collect();
     assert_eq!(
-        prometheus.alerts().await?,
+        healthy_alerts,
         Vec::new(),
         "alerts while healthy; leader series: {:?}",
         prometheus.query("quotad_raft_is_leader").await?
@@ -248,12 +258,10 @@ async fn a_real_prometheus_evaluates_the_rules_against_a_three_region_cluster() 
             !matches!(
                 (a.0.as_str(), a.1.as_str()),
                 (
-                    "QuotadStoreDegraded"
-                        | "QuotadDegradedDecisions"
-                        | "QuotadStoreErrors"
-                        | "QuotadStoreSlow",
+                    "QuotadStoreDegraded" | "QuotadDegradedDecisions" | "QuotadStoreErrors",
                     "b"
                 ) | ("QuotadOnFloors" | "QuotadLeaseRenewalsFailing", "c")
+                    | ("QuotadStoreSlow", _)
             )
         })
         .collect();
