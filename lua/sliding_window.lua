@@ -672,7 +672,7 @@ else
       return redis.error_reply(ERR .. 'stored state is invalid')
     end
   end
-  -- A sub-window slot, checked.
+  -- Slot k of the counters (0-based, after the 32-byte header), checked.
   local function slot(k)
     local v = struct.unpack('<d', counts, 33 + 8 * k)
     if not (v % 1 == 0 and v >= 0 and v <= MAX_CAP) then
@@ -681,7 +681,6 @@ else
     end
     return v
   end
-  local n
   if counts and cw ~= w then
     -- Counters cut for another window: what they still count, counted as admitted now.
     local i = (now - now % csub) / csub
@@ -701,40 +700,34 @@ else
   end
   local sw = (w + 127 - (w + 127) % 128) / 128
   local r = (w - 1) % sw
-  n = (w - 1 - r) / sw + 1
+  local n = (w - 1 - r) / sw + 1
   if r > 0 then
     n = n + 1
   end
   local i = (now - now % sw) / sw
-  local body
-  if counts then
-    body = sub(counts, 33)
-  else
-    body, cw, cb, cs, ca = string.rep('\0', 8 * n), w, i, 0, 0
+  local cur = i % n
+  local fresh = not counts
+  if fresh then
+    counts, cw, cb, cs, ca = string.rep('\0', 32 + 8 * n), w, i, 0, 0
   end
-  -- Advance to sub-window i: the sub-windows that leave the count are emptied.
-  if i > cb then
-    if i - cb >= n then
-      for j = cb + 1, cb + n do
-        cs = cs - slot(j % n)
-      end
-      body = string.rep('\0', 8 * n)
-    else
-      for j = cb + 1, i do
-        local k = j % n
-        local v = slot(k)
-        if v > 0 then
-          cs = cs - v
-          body = sub(body, 1, 8 * k) .. '\0\0\0\0\0\0\0\0' .. sub(body, 8 * k + 9)
-        end
-      end
-    end
-    cb = i
+  -- Advance to sub-window i: the sub-windows that leave the count (cb + 1 .. i, at most n of
+  -- them) are emptied; the slots keep their values until the one write below.
+  local first = cb + 1
+  if i - cb > n then
+    first = i - n + 1
   end
+  for j = first, i do
+    cs = cs - slot(j % n)
+  end
+  local advanced = i > cb
   if bad or cs < 0 then
     return redis.error_reply(ERR .. 'stored state is invalid')
   end
-  local cur = i % n
+  -- What slot cur holds now: emptied if advanced to it.
+  local cur_v = 0
+  if not advanced then
+    cur_v = slot(cur)
+  end
   local add = moved
   if moved > 0 then
     cs, ca = cs + moved, i
@@ -749,20 +742,25 @@ else
     allowed, retry = 0, -1
   else
     allowed = 0
-    -- The moved tokens are in cs already; their slot is written below.
-    local v = { struct.unpack('<' .. string.rep('d', n), body) }
-    v[cur + 1] = v[cur + 1] + add
     local from = i - n + 1
     if from < 0 then
       from = 0
     end
+    -- The wait until need counted tokens have left: the sub-window, oldest first, where they
+    -- add up (the slots of cb + 1 .. i - 1 still hold sub-windows that have left; slot cur
+    -- holds cur_v and what moved).
     local function free_in(need)
       local freed = 0
       if need <= 0 then
         return 0
       end
       for j = from, i do
-        freed = freed + v[j % n + 1]
+        local k = j % n
+        if j == i then
+          freed = freed + cur_v + add
+        elseif j <= cb then
+          freed = freed + struct.unpack('<d', counts, 33 + 8 * k)
+        end
         if freed >= need then
           return (j + n) * sw - now
         end
@@ -782,10 +780,6 @@ else
       end
     end
   end
-  if add > 0 then
-    local v = struct.unpack('<d', body, 8 * cur + 1)
-    body = sub(body, 1, 8 * cur) .. struct.pack('<d', v + add) .. sub(body, 8 * cur + 9)
-  end
   remaining = lim - cs
   if remaining < 0 then
     remaining = 0
@@ -794,7 +788,27 @@ else
   if cs > 0 then
     reset = (ca + n) * sw - now
   end
-  out[5], out[6] = 'c', struct.pack('<dddd', cw, cb, cs, ca) .. body
+  if advanced or add > 0 or fresh then
+    -- One new string: the header, the slots before the emptied run, zeros, slot cur, the rest.
+    local head = struct.pack('<dddd', w, i, cs, ca)
+    local v = struct.pack('<d', cur_v + add)
+    local o = 32 + 8 * cur -- bytes before slot cur
+    if not advanced then
+      counts = head .. sub(counts, 33, o) .. v .. sub(counts, o + 9)
+    elseif i - cb >= n then
+      counts = head .. string.rep('\0', 8 * cur) .. v .. string.rep('\0', 8 * (n - cur - 1))
+    else
+      local s0 = (cb + 1) % n -- the first emptied slot; the run ends at cur
+      if s0 <= cur then
+        counts = head .. sub(counts, 33, 32 + 8 * s0) .. string.rep('\0', 8 * (cur - s0)) .. v
+          .. sub(counts, o + 9)
+      else
+        counts = head .. string.rep('\0', 8 * cur) .. v .. sub(counts, o + 9, 32 + 8 * s0)
+          .. string.rep('\0', 8 * (n - s0))
+      end
+    end
+    out[5], out[6] = 'c', counts
+  end
   if st[1] or su then
     drop = 'l'
   end
