@@ -524,8 +524,7 @@ if limit <= EXACT_LOG_MAX then
   local n_log = #log
   local used = u
   if n_log > 0 and not su then
-    -- No sum stored (a log written by set_params.lua or of the two-counter layout's time):
-    -- read whole, once.
+    -- No sum stored (a log set_params.lua wrote, or one kept without u): read whole, once.
     local chars = 0
     used = 0
     for e1, e2 in string.gmatch(log, '(%d+):(%d+)') do
