@@ -43,7 +43,58 @@ both_stores!(
     cleared_params_and_state_are_gone,
     listed_params_are_those_held,
     a_changed_policy_keeps_what_was_spent,
+    a_moved_window_share_cuts_at_once_and_raises_after_a_window,
 );
+
+/// Issue 36: share of a sliding window moves between two regions (each a store of its own, as
+/// each region has its own Redis). The losing region's cut applies at once; the gaining
+/// region's raise only once it has stood a window, so the two never admit more than the
+/// budget in one window, though the loser spent its whole share just before the move.
+async fn a_moved_window_share_cuts_at_once_and_raises_after_a_window<S: Store>(s: &S) {
+    let (a, b) = (fresh_bucket("moved-a"), fresh_bucket("moved-b"));
+    let w = |limit| Limit::SlidingWindow {
+        limit,
+        window_ms: 60_000,
+    };
+    let set = |bucket: &quota_store::BucketRef, limit, now| {
+        SetParams::new(bucket.clone(), w(limit)).at(now)
+    };
+    // A budget of 10: 5 each. Region a spends its 5 at T0, region b one of its 5.
+    s.set_params(&set(&a, 5, T0)).await.unwrap();
+    s.set_params(&set(&b, 5, T0)).await.unwrap();
+    assert!(s.check(&req(&a, w(5), 5, Some(T0))).await.unwrap().allowed);
+    assert!(s.check(&req(&b, w(5), 1, Some(T0))).await.unwrap().allowed);
+    // At T0 + 1 s region a gives 4 to region b: a is cut to 1, b raised to 9.
+    let moved = T0 + 1000;
+    s.set_params(&set(&a, 1, moved)).await.unwrap();
+    s.set_params(&set(&b, 9, moved)).await.unwrap();
+    let d = s.check(&req(&a, w(1), 1, Some(moved))).await.unwrap();
+    assert_eq!((d.allowed, d.remaining), (false, 0));
+    // b decides on its old 5 until the raise has stood a window: 4 more now, not 8.
+    let d = s.check(&req(&b, w(9), 5, Some(moved))).await.unwrap();
+    assert_eq!((d.allowed, d.remaining), (false, 4));
+    assert_eq!(
+        d.retry_after_ms,
+        Some(59_000),
+        "b's first token leaves at T0 + 60 s"
+    );
+    let d = s.check(&req(&b, w(9), 4, Some(moved))).await.unwrap();
+    assert_eq!((d.allowed, d.remaining), (true, 0));
+    // T0 + 60 s: a's 5 and b's first leave the window; b is still held at 5 (4 counted).
+    let d = s.check(&req(&b, w(9), 2, Some(T0 + 60_000))).await.unwrap();
+    assert_eq!((d.allowed, d.remaining), (false, 1));
+    assert_eq!(
+        d.retry_after_ms,
+        Some(1000),
+        "the raise applies at T0 + 61 s"
+    );
+    // T0 + 61 s: the raise applies as b's 4 of T0 + 1 s leave: all 9 fit.
+    let d = s
+        .check(&req(&b, w(9), 9, Some(moved + 60_000)))
+        .await
+        .unwrap();
+    assert_eq!((d.allowed, d.remaining), (true, 0));
+}
 
 /// Issue 22: a changed policy (a new version, a new bucket) keeps what the old bucket had
 /// spent: drained stays drained, a raised limit gives only the difference, and a repeated write
