@@ -60,8 +60,7 @@ pub const MAX_WINDOW_LIMIT: u64 = 1_000_000_000;
 /// 31-day window holds up to 840 725 tokens.
 pub const MAX_WINDOW_PRODUCT: u64 = 1 << 51;
 
-/// The largest sliding-window limit kept as an exact log; above it the counter approximation
-/// applies.
+/// The largest sliding-window limit kept as an exact log; above it sub-window counters apply.
 pub const EXACT_LOG_MAX: u64 = 128;
 
 // The bounds keep the scripts' arithmetic below 2^53; checked when the crate compiles.

@@ -27,12 +27,14 @@
 //! share, all it held, and those tokens count in every window up to `window_ms` later. So the
 //! window remembers the limit it enforced (`held_limit`) and raises it only once a raise has
 //! stood for `window_ms` (`raise_at_ms`); a raise above a pending one restarts the wait, a
-//! lower limit cancels it. A window with no state takes the limit it is given.
+//! limit at or below the held one cancels it. A window with no state takes the limit it is
+//! given.
 //!
 //! **Changed representation.** A switch between the two (the limit crossing `EXACT_LOG_MAX`),
-//! a changed `window_ms` under counters and the counters of the earlier two-counter layout are
-//! converted by counting every token the old state still counts as admitted now: it errs toward
-//! denying, never toward admitting more.
+//! a changed `window_ms` under counters, and the two-counter fields (`win_start_ms`, `cur`,
+//! `prev`: a state of that layout, or what [`carry_over`] writes) are converted by counting
+//! every token the old state still counts as admitted now: it errs toward denying, never toward
+//! admitting more.
 //!
 //! Denied requests are not recorded: a client hammering a closed window does not extend it.
 //! Time is whole milliseconds and, as for the bucket, a clock stepping back is clamped: the
