@@ -9,6 +9,7 @@ use crate::metrics::Summary;
 use crate::options::Format;
 use crate::per_subject::{SubjectRow, SubjectRun};
 use crate::simulation::ScenarioRun;
+use crate::sliding_window::WindowRow;
 
 /// The CSV header, also the column order of the table (which leaves out the raw counts).
 pub const CSV_HEADER: &str = "scenario,strategy,overshoot_window,overshoot_1s,goodput,\
@@ -44,7 +45,17 @@ fn conv(s: &Summary) -> String {
 /// What `sim` prints on stdout. `table`: the suite's table, then per_subject's after a blank
 /// line. `csv`: one table, the suite's, or per_subject's when it ran alone (the options see
 /// to it that per_subject's has a file of its own when both ran). `json`: one document.
-pub fn render(format: Format, runs: &[ScenarioRun], subjects: Option<&SubjectRun>) -> String {
+/// `windows`: the sliding-window policies' rows (empty when they did not run); the CSV table
+/// leaves them out, one table being one header.
+pub fn render(
+    format: Format,
+    runs: &[ScenarioRun],
+    subjects: Option<&SubjectRun>,
+    windows: &[WindowRow],
+) -> String {
+    if format == Format::Table && !windows.is_empty() {
+        return render(format, runs, subjects, &[]) + "\n" + &crate::sliding_window::table(windows);
+    }
     match (format, subjects) {
         (Format::Table, Some(run)) if !runs.is_empty() => {
             table(runs) + "\n" + &crate::per_subject::table(run)
@@ -53,7 +64,7 @@ pub fn render(format: Format, runs: &[ScenarioRun], subjects: Option<&SubjectRun
         (Format::Table, None) => table(runs),
         (Format::Csv, Some(run)) if runs.is_empty() => crate::per_subject::csv(run),
         (Format::Csv, _) => csv(runs),
-        (Format::Json, _) => json(runs, subjects),
+        (Format::Json, _) => json(runs, subjects, windows),
     }
 }
 
@@ -229,17 +240,20 @@ impl<'a> From<&'a Summary> for JsonRow<'a> {
 struct Document<'a> {
     scenarios: Vec<JsonRow<'a>>,
     per_subject: &'a [SubjectRow],
+    sliding_window: &'a [WindowRow],
 }
 
-/// JSON: one document, `{"scenarios": [...], "per_subject": [...]}`, each an array of rows
-/// keyed by the names of its CSV header (an empty array for a table that did not run).
-pub fn json(runs: &[ScenarioRun], subjects: Option<&SubjectRun>) -> String {
+/// JSON: one document, `{"scenarios": [...], "per_subject": [...], "sliding_window": [...]}`,
+/// each an array of rows keyed by the names of its CSV header (the sliding-window rows by their
+/// fields), an empty array for a table that did not run.
+pub fn json(runs: &[ScenarioRun], subjects: Option<&SubjectRun>, windows: &[WindowRow]) -> String {
     let doc = Document {
         scenarios: runs
             .iter()
             .flat_map(|r| r.strategies.iter().map(|x| JsonRow::from(&x.summary)))
             .collect(),
         per_subject: subjects.map_or(&[], |s| &s.rows),
+        sliding_window: windows,
     };
     serde_json::to_string_pretty(&doc).expect("rows serialise") + "\n"
 }

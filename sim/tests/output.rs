@@ -231,7 +231,7 @@ fn sorted(names: impl Iterator<Item = &'static str>) -> Vec<String> {
 fn json_is_one_document_with_both_tables_named_as_in_csv() {
     let doc: Value = serde_json::from_str(&sim_ok(&["--format", "json"])).expect("one document");
     let top: Vec<&String> = doc.as_object().expect("an object").keys().collect();
-    assert_eq!(top, ["per_subject", "scenarios"]);
+    assert_eq!(top, ["per_subject", "scenarios", "sliding_window"]);
     let scenarios = doc["scenarios"].as_array().unwrap();
     let subjects = doc["per_subject"].as_array().unwrap();
     assert_eq!(
