@@ -28,7 +28,8 @@
 --          before the first write, so nothing is written then.
 --
 -- The hash is replaced (DEL + HSET): cap, rate, per [, until, fcap, frate] or limit, window
--- [, until, flimit, fwindow], until = min(now + lease, ARGV[11]) in this server's clock. The decision scripts enforce
+-- [, until, flimit, fwindow] [, hlimit, huntil], until = min(now + lease, ARGV[11]) in this
+-- server's clock. The decision scripts enforce
 -- the floor from until on by themselves: the region agent renews until once half of it has
 -- passed, so a region whose daemon died falls back to its floor when its stored lease ends
 -- (at the latest when its lease does) even while gateways keep calling this Redis directly.
@@ -58,6 +59,17 @@
 -- peek, at most its limit; sub-window counters add all they count) are recorded as admitted
 -- now, as one log entry or as a two-counter state (ws, cu) that sliding_window.lua converts.
 -- The new state expires as sliding_window.lua would set it.
+
+-- A held raise (sliding windows): when the highest limit written (the limit, or a floor above
+-- it) is above the limit in force now of the parameters replaced (this key's, else KEYS[4]'s
+-- when a policy changed), hlimit = that old limit (the lower hlimit while a hold runs, whose
+-- wait restarts) and huntil = now + the longer window, at most 2^53 - 1: sliding_window.lua
+-- enforces at most hlimit until huntil with or without a window state, so the tokens the
+-- region giving up the share admitted leave first. A limit at or below hlimit cancels a hold,
+-- any other keeps it (huntil passed included: it dates the raise). Replaced window parameters
+-- that are malformed (fields out of bounds, a hold without its pair) count as limit 0: the
+-- new limit is held at 0 for a window, never over-admitted, and the parameters are repaired.
+-- quota-core window::held_raise computes the same.
 
 -- quotad shared helpers: begin. The same text in every script in lua/ (each script runs on its
 -- own, so the block is copied, not included); a test holds the copies equal, the bounds equal to
@@ -579,6 +591,61 @@ if KEYS[5] then
   end
 end
 
+-- A raise of a sliding window: the hold written with the parameters (read before any write).
+local hold = {}
+if not bucket then
+  -- The limit in force now of the window parameters at k, and their hold; nil: none stored;
+  -- 0 (no hold): malformed.
+  local function in_force(k)
+    local o = redis.pcall('HMGET', k, 'limit', 'window', 'until', 'flimit', 'fwindow', 'hlimit',
+      'huntil')
+    if failed(o) or not (o[1] or o[2] or o[6] or o[7]) then
+      return nil
+    end
+    local l, w = int(o[1], MAX_WINDOW_LIMIT), int(o[2], MAX_WINDOW_MS)
+    if not window_ok(l, w) then
+      return 0
+    end
+    if o[3] or o[4] or o[5] then
+      local e, fl, fw = int(o[3], MAX_CAP), int(o[4], MAX_WINDOW_LIMIT), int(o[5], MAX_WINDOW_MS)
+      if e == nil or not window_ok(fl, fw) then
+        return 0
+      end
+      if now >= e then
+        l = fl
+      end
+    end
+    if o[6] or o[7] then
+      local hl, hu = int(o[6], MAX_WINDOW_LIMIT), int(o[7], MAX_CAP)
+      if hl == nil or hu == nil then
+        return 0
+      end
+      return l, hl, hu
+    end
+    return l
+  end
+  local ol, ohl, ohu = in_force(KEYS[1])
+  if ol == nil and KEYS[4] then
+    ol, ohl, ohu = in_force(KEYS[4])
+  end
+  if ol then
+    local top, hw = v1, v2
+    if lease then
+      top, hw = math.max(top, g1), math.max(hw, g2)
+    end
+    if top > ol then
+      local held = ol
+      if ohu and now < ohu and ohl < held then
+        held = ohl
+      end
+      hold = { 'hlimit', string.format('%d', held), 'huntil',
+        string.format('%d', math.min(now + hw, MAX_CAP)) }
+    elseif ohl and top > ohl then
+      hold = { 'hlimit', string.format('%d', ohl), 'huntil', string.format('%d', ohu) }
+    end
+  end
+end
+
 redis.call('DEL', KEYS[1])
 if bucket then
   if lease then
@@ -588,9 +655,10 @@ if bucket then
     redis.call('HSET', KEYS[1], f1, v1, f2, v2, 'per', per)
   end
 elseif lease then
-  redis.call('HSET', KEYS[1], f1, v1, f2, v2, 'until', lease_end, 'flimit', g1, 'fwindow', g2)
+  redis.call('HSET', KEYS[1], f1, v1, f2, v2, 'until', lease_end, 'flimit', g1, 'fwindow', g2,
+    unpack(hold))
 else
-  redis.call('HSET', KEYS[1], f1, v1, f2, v2)
+  redis.call('HSET', KEYS[1], f1, v1, f2, v2, unpack(hold))
 end
 
 if wstate then

@@ -3,7 +3,8 @@
 -- KEYS[1]  window state (hash, expires when empty)  qd:v1:{tenant}:<policy>:<version>:w
 -- KEYS[2]  window parameters (hash, no TTL)         qd:v1:{tenant}:<policy>:<version>:p
 --          fields: limit (tokens), window (ms), and with a lease end: until (ms, this
---          server's clock), flimit / fwindow (the floor, in force from until on)
+--          server's clock), flimit / fwindow (the floor, in force from until on); with a held
+--          raise (set_params.lua): hlimit (tokens), huntil (ms, this server's clock)
 -- KEYS[3]  activity index (set of state keys decided since the last usage collection)
 -- ARGV[1]  cost in whole tokens, integer 0..9007199254; 0 is a peek: the window's state now,
 --          nothing written, nothing counted (returns allowed 1, retry 0)
@@ -31,10 +32,15 @@
 -- newest sub-window advanced to, their sum, the sub-window of the latest admission, then n
 -- counts (sub-window j at slot j % n). A token counts for W to W + 2 * sub - 2 ms (exactly W
 -- when W <= 128).
--- Limit changes, field h: the limit the window enforces, or 'limit:raise:at' while a raise is
--- pending. A lower limit applies at once, a higher one only from `at` = W after it was first
--- seen (a higher one still restarts the wait), so the tokens another region admitted before
--- giving up the share count before the raise does.
+-- Limit changes: a lower limit applies at once, a higher one only once it has stood a window,
+-- so the tokens another region admitted before giving up the share count before the raise
+-- does. The parameters' hlimit / huntil (set_params.lua writes them with a raise) hold the
+-- limit at most hlimit until huntil, with or without a state, and date the raise: a state
+-- that enforced a lower limit takes it at huntil. The state's field h: the limit the window
+-- enforces, or 'limit:raise:at' while a raise is pending, for limits that change without
+-- a hold in the parameters (a fallback, a floor above the limit, parameters without hlimit):
+-- those apply from `at` = W after they were first seen (a higher one restarts the wait).
+-- The lower of the two limits applies.
 -- Another representation (the limit crossing 128, counters cut for another W, or the
 -- two-counter fields ws / cu / pv of a state without h): every token it still counts is
 -- counted as admitted now.
@@ -332,16 +338,16 @@ else
   now = t[1] * 1000 + (us - us % 1000) / 1000
 end
 
--- Parameters: the stored ones (HGETALL: at most the five fields set_params.lua writes), else
+-- Parameters: the stored ones (HGETALL: at most the seven fields set_params.lua writes), else
 -- the fallback. pcall: a key of another type is an error reply, not a raised WRONGTYPE.
-local limit, w
+local limit, w, ph, pu
 local p = redis.pcall('HGETALL', k2)
 if p.err then
   return redis.error_reply(ERR .. 'the parameters key holds another type')
 end
 local n_p = #p
 if n_p > 0 then
-  local pl, pw, pu, pfl, pfw
+  local pl, pw, pe, pfl, pfw, phl, phu
   for i = 1, n_p, 2 do
     local name = p[i]
     if name == 'limit' then
@@ -349,11 +355,23 @@ if n_p > 0 then
     elseif name == 'window' then
       pw = p[i + 1]
     elseif name == 'until' then
-      pu = p[i + 1]
+      pe = p[i + 1]
     elseif name == 'flimit' then
       pfl = p[i + 1]
     elseif name == 'fwindow' then
       pfw = p[i + 1]
+    elseif name == 'hlimit' then
+      phl = p[i + 1]
+    elseif name == 'huntil' then
+      phu = p[i + 1]
+    end
+  end
+  if phl or phu then
+    -- A held raise: both fields, within the bounds, with the window's own fields.
+    ph = phl and #phl <= 16 and find(phl, DIGITS) and phl + 0
+    pu = phu and #phu <= 16 and find(phu, DIGITS) and phu + 0
+    if not (ph and pu and ph <= MAX_WINDOW_LIMIT and pu <= MAX_CAP and (pl or pw)) then
+      return redis.error_reply(ERR .. 'stored parameters are invalid')
     end
   end
   if pl or pw then
@@ -363,9 +381,9 @@ if n_p > 0 then
         and limit * w <= MAX_WINDOW_PRODUCT) then
       return redis.error_reply(ERR .. 'stored parameters are invalid')
     end
-    if pu or pfl or pfw then
+    if pe or pfl or pfw then
       -- A lease end (see set_params.lua): the floor is in force from then on.
-      local lease_end = pu and #pu <= 16 and find(pu, DIGITS) and pu + 0
+      local lease_end = pe and #pe <= 16 and find(pe, DIGITS) and pe + 0
       local fl = pfl and #pfl <= 16 and find(pfl, DIGITS) and pfl + 0
       local fw = pfw and #pfw <= 16 and find(pfw, DIGITS) and pfw + 0
       if not (lease_end and lease_end <= MAX_CAP and fl and fw and fl <= MAX_WINDOW_LIMIT
@@ -457,19 +475,28 @@ if sts and not sh then
   end
 end
 
--- Limit changes: a cut applies at once, a raise once it has stood a window.
-local lim = limit
+-- Limit changes: a cut applies at once, a raise once it has stood a window (the parameters'
+-- hold dates it when they have one); ra: when limit applies if it does not yet (0: it does).
+local lim, ra = limit, 0
 if hl >= 0 and limit > hl then
   if hu == 0 or limit > hr then
-    hu = now + w
-  elseif now >= hu then
-    hl, hr, hu = limit, 0, 0
+    hu = pu or now + w
   end
-  if hu > 0 then
-    hr, lim = limit, hl
+  if now >= hu then
+    hl, hr, hu = limit, 0, 0
+  else
+    hr, lim, ra = limit, hl, hu
   end
 else
   hl, hr, hu = limit, 0, 0
+end
+if ph and now < pu and ph < limit then
+  if ph < lim then
+    lim = ph
+  end
+  if pu > ra then
+    ra = pu
+  end
 end
 
 -- Sub-window counters c: the little-endian doubles window, newest sub-window, sum, sub-window
@@ -625,10 +652,10 @@ if limit <= EXACT_LOG_MAX then
     if cost <= lim then
       retry = free_in(used + cost - lim)
     end
-    if lim < limit and hu > 0 then
+    if lim < limit and ra > 0 then
       local r = free_in(used + cost - limit)
-      if hu - now > r then
-        r = hu - now
+      if ra - now > r then
+        r = ra - now
       end
       if not retry or r < retry then
         retry = r
@@ -769,10 +796,10 @@ else
     if cost <= lim then
       retry = free_in(cs + cost - lim)
     end
-    if lim < limit and hu > 0 then
+    if lim < limit and ra > 0 then
       local rr = free_in(cs + cost - limit)
-      if hu - now > rr then
-        rr = hu - now
+      if ra - now > rr then
+        rr = ra - now
       end
       if not retry or rr < retry then
         retry = rr

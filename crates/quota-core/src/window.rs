@@ -24,11 +24,21 @@
 //!
 //! **Limit changes.** A lower limit applies at once (the counted tokens stay counted). A higher
 //! one is held back for one window: another region may have admitted, just before it gave up the
-//! share, all it held, and those tokens count in every window up to `window_ms` later. So the
-//! window remembers the limit it enforced (`held_limit`) and raises it only once a raise has
-//! stood for `window_ms` (`raise_at_ms`); a raise above a pending one restarts the wait, a
-//! limit at or below the held one cancels it. A window with no state takes the limit it is
-//! given.
+//! share, all it held, and those tokens count in every window up to `window_ms` later. The hold
+//! is kept in two places, and the lower of the two limits applies:
+//!
+//! - with the **parameters** ([`HeldRaise`], fields `hlimit` / `huntil` of the parameters hash):
+//!   new parameters above the ones they replace hold the replaced limit until `window_ms` after
+//!   they were written ([`held_raise`]), whether or not the window has a state, so a region that
+//!   has not decided within its state's idle lifetime still waits. These are the source of
+//!   truth for every raise written as parameters: a window whose state enforced a lower limit
+//!   takes the raise when the parameters' hold ends, not a window after it first sees it.
+//! - in the **state** (`held_limit`, `raise_at_ms`) for the limits that change without new
+//!   parameters (a fallback limit, a floor above the limit at a lease end, parameters stored
+//!   without a hold): the window raises its limit only once a raise has stood for `window_ms`;
+//!   a raise above a pending one restarts the wait, a limit at or below the held one cancels it.
+//!
+//! A window with neither takes the limit it is given.
 //!
 //! **Changed representation.** A switch between the two (the limit crossing `EXACT_LOG_MAX`),
 //! a changed `window_ms` under counters, and the two-counter fields (`win_start_ms`, `cur`,
@@ -92,6 +102,40 @@ impl WindowParams {
     pub fn is_exact(&self) -> bool {
         self.limit <= EXACT_LOG_MAX
     }
+}
+
+/// A raise held with the parameters: `limit` applies instead of any higher one until
+/// `until_ms` (the parameters' clock), whatever the window's state. A kept record whose
+/// `until_ms` has passed still dates the raise, for a state that enforced a lower limit.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct HeldRaise {
+    /// The limit held (tokens).
+    pub limit: u64,
+    /// When the hold ends, in ms.
+    pub until_ms: u64,
+}
+
+/// The hold to store with new parameters written at `now_ms` whose highest limit is
+/// `new_limit` (the limit, or a lease's floor above it) over `window_ms`, replacing parameters
+/// whose limit in force at `now_ms` is `old.0` with the hold `old.1` (`None`: nothing
+/// replaced, no hold). A raise holds the replaced limit for `window_ms` (the lower held limit
+/// when a hold is running, and the wait restarts); a limit at or below the held one cancels
+/// the hold, any other keeps it. `lua/set_params.lua` computes exactly this.
+pub fn held_raise(
+    now_ms: u64,
+    old: Option<(u64, Option<HeldRaise>)>,
+    new_limit: u64,
+    window_ms: u64,
+) -> Option<HeldRaise> {
+    let (old_limit, record) = old?;
+    if new_limit > old_limit {
+        let running = record.filter(|r| now_ms < r.until_ms);
+        return Some(HeldRaise {
+            limit: running.map_or(old_limit, |r| r.limit.min(old_limit)),
+            until_ms: (now_ms + window_ms).min(crate::bounds::MAX_CAPACITY_UT),
+        });
+    }
+    record.filter(|r| new_limit > r.limit)
 }
 
 /// The sub-windows of a window of `window_ms` under counters: their length in ms and how many
@@ -171,30 +215,39 @@ impl WindowState {
     }
 }
 
-/// The limit in force at `now` for a window whose parameters say `p.limit`, updating the held
-/// limit and the pending raise (see the module doc).
-fn hold(now: u64, p: &WindowParams, s: &mut WindowState) -> u64 {
+/// The limit in force at `now` for a window whose parameters say `p.limit` with the hold
+/// `held`, and when `p.limit` applies if it does not yet (0: it does), updating the state's
+/// held limit and pending raise (see the module doc). A raise the parameters hold is dated by
+/// them: the state's wait for it ends with their hold.
+fn hold(now: u64, p: &WindowParams, held: Option<&HeldRaise>, s: &mut WindowState) -> (u64, u64) {
     let l = p.limit;
-    match s.held_limit {
+    let (cap, cap_until) = match held {
+        Some(h) if now < h.until_ms && h.limit < l => (h.limit, h.until_ms),
+        _ => (l, 0),
+    };
+    let (lim, raise_at) = match s.held_limit {
         Some(h) if l > h => {
             if s.raise_at_ms == 0 || l > s.raise_to {
-                s.raise_at_ms = now + p.window_ms;
-            } else if now >= s.raise_at_ms {
+                s.raise_at_ms = held.map_or(now + p.window_ms, |h| h.until_ms);
+            }
+            if now >= s.raise_at_ms {
                 s.held_limit = Some(l);
                 s.raise_to = 0;
                 s.raise_at_ms = 0;
-                return l;
+                (l, 0)
+            } else {
+                s.raise_to = l;
+                (h, s.raise_at_ms)
             }
-            s.raise_to = l;
-            h
         }
         _ => {
             s.held_limit = Some(l);
             s.raise_to = 0;
             s.raise_at_ms = 0;
-            l
+            (l, 0)
         }
-    }
+    };
+    (lim.min(cap), raise_at.max(cap_until))
 }
 
 /// Decides whether `cost` tokens may be spent at `now_ms`; returns the decision and the state to
@@ -206,11 +259,23 @@ pub fn decide(
     state: Option<&WindowState>,
     cost: u64,
 ) -> (Decision, WindowState) {
+    decide_held(now_ms, params, None, state, cost)
+}
+
+/// [`decide`] for parameters stored with a hold ([`held_raise`]): `params.limit` applies no
+/// higher than `held.limit` until `held.until_ms`.
+pub fn decide_held(
+    now_ms: u64,
+    params: &WindowParams,
+    held: Option<&HeldRaise>,
+    state: Option<&WindowState>,
+    cost: u64,
+) -> (Decision, WindowState) {
     let now = state.map_or(now_ms, |s| now_ms.max(s.ts_ms));
     let mut s = state.cloned().unwrap_or_default();
     s.ts_ms = now;
     let w = params.window_ms;
-    let limit = hold(now, params, &mut s);
+    let (limit, raise_at) = hold(now, params, held, &mut s);
     // Tokens an old representation still counts, counted again as admitted now.
     let mut moved = s.counted_by_two_counters(now, w);
     s.win_start_ms = 0;
@@ -224,7 +289,7 @@ pub fn decide(
             s.log.push((now, moved));
             merge_last(&mut s.log);
         }
-        decide_exact(now, params, limit, s, cost)
+        decide_exact(now, params, (limit, raise_at), s, cost)
     } else {
         moved += s
             .log
@@ -237,7 +302,7 @@ pub fn decide(
             moved += s.counted_by_counters(now);
             s.clear_counters();
         }
-        decide_counters(now, params, limit, s, cost, moved)
+        decide_counters(now, params, (limit, raise_at), s, cost, moved)
     }
 }
 
@@ -249,8 +314,8 @@ type Outcome = (Decision, WindowState);
 /// wait until `k` counted tokens have left (0 for k = 0). `None`: never.
 fn retry_after(
     p: &WindowParams,
-    limit: u64,
-    s: &WindowState,
+    (limit, raise_at): (u64, u64),
+    now: u64,
     used: u64,
     cost: u64,
     free_in: impl Fn(u64) -> u64,
@@ -258,17 +323,22 @@ fn retry_after(
     if cost > p.limit {
         return None;
     }
-    let now = s.ts_ms;
     let at_limit = (cost <= limit).then(|| free_in((used + cost).saturating_sub(limit)));
-    let at_raise = (limit < p.limit && s.raise_at_ms > 0)
-        .then(|| (s.raise_at_ms - now).max(free_in((used + cost).saturating_sub(p.limit))));
+    let at_raise = (limit < p.limit && raise_at > 0)
+        .then(|| (raise_at - now).max(free_in((used + cost).saturating_sub(p.limit))));
     match (at_limit, at_raise) {
         (Some(a), Some(b)) => Some(a.min(b)),
         (a, b) => a.or(b),
     }
 }
 
-fn decide_exact(now: u64, p: &WindowParams, limit: u64, mut s: WindowState, cost: u64) -> Outcome {
+fn decide_exact(
+    now: u64,
+    p: &WindowParams,
+    (limit, raise_at): (u64, u64),
+    mut s: WindowState,
+    cost: u64,
+) -> Outcome {
     let w = p.window_ms;
     let used: u64 = s.log.iter().map(|&(_, c)| c).sum();
     let allowed = cost == 0 || (cost <= limit && used + cost <= limit);
@@ -292,7 +362,7 @@ fn decide_exact(now: u64, p: &WindowParams, limit: u64, mut s: WindowState, cost
                 })
                 .unwrap_or(0)
         };
-        retry_after(p, limit, &s, used, cost, free_in)
+        retry_after(p, (limit, raise_at), now, used, cost, free_in)
     };
     let used_after: u64 = s.log.iter().map(|&(_, c)| c).sum();
     let reset_ms = s.log.last().map_or(0, |&(ts, _)| ts + w - now);
@@ -318,7 +388,7 @@ fn merge_last(log: &mut Vec<(u64, u64)>) {
 fn decide_counters(
     now: u64,
     p: &WindowParams,
-    limit: u64,
+    (limit, raise_at): (u64, u64),
     mut s: WindowState,
     cost: u64,
     moved: u64,
@@ -366,7 +436,7 @@ fn decide_counters(
                 })
                 .unwrap_or(0)
         };
-        retry_after(p, limit, &s, used, cost, free_in)
+        retry_after(p, (limit, raise_at), now, used, cost, free_in)
     };
     let reset_ms = if s.sum > 0 {
         (s.last_sub + n) * sub_ms - now
@@ -697,6 +767,66 @@ mod tests {
         let (d, s) = decide(1500, &p(2), Some(&s), 0);
         assert_eq!((d.remaining, s.held_limit), (2, Some(2)));
         assert_eq!(idle_ttl_ms(&p(2), &s), 0);
+    }
+
+    #[test]
+    fn held_raise_holds_the_replaced_limit_for_a_window() {
+        let h = |limit, until_ms| Some(HeldRaise { limit, until_ms });
+        // (now, replaced limit and hold, new highest limit, window) -> hold stored
+        for (now, old, new, w, want) in [
+            (100, None, 9, 1000, None),
+            (100, Some((2, None)), 4, 1000, h(2, 1100)),
+            (100, Some((4, None)), 4, 1000, None),
+            (100, Some((4, None)), 3, 1000, None),
+            // A further raise during a hold restarts it, keeping the lower held limit.
+            (500, Some((4, h(2, 1100))), 6, 1000, h(2, 1500)),
+            // After the hold: the limit then in force is held.
+            (1200, Some((4, h(2, 1100))), 6, 1000, h(4, 2200)),
+            // A limit above the held one keeps the hold (also a passed one: it dates the
+            // raise); at or below it cancels it.
+            (600, Some((4, h(2, 1100))), 3, 1000, h(2, 1100)),
+            (1600, Some((4, h(2, 1100))), 4, 1000, h(2, 1100)),
+            (600, Some((4, h(2, 1100))), 2, 1000, None),
+            // Malformed replaced parameters count as limit 0.
+            (100, Some((0, None)), 5, 1000, h(0, 1100)),
+            (
+                crate::bounds::MAX_CAPACITY_UT - 5,
+                Some((1, None)),
+                2,
+                1000,
+                h(1, crate::bounds::MAX_CAPACITY_UT),
+            ),
+        ] {
+            assert_eq!(held_raise(now, old, new, w), want, "{now} {old:?} {new}");
+        }
+    }
+
+    #[test]
+    fn a_held_raise_needs_no_state() {
+        // Issue #36: a region without a window state gains share at 100 (2 -> 4). Another
+        // region may have admitted its 2 just before: at most 2 until 1100, then 4.
+        let p = WindowParams::new(4, 1000).unwrap();
+        let held = HeldRaise {
+            limit: 2,
+            until_ms: 1100,
+        };
+        let (d, s) = decide_held(150, &p, Some(&held), None, 2);
+        assert!(d.allowed);
+        assert_eq!(d.remaining, 0);
+        let (d, s) = decide_held(1000, &p, Some(&held), Some(&s), 1);
+        assert!(!d.allowed);
+        // The 2 at 150 leave at 1150; the raise to 4 applies at 1100 and then fits.
+        assert_eq!(d.retry_after_ms, Some(100));
+        let (d, _) = decide_held(1100, &p, Some(&held), Some(&s), 2);
+        assert!(d.allowed);
+        assert_eq!(d.remaining, 0);
+        // A state that enforced 2 takes the raise when the parameters' hold ends, not a
+        // window after it first sees it.
+        let (_, s) = decide(50, &WindowParams::new(2, 1000).unwrap(), None, 1);
+        let (d, s) = decide_held(600, &p, Some(&held), Some(&s), 1);
+        assert_eq!((d.remaining, s.raise_at_ms), (0, 1100));
+        let (d, s) = decide_held(1100, &p, Some(&held), Some(&s), 0);
+        assert_eq!((d.remaining, s.held_limit), (3, Some(4)));
     }
 
     #[test]

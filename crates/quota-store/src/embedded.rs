@@ -15,6 +15,7 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{SystemTime, UNIX_EPOCH};
 
 use quota_core::keys::StateKind;
+use quota_core::window::HeldRaise;
 use quota_core::{bucket, window, BucketState, Decision, WindowParams, WindowState};
 
 use crate::{
@@ -69,6 +70,9 @@ struct Shard {
     states: HashMap<StateKey, Entry>,
     /// Each bucket's parameters with their lease end (store clock, ms) and floor.
     params: HashMap<BucketRef, (Limit, Option<(u64, Limit)>)>,
+    /// The raise held with a bucket's sliding-window parameters (`hlimit` / `huntil` of the
+    /// parameters hash), see [`window::held_raise`].
+    holds: HashMap<BucketRef, HeldRaise>,
     /// State keys decided since the last collection (each at most once while it lives).
     active: Vec<StateKey>,
     /// Decisions since the last sweep; a sweep runs once this exceeds the map's size right
@@ -350,6 +354,39 @@ impl EmbeddedStore {
         shard.states.insert(new_key, e);
     }
 
+    /// New sliding-window parameters above the ones they replace (this bucket's, else those of
+    /// the version a changed policy replaces) hold the replaced limit for a window, as
+    /// `set_params.lua` records it with the parameters.
+    fn hold_raise(&self, shard: &mut Shard, req: &SetParams, now: u64) {
+        let Limit::SlidingWindow { limit, window_ms } = req.limit else {
+            shard.holds.remove(&req.bucket);
+            return;
+        };
+        let (mut top, mut hold_ms) = (limit, window_ms);
+        if let Some(Limit::SlidingWindow { limit, window_ms }) = req.lease.map(|l| l.floor) {
+            top = top.max(limit);
+            hold_ms = hold_ms.max(window_ms);
+        }
+        let in_force = |b: &BucketRef| match shard.params.get(b) {
+            Some(&(p, lease)) if p.kind() == StateKind::Window => {
+                let p = match lease {
+                    Some((end, floor)) if now >= end => floor,
+                    _ => p,
+                };
+                let Limit::SlidingWindow { limit, .. } = p else {
+                    return None;
+                };
+                Some((limit, shard.holds.get(b).copied()))
+            }
+            _ => None,
+        };
+        let old = in_force(&req.bucket).or_else(|| req.replaced().and_then(|o| in_force(&o)));
+        match window::held_raise(now, old, top, hold_ms) {
+            Some(h) => shard.holds.insert(req.bucket.clone(), h),
+            None => shard.holds.remove(&req.bucket),
+        };
+    }
+
     fn decide(&self, req: &CheckRequest) -> Result<Decision, StoreError> {
         self.decide_batch(req, 1).map(|(d, _)| d)
     }
@@ -371,6 +408,10 @@ impl EmbeddedStore {
             Some(&(p, _)) if p.kind() == kind => p,
             _ => req.limit,
         };
+        let held = match shard.params.get(&req.bucket) {
+            Some((p, _)) if p.kind() == kind => shard.holds.get(&req.bucket).copied(),
+            _ => None,
+        };
         shard.latest_ms = shard.latest_ms.max(now);
         shard.since_sweep += 1;
         if shard.since_sweep > shard.len_after_sweep.max(1024) {
@@ -379,7 +420,7 @@ impl EmbeddedStore {
         let key = (req.bucket.clone(), kind);
         let entry = shard.states.get(&key).filter(|e| e.live_at(now));
         let (decision, granted, state, ttl) =
-            self.step(now, limit, entry.map(|e| &e.state), req.cost, batch);
+            self.step(now, (limit, held), entry.map(|e| &e.state), req.cost, batch);
         if req.cost == 0 {
             // A peek: describe the state, keep nothing.
             return Ok((decision, 0));
@@ -492,12 +533,13 @@ impl EmbeddedStore {
         Ok(outcomes.into_iter().map(|o| o.decision).collect())
     }
 
-    /// One decision on `prev` (a state of the other kind counts as none): the decision, the
-    /// new state and its idle TTL (`None`: it must not expire).
+    /// One decision on `prev` (a state of the other kind counts as none) under `limit` and the
+    /// raise its parameters hold: the decision, the new state and its idle TTL (`None`: it must
+    /// not expire).
     fn step(
         &self,
         now: u64,
-        limit: Limit,
+        (limit, held): (Limit, Option<HeldRaise>),
         prev: Option<&State>,
         cost: u64,
         batch: u64,
@@ -519,7 +561,7 @@ impl EmbeddedStore {
                     _ => None,
                 };
                 let p = WindowParams { limit, window_ms };
-                let (d, s) = window::decide(now, &p, prev, cost);
+                let (d, s) = window::decide_held(now, &p, held.as_ref(), prev, cost);
                 let ttl = window::idle_ttl_ms(&p, &s);
                 let granted = u64::from(d.allowed && cost > 0);
                 (
@@ -568,6 +610,7 @@ impl Store for EmbeddedStore {
         let lease = req.lease.map(|l| (l.end_at(now), l.floor));
         let mut shard = self.shard(&req.bucket);
         self.carry_over(&mut shard, req, now);
+        self.hold_raise(&mut shard, req, now);
         if let Limit::TokenBucket(p) = req.limit {
             // A carry counted in another period is dropped now, as set_params.lua does when it
             // rewrites the state's copy of the parameters.
@@ -585,6 +628,7 @@ impl Store for EmbeddedStore {
     async fn clear_params(&self, bucket: &BucketRef) -> Result<(), StoreError> {
         let mut s = self.shard(bucket);
         s.params.remove(bucket);
+        s.holds.remove(bucket);
         for kind in [StateKind::Bucket, StateKind::Window] {
             // The activity list drops keys without a state at the next collection or sweep.
             s.states.remove(&(bucket.clone(), kind));

@@ -916,6 +916,80 @@ fn corrupt_window_states_are_errors_that_write_nothing() {
     }
 }
 
+/// Issue 36's hold in the parameters: malformed hlimit / huntil are refused by the decision
+/// (nothing written); set_params.lua replacing malformed window parameters holds the new limit
+/// at 0 for a window (a documented deny, never an over-admission) and repairs them.
+#[test]
+fn malformed_held_raises_are_refused_or_deny() {
+    let server = RedisServer::start().unwrap();
+    let mut c = common::sync_conn(&server);
+    let w = "qd:v1:{bad}:x:1:w";
+    let good: &[(&str, &str)] = &[("limit", "5"), ("window", "1000")];
+    let cases: Vec<(&str, Vec<(&str, &str)>)> = vec![
+        ("held limit without its end", vec![("hlimit", "2")]),
+        ("hold end without its limit", vec![("huntil", "20000")]),
+        (
+            "fractional held limit",
+            vec![("hlimit", "1.5"), ("huntil", "20000")],
+        ),
+        ("signed hold end", vec![("hlimit", "2"), ("huntil", "-1")]),
+        (
+            "held limit above the bound",
+            vec![("hlimit", "1000000001"), ("huntil", "20000")],
+        ),
+        (
+            "hold end past 2^53",
+            vec![("hlimit", "2"), ("huntil", "9007199254740992")],
+        ),
+    ];
+    for (case, hold) in &cases {
+        for with_params in [true, false] {
+            let _: () = redis::cmd("FLUSHALL").query(&mut c).unwrap();
+            let mut q = redis::cmd("HSET");
+            q.arg(P);
+            for (f, v) in hold.iter().chain(if with_params { good } else { &[] }) {
+                q.arg(*f).arg(*v);
+            }
+            let _: () = q.query(&mut c).unwrap();
+            let before = hash_fields(&mut c, P);
+            let r = eval(
+                &mut c,
+                SLIDING_WINDOW_LUA,
+                &[w, P, IX],
+                &["1", "5", "1000", "10000"],
+            );
+            assert_quotad_error(r, case);
+            assert_eq!(hash_fields(&mut c, P), before, "{case}");
+            let size: u64 = redis::cmd("DBSIZE").query(&mut c).unwrap();
+            assert_eq!(size, 1, "{case}: a refused call wrote");
+        }
+        // set_params.lua over them: the new limit 5 is held at 0 until 10 000 + 1000.
+        let r = eval(
+            &mut c,
+            SET_PARAMS_LUA,
+            &[P, B],
+            &["limit", "5", "window", "1000", "", "", "", "", "10000"],
+        );
+        assert!(r.is_ok(), "{case}: {r:?}");
+        let held: Vec<Option<String>> = redis::cmd("HMGET")
+            .arg(P)
+            .arg(&["hlimit", "huntil"][..])
+            .query(&mut c)
+            .unwrap();
+        assert_eq!(held, [Some("0".into()), Some("11000".into())], "{case}");
+        for (now, allowed) in [("10500", 0), ("10999", 0), ("11000", 1)] {
+            let d: Vec<i64> = redis::cmd("EVAL")
+                .arg(SLIDING_WINDOW_LUA)
+                .arg(3)
+                .arg(&[w, P, IX][..])
+                .arg(&["1", "", "", now][..])
+                .query(&mut c)
+                .unwrap();
+            assert_eq!(d[0], allowed, "{case} at {now}: {d:?}");
+        }
+    }
+}
+
 /// Window states in the two-counter layout, or a log without its sum, are read, not refused:
 /// every token they may still count is counted as admitted now, which errs toward denying.
 #[test]

@@ -23,7 +23,7 @@ use quota_core::bucket::{
     self, DEFAULT_PERIOD_MS, MAX_CAPACITY_UT, MAX_FILL_BOUND_MS, MAX_PERIOD_MS, MAX_REFILL_UT, UT,
 };
 use quota_core::window::{
-    self, EXACT_LOG_MAX, MAX_WINDOW_LIMIT, MAX_WINDOW_MS, MAX_WINDOW_PRODUCT,
+    self, HeldRaise, EXACT_LOG_MAX, MAX_WINDOW_LIMIT, MAX_WINDOW_MS, MAX_WINDOW_PRODUCT,
 };
 use quota_core::{BucketParams, BucketState, Decision, WindowParams, WindowState};
 use quota_store::script::{SET_PARAMS_LUA, SLIDING_WINDOW_LUA, TOKEN_BUCKET_LUA};
@@ -138,6 +138,8 @@ enum Step<P> {
         p: P,
         stored: bool,
     },
+    /// The state is gone (idle past its lifetime): windows only.
+    Forget,
 }
 
 fn steps<P: std::fmt::Debug + Clone + 'static>(
@@ -147,6 +149,22 @@ fn steps<P: std::fmt::Debug + Clone + 'static>(
     let check = (dt(), cost).prop_map(|(dt, cost)| Step::Check { dt, cost });
     let params = (p, any::<bool>()).prop_map(|(p, stored)| Step::Params { p, stored });
     proptest::collection::vec(prop_oneof![9 => check, 1 => params], 1..100)
+}
+
+/// [`steps`] with a window's state forgotten now and then, so raises meet windows with and
+/// without a state.
+fn window_steps() -> impl Strategy<Value = Vec<Step<WindowParams>>> {
+    let check = (dt(), window_cost()).prop_map(|(dt, cost)| Step::Check { dt, cost });
+    let params =
+        (window_params(), any::<bool>()).prop_map(|(p, stored)| Step::Params { p, stored });
+    let raise = (1u64..=20).prop_map(|limit| Step::Params {
+        p: WindowParams::new(limit, 1_000).unwrap(),
+        stored: true,
+    });
+    proptest::collection::vec(
+        prop_oneof![18 => check, 2 => params, 1 => raise, 1 => Just(Step::Forget)],
+        1..100,
+    )
 }
 
 /// Costs, with 0 (a peek) among them.
@@ -223,6 +241,7 @@ fn run_bucket(
                     state = state.map(|s| s.in_period(p.period_ms));
                 }
                 Step::Params { p, stored: false } => fallback = p,
+                Step::Forget => unreachable!("windows only"),
                 Step::Check { dt, cost } => {
                     CHECKS.set(CHECKS.get() + 1);
                     now = now.saturating_add_signed(dt).min(MAX_CAPACITY_UT);
@@ -332,29 +351,65 @@ fn run_window(
             "qd:v1:active",
         );
         let (mut fallback, mut stored) = (p0, None::<WindowParams>);
+        let mut held: Option<HeldRaise> = None;
         let mut now = start;
         let mut state: Option<WindowState> = None;
         for (i, step) in steps.iter().enumerate() {
             match *step {
                 Step::Params { p, stored: true } => {
-                    redis::cmd("HSET")
+                    // Through set_params.lua at the time of the next check, which holds a raise
+                    // with the parameters.
+                    redis::cmd("EVAL")
+                        .arg(SET_PARAMS_LUA)
+                        .arg(2)
                         .arg(&pk)
+                        .arg(format!("{pk}:b"))
                         .arg("limit")
                         .arg(p.limit)
                         .arg("window")
                         .arg(p.window_ms)
+                        .arg(&["", "", "", ""][..])
+                        .arg(now)
                         .query::<()>(&mut f.conn)
-                        .unwrap();
+                        .map_err(|e| TestCaseError::fail(format!("step {i}: {e}")))?;
+                    held = window::held_raise(
+                        now,
+                        stored.map(|s| (s.limit, held)),
+                        p.limit,
+                        p.window_ms,
+                    );
                     stored = Some(p);
+                    let got: Vec<Option<u64>> = redis::cmd("HMGET")
+                        .arg(&pk)
+                        .arg(&["hlimit", "huntil"][..])
+                        .query(&mut f.conn)
+                        .unwrap();
+                    let got = got[0]
+                        .zip(got[1])
+                        .map(|(limit, until_ms)| HeldRaise { limit, until_ms });
+                    prop_assert_eq!(got, held, "held raise at step {}", i);
                 }
                 Step::Params { p, stored: false } => fallback = p,
+                Step::Forget => {
+                    redis::cmd("DEL").arg(&k).query::<()>(&mut f.conn).unwrap();
+                    state = None;
+                }
                 Step::Check { dt, cost } => {
                     CHECKS.set(CHECKS.get() + 1);
                     now = now
                         .saturating_add_signed(dt)
                         .min(MAX_CAPACITY_UT - 2 * MAX_WINDOW_MS);
                     let p = stored.unwrap_or(fallback);
-                    let (want, next) = window::decide(now, &p, state.as_ref(), cost);
+                    let held = held.filter(|_| stored.is_some());
+                    if held.is_some_and(|h| now < h.until_ms && h.limit < p.limit) {
+                        let (none, some) = HELD_CHECKS.get();
+                        HELD_CHECKS.set(match state {
+                            None => (none + 1, some),
+                            Some(_) => (none, some + 1),
+                        });
+                    }
+                    let (want, next) =
+                        window::decide_held(now, &p, held.as_ref(), state.as_ref(), cost);
                     let reply: Vec<i64> = redis::cmd("EVALSHA")
                         .arg(&f.window_sha)
                         .arg(3)
@@ -401,6 +456,8 @@ thread_local! {
     static RESERVATIONS: Cell<u64> = const { Cell::new(0) };
     /// Lease writes whose latest end came before the lease's own end (the earlier one holds).
     static CUT_LEASES: Cell<u64> = const { Cell::new(0) };
+    /// Window checks under a raise the parameters hold: (without a state, with one).
+    static HELD_CHECKS: Cell<(u64, u64)> = const { Cell::new((0, 0)) };
 }
 
 fn config() -> ProptestConfig {
@@ -468,11 +525,7 @@ fn sliding_window_lua_matches_the_reference() {
     let cfg = config();
     let before = CHECKS.get();
     let mut runner = TestRunner::new(cfg.clone());
-    let strategy = (
-        start_ms(),
-        window_params(),
-        steps(window_params(), window_cost()),
-    );
+    let strategy = (start_ms(), window_params(), window_steps());
     let result = runner.run(&strategy, |(start, p0, steps)| {
         run_window(start, p0, &steps)
     });
@@ -483,6 +536,14 @@ fn sliding_window_lua_matches_the_reference() {
         );
     }
     report("sliding window", before, &cfg);
+    let (none, some) = HELD_CHECKS.get();
+    println!("held raises: {none} checks without a state, {some} with one");
+    if cfg.cases >= 250 {
+        assert!(
+            none >= 50 && some >= 50,
+            "held raises: {none} without, {some} with a state"
+        );
+    }
 }
 
 /// Pinned extremes, so they run on every build whatever proptest draws.
@@ -1335,7 +1396,8 @@ async fn left_after_change<S: Store>(store: &S, old: Limit, new: Limit, t0: u64)
 }
 
 /// A changed sliding-window policy keeps what its window counts, on both stores alike: exact
-/// to exact keeps the entries, exact to approximate and back count them as admitted now.
+/// to exact keeps the entries, exact to approximate and back count them as admitted now; a
+/// higher limit is held at the replaced one for a window.
 #[test]
 fn a_changed_window_keeps_what_it_counts_in_both_stores() {
     let rt = tokio::runtime::Builder::new_current_thread()
@@ -1349,10 +1411,10 @@ fn a_changed_window_keeps_what_it_counts_in_both_stores() {
     let t0 = 1_700_000_000_000u64;
     // (old limit, new limit, tokens left in the new window after 3 spent in the old)
     for (old, new, left) in [
-        (window(5, 10_000), window(6, 20_000), 3),
-        (window(5, 10_000), window(200, 10_000), 197),
+        (window(5, 10_000), window(6, 20_000), 2),
+        (window(5, 10_000), window(200, 10_000), 2),
         (window(200, 10_000), window(10, 10_000), 7),
-        (window(200, 10_000), window(300, 5_000), 297),
+        (window(200, 10_000), window(300, 5_000), 197),
     ] {
         let e = rt.block_on(left_after_change(&embedded, old, new, t0));
         let r = rt.block_on(left_after_change(&redis, old, new, t0));

@@ -44,6 +44,7 @@ both_stores!(
     listed_params_are_those_held,
     a_changed_policy_keeps_what_was_spent,
     a_moved_window_share_cuts_at_once_and_raises_after_a_window,
+    a_window_without_state_holds_a_raise,
 );
 
 /// Issue 36: share of a sliding window moves between two regions (each a store of its own, as
@@ -91,6 +92,64 @@ async fn a_moved_window_share_cuts_at_once_and_raises_after_a_window<S: Store>(s
     // T0 + 61 s: the raise applies as b's 4 of T0 + 1 s leave: all 9 fit.
     let d = s
         .check(&req(&b, w(9), 9, Some(moved + 60_000)))
+        .await
+        .unwrap();
+    assert_eq!((d.allowed, d.remaining), (true, 0));
+}
+
+/// Issue 36, the gaining region with no window state (no decision within the state's idle
+/// lifetime): the parameters hold the raise, so it still decides on its old share until the
+/// raise has stood a window, while the losing region's tokens of just before the move count.
+async fn a_window_without_state_holds_a_raise<S: Store>(s: &S) {
+    let (a, b) = (fresh_bucket("held-a"), fresh_bucket("held-b"));
+    let w = |limit| Limit::SlidingWindow {
+        limit,
+        window_ms: 60_000,
+    };
+    let set = |bucket: &quota_store::BucketRef, limit, now| {
+        SetParams::new(bucket.clone(), w(limit)).at(now)
+    };
+    // A budget of 10: 5 each. Region a spends its 5 at T0; region b decides nothing.
+    s.set_params(&set(&a, 5, T0)).await.unwrap();
+    s.set_params(&set(&b, 5, T0)).await.unwrap();
+    assert!(s.check(&req(&a, w(5), 5, Some(T0))).await.unwrap().allowed);
+    // At T0 + 1 s region a gives 4 to region b, whose window has no state.
+    let moved = T0 + 1000;
+    s.set_params(&set(&a, 1, moved)).await.unwrap();
+    s.set_params(&set(&b, 9, moved)).await.unwrap();
+    let d = s.check(&req(&b, w(9), 6, Some(moved))).await.unwrap();
+    assert_eq!((d.allowed, d.remaining), (false, 5), "held at the old 5");
+    assert_eq!(
+        d.retry_after_ms,
+        Some(60_000),
+        "the raise applies at moved + W"
+    );
+    let d = s.check(&req(&b, w(9), 5, Some(moved + 10))).await.unwrap();
+    assert_eq!((d.allowed, d.remaining), (true, 0));
+    // Within the window of the move a and b admitted 10, the budget: nothing more.
+    let d = s
+        .check(&req(&b, w(9), 1, Some(moved + 59_999)))
+        .await
+        .unwrap();
+    assert_eq!((d.allowed, d.remaining), (false, 0));
+    assert_eq!(
+        d.retry_after_ms,
+        Some(1),
+        "the raise applies at moved + 60 s"
+    );
+    // A window after the move: up to the new 9 (b's 5 of moved + 10 still count).
+    let d = s
+        .check(&req(&b, w(9), 5, Some(moved + 60_000)))
+        .await
+        .unwrap();
+    assert_eq!((d.allowed, d.remaining), (false, 4));
+    let d = s
+        .check(&req(&b, w(9), 4, Some(moved + 60_000)))
+        .await
+        .unwrap();
+    assert_eq!((d.allowed, d.remaining), (true, 0));
+    let d = s
+        .check(&req(&b, w(9), 5, Some(moved + 60_010)))
         .await
         .unwrap();
     assert_eq!((d.allowed, d.remaining), (true, 0));
