@@ -6,7 +6,8 @@
 //! in the limit each region's window enforces: the whole N everywhere (`independent`), N split
 //! evenly for ever (`static_split`), or shares of N that follow the demand of the last 30 s,
 //! applied to each region's window at once when they change (`shares_at_once`) or as quotad's
-//! window applies them, a raise only once it has stood for a window (`quotad`). Share changes
+//! window applies them, a raise only once it has stood for a window from when it was written
+//! (`quotad`: the hold `set_params.lua` keeps with the parameters, `window::held_raise`). Share changes
 //! reach every region at the same instant, which flatters `shares_at_once`: a real control
 //! plane only adds delay. The measures: overshoot(W), the most tokens admitted worldwide in any
 //! `[t, t + W)` divided by N (arbitrary windows, not only those ending at a request); goodput,
@@ -15,7 +16,7 @@
 use std::collections::VecDeque;
 use std::fmt::Write as _;
 
-use quota_core::window::{self, WindowParams, WindowState};
+use quota_core::window::{self, HeldRaise, WindowParams, WindowState};
 use rand::Rng;
 use serde::Serialize;
 
@@ -178,6 +179,8 @@ fn decide(
         WindowStrategy::SharesAtOnce | WindowStrategy::Quotad
     );
     let mut states: Vec<Option<WindowState>> = vec![None; regions];
+    // quotad: the raise each region's parameters hold, written with the shares.
+    let mut holds: Vec<Option<HeldRaise>> = vec![None; regions];
     let mut demand = vec![0u64; regions];
     let mut next_rebalance = REBALANCE_MS;
     let mut admitted = Vec::new();
@@ -195,6 +198,11 @@ fn decide(
                         }
                     }
                 }
+                if strategy == WindowStrategy::Quotad {
+                    for (h, (new, old)) in holds.iter_mut().zip(shares.iter().zip(&limits)) {
+                        *h = window::held_raise(next_rebalance, Some((*old, *h)), *new, window_ms);
+                    }
+                }
                 limits = shares;
             }
             demand.iter_mut().for_each(|d| *d = 0);
@@ -202,7 +210,7 @@ fn decide(
         }
         demand[r] += 1;
         let p = WindowParams::new(limits[r], window_ms).expect("policies within the bounds");
-        let (d, s) = window::decide(t, &p, states[r].as_ref(), 1);
+        let (d, s) = window::decide_held(t, &p, holds[r].as_ref(), states[r].as_ref(), 1);
         states[r] = Some(s);
         if d.allowed {
             admitted.push(t);
