@@ -188,11 +188,19 @@ async fn a_cut_off_region_keeps_its_lease_then_its_floor_and_rejoins() -> anyhow
         .await
         .map_or((0, c_share), |g| (g.2, g.1));
 
-    // C keeps its share while its lease runs, then falls to its floor.
+    // C keeps its share while its lease runs, then falls to its floor. Each of c's samples
+    // is stamped when its request was sent: c answered at or after that, so a sample sent past
+    // the lease's end that still shows more than the floor is a fault, however long the
+    // answers take on a loaded host.
+    let lease_ms = t.lease_ms;
+    let lease_over = cut_at + lease_ms + 1_000;
     let mut samples = Vec::new();
     let mut c_floor_at = None;
     let mut last_c_share = c_share;
-    while Instant::now() < until - Duration::from_secs(3) {
+    while Instant::now() < until - Duration::from_secs(3) || c_floor_at.is_none() {
+        if Instant::now() > until + Duration::from_secs(20) {
+            break;
+        }
         if let Some((ab, c, _)) = grants(&cluster, "a").await {
             samples.push(Sample {
                 wall_ms: wall_ms(),
@@ -200,15 +208,22 @@ async fn a_cut_off_region_keeps_its_lease_then_its_floor_and_rejoins() -> anyhow
                 c_share: c,
             });
         }
+        let sent = wall_ms();
         if let Some((share, enforced)) = cluster.share("c", "acme").await {
             last_c_share = share;
-            if c_floor_at.is_none() && (enforced - 0.1).abs() < 1e-6 {
-                c_floor_at = Some(wall_ms());
+            let on_floor = (enforced - 0.1).abs() < 1e-6;
+            if c_floor_at.is_none() && on_floor {
+                c_floor_at = Some(sent);
             }
+            assert!(
+                on_floor || sent <= lease_over,
+                "c enforced {enforced} (more than its floor) {} ms after the cut (lease {lease_ms} ms)",
+                sent - cut_at
+            );
         }
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
-    let Some(floor_at) = c_floor_at else {
+    if c_floor_at.is_none() {
         let status = cluster.daemon("c").get("/v1/status").await.map(|r| r.body);
         let allowance = cluster
             .daemon("c")
@@ -218,13 +233,7 @@ async fn a_cut_off_region_keeps_its_lease_then_its_floor_and_rejoins() -> anyhow
         let log = cluster.daemon("c").log_text();
         let tail: String = log.lines().rev().take(30).collect::<Vec<_>>().join("\n");
         panic!("c never fell back to its floor\nstatus: {status:?}\nallowance: {allowance:?}\nlog (newest first):\n{tail}");
-    };
-    let lease_ms = t.lease_ms;
-    assert!(
-        floor_at - cut_at <= lease_ms + 1_000,
-        "c enforced more than its floor {} ms after the cut (lease {lease_ms} ms)",
-        floor_at - cut_at
-    );
+    }
     assert!(
         last_c_share > 0.0,
         "c's last granted share is still visible to it"
@@ -265,7 +274,7 @@ async fn a_cut_off_region_keeps_its_lease_then_its_floor_and_rejoins() -> anyhow
 
     cluster.heal();
     let rejoined = eventually(
-        Duration::from_secs(15),
+        Duration::from_secs(30),
         Duration::from_millis(200),
         || async {
             let s = cluster.daemon("c").get("/v1/status").await.ok()?;
@@ -289,10 +298,12 @@ async fn a_cut_off_region_keeps_its_lease_then_its_floor_and_rejoins() -> anyhow
 async fn a_pinned_tenant_is_decided_by_its_home() -> anyhow::Result<()> {
     let mut cluster = Cluster::start(&["a", "b", "c"], &Timings::default()).await?;
     let b = cluster.daemon("b");
+    // A floor of 5 tokens that refills one token every 12 s: the floor checks below count
+    // exactly 5 however slowly a loaded host answers them.
     b.put_policy(
         "vip",
         "writes",
-        json!({"limit": 50, "window_ms": 1000, "floor": 0.1}),
+        json!({"limit": 500, "window_ms": 60000, "floor": 0.01}),
     )
     .await?;
     b.put_policy(
@@ -405,7 +416,7 @@ async fn a_pinned_tenant_is_decided_by_its_home() -> anyhow::Result<()> {
         "{}",
         r.body
     );
-    // At the floor (10% of a 50-token burst) b admits 5 and then denies.
+    // At the floor (1 % of a 500-token burst) b admits 5 and then denies.
     let mut admitted = 1;
     for _ in 0..10 {
         if cluster.daemons[cluster.index("b")]
