@@ -41,7 +41,7 @@ if ! command -v cc >/dev/null 2>&1; then
     apt_install gcc libc6-dev
 fi
 
-if [ ! -e /usr/lib/x86_64-linux-gnu/faketime/libfaketimeMT.so.1 ]; then
+if ! compgen -G '/usr/lib/*/faketime/libfaketimeMT.so.1' >/dev/null; then
     log "installing libfaketime (Debian package libfaketime)"
     apt_install libfaketime
 fi

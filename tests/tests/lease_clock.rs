@@ -6,15 +6,31 @@
 //! floor takes over, when they would have without the step: `lease_ms − drift_margin_ms`
 //! after the last renewal it sent, before the cut.
 
-use std::path::Path;
 use std::time::{Duration, Instant};
 
 use quotad_system_tests::{eventually, Cluster, Timings};
 use serde_json::json;
 
 /// libfaketime's preload library for multi-threaded programs (Debian package `libfaketime`,
-/// installed by scripts/install-test-deps.sh).
-const LIBFAKETIME: &str = "/usr/lib/x86_64-linux-gnu/faketime/libfaketimeMT.so.1";
+/// installed by scripts/install-test-deps.sh): `$QUOTAD_LIBFAKETIME`, else Debian's path for
+/// any architecture (`/usr/lib/<multiarch>/faketime/`).
+fn libfaketime() -> anyhow::Result<String> {
+    if let Ok(path) = std::env::var("QUOTAD_LIBFAKETIME") {
+        return Ok(path);
+    }
+    std::fs::read_dir("/usr/lib")?
+        .filter_map(Result::ok)
+        .map(|d| d.path().join("faketime/libfaketimeMT.so.1"))
+        .find(|p| p.exists())
+        .map(|p| p.to_string_lossy().into_owned())
+        .ok_or_else(|| {
+            anyhow::anyhow!(
+                "libfaketimeMT.so.1 not found under /usr/lib/*/faketime: run \
+                 scripts/install-test-deps.sh (Debian package libfaketime) or set \
+                 QUOTAD_LIBFAKETIME"
+            )
+        })
+}
 
 /// How far c's wall clock is stepped back: ten minutes, 200 leases.
 const STEP_BACK_S: u64 = 600;
@@ -27,16 +43,13 @@ fn wall_ms() -> u64 {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_wall_clock_stepped_back_does_not_lengthen_the_lease() -> anyhow::Result<()> {
-    anyhow::ensure!(
-        Path::new(LIBFAKETIME).exists(),
-        "{LIBFAKETIME} is missing: run scripts/install-test-deps.sh"
-    );
+    let preload = libfaketime()?;
     let dir = tempfile::tempdir()?;
     let offset = dir.path().join("faketime-offset");
     std::fs::write(&offset, "+0\n")?;
     let offset_path = offset.to_string_lossy().to_string();
     let faked: &[(&str, &str)] = &[
-        ("LD_PRELOAD", LIBFAKETIME),
+        ("LD_PRELOAD", &preload),
         ("FAKETIME_TIMESTAMP_FILE", &offset_path),
         // The offset file is read again at most a second after it changes.
         ("FAKETIME_CACHE_DURATION", "1"),
