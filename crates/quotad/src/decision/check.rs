@@ -110,60 +110,24 @@ impl Decider {
 #[cfg(test)]
 mod tests {
     use std::collections::HashMap;
-    use std::sync::Arc;
-    use std::time::Duration;
 
     use quota_core::policy::CostError;
-    use quota_core::PolicySpec;
-    use quota_store::AnyStore;
     use serde_json::json;
-    use tokio::sync::watch;
 
     use super::*;
-    use crate::config::BreakerConfig;
-    use crate::coordination::{ClusterView, Grant};
-    use crate::decision::breaker::Breaker;
-    use crate::decision::tests::ids;
-    use crate::decision::DeciderParts;
+    use crate::decision::tests::{decider_of, entry, ids};
 
     /// A cost the other regions' floors leave no region able to hold is refused up front, not
     /// answered "never": floors of 0.3 in three regions leave at most 4 of a burst of 10.
     #[tokio::test]
     async fn a_cost_beyond_what_floors_leave_is_refused() {
-        let spec: PolicySpec =
-            serde_json::from_value(json!({"limit": 10, "window_ms": 1000, "floor": 0.3})).unwrap();
-        let grant = |share_ppm| Grant {
-            share_ppm,
-            floor_ppm: 300_000,
-        };
-        let entry = PolicyEntry {
-            policy: spec.validate().unwrap(),
-            grants: ["a", "b", "c"]
-                .into_iter()
-                .zip([400_000, 300_000, 300_000])
-                .map(|(r, s)| (RegionId::new(r).unwrap(), grant(s)))
-                .collect(),
-            home: None,
-            mode: quota_core::mode::BudgetMode::Split,
-        };
-        let view = ClusterView {
-            policies: [(ids("t", "w"), entry)].into_iter().collect(),
-            lease_end_local_ms: u64::MAX,
-            ..ClusterView::default()
-        };
-        let (_tx, rx) = watch::channel(Arc::new(view));
-        let region = RegionId::new("a").unwrap();
-        let d = Decider::new(DeciderParts {
-            region: region.clone(),
-            store: AnyStore::embedded(),
-            breaker: Breaker::new(&BreakerConfig::default(), "a"),
-            view: rx,
-            homes: HashMap::new(),
-            forward_timeout: Duration::from_secs(5),
-            peer_token: None,
-            reservations: false,
-            store_timeout: Duration::from_millis(100),
-        });
+        let grants = [
+            ("a", 400_000, 300_000),
+            ("b", 300_000, 300_000),
+            ("c", 300_000, 300_000),
+        ];
+        let policy = json!({"limit": 10, "window_ms": 1000, "floor": 0.3});
+        let d = decider_of(entry(policy, &grants, None), u64::MAX, HashMap::new());
         let (t, w) = ids("t", "w");
         let refused = d.check(t.clone(), w.clone(), 5, false).await;
         assert_eq!(
@@ -181,40 +145,9 @@ mod tests {
     /// the budget (the home is this region): a check gets reduced capacity, not "never".
     #[tokio::test]
     async fn a_lapsed_region_without_a_floor_answers_reduced_capacity() {
-        let spec: PolicySpec =
-            serde_json::from_value(json!({"limit": 10, "window_ms": 1000})).unwrap();
-        let entry = PolicyEntry {
-            policy: spec.validate().unwrap(),
-            grants: [("a", 1_000_000), ("b", 0)]
-                .into_iter()
-                .map(|(r, share_ppm)| {
-                    let g = Grant {
-                        share_ppm,
-                        floor_ppm: 0,
-                    };
-                    (RegionId::new(r).unwrap(), g)
-                })
-                .collect(),
-            home: Some(RegionId::new("a").unwrap()),
-            mode: quota_core::mode::BudgetMode::Home,
-        };
-        let view = ClusterView {
-            policies: [(ids("t", "w"), entry)].into_iter().collect(),
-            lease_end_local_ms: 0,
-            ..ClusterView::default()
-        };
-        let (_tx, rx) = watch::channel(Arc::new(view));
-        let d = Decider::new(DeciderParts {
-            region: RegionId::new("a").unwrap(),
-            store: AnyStore::embedded(),
-            breaker: Breaker::new(&BreakerConfig::default(), "a"),
-            view: rx,
-            homes: HashMap::new(),
-            forward_timeout: Duration::from_secs(5),
-            peer_token: None,
-            reservations: false,
-            store_timeout: Duration::from_millis(100),
-        });
+        let grants = [("a", 1_000_000, 0), ("b", 0, 0)];
+        let policy = json!({"limit": 10, "window_ms": 1000});
+        let d = decider_of(entry(policy, &grants, Some("a")), 0, HashMap::new());
         let (t, w) = ids("t", "w");
         let r = d.check(t, w, 1, false).await;
         assert!(

@@ -341,20 +341,11 @@ impl Decider {
 #[cfg(test)]
 mod tests {
     use std::collections::HashMap;
-    use std::sync::Arc;
-    use std::time::Duration;
 
-    use quota_core::PolicySpec;
-    use quota_store::AnyStore;
     use serde_json::json;
-    use tokio::sync::watch;
 
     use super::*;
-    use crate::config::BreakerConfig;
-    use crate::coordination::{ClusterView, Grant, PolicyEntry};
-    use crate::decision::breaker::Breaker;
-    use crate::decision::tests::{decider_with_home, ids};
-    use crate::decision::DeciderParts;
+    use crate::decision::tests::{decider_of, decider_with_home, entry, ids};
 
     fn checks(list: &[(&str, &str, u64)]) -> Vec<(TenantId, PolicyName, u64)> {
         list.iter()
@@ -449,42 +440,14 @@ mod tests {
     /// could never end, since no bucket here could admit it.
     #[tokio::test]
     async fn a_zero_share_region_cut_off_from_the_richest_answers_reduced_capacity() {
-        let spec: PolicySpec =
-            serde_json::from_value(json!({"limit": 10, "window_ms": 1000})).unwrap();
-        let grant = |share_ppm| Grant {
-            share_ppm,
-            floor_ppm: 0,
-        };
-        let entry = PolicyEntry {
-            policy: spec.validate().unwrap(),
-            grants: [("a", 0), ("b", 1_000_000)]
-                .into_iter()
-                .map(|(r, s)| (RegionId::new(r).unwrap(), grant(s)))
-                .collect(),
-            home: None,
-            mode: quota_core::mode::BudgetMode::Split,
-        };
-        let view = ClusterView {
-            policies: [(ids("t", "w"), entry)].into_iter().collect(),
-            lease_end_local_ms: u64::MAX,
-            ..ClusterView::default()
-        };
-        let (_tx, rx) = watch::channel(Arc::new(view));
         // A port nothing listens on: the connection is refused at once.
         let closed = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
         let addr = closed.local_addr().unwrap();
         drop(closed);
-        let d = Decider::new(DeciderParts {
-            region: RegionId::new("a").unwrap(),
-            store: AnyStore::embedded(),
-            breaker: Breaker::new(&BreakerConfig::default(), "a"),
-            view: rx,
-            homes: HashMap::from([(RegionId::new("b").unwrap(), addr.to_string())]),
-            forward_timeout: Duration::from_secs(5),
-            peer_token: None,
-            reservations: false,
-            store_timeout: Duration::from_millis(100),
-        });
+        let policy = json!({"limit": 10, "window_ms": 1000});
+        let grants = [("a", 0, 0), ("b", 1_000_000, 0)];
+        let homes = HashMap::from([(RegionId::new("b").unwrap(), addr.to_string())]);
+        let d = decider_of(entry(policy, &grants, None), u64::MAX, homes);
         let (t, w) = ids("t", "w");
         let r = d.check(t, w, 1, false).await;
         assert!(

@@ -18,6 +18,59 @@ use crate::decision::breaker::Breaker;
 use crate::decision::{Decider, DeciderParts, FORWARDED_HEADER};
 use crate::secret::Secret;
 
+/// Policy `t`/`w` of `spec` (a JSON policy body) with `grants` (region, share ppm, floor ppm),
+/// split, or whole in `home`.
+pub(crate) fn entry(spec: Value, grants: &[(&str, u32, u32)], home: Option<&str>) -> PolicyEntry {
+    let spec: PolicySpec = serde_json::from_value(spec).unwrap();
+    PolicyEntry {
+        policy: spec.validate().unwrap(),
+        grants: grants
+            .iter()
+            .map(|&(r, share_ppm, floor_ppm)| {
+                let grant = Grant {
+                    share_ppm,
+                    floor_ppm,
+                };
+                (RegionId::new(r).unwrap(), grant)
+            })
+            .collect(),
+        home: home.map(|h| RegionId::new(h).unwrap()),
+        mode: if home.is_some() {
+            quota_core::mode::BudgetMode::Home
+        } else {
+            quota_core::mode::BudgetMode::Split
+        },
+    }
+}
+
+/// Region a's decider on the embedded store, its view holding `entry` as `t`/`w` and its lease
+/// ending at `lease_end_local_ms`; `homes` maps regions to the API addresses checks are
+/// forwarded to.
+pub(crate) fn decider_of(
+    entry: PolicyEntry,
+    lease_end_local_ms: u64,
+    homes: HashMap<RegionId, String>,
+) -> Decider {
+    let view = ClusterView {
+        policies: [(ids("t", "w"), entry)].into_iter().collect(),
+        lease_end_local_ms,
+        ..ClusterView::default()
+    };
+    // The sender may go: the receiver keeps the last view.
+    let (_tx, rx) = watch::channel(Arc::new(view));
+    Decider::new(DeciderParts {
+        region: RegionId::new("a").unwrap(),
+        store: AnyStore::embedded(),
+        breaker: Breaker::new(&BreakerConfig::default(), "a"),
+        view: rx,
+        homes,
+        forward_timeout: Duration::from_secs(5),
+        peer_token: None,
+        reservations: false,
+        store_timeout: Duration::from_millis(100),
+    })
+}
+
 /// What the home region received: path, forwarded header, body.
 pub(crate) type Seen = Arc<Mutex<Vec<(String, Option<String>, Value)>>>;
 
