@@ -269,6 +269,20 @@ impl Cluster {
         let p = &r.body["policies"][0]["this_region"];
         Some((p["share"].as_f64()?, p["enforced_share"].as_f64()?))
     }
+
+    /// Waits (15 s at most) until region `name` enforces a share of the tenant's policy above
+    /// `above`, under a lease (its enforced share is its granted one); that share.
+    pub async fn leased_share(&self, name: &str, tenant: &str, above: f64) -> Option<f64> {
+        eventually(
+            Duration::from_secs(15),
+            Duration::from_millis(100),
+            || async {
+                let (share, enforced) = self.share(name, tenant).await?;
+                (share > above && enforced == share).then_some(share)
+            },
+        )
+        .await
+    }
 }
 
 /// One `[[regions]]` entry.

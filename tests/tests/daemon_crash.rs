@@ -84,16 +84,10 @@ async fn a_dead_daemons_redis_falls_to_its_floor_when_the_lease_ends() -> anyhow
             json!({"limit": 6000, "window_ms": 60000, "floor": 0.1}),
         )
         .await?;
-    let c_share = eventually(
-        Duration::from_secs(15),
-        Duration::from_millis(100),
-        || async {
-            let (share, enforced) = cluster.share("c", "acme").await?;
-            (share > 0.2 && enforced == share).then_some(share)
-        },
-    )
-    .await
-    .expect("c enforces its share under a lease");
+    let c_share = cluster
+        .leased_share("c", "acme", 0.2)
+        .await
+        .expect("c enforces its share under a lease");
 
     let ci = cluster.index("c");
     let mut conn = cluster.redis[ci]

@@ -85,16 +85,10 @@ async fn flood(denial_cache: bool) -> anyhow::Result<Run> {
         )
         .await?;
     // Every region enforces its even share before the flood.
-    let even = eventually(
-        Duration::from_secs(15),
-        Duration::from_millis(100),
-        || async {
-            let (share, enforced) = cluster.share("a", "acme").await?;
-            (share > 0.2 && enforced == share).then_some(share)
-        },
-    )
-    .await
-    .expect("a enforces its share of the policy");
+    let even = cluster
+        .leased_share("a", "acme", 0.2)
+        .await
+        .expect("a enforces its share of the policy");
     assert!(even < 0.4, "a starts near an even split: {even}");
 
     // b and c ask more than the whole budget: a, idle, is left its floor.

@@ -159,15 +159,7 @@ async fn a_cut_off_region_keeps_its_lease_then_its_floor_and_rejoins() -> anyhow
         )
         .await?;
     // Every region holds a lease on its share before the cut.
-    let settled = eventually(
-        Duration::from_secs(15),
-        Duration::from_millis(100),
-        || async {
-            let (share, enforced) = cluster.share("c", "acme").await?;
-            (share > 0.2 && enforced == share).then_some(share)
-        },
-    )
-    .await;
+    let settled = cluster.leased_share("c", "acme", 0.2).await;
     let c_share = settled.expect("c enforces its share under a lease");
 
     let start = Instant::now();
