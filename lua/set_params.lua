@@ -21,6 +21,11 @@
 --          clock ('' or absent: none); until = min(now + lease, this), so a call that runs
 --          late (queued, or Redis stalled after it was sent) still ends the lease no later
 --          than the region's own lease end, which the caller mapped onto this clock
+-- ARGV[12], ARGV[13] optional, together: the writer's fence and the allocation epoch it
+--          writes ('' or absent: none). Stored with the parameters (fence, ep); a write with
+--          a fence below the stored one (an agent deposed since), an epoch below the stored
+--          one (an older allocation landing late), or none where one is stored is refused
+--          with 'ERR quotad: fenced: …' and changes nothing
 -- returns  1
 -- errors   'ERR quotad: <what>' for an invalid argument (token-bucket pairs within the bucket
 --          bounds, sliding-window pairs within the window bounds sliding_window.lua applies),
@@ -28,7 +33,7 @@
 --          before the first write, so nothing is written then.
 --
 -- The hash is replaced (DEL + HSET): cap, rate, per [, until, fcap, frate] or limit, window
--- [, until, flimit, fwindow] [, hlimit, huntil], until = min(now + lease, ARGV[11]) in this
+-- [, until, flimit, fwindow] [, hlimit, huntil], then [, fence, ep], until = min(now + lease, ARGV[11]) in this
 -- server's clock. The decision scripts enforce
 -- the floor from until on by themselves: the region agent renews until once half of it has
 -- passed, so a region whose daemon died falls back to its floor when its stored lease ends
@@ -312,8 +317,8 @@ local bucket_ok, window_ok, state_decode, time_to, refilled =
   h.bucket_ok, h.window_ok, h.state_decode, h.time_to, h.refilled
 local fmod = math.fmod
 
-if (#KEYS < 2 or #KEYS > 5 or #KEYS == 4) or #ARGV < 4 or #ARGV > 11 then
-  return err('expected 2, 3 or 5 keys and 4 to 11 arguments')
+if (#KEYS < 2 or #KEYS > 5 or #KEYS == 4) or #ARGV < 4 or #ARGV > 13 then
+  return err('expected 2, 3 or 5 keys and 4 to 13 arguments')
 end
 for i = 1, #KEYS do
   for j = i + 1, #KEYS do
@@ -378,6 +383,13 @@ if ARGV[11] ~= nil and ARGV[11] ~= '' then
     return err('a latest lease end needs a lease')
   end
 end
+local fence, ep
+if (ARGV[12] ~= nil and ARGV[12] ~= '') or (ARGV[13] ~= nil and ARGV[13] ~= '') then
+  fence, ep = int(ARGV[12], MAX_CAP), int(ARGV[13], MAX_CAP)
+  if fence == nil or ep == nil then
+    return err('a fence and an epoch must both be integers')
+  end
+end
 local now = arg_now(ARGV[9])
 if now == nil then
   return err('now must be an integer number of ms')
@@ -397,6 +409,27 @@ end
 local kind = redis.call('TYPE', KEYS[1])['ok']
 if kind ~= 'hash' and kind ~= 'none' then
   return err('the parameters key holds another type')
+end
+-- The fence: a deposed agent, or a write of an older allocation that lands late, never
+-- replaces what a later one wrote.
+if kind == 'hash' then
+  local stored = redis.call('HMGET', KEYS[1], 'fence', 'ep')
+  if stored[1] then
+    local sf, se = tonumber(stored[1]), tonumber(stored[2]) or 0
+    if not fence then
+      return err('fenced: written by an agent with fence ' .. stored[1] .. '; this write has none')
+    end
+    if fence < sf then
+      return err('fenced: fence ' .. fence .. ' is below the stored ' .. stored[1])
+    end
+    if ep < se then
+      return err('fenced: epoch ' .. ep .. ' is below the stored ' .. se)
+    end
+  end
+end
+local fenced = {}
+if fence then
+  fenced = { 'fence', string.format('%d', fence), 'ep', string.format('%d', ep) }
 end
 local v = redis.pcall('GET', KEYS[2])
 if failed(v) then
@@ -650,15 +683,20 @@ redis.call('DEL', KEYS[1])
 if bucket then
   if lease then
     redis.call('HSET', KEYS[1], f1, v1, f2, v2, 'per', per, 'until', lease_end, 'fcap', g1,
-      'frate', g2)
+      'frate', g2, unpack(fenced))
   else
-    redis.call('HSET', KEYS[1], f1, v1, f2, v2, 'per', per)
+    redis.call('HSET', KEYS[1], f1, v1, f2, v2, 'per', per, unpack(fenced))
   end
-elseif lease then
-  redis.call('HSET', KEYS[1], f1, v1, f2, v2, 'until', lease_end, 'flimit', g1, 'fwindow', g2,
-    unpack(hold))
 else
-  redis.call('HSET', KEYS[1], f1, v1, f2, v2, unpack(hold))
+  for _, x in ipairs(fenced) do
+    hold[#hold + 1] = x
+  end
+  if lease then
+    redis.call('HSET', KEYS[1], f1, v1, f2, v2, 'until', lease_end, 'flimit', g1, 'fwindow',
+      g2, unpack(hold))
+  else
+    redis.call('HSET', KEYS[1], f1, v1, f2, v2, unpack(hold))
+  end
 end
 
 if wstate then

@@ -214,15 +214,28 @@ async fn forward(State(s): State<PeerState>, http: Request) -> Response {
         Ok(r) => r,
         Err(e) => return e.into_response(),
     };
+    // A region's certificate speaks for its own lease and agent role only.
     if let (
         Some(caller),
         Operation::RenewLease {
+            region: claimed, ..
+        }
+        | Operation::RenewDaemonLease {
+            region: claimed, ..
+        }
+        | Operation::ClaimAgent {
+            region: claimed, ..
+        }
+        | Operation::ReleaseAgent {
             region: claimed, ..
         },
     ) = (&region, &req.command.op)
     {
         if claimed.as_str() != caller {
-            return refuse_identity(PATH_FORWARD, "a lease renewal for another region");
+            return refuse_identity(
+                PATH_FORWARD,
+                "a lease renewal or agent claim for another region",
+            );
         }
     }
     forward_command(&s, req).await.into_response()

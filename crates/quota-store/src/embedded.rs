@@ -19,8 +19,8 @@ use quota_core::window::HeldRaise;
 use quota_core::{bucket, window, BucketState, Decision, WindowParams, WindowState};
 
 use crate::{
-    BucketRef, CheckRequest, Limit, MultiCheckRequest, SetParams, Store, StoreError, UsageRecord,
-    DEFAULT_MIN_IDLE_TTL_MS,
+    BucketRef, CheckRequest, Fence, Limit, MultiCheckRequest, SetParams, Store, StoreError,
+    UsageRecord, DEFAULT_MIN_IDLE_TTL_MS,
 };
 
 /// Shards by default: a power of two well above the core count.
@@ -73,6 +73,8 @@ struct Shard {
     /// The raise held with a bucket's sliding-window parameters (`hlimit` / `huntil` of the
     /// parameters hash), see [`window::held_raise`].
     holds: HashMap<BucketRef, HeldRaise>,
+    /// The fence stored with a bucket's parameters (`fence` / `ep` beside them in Redis).
+    fences: HashMap<BucketRef, Fence>,
     /// State keys decided since the last collection (each at most once while it lives).
     active: Vec<StateKey>,
     /// Decisions since the last sweep; a sweep runs once this exceeds the map's size right
@@ -609,6 +611,9 @@ impl Store for EmbeddedStore {
         // The end as set_params.lua stores it: never past the latest end the caller allows.
         let lease = req.lease.map(|l| (l.end_at(now), l.floor));
         let mut shard = self.shard(&req.bucket);
+        if let Some(reason) = Fence::refuses(shard.fences.get(&req.bucket).copied(), req.fence) {
+            return Err(StoreError::Fenced { reason });
+        }
         self.carry_over(&mut shard, req, now);
         self.hold_raise(&mut shard, req, now);
         if let Limit::TokenBucket(p) = req.limit {
@@ -622,12 +627,17 @@ impl Store for EmbeddedStore {
             }
         }
         shard.params.insert(req.bucket.clone(), (req.limit, lease));
+        match req.fence {
+            Some(f) => shard.fences.insert(req.bucket.clone(), f),
+            None => shard.fences.remove(&req.bucket),
+        };
         Ok(())
     }
 
     async fn clear_params(&self, bucket: &BucketRef) -> Result<(), StoreError> {
         let mut s = self.shard(bucket);
         s.params.remove(bucket);
+        s.fences.remove(bucket);
         s.holds.remove(bucket);
         for kind in [StateKind::Bucket, StateKind::Window] {
             // The activity list drops keys without a state at the next collection or sweep.

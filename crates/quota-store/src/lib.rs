@@ -288,6 +288,49 @@ pub struct SetParams {
     /// parameters) still counts stays counted ([`quota_core::window::carry_over`]), while the
     /// new window has no state yet.
     pub replaces: Option<u64>,
+    /// The writer's fence and the allocation epoch written; `None` for a region agent that
+    /// no other can replace (a single daemon). See [`Fence`].
+    pub fence: Option<Fence>,
+}
+
+/// What a region agent's write is fenced by. Stored with the parameters: the store refuses
+/// ([`StoreError::Fenced`]) a later write whose token is lower (its agent was deposed since),
+/// whose epoch is lower (an older allocation landing late: a replaced connection, a write
+/// timed out and run later), or that carries no fence where one is stored, and changes
+/// nothing then.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct Fence {
+    /// The agent role's fence, from the coordinator: higher for every later holder.
+    pub token: u64,
+    /// The allocation epoch the write carries.
+    pub epoch: u64,
+}
+
+impl Fence {
+    /// Why a write fenced by `write` may not replace parameters stored with `stored`, if it
+    /// may not: the rule `set_params.lua` applies.
+    pub fn refuses(stored: Option<Fence>, write: Option<Fence>) -> Option<String> {
+        let stored = stored?;
+        let Some(w) = write else {
+            return Some(format!(
+                "fenced: written by an agent with fence {}; this write has none",
+                stored.token
+            ));
+        };
+        if w.token < stored.token {
+            return Some(format!(
+                "fenced: fence {} is below the stored {}",
+                w.token, stored.token
+            ));
+        }
+        if w.epoch < stored.epoch {
+            return Some(format!(
+                "fenced: epoch {} is below the stored {}",
+                w.epoch, stored.epoch
+            ));
+        }
+        None
+    }
 }
 
 impl SetParams {
@@ -299,7 +342,14 @@ impl SetParams {
             lease: None,
             now_ms: None,
             replaces: None,
+            fence: None,
         }
+    }
+
+    /// The same, fenced by `fence` (see [`Fence`]).
+    pub fn fenced(mut self, fence: Fence) -> Self {
+        self.fence = Some(fence);
+        self
     }
 
     /// The same, replacing the bucket of `version` (see [`SetParams::replaces`]).
@@ -373,6 +423,14 @@ impl SetParams {
                 });
             }
         }
+        if self
+            .fence
+            .is_some_and(|f| f.token > MAX_CAPACITY_UT || f.epoch > MAX_CAPACITY_UT)
+        {
+            return Err(StoreError::Rejected {
+                reason: "a fence or epoch is too large".into(),
+            });
+        }
         Ok(())
     }
 }
@@ -416,6 +474,10 @@ pub enum StoreError {
     /// killed or busy, a cluster slot down).
     #[error("script error: {message}")]
     Script { message: String },
+    /// A parameter write refused by the fence stored with the parameters ([`Fence`]): a later
+    /// agent, or a later epoch, wrote them. Nothing was changed.
+    #[error("{reason}")]
+    Fenced { reason: String },
     /// Redis answered something the scripts never return.
     #[error("unexpected reply: {reason}")]
     Protocol { reason: String },
@@ -424,11 +486,11 @@ pub enum StoreError {
 impl StoreError {
     /// Whether the store failed, rather than the request or its data: true for timeouts,
     /// unreachable or refusing Redis, server errors and unexpected replies; false for
-    /// [`Invalid`](Self::Invalid) and [`Rejected`](Self::Rejected), which another store
-    /// would answer the same way.
+    /// [`Invalid`](Self::Invalid), [`Rejected`](Self::Rejected) and
+    /// [`Fenced`](Self::Fenced), which another store would answer the same way.
     pub fn is_outage(&self) -> bool {
         match self {
-            Self::Invalid { .. } | Self::Rejected { .. } => false,
+            Self::Invalid { .. } | Self::Rejected { .. } | Self::Fenced { .. } => false,
             Self::Timeout { .. }
             | Self::Unavailable { .. }
             | Self::Refused { .. }

@@ -107,7 +107,8 @@ pub fn decisions_from_reply(reply: &[i64], n: usize) -> Result<Vec<Decision>, St
 
 /// The ARGV of `set_params.lua` for `req`: the limit's field pairs, the minimum idle TTL,
 /// the lease (remaining ms and floor pair, or empty), the explicit now (or empty), for a
-/// token bucket the refill period, and the latest lease end (or empty).
+/// token bucket the refill period, the latest lease end (or empty), and the fence's token and
+/// epoch (or empty).
 pub fn set_params_args(req: &SetParams, min_idle_ttl_ms: &str) -> Vec<String> {
     let pair = |l: Limit| match l {
         Limit::TokenBucket(p) => (p.capacity_ut, p.refill_ut),
@@ -145,6 +146,8 @@ pub fn set_params_args(req: &SetParams, min_idle_ttl_ms: &str) -> Vec<String> {
             Limit::SlidingWindow { .. } => String::new(),
         },
         not_after,
+        req.fence.map(|f| f.token.to_string()).unwrap_or_default(),
+        req.fence.map(|f| f.epoch.to_string()).unwrap_or_default(),
     ]
 }
 

@@ -1421,3 +1421,96 @@ fn a_changed_window_keeps_what_it_counts_in_both_stores() {
         assert_eq!((e, r), (left, left), "{old:?} -> {new:?}");
     }
 }
+
+/// Issue 31: `set_params.lua` and the embedded store apply one fence rule. Random sequences of
+/// writes (fenced by random tokens and epochs, or not at all) and clears on one bucket, run on
+/// both: each write accepted or refused alike, the parameters in force after each step alike,
+/// and a refused write never changing them — checked against [`quota_store::Fence::refuses`]
+/// on the fence the model says is stored.
+#[test]
+fn fences_refuse_alike_in_both_stores() {
+    use quota_store::{Fence, StoreError};
+    #[derive(Debug, Clone)]
+    enum Step {
+        Write(u64, Option<Fence>),
+        Clear,
+    }
+    let step = prop_oneof![
+        8 => (1u64..=60, proptest::option::weighted(0.85, (0u64..5, 0u64..5)))
+            .prop_map(|(cap, f)| Step::Write(cap, f.map(|(token, epoch)| Fence { token, epoch }))),
+        1 => Just(Step::Clear),
+    ];
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    let server = RedisServer::start().unwrap();
+    let redis = rt.block_on(common::store(&server));
+    let embedded = EmbeddedStore::new();
+    let t0 = 1_700_000_000_000u64;
+    let mut runner = TestRunner::new_with_rng(
+        ProptestConfig {
+            cases: 64,
+            ..ProptestConfig::default()
+        },
+        proptest::test_runner::TestRng::from_seed(
+            proptest::test_runner::RngAlgorithm::ChaCha,
+            &[31; 32],
+        ),
+    );
+    let case = Cell::new(0u64);
+    let (refused, accepted) = (Cell::new(0u32), Cell::new(0u32));
+    runner
+        .run(&proptest::collection::vec(step, 1..24), |steps| {
+            case.set(case.get() + 1);
+            let b = common::fresh_bucket(&format!("fence-{}", case.get()));
+            let peek = common::req(&b, common::tokens(1_000, 1), 0, Some(t0 + 1));
+            let mut stored: Option<Fence> = None;
+            let mut in_force: Option<u64> = None;
+            for s in &steps {
+                match s {
+                    Step::Clear => {
+                        rt.block_on(redis.clear_params(&b)).unwrap();
+                        rt.block_on(embedded.clear_params(&b)).unwrap();
+                        (stored, in_force) = (None, None);
+                    }
+                    Step::Write(cap, f) => {
+                        let mut p = SetParams::new(b.clone(), common::tokens(*cap, 1))
+                            .with_lease(60_000, common::tokens(1, 1))
+                            .at(t0);
+                        p.fence = *f;
+                        let r = rt.block_on(redis.set_params(&p));
+                        let e = rt.block_on(embedded.set_params(&p));
+                        let want_refused = Fence::refuses(stored, *f).is_some();
+                        for got in [&r, &e] {
+                            match got {
+                                Ok(()) => prop_assert!(!want_refused, "{s:?} after {stored:?}"),
+                                Err(StoreError::Fenced { .. }) => {
+                                    prop_assert!(want_refused, "{s:?} after {stored:?}")
+                                }
+                                Err(other) => prop_assert!(false, "{s:?}: {other}"),
+                            }
+                        }
+                        if want_refused {
+                            refused.set(refused.get() + 1);
+                        } else {
+                            accepted.set(accepted.get() + 1);
+                            (stored, in_force) = (*f, Some(*cap));
+                        }
+                    }
+                }
+                // The bucket is full at every step (nothing spends): a peek shows the
+                // capacity in force, or the one passed when nothing is stored.
+                let want = in_force.unwrap_or(1_000);
+                let r = rt.block_on(redis.check(&peek)).unwrap().remaining;
+                let e = rt.block_on(embedded.check(&peek)).unwrap().remaining;
+                prop_assert_eq!((r, e), (want, want), "after {:?}", s);
+            }
+            Ok(())
+        })
+        .unwrap();
+    assert!(
+        refused.get() > 100 && accepted.get() > 100,
+        "{refused:?} {accepted:?}"
+    );
+}

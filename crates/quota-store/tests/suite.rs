@@ -45,7 +45,64 @@ both_stores!(
     a_changed_policy_keeps_what_was_spent,
     a_moved_window_share_cuts_at_once_and_raises_after_a_window,
     a_window_without_state_holds_a_raise,
+    a_fence_refuses_deposed_and_late_writes,
 );
+
+/// Issue 31: parameters carry the writer's fence and epoch. A deposed agent (lower fence), an
+/// older allocation landing late (lower epoch) and an unfenced writer are refused and change
+/// nothing; the holder renews at its epoch, and a later holder takes over.
+async fn a_fence_refuses_deposed_and_late_writes<S: Store>(s: &S) {
+    use quota_store::Fence;
+    let b = fresh_bucket("fenced");
+    let share = |cap| tokens(cap, 1);
+    let fence = |token, epoch| Fence { token, epoch };
+    let write = |cap, f: Option<Fence>| {
+        let p = SetParams::new(b.clone(), share(cap))
+            .with_lease(10_000, share(1))
+            .at(T0);
+        match f {
+            Some(f) => p.fenced(f),
+            None => p,
+        }
+    };
+    // Unfenced parameters may be fenced from then on.
+    s.set_params(&write(50, None)).await.unwrap();
+    s.set_params(&write(40, Some(fence(3, 7)))).await.unwrap();
+    // A peek: the stored capacity wins over the one passed.
+    let peek = req(&b, share(1000), 0, Some(T0 + 1));
+    async fn remaining<S: Store>(s: &S, r: &quota_store::CheckRequest) -> u64 {
+        s.check(r).await.unwrap().remaining
+    }
+    assert_eq!(remaining(s, &peek).await, 40);
+    for (f, what) in [
+        (Some(fence(2, 9)), "fence 2 is below the stored 3"),
+        (Some(fence(3, 6)), "epoch 6 is below the stored 7"),
+        (None, "this write has none"),
+    ] {
+        match s.set_params(&write(90, f)).await {
+            Err(StoreError::Fenced { reason }) => assert!(reason.contains(what), "{reason}"),
+            other => panic!("{f:?} answered {other:?}"),
+        }
+        assert_eq!(
+            remaining(s, &peek).await,
+            40,
+            "a refused write changed nothing"
+        );
+    }
+    // The same holder at the same epoch renews; a later holder at any later epoch takes over,
+    // and the one it replaced can no longer write.
+    s.set_params(&write(40, Some(fence(3, 7)))).await.unwrap();
+    s.set_params(&write(30, Some(fence(5, 8)))).await.unwrap();
+    assert_eq!(remaining(s, &peek).await, 30);
+    assert!(matches!(
+        s.set_params(&write(40, Some(fence(3, 9)))).await,
+        Err(StoreError::Fenced { .. })
+    ));
+    // Cleared parameters (a deleted policy) keep no fence.
+    s.clear_params(&b).await.unwrap();
+    s.set_params(&write(20, None)).await.unwrap();
+    assert_eq!(remaining(s, &peek).await, 20);
+}
 
 /// Issue 36: share of a sliding window moves between two regions (each a store of its own, as
 /// each region has its own Redis). The losing region's cut applies at once; the gaining

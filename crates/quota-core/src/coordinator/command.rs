@@ -70,8 +70,33 @@ pub enum Operation {
         membership: u64,
         entries: Vec<ShareEntry>,
     },
-    /// Renews a region's lease and records the epoch it has applied.
+    /// Renews the lease of a region run by one daemon ([`SOLE_DAEMON`]) and records the epoch
+    /// it has applied: [`Operation::RenewDaemonLease`] for that daemon.
+    ///
+    /// [`SOLE_DAEMON`]: super::SOLE_DAEMON
     RenewLease { region: RegionId, acked_epoch: u64 },
+    /// Renews one daemon's lease in its region and records the epoch it enforces (its view's,
+    /// or, as the agent, the one its store holds): the region's acknowledgement is the least
+    /// of its daemons' that may still enforce anything.
+    RenewDaemonLease {
+        region: RegionId,
+        node: u64,
+        acked_epoch: u64,
+    },
+    /// Takes a region's agent role for `node` if nobody holds it or the fence in force is still
+    /// `fence_seen`: a compare-and-set, so of two daemons claiming after one holder only one
+    /// wins. The winner's writes carry a new fence, above every fence drawn before.
+    ClaimAgent {
+        region: RegionId,
+        node: u64,
+        fence_seen: u64,
+    },
+    /// Gives the role up (a daemon stopping): the next claim need not wait for it to go quiet.
+    ReleaseAgent {
+        region: RegionId,
+        node: u64,
+        fence: u64,
+    },
     /// Adds a region, or changes whether it is draining. A draining region loses its floor
     /// guarantee, so the allocator can empty it and it can then be removed.
     PutRegion {

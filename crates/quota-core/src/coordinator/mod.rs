@@ -56,6 +56,7 @@
 //! Plans and promoted subjects are applied next to the rest of their model, in
 //! [`crate::plan`] and [`crate::promotion`]: both add handlers to [`CoordinatorState`].
 
+mod agents;
 mod command;
 mod pins;
 mod policies;
@@ -74,6 +75,7 @@ use crate::policy::{Policy, PPM};
 pub use crate::promotion::Promoted;
 
 pub use crate::split::MAX_REGIONS;
+pub use agents::SOLE_DAEMON;
 pub use command::{
     Command, HomeChange, Operation, PromotedChange, RequestId, ShareEntry, MAX_BATCH_ASSIGNMENTS,
     MAX_BATCH_POLICIES,
@@ -112,8 +114,35 @@ pub struct RegionState {
     pub draining: bool,
     /// Coordinator time the region's lease ends (0: never renewed).
     pub lease_expires_at_ms: u64,
-    /// The latest epoch the region says it has applied.
+    /// The latest epoch every daemon of the region that may still enforce anything has
+    /// applied: the least of `daemons`' live acknowledgements, never lowered.
     pub acked_epoch: u64,
+    /// The daemons of the region that renewed a lease, by Raft node id: each enforces its
+    /// region's shares under its own lease (in process, and through the agent's writes), so the
+    /// region has applied an epoch only once every one of them that may still enforce has.
+    pub daemons: BTreeMap<u64, DaemonLease>,
+    /// The daemon holding the region agent role, if one claimed it: the only one whose writes
+    /// the region's store accepts, by its fence.
+    pub agent: Option<AgentRole>,
+}
+
+/// One daemon's lease within its region.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct DaemonLease {
+    /// The least epoch this daemon may be enforcing anything of.
+    pub acked_epoch: u64,
+    /// Coordinator time this daemon's lease ends.
+    pub lease_expires_at_ms: u64,
+}
+
+/// The holder of a region's agent role and the fence its writes carry.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct AgentRole {
+    /// Raft node id of the holder.
+    pub node: u64,
+    /// Drawn from [`CoordinatorState::last_fence`] at the claim: higher for every later claim,
+    /// in every region, so a store that has seen a holder's write refuses every earlier one's.
+    pub fence: u64,
 }
 
 /// Who pinned a policy to its home region.
@@ -195,6 +224,8 @@ pub struct CoordinatorState {
     pub membership: u64,
     /// Source of policy versions: never reused, even across delete and re-put.
     pub last_version: u64,
+    /// Source of agent fences ([`AgentRole::fence`]): never reused.
+    pub last_fence: u64,
     pub lease: LeaseConfig,
     /// Region slots; `None` is a removed region whose slot may be reused.
     pub regions: Vec<Option<RegionState>>,
@@ -233,7 +264,22 @@ impl CoordinatorState {
             Operation::RenewLease {
                 region,
                 acked_epoch,
-            } => self.renew_lease(region, *acked_epoch, now),
+            } => self.renew_lease(region, SOLE_DAEMON, *acked_epoch, now),
+            Operation::RenewDaemonLease {
+                region,
+                node,
+                acked_epoch,
+            } => self.renew_lease(region, *node, *acked_epoch, now),
+            Operation::ClaimAgent {
+                region,
+                node,
+                fence_seen,
+            } => self.claim_agent(region, *node, *fence_seen),
+            Operation::ReleaseAgent {
+                region,
+                node,
+                fence,
+            } => self.release_agent(region, *node, *fence),
             Operation::PutRegion {
                 region,
                 reserves_floor,

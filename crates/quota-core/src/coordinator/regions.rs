@@ -1,39 +1,12 @@
-//! Region handlers: lease renewals (with the epoch a region acknowledges), regions joining or
-//! draining, and a region's removal once nothing it may enforce is left.
+//! Region handlers: regions joining or draining, and a region's removal once nothing it may
+//! enforce is left. Leases and the agent role are in [`super::agents`].
+
+use std::collections::BTreeMap;
 
 use super::{CoordinatorState, RegionState, Response, MAX_REGIONS};
 use crate::ids::RegionId;
 
 impl CoordinatorState {
-    pub(super) fn renew_lease(&mut self, id: &RegionId, acked_epoch: u64, now: u64) -> Response {
-        let Some(index) = self.region_index(id) else {
-            return Response::UnknownRegion { region: id.clone() };
-        };
-        if acked_epoch > self.epoch {
-            return Response::AckFromFuture {
-                acked_epoch,
-                epoch: self.epoch,
-            };
-        }
-        let lease_ms = self.lease.lease_ms;
-        let epoch = self.epoch;
-        let Some(region) = self
-            .regions
-            .get_mut(usize::from(index))
-            .and_then(Option::as_mut)
-        else {
-            return Response::UnknownRegion { region: id.clone() };
-        };
-        region.acked_epoch = region.acked_epoch.max(acked_epoch);
-        region.lease_expires_at_ms = region.lease_expires_at_ms.max(now.saturating_add(lease_ms));
-        Response::LeaseRenewed {
-            region: index,
-            epoch,
-            lease_ms,
-            expires_at_ms: region.lease_expires_at_ms,
-        }
-    }
-
     pub(super) fn put_region(
         &mut self,
         id: &RegionId,
@@ -81,6 +54,8 @@ impl CoordinatorState {
             draining,
             lease_expires_at_ms: 0,
             acked_epoch: self.epoch,
+            daemons: BTreeMap::new(),
+            agent: None,
         };
         let index = match free {
             Some(i) => {

@@ -97,6 +97,17 @@ pub enum Response {
         /// Coordinator time the lease ends (for display; regions count `lease_ms` locally).
         expires_at_ms: u64,
     },
+    /// The claim won: this node holds the region's agent role with `fence`.
+    AgentClaimed {
+        fence: u64,
+    },
+    /// The claim lost, or a release named a role not held: who holds the role now (fence 0:
+    /// nobody).
+    AgentHeld {
+        node: u64,
+        fence: u64,
+    },
+    AgentReleased,
     RegionStored {
         index: u8,
         membership: u64,

@@ -114,7 +114,11 @@ fn touched(op: &Operation) -> Touched {
         }
         // Region slots and floors: every grant may change.
         Operation::PutRegion { .. } | Operation::RemoveRegion { .. } => Touched::All,
-        Operation::RenewLease { .. } | Operation::SetLeaseConfig { .. } => Touched::Nothing,
+        Operation::RenewLease { .. }
+        | Operation::RenewDaemonLease { .. }
+        | Operation::ClaimAgent { .. }
+        | Operation::ReleaseAgent { .. }
+        | Operation::SetLeaseConfig { .. } => Touched::Nothing,
         // Promoted subjects decide under their class's policy, not under a policy of theirs:
         // a reader rebuilds them whole whenever `promoted` is set.
         Operation::SetPromoted { .. } => Touched::Promoted,

@@ -225,7 +225,10 @@ impl RaftStateMachine<TypeConfig> for StateMachineStore {
                 let reply = match entry.payload {
                     EntryPayload::Blank => None,
                     EntryPayload::Normal(ref cmd) => {
-                        if !matches!(cmd.op, Operation::RenewLease { .. }) {
+                        if !matches!(
+                            cmd.op,
+                            Operation::RenewLease { .. } | Operation::RenewDaemonLease { .. }
+                        ) {
                             applied.revision += 1;
                             let revision = applied.revision;
                             applied.journal.record(revision, Some(&cmd.op));

@@ -25,6 +25,9 @@ fn refused(e: &RedisError) -> bool {
 /// The prefix of every error reply the scripts give for arguments or stored data they refuse.
 const SCRIPT_REJECTION: &str = "quotad: ";
 
+/// The prefix of `set_params.lua`'s refusal of a write its stored fence forbids.
+const FENCED: &str = "quotad: fenced: ";
+
 /// Maps a Redis error: the scripts' refusals and wrong-type keys (the request's or the data's
 /// fault) vs. other server replies vs. transport problems.
 pub(super) fn from_redis(e: &RedisError) -> StoreError {
@@ -36,6 +39,9 @@ pub(super) fn from_redis(e: &RedisError) -> StoreError {
     match e.kind() {
         redis::ErrorKind::Server(_) | redis::ErrorKind::Extension => {
             match (e.code(), e.detail()) {
+                (Some("ERR"), Some(detail)) if detail.starts_with(FENCED) => StoreError::Fenced {
+                    reason: detail[SCRIPT_REJECTION.len()..].to_string(),
+                },
                 (Some("ERR"), Some(detail)) if detail.starts_with(SCRIPT_REJECTION) => {
                     StoreError::Rejected {
                         reason: detail[SCRIPT_REJECTION.len()..].to_string(),

@@ -1,0 +1,310 @@
+//! A region's daemons: each one's lease with the epoch it enforces, and the agent role one of
+//! them holds.
+//!
+//! A region may run several daemons on one store. Each decides checks under a lease of its own
+//! (counted from when it sent its renewal), so each is an enforcer: the region has applied an
+//! epoch once every daemon that may still enforce anything has — the least acknowledgement
+//! among daemons whose lease (plus the drift margin) has not run out. A daemon gone quiet stops
+//! counting once its lease is over, when nothing it did can be enforced any more (its own
+//! lease has ended and every end it wrote to the store is earlier). A daemon that renews with
+//! no live record (new, or back after its lease ran out) starts at the region's
+//! acknowledgement: its lease is usable only for an allocation of the renewal's epoch or later,
+//! which is at least that, so the region's acknowledgement never goes down.
+//!
+//! One daemon holds the agent role (it writes the store); a claim is a compare-and-set on the
+//! fence, and every claim draws a fence above all earlier ones.
+
+use super::{AgentRole, CoordinatorState, DaemonLease, Response};
+use crate::ids::RegionId;
+
+/// The node id [`super::Operation::RenewLease`] renews for: a region run by one daemon.
+pub const SOLE_DAEMON: u64 = 0;
+
+impl CoordinatorState {
+    pub(super) fn renew_lease(
+        &mut self,
+        id: &RegionId,
+        node: u64,
+        acked_epoch: u64,
+        now: u64,
+    ) -> Response {
+        let Some(index) = self.region_index(id) else {
+            return Response::UnknownRegion { region: id.clone() };
+        };
+        if acked_epoch > self.epoch {
+            return Response::AckFromFuture {
+                acked_epoch,
+                epoch: self.epoch,
+            };
+        }
+        let lease_ms = self.lease.lease_ms;
+        let margin = self.lease.drift_margin_ms;
+        let epoch = self.epoch;
+        let Some(region) = self
+            .regions
+            .get_mut(usize::from(index))
+            .and_then(Option::as_mut)
+        else {
+            return Response::UnknownRegion { region: id.clone() };
+        };
+        let live = |d: &DaemonLease| d.lease_expires_at_ms.saturating_add(margin) >= now;
+        let holder = region.agent.map(|a| a.node);
+        // Records that can no longer enforce anything go (the holder's stays, for display).
+        region
+            .daemons
+            .retain(|n, d| live(d) || Some(*n) == holder || *n == node);
+        let expires = now.saturating_add(lease_ms);
+        let acked = region.acked_epoch;
+        let d = region.daemons.entry(node).or_insert(DaemonLease {
+            acked_epoch: acked,
+            lease_expires_at_ms: 0,
+        });
+        if !live(d) {
+            d.acked_epoch = d.acked_epoch.max(acked);
+        }
+        d.acked_epoch = d.acked_epoch.max(acked_epoch);
+        d.lease_expires_at_ms = d.lease_expires_at_ms.max(expires);
+        let least = region
+            .daemons
+            .values()
+            .filter(|d| live(d))
+            .map(|d| d.acked_epoch)
+            .min()
+            .unwrap_or(acked);
+        region.acked_epoch = region.acked_epoch.max(least);
+        region.lease_expires_at_ms = region.lease_expires_at_ms.max(expires);
+        Response::LeaseRenewed {
+            region: index,
+            epoch,
+            lease_ms,
+            expires_at_ms: region.lease_expires_at_ms,
+        }
+    }
+
+    pub(super) fn claim_agent(&mut self, id: &RegionId, node: u64, fence_seen: u64) -> Response {
+        let next = self.last_fence.saturating_add(1);
+        let Some(region) = self.region_mut(id) else {
+            return Response::UnknownRegion { region: id.clone() };
+        };
+        match region.agent {
+            Some(a) if a.fence != fence_seen => Response::AgentHeld {
+                node: a.node,
+                fence: a.fence,
+            },
+            _ => {
+                region.agent = Some(AgentRole { node, fence: next });
+                self.last_fence = next;
+                Response::AgentClaimed { fence: next }
+            }
+        }
+    }
+
+    pub(super) fn release_agent(&mut self, id: &RegionId, node: u64, fence: u64) -> Response {
+        let Some(region) = self.region_mut(id) else {
+            return Response::UnknownRegion { region: id.clone() };
+        };
+        match region.agent {
+            Some(a) if a.node == node && a.fence == fence => {
+                region.agent = None;
+                Response::AgentReleased
+            }
+            a => Response::AgentHeld {
+                node: a.map_or(0, |a| a.node),
+                fence: a.map_or(0, |a| a.fence),
+            },
+        }
+    }
+
+    fn region_mut(&mut self, id: &RegionId) -> Option<&mut super::RegionState> {
+        let index = usize::from(self.region_index(id)?);
+        self.regions.get_mut(index).and_then(Option::as_mut)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::{Command, Operation, RequestId};
+    use super::*;
+    use crate::lease::LeaseConfig;
+
+    fn region() -> RegionId {
+        RegionId::new("a").unwrap()
+    }
+
+    struct Cluster {
+        s: CoordinatorState,
+        next: u64,
+    }
+
+    impl Cluster {
+        fn new() -> Self {
+            let mut c = Self {
+                s: CoordinatorState::default(),
+                next: 1,
+            };
+            c.op(
+                0,
+                Operation::SetLeaseConfig {
+                    config: LeaseConfig {
+                        lease_ms: 3_000,
+                        drift_margin_ms: 500,
+                    },
+                },
+            );
+            c.op(
+                0,
+                Operation::PutRegion {
+                    region: region(),
+                    reserves_floor: true,
+                    draining: false,
+                },
+            );
+            c
+        }
+
+        fn op(&mut self, now_ms: u64, op: Operation) -> Response {
+            self.next += 1;
+            self.s.apply(&Command {
+                request: RequestId(u128::from(self.next)),
+                now_ms,
+                op,
+            })
+        }
+
+        fn renew(&mut self, now_ms: u64, node: u64, acked_epoch: u64) -> Response {
+            self.op(
+                now_ms,
+                Operation::RenewDaemonLease {
+                    region: region(),
+                    node,
+                    acked_epoch,
+                },
+            )
+        }
+
+        fn acked(&self) -> u64 {
+            self.s.region(0).unwrap().acked_epoch
+        }
+
+        fn claim(&mut self, node: u64, fence_seen: u64) -> Response {
+            self.op(
+                0,
+                Operation::ClaimAgent {
+                    region: region(),
+                    node,
+                    fence_seen,
+                },
+            )
+        }
+    }
+
+    #[test]
+    fn the_region_has_applied_what_its_slowest_live_daemon_has() {
+        let mut c = Cluster::new();
+        c.s.epoch = 10;
+        c.renew(1_000, 1, 4);
+        c.renew(1_000, 2, 7);
+        assert_eq!(c.acked(), 4, "daemon 1 may still enforce epoch 4");
+        c.renew(2_000, 1, 9);
+        assert_eq!(c.acked(), 7);
+        // Daemon 2 goes quiet: it counts until its lease (3 000 after 1 000) plus the margin.
+        c.renew(4_500, 1, 10);
+        assert_eq!(
+            c.acked(),
+            7,
+            "daemon 2's lease and margin are not over at 4 500"
+        );
+        c.renew(4_501, 1, 10);
+        assert_eq!(c.acked(), 10, "daemon 2 can enforce nothing after 4 500");
+        assert!(!c.s.region(0).unwrap().daemons.contains_key(&2), "pruned");
+        // Back after its lease ran out: it starts at the region's acknowledgement, not below.
+        c.renew(5_000, 2, 3);
+        assert_eq!(c.s.region(0).unwrap().daemons[&2].acked_epoch, 10);
+        assert_eq!(c.acked(), 10);
+        // An acknowledgement is never taken back by a later, lower one.
+        c.renew(5_100, 1, 6);
+        assert_eq!(c.s.region(0).unwrap().daemons[&1].acked_epoch, 10);
+    }
+
+    #[test]
+    fn a_new_daemon_never_lowers_the_region_acknowledgement() {
+        let mut c = Cluster::new();
+        c.s.epoch = 8;
+        c.renew(1_000, 1, 8);
+        assert_eq!(c.acked(), 8);
+        c.renew(1_100, 3, 0);
+        assert_eq!(c.acked(), 8);
+        assert_eq!(c.s.region(0).unwrap().daemons[&3].acked_epoch, 8);
+        assert!(matches!(
+            c.renew(1_200, 3, 9),
+            Response::AckFromFuture { .. }
+        ));
+    }
+
+    #[test]
+    fn the_lease_of_a_sole_daemon_renews_as_before() {
+        let mut c = Cluster::new();
+        c.s.epoch = 5;
+        let r = c.op(
+            1_000,
+            Operation::RenewLease {
+                region: region(),
+                acked_epoch: 3,
+            },
+        );
+        assert!(matches!(
+            r,
+            Response::LeaseRenewed {
+                epoch: 5,
+                lease_ms: 3_000,
+                expires_at_ms: 4_000,
+                ..
+            }
+        ));
+        assert_eq!(c.acked(), 3);
+        assert!(c.s.region(0).unwrap().daemons.contains_key(&SOLE_DAEMON));
+    }
+
+    #[test]
+    fn a_claim_is_a_compare_and_set_and_every_fence_is_new() {
+        let mut c = Cluster::new();
+        assert_eq!(c.claim(1, 0), Response::AgentClaimed { fence: 1 });
+        // Two daemons saw fence 1 and claim at once: one wins.
+        assert_eq!(c.claim(2, 1), Response::AgentClaimed { fence: 2 });
+        assert_eq!(c.claim(3, 1), Response::AgentHeld { node: 2, fence: 2 });
+        // A release by a deposed holder changes nothing.
+        let stale = c.op(
+            0,
+            Operation::ReleaseAgent {
+                region: region(),
+                node: 1,
+                fence: 1,
+            },
+        );
+        assert_eq!(stale, Response::AgentHeld { node: 2, fence: 2 });
+        let released = c.op(
+            0,
+            Operation::ReleaseAgent {
+                region: region(),
+                node: 2,
+                fence: 2,
+            },
+        );
+        assert_eq!(released, Response::AgentReleased);
+        // Nobody holds it after a release: the first claim wins, with a fence above every
+        // earlier one, and one racing it (it saw the released fence) loses.
+        assert_eq!(c.claim(3, 2), Response::AgentClaimed { fence: 3 });
+        assert_eq!(c.claim(1, 2), Response::AgentHeld { node: 3, fence: 3 });
+        // The holder claiming again (a restart) gets a new fence too.
+        assert_eq!(c.claim(3, 3), Response::AgentClaimed { fence: 4 });
+        let unknown = c.op(
+            0,
+            Operation::ClaimAgent {
+                region: RegionId::new("zz").unwrap(),
+                node: 1,
+                fence_seen: 0,
+            },
+        );
+        assert!(matches!(unknown, Response::UnknownRegion { .. }));
+    }
+}
