@@ -26,6 +26,13 @@
 //! [`LeaseMode::NoLease`] every share decrease is acknowledged on the region's behalf as soon
 //! as it commits (the coordinator does not wait), and regions ignore leases and keep enforcing
 //! their last grant.
+//!
+//! A region's agent role can be between its daemons (a killed holder,
+//! [`crate::faults::Fault::AgentMove`]): the region's renewals go on without usage, still
+//! acknowledging the epoch its Redis holds; its Redis keeps the grants and lease end last
+//! written, and the renewals answered meanwhile wait for the next holder. Once that holder has
+//! claimed the role it takes them up, writes every bucket at its replica's epoch, and its first
+//! report carries the usage Redis counted since the last one, over that whole interval.
 
 use std::cmp::Reverse;
 use std::collections::BinaryHeap;
@@ -83,11 +90,13 @@ const SILENT_REPORTS: u64 = 3;
 
 #[derive(Debug)]
 enum Event {
-    /// A usage report with a lease renewal reaches the leader.
+    /// A lease renewal reaches the leader, with a usage report over the last `interval_ms`
+    /// unless the region's agent role is between daemons.
     Report {
         from: RegionIx,
         to: RegionIx,
-        usage: Vec<(PolicyKey, Usage)>,
+        usage: Option<Vec<(PolicyKey, Usage)>>,
+        interval_ms: u64,
         acked_epoch: u64,
         sent_local_ms: u64,
     },
@@ -128,15 +137,15 @@ impl Ord for Timed {
     }
 }
 
-/// One region's daemon: its replica of the coordinator state, its lease clock, and what it
-/// enforces per tenant.
+/// One region's daemons: their replica of the coordinator state, the region agent's lease
+/// clock, and what the region enforces per tenant.
 #[derive(Debug)]
 pub struct RegionAgent {
     replica: CoordinatorState,
     /// How much of the committed log the replica applied.
     applied: usize,
     pub view: RegionView,
-    /// Per tenant: the grant at the applied epoch.
+    /// Per tenant: the grant the agent last wrote to Redis (at the applied epoch).
     pub grants: Vec<RegionShare>,
     /// Per tenant: the home region when pinned.
     pub homes: Vec<Option<RegionIx>>,
@@ -145,6 +154,22 @@ pub struct RegionAgent {
     pub richest: Vec<Option<RegionIx>>,
     /// Per tenant: tokens admitted and denied since the last report.
     usage: Vec<Usage>,
+    /// When `usage` started counting: the last report's time.
+    usage_since_ms: u64,
+    /// The agent role is between daemons: no reports, no parameter writes.
+    paused: bool,
+    /// Renewals answered while the role was between daemons, for the next holder's lease
+    /// clock (Redis keeps the lease end last written until then).
+    held_leases: Vec<RegionLease>,
+}
+
+/// What each region's agent did over a run, per region.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize)]
+pub struct AgentCounts {
+    /// Usage reports sent to a leader.
+    pub usage_reports: Vec<u64>,
+    /// Times the agent role left its daemon for another.
+    pub moves: Vec<u64>,
 }
 
 /// The coordinator cluster and the region agents, driven in virtual time.
@@ -171,6 +196,7 @@ pub struct Control {
     pub agents: Vec<RegionAgent>,
     /// Commands `apply` answered with something other than success (should stay 0).
     pub rejected_commands: u64,
+    pub counts: AgentCounts,
 }
 
 /// The policy key of tenant `i` in the simulated cluster.
@@ -219,6 +245,10 @@ impl Control {
             next_rebalance_ms: cfg.rebalance_ms,
             agents: Vec::new(),
             rejected_commands: 0,
+            counts: AgentCounts {
+                usage_reports: vec![0; n],
+                moves: vec![0; n],
+            },
         };
         c.boot(tenants, policies);
         for r in 0..n {
@@ -273,6 +303,9 @@ impl Control {
             homes: Vec::new(),
             richest: Vec::new(),
             usage: vec![Usage::default(); tenants],
+            usage_since_ms: 0,
+            paused: false,
+            held_leases: Vec::new(),
         };
         agent.view.on_applied(self.committed.epoch);
         agent.view.on_renewal(RegionLease {
@@ -281,6 +314,7 @@ impl Control {
             lease_ms: self.cfg.lease_ms,
         });
         self.agents.push(agent);
+        self.refresh_routing(r);
         self.refresh_grants(r);
     }
 
@@ -312,25 +346,7 @@ impl Control {
 
     /// Whether `l` is up and reaches a majority of the cluster at `t_ms`.
     fn has_quorum(&self, world: &World, l: RegionIx, t_ms: u64) -> bool {
-        self.quorum_rtt_ms(world, l, t_ms).is_some()
-    }
-
-    /// The round trip after which a proposal by `l` at `t_ms` reaches a majority.
-    fn quorum_rtt_ms(&self, world: &World, l: RegionIx, t_ms: u64) -> Option<u64> {
-        if !world.daemon_up(l, t_ms) {
-            return None;
-        }
-        let n = world.regions;
-        let needed = n / 2; // followers needed besides the leader
-        if needed == 0 {
-            return Some(0);
-        }
-        let mut rtts: Vec<u64> = (0..n)
-            .filter(|&p| p != l && world.daemon_up(p, t_ms) && world.link_up(l, p, t_ms))
-            .map(|p| world.rtt_ms(l, p))
-            .collect();
-        rtts.sort_unstable();
-        rtts.get(needed - 1).copied()
+        world.quorum_rtt_ms(l, t_ms).is_some()
     }
 
     /// The current leader, if one is serving.
@@ -346,7 +362,7 @@ impl Control {
         renewal: Option<(RegionIx, u64)>,
     ) {
         let Some(l) = self.leader else { return };
-        let Some(rtt) = self.quorum_rtt_ms(world, l, t_ms) else {
+        let Some(rtt) = world.quorum_rtt_ms(l, t_ms) else {
             return;
         };
         let cmd = Command {
@@ -384,22 +400,32 @@ impl Control {
         }
     }
 
+    /// Every region's renewal, with its usage report unless its agent role is between daemons
+    /// (the usage then stays counted in Redis for the next holder's first report).
     fn send_reports(&mut self, world: &World, at_ms: u64) {
         for r in 0..world.regions {
             if !world.daemon_up(r, at_ms) {
+                self.agents[r].usage_since_ms = at_ms;
                 continue;
             }
             let agent = &mut self.agents[r];
-            let usage: Vec<(PolicyKey, Usage)> = agent
-                .usage
-                .iter_mut()
-                .enumerate()
-                .filter(|(_, u)| u.admitted + u.denied > 0)
-                .map(|(i, u)| (self.keys[i].clone(), std::mem::take(u)))
-                .collect();
+            let interval_ms = at_ms - agent.usage_since_ms;
+            let usage = (!world.agent_paused(r, at_ms)).then(|| {
+                agent.usage_since_ms = at_ms;
+                agent
+                    .usage
+                    .iter_mut()
+                    .enumerate()
+                    .filter(|(_, u)| u.admitted + u.denied > 0)
+                    .map(|(i, u)| (self.keys[i].clone(), std::mem::take(u)))
+                    .collect::<Vec<_>>()
+            });
             let acked_epoch = agent.view.applied_epoch();
             let Some(l) = self.leader else { continue };
             if world.link_up(r, l, at_ms) && world.daemon_up(l, at_ms) {
+                if usage.is_some() {
+                    self.counts.usage_reports[r] += 1;
+                }
                 let sent_local_ms = world.local_ms(r, at_ms);
                 let arrive = at_ms + world.owd_ms(r, l);
                 self.push(
@@ -408,6 +434,7 @@ impl Control {
                         from: r,
                         to: l,
                         usage,
+                        interval_ms,
                         acked_epoch,
                         sent_local_ms,
                     },
@@ -495,7 +522,7 @@ impl Control {
         }
     }
 
-    /// Re-reads every tenant's grant and home from region `r`'s replica.
+    /// Re-reads every tenant's grant from region `r`'s replica: the agent writes them to Redis.
     fn refresh_grants(&mut self, r: RegionIx) {
         let agent = &mut self.agents[r];
         agent.grants = self
@@ -508,6 +535,12 @@ impl Control {
                 })
             })
             .collect();
+    }
+
+    /// Re-reads every tenant's home and richest other region from region `r`'s replica: the
+    /// daemons' view, which follows the log whichever daemon holds the agent role.
+    fn refresh_routing(&mut self, r: RegionIx) {
+        let agent = &mut self.agents[r];
         agent.homes = self
             .keys
             .iter()
@@ -550,17 +583,46 @@ impl Control {
             }
             let epoch = agent.replica.epoch;
             if epoch != before {
+                self.refresh_routing(r);
                 // The agent writes the new parameters to its Redis, then counts the epoch as
-                // applied (what it acknowledges in its next report).
-                self.refresh_grants(r);
-                self.agents[r].view.on_applied(epoch);
+                // applied (what it acknowledges in its next report); while the role is between
+                // daemons no one does.
+                if !self.agents[r].paused {
+                    self.refresh_grants(r);
+                    self.agents[r].view.on_applied(epoch);
+                }
             }
+        }
+    }
+
+    /// Follows each region's agent role between daemons at `t_ms`: a move is counted when the
+    /// holder is killed; once another daemon has claimed the role it takes up the renewals
+    /// answered meanwhile and writes every bucket (a full apply pass) at the epoch its
+    /// replica reached.
+    fn follow_agents(&mut self, world: &World, t_ms: u64) {
+        for r in 0..world.regions {
+            let paused = world.agent_paused(r, t_ms);
+            match (self.agents[r].paused, paused) {
+                (false, true) => self.counts.moves[r] += 1,
+                (true, false) => {
+                    let agent = &mut self.agents[r];
+                    for lease in std::mem::take(&mut agent.held_leases) {
+                        agent.view.on_renewal(lease);
+                    }
+                    let epoch = agent.replica.epoch;
+                    self.refresh_grants(r);
+                    self.agents[r].view.on_applied(epoch);
+                }
+                _ => {}
+            }
+            self.agents[r].paused = paused;
         }
     }
 
     /// Runs the control plane up to true time `t_ms`.
     pub fn advance(&mut self, world: &World, t_ms: u64) {
         self.elect(world, t_ms);
+        self.follow_agents(world, t_ms);
         while self.next_report_ms <= t_ms {
             let at = self.next_report_ms;
             self.send_reports(world, at);
@@ -578,14 +640,17 @@ impl Control {
                     from,
                     to,
                     usage,
+                    interval_ms,
                     acked_epoch,
                     sent_local_ms,
                 } => {
                     if self.leader != Some(to) || !world.daemon_up(to, at_ms) {
                         continue;
                     }
-                    self.demand.record(from as u8, self.cfg.report_ms, &usage);
-                    self.last_report_ms[from] = at_ms;
+                    if let Some(usage) = usage {
+                        self.demand.record(from as u8, interval_ms, &usage);
+                        self.last_report_ms[from] = at_ms;
+                    }
                     let op = Operation::RenewLease {
                         region: self.region_ids[from].clone(),
                         acked_epoch,
@@ -601,8 +666,14 @@ impl Control {
                     }
                 }
                 Event::Lease { region, lease } => {
-                    if world.daemon_up(region, at_ms) {
-                        self.agents[region].view.on_renewal(lease);
+                    let agent = &mut self.agents[region];
+                    if !world.daemon_up(region, at_ms) {
+                        continue;
+                    }
+                    if agent.paused {
+                        agent.held_leases.push(lease);
+                    } else {
+                        agent.view.on_renewal(lease);
                     }
                 }
             }
@@ -767,6 +838,50 @@ mod tests {
         drive(&mut c, &w, 10_000, 60_000, &[0, 10, 90]);
         let s = shares(&c, &w, 60_000);
         assert!(s[2] > 600_000, "no rebalancing under the new leader: {s:?}");
+    }
+
+    #[test]
+    fn a_region_without_its_agent_keeps_what_redis_holds_while_its_lease_is_renewed() {
+        let w = world(vec![Fault::AgentMove {
+            region: 1,
+            from_ms: 20_000,
+            until_ms: 26_000,
+        }]);
+        let cfg = ControlConfig::default();
+        let mut c = Control::new(&w, &tenants(), |t| t.policy.clone(), cfg, LeaseMode::Leased);
+        drive(&mut c, &w, 0, 20_000, &[10, 80, 10]);
+        let before = c.agents[1].grants[0];
+        let epoch = c.agents[1].view.applied_epoch();
+        let lease = *c.agents[1].view.lease().unwrap();
+        let reports = c.counts.usage_reports.clone();
+        assert!(before.share_ppm > 600_000, "region 1 got {before:?}");
+        // Demand leaves region 1 while no daemon holds its agent role: the coordinator moves
+        // the share, region 1's replica follows, its Redis does not.
+        drive(&mut c, &w, 20_000, 25_990, &[10, 10, 80]);
+        let a = &c.agents[1];
+        assert!(c.committed.epoch > epoch, "no new allocation to hold back");
+        assert!(
+            a.replica.epoch > epoch,
+            "region 1's replica stopped following the log"
+        );
+        assert!(a.replica.region_share(&c.keys[0], 1).unwrap().share_ppm < before.share_ppm);
+        assert_eq!((a.grants[0], a.view.applied_epoch()), (before, epoch));
+        assert_eq!(a.view.lease(), Some(&lease));
+        assert!(!a.held_leases.is_empty(), "the survivors stopped renewing");
+        assert!(!c.on_floor(1, w.local_ms(1, 25_990)));
+        let sent: Vec<u64> = (0..3)
+            .map(|r| c.counts.usage_reports[r] - reports[r])
+            .collect();
+        assert_eq!(sent[1], 0, "usage reported without an agent: {sent:?}");
+        assert!(sent[0] >= 5 && sent[2] >= 5, "{sent:?}");
+        // The next holder takes the renewals up and applies the replica's epoch.
+        drive(&mut c, &w, 25_990, 26_010, &[10, 10, 80]);
+        let a = &c.agents[1];
+        assert_eq!(a.view.applied_epoch(), a.replica.epoch);
+        assert!(a.grants[0].share_ppm < before.share_ppm);
+        assert!(a.view.lease().unwrap().start_local_ms > lease.start_local_ms);
+        assert!(a.held_leases.is_empty());
+        assert_eq!(c.counts.moves, vec![0, 1, 0]);
     }
 
     #[test]

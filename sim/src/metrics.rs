@@ -44,6 +44,7 @@
 use quota_core::bucket::{decide, BucketParams, BucketState};
 use serde::Serialize;
 
+use crate::control::AgentCounts;
 use crate::regional_store::StoreCalls;
 use crate::traffic::{Request, Tenant};
 
@@ -499,6 +500,7 @@ impl Recorder {
             convergence_s: if never { None } else { convergence },
             decisions: self.decisions,
             store_calls: None,
+            agents: None,
             admitted_tokens: total(|s| s.admitted_tokens, 0..n),
             ideal_tokens: total(|s| s.shadow_tokens, 0..n),
         }
@@ -561,6 +563,8 @@ pub struct Summary {
     pub decisions: u64,
     /// Calls that reached a regional Redis over the run, for the strategies that count them.
     pub store_calls: Option<StoreCalls>,
+    /// Usage reports and agent moves per region, for the strategies with region agents.
+    pub agents: Option<AgentCounts>,
     pub admitted_tokens: u64,
     pub ideal_tokens: u64,
 }

@@ -319,6 +319,7 @@ mod tests {
                 reserve_denied: 1,
                 refunds: 0,
             }),
+            agents: None,
             admitted_tokens: 5,
             ideal_tokens: 6,
         }

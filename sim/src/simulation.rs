@@ -9,8 +9,9 @@ use rand_chacha::ChaCha8Rng;
 use serde::Serialize;
 
 use crate::control::ControlConfig;
+use crate::faults::Faults;
 use crate::metrics::{Recorder, Second, Shadow, Summary};
-use crate::scenario::{Scenario, ScenarioError, ScenarioKind, ScenarioOptions};
+use crate::scenario::{Scenario, ScenarioError, ScenarioKind, ScenarioOptions, AGENT_MOVE_REGION};
 use crate::strategy::{self, Setup, Strategy, StrategyKind};
 use crate::traffic::Arrivals;
 use crate::world::{World, WorldSpec};
@@ -29,6 +30,8 @@ pub struct RunConfig {
     pub global_fail_open: bool,
     /// Goodput, false denials and latency count from here on.
     pub warmup_ms: u64,
+    /// `agent_move`'s takeover time; `None`: [`default_takeover_ms`].
+    pub agent_takeover_ms: Option<u64>,
 }
 
 /// One strategy's results in one scenario.
@@ -79,6 +82,9 @@ pub fn run_scenario(
         tenants: cfg.tenants,
         floor: cfg.floor,
         fail_mode: cfg.fail_mode,
+        agent_takeover_ms: cfg
+            .agent_takeover_ms
+            .unwrap_or_else(|| default_takeover_ms(cfg)),
     };
     let scenario = Scenario::build(kind, &opts, &mut rng_for(cfg.seed, kind.name()))?;
     let world = build_world(cfg, &scenario);
@@ -168,6 +174,7 @@ pub fn run_scenario(
                 rec.finish();
                 let mut s = rec.summary(kind.name(), k.name(), &scenario.shifts_ms, cfg.warmup_ms);
                 s.store_calls = strat.store_calls();
+                s.agents = strat.agent_counts();
                 s
             },
             seconds: rec.seconds().to_vec(),
@@ -183,23 +190,35 @@ pub fn run_scenario(
     })
 }
 
+/// How long a moved agent role takes to reach another daemon of `agent_move`'s region: the
+/// survivors notice the holder's renewals stopped after three report intervals, then claim the
+/// role in one commit: to the leader (region 0 at start), to a majority and back.
+pub fn default_takeover_ms(cfg: &RunConfig) -> u64 {
+    let world = world_with(cfg, Faults::default());
+    let (claimant, leader) = (AGENT_MOVE_REGION.min(cfg.regions - 1), 0);
+    let commit_ms = world.rtt_ms(claimant, leader) + world.quorum_rtt_ms(leader, 0).unwrap_or(0);
+    3 * cfg.control.report_ms + commit_ms
+}
+
 /// The scenario's world: its regions and faults, with the scenario's clock drifts if any.
 fn build_world(cfg: &RunConfig, scenario: &Scenario) -> World {
-    let spec = WorldSpec {
-        regions: cfg.regions,
-        ..WorldSpec::default()
-    };
-    let mut world = World::new(
-        &spec,
-        scenario.faults.clone(),
-        &mut rng_for(cfg.seed, "world"),
-    );
+    let mut world = world_with(cfg, scenario.faults.clone());
     if let Some(drift) = &scenario.drift_ppm {
         for (clock, &ppm) in world.clocks.iter_mut().zip(drift) {
             clock.drift_ppm = ppm;
         }
     }
     world
+}
+
+/// The run's regions, latencies and clocks (the same for every scenario of a seed) with
+/// `faults`.
+fn world_with(cfg: &RunConfig, faults: Faults) -> World {
+    let spec = WorldSpec {
+        regions: cfg.regions,
+        ..WorldSpec::default()
+    };
+    World::new(&spec, faults, &mut rng_for(cfg.seed, "world"))
 }
 
 /// Every tick: the arrivals, decided by the shadow bucket and then by each strategy, recorded

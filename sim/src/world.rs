@@ -114,6 +114,30 @@ impl World {
         self.faults.redis_up(region, t_ms)
     }
 
+    /// Whether the agent role of `region` is between two of its daemons at `t_ms`.
+    pub fn agent_paused(&self, region: RegionIx, t_ms: u64) -> bool {
+        self.faults.agent_paused(region, t_ms)
+    }
+
+    /// The round trip after which a proposal by `leader` at `t_ms` reaches a majority (the
+    /// k-th fastest reachable follower), or `None` when the leader is down or reaches no
+    /// majority.
+    pub fn quorum_rtt_ms(&self, leader: RegionIx, t_ms: u64) -> Option<u64> {
+        if !self.daemon_up(leader, t_ms) {
+            return None;
+        }
+        let needed = self.regions / 2; // followers needed besides the leader
+        if needed == 0 {
+            return Some(0);
+        }
+        let mut rtts: Vec<u64> = (0..self.regions)
+            .filter(|&p| p != leader && self.daemon_up(p, t_ms) && self.link_up(leader, p, t_ms))
+            .map(|p| self.rtt_ms(leader, p))
+            .collect();
+        rtts.sort_unstable();
+        rtts.get(needed - 1).copied()
+    }
+
     /// The largest clock-rate error of any region, in ppm (what a lease margin must cover).
     pub fn max_drift_ppm(&self) -> u64 {
         self.clocks

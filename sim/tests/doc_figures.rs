@@ -307,6 +307,19 @@ fn sim_readme_prose_quotes_its_tables() {
             t.max("rebalance_no_lease", &["over(W)"])
         ),
         format!(
+            "over(W) {}, healthy goodput {}, region 1 never on its floors",
+            t.cell(("agent_move", "quotad"), "over(W)"),
+            t.cell(("agent_move", "quotad"), "good_ok")
+        ),
+        format!(
+            "Goodput is {} and false denials {}% ({}% once converged), settling {} s after demand \
+             moves",
+            t.cell(("agent_move", "quotad"), "goodput"),
+            t.cell(("agent_move", "quotad"), "false_dn"),
+            t.cell(("agent_move", "quotad"), "fd_conv"),
+            t.cell(("agent_move", "quotad"), "conv_s")
+        ),
+        format!(
             "worst subject {} of its window budget (≤ 1.02), {}% false denials (≤ 1%), {} \
              coordinator entries ({}% of subjects, ≤ 1%)",
             s.cell(("api", "quotad"), "over(W)"),
@@ -323,6 +336,11 @@ fn sim_readme_prose_quotes_its_tables() {
         ),
     ];
     assert_quoted("sim/README.md", &quotes);
+    assert_eq!(
+        t.cell(("agent_move", "quotad"), "floor_s"),
+        "0",
+        "sim/README.md says no region of agent_move goes on its floors"
+    );
 }
 
 /// sim/README.md's quick run prints its table: the command is taken from the README and run

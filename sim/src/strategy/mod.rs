@@ -20,7 +20,7 @@ use quota_core::bucket::UT;
 use quota_core::BucketParams;
 use serde::Serialize;
 
-use crate::control::ControlConfig;
+use crate::control::{AgentCounts, ControlConfig};
 use crate::regional_store::StoreCalls;
 use crate::traffic::{Request, Tenant};
 use crate::world::{RegionIx, World};
@@ -63,6 +63,10 @@ pub trait Strategy {
     fn finish(&mut self, _world: &World, _t_ms: u64) {}
     /// The calls that reached a regional Redis, for the strategies that count them.
     fn store_calls(&self) -> Option<StoreCalls> {
+        None
+    }
+    /// What the region agents did, for the strategies that run them.
+    fn agent_counts(&self) -> Option<AgentCounts> {
         None
     }
 }

@@ -19,7 +19,7 @@ use quota_core::{BucketParams, Tier};
 
 use super::reservation::Reservations;
 use super::{Setup, Strategy, Verdict};
-use crate::control::{Control, LeaseMode};
+use crate::control::{AgentCounts, Control, LeaseMode};
 use crate::regional_store::{RegionalStores, StoreCalls};
 use crate::traffic::{Request, Tenant};
 use crate::world::{RegionIx, World, LOCAL_DECISION_US};
@@ -35,7 +35,8 @@ pub struct Quotad {
     cache: Vec<(u32, BucketParams)>,
     /// `quotad_reserved`: checks decided from reserved batches of the regional buckets.
     reservations: Option<Reservations>,
-    /// Per region: whether its daemon was up at the last tick.
+    /// Per region: whether the daemon holding its in-process state (denial cache, pools) was
+    /// up at the last tick.
     daemon_up: Vec<bool>,
     /// Per (tenant, region): the denial standing in the region's daemon.
     denials: Denials,
@@ -167,10 +168,11 @@ impl Quotad {
     }
 
     /// Gives back the pools that aged out or whose limit changed, and drops those of a daemon
-    /// that crashed.
+    /// that crashed or, holding the agent role, was killed (the simulated region holds one
+    /// daemon's denial cache and pools, so a killed holder takes all of them).
     fn sweep_pools(&mut self, world: &World, t_ms: u64) {
         for r in 0..self.regions {
-            let up = world.daemon_up(r, t_ms);
+            let up = world.daemon_up(r, t_ms) && !world.agent_paused(r, t_ms);
             if !up && self.daemon_up[r] {
                 self.denials.forget_region(r);
                 if let Some(res) = self.reservations.as_mut() {
@@ -222,6 +224,10 @@ impl Strategy for Quotad {
 
     fn store_calls(&self) -> Option<StoreCalls> {
         Some(self.stores.calls())
+    }
+
+    fn agent_counts(&self) -> Option<AgentCounts> {
+        Some(self.control.counts.clone())
     }
 
     fn on_floor(&self, world: &World, t_ms: u64, region: RegionIx) -> bool {
