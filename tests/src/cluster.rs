@@ -81,16 +81,7 @@ impl Cluster {
         t: &Timings,
         env: &[(&str, &[(&str, &str)])],
     ) -> anyhow::Result<Self> {
-        let lock_path = std::env::temp_dir().join("quotad-system-tests-cluster.lock");
-        let serial = std::fs::OpenOptions::new()
-            .create(true)
-            .truncate(false)
-            .write(true)
-            .open(&lock_path)
-            .with_context(|| format!("opening {}", lock_path.display()))?;
-        let serial = tokio::task::spawn_blocking(move || serial.lock().map(|()| serial))
-            .await?
-            .context("locking the cluster lock file")?;
+        let serial = serial_lock().await?;
         let mut redis = Vec::new();
         for _ in names {
             redis.push(redis_harness::RedisServer::start()?);
@@ -285,8 +276,22 @@ impl Cluster {
     }
 }
 
+/// Holds the lock that runs clusters of different test processes one at a time.
+pub(crate) async fn serial_lock() -> anyhow::Result<std::fs::File> {
+    let lock_path = std::env::temp_dir().join("quotad-system-tests-cluster.lock");
+    let serial = std::fs::OpenOptions::new()
+        .create(true)
+        .truncate(false)
+        .write(true)
+        .open(&lock_path)
+        .with_context(|| format!("opening {}", lock_path.display()))?;
+    tokio::task::spawn_blocking(move || serial.lock().map(|()| serial))
+        .await?
+        .context("locking the cluster lock file")
+}
+
 /// One `[[regions]]` entry.
-fn region_entry(id: &str, node_id: u64, api: &str, peer: &str) -> String {
+pub(crate) fn region_entry(id: &str, node_id: u64, api: &str, peer: &str) -> String {
     format!(
         "[[regions]]\nid = \"{id}\"\nnode_id = {node_id}\napi = \"{api}\"\npeer = \"{peer}\"\n\n"
     )
@@ -294,7 +299,7 @@ fn region_entry(id: &str, node_id: u64, api: &str, peer: &str) -> String {
 
 /// The config of region `name`'s daemon: API and peer listeners on loopback `api` and `peer`,
 /// its Redis at `redis`, timings `t`, and the `[[regions]]` entries `members`.
-fn daemon_config(
+pub(crate) fn daemon_config(
     name: &str,
     api: u16,
     peer: u16,

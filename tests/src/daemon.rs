@@ -77,6 +77,43 @@ impl Daemon {
         })
     }
 
+    /// Starts the process again on the same config, data directory, port and log (after a
+    /// SIGTERM or a kill), with extra environment; does not wait for readiness.
+    pub fn respawn(&mut self, env: &[(&str, &str)]) -> anyhow::Result<()> {
+        self.kill();
+        let logfile = std::fs::OpenOptions::new()
+            .append(true)
+            .open(&self.log)
+            .context("opening the log file")?;
+        let child = Command::new(quotad_binary()?)
+            .arg("run")
+            .arg("--config")
+            .arg(self.dir.path().join("quotad.toml"))
+            .env("QUOTAD_ADMIN_TOKEN", TOKEN)
+            .env("QUOTAD_DATA_DIR", self.data_dir())
+            .envs(env.iter().copied())
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(logfile)
+            .spawn()
+            .context("spawning quotad")?;
+        self.child = Some(child);
+        Ok(())
+    }
+
+    /// Sends `signal` (e.g. `STOP`, `CONT`) to the process.
+    pub fn signal(&self, signal: &str) -> anyhow::Result<()> {
+        let pid = self.pid().context("not running")?.to_string();
+        let status = Command::new("kill")
+            .args([&format!("-{signal}"), &pid])
+            .status()
+            .context("running kill")?;
+        if !status.success() {
+            bail!("kill -{signal} {pid} failed");
+        }
+        Ok(())
+    }
+
     /// The process id.
     pub fn pid(&self) -> Option<u32> {
         self.child.as_ref().map(Child::id)

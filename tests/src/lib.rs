@@ -11,6 +11,7 @@
 //! - [`http`]: calls to its API ([`Daemon::request`], [`Daemon::check`], …) and [`Reply`].
 //! - [`redis_probe`]: what tests ask Redis, and the daemon about Redis.
 //! - [`cluster`]: several regions with fault proxies between them ([`Cluster`]).
+//! - [`region_set`]: regions of several daemons each on one Redis ([`RegionSet`]).
 //! - [`config`]: configs for single-region tests.
 //! - [`poll`]: [`eventually`], polling with a deadline.
 //! - [`metrics`]: samples of the Prometheus text.
@@ -28,6 +29,7 @@ pub mod metrics;
 pub mod poll;
 pub mod prometheus;
 pub mod redis_probe;
+pub mod region_set;
 
 pub use cluster::{Cluster, Timings, PEER_TOKEN};
 pub use config::{config_dir, embedded_config, redis_config, redis_config_with_envoy};
@@ -40,3 +42,4 @@ pub use redis_probe::{
     all_still_spent, client_with_password, command_calls, decides_through_redis, evalsha_calls,
     params_keys, params_present, until_all_normal, QUOTAD_ACL,
 };
+pub use region_set::RegionSet;

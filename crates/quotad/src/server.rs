@@ -144,14 +144,11 @@ pub async fn build_state(
     // With peer TLS, checks are forwarded to the home's peer listener over mutual TLS;
     // without, to its API.
     let peer_tls = replicated.as_ref().and_then(|r| r.peer_tls());
-    let homes: HashMap<_, _> = settings
-        .regions
-        .iter()
-        .map(|r| {
-            let addr = if peer_tls.is_some() { &r.peer } else { &r.api };
-            (r.id.clone(), addr.clone())
-        })
-        .collect();
+    let mut homes: HashMap<_, Vec<String>> = HashMap::new();
+    for r in &settings.regions {
+        let addr = if peer_tls.is_some() { &r.peer } else { &r.api };
+        homes.entry(r.id.clone()).or_default().push(addr.clone());
+    }
     let decider = Decider::new(DeciderParts {
         region: settings.region.clone(),
         store,
@@ -324,6 +321,8 @@ pub async fn serve(
         let _ = t.await;
     }
     if let Some(r) = &replicated {
+        // Once the apply loop has stopped writing: a standby takes the role at its next look.
+        r.release_agent_role().await;
         r.shutdown().await;
     }
     tracing::info!("quotad stopped.");

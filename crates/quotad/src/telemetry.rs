@@ -63,6 +63,15 @@ pub const SHARE_WRITES_TOTAL: &str = "quotad_share_writes_total";
 pub const USAGE_REPORTS_TOTAL: &str = "quotad_usage_reports_total";
 /// Lease renewals through the log by outcome (`ok`, `failed`). Multi-region only.
 pub const LEASE_RENEWALS_TOTAL: &str = "quotad_lease_renewals_total";
+/// 1 while this daemon holds its region's agent role (it writes the region's store and
+/// reports its usage), 0 while it stands by. Multi-region only.
+pub const AGENT_HOLDER: &str = "quotad_agent_holder";
+/// Times this daemon took its region's agent role (at start, or from a holder that stopped or
+/// went quiet). Multi-region only.
+pub const AGENT_TAKEOVERS_TOTAL: &str = "quotad_agent_takeovers_total";
+/// Parameter writes the store refused by their fence: this daemon had been deposed, or an
+/// older allocation's write landed late. Nothing was written.
+pub const FENCED_WRITES_TOTAL: &str = "quotad_fenced_writes_total";
 /// Audited requests (mutations and token reloads), by `action` (e.g. `policy.put`,
 /// `tokens.reload`) and `outcome` (`ok`, `rejected`, `unauthorized`, `forbidden`, `failed`,
 /// `kept`: a tokens file that did not parse).
@@ -285,8 +294,11 @@ impl DecisionMetrics {
 pub struct AgentMetrics {
     pub committed_epoch: Gauge,
     pub applied_epoch: Gauge,
+    /// 1 while this daemon holds the agent role (multi-region).
+    pub holder: Gauge,
     writes_ok: Counter,
     writes_failed: Counter,
+    writes_fenced: Counter,
 }
 
 impl AgentMetrics {
@@ -296,13 +308,16 @@ impl AgentMetrics {
             committed_epoch: metrics::gauge!(COMMITTED_EPOCH, "region" => region.clone()),
             applied_epoch: metrics::gauge!(APPLIED_EPOCH, "region" => region.clone()),
             writes_ok: metrics::counter!(SHARE_WRITES_TOTAL, "region" => region.clone(), "outcome" => "ok"),
-            writes_failed: metrics::counter!(SHARE_WRITES_TOTAL, "region" => region, "outcome" => "failed"),
+            writes_failed: metrics::counter!(SHARE_WRITES_TOTAL, "region" => region.clone(), "outcome" => "failed"),
+            holder: metrics::gauge!(AGENT_HOLDER, "region" => region.clone()),
+            writes_fenced: metrics::counter!(FENCED_WRITES_TOTAL, "region" => region),
         }
     }
 
     pub fn share_writes(&self, o: WriteOutcomes) {
         self.writes_ok.increment(o.ok);
         self.writes_failed.increment(o.failed);
+        self.writes_fenced.increment(o.fenced);
     }
 }
 
@@ -354,7 +369,10 @@ impl ReportMetrics {
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct WriteOutcomes {
     pub ok: u64,
+    /// Failed writes, the fenced ones included.
     pub failed: u64,
+    /// Writes the store refused by their fence.
+    pub fenced: u64,
 }
 
 #[cfg(test)]

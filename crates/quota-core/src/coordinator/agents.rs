@@ -99,10 +99,30 @@ impl CoordinatorState {
         }
     }
 
-    pub(super) fn release_agent(&mut self, id: &RegionId, node: u64, fence: u64) -> Response {
+    /// A daemon that has stopped deciding and writing (it is exiting) leaves: its lease record
+    /// goes, so the region's acknowledgement no longer waits for its lease to run out, and it
+    /// gives up the role if `fence` is the one in force.
+    pub(super) fn release_agent(
+        &mut self,
+        id: &RegionId,
+        node: u64,
+        fence: u64,
+        now: u64,
+    ) -> Response {
+        let margin = self.lease.drift_margin_ms;
         let Some(region) = self.region_mut(id) else {
             return Response::UnknownRegion { region: id.clone() };
         };
+        region.daemons.remove(&node);
+        if let Some(least) = region
+            .daemons
+            .values()
+            .filter(|d| d.lease_expires_at_ms.saturating_add(margin) >= now)
+            .map(|d| d.acked_epoch)
+            .min()
+        {
+            region.acked_epoch = region.acked_epoch.max(least);
+        }
         match region.agent {
             Some(a) if a.node == node && a.fence == fence => {
                 region.agent = None;
@@ -227,6 +247,26 @@ mod tests {
     }
 
     #[test]
+    fn a_daemon_that_stops_no_longer_holds_the_acknowledgement_back() {
+        let mut c = Cluster::new();
+        c.s.epoch = 9;
+        c.renew(1_000, 1, 4);
+        c.renew(1_000, 2, 9);
+        assert_eq!(c.acked(), 4);
+        // Daemon 1 stops (SIGTERM): it decides nothing more, so its lease need not run out.
+        let r = c.op(
+            1_100,
+            Operation::ReleaseAgent {
+                region: region(),
+                node: 1,
+                fence: 0,
+            },
+        );
+        assert_eq!(r, Response::AgentHeld { node: 0, fence: 0 });
+        assert_eq!(c.acked(), 9);
+    }
+
+    #[test]
     fn a_new_daemon_never_lowers_the_region_acknowledgement() {
         let mut c = Cluster::new();
         c.s.epoch = 8;
@@ -291,6 +331,10 @@ mod tests {
             },
         );
         assert_eq!(released, Response::AgentReleased);
+        assert!(
+            !c.s.region(0).unwrap().daemons.contains_key(&2),
+            "a stopped daemon's lease goes with it"
+        );
         // Nobody holds it after a release: the first claim wins, with a fence above every
         // earlier one, and one racing it (it saw the released fence) loses.
         assert_eq!(c.claim(3, 2), Response::AgentClaimed { fence: 3 });

@@ -91,7 +91,10 @@ pub enum Operation {
         node: u64,
         fence_seen: u64,
     },
-    /// Gives the role up (a daemon stopping): the next claim need not wait for it to go quiet.
+    /// A daemon stopping, once it decides and writes nothing more: its lease record goes (the
+    /// region's acknowledgement stops waiting for it) and, if `fence` is the role's, the role
+    /// is free (the next claim need not wait for it to go quiet). A daemon killed instead
+    /// counts until its lease and the margin are over: it may only be paused.
     ReleaseAgent {
         region: RegionId,
         node: u64,

@@ -279,7 +279,7 @@ impl CoordinatorState {
                 region,
                 node,
                 fence,
-            } => self.release_agent(region, *node, *fence),
+            } => self.release_agent(region, *node, *fence, now),
             Operation::PutRegion {
                 region,
                 reserves_floor,

@@ -78,6 +78,8 @@ pub async fn run_apply(
     let metrics = AgentMetrics::new(decider.region());
     let mut tick = tokio::time::interval(report_interval);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    // The fence this daemon last wrote with: a new one (a won claim) starts from a full pass.
+    let mut holding: Option<u64> = None;
     loop {
         let current = view.borrow_and_update().clone();
         let now = clock::monotonic_ms();
@@ -85,6 +87,12 @@ pub async fn run_apply(
             Duration::from_millis(current.lease_end_local_ms - now).min(FAR)
         } else {
             FAR
+        };
+        let won = async {
+            match &replicated {
+                Some(r) => r.agent_won().await,
+                None => std::future::pending().await,
+            }
         };
         tokio::select! {
             _ = shutdown.changed() => break,
@@ -95,6 +103,7 @@ pub async fn run_apply(
             }
             _ = tick.tick() => {}
             () = tokio::time::sleep(until_lease_end) => {}
+            () = won => {}
         }
         if let Some(r) = &replicated {
             // Here, not on a view change: a cut-off region applies nothing, and its lease
@@ -103,7 +112,29 @@ pub async fn run_apply(
         }
         let v = view.borrow().clone();
         metrics.committed_epoch.set(v.epoch as f64);
-        let (all, outcomes) = apply_shares(&decider, &v, &mut written, pacing).await;
+        let fence = match &replicated {
+            Some(r) => match r.agent_fence() {
+                Some(f) => Some(f),
+                None => {
+                    // A standby writes nothing: it enforces its view (the parameters checks
+                    // pass, the `local` fail mode), and acknowledges that.
+                    metrics.holder.set(0.0);
+                    holding = None;
+                    r.on_applied(v.epoch);
+                    metrics.applied_epoch.set(v.epoch as f64);
+                    continue;
+                }
+            },
+            None => None,
+        };
+        if replicated.is_some() && holding != fence {
+            // The role is new to this daemon: what the store holds is another daemon's
+            // writing, so everything is written again under this fence.
+            written = Written::new(clock::monotonic_ms(), lease_ms).with_sweep_settle(settle);
+            holding = fence;
+            metrics.holder.set(1.0);
+        }
+        let (all, outcomes) = apply_shares(&decider, &v, &mut written, pacing, fence).await;
         metrics.share_writes(outcomes);
         let applied = match &replicated {
             Some(r) => {
@@ -226,13 +257,19 @@ pub(crate) fn denied_at_class_share(
         .collect()
 }
 
-/// Runs the report loop (multi-region) until `shutdown` fires.
+/// How many report intervals of silence from the agent make a standby take its role over:
+/// a renewal or two lost to a leader election must not depose a live agent.
+pub const TAKEOVER_INTERVALS: u32 = 3;
+
+/// Runs the report loop (multi-region) until `shutdown` fires: every daemon renews its lease
+/// and looks at the agent role; the agent reports the region's usage.
 pub async fn run_report(
     decider: Arc<Decider>,
     r: Arc<Replicated>,
     report_interval: Duration,
     mut shutdown: watch::Receiver<bool>,
 ) {
+    let takeover_ms = (report_interval * TAKEOVER_INTERVALS).as_millis() as u64;
     let metrics = ReportMetrics::new(decider.region());
     let mut tick = tokio::time::interval(report_interval);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
@@ -247,35 +284,55 @@ pub async fn run_report(
         // Side by side: a report stuck on a leader that stopped answering must not hold up
         // the renewal, nor the renewal the report (each is bounded on its own).
         let report = async {
-            match decider.store().collect_usage(MAX_USAGE_RECORDS).await {
-                Ok(mut usage) => {
-                    // Checks sent to another region are demand here, where their callers are.
-                    usage.extend(decider.take_forwarded_usage());
-                    // Denials answered from the denial cache never reached Redis's counters.
-                    let cached = decider.take_cached_denials();
-                    add_denied(&mut usage, &cached);
-                    let view = decider.view();
-                    let denied = denied_at_class_share(&view, &usage, r.promotion_top_k());
-                    let usage = by_class(&view, usage);
-                    drop(view);
-                    match r.report_usage(&usage, denied, interval_ms.max(1)).await {
-                        Ok(()) => Reported::Delivered,
-                        Err(e) => {
-                            // They go with the next report instead.
-                            decider.restore_cached_denials(cached);
-                            tracing::debug!(error = %e, "Usage report not delivered.");
-                            Reported::Undelivered
-                        }
-                    }
+            // Only the agent drains the store's usage and reports it: a report is the
+            // region's demand over the interval, and the store counts every daemon's checks.
+            match r.keep_agent_role(takeover_ms).await {
+                Ok(true) => {}
+                Ok(false) => {
+                    // What a standby counts without the store goes unreported: checks it
+                    // forwarded, denials it answered from its cache.
+                    drop(decider.take_forwarded_usage());
+                    drop(decider.take_cached_denials());
+                    return None;
                 }
                 Err(e) => {
-                    tracing::debug!(error = %e, "Usage collection failed.");
-                    Reported::Uncollected
+                    tracing::debug!(error = %e, "Looking at the agent role failed.");
+                    return None;
                 }
             }
+            Some(
+                match decider.store().collect_usage(MAX_USAGE_RECORDS).await {
+                    Ok(mut usage) => {
+                        // Checks sent to another region are demand here, where their callers are.
+                        usage.extend(decider.take_forwarded_usage());
+                        // Denials answered from the denial cache never reached Redis's counters.
+                        let cached = decider.take_cached_denials();
+                        add_denied(&mut usage, &cached);
+                        let view = decider.view();
+                        let denied = denied_at_class_share(&view, &usage, r.promotion_top_k());
+                        let usage = by_class(&view, usage);
+                        drop(view);
+                        match r.report_usage(&usage, denied, interval_ms.max(1)).await {
+                            Ok(()) => Reported::Delivered,
+                            Err(e) => {
+                                // They go with the next report instead.
+                                decider.restore_cached_denials(cached);
+                                tracing::debug!(error = %e, "Usage report not delivered.");
+                                Reported::Undelivered
+                            }
+                        }
+                    }
+                    Err(e) => {
+                        tracing::debug!(error = %e, "Usage collection failed.");
+                        Reported::Uncollected
+                    }
+                },
+            )
         };
         let (reported, renewed) = tokio::join!(report, r.renew_lease());
-        metrics.usage_report(reported);
+        if let Some(reported) = reported {
+            metrics.usage_report(reported);
+        }
         if let Err(e) = &renewed {
             tracing::debug!(error = %e, "Lease renewal failed.");
         }
@@ -333,11 +390,16 @@ pub async fn run_drain(
 /// end is renewed once half of it has passed, so it trails the lease by at most about half a
 /// lease and never runs out while the daemon lives; that costs `buckets / (lease / 2)` writes
 /// a second, spread out, instead of every bucket every report interval.
+///
+/// `fence` is the agent role's fence when the region runs several daemons: every write carries
+/// it with the view's epoch, and the store refuses the writes of a deposed agent and of an
+/// older allocation landing late ([`quota_store::Fence`]).
 pub async fn apply_shares(
     decider: &Decider,
     view: &ClusterView,
     written: &mut Written,
     pacing: Pacing,
+    fence: Option<u64>,
 ) -> (bool, WriteOutcomes) {
     let store = decider.store();
     match store.instance().await {
@@ -347,6 +409,14 @@ pub async fn apply_shares(
     written.retain_in(view);
     let planned_at = clock::monotonic_ms();
     let mut writes = written.plan(view, decider.region(), planned_at, pacing);
+    if let Some(token) = fence {
+        for w in &mut writes {
+            w.req.fence = Some(quota_store::Fence {
+                token,
+                epoch: view.epoch,
+            });
+        }
+    }
     if writes.iter().any(|w| w.req.lease.is_some()) {
         // Each write carries the lease end mapped onto the store's clock as well as the time
         // left, and the store keeps the earlier: however late a write runs, what it stores
@@ -370,8 +440,17 @@ pub async fn apply_shares(
         if w.changes {
             decider.forget_denials();
         }
-        if let Err(e) = &r {
-            tracing::debug!(tenant = %w.req.bucket.tenant, policy = %w.req.bucket.policy, error = %e, "Applying a share failed.");
+        match &r {
+            // Fault: this daemon was deposed (a standby took the role while it was paused or
+            // cut off), or this write's epoch is older than one already stored. The store
+            // changed nothing.
+            Err(StoreError::Fenced { reason }) => {
+                tracing::warn!(tenant = %w.req.bucket.tenant, policy = %w.req.bucket.policy, %reason, "A share write was fenced off.");
+            }
+            Err(e) => {
+                tracing::debug!(tenant = %w.req.bucket.tenant, policy = %w.req.bucket.policy, error = %e, "Applying a share failed.");
+            }
+            Ok(()) => {}
         }
         (w, r)
     })
@@ -380,12 +459,16 @@ pub async fn apply_shares(
     let mut outcomes = WriteOutcomes::default();
     for (w, outcome) in results {
         match outcome {
-            Some(ok) => {
+            Some(r) => {
+                let ok = r.is_ok();
                 all &= ok;
                 if ok {
                     outcomes.ok += 1;
                 } else {
                     outcomes.failed += 1;
+                }
+                if matches!(r, Err(StoreError::Fenced { .. })) {
+                    outcomes.fenced += 1;
                 }
                 written.record(w, ok);
             }
@@ -424,7 +507,7 @@ async fn clear_obsolete(decider: &Decider, written: &mut Written) {
     })
     .await;
     for (b, outcome) in results {
-        if outcome != Some(true) {
+        if !matches!(outcome, Some(Ok(()))) {
             written.to_clear.push(b);
         }
     }
@@ -433,8 +516,11 @@ async fn clear_obsolete(decider: &Decider, written: &mut Written) {
 /// Runs `call` on every item, [`WRITE_CONCURRENCY`] at a time, and starts no more calls after
 /// the first that finds the store out: a store that is down would otherwise cost a timeout per
 /// item. A refusal of one bucket's write (its data or its request at fault) fails that item
-/// only. Each item comes back with whether its call succeeded, or `None` if it never ran.
-async fn until_first_failure<T, F, Fut>(items: Vec<T>, call: F) -> Vec<(T, Option<bool>)>
+/// only. Each item comes back with its call's outcome, or `None` if it never ran.
+async fn until_first_failure<T, F, Fut>(
+    items: Vec<T>,
+    call: F,
+) -> Vec<(T, Option<Result<(), StoreError>>)>
 where
     F: Fn(T) -> Fut,
     Fut: std::future::Future<Output = (T, Result<(), StoreError>)>,
@@ -451,7 +537,7 @@ where
                 if r.as_ref().is_err_and(StoreError::is_outage) {
                     failed.store(true, Ordering::Relaxed);
                 }
-                (item, Some(r.is_ok()))
+                (item, Some(r))
             }
         })
         .buffer_unordered(WRITE_CONCURRENCY)
@@ -501,7 +587,7 @@ mod tests {
         let check = |cost| decider.check(t.clone(), p.clone(), cost, false);
         put(4.0, 4.0).await.unwrap();
         assert!(
-            apply_shares(decider, &coordinator.view(), &mut written, pacing)
+            apply_shares(decider, &coordinator.view(), &mut written, pacing, None)
                 .await
                 .0
         );
@@ -509,7 +595,7 @@ mod tests {
         // New terms, the same burst: still drained.
         assert_eq!(put(5.0, 4.0).await.unwrap().version, 2);
         assert!(
-            apply_shares(decider, &coordinator.view(), &mut written, pacing)
+            apply_shares(decider, &coordinator.view(), &mut written, pacing, None)
                 .await
                 .0
         );
@@ -520,7 +606,7 @@ mod tests {
         // A raised burst, 4 → 10: 6 tokens, no more.
         put(5.0, 10.0).await.unwrap();
         assert!(
-            apply_shares(decider, &coordinator.view(), &mut written, pacing)
+            apply_shares(decider, &coordinator.view(), &mut written, pacing, None)
                 .await
                 .0
         );

@@ -157,7 +157,7 @@ mod tests {
             lease_ms: LEASE_MS,
         };
         let started = clock::monotonic();
-        let (all, outcomes) = apply_shares(&state.decider, &view, &mut written, pacing).await;
+        let (all, outcomes) = apply_shares(&state.decider, &view, &mut written, pacing, None).await;
         let took = started.elapsed();
         assert!(all, "every write succeeded: {outcomes:?}");
         assert_eq!(outcomes.ok, BUCKETS as u64);

@@ -19,7 +19,12 @@ use crate::coordination::{MemberStatus, Removal};
 #[derive(Debug, Serialize, utoipa::ToSchema)]
 pub struct RaftView {
     pub role: String,
+    /// The leader's region.
     pub leader: Option<String>,
+    /// The leader's node id: a region may run several daemons.
+    pub leader_node: Option<u64>,
+    /// This daemon's node id.
+    pub node_id: u64,
     pub term: u64,
     pub applied_index: u64,
     pub peers: Vec<MemberView>,
@@ -31,6 +36,9 @@ pub struct MemberView {
     pub region: String,
     pub node_id: u64,
     pub voter: bool,
+    /// Whether this member holds its region's agent role: it writes the region's store and
+    /// reports its usage; the region's other daemons stand by to take it over.
+    pub agent: bool,
 }
 
 impl From<&MemberStatus> for MemberView {
@@ -39,6 +47,7 @@ impl From<&MemberStatus> for MemberView {
             region: m.region.as_str().to_string(),
             node_id: m.node_id,
             voter: m.voter,
+            agent: m.agent,
         }
     }
 }
@@ -116,6 +125,8 @@ pub async fn status(State(state): State<AppState>) -> axum::Json<StatusView> {
         raft: RaftView {
             role: s.role.to_string(),
             leader: s.leader.map(|r| r.as_str().to_string()),
+            leader_node: s.leader_node,
+            node_id: s.node_id,
             term: s.term,
             applied_index: s.applied_index,
             peers: s.members.iter().map(MemberView::from).collect(),

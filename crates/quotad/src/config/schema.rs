@@ -10,6 +10,10 @@ use serde::{Deserialize, Serialize};
 pub struct Config {
     /// This daemon's region.
     pub region: String,
+    /// Which `[[regions]]` entry this daemon is (its `node_id`): needed when its region runs
+    /// several daemons, each an entry of the same `id`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub node_id: Option<u64>,
     /// Where durable coordinator state lives: `raft/` (log and snapshots) with `[[regions]]`,
     /// `local.redb` (policies, pins, versions) without. Created if missing.
     pub data_dir: PathBuf,
@@ -20,7 +24,8 @@ pub struct Config {
     pub breaker: BreakerConfig,
     pub coordination: CoordinationConfig,
     pub raft: RaftTimings,
-    /// Every region of the cluster, this one included; empty means a single region.
+    /// Every daemon of the cluster, this one included, one entry each (a region of several
+    /// daemons repeats its `id`); empty means a single region of one daemon.
     pub regions: Vec<RegionConfig>,
     pub telemetry: TelemetryConfig,
     pub runtime: RuntimeConfig,
@@ -204,17 +209,18 @@ pub struct RaftTimings {
     pub write_timeout_ms: Option<u64>,
 }
 
-/// One region of the cluster.
+/// One daemon of the cluster: a region runs one or several.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct RegionConfig {
+    /// The region the daemon serves.
     pub id: String,
     /// Raft node id; unique and non-zero.
     pub node_id: u64,
-    /// The region's API address, `host:port` or `IP:port` (pinned checks are forwarded here
+    /// The daemon's API address, `host:port` or `IP:port` (pinned checks are forwarded here
     /// without peer TLS).
     pub api: String,
-    /// The region's peer (Raft) address, `host:port` or `IP:port`: resolved per connection,
+    /// The daemon's peer (Raft) address, `host:port` or `IP:port`: resolved per connection,
     /// and with peer TLS the name (or IP) its certificate must carry.
     pub peer: String,
     /// With peer TLS: the URI SAN this region's certificate names (default
@@ -269,6 +275,7 @@ impl Default for Config {
     fn default() -> Self {
         Self {
             region: "local".into(),
+            node_id: None,
             data_dir: PathBuf::from("quotad-data"),
             api: ApiConfig::default(),
             peer: PeerConfig::default(),

@@ -12,6 +12,8 @@ use crate::config::secrets::{SecretSource, Secrets};
 pub struct Settings {
     pub config: Config,
     pub region: RegionId,
+    /// This daemon's Raft node id: its `[[regions]]` entry (`None` for a single region).
+    pub node_id: Option<u64>,
     pub api_listen: SocketAddr,
     pub peer_listen: SocketAddr,
     /// Envoy's rate limit service listener, if on.
@@ -42,6 +44,23 @@ pub struct RegionSettings {
 }
 
 impl Settings {
+    /// This daemon's `[[regions]]` entry (`None` for a single region).
+    pub fn me(&self) -> Option<&RegionSettings> {
+        let n = self.node_id?;
+        self.regions.iter().find(|r| r.node_id == n)
+    }
+
+    /// The regions of the cluster, each once, in the order they are first listed.
+    pub fn region_ids(&self) -> Vec<RegionId> {
+        let mut out: Vec<RegionId> = Vec::new();
+        for r in &self.regions {
+            if !out.contains(&r.id) {
+                out.push(r.id.clone());
+            }
+        }
+        out
+    }
+
     /// The multi-region peers, or `None` for a single region run.
     pub fn is_single_region(&self) -> bool {
         self.regions.len() <= 1

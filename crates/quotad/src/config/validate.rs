@@ -43,6 +43,7 @@ impl Config {
         self.check_breaker(p);
         self.check_coordination(p);
         let regions = check_regions(p, &self.regions, region.as_ref());
+        let node_id = check_node_id(p, &regions, region.as_ref(), self.node_id);
         self.check_raft_runtime_and_logs(p);
         let secrets = self.resolve_secrets(p, env);
         let redis_tls = self.redis.as_ref().and_then(|r| check_redis_tls(p, r));
@@ -59,6 +60,7 @@ impl Config {
                 Ok(Settings {
                     config: self,
                     region,
+                    node_id,
                     api_listen,
                     peer_listen,
                     envoy_listen: listen.envoy,
@@ -522,7 +524,11 @@ impl Config {
                 return None;
             }
         };
-        let expected = me.and_then(|me| regions.iter().find(|r| r.id == *me));
+        let expected = me.and_then(|me| {
+            regions
+                .iter()
+                .find(|r| r.id == *me && self.node_id.is_none_or(|n| n == r.node_id))
+        });
         if let Some(r) = expected {
             if identity.as_deref() != Some(r.identity.as_str()) {
                 p.push(problem(
@@ -649,15 +655,15 @@ fn check_regions(
     me: Option<&RegionId>,
 ) -> Vec<RegionSettings> {
     let mut out = Vec::new();
-    let mut ids = BTreeSet::new();
+    let mut apis = BTreeSet::new();
     let mut nodes = BTreeSet::new();
     for (i, r) in regions.iter().enumerate() {
         let field = |f: &str| format!("regions[{i}].{f}");
         let id = RegionId::new(r.id.clone())
             .map_err(|e| p.push(problem(field("id"), e.to_string())))
             .ok();
-        if !ids.insert(r.id.clone()) {
-            p.push(problem(field("id"), format!("duplicate region {:?}", r.id)));
+        if !apis.insert(r.api.as_str()) {
+            p.push(problem(field("api"), format!("{} is used twice", r.api)));
         }
         if r.node_id == 0 {
             p.push(problem(field("node_id"), "must be at least 1"));
@@ -699,6 +705,55 @@ fn check_regions(
         }
     }
     out
+}
+
+/// Which `[[regions]]` entry this daemon is: `node_id` when set (an entry of this region),
+/// else this region's only entry. `None` for a single region, or when it cannot be told.
+fn check_node_id(
+    p: &mut Vec<ConfigProblem>,
+    regions: &[RegionSettings],
+    me: Option<&RegionId>,
+    node_id: Option<u64>,
+) -> Option<u64> {
+    let me = me?;
+    let mine: Vec<u64> = regions
+        .iter()
+        .filter(|r| r.id == *me)
+        .map(|r| r.node_id)
+        .collect();
+    match (node_id, mine.as_slice()) {
+        (None, []) => None,
+        (None, [only]) => Some(*only),
+        (None, many) => {
+            p.push(problem(
+                "node_id",
+                format!(
+                    "region {:?} runs {} daemons in [[regions]] (node ids {many:?}): name this one's",
+                    me.as_str(),
+                    many.len()
+                ),
+            ));
+            None
+        }
+        (Some(n), _) if mine.contains(&n) => Some(n),
+        (Some(n), _) if regions.is_empty() => {
+            p.push(problem(
+                "node_id",
+                format!("{n} names an entry of [[regions]], which is empty"),
+            ));
+            None
+        }
+        (Some(n), _) => {
+            p.push(problem(
+                "node_id",
+                format!(
+                    "{n} is not a [[regions]] entry of region {:?} (its node ids: {mine:?})",
+                    me.as_str()
+                ),
+            ));
+            None
+        }
+    }
 }
 
 #[cfg(test)]
@@ -752,7 +807,7 @@ peer = "x"
 [[regions]]
 id = "a"
 node_id = 2
-api = "127.0.0.1:2"
+api = "127.0.0.1:1"
 peer = "127.0.0.1:3"
 "#;
         let config = Config::from_toml(text).unwrap();
@@ -766,13 +821,45 @@ peer = "127.0.0.1:3"
             "coordination.lease_ms",
             "regions[0].node_id",
             "regions[0].peer",
-            "regions[1].id",
+            "regions[1].api",
             "peer.token_file",
         ] {
             assert!(fields.contains(&f), "{f} missing from {fields:?}");
         }
         // The password in the URL is named as a problem but never echoed.
         assert!(!errs.to_string().contains("hunter2"));
+    }
+
+    /// Issue 31: a region of several daemons repeats its id, one `[[regions]]` entry per
+    /// daemon, and each daemon names its own entry with `node_id`.
+    #[test]
+    fn each_daemon_of_a_region_names_its_entry() {
+        let text = |me: &str| {
+            format!(
+                "region = \"a\"\n{me}\n\
+                 [[regions]]\nid = \"a\"\nnode_id = 1\napi = \"127.0.0.1:1\"\npeer = \"127.0.0.1:2\"\n\
+                 [[regions]]\nid = \"a\"\nnode_id = 2\napi = \"127.0.0.1:3\"\npeer = \"127.0.0.1:4\"\n\
+                 [[regions]]\nid = \"b\"\nnode_id = 3\napi = \"127.0.0.1:5\"\npeer = \"127.0.0.1:6\"\n"
+            )
+        };
+        let resolve = |t: &str| {
+            Config::from_toml(t)
+                .unwrap()
+                .resolve(&|k| (k == ENV_PEER_TOKEN).then(|| "x".repeat(32)), Vec::new())
+        };
+        let s = resolve(&text("node_id = 2")).unwrap();
+        assert_eq!(s.node_id, Some(2));
+        assert_eq!(s.me().map(|m| m.api.as_str()), Some("127.0.0.1:3"));
+        assert_eq!(s.region_ids().len(), 2, "each region once");
+        for (me, says) in [
+            ("", "runs 2 daemons"),
+            ("node_id = 3", "not a [[regions]] entry of region \"a\""),
+            ("node_id = 9", "not a [[regions]] entry"),
+        ] {
+            let e = resolve(&text(me)).unwrap_err();
+            let p = e.0.iter().find(|p| p.field == "node_id").expect("node_id named");
+            assert!(p.message.contains(says), "{me}: {}", p.message);
+        }
     }
 
     #[test]

@@ -377,12 +377,15 @@ impl LocalCoordinator {
         CoordinatorStatus {
             role: "single",
             leader: Some(self.region.clone()),
+            leader_node: Some(1),
+            node_id: 1,
             term: 0,
             applied_index,
             members: vec![MemberStatus {
                 region: self.region.clone(),
                 node_id: 1,
                 voter: true,
+                agent: true,
             }],
         }
     }

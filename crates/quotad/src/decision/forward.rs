@@ -266,16 +266,43 @@ impl Decider {
         }
     }
 
-    /// POSTs `body` to `path` on `home`'s API as a forwarding peer (over the peer TLS
-    /// channel, naming this region, when `over_peer`); the answer of a 200 or 429, or `None`
-    /// when the home is unknown, unreachable, slow or answers anything else.
+    /// POSTs `body` to `path` on one of `home`'s daemons' API as a forwarding peer (over the
+    /// peer TLS channel, naming this region, when `over_peer`); the answer of a 200 or 429, or
+    /// `None` when the home is unknown, or none of its daemons answers that within the forward
+    /// timeout. Successive calls start at successive daemons, so a home region's daemons
+    /// share the load, and a daemon that is down costs the next one's turn, not the check.
     async fn send_home<T: serde::de::DeserializeOwned>(
         &self,
         home: &RegionId,
         path: &str,
         body: &serde_json::Value,
     ) -> Option<T> {
-        let addr = self.homes.get(home)?;
+        let addrs = self.homes.get(home).filter(|a| !a.is_empty())?;
+        let first = self
+            .next_home
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let deadline = tokio::time::Instant::now() + self.forward_timeout;
+        for i in 0..addrs.len() {
+            let addr = &addrs[(first + i) % addrs.len()];
+            let left = deadline.saturating_duration_since(tokio::time::Instant::now());
+            if left.is_zero() {
+                break;
+            }
+            if let Some(answer) = self.send_to(addr, path, body, left).await {
+                return Some(answer);
+            }
+        }
+        None
+    }
+
+    /// One attempt of [`Self::send_home`] at one daemon.
+    async fn send_to<T: serde::de::DeserializeOwned>(
+        &self,
+        addr: &str,
+        path: &str,
+        body: &serde_json::Value,
+        timeout: std::time::Duration,
+    ) -> Option<T> {
         let prefix = if self.over_peer {
             PEER_FORWARD_PREFIX
         } else {
@@ -292,12 +319,7 @@ impl Decider {
         if self.over_peer {
             req = req.header(FORWARDED_FROM_HEADER.as_str(), self.region.as_str());
         }
-        let resp = req
-            .timeout(self.forward_timeout)
-            .json(body)
-            .send()
-            .await
-            .ok()?;
+        let resp = req.timeout(timeout).json(body).send().await.ok()?;
         if !matches!(resp.status().as_u16(), 200 | 429) {
             return None;
         }
@@ -446,7 +468,7 @@ mod tests {
         drop(closed);
         let policy = json!({"limit": 10, "window_ms": 1000});
         let grants = [("a", 0, 0), ("b", 1_000_000, 0)];
-        let homes = HashMap::from([(RegionId::new("b").unwrap(), addr.to_string())]);
+        let homes = HashMap::from([(RegionId::new("b").unwrap(), vec![addr.to_string()])]);
         let d = decider_of(entry(policy, &grants, None), u64::MAX, homes);
         let (t, w) = ids("t", "w");
         let r = d.check(t, w, 1, false).await;

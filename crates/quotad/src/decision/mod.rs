@@ -84,9 +84,11 @@ pub struct Decider {
     outage: Arc<Outage>,
     breaker: Arc<Breaker>,
     view: watch::Receiver<Arc<ClusterView>>,
-    /// Where each region takes forwarded checks: its API address, or its peer address when
-    /// `over_peer`.
-    homes: HashMap<RegionId, String>,
+    /// Where each region takes forwarded checks: its daemons' API addresses, or their peer
+    /// addresses when `over_peer`.
+    homes: HashMap<RegionId, Vec<String>>,
+    /// Which of a home's daemons the next forwarded check tries first.
+    next_home: std::sync::atomic::AtomicUsize,
     /// Plain HTTP to the API, or the peer mutual-TLS client (rebuilt on rotation).
     http: PeerHttp,
     /// Forwarded checks go over the peer TLS channel ([`PEER_FORWARD_PREFIX`]).
@@ -127,9 +129,9 @@ pub struct DeciderParts {
     pub store: AnyStore,
     pub breaker: Breaker,
     pub view: watch::Receiver<Arc<ClusterView>>,
-    /// Every region's API address (`host:port`), for forwarding pinned tenants; its peer
-    /// address with [`Decider::forwarding_over_peer`].
-    pub homes: HashMap<RegionId, String>,
+    /// Every region's daemons' API addresses (`host:port`), for forwarding pinned tenants;
+    /// their peer addresses with [`Decider::forwarding_over_peer`].
+    pub homes: HashMap<RegionId, Vec<String>>,
     pub forward_timeout: Duration,
     /// The peer token forwarded checks carry (multi-region only).
     pub peer_token: Option<Secret>,
@@ -162,6 +164,7 @@ impl Decider {
             breaker: Arc::new(p.breaker),
             view: p.view,
             homes: p.homes,
+            next_home: Default::default(),
             http: PeerHttp::new(None, |b| b)
                 .expect("a plain HTTP client builds without TLS configuration"),
             over_peer: false,

@@ -49,7 +49,7 @@ pub(crate) fn entry(spec: Value, grants: &[(&str, u32, u32)], home: Option<&str>
 pub(crate) fn decider_of(
     entry: PolicyEntry,
     lease_end_local_ms: u64,
-    homes: HashMap<RegionId, String>,
+    homes: HashMap<RegionId, Vec<String>>,
 ) -> Decider {
     let view = ClusterView {
         policies: [(ids("t", "w"), entry)].into_iter().collect(),
@@ -146,7 +146,7 @@ pub(crate) async fn decider_with_home(status: u16) -> (Decider, Seen) {
         store: AnyStore::embedded(),
         breaker: Breaker::new(&BreakerConfig::default(), "b"),
         view: rx,
-        homes: HashMap::from([(RegionId::new("a").unwrap(), addr.to_string())]),
+        homes: HashMap::from([(RegionId::new("a").unwrap(), vec![addr.to_string()])]),
         forward_timeout: Duration::from_secs(5),
         peer_token: Some(Secret::new("peer-token")),
         reservations: false,

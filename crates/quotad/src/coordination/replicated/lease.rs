@@ -147,7 +147,8 @@ impl Replicated {
         Duration::from_millis(usable / 2).min(self.raft.config().write_timeout())
     }
 
-    /// Renews this region's lease through the log, acknowledging the applied epoch.
+    /// Renews this daemon's lease through the log, acknowledging the epoch it enforces: the
+    /// agent's applied epoch, a standby's view's.
     ///
     /// Only under this region's configured lease timing: until the leader has committed it, a
     /// renewal would carry the state machine's default (30 s) and delay the reuse of this
@@ -176,8 +177,9 @@ impl Replicated {
         // On the monotonic clock: the lease runs out `lease_ms - margin` after this, whatever
         // the wall clock does meanwhile (only the leader's clock stamps the commit).
         let sent = clock::monotonic_ms();
-        let op = Operation::RenewLease {
+        let op = Operation::RenewDaemonLease {
             region: self.region.clone(),
+            node: self.node_id(),
             acked_epoch,
         };
         match self.write_within(op, self.renewal_timeout()).await? {

@@ -15,10 +15,12 @@
 //! stops enforcing a share before the coordinator can hand it to anyone else.
 //!
 //! The member's jobs, one file each: [`writes`] (policy, pin and membership commands),
-//! [`lease`] (renewing this region's lease), [`usage`] (usage reports, sent and received),
+//! [`lease`] (renewing this daemon's lease), [`agent_role`] (which of a region's daemons is
+//! its agent), [`usage`] (usage reports, sent and received),
 //! [`round`] (the leader's round), [`views`] (views built from the applied state) and
 //! [`readiness`] (what this member waits for before it takes traffic).
 
+mod agent_role;
 mod lease;
 mod plans;
 mod readiness;
@@ -75,6 +77,10 @@ pub struct Replicated {
     derived: Mutex<Option<Derived>>,
     /// Set once this member was ready ([`Replicated::readiness`]), and kept.
     ready: AtomicBool,
+    /// This daemon's watch on its region's agent role.
+    agent: Mutex<agent_role::Watch>,
+    /// Woken when this daemon wins the agent role, so the apply loop starts its pass at once.
+    agent_won: tokio::sync::Notify,
 }
 
 /// The O(policies) part of a view, kept while the state's revision stays the same.
@@ -104,10 +110,8 @@ impl Replicated {
             .clone()
             .context("a multi-region cluster needs a peer token")?;
         let me = settings
-            .regions
-            .iter()
-            .find(|r| r.id == settings.region)
-            .context("this region is not listed in [[regions]]")?;
+            .me()
+            .context("this daemon is not listed in [[regions]]")?;
         let raft_cfg = raft_config(settings, me, &peer_token);
         std::fs::create_dir_all(&raft_cfg.data_dir)
             .with_context(|| format!("creating {}", raft_cfg.data_dir.display()))?;
@@ -141,7 +145,7 @@ impl Replicated {
         Ok(Self {
             raft,
             region: settings.region.clone(),
-            regions: settings.regions.iter().map(|r| r.id.clone()).collect(),
+            regions: settings.region_ids(),
             tx,
             lease: Mutex::new(lease::LeaseClock::default()),
             lease_config: LeaseConfig {
@@ -159,6 +163,8 @@ impl Replicated {
             peer_tls,
             derived: Mutex::new(None),
             ready: AtomicBool::new(false),
+            agent: Mutex::new(agent_role::Watch::default()),
+            agent_won: tokio::sync::Notify::new(),
         })
     }
 
@@ -233,6 +239,14 @@ impl Replicated {
                 .get(id)
                 .and_then(|m| RegionId::new(m.region.as_str()).ok())
         };
+        // Each region's agent, as this daemon's applied state says.
+        let agents: BTreeMap<String, u64> = self.raft.read(|st| {
+            st.regions
+                .iter()
+                .flatten()
+                .filter_map(|r| Some((r.id.as_str().to_string(), r.agent?.node)))
+                .collect()
+        });
         CoordinatorStatus {
             role: match s.role {
                 Role::Leader => "leader",
@@ -242,6 +256,8 @@ impl Replicated {
                 Role::Shutdown => "shutdown",
             },
             leader: s.leader_id.as_ref().and_then(region_of),
+            leader_node: s.leader_id,
+            node_id: s.node_id,
             term: s.term,
             applied_index: s.last_applied_index.unwrap_or(0),
             members: s
@@ -249,6 +265,7 @@ impl Replicated {
                 .keys()
                 .filter_map(|id| {
                     region_of(id).map(|region| MemberStatus {
+                        agent: agents.get(region.as_str()) == Some(id),
                         region,
                         node_id: *id,
                         voter: s.voters.contains(id),
