@@ -591,3 +591,92 @@ async fn a_deposed_agent_writes_nothing() -> anyhow::Result<()> {
     );
     Ok(())
 }
+
+/// Waits for `d` to exit during start-up; its log.
+async fn refused(mut d: quotad_system_tests::Daemon) -> String {
+    let exited = eventually(Duration::from_secs(20), Duration::from_millis(50), || {
+        let running = d.is_running();
+        async move { (!running).then_some(()) }
+    })
+    .await;
+    assert!(
+        exited.is_some(),
+        "the daemon kept running:\n{}",
+        d.log_text()
+    );
+    d.log_text()
+}
+
+/// Bad deployments are refused at start, before anything is written: a second single-region
+/// daemon on a Redis another one writes (its writes unfenced: the two would overwrite each
+/// other), a single-region daemon on a region set's Redis, and a daemon of region b started
+/// with region a's Redis.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_second_writer_on_a_regions_redis_is_refused_at_start() -> anyhow::Result<()> {
+    use quotad_system_tests::{free_port, redis_config, Daemon, PEER_TOKEN};
+    let single_redis = redis_harness::RedisServer::start()?;
+    let first = Daemon::start(&redis_config(&single_redis.url())).await?;
+    let port = free_port()?;
+    let second = Daemon::spawn(
+        &redis_config(&single_redis.url()).replace("{api}", &format!("127.0.0.1:{port}")),
+        port,
+        &[],
+    )?;
+    let log = refused(second).await;
+    assert!(log.contains("another single-region quotad"), "{log}");
+    assert!(
+        first.get("/readyz").await?.status == 200,
+        "the first goes on"
+    );
+
+    // Region a's daemon (a member of a two-region cluster) marks its Redis at start.
+    let a_redis = redis_harness::RedisServer::start()?;
+    let cluster_config = |region: &str, redis: &str| -> anyhow::Result<(String, u16)> {
+        let (api, peer) = (free_port()?, free_port()?);
+        let me = if region == "a" { 1 } else { 2 };
+        let text = format!(
+            "region = \"{region}\"\nnode_id = {me}\n[api]\nlisten = \"127.0.0.1:{api}\"\n\
+             [peer]\nlisten = \"127.0.0.1:{peer}\"\n[redis]\nurl = \"{redis}\"\n\
+             [[regions]]\nid = \"{region}\"\nnode_id = {me}\napi = \"127.0.0.1:{api}\"\npeer = \"127.0.0.1:{peer}\"\n\
+             [[regions]]\nid = \"z\"\nnode_id = 9\napi = \"127.0.0.1:1\"\npeer = \"127.0.0.1:2\"\n"
+        );
+        Ok((text, api))
+    };
+    let (text, api) = cluster_config("a", &a_redis.url())?;
+    let _a = Daemon::spawn(&text, api, &[("QUOTAD_PEER_TOKEN", PEER_TOKEN)])?;
+    let mut conn = a_redis.client().get_multiplexed_async_connection().await?;
+    let marked = eventually(Duration::from_secs(20), Duration::from_millis(50), || {
+        let mut conn = conn.clone();
+        async move {
+            let m: Option<String> = redis::cmd("GET")
+                .arg("qd:v1:owner")
+                .query_async(&mut conn)
+                .await
+                .ok()?;
+            m.filter(|m| m == "fenced a")
+        }
+    })
+    .await;
+    assert!(marked.is_some(), "region a's daemon marks its Redis");
+
+    let port = free_port()?;
+    let single = Daemon::spawn(
+        &redis_config(&a_redis.url()).replace("{api}", &format!("127.0.0.1:{port}")),
+        port,
+        &[],
+    )?;
+    let log = refused(single).await;
+    assert!(log.contains("written by region \"a\"'s daemons"), "{log}");
+
+    let (text, api) = cluster_config("b", &a_redis.url())?;
+    let b = Daemon::spawn(&text, api, &[("QUOTAD_PEER_TOKEN", PEER_TOKEN)])?;
+    let log = refused(b).await;
+    assert!(log.contains("holds region \"a\"'s parameters"), "{log}");
+    // Nothing of theirs was written.
+    let keys: Vec<String> = redis::cmd("KEYS")
+        .arg("qd:v1:*")
+        .query_async(&mut conn)
+        .await?;
+    assert_eq!(keys, ["qd:v1:owner"], "only region a's mark");
+    Ok(())
+}

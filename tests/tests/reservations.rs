@@ -4,7 +4,9 @@
 
 use std::time::{Duration, Instant};
 
-use quotad_system_tests::{evalsha_calls, metric_value, redis_config, Daemon};
+use quotad_system_tests::{
+    evalsha_calls, eventually, metric_value, redis_config, Daemon, RegionSet, Timings,
+};
 use redis_harness::RedisServer;
 use serde_json::json;
 
@@ -106,23 +108,35 @@ async fn gateway_call(
     Ok(r[0] == 1)
 }
 
-#[tokio::test]
+/// Two daemons of one region (a region set: one policy version, one agent) and a gateway on
+/// the region's Redis, each daemon taking tokens in batches.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn daemons_and_a_gateway_on_one_redis_admit_no_more_than_the_bucket() -> anyhow::Result<()> {
-    let redis = RedisServer::start()?;
-    let config = config(&redis);
-    let (a, b) = (Daemon::start(&config).await?, Daemon::start(&config).await?);
+    let set = RegionSet::start(&["r"], 2, &Timings::default()).await?;
+    let (a, b) = (&set.daemons[0], &set.daemons[1]);
     // Burst 2 000, 200 a second: a batch is at most 20 tokens.
     let spec = json!({"limit": 200, "window_ms": 1000, "burst": 2000});
-    let v = a.put_policy("shared", "w", spec.clone()).await?;
-    // The same policy on the other daemon: one region, one bucket in Redis, same version.
-    let w = b.put_policy("shared", "w", spec).await?;
-    assert_eq!(v["version"], w["version"], "both daemons name one bucket");
+    let v = a.put_policy("shared", "w", spec).await?;
     let version = v["version"].as_u64().expect("a version");
+    // The other daemon decides the same policy version: one bucket in Redis.
+    let seen = eventually(
+        Duration::from_secs(10),
+        Duration::from_millis(50),
+        || async {
+            let r = b.get("/v1/tenants/shared/policies/w").await.ok()?;
+            (r.body["version"].as_u64() == Some(version)).then_some(())
+        },
+    )
+    .await;
+    assert!(seen.is_some(), "both daemons name one bucket");
     let bucket = format!("qd:v1:{{shared}}:w:{version}:b");
     let params = format!("qd:v1:{{shared}}:w:{version}:p");
     tokio::time::sleep(Duration::from_millis(600)).await;
     let script = redis::Script::new(TOKEN_BUCKET_LUA);
-    let mut conn = redis.client().get_multiplexed_async_connection().await?;
+    let mut conn = set.redis[0]
+        .client()
+        .get_multiplexed_async_connection()
+        .await?;
 
     let started = Instant::now();
     let (mut gw, mut offered) = (0u64, 0u64);
@@ -130,7 +144,7 @@ async fn daemons_and_a_gateway_on_one_redis_admit_no_more_than_the_bucket() -> a
     // Offered above the refill until the burst is spent and the callers have been denied
     // for a while.
     while offered < from_a + from_b + gw + 600 && started.elapsed() < Duration::from_secs(20) {
-        let (ra, rb) = tokio::join!(flood(&a, "shared", 40, 8), flood(&b, "shared", 40, 8));
+        let (ra, rb) = tokio::join!(flood(a, "shared", 40, 8), flood(b, "shared", 40, 8));
         from_a += ra?;
         from_b += rb?;
         for _ in 0..10 {
@@ -139,8 +153,8 @@ async fn daemons_and_a_gateway_on_one_redis_admit_no_more_than_the_bucket() -> a
         offered += 90;
     }
     let secs = started.elapsed().as_secs_f64();
-    let hits_a = counter(&a, "quotad_reservation_hits_total").await?;
-    let hits_b = counter(&b, "quotad_reservation_hits_total").await?;
+    let hits_a = counter(a, "quotad_reservation_hits_total").await?;
+    let hits_b = counter(b, "quotad_reservation_hits_total").await?;
     let total = from_a + from_b + gw;
     // The bucket started full: its burst plus its refill over the run (plus a token for the
     // millisecond rounding of the run's ends).

@@ -585,6 +585,28 @@ impl AnyStore {
         Self::Embedded(EmbeddedStore::new())
     }
 
+    /// Whether what this store's connection wrote so far survives a failover: true without
+    /// replicas (nothing to fail over to) and for the embedded store; with replicas, once
+    /// `WAIT` saw a replica of every master that has one take it. The region agent
+    /// acknowledges an epoch only then, so a failover that loses the last writes cannot bring
+    /// back a share the coordinator already gave away.
+    pub async fn durable(&self) -> Result<bool, StoreError> {
+        match self {
+            Self::Embedded(_) => Ok(true),
+            Self::Redis(r) => r.durable().await,
+        }
+    }
+
+    /// Marks the store as written by `me` for `ttl_ms` unless another writer's mark is live
+    /// (`me`'s own is renewed): the mark in force after the call. The embedded store has
+    /// one writer, always `me`.
+    pub async fn claim_owner(&self, me: &str, ttl_ms: u64) -> Result<String, StoreError> {
+        match self {
+            Self::Embedded(_) => Ok(me.to_string()),
+            Self::Redis(r) => r.claim_owner(me, ttl_ms).await,
+        }
+    }
+
     /// What Redis says of evicting keys; `None` for the embedded store, which never evicts.
     pub async fn eviction(&self) -> Option<Result<Eviction, StoreError>> {
         match self {

@@ -39,5 +39,6 @@ pub mod eviction;
 pub mod redis_password;
 pub mod secret;
 pub mod server;
+pub mod store_owner;
 pub mod telemetry;
 pub mod tokens;

@@ -128,6 +128,22 @@ async fn build_coordinator(
     ))
 }
 
+/// This daemon's mark on its Redis ([`crate::store_owner`]).
+fn owner_mark(settings: &Settings) -> anyhow::Result<String> {
+    crate::store_owner::mark(
+        &settings.region,
+        !settings.is_single_region(),
+        &settings.config.data_dir,
+    )
+}
+
+/// How long the mark outlives its last renewal.
+fn owner_ttl(settings: &Settings) -> Duration {
+    crate::store_owner::mark_ttl(Duration::from_millis(
+        settings.config.coordination.report_interval_ms,
+    ))
+}
+
 /// Everything the API serves from, built from settings, with the replicated member of a
 /// multi-region cluster.
 pub async fn build_state(
@@ -136,6 +152,11 @@ pub async fn build_state(
 ) -> anyhow::Result<(AppState, Option<Arc<Replicated>>)> {
     let cfg = &settings.config;
     let (store, reachable) = build_store(settings).await?;
+    if reachable {
+        // Before anything is written: one region's daemons, or one single daemon, per Redis.
+        let mine = owner_mark(settings)?;
+        crate::store_owner::claim_at_start(&store, &mine, owner_ttl(settings)).await?;
+    }
     let breaker = Breaker::new(&cfg.breaker, settings.region.as_str());
     if !reachable {
         breaker.trip();
@@ -339,10 +360,15 @@ fn background_tasks(
 ) -> Vec<JoinHandle<()>> {
     let cfg = &settings.config;
     let report_interval = Duration::from_millis(cfg.coordination.report_interval_ms);
+    let owner = owner_mark(settings)
+        .map(|m| (m, owner_ttl(settings)))
+        .map_err(|e| tracing::warn!(error = %e, "This daemon's mark on Redis is unknown."))
+        .ok();
     let mut tasks = vec![tokio::spawn(agent::run_apply(
         state.decider.clone(),
         state.coordinator.clone(),
         replicated.cloned(),
+        owner,
         report_interval,
         // The longest lease an earlier run may have written (renewals carry only the
         // configured lease).

@@ -373,6 +373,8 @@ pub struct WriteOutcomes {
     pub failed: u64,
     /// Writes the store refused by their fence.
     pub fenced: u64,
+    /// Successful writes that changed parameters (not only renewed a lease end).
+    pub changed: u64,
 }
 
 #[cfg(test)]

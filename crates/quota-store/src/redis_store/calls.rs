@@ -277,6 +277,63 @@ impl RedisStore {
         }
     }
 
+    /// Marks this Redis as written by `me` for `ttl_ms` unless another writer's mark is live;
+    /// `me`'s own mark is renewed. The mark in force after the call.
+    pub async fn claim_owner(&self, me: &str, ttl_ms: u64) -> Result<String, StoreError> {
+        let mut cmd = redis::cmd("EVAL");
+        cmd.arg(OWNER_LUA)
+            .arg(1)
+            .arg(OWNER_KEY)
+            .arg(me)
+            .arg(ttl_ms.max(1));
+        self.command(&cmd).await
+    }
+
+    /// Whether the writes this store sent so far are on a replica of every master that has
+    /// one ([`crate::AnyStore::durable`]): `INFO replication`, then `WAIT 1` within the
+    /// store's timeout where a master has connected replicas.
+    pub async fn durable(&self) -> Result<bool, StoreError> {
+        let info = self.info_of_masters("replication").await?;
+        let mut replicas = Vec::new();
+        info_values(&info, "connected_slaves", &mut replicas);
+        if replicas.is_empty() {
+            return Err(StoreError::Protocol {
+                reason: "INFO replication reported no connected_slaves".into(),
+            });
+        }
+        if replicas.iter().all(|r| r == "0") {
+            return Ok(true);
+        }
+        let mut wait = redis::cmd("WAIT");
+        wait.arg(1).arg(self.timeout.as_millis() as u64);
+        // WAIT blocks up to its own timeout: the call's bound is twice the store's.
+        let call = async {
+            match &*self.source.load_full() {
+                Source::Single(s) => {
+                    let used = s.current.load_full();
+                    wait.query_async::<Value>(&mut (*used).clone()).await
+                }
+                Source::Sentinel(s) => match s.manager().await {
+                    Ok(mut m) => wait.query_async::<Value>(&mut m).await,
+                    Err(e) => Err(e),
+                },
+                Source::Cluster(c) => {
+                    let all = RoutingInfo::MultiNode((MultipleNodeRoutingInfo::AllMasters, None));
+                    c.route(wait, all).await
+                }
+            }
+        };
+        let reply = match tokio::time::timeout(self.timeout * 2, call).await {
+            Ok(r) => r.map_err(|e| from_redis(&e))?,
+            Err(_) => {
+                return Err(StoreError::Timeout {
+                    ms: (self.timeout * 2).as_millis() as u64,
+                })
+            }
+        };
+        Ok(acked_by_replicas(&info, &reply))
+    }
+
     /// Whether this Redis may evict keys under memory pressure, from `INFO memory` and
     /// `INFO stats` (every master of a Cluster: the first that may evict, evictions summed).
     pub async fn eviction(&self) -> Result<Eviction, StoreError> {
@@ -399,6 +456,33 @@ impl RedisStore {
         let mut values = Vec::new();
         info_values(&info, field, &mut values);
         Ok(values.into_iter().next())
+    }
+}
+
+/// The key naming who writes this Redis's parameters (a region's daemons, or one daemon of a
+/// single region): a daemon refuses to start on a Redis another writer holds.
+const OWNER_KEY: &str = "qd:v1:owner";
+
+/// Sets the owner mark if it is absent or the caller's, with its TTL; returns the mark.
+const OWNER_LUA: &str = "local v = redis.call('GET', KEYS[1]) \
+if not v or v == ARGV[1] then redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2]) return ARGV[1] end \
+return v";
+
+/// Whether `WAIT`'s `reply` (a count, or a map of counts by master address) shows a replica
+/// of every master that `info` (`INFO replication`, one text or a map by address) says has
+/// one.
+fn acked_by_replicas(info: &Value, reply: &Value) -> bool {
+    let count = |v: &Value| redis::from_redis_value::<i64>(v.clone()).ok();
+    match (info, reply) {
+        (Value::Map(infos), Value::Map(acks)) => infos.iter().all(|(addr, i)| {
+            let mut r = Vec::new();
+            info_values(i, "connected_slaves", &mut r);
+            r.iter().all(|n| n == "0")
+                || acks
+                    .iter()
+                    .any(|(a, n)| a == addr && count(n).is_some_and(|n| n >= 1))
+        }),
+        (_, v) => count(v).is_some_and(|n| n >= 1),
     }
 }
 

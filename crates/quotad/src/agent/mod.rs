@@ -57,11 +57,13 @@ const WRITE_CONCURRENCY: usize = 64;
 /// Runs the apply loop until `shutdown` fires.
 ///
 /// `replicated` is the replicated member of a multi-region cluster (`None` for a single
-/// region): it is told each epoch the store enforces, and its lease is watched.
+/// region): it is told each epoch the store enforces, and its lease is watched. `owner` is
+/// this daemon's mark on its Redis ([`crate::store_owner`]), renewed while it writes.
 pub async fn run_apply(
     decider: Arc<Decider>,
     coordinator: Arc<Coordinator>,
     replicated: Option<Arc<Replicated>>,
+    owner: Option<(String, Duration)>,
     report_interval: Duration,
     lease_ms: u64,
     mut shutdown: watch::Receiver<bool>,
@@ -80,6 +82,8 @@ pub async fn run_apply(
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     // The fence this daemon last wrote with: a new one (a won claim) starts from a full pass.
     let mut holding: Option<u64> = None;
+    // Parameters changed by a pass that no replica has confirmed yet.
+    let mut unconfirmed = false;
     loop {
         let current = view.borrow_and_update().clone();
         let now = clock::monotonic_ms();
@@ -134,8 +138,18 @@ pub async fn run_apply(
             holding = fence;
             metrics.holder.set(1.0);
         }
+        if let Some((mark, ttl)) = &owner {
+            crate::store_owner::renew(decider.store(), mark, *ttl).await;
+        }
         let (all, outcomes) = apply_shares(&decider, &v, &mut written, pacing, fence).await;
         metrics.share_writes(outcomes);
+        // Fault: a Redis failover that loses the last writes would bring back the shares they
+        // cut. A pass that changed parameters is acknowledged only once a replica has them.
+        unconfirmed |= outcomes.changed > 0;
+        let all = all && !(unconfirmed && replicated.is_some() && !durable(&decider).await);
+        if all {
+            unconfirmed = false;
+        }
         let applied = match &replicated {
             Some(r) => {
                 let bounded =
@@ -155,6 +169,21 @@ pub async fn run_apply(
         };
         if applied {
             metrics.applied_epoch.set(v.epoch as f64);
+        }
+    }
+}
+
+/// Whether the store's replicas have what this daemon wrote ([`quota_store::AnyStore::durable`]).
+async fn durable(decider: &Decider) -> bool {
+    match decider.store().durable().await {
+        Ok(true) => true,
+        Ok(false) => {
+            tracing::debug!("No replica confirmed the parameters written: not acknowledged yet.");
+            false
+        }
+        Err(e) => {
+            tracing::debug!(error = %e, "Asking the store's replicas failed.");
+            false
         }
     }
 }
@@ -464,6 +493,7 @@ pub async fn apply_shares(
                 all &= ok;
                 if ok {
                     outcomes.ok += 1;
+                    outcomes.changed += u64::from(w.changes);
                 } else {
                     outcomes.failed += 1;
                 }

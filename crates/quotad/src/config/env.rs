@@ -8,6 +8,11 @@ use crate::config::schema::{Config, LogFormat, RedisConfig, RedisMode};
 /// Environment overrides: variable name → what it sets.
 pub const ENV_OVERRIDES: &[(&str, &str)] = &[
     ("QUOTAD_REGION", "region"),
+    ("QUOTAD_NODE_ID", "node_id"),
+    (
+        "QUOTAD_NODE_NAME",
+        "node_id: the [[regions]] entry of this region whose peer host's first label it is",
+    ),
     ("QUOTAD_DATA_DIR", "data_dir"),
     ("QUOTAD_API_LISTEN", "api.listen"),
     ("QUOTAD_PEER_LISTEN", "peer.listen"),
@@ -69,6 +74,39 @@ impl Config {
                         format!("must be \"text\" or \"json\" (got {other:?})"),
                     )),
                 },
+                "QUOTAD_NODE_ID" => match value.parse() {
+                    Ok(n) => self.node_id = Some(n),
+                    Err(_) => problems.push(problem(
+                        *var,
+                        format!("must be a node id, a whole number (got {value:?})"),
+                    )),
+                },
+                // A StatefulSet's pod name or a Compose service's host name names the entry,
+                // so one config serves every daemon of a region.
+                "QUOTAD_NODE_NAME" if self.node_id.is_none() => {
+                    let host = |peer: &str| {
+                        peer.rsplit_once(':')
+                            .map_or(peer, |(h, _)| h)
+                            .split('.')
+                            .next()
+                            .unwrap_or_default()
+                            .to_string()
+                    };
+                    let region = env("QUOTAD_REGION").unwrap_or_else(|| self.region.clone());
+                    match self
+                        .regions
+                        .iter()
+                        .find(|r| r.id == region && host(&r.peer) == value)
+                    {
+                        Some(r) => self.node_id = Some(r.node_id),
+                        None => problems.push(problem(
+                            *var,
+                            format!(
+                                "{value:?} is the first label of no [[regions]] entry's peer host in region {region:?}"
+                            ),
+                        )),
+                    }
+                }
                 "QUOTAD_LOG_LEVEL" => self.telemetry.log_level = value,
                 "QUOTAD_WORKER_THREADS" => match value.parse() {
                     Ok(n) => self.runtime.worker_threads = n,
@@ -112,6 +150,41 @@ mod tests {
         assert!(!printed.contains("s3cret-token"));
         assert!(printed.contains("admin_token = <redacted> (from the environment)"));
         assert!(!format!("{s:?}").contains("s3cret-token"));
+    }
+
+    /// Issue 31: one config for every daemon of a region; each finds its entry by its host
+    /// name (a StatefulSet pod's, a Compose service's), or is given its node id.
+    #[test]
+    fn a_daemon_finds_its_entry_by_its_host_name() {
+        let text = "region = \"a\"\n\
+            [[regions]]\nid = \"a\"\nnode_id = 1\napi = \"quotad-a-0.quotad-a:7450\"\npeer = \"quotad-a-0.quotad-a:7451\"\n\
+            [[regions]]\nid = \"a\"\nnode_id = 2\napi = \"quotad-a-1.quotad-a:7450\"\npeer = \"quotad-a-1.quotad-a:7451\"\n\
+            [[regions]]\nid = \"b\"\nnode_id = 3\napi = \"quotad-b-0.quotad-b:7450\"\npeer = \"quotad-b-0.quotad-b:7451\"\n";
+        let load = |vars: &[(&str, &str)]| {
+            let vars: Vec<(String, String)> = vars
+                .iter()
+                .map(|(k, v)| (k.to_string(), v.to_string()))
+                .chain([("QUOTAD_PEER_TOKEN".to_string(), "x".repeat(32))])
+                .collect();
+            let mut c = Config::from_toml(text).unwrap();
+            let mut problems = Vec::new();
+            let env = |k: &str| vars.iter().find(|(n, _)| n == k).map(|(_, v)| v.clone());
+            c.apply_env(&env, &mut problems);
+            c.resolve(&env, problems)
+        };
+        assert_eq!(
+            load(&[("QUOTAD_NODE_NAME", "quotad-a-1")]).unwrap().node_id,
+            Some(2)
+        );
+        assert_eq!(load(&[("QUOTAD_NODE_ID", "1")]).unwrap().node_id, Some(1));
+        for (var, value) in [
+            ("QUOTAD_NODE_NAME", "quotad-b-0"),
+            ("QUOTAD_NODE_NAME", "quotad-a-7"),
+            ("QUOTAD_NODE_ID", "one"),
+        ] {
+            let e = load(&[(var, value)]).unwrap_err();
+            assert!(e.0.iter().any(|p| p.field == var), "{var}={value}: {e}");
+        }
     }
 
     #[test]

@@ -843,9 +843,10 @@ peer = "127.0.0.1:3"
             )
         };
         let resolve = |t: &str| {
-            Config::from_toml(t)
-                .unwrap()
-                .resolve(&|k| (k == ENV_PEER_TOKEN).then(|| "x".repeat(32)), Vec::new())
+            Config::from_toml(t).unwrap().resolve(
+                &|k| (k == ENV_PEER_TOKEN).then(|| "x".repeat(32)),
+                Vec::new(),
+            )
         };
         let s = resolve(&text("node_id = 2")).unwrap();
         assert_eq!(s.node_id, Some(2));
@@ -857,7 +858,10 @@ peer = "127.0.0.1:3"
             ("node_id = 9", "not a [[regions]] entry"),
         ] {
             let e = resolve(&text(me)).unwrap_err();
-            let p = e.0.iter().find(|p| p.field == "node_id").expect("node_id named");
+            let p =
+                e.0.iter()
+                    .find(|p| p.field == "node_id")
+                    .expect("node_id named");
             assert!(p.message.contains(says), "{me}: {}", p.message);
         }
     }
