@@ -680,3 +680,60 @@ async fn a_second_writer_on_a_regions_redis_is_refused_at_start() -> anyhow::Res
     assert_eq!(keys, ["qd:v1:owner"], "only region a's mark");
     Ok(())
 }
+
+/// Checks that land on a standby are its region's demand too: Redis counts the ones that
+/// reach it, and the standby hands the denials it answered from its cache (and checks it
+/// forwarded) to the agent for its report. A flood on region a's standby alone brings share
+/// to region a.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_flood_on_a_standby_brings_share_to_its_region() -> anyhow::Result<()> {
+    let set = start_set().await?;
+    let agent = set
+        .agent_seen_by(0, "a")
+        .await
+        .expect("region a has an agent");
+    let standby = set.of("a").find(|&i| i != agent).unwrap();
+    let (before, _) = share_of(&set, standby).await.expect("a share");
+    let port = set.daemons[standby].api_port;
+    let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let flood = {
+        let stop = stop.clone();
+        tokio::spawn(async move {
+            let http = reqwest::Client::new();
+            let mut tick = tokio::time::interval(Duration::from_millis(5));
+            while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                tick.tick().await;
+                let _ = http
+                    .post(format!("http://127.0.0.1:{port}/v1/check"))
+                    .json(&json!({"tenant": "acme", "policy": "writes", "cost": 1}))
+                    .send()
+                    .await;
+            }
+        })
+    };
+    let risen = eventually(
+        Duration::from_secs(15),
+        Duration::from_millis(100),
+        || async {
+            let (share, _) = share_of(&set, standby).await?;
+            (share >= 0.6).then_some(share)
+        },
+    )
+    .await;
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    flood.await?;
+    let metrics = set.daemons[standby].get_text("/metrics").await?.1;
+    let sent = quotad_system_tests::metric_value(
+        &metrics,
+        "quotad_standby_usage_records_total",
+        &[("region", "a"), ("outcome", "sent")],
+    );
+    let hits = quotad_system_tests::metric_value(&metrics, "quotad_denial_cache_hits_total", &[]);
+    eprintln!("region a's share {before} -> {risen:?}; the standby handed over {sent:?} records ({hits:?} cache hits)");
+    assert!(risen.is_some(), "region a's share rises toward the flood");
+    assert!(
+        sent.is_some_and(|n| n > 0.0),
+        "the standby handed its counts over"
+    );
+    Ok(())
+}

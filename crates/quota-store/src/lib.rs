@@ -607,6 +607,14 @@ impl AnyStore {
         }
     }
 
+    /// Removes `me`'s mark ([`Self::claim_owner`]), if it is `me`'s.
+    pub async fn release_owner(&self, me: &str) -> Result<(), StoreError> {
+        match self {
+            Self::Embedded(_) => Ok(()),
+            Self::Redis(r) => r.release_owner(me).await,
+        }
+    }
+
     /// What Redis says of evicting keys; `None` for the embedded store, which never evicts.
     pub async fn eviction(&self) -> Option<Result<Eviction, StoreError>> {
         match self {

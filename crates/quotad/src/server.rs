@@ -341,6 +341,10 @@ pub async fn serve(
     for t in tasks {
         let _ = t.await;
     }
+    // Nothing writes any more: a replacement may start at once.
+    if let Ok(mine) = owner_mark(&settings) {
+        crate::store_owner::release(decider.store(), &mine).await;
+    }
     if let Some(r) = &replicated {
         // Once the apply loop has stopped writing: a standby takes the role at its next look.
         r.release_agent_role().await;

@@ -67,18 +67,38 @@ pub fn conflict(mine: &str, theirs: &str) -> Option<String> {
     })
 }
 
-/// At start: claims the store for `mine`, or says why another writer holds it.
+/// At start: claims the store for `mine`. Another writer's mark is waited out for `ttl` (a
+/// writer killed and replaced leaves one behind); still held then, it is renewed by a live
+/// writer, and this daemon refuses to start, saying why.
 pub async fn claim_at_start(store: &AnyStore, mine: &str, ttl: Duration) -> anyhow::Result<()> {
-    let held = store
-        .claim_owner(mine, ttl.as_millis() as u64)
-        .await
-        .context("reading who writes this Redis")?;
-    match conflict(mine, &held) {
-        None => Ok(()),
-        Some(why) => anyhow::bail!(
-            "{why}; if that writer is gone, its mark ends within {} s",
-            ttl.as_secs()
-        ),
+    let until = tokio::time::Instant::now() + ttl + Duration::from_millis(500);
+    let mut told = false;
+    loop {
+        let held = store
+            .claim_owner(mine, ttl.as_millis() as u64)
+            .await
+            .context("reading who writes this Redis")?;
+        let Some(why) = conflict(mine, &held) else {
+            return Ok(());
+        };
+        if tokio::time::Instant::now() >= until {
+            anyhow::bail!("{why} (its mark was renewed for {} s)", ttl.as_secs());
+        }
+        if !told {
+            tracing::warn!(%why, wait_s = ttl.as_secs(), "Another writer's mark is on this Redis: waiting to see whether it is renewed.");
+            told = true;
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+}
+
+/// On a clean stop: a single-region daemon's mark goes, so a daemon replacing it starts at
+/// once (a region's daemons share theirs, which stays).
+pub async fn release(store: &AnyStore, mine: &str) {
+    if mine.starts_with("single ") {
+        if let Err(e) = store.release_owner(mine).await {
+            tracing::debug!(error = %e, "Removing this daemon's mark on Redis failed.");
+        }
     }
 }
 

@@ -72,6 +72,10 @@ pub const AGENT_TAKEOVERS_TOTAL: &str = "quotad_agent_takeovers_total";
 /// Parameter writes the store refused by their fence: this daemon had been deposed, or an
 /// older allocation's write landed late. Nothing was written.
 pub const FENCED_WRITES_TOTAL: &str = "quotad_fenced_writes_total";
+/// Usage records standbys handed to their region's agent (`sent`, `refused` on the standby;
+/// `dropped` on an agent holding too many): checks they forwarded and denials from their
+/// cache, which only they know. Multi-region only.
+pub const STANDBY_USAGE_TOTAL: &str = "quotad_standby_usage_records_total";
 /// Audited requests (mutations and token reloads), by `action` (e.g. `policy.put`,
 /// `tokens.reload`) and `outcome` (`ok`, `rejected`, `unauthorized`, `forbidden`, `failed`,
 /// `kept`: a tokens file that did not parse).

@@ -289,6 +289,13 @@ impl RedisStore {
         self.command(&cmd).await
     }
 
+    /// Removes `me`'s mark, if the mark is `me`'s.
+    pub async fn release_owner(&self, me: &str) -> Result<(), StoreError> {
+        let mut cmd = redis::cmd("EVAL");
+        cmd.arg(RELEASE_OWNER_LUA).arg(1).arg(OWNER_KEY).arg(me);
+        self.command::<Value>(&cmd).await.map(drop)
+    }
+
     /// Whether the writes this store sent so far are on a replica of every master that has
     /// one ([`crate::AnyStore::durable`]): `INFO replication`, then `WAIT 1` within the
     /// store's timeout where a master has connected replicas.
@@ -467,6 +474,10 @@ const OWNER_KEY: &str = "qd:v1:owner";
 const OWNER_LUA: &str = "local v = redis.call('GET', KEYS[1]) \
 if not v or v == ARGV[1] then redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2]) return ARGV[1] end \
 return v";
+
+/// Deletes the owner mark if it is the caller's.
+const RELEASE_OWNER_LUA: &str =
+    "if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end return 0";
 
 /// Whether `WAIT`'s `reply` (a count, or a map of counts by master address) shows a replica
 /// of every master that `info` (`INFO replication`, one text or a map by address) says has

@@ -116,6 +116,10 @@ pub async fn run_apply(
         }
         let v = view.borrow().clone();
         metrics.committed_epoch.set(v.epoch as f64);
+        // Every daemon of a region keeps its mark on the region's Redis, the agent or not.
+        if let Some((mark, ttl)) = &owner {
+            crate::store_owner::renew(decider.store(), mark, *ttl).await;
+        }
         let fence = match &replicated {
             Some(r) => match r.agent_fence() {
                 Some(f) => Some(f),
@@ -137,9 +141,6 @@ pub async fn run_apply(
             written = Written::new(clock::monotonic_ms(), lease_ms).with_sweep_settle(settle);
             holding = fence;
             metrics.holder.set(1.0);
-        }
-        if let Some((mark, ttl)) = &owner {
-            crate::store_owner::renew(decider.store(), mark, *ttl).await;
         }
         let (all, outcomes) = apply_shares(&decider, &v, &mut written, pacing, fence).await;
         metrics.share_writes(outcomes);
@@ -318,10 +319,14 @@ pub async fn run_report(
             match r.keep_agent_role(takeover_ms).await {
                 Ok(true) => {}
                 Ok(false) => {
-                    // What a standby counts without the store goes unreported: checks it
-                    // forwarded, denials it answered from its cache.
-                    drop(decider.take_forwarded_usage());
-                    drop(decider.take_cached_denials());
+                    // What a standby counts without the store goes to the agent's report:
+                    // checks it forwarded, denials it answered from its cache.
+                    let forwarded = decider.take_forwarded_usage();
+                    let cached = decider.take_cached_denials();
+                    if let Err(e) = r.hand_over_usage(&forwarded, &cached).await {
+                        tracing::debug!(error = %e, "Handing usage to the agent failed.");
+                        decider.restore_cached_denials(cached);
+                    }
                     return None;
                 }
                 Err(e) => {
@@ -332,10 +337,13 @@ pub async fn run_report(
             Some(
                 match decider.store().collect_usage(MAX_USAGE_RECORDS).await {
                     Ok(mut usage) => {
+                        let (standby_forwarded, standby_cached) = r.take_standby_usage();
                         // Checks sent to another region are demand here, where their callers are.
                         usage.extend(decider.take_forwarded_usage());
+                        usage.extend(standby_forwarded);
                         // Denials answered from the denial cache never reached Redis's counters.
-                        let cached = decider.take_cached_denials();
+                        let mut cached = decider.take_cached_denials();
+                        cached.extend(standby_cached);
                         add_denied(&mut usage, &cached);
                         let view = decider.view();
                         let denied = denied_at_class_share(&view, &usage, r.promotion_top_k());

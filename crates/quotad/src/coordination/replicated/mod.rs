@@ -25,6 +25,7 @@ mod lease;
 mod plans;
 mod readiness;
 mod round;
+pub mod standby_usage;
 pub mod usage;
 mod views;
 mod writes;
@@ -81,6 +82,8 @@ pub struct Replicated {
     agent: Mutex<agent_role::Watch>,
     /// Woken when this daemon wins the agent role, so the apply loop starts its pass at once.
     agent_won: tokio::sync::Notify,
+    /// What standbys handed over for the agent's next report.
+    standby_usage: Mutex<standby_usage::Received>,
 }
 
 /// The O(policies) part of a view, kept while the state's revision stays the same.
@@ -165,6 +168,7 @@ impl Replicated {
             ready: AtomicBool::new(false),
             agent: Mutex::new(agent_role::Watch::default()),
             agent_won: tokio::sync::Notify::new(),
+            standby_usage: Mutex::default(),
         })
     }
 

@@ -153,10 +153,15 @@ impl Replicated {
             .top_k
     }
 
-    /// The peer listener's router: Raft's protocol plus the usage endpoint.
+    /// The peer listener's router: Raft's protocol plus the usage endpoints (regions' reports
+    /// to the leader, standbys' counts to their agent).
     pub fn peer_router(self: &Arc<Self>) -> Router {
         let usage = Router::new()
             .route(PATH_USAGE, post(receive_usage))
+            .route(
+                super::standby_usage::PATH_STANDBY_USAGE,
+                post(super::standby_usage::receive),
+            )
             .with_state(self.clone());
         self.raft.peer_router().merge(usage)
     }

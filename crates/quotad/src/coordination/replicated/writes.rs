@@ -157,6 +157,17 @@ impl Replicated {
         let region = RegionId::new(member.region.as_str()).map_err(|e| CoordError::Rejected {
             message: e.to_string(),
         })?;
+        // One daemon of a region that keeps others: the region stays, only the member goes.
+        // Its lease record counts until its lease ends (it may still be running).
+        if status
+            .members
+            .iter()
+            .any(|(id, m)| *id != node_id && m.region == member.region)
+        {
+            self.raft.remove(node_id).await.map_err(membership_error)?;
+            tracing::info!(%region, node_id, "Removed one daemon of the region.");
+            return Ok(Removal::Removed);
+        }
         let found = self.raft.read(|s| {
             let index = s.region_index(&region)?;
             let pinned = s.tenant_pins.values().any(|&h| h == index)
