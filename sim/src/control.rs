@@ -1,21 +1,27 @@
 //! The control plane of the rebalancing strategies, driving quota-core's real coordinator.
 //!
 //! ```text
-//!  region r, every report interval:   usage + RenewLease{acked epoch} ──WAN──▶ leader
-//!  leader, on a report:               DemandTracker::record; propose RenewLease
-//!  leader, every rebalance interval:  allocator::plan(committed, demand) ─▶ SetShares commands
+//!  each daemon, every report interval:  RenewDaemonLease{node, acked epoch} ──WAN──▶ leader
+//!                                       the agent's holder: + usage report
+//!                                       a standby whose holder went quiet: ClaimAgent
+//!  a holder stopping (SIGTERM):         ReleaseAgent{node, fence} ──WAN──▶ leader
+//!  leader, on a report:                 DemandTracker::record
+//!  leader, on a daemon's write:         propose it
+//!  leader, every rebalance interval:    allocator::plan(committed, demand) ─▶ SetShares commands
 //!  proposal ──(quorum round trip)──▶ commit: CoordinatorState::apply on the log's state
-//!  commit ──WAN──▶ each region's replica applies the log; LeaseRenewed ──WAN──▶ RegionView
-//!  region decision: RegionView::enforced_share(grant, own drifted clock) ─▶ bucket params
+//!  commit ──WAN──▶ each region's replica applies the log; LeaseRenewed / AgentClaimed ──WAN──▶
+//!                  the daemon that asked
+//!  region decision: enforced_share(grant the holder wrote, lease it wrote, own drifted clock)
 //! ```
 //!
 //! Replication is modelled, not run: a command commits one quorum round trip after the leader
 //! proposed it (the k-th fastest reachable follower), if the leader is up and reaches a
-//! majority, and is then applied to the committed [`CoordinatorState`]. Each region holds its
-//! own replica and applies the committed log once it can hear the leader. A leader that is
-//! down or cut off from the majority is replaced after the election timeout by the lowest
-//! region that reaches a majority; the new leader starts with empty demand estimates (they are
-//! soft state) and relearns them. Proposals not committed when leadership changes are lost.
+//! majority, and is then applied to the committed [`CoordinatorState`]. Each region holds a
+//! replica (its daemons share it) and applies the committed log once it can hear the leader. A
+//! leader that is down or cut off from the majority is replaced after the election timeout by
+//! the lowest region that reaches a majority; the new leader starts with empty demand
+//! estimates (they are soft state) and relearns them. Proposals not committed when leadership
+//! changes are lost.
 //!
 //! Elections model quotad's election guard (a pre-vote): a node campaigns only when a majority
 //! has lost its leader, so a cut-off or flapping follower never unseats a leader that reaches a
@@ -27,27 +33,34 @@
 //! as it commits (the coordinator does not wait), and regions ignore leases and keep enforcing
 //! their last grant.
 //!
-//! A region's agent role can be between its daemons (a killed holder,
-//! [`crate::faults::Fault::AgentMove`]): the region's renewals go on without usage, still
-//! acknowledging the epoch its Redis holds; its Redis keeps the grants and lease end last
-//! written, and the renewals answered meanwhile wait for the next holder. Once that holder has
-//! claimed the role it takes them up, writes every bucket at its replica's epoch, and its first
-//! report carries the usage Redis counted since the last one, over that whole interval.
+//! A region runs one daemon, or two where its agent's holder stops
+//! ([`crate::faults::Fault::AgentStop`]). Each daemon renews a lease of its own and
+//! acknowledges the epoch it enforces: the holder the epoch of its last complete pass (every
+//! bucket written to Redis), a standby its view's. The region's acknowledgement is quota-core's:
+//! the least among daemons whose lease and margin have not run out. Checks are decided against
+//! what Redis holds, the grants and lease end the holder last wrote. A holder stopping on
+//! SIGTERM sends `ReleaseAgent` once it no longer writes (its record goes at once) and the
+//! standby claims at its next look; a killed one's record counts until its lease and margin
+//! run out, and the standby claims after [`TAKEOVER_INTERVALS`] report intervals without its
+//! renewals (quotad's watch). Meanwhile Redis keeps what the stopped holder wrote and usage
+//! stays counted there; the new holder writes every bucket at its replica's epoch, and its
+//! first report carries the usage since the last one, over that whole interval.
 
 use std::cmp::Reverse;
 use std::collections::BinaryHeap;
 
 use quota_core::allocator::{plan, AllocatorConfig};
-use quota_core::coordinator::RegionShare;
+use quota_core::coordinator::{AgentRole, RegionShare};
 use quota_core::demand::{DemandTracker, Usage};
 use quota_core::lease::LeaseConfig;
-use quota_core::region::{RegionLease, RegionView};
+use quota_core::region::{enforced_share, RegionLease, RegionView};
 use quota_core::{
     Command, CoordinatorState, Operation, Policy, PolicyKey, PolicyName, RegionId, RequestId,
     Response, TenantId,
 };
 use serde::Serialize;
 
+use crate::faults::{Stop, RESTART_MS};
 use crate::traffic::Tenant;
 use crate::world::{RegionIx, World};
 
@@ -88,29 +101,60 @@ pub enum LeaseMode {
 /// Reports missed before the leader counts a region's demand as zero ([`LeaseMode::NoLease`]).
 const SILENT_REPORTS: u64 = 3;
 
+/// Report intervals without the holder's renewals after which a standby claims the agent role
+/// (quotad's `TAKEOVER_INTERVALS`: a renewal or two lost to an election must not depose it).
+pub const TAKEOVER_INTERVALS: u64 = 3;
+
+/// Whom a proposal answers once it commits.
+#[derive(Debug, Clone, Copy)]
+enum Reply {
+    /// No one (the allocator's shares, a release).
+    None,
+    /// A renewal's lease, to daemon `node` of `region`, counted from when it was sent.
+    Lease {
+        region: RegionIx,
+        node: u64,
+        sent_local_ms: u64,
+    },
+    /// A claim's answer, to daemon `node` of `region`.
+    Claim { region: RegionIx, node: u64 },
+}
+
 #[derive(Debug)]
 enum Event {
-    /// A lease renewal reaches the leader, with a usage report over the last `interval_ms`
-    /// unless the region's agent role is between daemons.
-    Report {
+    /// The agent's usage report reaches the leader `to`, over the last `interval_ms`.
+    Usage {
         from: RegionIx,
         to: RegionIx,
-        usage: Option<Vec<(PolicyKey, Usage)>>,
+        usage: Vec<(PolicyKey, Usage)>,
         interval_ms: u64,
-        acked_epoch: u64,
-        sent_local_ms: u64,
+    },
+    /// A daemon's write (a renewal, a claim, a release) reaches the leader `to`.
+    Write {
+        to: RegionIx,
+        op: Operation,
+        reply: Reply,
     },
     /// A proposal reaches its quorum.
     Commit {
         term: u64,
         cmd: Command,
-        renewal: Option<(RegionIx, u64)>,
+        reply: Reply,
     },
-    /// A lease renewal's answer reaches its region.
+    /// A renewal's lease reaches its daemon.
     Lease {
         region: RegionIx,
+        node: u64,
         lease: RegionLease,
     },
+    /// A won claim's fence reaches its daemon.
+    Claimed {
+        region: RegionIx,
+        node: u64,
+        fence: u64,
+    },
+    /// A daemon started in a stopped one's place joins `region` as a standby.
+    Join { region: RegionIx },
 }
 
 #[derive(Debug)]
@@ -137,30 +181,89 @@ impl Ord for Timed {
     }
 }
 
-/// One region's daemons: their replica of the coordinator state, the region agent's lease
-/// clock, and what the region enforces per tenant.
+/// One running daemon of a region.
 #[derive(Debug)]
-pub struct RegionAgent {
+struct Daemon {
+    /// Its Raft node id: its lease record's key.
+    node: u64,
+    /// Its lease clock: the epoch it acknowledges and the lease of its own renewals.
+    view: RegionView,
+    /// The fence it won the agent role with, while it holds the role.
+    fence: Option<u64>,
+    /// Standing by: the holder's fence and lease end it last saw change, and its local time
+    /// then (quotad's watch).
+    seen: Option<((u64, u64), u64)>,
+}
+
+impl Daemon {
+    fn new(node: u64, epoch: u64) -> Self {
+        let mut view = RegionView::new();
+        view.on_applied(epoch);
+        Self {
+            node,
+            view,
+            fence: None,
+            seen: None,
+        }
+    }
+}
+
+/// What a daemon does about the agent role at a look.
+enum Act {
+    Hold,
+    Stand,
+    Claim { fence_seen: u64 },
+}
+
+/// One region: its daemons, their replica of the coordinator state, and what its Redis holds.
+#[derive(Debug)]
+pub struct RegionDaemons {
     replica: CoordinatorState,
     /// How much of the committed log the replica applied.
     applied: usize,
-    pub view: RegionView,
-    /// Per tenant: the grant the agent last wrote to Redis (at the applied epoch).
+    /// The running daemons; at most one holds the agent role.
+    daemons: Vec<Daemon>,
+    /// Per tenant: the grant the holder last wrote to Redis.
     pub grants: Vec<RegionShare>,
+    /// The lease end the holder last wrote with them (its own lease).
+    stored_lease: Option<RegionLease>,
     /// Per tenant: the home region when pinned.
     pub homes: Vec<Option<RegionIx>>,
     /// Per tenant: the other region granted the largest share (the lowest on a tie), where a
     /// check this region's share cannot hold is forwarded.
     pub richest: Vec<Option<RegionIx>>,
-    /// Per tenant: tokens admitted and denied since the last report.
+    /// Per tenant: tokens admitted and denied since the last report (counted in Redis).
     usage: Vec<Usage>,
     /// When `usage` started counting: the last report's time.
     usage_since_ms: u64,
-    /// The agent role is between daemons: no reports, no parameter writes.
-    paused: bool,
-    /// Renewals answered while the role was between daemons, for the next holder's lease
-    /// clock (Redis keeps the lease end last written until then).
-    held_leases: Vec<RegionLease>,
+    /// When the last holder stopped, while no daemon has taken the role over.
+    holder_stopped_ms: Option<u64>,
+}
+
+impl RegionDaemons {
+    /// The index of the daemon holding the agent role, if one does.
+    fn holder(&self) -> Option<usize> {
+        self.daemons.iter().position(|d| d.fence.is_some())
+    }
+
+    /// The agent role in the replica, and its holder's lease end there.
+    fn role(&self, r: RegionIx) -> (Option<AgentRole>, u64) {
+        let Some(s) = self.replica.region(r) else {
+            return (None, 0);
+        };
+        let end = s
+            .agent
+            .and_then(|a| s.daemons.get(&a.node))
+            .map_or(0, |d| d.lease_expires_at_ms);
+        (s.agent, end)
+    }
+
+    /// The holder writes the lease end it holds now (it renews the stored one as it goes).
+    fn write_lease(&mut self) {
+        if let Some(h) = self.holder() {
+            self.stored_lease = self.daemons[h].view.lease().copied();
+        }
+    }
 }
 
 /// What each region's agent did over a run, per region.
@@ -168,8 +271,10 @@ pub struct RegionAgent {
 pub struct AgentCounts {
     /// Usage reports sent to a leader.
     pub usage_reports: Vec<u64>,
-    /// Times the agent role left its daemon for another.
-    pub moves: Vec<u64>,
+    /// Times the daemon holding the agent role stopped.
+    pub stops: Vec<u64>,
+    /// Per takeover: from the holder's stop to the next holder's first complete pass, in ms.
+    pub takeovers_ms: Vec<Vec<u64>>,
 }
 
 /// The coordinator cluster and the region agents, driven in virtual time.
@@ -186,6 +291,8 @@ pub struct Control {
     events: BinaryHeap<Reverse<Timed>>,
     seq: u64,
     next_request: u128,
+    /// The node id the next daemon started gets.
+    next_node: u64,
     leader: Option<RegionIx>,
     term: u64,
     leader_lost_at_ms: Option<u64>,
@@ -193,7 +300,11 @@ pub struct Control {
     last_report_ms: Vec<u64>,
     next_report_ms: u64,
     next_rebalance_ms: u64,
-    pub agents: Vec<RegionAgent>,
+    /// Agent stops before this time have been played.
+    next_stop_ms: u64,
+    pub regions: Vec<RegionDaemons>,
+    /// Holders stopped since the strategy last asked: their in-process state goes with them.
+    stopped: Vec<(RegionIx, Stop)>,
     /// Commands `apply` answered with something other than success (should stay 0).
     pub rejected_commands: u64,
     pub counts: AgentCounts,
@@ -209,9 +320,10 @@ fn key_of(i: usize) -> PolicyKey {
 }
 
 impl Control {
-    /// Boots a cluster of `world.regions` regions with every tenant's policy registered and
-    /// every region holding a fresh lease at time 0. `policies` are what gets registered (the
-    /// caller decides, e.g., whether critical tiers stay critical).
+    /// Boots a cluster of `world.regions` regions with every tenant's policy registered, every
+    /// daemon holding a fresh lease at time 0 and the first of each region the agent role.
+    /// `policies` are what gets registered (the caller decides, e.g., whether critical tiers
+    /// stay critical).
     pub fn new(
         world: &World,
         tenants: &[Tenant],
@@ -236,6 +348,7 @@ impl Control {
             events: BinaryHeap::new(),
             seq: 0,
             next_request: 0,
+            next_node: 1,
             leader: Some(0),
             term: 1,
             leader_lost_at_ms: None,
@@ -243,22 +356,24 @@ impl Control {
             last_report_ms: vec![0; n],
             next_report_ms: cfg.report_ms,
             next_rebalance_ms: cfg.rebalance_ms,
-            agents: Vec::new(),
+            next_stop_ms: 0,
+            regions: Vec::new(),
+            stopped: Vec::new(),
             rejected_commands: 0,
             counts: AgentCounts {
                 usage_reports: vec![0; n],
-                moves: vec![0; n],
+                stops: vec![0; n],
+                takeovers_ms: vec![Vec::new(); n],
             },
         };
         c.boot(tenants, policies);
         for r in 0..n {
-            c.add_agent(world, r, tenants.len());
+            c.add_region(world, r, tenants.len());
         }
         c
     }
 
-    /// Commits, at time 0, the lease config, every region and every tenant's policy, then a
-    /// first lease for each region.
+    /// Commits, at time 0, the lease config, every region and every tenant's policy.
     fn boot(&mut self, tenants: &[Tenant], policies: impl Fn(&Tenant) -> Policy) {
         let lease = LeaseConfig {
             lease_ms: self.cfg.lease_ms,
@@ -281,41 +396,57 @@ impl Control {
         for op in boot {
             self.commit_now(0, op);
         }
-        for r in 0..self.region_ids.len() {
-            let acked_epoch = self.committed.epoch;
-            self.commit_now(
-                0,
-                Operation::RenewLease {
-                    region: self.region_ids[r].clone(),
-                    acked_epoch,
-                },
-            );
-        }
     }
 
-    /// Region `r`'s agent, starting from the booted state with its first lease.
-    fn add_agent(&mut self, world: &World, r: RegionIx, tenants: usize) {
-        let mut agent = RegionAgent {
+    /// Region `r`'s daemons, each with a first lease committed at time 0, the first holding
+    /// the agent role.
+    fn add_region(&mut self, world: &World, r: RegionIx, tenants: usize) {
+        let epoch = self.committed.epoch;
+        let id = self.region_ids[r].clone();
+        let mut daemons = Vec::new();
+        for _ in 0..world.daemons(r) {
+            let node = self.next_node;
+            self.next_node += 1;
+            self.commit_now(
+                0,
+                Operation::RenewDaemonLease {
+                    region: id.clone(),
+                    node,
+                    acked_epoch: epoch,
+                },
+            );
+            let mut d = Daemon::new(node, epoch);
+            d.view.on_renewal(RegionLease {
+                epoch,
+                start_local_ms: world.local_ms(r, 0),
+                lease_ms: self.cfg.lease_ms,
+            });
+            daemons.push(d);
+        }
+        let claim = Operation::ClaimAgent {
+            region: id,
+            node: daemons[0].node,
+            fence_seen: 0,
+        };
+        let Response::AgentClaimed { fence } = self.commit_now(0, claim) else {
+            panic!("a free agent role is claimed");
+        };
+        daemons[0].fence = Some(fence);
+        self.regions.push(RegionDaemons {
             replica: self.committed.clone(),
             applied: self.log.len(),
-            view: RegionView::new(),
+            daemons,
             grants: Vec::new(),
+            stored_lease: None,
             homes: Vec::new(),
             richest: Vec::new(),
             usage: vec![Usage::default(); tenants],
             usage_since_ms: 0,
-            paused: false,
-            held_leases: Vec::new(),
-        };
-        agent.view.on_applied(self.committed.epoch);
-        agent.view.on_renewal(RegionLease {
-            epoch: self.committed.epoch,
-            start_local_ms: world.local_ms(r, 0),
-            lease_ms: self.cfg.lease_ms,
+            holder_stopped_ms: None,
         });
-        self.agents.push(agent);
         self.refresh_routing(r);
         self.refresh_grants(r);
+        self.regions[r].write_lease();
     }
 
     fn request_id(&mut self) -> RequestId {
@@ -354,13 +485,7 @@ impl Control {
         self.leader
     }
 
-    fn propose(
-        &mut self,
-        world: &World,
-        t_ms: u64,
-        op: Operation,
-        renewal: Option<(RegionIx, u64)>,
-    ) {
+    fn propose(&mut self, world: &World, t_ms: u64, op: Operation, reply: Reply) {
         let Some(l) = self.leader else { return };
         let Some(rtt) = world.quorum_rtt_ms(l, t_ms) else {
             return;
@@ -371,7 +496,23 @@ impl Control {
             op,
         };
         let term = self.term;
-        self.push(t_ms + rtt, Event::Commit { term, cmd, renewal });
+        self.push(t_ms + rtt, Event::Commit { term, cmd, reply });
+    }
+
+    /// The leader `from` reaches at `at_ms`, if any: a message to it arrives one one-way delay
+    /// later.
+    fn reachable_leader(&self, world: &World, from: RegionIx, at_ms: u64) -> Option<RegionIx> {
+        let l = self.leader?;
+        (world.link_up(from, l, at_ms) && world.daemon_up(l, at_ms)).then_some(l)
+    }
+
+    /// Sends a daemon's write from region `r` to the leader (lost if it cannot be reached).
+    fn send_write(&mut self, world: &World, r: RegionIx, at_ms: u64, op: Operation, reply: Reply) {
+        if let Some(l) = self.reachable_leader(world, r, at_ms) {
+            let arrive = at_ms + world.owd_ms(r, l);
+            let write = Event::Write { to: l, op, reply };
+            self.push(arrive, write);
+        }
     }
 
     fn elect(&mut self, world: &World, t_ms: u64) {
@@ -400,46 +541,118 @@ impl Control {
         }
     }
 
-    /// Every region's renewal, with its usage report unless its agent role is between daemons
-    /// (the usage then stays counted in Redis for the next holder's first report).
+    /// Every report interval, in each region whose daemons run: every daemon looks at the agent
+    /// role (claiming it if free or its holder went quiet), the holder reports the usage Redis
+    /// counted, and every daemon renews its lease with the epoch it acknowledges.
     fn send_reports(&mut self, world: &World, at_ms: u64) {
         for r in 0..world.regions {
             if !world.daemon_up(r, at_ms) {
-                self.agents[r].usage_since_ms = at_ms;
+                self.regions[r].usage_since_ms = at_ms;
                 continue;
             }
-            let agent = &mut self.agents[r];
-            let interval_ms = at_ms - agent.usage_since_ms;
-            let usage = (!world.agent_paused(r, at_ms)).then(|| {
-                agent.usage_since_ms = at_ms;
-                agent
-                    .usage
-                    .iter_mut()
-                    .enumerate()
-                    .filter(|(_, u)| u.admitted + u.denied > 0)
-                    .map(|(i, u)| (self.keys[i].clone(), std::mem::take(u)))
-                    .collect::<Vec<_>>()
-            });
-            let acked_epoch = agent.view.applied_epoch();
-            let Some(l) = self.leader else { continue };
-            if world.link_up(r, l, at_ms) && world.daemon_up(l, at_ms) {
-                if usage.is_some() {
-                    self.counts.usage_reports[r] += 1;
+            for d in 0..self.regions[r].daemons.len() {
+                match self.look(world, r, d, at_ms) {
+                    Act::Hold => self.report_usage(world, r, at_ms),
+                    Act::Stand => {}
+                    Act::Claim { fence_seen } => {
+                        let op = Operation::ClaimAgent {
+                            region: self.region_ids[r].clone(),
+                            node: self.regions[r].daemons[d].node,
+                            fence_seen,
+                        };
+                        let node = self.regions[r].daemons[d].node;
+                        self.send_write(world, r, at_ms, op, Reply::Claim { region: r, node });
+                    }
                 }
+                let daemon = &self.regions[r].daemons[d];
+                let (node, acked_epoch) = (daemon.node, daemon.view.applied_epoch());
+                let op = Operation::RenewDaemonLease {
+                    region: self.region_ids[r].clone(),
+                    node,
+                    acked_epoch,
+                };
                 let sent_local_ms = world.local_ms(r, at_ms);
-                let arrive = at_ms + world.owd_ms(r, l);
-                self.push(
-                    arrive,
-                    Event::Report {
-                        from: r,
-                        to: l,
-                        usage,
-                        interval_ms,
-                        acked_epoch,
-                        sent_local_ms,
-                    },
-                );
+                let reply = Reply::Lease {
+                    region: r,
+                    node,
+                    sent_local_ms,
+                };
+                self.send_write(world, r, at_ms, op, reply);
             }
+        }
+    }
+
+    /// What daemon `d` of region `r` does about the agent role at `at_ms`, as quotad's watch
+    /// decides from the replica: a holder the replica no longer shows is deposed; a standby
+    /// claims a free role at once, and a held one once its holder's fence and lease end have
+    /// not moved for [`TAKEOVER_INTERVALS`] report intervals.
+    fn look(&mut self, world: &World, r: RegionIx, d: usize, at_ms: u64) -> Act {
+        let takeover_ms = TAKEOVER_INTERVALS * self.cfg.report_ms;
+        let local = world.local_ms(r, at_ms);
+        let region = &mut self.regions[r];
+        let (role, end) = region.role(r);
+        let daemon = &mut region.daemons[d];
+        if let Some(fence) = daemon.fence {
+            if role
+                == Some(AgentRole {
+                    node: daemon.node,
+                    fence,
+                })
+            {
+                return Act::Hold;
+            }
+            daemon.fence = None;
+        }
+        let Some(role) = role else {
+            return Act::Claim { fence_seen: 0 };
+        };
+        if role.node == daemon.node {
+            // Its own claim won but the answer was lost: claimed anew.
+            return Act::Claim {
+                fence_seen: role.fence,
+            };
+        }
+        let seen = (role.fence, end);
+        match daemon.seen {
+            Some((s, since)) if s == seen => {
+                if local.saturating_sub(since) >= takeover_ms {
+                    Act::Claim {
+                        fence_seen: role.fence,
+                    }
+                } else {
+                    Act::Stand
+                }
+            }
+            _ => {
+                daemon.seen = Some((seen, local));
+                Act::Stand
+            }
+        }
+    }
+
+    /// The holder of region `r` drains the usage Redis counted and sends it to the leader, over
+    /// the interval since the last report.
+    fn report_usage(&mut self, world: &World, r: RegionIx, at_ms: u64) {
+        let region = &mut self.regions[r];
+        let interval_ms = at_ms - region.usage_since_ms;
+        region.usage_since_ms = at_ms;
+        let usage: Vec<_> = region
+            .usage
+            .iter_mut()
+            .enumerate()
+            .filter(|(_, u)| u.admitted + u.denied > 0)
+            .map(|(i, u)| (self.keys[i].clone(), std::mem::take(u)))
+            .collect();
+        if let Some(l) = self.reachable_leader(world, r, at_ms) {
+            self.counts.usage_reports[r] += 1;
+            let arrive = at_ms + world.owd_ms(r, l);
+            let report = Event::Usage {
+                from: r,
+                to: l,
+                usage,
+                interval_ms,
+            };
+            self.push(arrive, report);
         }
     }
 
@@ -462,53 +675,79 @@ impl Control {
         });
         self.next_request = next;
         for cmd in cmds {
-            self.propose(world, at_ms, cmd.op, None);
+            self.propose(world, at_ms, cmd.op, Reply::None);
         }
     }
 
-    fn on_commit(
-        &mut self,
-        world: &World,
-        at_ms: u64,
-        cmd: Command,
-        renewal: Option<(RegionIx, u64)>,
-    ) {
+    fn on_commit(&mut self, world: &World, at_ms: u64, cmd: Command, reply: Reply) {
         let resp = self.committed.apply(&cmd);
         let is_shares = matches!(cmd.op, Operation::SetShares { .. });
         self.log.push((at_ms, cmd));
-        match (&resp, renewal) {
+        let answer = match (&resp, reply) {
             (
                 Response::LeaseRenewed {
                     epoch, lease_ms, ..
                 },
-                Some((r, sent_local_ms)),
+                Reply::Lease {
+                    region,
+                    node,
+                    sent_local_ms,
+                },
             ) => {
-                if let Some(l) = self.leader {
-                    if world.link_up(l, r, at_ms) {
-                        let lease = RegionLease {
-                            epoch: *epoch,
-                            start_local_ms: sent_local_ms,
-                            lease_ms: *lease_ms,
-                        };
-                        self.push(
-                            at_ms + world.owd_ms(l, r),
-                            Event::Lease { region: r, lease },
-                        );
-                    }
-                }
+                let lease = RegionLease {
+                    epoch: *epoch,
+                    start_local_ms: sent_local_ms,
+                    lease_ms: *lease_ms,
+                };
+                Some((
+                    region,
+                    Event::Lease {
+                        region,
+                        node,
+                        lease,
+                    },
+                ))
             }
+            (Response::AgentClaimed { fence }, Reply::Claim { region, node }) => Some((
+                region,
+                Event::Claimed {
+                    region,
+                    node,
+                    fence: *fence,
+                },
+            )),
             (Response::SharesSet { rejected_total, .. }, _) => {
                 self.rejected_commands += u64::from(*rejected_total);
+                None
             }
-            (Response::LeaseRenewed { .. }, None) => {}
-            _ => self.rejected_commands += 1,
+            // A claim that lost the race, a release.
+            (Response::AgentHeld { .. } | Response::AgentReleased, _) => None,
+            _ => {
+                self.rejected_commands += 1;
+                None
+            }
+        };
+        if let (Some((r, event)), Some(l)) = (answer, self.leader) {
+            if world.link_up(l, r, at_ms) {
+                self.push(at_ms + world.owd_ms(l, r), event);
+            }
         }
         if is_shares && self.mode == LeaseMode::NoLease {
-            // No revoke-before-grant: every decrease counts as acknowledged at once.
+            // No revoke-before-grant: every decrease counts as acknowledged at once, by every
+            // daemon the region's record lists.
             let epoch = self.committed.epoch;
-            for r in 0..world.regions {
-                let op = Operation::RenewLease {
+            let nodes: Vec<(RegionIx, u64)> = (0..world.regions)
+                .flat_map(|r| {
+                    let daemons = self.committed.region(r).map(|s| &s.daemons);
+                    daemons
+                        .into_iter()
+                        .flat_map(move |d| d.keys().map(move |&n| (r, n)))
+                })
+                .collect();
+            for (r, node) in nodes {
+                let op = Operation::RenewDaemonLease {
                     region: self.region_ids[r].clone(),
+                    node,
                     acked_epoch: epoch,
                 };
                 let cmd = Command {
@@ -522,14 +761,14 @@ impl Control {
         }
     }
 
-    /// Re-reads every tenant's grant from region `r`'s replica: the agent writes them to Redis.
+    /// Re-reads every tenant's grant from region `r`'s replica: the holder writes them to Redis.
     fn refresh_grants(&mut self, r: RegionIx) {
-        let agent = &mut self.agents[r];
-        agent.grants = self
+        let region = &mut self.regions[r];
+        region.grants = self
             .keys
             .iter()
             .map(|k| {
-                agent.replica.region_share(k, r).unwrap_or(RegionShare {
+                region.replica.region_share(k, r).unwrap_or(RegionShare {
                     share_ppm: 0,
                     floor_ppm: 0,
                 })
@@ -540,12 +779,12 @@ impl Control {
     /// Re-reads every tenant's home and richest other region from region `r`'s replica: the
     /// daemons' view, which follows the log whichever daemon holds the agent role.
     fn refresh_routing(&mut self, r: RegionIx) {
-        let agent = &mut self.agents[r];
-        agent.homes = self
+        let region = &mut self.regions[r];
+        region.homes = self
             .keys
             .iter()
             .map(|k| {
-                agent
+                region
                     .replica
                     .entries
                     .get(k)
@@ -553,16 +792,29 @@ impl Control {
                     .map(|p| usize::from(p.home))
             })
             .collect();
-        agent.richest = self
+        region.richest = self
             .keys
             .iter()
             .map(|k| {
-                let e = agent.replica.entries.get(k)?;
+                let e = region.replica.entries.get(k)?;
                 (0..e.shares_ppm.len())
                     .filter(|&o| o != r && e.share(o) > 0)
                     .max_by_key(|&o| (e.share(o), Reverse(o)))
             })
             .collect();
+    }
+
+    /// The holder of region `r` writes every bucket at its replica's epoch, with its lease, and
+    /// counts that epoch as applied (what it acknowledges from then on).
+    fn write_pass(&mut self, r: RegionIx) {
+        let Some(h) = self.regions[r].holder() else {
+            return;
+        };
+        self.refresh_grants(r);
+        let region = &mut self.regions[r];
+        let epoch = region.replica.epoch;
+        region.daemons[h].view.on_applied(epoch);
+        region.write_lease();
     }
 
     fn replicate(&mut self, world: &World, t_ms: u64) {
@@ -575,54 +827,63 @@ impl Control {
                 continue;
             }
             let owd = world.owd_ms(l, r);
-            let before = self.agents[r].replica.epoch;
-            let agent = &mut self.agents[r];
-            while agent.applied < self.log.len() && self.log[agent.applied].0 + owd <= t_ms {
-                agent.replica.apply(&self.log[agent.applied].1);
-                agent.applied += 1;
+            let region = &mut self.regions[r];
+            let before = region.replica.epoch;
+            while region.applied < self.log.len() && self.log[region.applied].0 + owd <= t_ms {
+                region.replica.apply(&self.log[region.applied].1);
+                region.applied += 1;
             }
-            let epoch = agent.replica.epoch;
+            let epoch = region.replica.epoch;
             if epoch != before {
                 self.refresh_routing(r);
-                // The agent writes the new parameters to its Redis, then counts the epoch as
-                // applied (what it acknowledges in its next report); while the role is between
-                // daemons no one does.
-                if !self.agents[r].paused {
-                    self.refresh_grants(r);
-                    self.agents[r].view.on_applied(epoch);
+                // A standby enforces its view: that is what it acknowledges. The holder writes
+                // the new parameters to Redis, then counts the epoch as applied.
+                for d in &mut self.regions[r].daemons {
+                    d.view.on_applied(epoch);
                 }
+                self.write_pass(r);
             }
         }
     }
 
-    /// Follows each region's agent role between daemons at `t_ms`: a move is counted when the
-    /// holder is killed; once another daemon has claimed the role it takes up the renewals
-    /// answered meanwhile and writes every bucket (a full apply pass) at the epoch its
-    /// replica reached.
-    fn follow_agents(&mut self, world: &World, t_ms: u64) {
+    /// Plays the agent stops of `from_ms..=t_ms`: the holder stops deciding and writing (Redis
+    /// keeps what it wrote); on SIGTERM it then sends `ReleaseAgent`. A daemon started in its
+    /// place joins [`RESTART_MS`] later.
+    fn stop_holders(&mut self, world: &World, from_ms: u64, t_ms: u64) {
         for r in 0..world.regions {
-            let paused = world.agent_paused(r, t_ms);
-            match (self.agents[r].paused, paused) {
-                (false, true) => self.counts.moves[r] += 1,
-                (true, false) => {
-                    let agent = &mut self.agents[r];
-                    for lease in std::mem::take(&mut agent.held_leases) {
-                        agent.view.on_renewal(lease);
-                    }
-                    let epoch = agent.replica.epoch;
-                    self.refresh_grants(r);
-                    self.agents[r].view.on_applied(epoch);
+            let stops: Vec<(u64, Stop)> = world.faults.agent_stops(r, from_ms, t_ms).collect();
+            for (at_ms, how) in stops {
+                let region = &mut self.regions[r];
+                let Some(h) = region.holder() else { continue };
+                let gone = region.daemons.remove(h);
+                region.holder_stopped_ms = Some(at_ms);
+                self.counts.stops[r] += 1;
+                self.stopped.push((r, how));
+                if how == Stop::Graceful {
+                    let op = Operation::ReleaseAgent {
+                        region: self.region_ids[r].clone(),
+                        node: gone.node,
+                        fence: gone.fence.expect("the holder holds a fence"),
+                    };
+                    self.send_write(world, r, at_ms, op, Reply::None);
                 }
-                _ => {}
+                self.push(at_ms + RESTART_MS, Event::Join { region: r });
             }
-            self.agents[r].paused = paused;
         }
+    }
+
+    /// The holders stopped since the last call, with how each stopped.
+    pub fn take_stops(&mut self) -> Vec<(RegionIx, Stop)> {
+        std::mem::take(&mut self.stopped)
     }
 
     /// Runs the control plane up to true time `t_ms`.
     pub fn advance(&mut self, world: &World, t_ms: u64) {
         self.elect(world, t_ms);
-        self.follow_agents(world, t_ms);
+        if self.next_stop_ms <= t_ms {
+            self.stop_holders(world, self.next_stop_ms, t_ms);
+            self.next_stop_ms = t_ms + 1;
+        }
         while self.next_report_ms <= t_ms {
             let at = self.next_report_ms;
             self.send_reports(world, at);
@@ -635,79 +896,114 @@ impl Control {
         }
         while self.events.peek().is_some_and(|e| e.0.at_ms <= t_ms) {
             let Reverse(Timed { at_ms, event, .. }) = self.events.pop().expect("peeked");
-            match event {
-                Event::Report {
-                    from,
-                    to,
-                    usage,
-                    interval_ms,
-                    acked_epoch,
-                    sent_local_ms,
-                } => {
-                    if self.leader != Some(to) || !world.daemon_up(to, at_ms) {
-                        continue;
-                    }
-                    if let Some(usage) = usage {
-                        self.demand.record(from as u8, interval_ms, &usage);
-                        self.last_report_ms[from] = at_ms;
-                    }
-                    let op = Operation::RenewLease {
-                        region: self.region_ids[from].clone(),
-                        acked_epoch,
-                    };
-                    self.propose(world, at_ms, op, Some((from, sent_local_ms)));
-                }
-                Event::Commit { term, cmd, renewal } => {
-                    let alive = self
-                        .leader
-                        .is_some_and(|l| self.has_quorum(world, l, at_ms));
-                    if term == self.term && alive {
-                        self.on_commit(world, at_ms, cmd, renewal);
-                    }
-                }
-                Event::Lease { region, lease } => {
-                    let agent = &mut self.agents[region];
-                    if !world.daemon_up(region, at_ms) {
-                        continue;
-                    }
-                    if agent.paused {
-                        agent.held_leases.push(lease);
-                    } else {
-                        agent.view.on_renewal(lease);
-                    }
-                }
-            }
+            self.on_event(world, at_ms, event);
         }
         self.replicate(world, t_ms);
     }
 
-    /// The share region `r` enforces for `tenant` at its local time `local_ms`.
-    pub fn enforced_ppm(&self, r: RegionIx, tenant: usize, local_ms: u64) -> u32 {
-        let agent = &self.agents[r];
-        let grant = &agent.grants[tenant];
-        match self.mode {
-            LeaseMode::Leased => {
-                agent
-                    .view
-                    .enforced_share(grant, local_ms, self.cfg.drift_margin_ms)
+    fn on_event(&mut self, world: &World, at_ms: u64, event: Event) {
+        match event {
+            Event::Usage {
+                from,
+                to,
+                usage,
+                interval_ms,
+            } => {
+                if self.leader == Some(to) && world.daemon_up(to, at_ms) {
+                    self.demand.record(from as u8, interval_ms, &usage);
+                    self.last_report_ms[from] = at_ms;
+                }
             }
+            Event::Write { to, op, reply } => {
+                if self.leader == Some(to) && world.daemon_up(to, at_ms) {
+                    self.propose(world, at_ms, op, reply);
+                }
+            }
+            Event::Commit { term, cmd, reply } => {
+                let alive = self
+                    .leader
+                    .is_some_and(|l| self.has_quorum(world, l, at_ms));
+                if term == self.term && alive {
+                    self.on_commit(world, at_ms, cmd, reply);
+                }
+            }
+            Event::Lease {
+                region,
+                node,
+                lease,
+            } => {
+                if !world.daemon_up(region, at_ms) {
+                    return;
+                }
+                let r = &mut self.regions[region];
+                if let Some(d) = r.daemons.iter_mut().find(|d| d.node == node) {
+                    d.view.on_renewal(lease);
+                    r.write_lease();
+                }
+            }
+            Event::Claimed {
+                region,
+                node,
+                fence,
+            } => {
+                let r = &mut self.regions[region];
+                if !world.daemon_up(region, at_ms) {
+                    return;
+                }
+                if !r.daemons.iter().any(|d| d.node == node) {
+                    return;
+                }
+                // Redis refuses any earlier holder's writes once this one's have a later fence.
+                for d in &mut r.daemons {
+                    d.fence = (d.node == node).then_some(fence);
+                    d.seen = None;
+                }
+                // The role is new to it: what Redis holds is another daemon's writing, so it
+                // writes every bucket, then reports the usage counted since the last report.
+                if let Some(stopped) = r.holder_stopped_ms.take() {
+                    self.counts.takeovers_ms[region].push(at_ms - stopped);
+                }
+                self.write_pass(region);
+                self.report_usage(world, region, at_ms);
+            }
+            Event::Join { region } => {
+                let node = self.next_node;
+                self.next_node += 1;
+                let r = &mut self.regions[region];
+                let epoch = r.replica.epoch;
+                r.daemons.push(Daemon::new(node, epoch));
+            }
+        }
+    }
+
+    /// The share region `r` enforces for `tenant` at its local time `local_ms`: the grant its
+    /// holder last wrote to Redis, under the lease end written with it.
+    pub fn enforced_ppm(&self, r: RegionIx, tenant: usize, local_ms: u64) -> u32 {
+        let region = &self.regions[r];
+        let grant = &region.grants[tenant];
+        match self.mode {
+            LeaseMode::Leased => enforced_share(
+                grant,
+                region.stored_lease.as_ref(),
+                local_ms,
+                self.cfg.drift_margin_ms,
+            ),
             LeaseMode::NoLease => grant.share_ppm,
         }
     }
 
-    /// Whether region `r` enforces only its floors at its local time `local_ms`: its lease ran
-    /// out (or it never had one).
+    /// Whether region `r` enforces only its floors at its local time `local_ms`: the lease end
+    /// Redis holds has passed (or none was written).
     pub fn on_floor(&self, r: RegionIx, local_ms: u64) -> bool {
         self.mode == LeaseMode::Leased
-            && self.agents[r]
-                .view
-                .lease()
+            && self.regions[r]
+                .stored_lease
                 .is_none_or(|l| local_ms >= l.end_local_ms(self.cfg.drift_margin_ms))
     }
 
     /// The share `region` is granted for `tenant`, as region `r`'s replica sees it.
     pub fn granted_ppm(&self, r: RegionIx, tenant: usize, region: RegionIx) -> u32 {
-        self.agents[r]
+        self.regions[r]
             .replica
             .entries
             .get(&self.keys[tenant])
@@ -716,7 +1012,7 @@ impl Control {
 
     /// Counts a decision in region `r`'s next usage report.
     pub fn count(&mut self, r: RegionIx, tenant: usize, cost: u32, allowed: bool) {
-        let u = &mut self.agents[r].usage[tenant];
+        let u = &mut self.regions[r].usage[tenant];
         if allowed {
             u.admitted += u64::from(cost);
         } else {
@@ -737,7 +1033,7 @@ mod tests {
     use rand_chacha::ChaCha8Rng;
 
     use super::*;
-    use crate::faults::{Fault, Faults};
+    use crate::faults::{Fault, Faults, Stop};
     use crate::world::WorldSpec;
 
     const FLOOR: u32 = 50_000;
@@ -763,7 +1059,8 @@ mod tests {
     }
 
     /// Runs the control plane to `until_ms`, reporting `per_s` tokens of demand a second in each
-    /// region of `demand`, and checking the coordinator's invariant at every tick.
+    /// region of `demand`, and checking at every tick the coordinator's invariant and, with
+    /// leases, that what the regions' Redis instances enforce sums to at most the budget.
     fn drive(c: &mut Control, w: &World, from_ms: u64, until_ms: u64, demand: &[u32]) {
         for t in (from_ms..until_ms).step_by(10) {
             if t % 1000 == 0 {
@@ -773,6 +1070,11 @@ mod tests {
             }
             c.advance(w, t);
             assert!(c.invariant_holds(), "Σ enforceable > 1 at {t} ms");
+            let enforced: u32 = shares(c, w, t).iter().sum();
+            assert!(
+                c.mode == LeaseMode::NoLease || enforced <= PPM,
+                "Σ enforced {enforced} > 1 at {t} ms"
+            );
         }
     }
 
@@ -840,48 +1142,138 @@ mod tests {
         assert!(s[2] > 600_000, "no rebalancing under the new leader: {s:?}");
     }
 
-    #[test]
-    fn a_region_without_its_agent_keeps_what_redis_holds_while_its_lease_is_renewed() {
-        let w = world(vec![Fault::AgentMove {
+    fn stop(how: Stop) -> World {
+        world(vec![Fault::AgentStop {
             region: 1,
-            from_ms: 20_000,
-            until_ms: 26_000,
-        }]);
+            at_ms: 20_000,
+            how,
+        }])
+    }
+
+    /// The committed record of region 1's daemon `node`, if any.
+    fn record(c: &Control, node: u64) -> Option<quota_core::coordinator::DaemonLease> {
+        c.committed.region(1).unwrap().daemons.get(&node).copied()
+    }
+
+    fn acked(c: &Control) -> u64 {
+        c.committed.region(1).unwrap().acked_epoch
+    }
+
+    #[test]
+    fn a_killed_holder_keeps_the_acknowledgement_until_its_lease_and_margin_run_out() {
+        let w = stop(Stop::Killed);
         let cfg = ControlConfig::default();
         let mut c = Control::new(&w, &tenants(), |t| t.policy.clone(), cfg, LeaseMode::Leased);
         drive(&mut c, &w, 0, 20_000, &[10, 80, 10]);
-        let before = c.agents[1].grants[0];
-        let epoch = c.agents[1].view.applied_epoch();
-        let lease = *c.agents[1].view.lease().unwrap();
+        let r1 = &c.regions[1];
+        let (before, lease) = (r1.grants[0], r1.stored_lease.unwrap());
+        let dead = r1.daemons[0].node;
+        let dead_ack = r1.daemons[0].view.applied_epoch();
         let reports = c.counts.usage_reports.clone();
         assert!(before.share_ppm > 600_000, "region 1 got {before:?}");
-        // Demand leaves region 1 while no daemon holds its agent role: the coordinator moves
-        // the share, region 1's replica follows, its Redis does not.
-        drive(&mut c, &w, 20_000, 25_990, &[10, 10, 80]);
-        let a = &c.agents[1];
-        assert!(c.committed.epoch > epoch, "no new allocation to hold back");
+        assert_eq!(r1.daemons.len(), 2);
+        // Demand leaves region 1 with its holder killed: the coordinator moves the share, the
+        // replica follows, Redis keeps what the dead holder wrote; the standby waits for three
+        // report intervals without the holder's renewals.
+        drive(&mut c, &w, 20_000, 23_000, &[10, 10, 80]);
+        let r1 = &c.regions[1];
+        assert!(r1.holder().is_none() && r1.daemons.len() == 1);
         assert!(
-            a.replica.epoch > epoch,
-            "region 1's replica stopped following the log"
+            r1.replica.epoch > dead_ack,
+            "no new allocation to hold back"
         );
-        assert!(a.replica.region_share(&c.keys[0], 1).unwrap().share_ppm < before.share_ppm);
-        assert_eq!((a.grants[0], a.view.applied_epoch()), (before, epoch));
-        assert_eq!(a.view.lease(), Some(&lease));
-        assert!(!a.held_leases.is_empty(), "the survivors stopped renewing");
-        assert!(!c.on_floor(1, w.local_ms(1, 25_990)));
-        let sent: Vec<u64> = (0..3)
-            .map(|r| c.counts.usage_reports[r] - reports[r])
-            .collect();
-        assert_eq!(sent[1], 0, "usage reported without an agent: {sent:?}");
-        assert!(sent[0] >= 5 && sent[2] >= 5, "{sent:?}");
-        // The next holder takes the renewals up and applies the replica's epoch.
-        drive(&mut c, &w, 25_990, 26_010, &[10, 10, 80]);
-        let a = &c.agents[1];
-        assert_eq!(a.view.applied_epoch(), a.replica.epoch);
-        assert!(a.grants[0].share_ppm < before.share_ppm);
-        assert!(a.view.lease().unwrap().start_local_ms > lease.start_local_ms);
-        assert!(a.held_leases.is_empty());
-        assert_eq!(c.counts.moves, vec![0, 1, 0]);
+        assert_eq!((r1.grants[0], r1.stored_lease), (before, Some(lease)));
+        assert!(!c.on_floor(1, w.local_ms(1, 23_000)));
+        assert_eq!(
+            c.counts.usage_reports[1], reports[1],
+            "usage without a holder"
+        );
+        // Then it claims (one commit) and writes every bucket.
+        drive(&mut c, &w, 23_000, 25_000, &[10, 10, 80]);
+        let taken = c.counts.takeovers_ms[1].clone();
+        assert!(
+            taken.len() == 1 && (3_000..3_000 + cfg.report_ms).contains(&taken[0]),
+            "{taken:?}"
+        );
+        let r1 = &c.regions[1];
+        let holder = &r1.daemons[r1.holder().unwrap()];
+        assert_eq!(holder.view.applied_epoch(), r1.replica.epoch);
+        assert!(r1.grants[0].share_ppm < before.share_ppm);
+        assert!(r1.stored_lease.unwrap().start_local_ms > lease.start_local_ms);
+        assert!(c.counts.usage_reports[1] > reports[1]);
+        // The dead record holds region 1's acknowledgement back for a lease and the margin
+        // after its last renewal (20 s less one report interval, plus a commit)...
+        let end_ms = record(&c, dead).unwrap().lease_expires_at_ms;
+        assert!((29_000..29_500).contains(&end_ms), "{end_ms}");
+        drive(&mut c, &w, 25_000, 29_900, &[10, 10, 80]);
+        assert_eq!(acked(&c), dead_ack);
+        assert!(c.committed.epoch > dead_ack);
+        // ...and counts no more once they ran out.
+        drive(&mut c, &w, 29_900, 31_900, &[10, 10, 80]);
+        assert!(record(&c, dead).is_none());
+        assert!(acked(&c) > dead_ack);
+        // A daemon started in the killed one's place stands by as a new node.
+        let r1 = &c.regions[1];
+        assert_eq!(r1.daemons.len(), 2);
+        assert!(r1.daemons.iter().all(|d| d.node != dead));
+        assert_eq!(c.counts.stops, vec![0, 1, 0]);
+        assert_eq!(c.take_stops(), vec![(1, Stop::Killed)]);
+        assert_eq!(c.rejected_commands, 0);
+    }
+
+    #[test]
+    fn a_holder_stopping_on_sigterm_leaves_and_the_standby_claims_at_its_next_look() {
+        let w = stop(Stop::Graceful);
+        let cfg = ControlConfig::default();
+        let mut c = Control::new(&w, &tenants(), |t| t.policy.clone(), cfg, LeaseMode::Leased);
+        drive(&mut c, &w, 0, 20_000, &[10, 80, 10]);
+        let gone = c.regions[1].daemons[0].node;
+        let standby = c.regions[1].daemons[1].node;
+        let before = c.regions[1].grants[0];
+        // The release commits within a round trip: the record goes and the role is free.
+        drive(&mut c, &w, 20_000, 20_500, &[10, 10, 80]);
+        let s = c.committed.region(1).unwrap();
+        assert_eq!((s.agent, record(&c, gone)), (None, None));
+        assert_eq!(acked(&c), record(&c, standby).unwrap().acked_epoch);
+        assert_eq!(c.regions[1].grants[0], before, "Redis holds what it wrote");
+        // The standby claims at its next report tick and writes every bucket.
+        drive(&mut c, &w, 20_500, 22_000, &[10, 10, 80]);
+        let taken = c.counts.takeovers_ms[1].clone();
+        assert!(
+            taken.len() == 1 && (1_000..1_500).contains(&taken[0]),
+            "{taken:?}"
+        );
+        let s = c.committed.region(1).unwrap();
+        assert_eq!(s.agent.map(|a| a.node), Some(standby));
+        let r1 = &c.regions[1];
+        assert_eq!(r1.daemons[r1.holder().unwrap()].node, standby);
+        drive(&mut c, &w, 22_000, 40_000, &[10, 10, 80]);
+        assert!(c.regions[1].grants[0].share_ppm < before.share_ppm);
+        assert!(!c.on_floor(1, w.local_ms(1, 40_000)));
+        assert_eq!(c.committed.region(1).unwrap().daemons.len(), 2);
+        assert_eq!(c.take_stops(), vec![(1, Stop::Graceful)]);
+        assert_eq!(c.rejected_commands, 0);
+    }
+
+    /// What Redis holds stays as the last holder wrote it, lease end included: a takeover
+    /// longer than that (three report intervals of 3.5 s against a 10 s lease) puts the
+    /// region on its floors, though its standby renews throughout.
+    #[test]
+    fn a_takeover_past_the_stored_lease_end_puts_the_region_on_its_floors() {
+        let w = stop(Stop::Killed);
+        let cfg = ControlConfig {
+            report_ms: 3_500,
+            ..ControlConfig::default()
+        };
+        let mut c = Control::new(&w, &tenants(), |t| t.policy.clone(), cfg, LeaseMode::Leased);
+        drive(&mut c, &w, 0, 29_000, &[10, 80, 10]);
+        assert!(c.on_floor(1, w.local_ms(1, 29_000)));
+        assert!(!c.on_floor(0, w.local_ms(0, 29_000)) && !c.on_floor(2, w.local_ms(2, 29_000)));
+        assert!(c.committed.region(1).unwrap().lease_expires_at_ms > 35_000);
+        drive(&mut c, &w, 29_000, 33_000, &[10, 80, 10]);
+        assert!(!c.on_floor(1, w.local_ms(1, 33_000)));
+        let taken = &c.counts.takeovers_ms[1];
+        assert!(taken.len() == 1 && taken[0] > 10_500, "{taken:?}");
     }
 
     #[test]

@@ -5,7 +5,8 @@ use serde::Serialize;
 
 use crate::region::RegionIx;
 
-/// One fault over the half-open virtual interval `[from_ms, until_ms)`.
+/// One fault, over the half-open virtual interval `[from_ms, until_ms)` or, for an agent stop, at
+/// one instant.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
 #[serde(tag = "kind", rename_all = "snake_case")]
 pub enum Fault {
@@ -16,7 +17,7 @@ pub enum Fault {
         from_ms: u64,
         until_ms: u64,
     },
-    /// The daemon of `region` is down (a crashed leader when `region` leads): no reports, no
+    /// The daemons of `region` are down (a crashed leader when `region` leads): no reports, no
     /// grants, no votes. Its Redis keeps enforcing what was last written.
     Crash {
         region: RegionIx,
@@ -29,16 +30,34 @@ pub enum Fault {
         from_ms: u64,
         until_ms: u64,
     },
-    /// The daemon holding `region`'s agent role is killed at `from_ms` and another daemon of the
-    /// region has taken the role over by `until_ms`. Until then the region sends no usage and
-    /// writes no parameters (its Redis keeps the share and lease end last written), while its
-    /// lease renewals go on and its checks are still decided.
-    AgentMove {
+    /// The daemon holding `region`'s agent role stops at `at_ms` (nothing happens if no daemon
+    /// holds it then). Another daemon of the region takes the role over, and one started in
+    /// the stopped one's place joins as a standby [`RESTART_MS`] later.
+    AgentStop {
         region: RegionIx,
-        from_ms: u64,
-        until_ms: u64,
+        at_ms: u64,
+        how: Stop,
     },
 }
+
+/// How a daemon holding its region's agent role stops.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Stop {
+    /// SIGTERM (a rolling upgrade, a node drain): once it has stopped deciding and writing it
+    /// sends `ReleaseAgent`, so its lease record goes at once and a standby claims the role at
+    /// its next look.
+    Graceful,
+    /// kill -9: it goes quiet, like a paused daemon that may resume. Its lease record counts
+    /// until its lease and the drift margin run out, and a standby claims the role after three
+    /// report intervals without its renewals.
+    Killed,
+}
+
+/// How long after an [`Fault::AgentStop`] a daemon started in the stopped one's place (as
+/// Kubernetes restarts a pod) joins its region as a standby. It joins as a new node, so
+/// nothing renews a killed daemon's record before it runs out.
+pub const RESTART_MS: u64 = 5_000;
 
 impl Fault {
     fn covers(from_ms: u64, until_ms: u64, t_ms: u64) -> bool {
@@ -53,18 +72,18 @@ pub struct Faults {
 }
 
 impl Faults {
-    /// Whether `region` is never cut off, crashed nor without its agent during the run: its
+    /// Whether `region` is never cut off, crashed nor loses its agent's holder during the run: its
     /// goodput is the one a fault elsewhere must not cost anything.
     pub fn healthy(&self, region: RegionIx) -> bool {
         !self.list.iter().any(|f| match *f {
             Fault::Isolate { region: r, .. }
             | Fault::Crash { region: r, .. }
-            | Fault::AgentMove { region: r, .. } => r == region,
+            | Fault::AgentStop { region: r, .. } => r == region,
             Fault::RedisOutage { .. } => false,
         })
     }
 
-    /// The same schedule without the cuts, crashes and agent moves that make a region
+    /// The same schedule without the cuts, crashes and agent stops that make a region
     /// unhealthy: the run a fault-free baseline of healthy goodput is measured in.
     pub fn without_cuts(&self) -> Faults {
         Faults {
@@ -89,7 +108,7 @@ impl Faults {
         })
     }
 
-    /// Whether the daemon of `region` is running at `t_ms`.
+    /// Whether the daemons of `region` are running at `t_ms`.
     pub fn daemon_up(&self, region: RegionIx, t_ms: u64) -> bool {
         !self.list.iter().any(|f| match *f {
             Fault::Crash {
@@ -101,16 +120,34 @@ impl Faults {
         })
     }
 
-    /// Whether the agent role of `region` is between daemons at `t_ms` (no usage reports, no
-    /// parameter writes).
-    pub fn agent_paused(&self, region: RegionIx, t_ms: u64) -> bool {
-        self.list.iter().any(|f| match *f {
-            Fault::AgentMove {
+    /// How many daemons `region` runs: two where the agent's holder stops (the other stands
+    /// by to take the role over), one elsewhere.
+    pub fn daemons(&self, region: RegionIx) -> usize {
+        let stops = self
+            .list
+            .iter()
+            .any(|f| matches!(*f, Fault::AgentStop { region: r, .. } if r == region));
+        if stops {
+            2
+        } else {
+            1
+        }
+    }
+
+    /// The agent stops in `region` at `from_ms..=until_ms`, in time order.
+    pub fn agent_stops(
+        &self,
+        region: RegionIx,
+        from_ms: u64,
+        until_ms: u64,
+    ) -> impl Iterator<Item = (u64, Stop)> + '_ {
+        self.list.iter().filter_map(move |f| match *f {
+            Fault::AgentStop {
                 region: r,
-                from_ms,
-                until_ms,
-            } => r == region && Fault::covers(from_ms, until_ms, t_ms),
-            _ => false,
+                at_ms,
+                how,
+            } if r == region && (from_ms..=until_ms).contains(&at_ms) => Some((at_ms, how)),
+            _ => None,
         })
     }
 
@@ -150,10 +187,10 @@ mod tests {
                     from_ms: 0,
                     until_ms: 10,
                 },
-                Fault::AgentMove {
+                Fault::AgentStop {
                     region: 1,
-                    from_ms: 30,
-                    until_ms: 40,
+                    at_ms: 30,
+                    how: Stop::Killed,
                 },
             ],
         };
@@ -162,18 +199,24 @@ mod tests {
         assert!(f.daemon_up(0, 49) && !f.daemon_up(0, 50) && f.daemon_up(0, 60));
         assert!(f.daemon_up(1, 55));
         assert!(!f.redis_up(2, 0) && f.redis_up(2, 10) && f.redis_up(1, 5));
-        assert!(!f.agent_paused(1, 29) && f.agent_paused(1, 30) && !f.agent_paused(1, 40));
-        assert!(!f.agent_paused(0, 35) && f.daemon_up(1, 35) && !f.isolated(1, 35));
+        assert_eq!(f.agent_stops(1, 0, 29).count(), 0);
+        assert_eq!(
+            f.agent_stops(1, 30, 30).collect::<Vec<_>>(),
+            [(30, Stop::Killed)]
+        );
+        assert_eq!(f.agent_stops(1, 31, 100).count(), 0);
+        assert_eq!(f.agent_stops(0, 0, 100).count(), 0);
+        assert!(f.daemon_up(1, 35) && !f.isolated(1, 35));
     }
 
     #[test]
-    fn an_agent_move_makes_its_region_unhealthy_and_leaves_the_baseline() {
+    fn an_agent_stop_gives_its_region_a_standby_and_leaves_the_baseline() {
         let f = Faults {
             list: vec![
-                Fault::AgentMove {
+                Fault::AgentStop {
                     region: 1,
-                    from_ms: 30,
-                    until_ms: 40,
+                    at_ms: 30,
+                    how: Stop::Graceful,
                 },
                 Fault::RedisOutage {
                     region: 2,
@@ -183,8 +226,10 @@ mod tests {
             ],
         };
         assert!(f.healthy(0) && !f.healthy(1) && f.healthy(2));
+        assert_eq!((f.daemons(0), f.daemons(1), f.daemons(2)), (1, 2, 1));
         let calm = f.without_cuts();
         assert_eq!(calm.list.len(), 1);
-        assert!(!calm.agent_paused(1, 35) && !calm.redis_up(2, 5));
+        assert_eq!(calm.agent_stops(1, 0, 100).count(), 0);
+        assert!(!calm.redis_up(2, 5));
     }
 }

@@ -10,7 +10,7 @@
 //! # Layout
 //! - [`region`]: the region index the world and the faults share.
 //! - [`world`]: regions, latency matrix, clocks with drift, fault queries.
-//! - [`faults`]: the fault schedule (partitions, crashes, Redis outages, agent moves).
+//! - [`faults`]: the fault schedule (partitions, crashes, Redis outages, agent holder stops).
 //! - [`traffic`]: tenants, sources and the arrivals of each tick.
 //! - [`scenario`]: the named scenarios of the suite.
 //! - [`control`]: control-plane timing shared by the rebalancing strategies.

@@ -563,7 +563,8 @@ pub struct Summary {
     pub decisions: u64,
     /// Calls that reached a regional Redis over the run, for the strategies that count them.
     pub store_calls: Option<StoreCalls>,
-    /// Usage reports and agent moves per region, for the strategies with region agents.
+    /// Usage reports, agent holder stops and takeovers per region, for the strategies with
+    /// region agents.
     pub agents: Option<AgentCounts>,
     pub admitted_tokens: u64,
     pub ideal_tokens: u64,

@@ -89,10 +89,6 @@ pub struct Options {
     /// Seconds between usage reports (and hit broadcasts of `async_broadcast`).
     #[arg(long, default_value_t = 1.0)]
     pub report_interval: f64,
-    /// `agent_move`: seconds each move of region 1's agent role leaves the region without an
-    /// agent; default: three report intervals plus the claim's commit round trip.
-    #[arg(long)]
-    pub agent_takeover: Option<f64>,
     /// Tenants per scenario (besides one-shot identities and the hot tenant).
     #[arg(long, default_value_t = 40)]
     pub tenants: usize,
@@ -259,9 +255,6 @@ impl Options {
             10,
             3_600_000,
         );
-        let agent_takeover_ms = self
-            .agent_takeover
-            .map(|s| seconds_to_ms(&mut e, "agent-takeover", s, 0, 3_600_000));
         self.check_counts(&mut e);
         self.check_scenarios(duration_ms, &mut e);
         self.check_outputs(&mut e);
@@ -288,7 +281,6 @@ impl Options {
             },
             global_fail_open: self.global_fail == GlobalFail::Open,
             warmup_ms,
-            agent_takeover_ms,
         })
     }
 
@@ -371,13 +363,10 @@ impl Options {
 
     /// The command line that reproduces a run of one scenario and strategy with these options.
     pub fn repro(&self, scenario: ScenarioKind, strategy: StrategyKind) -> String {
-        let takeover = self
-            .agent_takeover
-            .map_or_else(String::new, |s| format!(" --agent-takeover {s}"));
         format!(
             "cargo run --release -p sim -- --seed {} --scenario {} --strategy {} --regions {} \
              --duration {} --warmup {} --lease {} --floor {} --rebalance-interval {} --tenants {} \
-             --fail-mode {:?} --global-fail {:?}{takeover}",
+             --fail-mode {:?} --global-fail {:?}",
             self.seed,
             scenario,
             strategy,
@@ -423,12 +412,10 @@ mod tests {
             "7",
             "--floor",
             "2",
-            "--agent-takeover=-1",
         ])
         .unwrap();
         let e = o.run_config().unwrap_err().0;
-        assert!(e.len() >= 6, "{e:?}");
-        assert!(e.iter().any(|m| m.contains("--agent-takeover")));
+        assert!(e.len() >= 5, "{e:?}");
         assert!(e.iter().any(|m| m.contains("--regions")));
         assert!(e.iter().any(|m| m.contains("--lease")));
         assert!(e.iter().any(|m| m.contains("--tick-ms")));

@@ -9,7 +9,7 @@ use rand::Rng;
 use rand_chacha::ChaCha8Rng;
 use serde::Serialize;
 
-use crate::faults::{Fault, Faults};
+use crate::faults::{Fault, Faults, Stop};
 use crate::traffic::{Cost, Shape, Source, Tenant};
 use crate::world::RegionIx;
 
@@ -23,10 +23,11 @@ const FLAP_PERIOD_MS: u64 = 6_000;
 /// Demand moves to the next region this often in `follow_the_sun`.
 const SUN_PERIOD_MS: u64 = 120_000;
 
-/// The region whose agent role moves in `agent_move` (the busy one, not the leader's).
-pub const AGENT_MOVE_REGION: RegionIx = 1;
-/// `agent_move` kills the agent's holder this often.
-pub const AGENT_MOVE_PERIOD_MS: u64 = 10_000;
+/// The region whose agent's holder stops in `agent_move` and `agent_crash` (the busy one, not
+/// the leader's).
+pub const AGENT_REGION: RegionIx = 1;
+/// `agent_move` and `agent_crash` stop the agent's holder this often.
+pub const AGENT_STOP_PERIOD_MS: u64 = 10_000;
 
 /// The scenarios the simulator knows, in the order tables list them.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, clap::ValueEnum)]
@@ -54,9 +55,12 @@ pub enum ScenarioKind {
     Partition,
     /// The leader's daemon crashes for 30 s, and demand moves while it is down.
     LeaderCrash,
-    /// Region 1's agent role moves to another of its daemons every 10 s for 90 s, each move
-    /// pausing its usage reports and parameter writes for the takeover; demand moves 5 s in.
+    /// Region 1's agent holder stops on SIGTERM every 10 s for 90 s (a rolling upgrade): it
+    /// releases the role and its standby takes it over at its next look; demand moves 5 s in.
     AgentMove,
+    /// Like `agent_move`, but the holder is killed: its standby takes over after three report
+    /// intervals, and its lease record holds the region's acknowledgement until it runs out.
+    AgentCrash,
     /// The leader's region (region 0) is cut off from the others for 90 s; 40 s in, every
     /// tenant surges to 3× its limit in every region.
     LeaderPartition,
@@ -80,7 +84,7 @@ pub enum ScenarioKind {
 }
 
 impl ScenarioKind {
-    pub const ALL: [ScenarioKind; 18] = [
+    pub const ALL: [ScenarioKind; 19] = [
         Self::Steady,
         Self::Skewed,
         Self::FollowTheSun,
@@ -92,6 +96,7 @@ impl ScenarioKind {
         Self::Partition,
         Self::LeaderCrash,
         Self::AgentMove,
+        Self::AgentCrash,
         Self::LeaderPartition,
         Self::Flapping,
         Self::Heal,
@@ -101,13 +106,14 @@ impl ScenarioKind {
         Self::SlowBudget,
     ];
 
-    /// Whether the scenario cuts regions off, crashes daemons or moves an agent.
+    /// Whether the scenario cuts regions off, crashes daemons or stops an agent's holder.
     fn faulty(self) -> bool {
         matches!(
             self,
             Self::Partition
                 | Self::LeaderCrash
                 | Self::AgentMove
+                | Self::AgentCrash
                 | Self::LeaderPartition
                 | Self::Flapping
                 | Self::Heal
@@ -147,6 +153,7 @@ impl ScenarioKind {
             Self::Partition => "partition",
             Self::LeaderCrash => "leader_crash",
             Self::AgentMove => "agent_move",
+            Self::AgentCrash => "agent_crash",
             Self::LeaderPartition => "leader_partition",
             Self::Flapping => "flapping",
             Self::Heal => "heal",
@@ -175,9 +182,6 @@ pub struct ScenarioOptions {
     pub floor: f64,
     /// What every policy does while its regional Redis is down.
     pub fail_mode: FailMode,
-    /// `agent_move`: how long each move leaves the region without an agent (takeover
-    /// detection plus the claim's commit).
-    pub agent_takeover_ms: u64,
 }
 
 /// A built scenario.
@@ -328,7 +332,7 @@ impl Span {
         let hot_region = (n > 1).then_some(1 % n);
         let base_weights = match kind {
             K::Skewed | K::ClockDrift => weights(n, hot_region, 0.8),
-            K::LeaderCrash | K::AgentMove => weights(n, hot_region, 0.8),
+            K::LeaderCrash | K::AgentMove | K::AgentCrash => weights(n, hot_region, 0.8),
             _ => weights(n, None, 0.0),
         };
         Ok(Self {
@@ -455,7 +459,7 @@ impl Scenario {
                     period += 1;
                 }
             }
-            K::LeaderCrash | K::AgentMove => {
+            K::LeaderCrash | K::AgentMove | K::AgentCrash => {
                 let shift = span.fault_from + 5_000;
                 let later = weights(n, Some(2 % n), 0.8);
                 let base = &span.base_weights;
@@ -530,13 +534,18 @@ impl Scenario {
                 });
                 self.shifts_ms.push(fault_from + 5_000);
             }
-            K::AgentMove => {
+            K::AgentMove | K::AgentCrash => {
+                let how = if span.kind == K::AgentMove {
+                    Stop::Graceful
+                } else {
+                    Stop::Killed
+                };
                 let until_ms = fault_from + span.fault_len(90_000);
-                for from_ms in (fault_from..until_ms).step_by(AGENT_MOVE_PERIOD_MS as usize) {
-                    self.faults.list.push(Fault::AgentMove {
-                        region: AGENT_MOVE_REGION,
-                        from_ms,
-                        until_ms: from_ms + opts.agent_takeover_ms,
+                for at_ms in (fault_from..until_ms).step_by(AGENT_STOP_PERIOD_MS as usize) {
+                    self.faults.list.push(Fault::AgentStop {
+                        region: AGENT_REGION,
+                        at_ms,
+                        how,
                     });
                 }
                 self.shifts_ms.push(fault_from + 5_000);
@@ -732,7 +741,6 @@ mod tests {
             tenants: 8,
             floor: 0.05,
             fail_mode: FailMode::Local,
-            agent_takeover_ms: 3_100,
         }
     }
 
@@ -774,36 +782,27 @@ mod tests {
     }
 
     #[test]
-    fn an_agent_moves_every_period_in_one_region_for_its_takeover() {
+    fn an_agent_holder_stops_every_period_in_one_region() {
         let o = ScenarioOptions {
             duration_ms: 360_000,
             ..opts()
         };
-        let s = Scenario::build(
-            ScenarioKind::AgentMove,
-            &o,
-            &mut ChaCha8Rng::seed_from_u64(1),
-        )
-        .unwrap();
-        let moves: Vec<(RegionIx, u64, u64)> = s
-            .faults
-            .list
-            .iter()
-            .map(|f| match *f {
-                Fault::AgentMove {
-                    region,
-                    from_ms,
-                    until_ms,
-                } => (region, from_ms, until_ms),
-                other => panic!("{other:?}"),
-            })
-            .collect();
-        // From 30% of the run (108 s) for 90 s, one every 10 s, each 3.1 s long.
-        let want: Vec<_> = (0..9)
-            .map(|k| (1, 108_000 + k * 10_000, 111_100 + k * 10_000))
-            .collect();
-        assert_eq!(moves, want);
-        assert_eq!(s.shifts_ms, vec![113_000]);
+        for (kind, how) in [
+            (ScenarioKind::AgentMove, Stop::Graceful),
+            (ScenarioKind::AgentCrash, Stop::Killed),
+        ] {
+            let s = Scenario::build(kind, &o, &mut ChaCha8Rng::seed_from_u64(1)).unwrap();
+            // From 30% of the run (108 s) for 90 s, one every 10 s.
+            let want: Vec<_> = (0..9)
+                .map(|k| Fault::AgentStop {
+                    region: 1,
+                    at_ms: 108_000 + k * 10_000,
+                    how,
+                })
+                .collect();
+            assert_eq!(s.faults.list, want, "{kind}");
+            assert_eq!(s.shifts_ms, vec![113_000]);
+        }
     }
 
     #[test]

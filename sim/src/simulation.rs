@@ -11,7 +11,7 @@ use serde::Serialize;
 use crate::control::ControlConfig;
 use crate::faults::Faults;
 use crate::metrics::{Recorder, Second, Shadow, Summary};
-use crate::scenario::{Scenario, ScenarioError, ScenarioKind, ScenarioOptions, AGENT_MOVE_REGION};
+use crate::scenario::{Scenario, ScenarioError, ScenarioKind, ScenarioOptions};
 use crate::strategy::{self, Setup, Strategy, StrategyKind};
 use crate::traffic::Arrivals;
 use crate::world::{World, WorldSpec};
@@ -30,8 +30,6 @@ pub struct RunConfig {
     pub global_fail_open: bool,
     /// Goodput, false denials and latency count from here on.
     pub warmup_ms: u64,
-    /// `agent_move`'s takeover time; `None`: [`default_takeover_ms`].
-    pub agent_takeover_ms: Option<u64>,
 }
 
 /// One strategy's results in one scenario.
@@ -82,9 +80,6 @@ pub fn run_scenario(
         tenants: cfg.tenants,
         floor: cfg.floor,
         fail_mode: cfg.fail_mode,
-        agent_takeover_ms: cfg
-            .agent_takeover_ms
-            .unwrap_or_else(|| default_takeover_ms(cfg)),
     };
     let scenario = Scenario::build(kind, &opts, &mut rng_for(cfg.seed, kind.name()))?;
     let world = build_world(cfg, &scenario);
@@ -188,16 +183,6 @@ pub fn run_scenario(
         decisions,
         wall_s,
     })
-}
-
-/// How long a moved agent role takes to reach another daemon of `agent_move`'s region: the
-/// survivors notice the holder's renewals stopped after three report intervals, then claim the
-/// role in one commit: to the leader (region 0 at start), to a majority and back.
-pub fn default_takeover_ms(cfg: &RunConfig) -> u64 {
-    let world = world_with(cfg, Faults::default());
-    let (claimant, leader) = (AGENT_MOVE_REGION.min(cfg.regions - 1), 0);
-    let commit_ms = world.rtt_ms(claimant, leader) + world.quorum_rtt_ms(leader, 0).unwrap_or(0);
-    3 * cfg.control.report_ms + commit_ms
 }
 
 /// The scenario's world: its regions and faults, with the scenario's clock drifts if any.

@@ -104,7 +104,7 @@ impl World {
         a == b || !(self.faults.isolated(a, t_ms) || self.faults.isolated(b, t_ms))
     }
 
-    /// Whether the daemon of `region` runs at `t_ms`.
+    /// Whether the daemons of `region` run at `t_ms`.
     pub fn daemon_up(&self, region: RegionIx, t_ms: u64) -> bool {
         self.faults.daemon_up(region, t_ms)
     }
@@ -114,9 +114,9 @@ impl World {
         self.faults.redis_up(region, t_ms)
     }
 
-    /// Whether the agent role of `region` is between two of its daemons at `t_ms`.
-    pub fn agent_paused(&self, region: RegionIx, t_ms: u64) -> bool {
-        self.faults.agent_paused(region, t_ms)
+    /// How many daemons `region` runs (see [`Faults::daemons`]).
+    pub fn daemons(&self, region: RegionIx) -> usize {
+        self.faults.daemons(region)
     }
 
     /// The round trip after which a proposal by `leader` at `t_ms` reaches a majority (the

@@ -1,21 +1,25 @@
-//! `agent_move`: region 1's agent role moves to another of its daemons every 10 s, each move
-//! leaving the region without usage reports and parameter writes for the takeover while its
-//! lease is still renewed. quotad keeps its overshoot bound and costs the other regions
-//! nothing: healthy goodput (regions 0 and 2, each matched against the same strategy on the same
-//! arrivals without the moves) stays ≥ 0.99.
+//! `agent_move` and `agent_crash`: region 1's agent holder stops every 10 s for the fault span,
+//! on SIGTERM (it releases the role and its lease record; the standby claims at its next look)
+//! or killed (the standby claims after three report intervals; the dead record holds region
+//! 1's acknowledgement until its lease and margin run out). quotad keeps its overshoot bound
+//! either way; a graceful move costs the other regions nothing (healthy goodput, regions 0 and
+//! 2 against the same strategy on the same arrivals without the stops, ≥ 0.99), a crash costs
+//! them the wait for the dead daemon's lease.
 
 use clap::Parser;
+use sim::control::AgentCounts;
 use sim::metrics::Summary;
 use sim::options::Options;
-use sim::scenario::{ScenarioKind, AGENT_MOVE_PERIOD_MS, AGENT_MOVE_REGION};
-use sim::simulation::{default_takeover_ms, run_scenario};
+use sim::scenario::{ScenarioKind, AGENT_REGION, AGENT_STOP_PERIOD_MS};
+use sim::simulation::run_scenario;
 use sim::strategy::StrategyKind;
 
 const DURATION_S: u64 = 240;
+const REPORT_MS: u64 = 1_000;
 
-fn options(extra: &[&str]) -> Options {
+fn options(kind: ScenarioKind) -> Options {
     let duration = DURATION_S.to_string();
-    let mut args = vec![
+    let args = [
         "sim",
         "--seed",
         "1",
@@ -25,75 +29,116 @@ fn options(extra: &[&str]) -> Options {
         "60",
         "--tenants",
         "12",
+        "--scenario",
+        kind.name(),
     ];
-    args.extend_from_slice(extra);
     Options::try_parse_from(args).expect("valid options")
 }
 
-fn run(opts: &Options) -> Summary {
+/// quotad's summary of `kind`, with its overshoot bound checked.
+fn run(kind: ScenarioKind) -> Summary {
+    let opts = options(kind);
     let cfg = opts.run_config().unwrap();
-    let run = run_scenario(
-        ScenarioKind::AgentMove,
-        &[StrategyKind::Quotad],
-        &cfg,
-        &mut |_| {},
-    )
-    .unwrap();
-    run.strategies.into_iter().next().unwrap().summary
-}
-
-#[test]
-fn quotad_keeps_its_bound_and_its_healthy_regions_through_agent_moves() {
-    let opts = options(&[]);
-    let cfg = opts.run_config().unwrap();
-    let takeover_ms = default_takeover_ms(&cfg);
-    // Three report intervals to notice, one commit round trip (100–300 ms) to claim.
-    assert!((3_100..=3_300).contains(&takeover_ms), "{takeover_ms} ms");
-    let s = run(&opts);
-    let repro = opts.repro(ScenarioKind::AgentMove, StrategyKind::Quotad);
+    let run = run_scenario(kind, &[StrategyKind::Quotad], &cfg, &mut |_| {}).unwrap();
+    let s = run.strategies.into_iter().next().unwrap().summary;
+    let repro = opts.repro(kind, StrategyKind::Quotad);
     eprintln!(
-        "agent_move: over(W) {:.3}, over(1s) {:.3}, good_ok {:?}, goodput {:?}, floor_s {:?}, \
-         {:?}",
+        "{kind}: over(W) {:.3}, over(1s) {:.3}, good_ok {:?}, goodput {:?}, floor_s {:?}, {:?}",
         s.overshoot_window, s.overshoot_1s, s.goodput_healthy, s.goodput, s.floor_s, s.agents
     );
     assert!(
         s.overshoot_window <= 1.02 && s.overshoot_1s <= 1.02,
-        "overshoot {:.3} / {:.3}; reproduce: {repro}",
+        "{kind}: overshoot {:.3} / {:.3}; reproduce: {repro}",
         s.overshoot_window,
         s.overshoot_1s
     );
+    // Redis held the stopped holder's lease end until the next holder wrote its own.
+    assert!(
+        s.floor_s.iter().all(|&f| f == 0.0),
+        "{kind}: {:?}",
+        s.floor_s
+    );
+    s
+}
+
+/// The stops were injected: one every period of the fault span (30% of the run, at most
+/// 90 s), in region 1 only, each followed by one takeover.
+fn stops(kind: ScenarioKind, agents: &AgentCounts) -> u64 {
+    let span_ms = (DURATION_S * 1000 * 3 / 10).min(90_000);
+    let stops = span_ms.div_ceil(AGENT_STOP_PERIOD_MS);
+    let mut want = vec![0; 3];
+    want[AGENT_REGION] = stops;
+    assert_eq!(agents.stops, want, "{kind}");
+    assert_eq!(
+        agents.takeovers_ms[AGENT_REGION].len() as u64,
+        stops,
+        "{kind}"
+    );
+    stops
+}
+
+/// Usage reports region 1 sent fewer than the fewest of the others.
+fn reports_missed(agents: &AgentCounts) -> u64 {
+    let r = &agents.usage_reports;
+    r[0].min(r[2]).saturating_sub(r[AGENT_REGION])
+}
+
+#[test]
+fn a_graceful_move_keeps_the_bound_and_costs_the_other_regions_nothing() {
+    let kind = ScenarioKind::AgentMove;
+    let s = run(kind);
     let good = s
         .goodput_healthy
         .expect("healthy regions admitted something");
-    assert!(
-        good >= 0.99,
-        "healthy goodput {good:.4}; reproduce: {repro}"
-    );
-
-    // The fault was injected: the role moved every 10 s over the fault span (30% of the run,
-    // at most 90 s), in region 1 only, and each takeover cost region 1 at least three reports.
+    assert!(good >= 0.99, "healthy goodput {good:.4}");
     let agents = s.agents.expect("quotad runs region agents");
-    let span_ms = (DURATION_S * 1000 * 3 / 10).min(90_000);
-    let moves = span_ms.div_ceil(AGENT_MOVE_PERIOD_MS);
-    let mut want = vec![0; 3];
-    want[AGENT_MOVE_REGION] = moves;
-    assert_eq!(agents.moves, want);
-    let reports = &agents.usage_reports;
-    let (r0, r1, r2) = (reports[0], reports[1], reports[2]);
+    let stops = stops(kind, &agents);
+    // The standby claims at its next look, a report interval after the stop (the stops fall
+    // on report ticks), and holds the role one commit later.
+    let taken = &agents.takeovers_ms[AGENT_REGION];
     assert!(
-        r1 + 3 * moves <= r0.min(r2),
-        "region 1 sent {r1} reports against {r0} and {r2}"
+        taken
+            .iter()
+            .all(|t| (REPORT_MS..REPORT_MS + 500).contains(t)),
+        "{taken:?}"
     );
-    // Renewals went on: no region's lease lapsed.
-    assert!(s.floor_s.iter().all(|&f| f == 0.0), "{:?}", s.floor_s);
+    assert!(
+        reports_missed(&agents) <= stops,
+        "{:?}",
+        agents.usage_reports
+    );
 }
 
-/// What Redis holds stays as the last holder wrote it, lease end included: a takeover longer
-/// than that lease end puts region 1 on its floors, though its lease is renewed throughout.
+/// A crash costs more than a graceful move: the standby waits three report intervals, and the
+/// dead daemon (it may only be paused) holds region 1's acknowledgement for a lease and the
+/// margin after its last renewal, so region 1's share goes to region 2 late. Healthy goodput
+/// measured at seeds 1–6 (this run's options): 0.913–0.982, seed 1 the lowest; the floor
+/// below leaves that a margin.
 #[test]
-fn a_takeover_past_the_stored_lease_end_puts_the_region_on_its_floors() {
-    let s = run(&options(&["--agent-takeover", "9.5"]));
-    eprintln!("agent_move, 9.5 s takeovers: floor_s {:?}", s.floor_s);
-    assert!(s.floor_s[AGENT_MOVE_REGION] > 0.0, "{:?}", s.floor_s);
-    assert_eq!(s.floor_s[0] + s.floor_s[2], 0.0, "{:?}", s.floor_s);
+fn a_crash_keeps_the_bound_and_costs_the_wait_for_the_dead_daemons_lease() {
+    let kind = ScenarioKind::AgentCrash;
+    let s = run(kind);
+    let good = s
+        .goodput_healthy
+        .expect("healthy regions admitted something");
+    assert!(good >= 0.90, "healthy goodput {good:.4}");
+    let agents = s.agents.expect("quotad runs region agents");
+    let stops = stops(kind, &agents);
+    let taken = &agents.takeovers_ms[AGENT_REGION];
+    assert!(
+        taken
+            .iter()
+            .all(|t| (3 * REPORT_MS..3 * REPORT_MS + 500).contains(t)),
+        "{taken:?}"
+    );
+    assert!(
+        reports_missed(&agents) >= 3 * stops,
+        "{:?}",
+        agents.usage_reports
+    );
+    let graceful = run(ScenarioKind::AgentMove).goodput_healthy.unwrap();
+    assert!(
+        good + 0.01 < graceful,
+        "a crash ({good:.4}) costs no more than a graceful move ({graceful:.4})"
+    );
 }

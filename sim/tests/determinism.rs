@@ -11,9 +11,9 @@ fn run(args: &[&str]) -> std::process::Output {
 }
 
 /// Short runs of the scenarios with every kind of event (shifts, partitions of a follower and
-/// of the leader, a flapping link, a long partition that heals, a crash, an agent move), so the
-/// test stays quick in debug builds.
-const SHORT: [&str; 24] = [
+/// of the leader, a flapping link, a long partition that heals, a crash, an agent holder stopped
+/// and killed), so the test stays quick in debug builds.
+const SHORT: [&str; 26] = [
     "--duration",
     "30",
     "--warmup",
@@ -28,6 +28,8 @@ const SHORT: [&str; 24] = [
     "leader_crash",
     "--scenario",
     "agent_move",
+    "--scenario",
+    "agent_crash",
     "--scenario",
     "leader_partition",
     "--scenario",
@@ -61,7 +63,7 @@ fn same_seed_same_bytes() {
     assert_eq!(run(&one_job).stdout, a.stdout);
     // Every scenario and strategy has a row.
     let text = String::from_utf8(a.stdout).unwrap();
-    assert_eq!(text.lines().count(), 1 + 7 * 8);
+    assert_eq!(text.lines().count(), 1 + 8 * 8);
 }
 
 #[test]

@@ -320,6 +320,24 @@ fn sim_readme_prose_quotes_its_tables() {
             t.cell(("agent_move", "quotad"), "conv_s")
         ),
         format!(
+            "keeps the bound (over(W) {}, region 1 never on its floors) but costs the other \
+             regions: healthy goodput {} (",
+            t.cell(("agent_crash", "quotad"), "over(W)"),
+            t.cell(("agent_crash", "quotad"), "good_ok")
+        ),
+        format!(
+            "goodput {} and false denials {}% ({}% once converged), settling {} s after demand \
+             moves. A killed daemon",
+            t.cell(("agent_crash", "quotad"), "goodput"),
+            t.cell(("agent_crash", "quotad"), "false_dn"),
+            t.cell(("agent_crash", "quotad"), "fd_conv"),
+            t.cell(("agent_crash", "quotad"), "conv_s")
+        ),
+        format!(
+            "Without leases (`rebalance_no_lease`) nothing waits (healthy goodput {})",
+            t.cell(("agent_crash", "rebalance_no_lease"), "good_ok")
+        ),
+        format!(
             "worst subject {} of its window budget (≤ 1.02), {}% false denials (≤ 1%), {} \
              coordinator entries ({}% of subjects, ≤ 1%)",
             s.cell(("api", "quotad"), "over(W)"),
@@ -336,10 +354,17 @@ fn sim_readme_prose_quotes_its_tables() {
         ),
     ];
     assert_quoted("sim/README.md", &quotes);
-    assert_eq!(
-        t.cell(("agent_move", "quotad"), "floor_s"),
-        "0",
-        "sim/README.md says no region of agent_move goes on its floors"
+    for scenario in ["agent_move", "agent_crash"] {
+        assert_eq!(
+            t.cell((scenario, "quotad"), "floor_s"),
+            "0",
+            "sim/README.md says no region of {scenario} goes on its floors"
+        );
+    }
+    assert!(
+        num(t.cell(("agent_crash", "quotad"), "good_ok"))
+            < num(t.cell(("agent_move", "quotad"), "good_ok")),
+        "sim/README.md says a crash costs the other regions more than a graceful move"
     );
 }
 

@@ -1,7 +1,7 @@
 //! quotad's overshoot bound, over a fixed set of seeds and the scenarios that stress it
 //! (skew, shifting demand, bursts, partitions of a follower and of the leader, a flapping
-//! link, a long partition that heals, a leader crash, an agent moving between daemons, clock
-//! drift). Short runs, so the test stays fast in debug builds. A failure prints the command
+//! link, a long partition that heals, a leader crash, an agent holder stopped and killed,
+//! clock drift). Short runs, so the test stays fast in debug builds. A failure prints the command
 //! that reproduces it.
 
 use clap::Parser;
@@ -13,7 +13,7 @@ use sim::strategy::StrategyKind;
 /// quotad's promise: at most 2% over the ideal in any window.
 const BOUND: f64 = 1.02;
 const SEEDS: [u64; 4] = [1, 2, 3, 4];
-const SCENARIOS: [ScenarioKind; 10] = [
+const SCENARIOS: [ScenarioKind; 11] = [
     ScenarioKind::Skewed,
     ScenarioKind::FollowTheSun,
     ScenarioKind::MinuteBursts,
@@ -23,6 +23,7 @@ const SCENARIOS: [ScenarioKind; 10] = [
     ScenarioKind::Heal,
     ScenarioKind::LeaderCrash,
     ScenarioKind::AgentMove,
+    ScenarioKind::AgentCrash,
     ScenarioKind::ClockDrift,
 ];
 

@@ -20,6 +20,7 @@ use quota_core::{BucketParams, Tier};
 use super::reservation::Reservations;
 use super::{Setup, Strategy, Verdict};
 use crate::control::{AgentCounts, Control, LeaseMode};
+use crate::faults::Stop;
 use crate::regional_store::{RegionalStores, StoreCalls};
 use crate::traffic::{Request, Tenant};
 use crate::world::{RegionIx, World, LOCAL_DECISION_US};
@@ -168,11 +169,23 @@ impl Quotad {
     }
 
     /// Gives back the pools that aged out or whose limit changed, and drops those of a daemon
-    /// that crashed or, holding the agent role, was killed (the simulated region holds one
-    /// daemon's denial cache and pools, so a killed holder takes all of them).
+    /// that crashed or, holding the agent role, was killed; a holder stopping on SIGTERM gives
+    /// its pools back first. The simulated region holds one daemon's denial cache and pools, so
+    /// a stopped holder takes all of them.
     fn sweep_pools(&mut self, world: &World, t_ms: u64) {
+        for (r, how) in self.control.take_stops() {
+            self.denials.forget_region(r);
+            match how {
+                Stop::Graceful => self.give_back_pools(world, t_ms, Some(r)),
+                Stop::Killed => {
+                    if let Some(res) = self.reservations.as_mut() {
+                        res.crash(r);
+                    }
+                }
+            }
+        }
         for r in 0..self.regions {
-            let up = world.daemon_up(r, t_ms) && !world.agent_paused(r, t_ms);
+            let up = world.daemon_up(r, t_ms);
             if !up && self.daemon_up[r] {
                 self.denials.forget_region(r);
                 if let Some(res) = self.reservations.as_mut() {
@@ -196,6 +209,24 @@ impl Quotad {
             res.keep_live(live);
         }
     }
+
+    /// Gives every pool back to its store (only `region`'s, if given), as a daemon stopping
+    /// does.
+    fn give_back_pools(&mut self, world: &World, t_ms: u64, region: Option<RegionIx>) {
+        let Some(live) = self.reservations.as_mut().map(Reservations::take_live) else {
+            return;
+        };
+        for &(r, i) in live.iter().filter(|(r, _)| region.is_none_or(|o| o == *r)) {
+            let local = world.local_ms(r, t_ms);
+            let params = self.params(r, i, local);
+            if let Some(res) = self.reservations.as_mut() {
+                res.give_back(&mut self.stores, r, i, local, &params);
+            }
+        }
+        if let Some(res) = self.reservations.as_mut() {
+            res.keep_live(live);
+        }
+    }
 }
 
 impl Strategy for Quotad {
@@ -207,19 +238,7 @@ impl Strategy for Quotad {
 
     fn finish(&mut self, world: &World, t_ms: u64) {
         // Shutdown gives every pool back.
-        let Some(live) = self.reservations.as_mut().map(Reservations::take_live) else {
-            return;
-        };
-        for &(r, i) in &live {
-            let local = world.local_ms(r, t_ms);
-            let params = self.params(r, i, local);
-            if let Some(res) = self.reservations.as_mut() {
-                res.give_back(&mut self.stores, r, i, local, &params);
-            }
-        }
-        if let Some(res) = self.reservations.as_mut() {
-            res.keep_live(live);
-        }
+        self.give_back_pools(world, t_ms, None);
     }
 
     fn store_calls(&self) -> Option<StoreCalls> {
@@ -303,16 +322,16 @@ impl Quotad {
     fn forward_target(&self, world: &World, t_ms: u64, req: &Request) -> Forward {
         let here = req.region;
         let i = req.tenant as usize;
-        let agent = &self.control.agents[here];
+        let routes = &self.control.regions[here];
         let policy = &self.tenants[i].policy;
         let holds = |share: u32| {
             BucketParams::for_share(policy, share).capacity_ut >= u64::from(req.cost) * UT
         };
-        let to = match agent.homes[i] {
+        let to = match routes.homes[i] {
             // While a home is still being granted its share, the region granted the most
             // decides.
             Some(home) if holds(self.control.granted_ppm(here, i, home)) => Some(home),
-            Some(_) => agent.richest[i],
+            Some(_) => routes.richest[i],
             // While this region's Redis is out, the policy's fail mode decides.
             None if !world.redis_up(here, t_ms) => return Forward::No,
             None => {
@@ -322,7 +341,7 @@ impl Quotad {
                 if holds(share) {
                     return Forward::No;
                 }
-                agent.richest[i]
+                routes.richest[i]
             }
         };
         let Some(to) = to.filter(|&to| to != here) else {
