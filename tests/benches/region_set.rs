@@ -77,7 +77,7 @@ async fn put_policies(d: &Daemon) -> anyhow::Result<()> {
         d.put_policy(
             &format!("t{t}"),
             "w",
-            json!({"limit": 1_000_000_000u64, "window_ms": 1000}),
+            json!({"limit": 5_000_000, "window_ms": 1000}),
         )
         .await?;
     }

@@ -228,6 +228,9 @@ async fn forward(State(s): State<PeerState>, http: Request) -> Response {
         }
         | Operation::ReleaseAgent {
             region: claimed, ..
+        }
+        | Operation::AgentPassed {
+            region: claimed, ..
         },
     ) = (&region, &req.command.op)
     {

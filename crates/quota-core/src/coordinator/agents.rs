@@ -58,11 +58,16 @@ impl CoordinatorState {
         let d = region.daemons.entry(node).or_insert(DaemonLease {
             acked_epoch: acked,
             lease_expires_at_ms: 0,
+            left: false,
         });
-        if !live(d) {
-            d.acked_epoch = d.acked_epoch.max(acked);
+        // An agent that left and renews again (restarted under the same id) keeps the
+        // acknowledgement of what it wrote until the next agent's first pass replaces it.
+        if !d.left {
+            if !live(d) {
+                d.acked_epoch = d.acked_epoch.max(acked);
+            }
+            d.acked_epoch = d.acked_epoch.max(acked_epoch);
         }
-        d.acked_epoch = d.acked_epoch.max(acked_epoch);
         d.lease_expires_at_ms = d.lease_expires_at_ms.max(expires);
         let least = region
             .daemons
@@ -99,9 +104,10 @@ impl CoordinatorState {
         }
     }
 
-    /// A daemon that has stopped deciding and writing (it is exiting) leaves: its lease record
-    /// goes, so the region's acknowledgement no longer waits for its lease to run out, and it
-    /// gives up the role if `fence` is the one in force.
+    /// A daemon that has stopped deciding and writing (it is exiting) leaves: a standby's
+    /// lease record goes, so the region's acknowledgement no longer waits for its lease to run
+    /// out; the agent (`fence` the one in force) gives up the role and its record stays, marked
+    /// as left, until the next agent's first complete pass replaces what it wrote.
     pub(super) fn release_agent(
         &mut self,
         id: &RegionId,
@@ -113,20 +119,43 @@ impl CoordinatorState {
         let Some(region) = self.region_mut(id) else {
             return Response::UnknownRegion { region: id.clone() };
         };
-        region.daemons.remove(&node);
-        if let Some(least) = region
-            .daemons
-            .values()
-            .filter(|d| d.lease_expires_at_ms.saturating_add(margin) >= now)
-            .map(|d| d.acked_epoch)
-            .min()
-        {
-            region.acked_epoch = region.acked_epoch.max(least);
+        let agent = region.agent;
+        let released = agent.is_some_and(|a| a.node == node && a.fence == fence);
+        if released {
+            region.agent = None;
+            if let Some(d) = region.daemons.get_mut(&node) {
+                d.left = true;
+            }
+        } else {
+            region.daemons.remove(&node);
+            raise_ack(region, margin, now);
         }
+        if released {
+            Response::AgentReleased
+        } else {
+            Response::AgentHeld {
+                node: agent.map_or(0, |a| a.node),
+                fence: agent.map_or(0, |a| a.fence),
+            }
+        }
+    }
+
+    pub(super) fn agent_passed(
+        &mut self,
+        id: &RegionId,
+        node: u64,
+        fence: u64,
+        now: u64,
+    ) -> Response {
+        let margin = self.lease.drift_margin_ms;
+        let Some(region) = self.region_mut(id) else {
+            return Response::UnknownRegion { region: id.clone() };
+        };
         match region.agent {
             Some(a) if a.node == node && a.fence == fence => {
-                region.agent = None;
-                Response::AgentReleased
+                region.daemons.retain(|_, d| !d.left);
+                raise_ack(region, margin, now);
+                Response::AgentPassed
             }
             a => Response::AgentHeld {
                 node: a.map_or(0, |a| a.node),
@@ -138,6 +167,19 @@ impl CoordinatorState {
     fn region_mut(&mut self, id: &RegionId) -> Option<&mut super::RegionState> {
         let index = usize::from(self.region_index(id)?);
         self.regions.get_mut(index).and_then(Option::as_mut)
+    }
+}
+
+/// Raises the region's acknowledgement to the least of its live daemons' (never lowers it).
+fn raise_ack(region: &mut super::RegionState, margin: u64, now: u64) {
+    if let Some(least) = region
+        .daemons
+        .values()
+        .filter(|d| d.lease_expires_at_ms.saturating_add(margin) >= now)
+        .map(|d| d.acked_epoch)
+        .min()
+    {
+        region.acked_epoch = region.acked_epoch.max(least);
     }
 }
 
@@ -266,6 +308,54 @@ mod tests {
         assert_eq!(c.acked(), 9);
     }
 
+    /// The agent stops (SIGTERM) while its last pass is at epoch 4 and a standby's view is at
+    /// 9: the store still holds epoch 4's shares until the next agent's first pass, so the
+    /// region's acknowledgement stays at 4 until then, however the stopped one renews.
+    #[test]
+    fn a_stopped_agent_holds_the_acknowledgement_until_the_next_agent_has_passed() {
+        let mut c = Cluster::new();
+        c.s.epoch = 9;
+        assert_eq!(c.claim(1, 0), Response::AgentClaimed { fence: 1 });
+        c.renew(1_000, 1, 4);
+        c.renew(1_000, 2, 9);
+        let release = |c: &mut Cluster, node, fence| {
+            c.op(
+                1_100,
+                Operation::ReleaseAgent {
+                    region: region(),
+                    node,
+                    fence,
+                },
+            )
+        };
+        assert_eq!(release(&mut c, 1, 1), Response::AgentReleased);
+        assert_eq!(c.acked(), 4);
+        assert!(c.s.region(0).unwrap().daemons[&1].left);
+        // Restarted under the same id, it renews as a standby: still 4.
+        c.renew(1_200, 1, 9);
+        assert_eq!(c.acked(), 4);
+        assert_eq!(c.claim(2, 0), Response::AgentClaimed { fence: 2 });
+        let passed = |c: &mut Cluster, node, fence| {
+            c.op(
+                1_300,
+                Operation::AgentPassed {
+                    region: region(),
+                    node,
+                    fence,
+                },
+            )
+        };
+        // Only the agent in force clears it.
+        assert_eq!(
+            passed(&mut c, 1, 1),
+            Response::AgentHeld { node: 2, fence: 2 }
+        );
+        assert_eq!(c.acked(), 4);
+        assert_eq!(passed(&mut c, 2, 2), Response::AgentPassed);
+        assert_eq!(c.acked(), 9);
+        assert!(!c.s.region(0).unwrap().daemons.contains_key(&1));
+    }
+
     #[test]
     fn a_new_daemon_never_lowers_the_region_acknowledgement() {
         let mut c = Cluster::new();
@@ -331,10 +421,6 @@ mod tests {
             },
         );
         assert_eq!(released, Response::AgentReleased);
-        assert!(
-            !c.s.region(0).unwrap().daemons.contains_key(&2),
-            "a stopped daemon's lease goes with it"
-        );
         // Nobody holds it after a release: the first claim wins, with a fence above every
         // earlier one, and one racing it (it saw the released fence) loses.
         assert_eq!(c.claim(3, 2), Response::AgentClaimed { fence: 3 });

@@ -91,11 +91,21 @@ pub enum Operation {
         node: u64,
         fence_seen: u64,
     },
-    /// A daemon stopping, once it decides and writes nothing more: its lease record goes (the
-    /// region's acknowledgement stops waiting for it) and, if `fence` is the role's, the role
-    /// is free (the next claim need not wait for it to go quiet). A daemon killed instead
-    /// counts until its lease and the margin are over: it may only be paused.
+    /// A daemon stopping, once it decides and writes nothing more. A standby's lease record
+    /// goes (the region's acknowledgement stops waiting for it). The agent's (`fence` the
+    /// role's) frees the role, so the next claim need not wait for it to go quiet, and its
+    /// record stays until the next agent's first complete pass ([`Operation::AgentPassed`]),
+    /// since the store holds what it wrote until then. A daemon killed instead counts until
+    /// its lease and the margin are over: it may only be paused.
     ReleaseAgent {
+        region: RegionId,
+        node: u64,
+        fence: u64,
+    },
+    /// The region's agent (`fence` the role's) completed its first pass: every parameter of
+    /// its view is in the store under its fence, so the records of agents that left before
+    /// it no longer hold the region's acknowledgement back.
+    AgentPassed {
         region: RegionId,
         node: u64,
         fence: u64,

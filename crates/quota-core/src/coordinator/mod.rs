@@ -133,6 +133,11 @@ pub struct DaemonLease {
     pub acked_epoch: u64,
     /// Coordinator time this daemon's lease ends.
     pub lease_expires_at_ms: u64,
+    /// The daemon stopped while it was the region's agent: it decides nothing more, but the
+    /// store holds what it wrote until the next agent's first complete pass
+    /// ([`super::Operation::AgentPassed`]) replaces it.
+    #[serde(default)]
+    pub left: bool,
 }
 
 /// The holder of a region's agent role and the fence its writes carry.
@@ -280,6 +285,11 @@ impl CoordinatorState {
                 node,
                 fence,
             } => self.release_agent(region, *node, *fence, now),
+            Operation::AgentPassed {
+                region,
+                node,
+                fence,
+            } => self.agent_passed(region, *node, *fence, now),
             Operation::PutRegion {
                 region,
                 reserves_floor,

@@ -108,6 +108,8 @@ pub enum Response {
         fence: u64,
     },
     AgentReleased,
+    /// The records of agents that left before this one were dropped.
+    AgentPassed,
     RegionStored {
         index: u8,
         membership: u64,

@@ -118,6 +118,7 @@ fn touched(op: &Operation) -> Touched {
         | Operation::RenewDaemonLease { .. }
         | Operation::ClaimAgent { .. }
         | Operation::ReleaseAgent { .. }
+        | Operation::AgentPassed { .. }
         | Operation::SetLeaseConfig { .. } => Touched::Nothing,
         // Promoted subjects decide under their class's policy, not under a policy of theirs:
         // a reader rebuilds them whole whenever `promoted` is set.

@@ -84,6 +84,8 @@ pub async fn run_apply(
     let mut holding: Option<u64> = None;
     // Parameters changed by a pass that no replica has confirmed yet.
     let mut unconfirmed = false;
+    // Whether the log has heard of this agent's first complete pass under its fence.
+    let mut passed = true;
     loop {
         let current = view.borrow_and_update().clone();
         let now = clock::monotonic_ms();
@@ -140,6 +142,7 @@ pub async fn run_apply(
             // writing, so everything is written again under this fence.
             written = Written::new(clock::monotonic_ms(), lease_ms).with_sweep_settle(settle);
             holding = fence;
+            passed = false;
             metrics.holder.set(1.0);
         }
         let (all, outcomes) = apply_shares(&decider, &v, &mut written, pacing, fence).await;
@@ -170,6 +173,11 @@ pub async fn run_apply(
         };
         if applied {
             metrics.applied_epoch.set(v.epoch as f64);
+        }
+        // The store holds this agent's whole view now (a complete pass, replicated): what
+        // agents that stopped before it wrote is replaced.
+        if let (Some(r), Some(f), true, false) = (&replicated, fence, all, passed) {
+            passed = r.agent_passed(f).await;
         }
     }
 }
@@ -333,6 +341,12 @@ pub async fn run_report(
                     tracing::debug!(error = %e, "Looking at the agent role failed.");
                     return None;
                 }
+            }
+            // The first report after a takeover drains what Redis counted since the replaced
+            // agent's last report: over that time, not one interval.
+            let mut interval_ms = interval_ms;
+            if let Some(since) = r.take_takeover_since() {
+                interval_ms = interval_ms.max(clock::monotonic_ms().saturating_sub(since));
             }
             Some(
                 match decider.store().collect_usage(MAX_USAGE_RECORDS).await {

@@ -34,6 +34,8 @@ pub struct Watch {
     since_ms: u64,
     /// The fence this process drew with its last won claim.
     mine: Option<u64>,
+    /// Set by a won claim: when the replaced holder was last seen renewing.
+    took_over_since: Option<u64>,
 }
 
 impl Watch {
@@ -75,9 +77,14 @@ impl Watch {
         }
     }
 
-    /// Records a won claim.
-    pub fn won(&mut self, fence: u64) {
+    /// Records a won claim at `now_ms`.
+    pub fn won(&mut self, fence: u64, now_ms: u64) {
         self.mine = Some(fence);
+        self.took_over_since = Some(if self.seen.is_some() {
+            self.since_ms
+        } else {
+            now_ms
+        });
     }
 }
 
@@ -145,7 +152,7 @@ impl Replicated {
                 self.agent
                     .lock()
                     .unwrap_or_else(|e| e.into_inner())
-                    .won(fence);
+                    .won(fence, clock::monotonic_ms());
                 self.agent_won.notify_one();
                 tracing::info!(
                     region = %self.region,
@@ -164,6 +171,39 @@ impl Replicated {
             Response::UnknownRegion { region } => Err(CoordError::UnknownRegion { region }),
             other => Err(unavailable(format!("agent claim answered {other:?}"))),
         }
+    }
+
+    /// Tells the log this agent's first complete pass under `fence` is in the store: agents
+    /// that left before it no longer hold the region's acknowledgement back. True once done
+    /// (or moot: the role moved on).
+    pub async fn agent_passed(&self, fence: u64) -> bool {
+        let op = Operation::AgentPassed {
+            region: self.region.clone(),
+            node: self.node_id(),
+            fence,
+        };
+        match self.write(op).await {
+            Ok(Response::AgentPassed | Response::AgentHeld { .. }) => true,
+            Ok(other) => {
+                tracing::debug!(answer = ?other, "Reporting the agent's first pass.");
+                false
+            }
+            Err(e) => {
+                tracing::debug!(error = %e, "Reporting the agent's first pass failed.");
+                false
+            }
+        }
+    }
+
+    /// When the agent this daemon replaced last renewed, as this daemon saw it (local
+    /// monotonic ms), once per won claim: the usage the first report drains was counted since
+    /// about then.
+    pub fn take_takeover_since(&self) -> Option<u64> {
+        self.agent
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .took_over_since
+            .take()
     }
 
     /// This daemon is stopping and decides and writes nothing more: its lease record goes, so
@@ -202,7 +242,7 @@ mod tests {
     fn a_free_role_is_claimed_at_once_and_held_once_won() {
         let mut w = Watch::default();
         assert_eq!(w.act(1, None, 0, 0, TAKEOVER), Act::Claim { fence_seen: 0 });
-        w.won(4);
+        w.won(4, 5);
         assert_eq!(w.act(1, role(1, 4), 9_000, 10, TAKEOVER), Act::Hold(4));
         // Deposed: another node holds a later fence; this one stands by.
         assert_eq!(w.act(1, role(2, 5), 9_000, 20, TAKEOVER), Act::Stand);
