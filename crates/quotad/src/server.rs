@@ -180,6 +180,12 @@ pub async fn build_state(
         peer_token: settings.secrets.peer_token.clone(),
         reservations: cfg.redis.as_ref().is_some_and(|r| r.reservations),
         store_timeout: Duration::from_millis(cfg.redis.as_ref().map_or(0, |r| r.timeout_ms)),
+        daemons: settings
+            .regions
+            .iter()
+            .filter(|r| r.id == settings.region)
+            .count()
+            .max(1) as u32,
     });
     let decider = if cfg.redis.as_ref().is_some_and(|r| !r.denial_cache) {
         decider.without_denial_cache()

@@ -49,6 +49,7 @@ pub(crate) fn state_on(store: quota_store::AnyStore, breaker: Breaker) -> AppSta
         peer_token: None,
         reservations: false,
         store_timeout: Duration::from_millis(100),
+        daemons: 1,
     });
     state_with(coordinator, decider)
 }
@@ -78,6 +79,7 @@ fn scoped_state(tokens: Tokens, open_checks: bool) -> AppState {
             peer_token: None,
             reservations: false,
             store_timeout: Duration::from_millis(100),
+            daemons: 1,
         }),
         tokens,
         open_checks,

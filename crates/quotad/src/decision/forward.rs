@@ -345,8 +345,19 @@ impl Decider {
                 reason: "the tenant's home region is unreachable",
             });
         }
-        // Decide at this region's floor, in process, so a down home cannot be bypassed at more.
-        let limit = limit_for_share(&policy, floor_ppm).into();
+        // Decide at this daemon's part of this region's floor, in process, so a down home
+        // cannot be bypassed at more.
+        let limit = match limit_for_share(&policy, floor_ppm).into() {
+            quota_store::Limit::TokenBucket(p) => {
+                quota_store::Limit::TokenBucket(super::outage::part(&p, self.outage.daemons()))
+            }
+            quota_store::Limit::SlidingWindow { limit, window_ms } => {
+                quota_store::Limit::SlidingWindow {
+                    limit: limit / self.outage.daemons(),
+                    window_ms,
+                }
+            }
+        };
         let req = CheckRequest {
             bucket,
             limit,

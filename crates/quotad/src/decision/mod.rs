@@ -139,12 +139,17 @@ pub struct DeciderParts {
     pub reservations: bool,
     /// The store's call timeout.
     pub store_timeout: Duration,
+    /// The daemons of this region (its `[[regions]]` entries; 1 for a single region): what
+    /// each decides in process (the `local` fail mode, a home's floor) is its part of the
+    /// region's, so together they stay within the region's.
+    pub daemons: u32,
 }
 
 impl Decider {
     pub fn new(p: DeciderParts) -> Self {
         let region = p.region.as_str().to_string();
         let outage = Arc::new(Outage::default());
+        outage.share_among(u64::from(p.daemons.max(1)));
         Self {
             metrics: DecisionMetrics::new(&region),
             store_latency: metrics::histogram!(telemetry::STORE_LATENCY_SECONDS, "region" => region.clone()),

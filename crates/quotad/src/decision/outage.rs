@@ -147,6 +147,9 @@ pub struct Outage {
     origin: Instant,
     /// Charges sent, for tests.
     charges: AtomicU64,
+    /// The region's daemons: each decides in process at its part of the share
+    /// ([`Outage::share_among`]).
+    daemons: AtomicU64,
 }
 
 impl Default for Outage {
@@ -157,11 +160,24 @@ impl Default for Outage {
             settling: AtomicBool::new(false),
             origin: clock::monotonic(),
             charges: AtomicU64::new(0),
+            daemons: AtomicU64::new(1),
         }
     }
 }
 
 impl Outage {
+    /// The region runs `daemons` daemons on one Redis: while Redis is out each decides in
+    /// process, so each continues from its part of Redis's last level at its part of the
+    /// share, and together they stay within one bucket of the share.
+    pub fn share_among(&self, daemons: u64) {
+        self.daemons.store(daemons.max(1), Ordering::Relaxed);
+    }
+
+    /// How many daemons share the region's buckets in process.
+    pub fn daemons(&self) -> u64 {
+        self.daemons.load(Ordering::Relaxed)
+    }
+
     fn lock(&self) -> MutexGuard<'_, Buckets> {
         self.buckets.lock().unwrap_or_else(|e| e.into_inner())
     }
@@ -175,6 +191,7 @@ impl Outage {
 
     /// Remembers Redis's answer for `bucket` at `params`: `remaining` whole tokens, now.
     pub fn seen(&self, bucket: &BucketRef, params: &BucketParams, remaining: u64) {
+        let remaining = remaining / self.daemons();
         let now = self.now_ms();
         see(&mut self.lock(), bucket, params, remaining, now);
     }
@@ -424,7 +441,13 @@ async fn charge(
         // Paid with the answer remembered, under one lock: the next check here starts from
         // the answer less only what is still owed.
         b.paid(&req.bucket, tokens);
-        see(&mut b, &req.bucket, &params, d.remaining, now);
+        see(
+            &mut b,
+            &req.bucket,
+            &params,
+            d.remaining / outage.daemons(),
+            now,
+        );
         if *taken < tokens {
             tracing::debug!(
                 owed = tokens,
@@ -569,14 +592,24 @@ impl InProcess {
         }
     }
 
-    /// Decides one check in process.
+    /// Decides one check in process, at this daemon's part of the limit.
     pub async fn check(&self, req: &CheckRequest) -> Result<Decision, StoreError> {
+        let n = self.outage.daemons();
         match &req.limit {
             Limit::TokenBucket(p) => self
                 .outage
-                .decide(&req.bucket, p, req.cost)
+                .decide(&req.bucket, &part(p, n), req.cost)
                 .ok_or_else(too_many),
-            Limit::SlidingWindow { .. } => self.windows.check(req).await,
+            Limit::SlidingWindow { limit, window_ms } => {
+                let mine = CheckRequest {
+                    limit: Limit::SlidingWindow {
+                        limit: limit / n,
+                        window_ms: *window_ms,
+                    },
+                    ..req.clone()
+                };
+                self.windows.check(&mine).await
+            }
         }
     }
 
@@ -589,11 +622,21 @@ impl InProcess {
                     reason: "several limits at once are token buckets".into(),
                 });
             };
-            limits.push((l.bucket.clone(), p));
+            limits.push((l.bucket.clone(), part(&p, self.outage.daemons())));
         }
         self.outage
             .decide_all(&limits, req.cost)
             .ok_or_else(too_many)
+    }
+}
+
+/// One of `n` daemons' part of bucket parameters: the capacity and refill divided (rounded
+/// down, so the parts never sum above the whole).
+pub fn part(p: &BucketParams, n: u64) -> BucketParams {
+    BucketParams {
+        capacity_ut: p.capacity_ut / n,
+        refill_ut: p.refill_ut / n,
+        period_ms: p.period_ms,
     }
 }
 
@@ -649,6 +692,42 @@ mod tests {
         tokio::time::advance(Duration::from_millis(100)).await;
         assert_eq!(admitted(&o, &p), 1, "then the share's rate");
         assert_eq!(o.owed(&bucket()), 6);
+    }
+
+    /// Issue 31: two daemons of a region on one Redis both decide in process while it is
+    /// out. Each continues from its half of Redis's last level at half the share's rate, so
+    /// together they admit what one daemon alone would, not twice that.
+    #[tokio::test(start_paused = true)]
+    async fn daemons_of_one_region_each_decide_their_part_in_process() {
+        let (alone, a, b) = (Outage::default(), Outage::default(), Outage::default());
+        a.share_among(2);
+        b.share_among(2);
+        let p = params(10, 10);
+        for o in [&alone, &a, &b] {
+            o.seen(&bucket(), &p, 6);
+        }
+        let in_process = InProcess::new(Arc::new(a));
+        let other = InProcess::new(Arc::new(b));
+        let single = InProcess::new(Arc::new(alone));
+        let req = CheckRequest {
+            bucket: bucket(),
+            limit: Limit::TokenBucket(p),
+            cost: 1,
+            now_ms: None,
+        };
+        let admitted_by = |s: &InProcess| {
+            let mut n = 0;
+            while futures::executor::block_on(s.check(&req)).unwrap().allowed {
+                n += 1;
+            }
+            n
+        };
+        assert_eq!(admitted_by(&single), 6);
+        assert_eq!(admitted_by(&in_process) + admitted_by(&other), 6);
+        // 1 s later: the share's 10 tokens of refill, 5 each.
+        tokio::time::advance(Duration::from_secs(1)).await;
+        assert_eq!(admitted_by(&single), 10);
+        assert_eq!((admitted_by(&in_process), admitted_by(&other)), (5, 5));
     }
 
     #[tokio::test(start_paused = true)]

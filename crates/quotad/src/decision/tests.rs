@@ -68,6 +68,7 @@ pub(crate) fn decider_of(
         peer_token: None,
         reservations: false,
         store_timeout: Duration::from_millis(100),
+        daemons: 1,
     })
 }
 
@@ -151,6 +152,7 @@ pub(crate) async fn decider_with_home(status: u16) -> (Decider, Seen) {
         peer_token: Some(Secret::new("peer-token")),
         reservations: false,
         store_timeout: Duration::from_millis(100),
+        daemons: 1,
     });
     (decider, seen)
 }
