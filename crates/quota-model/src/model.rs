@@ -1,0 +1,966 @@
+//! The transition system: the initial state (built by the real `apply`), the actions each
+//! actor may take in a state, and what each does.
+//!
+//! Every step is one event: the leader proposes shares, a message is delivered (or delivered
+//! and kept, a duplicate), a daemon catches up with the log, renews, claims, writes or hears
+//! its write's reply, a Redis replicates or fails over, region A is cut off or healed, or
+//! time advances one tick (with at most one clock stepping). A message never delivered is a
+//! lost one; one delivered late is delayed; any in flight may go first, so they reorder.
+
+use quota_core::coordinator::{
+    Command, HomeChange, Operation, RegionShare, RequestId, Response, ShareEntry,
+};
+use quota_core::lease::LeaseConfig;
+use quota_core::policy::{Algorithm, FailMode, Policy, PolicyMode, Tier};
+use quota_core::region::{RegionLease, RegionView};
+use quota_core::{CoordinatorState, PolicyKey, PolicyName, RegionId, TenantId, PPM};
+use quota_store::{Fence, LeaseEnd, Limit};
+
+use crate::state::{
+    Clock, Coord, Daemon, Msg, Outstanding, Redis, Spent, State, Step, Stored, Write,
+};
+use crate::world::{
+    node_of, Bounds, Guard, A, BASE_MS, BUDGET_UNITS, DAEMONS, FLOOR_PPM, LEASE_MS, MARGIN_MS,
+    REGIONS, REGION_NAMES, UNIT_PPM,
+};
+
+/// One event of a run.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Action {
+    /// True time advances one tick; with a step, one clock drifts by one.
+    Tick(Option<Step>),
+    /// The leader proposes moving region `region`'s share one unit up or down
+    /// (`Operation::SetShares`; the searches propose cutting A and raising B); taken only if
+    /// `apply` accepts it.
+    Reshare {
+        region: u8,
+        up: bool,
+    },
+    /// A daemon's replica applies the log up to the leader's state.
+    CatchUp(u8),
+    /// A daemon's `RenewDaemonLease`, with the epoch it acknowledges, commits.
+    Renew(u8),
+    /// A daemon's `ClaimAgent`, with the fence its view shows, commits; it holds the role.
+    Claim(u8),
+    /// The holder sends its view's parameters with its lease end and fence to its Redis.
+    Write(u8),
+    /// The holder's write is answered: its pass is complete.
+    WriteOk(u8),
+    Deliver(Msg),
+    /// Delivered, and a copy stays in flight.
+    Duplicate(Msg),
+    /// Redis A's replica takes the primary's state.
+    Replicate,
+    /// Redis A's replica becomes the primary, losing what was not replicated.
+    Failover,
+    /// Region A can no longer reach the coordinator.
+    Cut,
+    Heal,
+}
+
+/// Every clock step the world allows: the leader's clock ahead (a leader change to a node
+/// ahead), a daemon's clock slow or fast, Redis's clock slow. The other directions only
+/// shorten what a region enforces (a leader behind is clamped by `apply`).
+const STEPS: [Step; 6] = [
+    Step::Fast(Clock::Leader),
+    Step::Slow(Clock::Daemon(0)),
+    Step::Slow(Clock::Daemon(1)),
+    Step::Fast(Clock::Daemon(0)),
+    Step::Fast(Clock::Daemon(1)),
+    Step::Slow(Clock::Redis),
+];
+
+/// The protocol of leases, epochs and fences, with every guard on or one switched off.
+#[derive(Debug, Clone)]
+pub struct LeaseModel {
+    pub bounds: Bounds,
+    /// The guard switched off, if any.
+    pub mutant: Option<Guard>,
+    /// A liveness run: every daemon renews each tick and nothing waits that need not (see
+    /// [`LeaseModel::urgent`]).
+    pub liveness: bool,
+    pub key: PolicyKey,
+    pub region_ids: [RegionId; REGIONS],
+    /// Each region's grant in the initial state.
+    pub initial_shares_ppm: [u32; REGIONS],
+    init: State,
+}
+
+impl LeaseModel {
+    /// The safety model with every guard on except `mutant`.
+    pub fn new(bounds: Bounds, mutant: Option<Guard>) -> Self {
+        Self::build(bounds, mutant, false)
+    }
+
+    /// The liveness model: renewals every tick and urgent events before time moves.
+    pub fn liveness(bounds: Bounds) -> Self {
+        Self::build(bounds, None, true)
+    }
+
+    fn build(bounds: Bounds, mutant: Option<Guard>, liveness: bool) -> Self {
+        let key = PolicyKey::new(
+            TenantId::new("t").unwrap(),
+            PolicyName::new("calls").unwrap(),
+        );
+        let region_ids = REGION_NAMES.map(|n| RegionId::new(n).unwrap());
+        let margin_ms = if mutant == Some(Guard::DriftMargin) {
+            0
+        } else {
+            MARGIN_MS
+        };
+        let init = initial(&key, &region_ids, margin_ms);
+        let initial_shares_ppm = std::array::from_fn(|r| grant_of(&init.coord, &key, r).share_ppm);
+        Self {
+            bounds,
+            mutant,
+            liveness,
+            key,
+            region_ids,
+            initial_shares_ppm,
+            init,
+        }
+    }
+
+    /// Whether `guard` is on in this model.
+    pub fn guarded(&self, guard: Guard) -> bool {
+        self.mutant != Some(guard)
+    }
+
+    /// The drift margin the protocol runs with (0 for the `DriftMargin` mutant).
+    pub fn margin_ms(&self) -> u64 {
+        if self.guarded(Guard::DriftMargin) {
+            MARGIN_MS
+        } else {
+            0
+        }
+    }
+
+    /// How long past the local end of the lease it was written under a write may still be
+    /// in force, on its writer's clock: twice the margin (none with the `WriteRunOut` mutant).
+    pub fn run_out_ms(&self) -> u64 {
+        if self.guarded(Guard::WriteRunOut) {
+            2 * self.margin_ms()
+        } else {
+            0
+        }
+    }
+
+    /// Applies one operation as the leader would: stamped with its clock. The deduplication
+    /// window is emptied after it (see [`Coord`]).
+    fn apply(&self, s: &mut State, op: Operation) -> Response {
+        let now_ms = s.leader_now_ms();
+        commit(s.coord.make_mut(), now_ms, op)
+    }
+
+    /// The epoch daemon `d` acknowledges in a renewal it sends now.
+    ///
+    /// Its view's (applied) epoch; but while a write of its own may still be in force in
+    /// Redis, at most the epoch of its last complete pass. A write is in force at the latest
+    /// until its stored end, which maps the writer's lease end onto Redis's clock; counted on
+    /// the writer's clock, that is two margins past the lease's local end — when the
+    /// coordinator, too, would have stopped counting the writer.
+    pub fn ack_of(&self, s: &State, d: usize) -> u64 {
+        let daemon = &s.daemons[d];
+        let applied = daemon.view.applied_epoch();
+        if !self.guarded(Guard::AckApplied) {
+            return applied.max(daemon.heard_epoch);
+        }
+        let local = s.local_ms(d);
+        let in_force = daemon
+            .wrote_lease_end_ms
+            .is_some_and(|end| local < end + self.run_out_ms());
+        let holds_back = in_force && (daemon.fence.is_some() || self.guarded(Guard::DeposedAck));
+        if holds_back {
+            applied.min(daemon.pass_epoch)
+        } else {
+            applied
+        }
+    }
+
+    /// Whether a message can be delivered now (a cut holds up the coordinator's answers).
+    fn deliverable(&self, s: &State, m: &Msg) -> bool {
+        match m {
+            Msg::Lease { .. } => !s.cut,
+            Msg::Write { .. } => true,
+        }
+    }
+
+    /// Whether daemon `d`'s view lags the leader's state.
+    fn behind(&self, s: &State, d: usize) -> bool {
+        let c = &s.coord;
+        s.daemons[d].view.applied_epoch() < c.epoch || s.daemons[d].view_fence != holder_fence(c)
+    }
+
+    /// Liveness runs: events that happen before time moves on — a deliverable answer
+    /// delivered, a connected replica caught up, each daemon's renewal for this tick sent.
+    /// What stays nondeterministic is the environment: cuts, heals, clock steps, shares.
+    pub fn urgent(&self, s: &State) -> bool {
+        s.net.iter().any(|m| self.deliverable(s, m))
+            || (0..DAEMONS)
+                .any(|d| (!s.cut && self.behind(s, d)) || !s.daemons[d].renewed_this_tick)
+    }
+
+    fn reshare(&self, s: &mut State, region: usize, up: bool) -> Option<()> {
+        let entry = s.coord.entries.get(&self.key)?;
+        let mut shares = entry.shares_ppm.clone();
+        shares[region] = if up {
+            shares[region].checked_add(UNIT_PPM).filter(|&v| v <= PPM)?
+        } else {
+            shares[region].checked_sub(UNIT_PPM)?
+        };
+        let op = Operation::SetShares {
+            membership: s.coord.membership,
+            entries: vec![ShareEntry {
+                key: self.key.clone(),
+                shares_ppm: shares,
+                home: HomeChange::Keep,
+            }],
+        };
+        match self.apply(s, op) {
+            Response::SharesSet { accepted: 1, .. } => {}
+            _ => return None,
+        }
+        if !self.guarded(Guard::RevokeBeforeGrant) {
+            s.coord
+                .make_mut()
+                .entries
+                .get_mut(&self.key)?
+                .revocations
+                .clear();
+        }
+        s.spent.reshares += 1;
+        Some(())
+    }
+
+    fn catch_up(&self, s: &mut State, d: usize) -> Option<()> {
+        if s.cut || !self.behind(s, d) {
+            return None;
+        }
+        let c = &s.coord;
+        let (epoch, fence, grant) = (c.epoch, holder_fence(c), grant_of(c, &self.key, A));
+        let daemon = &mut s.daemons[d];
+        daemon.view.on_applied(epoch);
+        daemon.grant = grant;
+        daemon.view_fence = fence;
+        // Deposed: the view shows another holder's fence, so it stops writing.
+        if daemon.fence.is_some_and(|f| f != fence) {
+            daemon.fence = None;
+        }
+        Some(())
+    }
+
+    /// Commits a renewal and puts its answer in flight; a renewal sent into a cut is lost.
+    fn renew(&self, s: &mut State, d: usize) -> Option<()> {
+        if self.liveness {
+            if s.daemons[d].renewed_this_tick {
+                return None;
+            }
+            s.daemons[d].renewed_this_tick = true;
+            if s.cut {
+                return Some(());
+            }
+        } else {
+            if s.cut || s.daemons[d].renewals >= self.bounds.renewals_per_daemon {
+                return None;
+            }
+            s.daemons[d].renewals += 1;
+        }
+        let acked_epoch = self.ack_of(s, d);
+        let sent_local_ms = s.local_ms(d);
+        let op = Operation::RenewDaemonLease {
+            region: self.region_ids[A].clone(),
+            node: node_of(d),
+            acked_epoch,
+        };
+        let response = self.apply(s, op);
+        if !self.guarded(Guard::LeastLiveAck) {
+            let r = s.coord.make_mut().regions[A].as_mut()?;
+            r.acked_epoch = r.acked_epoch.max(acked_epoch);
+        }
+        let lease = RegionLease::from_response(&response, sent_local_ms)?;
+        s.send(Msg::Lease {
+            daemon: d as u8,
+            epoch: lease.epoch,
+            start_local_ms: lease.start_local_ms,
+            lease_ms: lease.lease_ms,
+        });
+        Some(())
+    }
+
+    fn claim(&self, s: &mut State, d: usize) -> Option<()> {
+        if s.cut || s.spent.claims >= self.bounds.claims || s.daemons[d].fence.is_some() {
+            return None;
+        }
+        s.spent.claims += 1;
+        let op = Operation::ClaimAgent {
+            region: self.region_ids[A].clone(),
+            node: node_of(d),
+            fence_seen: s.daemons[d].view_fence,
+        };
+        if let Response::AgentClaimed { fence } = self.apply(s, op) {
+            s.daemons[d].fence = Some(fence);
+        }
+        Some(())
+    }
+
+    fn write(&self, s: &mut State, d: usize) -> Option<()> {
+        let margin = self.margin_ms();
+        let local = s.local_ms(d);
+        let redis_now = s.redis_ms();
+        let daemon = &mut s.daemons[d];
+        let fence = daemon.fence?;
+        if daemon.writes >= self.bounds.writes_per_daemon {
+            return None;
+        }
+        let end = daemon.view.lease()?.end_local_ms(margin);
+        let remaining_ms = end.checked_sub(local).filter(|&r| r > 0)?;
+        let epoch = daemon.view.applied_epoch();
+        let write = Write {
+            fence,
+            epoch,
+            share_ppm: daemon.grant.share_ppm,
+            floor_ppm: daemon.grant.floor_ppm,
+            remaining_ms,
+            // Redis read its clock at the local reading: the latest end the mapping allows.
+            not_after_ms: self
+                .guarded(Guard::NotAfter)
+                .then_some(redis_now + remaining_ms),
+        };
+        daemon.writes += 1;
+        daemon.outstanding = Some(Outstanding {
+            fence,
+            epoch,
+            landed: false,
+        });
+        daemon.wrote_lease_end_ms = Some(daemon.wrote_lease_end_ms.map_or(end, |e| e.max(end)));
+        s.send(Msg::Write {
+            daemon: d as u8,
+            write,
+        });
+        Some(())
+    }
+
+    fn write_ok(&self, s: &mut State, d: usize) -> Option<()> {
+        let replica = s.redis.replica;
+        let daemon = &mut s.daemons[d];
+        let o = daemon.outstanding.filter(|o| o.landed)?;
+        // WAIT 1: the replica has taken the primary's stream up to this write.
+        let replicated = replica.fence >= o.fence && replica.epoch >= o.epoch;
+        if self.guarded(Guard::WaitBeforeAck) && !replicated {
+            return None;
+        }
+        daemon.pass_epoch = daemon.pass_epoch.max(o.epoch);
+        daemon.outstanding = None;
+        Some(())
+    }
+
+    fn deliver(&self, s: &mut State, m: Msg) -> Option<()> {
+        if !self.deliverable(s, &m) {
+            return None;
+        }
+        match m {
+            Msg::Lease {
+                daemon,
+                epoch,
+                start_local_ms,
+                lease_ms,
+            } => {
+                let d = &mut s.daemons[usize::from(daemon)];
+                if !self.guarded(Guard::AckApplied) {
+                    d.heard_epoch = d.heard_epoch.max(epoch);
+                }
+                let mut lease = RegionLease {
+                    epoch,
+                    start_local_ms,
+                    lease_ms,
+                };
+                if !self.guarded(Guard::LeaseAfterApply) {
+                    lease.epoch = lease.epoch.min(d.view.applied_epoch());
+                }
+                d.view.on_renewal(lease);
+            }
+            Msg::Write { daemon, write } => self.land(s, usize::from(daemon), write),
+        }
+        Some(())
+    }
+
+    /// A write reaches its Redis primary: `set_params.lua`'s fence rule, then its lease end.
+    fn land(&self, s: &mut State, d: usize, w: Write) {
+        let now = s.redis_ms();
+        let before = s.redis.primary;
+        let stored = Fence {
+            token: before.fence,
+            epoch: before.epoch,
+        };
+        let this = Fence {
+            token: w.fence,
+            epoch: w.epoch,
+        };
+        if self.guarded(Guard::FenceCheck) && Fence::refuses(Some(stored), Some(this)).is_some() {
+            return;
+        }
+        let after = Stored {
+            fence: w.fence,
+            epoch: w.epoch,
+            share_ppm: w.share_ppm,
+            floor_ppm: w.floor_ppm,
+            until_ms: lease_end(w.remaining_ms, w.not_after_ms).end_at(now),
+        };
+        if w.fence < before.fence && after.share_ppm > before.share_ppm {
+            s.deposed_raise = true;
+        }
+        s.redis.primary = after;
+        if let Some(o) = s.daemons[d].outstanding.as_mut() {
+            if o.fence == w.fence && o.epoch == w.epoch {
+                o.landed = true;
+            }
+        }
+    }
+
+    fn tick(&self, s: &mut State, step: Option<Step>) -> Option<()> {
+        if s.t >= self.bounds.horizon_ticks || (self.liveness && self.urgent(s)) {
+            return None;
+        }
+        if let Some(step) = step {
+            if s.spent.drift_steps >= self.bounds.drift_steps {
+                return None;
+            }
+            s.spent.drift_steps += 1;
+            let (clock, by) = match step {
+                Step::Slow(c) => (c, -1),
+                Step::Fast(c) => (c, 1),
+            };
+            match clock {
+                Clock::Leader => s.leader_off += by,
+                Clock::Daemon(d) => s.daemons[usize::from(d)].off += by,
+                Clock::Redis => s.redis.off += by,
+            }
+        }
+        s.t += 1;
+        for d in &mut s.daemons {
+            d.renewed_this_tick = false;
+        }
+        Some(())
+    }
+}
+
+impl LeaseModel {
+    /// Forgets what can no longer change anything, so that states which behave alike are one
+    /// state: a stored end already passed (Redis's clock never goes back), the replica once no
+    /// failover is left (only WAIT reads it then, and it would find every write), a writer's
+    /// lease end once its writes have all run out, an answer whose lease is over, a write
+    /// the primary will refuse whenever it lands, and a pending write that can no longer land.
+    fn settle(&self, s: &mut State) {
+        let margin = self.margin_ms();
+        let failover_left = s.spent.failovers < self.bounds.failovers;
+        let redis_now = s.redis_ms();
+        for stored in [&mut s.redis.primary, &mut s.redis.replica] {
+            if stored.until_ms <= redis_now {
+                stored.until_ms = 0;
+            }
+        }
+        if !failover_left {
+            s.redis.replica = s.redis.primary;
+        }
+        let locals: [u64; DAEMONS] = std::array::from_fn(|d| s.local_ms(d));
+        for (d, daemon) in s.daemons.iter_mut().enumerate() {
+            let past = daemon
+                .wrote_lease_end_ms
+                .is_some_and(|end| locals[d] >= end + self.run_out_ms());
+            if past {
+                daemon.wrote_lease_end_ms = None;
+            }
+        }
+        let primary = s.redis.primary;
+        let refused = |w: &Write| {
+            let stored = Fence {
+                token: primary.fence,
+                epoch: primary.epoch,
+            };
+            let this = Fence {
+                token: w.fence,
+                epoch: w.epoch,
+            };
+            !failover_left
+                && self.guarded(Guard::FenceCheck)
+                && Fence::refuses(Some(stored), Some(this)).is_some()
+        };
+        s.net.retain(|m| match m {
+            Msg::Lease {
+                daemon,
+                start_local_ms,
+                lease_ms,
+                ..
+            } => start_local_ms + lease_ms > locals[usize::from(*daemon)] + margin,
+            Msg::Write { write, .. } => !refused(write),
+        });
+        for (d, daemon) in s.daemons.iter_mut().enumerate() {
+            if let Some(o) = daemon.outstanding.filter(|o| !o.landed) {
+                let in_flight = s.net.iter().any(|m| {
+                    matches!(m, Msg::Write { daemon, write }
+                        if usize::from(*daemon) == d && write.fence == o.fence && write.epoch == o.epoch)
+                });
+                if !in_flight {
+                    daemon.outstanding = None;
+                }
+            }
+        }
+    }
+}
+
+impl LeaseModel {
+    /// Liveness runs: while anything is urgent, the first urgent event in a fixed order
+    /// (answers delivered, replicas caught up, renewals sent); otherwise the environment
+    /// chooses — time passes (with a clock step or not), a share changes, A is cut off or
+    /// reconnected.
+    fn liveness_actions(&self, s: &State, out: &mut Vec<Action>) {
+        let deliver = s
+            .net
+            .iter()
+            .find(|m| self.deliverable(s, m))
+            .map(|&m| Action::Deliver(m));
+        let catch_up = (0..DAEMONS)
+            .find(|&d| !s.cut && self.behind(s, d))
+            .map(|d| Action::CatchUp(d as u8));
+        let renew = (0..DAEMONS)
+            .find(|&d| !s.daemons[d].renewed_this_tick)
+            .map(|d| Action::Renew(d as u8));
+        if let Some(urgent) = deliver.or(catch_up).or(renew) {
+            out.push(urgent);
+            return;
+        }
+        let b = &self.bounds;
+        if s.t < b.horizon_ticks {
+            out.push(Action::Tick(None));
+            if s.spent.drift_steps < b.drift_steps {
+                out.extend(STEPS.iter().map(|&step| Action::Tick(Some(step))));
+            }
+        }
+        if s.spent.reshares < b.reshares {
+            out.push(Action::Reshare {
+                region: A as u8,
+                up: false,
+            });
+            out.push(Action::Reshare {
+                region: crate::world::B as u8,
+                up: true,
+            });
+        }
+        if s.cut {
+            out.push(Action::Heal);
+        } else if s.spent.cuts < b.cuts {
+            out.push(Action::Cut);
+        }
+    }
+}
+
+impl stateright::Model for LeaseModel {
+    type State = State;
+    type Action = Action;
+
+    fn init_states(&self) -> Vec<State> {
+        vec![self.init.clone()]
+    }
+
+    fn actions(&self, s: &State, out: &mut Vec<Action>) {
+        if self.liveness {
+            return self.liveness_actions(s, out);
+        }
+        let b = &self.bounds;
+        if s.t < b.horizon_ticks {
+            out.push(Action::Tick(None));
+            if s.spent.drift_steps < b.drift_steps {
+                out.extend(STEPS.iter().map(|&step| Action::Tick(Some(step))));
+            }
+        }
+        // The leader moves share from A to B: A is the region whose cuts the protocol must
+        // make safe (B's side of a move is the same protocol, worst case assumed).
+        if s.spent.reshares < b.reshares {
+            out.push(Action::Reshare {
+                region: A as u8,
+                up: false,
+            });
+            out.push(Action::Reshare {
+                region: crate::world::B as u8,
+                up: true,
+            });
+        }
+        for d in 0..DAEMONS {
+            let daemon = &s.daemons[d];
+            let d8 = d as u8;
+            if !s.cut && self.behind(s, d) {
+                out.push(Action::CatchUp(d8));
+            }
+            let renew = if self.liveness {
+                !daemon.renewed_this_tick
+            } else {
+                !s.cut && daemon.renewals < b.renewals_per_daemon
+            };
+            if renew {
+                out.push(Action::Renew(d8));
+            }
+            if !s.cut && s.spent.claims < b.claims && daemon.fence.is_none() {
+                out.push(Action::Claim(d8));
+            }
+            if daemon.fence.is_some() && daemon.writes < b.writes_per_daemon {
+                out.push(Action::Write(d8));
+            }
+            if daemon.outstanding.is_some_and(|o| o.landed) {
+                out.push(Action::WriteOk(d8));
+            }
+        }
+        let mut last = None;
+        for &m in &s.net {
+            if last == Some(m) || !self.deliverable(s, &m) {
+                continue;
+            }
+            last = Some(m);
+            out.push(Action::Deliver(m));
+            if s.spent.duplicates < b.duplicates {
+                out.push(Action::Duplicate(m));
+            }
+        }
+        if s.redis.replica != s.redis.primary {
+            out.push(Action::Replicate);
+            if s.spent.failovers < b.failovers {
+                out.push(Action::Failover);
+            }
+        }
+        if s.cut {
+            out.push(Action::Heal);
+        } else if s.spent.cuts < b.cuts {
+            out.push(Action::Cut);
+        }
+    }
+
+    fn next_state(&self, last: &State, action: Action) -> Option<State> {
+        let mut s = last.clone();
+        match action {
+            Action::Tick(step) => self.tick(&mut s, step)?,
+            Action::Reshare { region, up } => self.reshare(&mut s, usize::from(region), up)?,
+            Action::CatchUp(d) => self.catch_up(&mut s, usize::from(d))?,
+            Action::Renew(d) => self.renew(&mut s, usize::from(d))?,
+            Action::Claim(d) => self.claim(&mut s, usize::from(d))?,
+            Action::Write(d) => self.write(&mut s, usize::from(d))?,
+            Action::WriteOk(d) => self.write_ok(&mut s, usize::from(d))?,
+            Action::Deliver(m) => {
+                if !s.take(&m) {
+                    return None;
+                }
+                self.deliver(&mut s, m)?;
+            }
+            Action::Duplicate(m) => {
+                if s.spent.duplicates >= self.bounds.duplicates || !s.net.contains(&m) {
+                    return None;
+                }
+                s.spent.duplicates += 1;
+                self.deliver(&mut s, m)?;
+            }
+            Action::Replicate => {
+                if s.redis.replica == s.redis.primary {
+                    return None;
+                }
+                s.redis.replica = s.redis.primary;
+            }
+            Action::Failover => {
+                if s.spent.failovers >= self.bounds.failovers || s.redis.replica == s.redis.primary
+                {
+                    return None;
+                }
+                s.spent.failovers += 1;
+                s.redis.primary = s.redis.replica;
+            }
+            Action::Cut => {
+                if s.cut || s.spent.cuts >= self.bounds.cuts {
+                    return None;
+                }
+                s.spent.cuts += 1;
+                s.cut = true;
+            }
+            Action::Heal => {
+                if !s.cut {
+                    return None;
+                }
+                s.cut = false;
+                s.healed_at = Some(s.t);
+            }
+        }
+        if s.cut && !s.lapsed {
+            let margin = self.margin_ms();
+            s.lapsed = (0..DAEMONS).all(|d| {
+                let lease = s.daemons[d].view.lease();
+                lease.is_none_or(|l| s.local_ms(d) >= l.end_local_ms(margin))
+            });
+        }
+        self.settle(&mut s);
+        Some(s)
+    }
+
+    fn properties(&self) -> Vec<stateright::Property<Self>> {
+        crate::properties::all(self)
+    }
+}
+
+/// Applies `op` at `now_ms` and empties the deduplication window.
+fn commit(c: &mut CoordinatorState, now_ms: u64, op: Operation) -> Response {
+    let response = c.apply(&Command {
+        request: RequestId(0),
+        now_ms,
+        op,
+    });
+    c.recent.clear();
+    response
+}
+
+/// The fence of region A's agent role in `c` (0: nobody holds it).
+fn holder_fence(c: &CoordinatorState) -> u64 {
+    c.region(A).and_then(|r| r.agent).map_or(0, |a| a.fence)
+}
+
+/// The stored lease end rule of `set_params.lua`, as quota-store states it: `min(now +
+/// remaining, not_after)`.
+fn lease_end(remaining_ms: u64, not_after_ms: Option<u64>) -> LeaseEnd {
+    LeaseEnd {
+        remaining_ms,
+        // The floor's terms do not matter here: the model reads the floor as a share.
+        floor: Limit::SlidingWindow {
+            limit: 1,
+            window_ms: 1_000,
+        },
+        not_after_ms,
+    }
+}
+
+/// The policy: a burst of 10 tokens (one unit each), a floor of one unit per region, split
+/// (not home) mode with two regions.
+fn policy() -> Policy {
+    Policy {
+        limit: u64::from(BUDGET_UNITS),
+        window_ms: 1_000,
+        burst: u64::from(BUDGET_UNITS),
+        version: 0,
+        tier: Tier::Standard,
+        fail_mode: FailMode::Local,
+        floor_ppm: FLOOR_PPM,
+        algorithm: Algorithm::TokenBucket,
+        mode: PolicyMode::Enforcing,
+        replaces: None,
+    }
+}
+
+/// The start of every run: the policy put with its even split (5 units each), both daemons
+/// of A renewed at epoch e and caught up (B renewed too), a1 holding A's agent role, and A's
+/// Redis holding a1's write of epoch e, replicated.
+fn initial(key: &PolicyKey, region_ids: &[RegionId; REGIONS], margin: u64) -> State {
+    let mut c = CoordinatorState::default();
+    let config = LeaseConfig {
+        lease_ms: LEASE_MS,
+        drift_margin_ms: margin,
+    };
+    assert_eq!(
+        commit(&mut c, BASE_MS, Operation::SetLeaseConfig { config }),
+        Response::LeaseConfigSet
+    );
+    for id in region_ids {
+        let op = Operation::PutRegion {
+            region: id.clone(),
+            reserves_floor: true,
+            draining: false,
+        };
+        let r = commit(&mut c, BASE_MS, op);
+        assert!(matches!(r, Response::RegionStored { .. }), "{r:?}");
+    }
+    let put = Operation::PutPolicy {
+        key: key.clone(),
+        policy: policy(),
+    };
+    let r = commit(&mut c, BASE_MS, put);
+    assert!(matches!(r, Response::PolicyStored { .. }), "{r:?}");
+    let epoch = c.epoch;
+    let mut renew = |region: usize, node: u64| {
+        let op = Operation::RenewDaemonLease {
+            region: region_ids[region].clone(),
+            node,
+            acked_epoch: epoch,
+        };
+        let r = commit(&mut c, BASE_MS, op);
+        RegionLease::from_response(&r, BASE_MS).expect("renewed")
+    };
+    let leases: [RegionLease; DAEMONS] = std::array::from_fn(|d| renew(A, node_of(d)));
+    renew(crate::world::B, node_of(DAEMONS));
+    let op = Operation::ClaimAgent {
+        region: region_ids[A].clone(),
+        node: node_of(0),
+        fence_seen: 0,
+    };
+    let fence = match commit(&mut c, BASE_MS, op) {
+        Response::AgentClaimed { fence } => fence,
+        r => panic!("claim refused: {r:?}"),
+    };
+    let grant = grant_of(&c, key, A);
+    let daemons = std::array::from_fn(|d| {
+        let holder = d == 0;
+        let mut view = RegionView::new();
+        view.on_applied(epoch);
+        view.on_renewal(leases[d]);
+        Daemon {
+            off: 0,
+            view,
+            grant,
+            view_fence: fence,
+            heard_epoch: epoch,
+            fence: holder.then_some(fence),
+            pass_epoch: if holder { epoch } else { 0 },
+            wrote_lease_end_ms: holder.then(|| leases[d].end_local_ms(margin)),
+            outstanding: None,
+            renewals: 0,
+            writes: 0,
+            renewed_this_tick: false,
+        }
+    });
+    let end = leases[0].end_local_ms(margin);
+    let stored = Stored {
+        fence,
+        epoch,
+        share_ppm: grant.share_ppm,
+        floor_ppm: grant.floor_ppm,
+        until_ms: lease_end(end - BASE_MS, Some(end)).end_at(BASE_MS),
+    };
+    State {
+        t: 0,
+        leader_off: 0,
+        coord: Coord::new(c),
+        daemons,
+        redis: Redis {
+            off: 0,
+            primary: stored,
+            replica: stored,
+        },
+        net: Vec::new(),
+        cut: false,
+        healed_at: None,
+        spent: Spent::default(),
+        deposed_raise: false,
+        lapsed: false,
+    }
+}
+
+/// A region's grant as its daemons read it from their replica.
+pub fn grant_of(c: &CoordinatorState, key: &PolicyKey, region: usize) -> RegionShare {
+    c.region_share(key, region).expect("the policy exists")
+}
+
+#[cfg(test)]
+mod tests {
+    use stateright::Model as _;
+
+    use super::*;
+    use crate::properties::{region_enforced, total};
+    use crate::world::B;
+
+    fn model(mutant: Option<Guard>) -> LeaseModel {
+        LeaseModel::new(crate::scenario::INSTANT.bounds, mutant)
+    }
+
+    fn run(m: &LeaseModel, actions: &[Action]) -> State {
+        crate::check::replay(m, actions)
+            .expect("every action enabled")
+            .pop()
+            .unwrap()
+    }
+
+    #[test]
+    fn every_run_starts_from_the_even_split_with_a1_as_agent() {
+        let m = model(None);
+        let s = m.init_states().remove(0);
+        assert_eq!(m.initial_shares_ppm, [5 * UNIT_PPM, 5 * UNIT_PPM]);
+        assert_eq!(total(&m, &s), u64::from(PPM));
+        assert_eq!(s.daemons[0].fence, Some(holder_fence(&s.coord)));
+        assert_eq!(s.daemons[1].fence, None);
+        // a1's write holds until its lease's local end, mapped onto Redis's clock.
+        let end = s.daemons[0].view.lease().unwrap().end_local_ms(MARGIN_MS);
+        assert_eq!(s.redis.primary.until_ms, end);
+        assert!(m
+            .properties()
+            .iter()
+            .all(|p| !p.expectation.discovery_is_failure() || (p.condition)(&m, &s)));
+    }
+
+    #[test]
+    fn a_cut_is_refused_while_the_revocation_lives_and_granted_after_the_acks() {
+        let m = model(None);
+        let cut = Action::Reshare {
+            region: A as u8,
+            up: false,
+        };
+        let raise = Action::Reshare {
+            region: B as u8,
+            up: true,
+        };
+        let s = run(&m, &[cut]);
+        assert!(m.next_state(&s, raise).is_none(), "A may still enforce 5");
+        // Both daemons apply the cut; a1 writes it, hears it replicated; both acknowledge.
+        let write = |s: &State| {
+            *s.net
+                .iter()
+                .find(|m| matches!(m, Msg::Write { .. }))
+                .unwrap()
+        };
+        let s = run(
+            &m,
+            &[
+                cut,
+                Action::CatchUp(0),
+                Action::CatchUp(1),
+                Action::Write(0),
+            ],
+        );
+        let s = run_from(&m, s.clone(), &[Action::Deliver(write(&s))]);
+        let s = run_from(
+            &m,
+            s,
+            &[
+                Action::Replicate,
+                Action::WriteOk(0),
+                Action::Renew(0),
+                Action::Renew(1),
+                raise,
+            ],
+        );
+        assert_eq!(region_enforced(&m, &s, A), 4 * UNIT_PPM);
+        assert_eq!(region_enforced(&m, &s, B), 6 * UNIT_PPM);
+    }
+
+    fn run_from(m: &LeaseModel, mut s: State, actions: &[Action]) -> State {
+        for &a in actions {
+            s = m
+                .next_state(&s, a)
+                .unwrap_or_else(|| panic!("{a:?} not enabled"));
+        }
+        s
+    }
+
+    #[test]
+    fn the_holder_acks_its_pass_a_bystander_its_view_and_a_deposed_holder_waits() {
+        let m = model(None);
+        let cut = Action::Reshare {
+            region: A as u8,
+            up: false,
+        };
+        let s = run(&m, &[cut, Action::CatchUp(0), Action::CatchUp(1)]);
+        let pass = s.daemons[0].pass_epoch;
+        assert_eq!(m.ack_of(&s, 0), pass, "the holder: its last complete pass");
+        assert_eq!(m.ack_of(&s, 1), s.coord.epoch, "a bystander: its view");
+        // a2 takes the role; a1 sees it and is deposed, its write still in Redis.
+        let s = run_from(&m, s, &[Action::Claim(1), Action::CatchUp(0)]);
+        assert_eq!(s.daemons[0].fence, None);
+        assert_eq!(m.ack_of(&s, 0), pass, "deposed, its write may be in force");
+        // Past its lease end plus twice the margin, nothing it wrote is.
+        let end = s.daemons[0].wrote_lease_end_ms.unwrap();
+        let mut later = s.clone();
+        later.daemons[0].off = (end + 2 * MARGIN_MS - s.local_ms(0)) as i8;
+        assert_eq!(m.ack_of(&later, 0), s.coord.epoch);
+        let eager = model(Some(Guard::DeposedAck));
+        assert_eq!(eager.ack_of(&s, 0), s.coord.epoch);
+    }
+}
