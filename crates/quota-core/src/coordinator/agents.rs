@@ -12,7 +12,10 @@
 //! which is at least that, so the region's acknowledgement never goes down.
 //!
 //! One daemon holds the agent role (it writes the store); a claim is a compare-and-set on the
-//! fence, and every claim draws a fence above all earlier ones.
+//! fence, and every claim draws a fence above all earlier ones. The agent a claim replaces, or
+//! one that released the role, may have writes in the store that only the next agent's first
+//! complete pass replaces: its record is marked as left, its acknowledgement frozen, until that
+//! pass ([`super::Operation::AgentPassed`]) or its lease's end.
 
 use super::{AgentRole, CoordinatorState, DaemonLease, Response};
 use crate::ids::RegionId;
@@ -96,7 +99,13 @@ impl CoordinatorState {
                 node: a.node,
                 fence: a.fence,
             },
-            _ => {
+            old => {
+                // Fault: the replaced agent may be alive (paused, cut off, restarted) with its
+                // last writes still in the store. Its acknowledgement stays where it was until
+                // this claimant's first complete pass replaces what it wrote.
+                if let Some(d) = old.and_then(|a| region.daemons.get_mut(&a.node)) {
+                    d.left = true;
+                }
                 region.agent = Some(AgentRole { node, fence: next });
                 self.last_fence = next;
                 Response::AgentClaimed { fence: next }
@@ -354,6 +363,40 @@ mod tests {
         assert_eq!(passed(&mut c, 2, 2), Response::AgentPassed);
         assert_eq!(c.acked(), 9);
         assert!(!c.s.region(0).unwrap().daemons.contains_key(&1));
+    }
+
+    /// Found by the model checker (`quota-model`, mutant `DeposedAck`): an agent deposed by a
+    /// claim while alive goes on renewing as a standby, acknowledging its view; its last
+    /// write, of an older epoch, is still in the store until the claimant's first pass.
+    #[test]
+    fn a_deposed_agent_holds_the_acknowledgement_until_the_claimant_has_passed() {
+        let mut c = Cluster::new();
+        c.s.epoch = 9;
+        assert_eq!(c.claim(1, 0), Response::AgentClaimed { fence: 1 });
+        c.renew(1_000, 1, 4);
+        c.renew(1_000, 2, 9);
+        assert_eq!(c.claim(2, 1), Response::AgentClaimed { fence: 2 });
+        c.renew(1_100, 1, 9);
+        c.renew(1_100, 2, 9);
+        assert_eq!(
+            c.acked(),
+            4,
+            "the deposed agent's write may still be in force"
+        );
+        let r = c.op(
+            1_200,
+            Operation::AgentPassed {
+                region: region(),
+                node: 2,
+                fence: 2,
+            },
+        );
+        assert_eq!(r, Response::AgentPassed);
+        assert_eq!(c.acked(), 9);
+        // Back as a standby, it starts afresh at the region's acknowledgement.
+        c.renew(1_300, 1, 9);
+        assert_eq!(c.s.region(0).unwrap().daemons[&1].acked_epoch, 9);
+        assert!(!c.s.region(0).unwrap().daemons[&1].left);
     }
 
     #[test]

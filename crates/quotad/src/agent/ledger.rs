@@ -429,9 +429,18 @@ impl Written {
     /// Whether the store cannot enforce more than `view` grants at `now_ms`, though some writes
     /// failed: for every bucket, what it holds is at most the new share or has run out. Then
     /// the epoch may be acknowledged with the store unreachable (`local` fail mode keeps the
-    /// granted share in process), and only a share *cut* waits for the old one to end.
-    pub fn bounded_by(&self, view: &ClusterView, region: &RegionId, now_ms: u64) -> bool {
-        let earlier_run_over = now_ms >= self.unknown_until_ms;
+    /// granted share in process), and only a share *cut* waits for the old one to end: `slack_ms`
+    /// past it on this daemon's clock, for Redis's clock running slower (two drift margins:
+    /// found by the model checker, `quota-model`'s mutant `WriteRunOut`).
+    pub fn bounded_by(
+        &self,
+        view: &ClusterView,
+        region: &RegionId,
+        now_ms: u64,
+        slack_ms: u64,
+    ) -> bool {
+        let over = |until: u64| now_ms >= until.saturating_add(slack_ms);
+        let earlier_run_over = over(self.unknown_until_ms);
         view.policies.iter().all(|(key, entry)| {
             let share = view.enforced_share_ppm(entry.grants.get(region), now_ms);
             match self
@@ -440,7 +449,7 @@ impl Written {
                 .filter(|h| h.version == entry.policy.version)
             {
                 Some(h) => {
-                    (h.share <= share || now_ms >= h.until_ms) && (h.confirmed || earlier_run_over)
+                    (h.share <= share || over(h.until_ms)) && (h.confirmed || earlier_run_over)
                 }
                 None => earlier_run_over,
             }
@@ -456,6 +465,9 @@ mod tests {
 
     use super::*;
     use crate::coordination::view::{Grant, PolicyEntry};
+
+    /// Two drift margins of 300 ms.
+    const SLACK: u64 = 600;
 
     const PACING: Pacing = Pacing {
         report_interval_ms: 1_000,
@@ -697,16 +709,17 @@ mod tests {
         for x in w.plan(&up, &region(), 6_000, PACING) {
             w.record(x, false);
         }
-        // Cut to 0.2: the store may hold 0.5 until the end that write carried (40 s).
+        // Cut to 0.2: the store may hold 0.5 until the end that write carried (40 s), and
+        // two margins more on this daemon's clock.
         let cut = view_of(1, 200_000, 40_000);
-        assert!(!w.bounded_by(&cut, &region(), 39_999));
-        assert!(w.bounded_by(&cut, &region(), 40_000));
+        assert!(!w.bounded_by(&cut, &region(), 40_599, SLACK));
+        assert!(w.bounded_by(&cut, &region(), 40_600, SLACK));
         assert_eq!(
             pass(&mut w, &cut, 7_000),
             1,
             "the failed bucket is written again"
         );
-        assert!(w.bounded_by(&cut, &region(), 7_001));
+        assert!(w.bounded_by(&cut, &region(), 7_001, SLACK));
     }
 
     #[test]
@@ -715,19 +728,19 @@ mod tests {
         let v = view_of(1, 300_000, 40_000);
         let mut w = Written::new(0, 3_000);
         // Never written in this run: a previous run's share may hold for one lease.
-        assert!(!w.bounded_by(&v, &r, 2_999));
-        assert!(w.bounded_by(&v, &r, 3_000));
+        assert!(!w.bounded_by(&v, &r, 3_599, SLACK));
+        assert!(w.bounded_by(&v, &r, 3_600, SLACK));
         // Written at 0.3 at 5 s: the store holds it until the lease end, 40 s.
         pass(&mut w, &v, 5_000);
-        assert!(w.bounded_by(&v, &r, 5_000));
+        assert!(w.bounded_by(&v, &r, 5_000, SLACK));
         // Cut to 0.2: only once the stored 0.3 has ended.
         let cut = view_of(1, 200_000, 40_000);
-        assert!(!w.bounded_by(&cut, &r, 39_999));
-        assert!(w.bounded_by(&cut, &r, 40_000));
+        assert!(!w.bounded_by(&cut, &r, 40_599, SLACK));
+        assert!(w.bounded_by(&cut, &r, 40_600, SLACK));
         // Past this region's own lease the view enforces the floor, 0.1: a cut too.
-        assert!(w.bounded_by(&v, &r, 39_999));
+        assert!(w.bounded_by(&v, &r, 39_999, SLACK));
         assert!(
-            w.bounded_by(&v, &r, 40_000),
+            w.bounded_by(&v, &r, 40_600, SLACK),
             "the stored share ended with the lease"
         );
         // A bucket whose first write failed: an earlier run's share may still hold.
@@ -735,8 +748,8 @@ mod tests {
         for x in fresh.plan(&v, &r, 5_000, PACING) {
             fresh.record(x, false);
         }
-        assert!(!fresh.bounded_by(&v, &r, 44_999));
-        assert!(fresh.bounded_by(&v, &r, 45_000));
+        assert!(!fresh.bounded_by(&v, &r, 45_599, SLACK));
+        assert!(fresh.bounded_by(&v, &r, 45_600, SLACK));
     }
 
     /// Many buckets, a lease renewed every report interval, passes every interval for several

@@ -156,8 +156,9 @@ pub async fn run_apply(
         }
         let applied = match &replicated {
             Some(r) => {
+                let slack = 2 * r.drift_margin_ms();
                 let bounded =
-                    !all && written.bounded_by(&v, decider.region(), clock::monotonic_ms());
+                    !all && written.bounded_by(&v, decider.region(), clock::monotonic_ms(), slack);
                 if bounded {
                     tracing::debug!(
                         epoch = v.epoch,

@@ -93,6 +93,11 @@ impl Replicated {
         lease.end_ms(self.lease_config.drift_margin_ms)
     }
 
+    /// The drift margin this region counts its lease with.
+    pub fn drift_margin_ms(&self) -> u64 {
+        self.lease_config.drift_margin_ms
+    }
+
     /// Looks at the lease now: logs a lapse or a grant not told yet and sets
     /// `quotad_lease_remaining_ms`. Returns the lease end (local monotonic ms, 0 without one).
     pub fn observe_lease(&self) -> u64 {
