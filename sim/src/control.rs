@@ -5,6 +5,7 @@
 //!                                       the agent's holder: + usage report
 //!                                       a standby whose holder went quiet: ClaimAgent
 //!  a holder stopping (SIGTERM):         ReleaseAgent{node, fence} ──WAN──▶ leader
+//!  a new holder, after its first pass:  AgentPassed{node, fence} ──WAN──▶ leader
 //!  leader, on a report:                 DemandTracker::record
 //!  leader, on a daemon's write:         propose it
 //!  leader, every rebalance interval:    allocator::plan(committed, demand) ─▶ SetShares commands
@@ -39,12 +40,15 @@
 //! bucket written to Redis), a standby its view's. The region's acknowledgement is quota-core's:
 //! the least among daemons whose lease and margin have not run out. Checks are decided against
 //! what Redis holds, the grants and lease end the holder last wrote. A holder stopping on
-//! SIGTERM sends `ReleaseAgent` once it no longer writes (its record goes at once) and the
-//! standby claims at its next look; a killed one's record counts until its lease and margin
-//! run out, and the standby claims after [`TAKEOVER_INTERVALS`] report intervals without its
-//! renewals (quotad's watch). Meanwhile Redis keeps what the stopped holder wrote and usage
-//! stays counted there; the new holder writes every bucket at its replica's epoch, and its
-//! first report carries the usage since the last one, over that whole interval.
+//! SIGTERM sends `ReleaseAgent` once it no longer writes: the role is free at once and the
+//! standby claims at its next look. A killed one may only be paused: its record counts as a
+//! live daemon's, and the standby claims after [`TAKEOVER_INTERVALS`] report intervals without
+//! its renewals (quotad's watch). Either way the stopped holder's record stays, its
+//! acknowledgement frozen at its last pass (quota-core marks it as left at the release or at the
+//! claim that replaces it), since Redis holds that pass until the new holder's first.
+//! Meanwhile usage stays counted in Redis; the new holder writes every bucket at its replica's
+//! epoch, then sends `AgentPassed`, whose commit drops the left record, and its first report
+//! carries the usage since the last one, over that whole interval.
 
 use std::cmp::Reverse;
 use std::collections::BinaryHeap;
@@ -118,6 +122,12 @@ enum Reply {
     },
     /// A claim's answer, to daemon `node` of `region`.
     Claim { region: RegionIx, node: u64 },
+    /// An `AgentPassed`'s answer, to daemon `node` of `region` holding `fence`.
+    Passed {
+        region: RegionIx,
+        node: u64,
+        fence: u64,
+    },
 }
 
 #[derive(Debug)]
@@ -149,6 +159,12 @@ enum Event {
     },
     /// A won claim's fence reaches its daemon.
     Claimed {
+        region: RegionIx,
+        node: u64,
+        fence: u64,
+    },
+    /// The answer to a holder's `AgentPassed` under `fence` reaches it.
+    Passed {
         region: RegionIx,
         node: u64,
         fence: u64,
@@ -193,6 +209,10 @@ struct Daemon {
     /// Standing by: the holder's fence and lease end it last saw change, and its local time
     /// then (quotad's watch).
     seen: Option<((u64, u64), u64)>,
+    /// Holding: whether the log has answered its `AgentPassed` (the holder the region boots
+    /// with has nothing to replace). Until then it sends one after each complete pass, as
+    /// quotad's apply loop retries a failed one at its next pass.
+    passed: bool,
 }
 
 impl Daemon {
@@ -204,6 +224,7 @@ impl Daemon {
             view,
             fence: None,
             seen: None,
+            passed: true,
         }
     }
 }
@@ -720,6 +741,22 @@ impl Control {
                 self.rejected_commands += u64::from(*rejected_total);
                 None
             }
+            // Done, or moot: the role moved on since.
+            (
+                Response::AgentPassed | Response::AgentHeld { .. },
+                Reply::Passed {
+                    region,
+                    node,
+                    fence,
+                },
+            ) => Some((
+                region,
+                Event::Passed {
+                    region,
+                    node,
+                    fence,
+                },
+            )),
             // A claim that lost the race, a release.
             (Response::AgentHeld { .. } | Response::AgentReleased, _) => None,
             _ => {
@@ -734,14 +771,16 @@ impl Control {
         }
         if is_shares && self.mode == LeaseMode::NoLease {
             // No revoke-before-grant: every decrease counts as acknowledged at once, by every
-            // daemon the region's record lists.
+            // daemon the region's record lists. A left record (its holder stopped or was
+            // replaced) acknowledges nothing more: renewing it would only keep it holding the
+            // region back.
             let epoch = self.committed.epoch;
             let nodes: Vec<(RegionIx, u64)> = (0..world.regions)
                 .flat_map(|r| {
                     let daemons = self.committed.region(r).map(|s| &s.daemons);
-                    daemons
-                        .into_iter()
-                        .flat_map(move |d| d.keys().map(move |&n| (r, n)))
+                    daemons.into_iter().flat_map(move |d| {
+                        d.iter().filter(|(_, l)| !l.left).map(move |(&n, _)| (r, n))
+                    })
                 })
                 .collect();
             for (r, node) in nodes {
@@ -805,8 +844,10 @@ impl Control {
     }
 
     /// The holder of region `r` writes every bucket at its replica's epoch, with its lease, and
-    /// counts that epoch as applied (what it acknowledges from then on).
-    fn write_pass(&mut self, r: RegionIx) {
+    /// counts that epoch as applied (what it acknowledges from then on). Until the log has
+    /// answered its `AgentPassed`, it sends one: Redis now holds its whole view, so the record
+    /// of the holder it replaced no longer holds the region's acknowledgement back.
+    fn write_pass(&mut self, world: &World, r: RegionIx, at_ms: u64) {
         let Some(h) = self.regions[r].holder() else {
             return;
         };
@@ -815,6 +856,22 @@ impl Control {
         let epoch = region.replica.epoch;
         region.daemons[h].view.on_applied(epoch);
         region.write_lease();
+        let holder = &region.daemons[h];
+        if !holder.passed {
+            let node = holder.node;
+            let fence = holder.fence.expect("the holder holds a fence");
+            let op = Operation::AgentPassed {
+                region: self.region_ids[r].clone(),
+                node,
+                fence,
+            };
+            let reply = Reply::Passed {
+                region: r,
+                node,
+                fence,
+            };
+            self.send_write(world, r, at_ms, op, reply);
+        }
     }
 
     fn replicate(&mut self, world: &World, t_ms: u64) {
@@ -841,7 +898,7 @@ impl Control {
                 for d in &mut self.regions[r].daemons {
                     d.view.on_applied(epoch);
                 }
-                self.write_pass(r);
+                self.write_pass(world, r, t_ms);
             }
         }
     }
@@ -957,14 +1014,32 @@ impl Control {
                 for d in &mut r.daemons {
                     d.fence = (d.node == node).then_some(fence);
                     d.seen = None;
+                    d.passed = d.node != node;
                 }
                 // The role is new to it: what Redis holds is another daemon's writing, so it
                 // writes every bucket, then reports the usage counted since the last report.
                 if let Some(stopped) = r.holder_stopped_ms.take() {
                     self.counts.takeovers_ms[region].push(at_ms - stopped);
                 }
-                self.write_pass(region);
+                self.write_pass(world, region, at_ms);
                 self.report_usage(world, region, at_ms);
+            }
+            Event::Passed {
+                region,
+                node,
+                fence,
+            } => {
+                if !world.daemon_up(region, at_ms) {
+                    return;
+                }
+                let r = &mut self.regions[region];
+                if let Some(d) = r
+                    .daemons
+                    .iter_mut()
+                    .find(|d| d.node == node && d.fence == Some(fence))
+                {
+                    d.passed = true;
+                }
             }
             Event::Join { region } => {
                 let node = self.next_node;
@@ -1159,15 +1234,18 @@ mod tests {
         c.committed.region(1).unwrap().acked_epoch
     }
 
+    /// A killed holder may only be paused: its record counts until the claim that replaces it
+    /// marks it as left, and holds region 1's acknowledgement at its last pass until the new
+    /// holder's first pass is in Redis (`AgentPassed`), long before its lease would run out.
     #[test]
-    fn a_killed_holder_keeps_the_acknowledgement_until_its_lease_and_margin_run_out() {
+    fn a_killed_holder_holds_the_acknowledgement_until_its_successors_first_pass() {
         let w = stop(Stop::Killed);
         let cfg = ControlConfig::default();
         let mut c = Control::new(&w, &tenants(), |t| t.policy.clone(), cfg, LeaseMode::Leased);
         drive(&mut c, &w, 0, 20_000, &[10, 80, 10]);
         let r1 = &c.regions[1];
         let (before, lease) = (r1.grants[0], r1.stored_lease.unwrap());
-        let dead = r1.daemons[0].node;
+        let (dead, standby) = (r1.daemons[0].node, r1.daemons[1].node);
         let dead_ack = r1.daemons[0].view.applied_epoch();
         let reports = c.counts.usage_reports.clone();
         assert!(before.share_ppm > 600_000, "region 1 got {before:?}");
@@ -1188,8 +1266,37 @@ mod tests {
             c.counts.usage_reports[1], reports[1],
             "usage without a holder"
         );
-        // Then it claims (one commit) and writes every bucket.
-        drive(&mut c, &w, 23_000, 25_000, &[10, 10, 80]);
+        assert_eq!(acked(&c), dead_ack);
+        let dead_record = record(&c, dead).unwrap();
+        assert!(!dead_record.left);
+        // Its lease and margin would run out 20 s less one report interval after the kill.
+        let end_ms = dead_record.lease_expires_at_ms;
+        assert!((29_000..29_500).contains(&end_ms), "{end_ms}");
+        // Then the standby claims (one commit, which marks the dead record as left), writes
+        // every bucket and sends AgentPassed: until that commits the acknowledgement stays at
+        // the dead holder's last pass, though the standby acknowledges later epochs.
+        let claimed = |op: &Operation| matches!(op, Operation::ClaimAgent { .. });
+        let passed = |op: &Operation| matches!(op, Operation::AgentPassed { .. });
+        let mut held_back = false;
+        let mut t = 23_000;
+        while committed_at(&c, 20_000, passed).is_none() {
+            assert!(t < 25_000, "no AgentPassed committed by {t} ms");
+            drive(&mut c, &w, t, t + 10, &[10, 10, 80]);
+            t += 10;
+            if committed_at(&c, 20_000, passed).is_none() {
+                assert_eq!(acked(&c), dead_ack, "at {t} ms");
+                let left = committed_at(&c, 20_000, claimed).is_some();
+                assert_eq!(record(&c, dead).map(|d| d.left), Some(left), "at {t} ms");
+                held_back |= record(&c, standby).unwrap().acked_epoch > dead_ack;
+            }
+        }
+        assert!(
+            held_back,
+            "the standby never acknowledged past the dead holder's pass"
+        );
+        assert!((23_000..24_000).contains(&t), "{t}");
+        assert_eq!(record(&c, dead), None);
+        assert!(acked(&c) > dead_ack);
         let taken = c.counts.takeovers_ms[1].clone();
         assert!(
             taken.len() == 1 && (3_000..3_000 + cfg.report_ms).contains(&taken[0]),
@@ -1201,18 +1308,8 @@ mod tests {
         assert!(r1.grants[0].share_ppm < before.share_ppm);
         assert!(r1.stored_lease.unwrap().start_local_ms > lease.start_local_ms);
         assert!(c.counts.usage_reports[1] > reports[1]);
-        // The dead record holds region 1's acknowledgement back for a lease and the margin
-        // after its last renewal (20 s less one report interval, plus a commit)...
-        let end_ms = record(&c, dead).unwrap().lease_expires_at_ms;
-        assert!((29_000..29_500).contains(&end_ms), "{end_ms}");
-        drive(&mut c, &w, 25_000, 29_900, &[10, 10, 80]);
-        assert_eq!(acked(&c), dead_ack);
-        assert!(c.committed.epoch > dead_ack);
-        // ...and counts no more once they ran out.
-        drive(&mut c, &w, 29_900, 31_900, &[10, 10, 80]);
-        assert!(record(&c, dead).is_none());
-        assert!(acked(&c) > dead_ack);
         // A daemon started in the killed one's place stands by as a new node.
+        drive(&mut c, &w, t, 26_000, &[10, 10, 80]);
         let r1 = &c.regions[1];
         assert_eq!(r1.daemons.len(), 2);
         assert!(r1.daemons.iter().all(|d| d.node != dead));
@@ -1230,11 +1327,11 @@ mod tests {
         let gone = c.regions[1].daemons[0].node;
         let standby = c.regions[1].daemons[1].node;
         let before = c.regions[1].grants[0];
-        // The release commits within a round trip: the record goes and the role is free.
+        // The release commits within a round trip: the role is free, and the record stays
+        // (Redis holds what it wrote) until the next holder's first pass.
         drive(&mut c, &w, 20_000, 20_500, &[10, 10, 80]);
-        let s = c.committed.region(1).unwrap();
-        assert_eq!((s.agent, record(&c, gone)), (None, None));
-        assert_eq!(acked(&c), record(&c, standby).unwrap().acked_epoch);
+        assert_eq!(c.committed.region(1).unwrap().agent, None);
+        assert!(record(&c, gone).is_some_and(|d| d.left));
         assert_eq!(c.regions[1].grants[0], before, "Redis holds what it wrote");
         // The standby claims at its next report tick and writes every bucket.
         drive(&mut c, &w, 20_500, 22_000, &[10, 10, 80]);
@@ -1252,6 +1349,61 @@ mod tests {
         assert!(!c.on_floor(1, w.local_ms(1, 40_000)));
         assert_eq!(c.committed.region(1).unwrap().daemons.len(), 2);
         assert_eq!(c.take_stops(), vec![(1, Stop::Graceful)]);
+        assert_eq!(c.rejected_commands, 0);
+    }
+
+    /// When an operation matching `op` first committed at or after `from_ms`, if one did.
+    fn committed_at(c: &Control, from_ms: u64, op: impl Fn(&Operation) -> bool) -> Option<u64> {
+        c.log
+            .iter()
+            .find_map(|&(t, ref cmd)| (t >= from_ms && op(&cmd.op)).then_some(t))
+    }
+
+    /// Demand leaves region 1 just before its holder stops on SIGTERM, so the rebalance at the
+    /// stop raises the epoch: the standby acknowledges it while Redis still holds the stopped
+    /// holder's last pass. The region's acknowledgement stays at that pass until the new
+    /// holder's `AgentPassed` (sent after its first pass) commits, and rises then.
+    #[test]
+    fn after_a_release_the_acknowledgement_waits_for_the_next_holders_first_pass() {
+        let w = stop(Stop::Graceful);
+        let cfg = ControlConfig::default();
+        let mut c = Control::new(&w, &tenants(), |t| t.policy.clone(), cfg, LeaseMode::Leased);
+        drive(&mut c, &w, 0, 17_000, &[10, 80, 10]);
+        drive(&mut c, &w, 17_000, 20_000, &[10, 10, 80]);
+        let (gone, standby) = (c.regions[1].daemons[0].node, c.regions[1].daemons[1].node);
+        let last_pass = c.regions[1].daemons[0].view.applied_epoch();
+        let released = |op: &Operation| matches!(op, Operation::ReleaseAgent { .. });
+        let passed = |op: &Operation| matches!(op, Operation::AgentPassed { .. });
+        let mut held_back = false;
+        let mut t = 20_000;
+        while committed_at(&c, 20_000, passed).is_none() {
+            assert!(t < 25_000, "no AgentPassed committed by {t} ms");
+            drive(&mut c, &w, t, t + 10, &[10, 10, 80]);
+            t += 10;
+            if committed_at(&c, 20_000, released).is_some()
+                && committed_at(&c, 20_000, passed).is_none()
+            {
+                assert_eq!(acked(&c), last_pass, "at {t} ms");
+                assert!(record(&c, gone).is_some_and(|d| d.left));
+                held_back |= record(&c, standby).unwrap().acked_epoch > last_pass;
+            }
+        }
+        assert!(
+            held_back,
+            "the standby never acknowledged past the stopped holder's pass"
+        );
+        // One report interval, a claim and an AgentPassed after the stop, long before the
+        // stopped holder's lease and margin run out.
+        assert!((21_000..22_000).contains(&t), "{t}");
+        assert!(acked(&c) > last_pass);
+        assert_eq!(acked(&c), record(&c, standby).unwrap().acked_epoch);
+        assert_eq!(record(&c, gone), None);
+        // The answer reaches the holder a one-way delay later: it sends no more.
+        let r1 = &c.regions[1];
+        assert!(!r1.daemons[r1.holder().unwrap()].passed);
+        drive(&mut c, &w, t, t + 200, &[10, 10, 80]);
+        let r1 = &c.regions[1];
+        assert!(r1.daemons[r1.holder().unwrap()].passed);
         assert_eq!(c.rejected_commands, 0);
     }
 

@@ -45,18 +45,19 @@ pub enum Fault {
 #[serde(rename_all = "snake_case")]
 pub enum Stop {
     /// SIGTERM (a rolling upgrade, a node drain): once it has stopped deciding and writing it
-    /// sends `ReleaseAgent`, so its lease record goes at once and a standby claims the role at
-    /// its next look.
+    /// sends `ReleaseAgent`, so a standby claims the role at its next look; its lease record,
+    /// its acknowledgement frozen, goes once the new holder's first pass is in Redis
+    /// (`AgentPassed`).
     Graceful,
-    /// kill -9: it goes quiet, like a paused daemon that may resume. Its lease record counts
-    /// until its lease and the drift margin run out, and a standby claims the role after three
-    /// report intervals without its renewals.
+    /// kill -9: it goes quiet, like a paused daemon that may resume. A standby claims the role
+    /// after three report intervals without its renewals; its lease record, its
+    /// acknowledgement frozen, goes once the new holder's first pass is in Redis.
     Killed,
 }
 
 /// How long after an [`Fault::AgentStop`] a daemon started in the stopped one's place (as
-/// Kubernetes restarts a pod) joins its region as a standby. It joins as a new node, so
-/// nothing renews a killed daemon's record before it runs out.
+/// Kubernetes restarts a pod) joins its region as a standby. It joins as a new node: nothing
+/// renews a killed daemon's record.
 pub const RESTART_MS: u64 = 5_000;
 
 impl Fault {

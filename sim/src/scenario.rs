@@ -59,7 +59,8 @@ pub enum ScenarioKind {
     /// releases the role and its standby takes it over at its next look; demand moves 5 s in.
     AgentMove,
     /// Like `agent_move`, but the holder is killed: its standby takes over after three report
-    /// intervals, and its lease record holds the region's acknowledgement until it runs out.
+    /// intervals, and its lease record holds the region's acknowledgement until the new
+    /// holder's first pass.
     AgentCrash,
     /// The leader's region (region 0) is cut off from the others for 90 s; 40 s in, every
     /// tenant surges to 3× its limit in every region.

@@ -1,10 +1,11 @@
 //! `agent_move` and `agent_crash`: region 1's agent holder stops every 10 s for the fault span,
-//! on SIGTERM (it releases the role and its lease record; the standby claims at its next look)
-//! or killed (the standby claims after three report intervals; the dead record holds region
-//! 1's acknowledgement until its lease and margin run out). quotad keeps its overshoot bound
-//! either way; a graceful move costs the other regions nothing (healthy goodput, regions 0 and
-//! 2 against the same strategy on the same arrivals without the stops, ≥ 0.99), a crash costs
-//! them the wait for the dead daemon's lease.
+//! on SIGTERM (it releases the role and the standby claims at its next look) or killed (the
+//! standby claims after three report intervals). Either way the stopped holder's record holds
+//! region 1's acknowledgement at its last pass until the new holder's `AgentPassed`, sent after
+//! its first pass, commits. quotad keeps its overshoot bound either way and costs the other
+//! regions next to nothing (healthy goodput, regions 0 and 2 against the same strategy on the
+//! same arrivals without the stops, ≥ 0.99); a crash costs them a little more, the wait for
+//! the standby's claim.
 
 use clap::Parser;
 use sim::control::AgentCounts;
@@ -109,19 +110,19 @@ fn a_graceful_move_keeps_the_bound_and_costs_the_other_regions_nothing() {
     );
 }
 
-/// A crash costs more than a graceful move: the standby waits three report intervals, and the
-/// dead daemon (it may only be paused) holds region 1's acknowledgement for a lease and the
-/// margin after its last renewal, so region 1's share goes to region 2 late. Healthy goodput
-/// measured at seeds 1–6 (this run's options): 0.913–0.982, seed 1 the lowest; the floor
-/// below leaves that a margin.
+/// A crash costs a little more than a graceful move: the standby waits three report intervals
+/// before it claims, and until the new holder's first pass the dead daemon's record (it may
+/// only be paused) holds region 1's acknowledgement, so region 1's share goes to region 2 a
+/// little later. Healthy goodput measured at seeds 1–8 (this run's options): 0.997–0.998,
+/// against 0.999–1.000 for the graceful move.
 #[test]
-fn a_crash_keeps_the_bound_and_costs_the_wait_for_the_dead_daemons_lease() {
+fn a_crash_keeps_the_bound_and_costs_the_wait_for_the_standbys_claim() {
     let kind = ScenarioKind::AgentCrash;
     let s = run(kind);
     let good = s
         .goodput_healthy
         .expect("healthy regions admitted something");
-    assert!(good >= 0.90, "healthy goodput {good:.4}");
+    assert!(good >= 0.99, "healthy goodput {good:.4}");
     let agents = s.agents.expect("quotad runs region agents");
     let stops = stops(kind, &agents);
     let taken = &agents.takeovers_ms[AGENT_REGION];
@@ -138,7 +139,7 @@ fn a_crash_keeps_the_bound_and_costs_the_wait_for_the_dead_daemons_lease() {
     );
     let graceful = run(ScenarioKind::AgentMove).goodput_healthy.unwrap();
     assert!(
-        good + 0.01 < graceful,
+        good < graceful,
         "a crash ({good:.4}) costs no more than a graceful move ({graceful:.4})"
     );
 }
