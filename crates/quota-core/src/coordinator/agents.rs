@@ -12,10 +12,12 @@
 //! which is at least that, so the region's acknowledgement never goes down.
 //!
 //! One daemon holds the agent role (it writes the store); a claim is a compare-and-set on the
-//! fence, and every claim draws a fence above all earlier ones. The agent a claim replaces, or
-//! one that released the role, may have writes in the store that only the next agent's first
-//! complete pass replaces: its record is marked as left, its acknowledgement frozen, until that
-//! pass ([`super::Operation::AgentPassed`]) or its lease's end.
+//! fence, and every claim draws a fence above all earlier ones. An agent that released the role
+//! (stopping) may have writes in the store that only the next agent's first complete pass
+//! replaces: its record is marked as left, its acknowledgement frozen, until that pass
+//! ([`super::Operation::AgentPassed`]). The agent a claim replaces may be alive as well (paused
+//! or cut off, deciding in process on an old view): its record holds, unchanged, until its
+//! lease and the margin are over.
 
 use super::{AgentRole, CoordinatorState, DaemonLease, Response};
 use crate::ids::RegionId;
@@ -53,25 +55,29 @@ impl CoordinatorState {
         let live = |d: &DaemonLease| d.lease_expires_at_ms.saturating_add(margin) >= now;
         let holder = region.agent.map(|a| a.node);
         // Records that can no longer enforce anything go (the holder's stays, for display).
-        region
-            .daemons
-            .retain(|n, d| live(d) || Some(*n) == holder || *n == node);
+        region.daemons.retain(|n, d| live(d) || Some(*n) == holder);
         let expires = now.saturating_add(lease_ms);
         let acked = region.acked_epoch;
         let d = region.daemons.entry(node).or_insert(DaemonLease {
             acked_epoch: acked,
             lease_expires_at_ms: 0,
             left: false,
+            deposed: false,
         });
         // An agent that left and renews again (restarted under the same id) keeps the
-        // acknowledgement of what it wrote until the next agent's first pass replaces it.
+        // acknowledgement of what it wrote until the next agent's first pass replaces it. A
+        // deposed agent's record is not touched: it holds until its lease is over (the lease
+        // this renewal grants counts in the region's, below, and the daemon uses it only for
+        // an allocation at least as new as now).
         if !d.left {
             if !live(d) {
                 d.acked_epoch = d.acked_epoch.max(acked);
             }
             d.acked_epoch = d.acked_epoch.max(acked_epoch);
         }
-        d.lease_expires_at_ms = d.lease_expires_at_ms.max(expires);
+        if !d.deposed {
+            d.lease_expires_at_ms = d.lease_expires_at_ms.max(expires);
+        }
         let least = region
             .daemons
             .values()
@@ -105,6 +111,7 @@ impl CoordinatorState {
                 // this claimant's first complete pass replaces what it wrote.
                 if let Some(d) = old.and_then(|a| region.daemons.get_mut(&a.node)) {
                     d.left = true;
+                    d.deposed = true;
                 }
                 region.agent = Some(AgentRole { node, fence: next });
                 self.last_fence = next;
@@ -130,12 +137,13 @@ impl CoordinatorState {
         };
         let agent = region.agent;
         let released = agent.is_some_and(|a| a.node == node && a.fence == fence);
+        let deposed = region.daemons.get(&node).is_some_and(|d| d.deposed);
         if released {
             region.agent = None;
             if let Some(d) = region.daemons.get_mut(&node) {
                 d.left = true;
             }
-        } else {
+        } else if !deposed {
             region.daemons.remove(&node);
             raise_ack(region, margin, now);
         }
@@ -162,7 +170,9 @@ impl CoordinatorState {
         };
         match region.agent {
             Some(a) if a.node == node && a.fence == fence => {
-                region.daemons.retain(|_, d| !d.left);
+                // What agents that stopped wrote is replaced; one deposed may still decide
+                // in process until its lease is over.
+                region.daemons.retain(|_, d| !d.left || d.deposed);
                 raise_ack(region, margin, now);
                 Response::AgentPassed
             }
@@ -367,22 +377,21 @@ mod tests {
 
     /// Found by the model checker (`quota-model`, mutant `DeposedAck`): an agent deposed by a
     /// claim while alive goes on renewing as a standby, acknowledging its view; its last
-    /// write, of an older epoch, is still in the store until the claimant's first pass.
+    /// write, of an older epoch, is still in the store, and it may still decide in process on
+    /// an old view until its lease ends. Its record holds until then, whatever the claimant
+    /// writes.
     #[test]
-    fn a_deposed_agent_holds_the_acknowledgement_until_the_claimant_has_passed() {
+    fn a_deposed_agent_holds_the_acknowledgement_until_its_lease_is_over() {
         let mut c = Cluster::new();
         c.s.epoch = 9;
         assert_eq!(c.claim(1, 0), Response::AgentClaimed { fence: 1 });
         c.renew(1_000, 1, 4);
         c.renew(1_000, 2, 9);
         assert_eq!(c.claim(2, 1), Response::AgentClaimed { fence: 2 });
+        // Its renewals neither raise its acknowledgement nor lengthen its record.
         c.renew(1_100, 1, 9);
         c.renew(1_100, 2, 9);
-        assert_eq!(
-            c.acked(),
-            4,
-            "the deposed agent's write may still be in force"
-        );
+        assert_eq!(c.acked(), 4, "the deposed agent may still enforce epoch 4");
         let r = c.op(
             1_200,
             Operation::AgentPassed {
@@ -392,11 +401,16 @@ mod tests {
             },
         );
         assert_eq!(r, Response::AgentPassed);
+        assert_eq!(c.acked(), 4, "the claimant's pass does not end a deposed agent's lease");
+        // Its lease (3 000 after 1 000) and the margin (500) are over at 4 501.
+        c.renew(4_500, 2, 9);
+        assert_eq!(c.acked(), 4);
+        c.renew(4_501, 2, 9);
         assert_eq!(c.acked(), 9);
         // Back as a standby, it starts afresh at the region's acknowledgement.
-        c.renew(1_300, 1, 9);
+        c.renew(4_600, 1, 9);
         assert_eq!(c.s.region(0).unwrap().daemons[&1].acked_epoch, 9);
-        assert!(!c.s.region(0).unwrap().daemons[&1].left);
+        assert!(!c.s.region(0).unwrap().daemons[&1].deposed);
     }
 
     #[test]

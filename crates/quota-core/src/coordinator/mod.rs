@@ -138,6 +138,12 @@ pub struct DaemonLease {
     /// ([`super::Operation::AgentPassed`]) replaces it.
     #[serde(default)]
     pub left: bool,
+    /// The daemon was the agent a claim replaced: it may be alive (paused, cut off) and
+    /// decide in process on an old view until its lease ends, so its record holds the
+    /// region's acknowledgement, unchanged by its renewals, until its lease and the margin
+    /// are over, whatever the next agent writes.
+    #[serde(default)]
+    pub deposed: bool,
 }
 
 /// The holder of a region's agent role and the fence its writes carry.
