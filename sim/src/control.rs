@@ -45,10 +45,12 @@
 //! live daemon's, and the standby claims after [`TAKEOVER_INTERVALS`] report intervals without
 //! its renewals (quotad's watch). Either way the stopped holder's record stays, its
 //! acknowledgement frozen at its last pass (quota-core marks it as left at the release or at the
-//! claim that replaces it), since Redis holds that pass until the new holder's first.
-//! Meanwhile usage stays counted in Redis; the new holder writes every bucket at its replica's
-//! epoch, then sends `AgentPassed`, whose commit drops the left record, and its first report
-//! carries the usage since the last one, over that whole interval.
+//! claim that replaces it). Meanwhile usage stays counted in Redis; the new holder writes every
+//! bucket at its replica's epoch, then sends `AgentPassed`. Its commit drops a released
+//! holder's record, whose pass Redis held until then. A killed holder's record, deposed by the
+//! claim, holds until its lease and margin run out, whatever the new holder writes: a paused
+//! daemon may resume and decide in process on its old view until its own lease ends. The new
+//! holder's first report carries the usage since the last one, over that whole interval.
 
 use std::cmp::Reverse;
 use std::collections::BinaryHeap;
@@ -1234,11 +1236,12 @@ mod tests {
         c.committed.region(1).unwrap().acked_epoch
     }
 
-    /// A killed holder may only be paused: its record counts until the claim that replaces it
-    /// marks it as left, and holds region 1's acknowledgement at its last pass until the new
-    /// holder's first pass is in Redis (`AgentPassed`), long before its lease would run out.
+    /// A killed holder may only be paused, deciding in process on its old view until its lease
+    /// ends: the claim that replaces it marks its record as left and deposed, and the record
+    /// holds region 1's acknowledgement at its last pass until its lease and margin run out,
+    /// whatever the new holder writes (its `AgentPassed` included).
     #[test]
-    fn a_killed_holder_holds_the_acknowledgement_until_its_successors_first_pass() {
+    fn a_killed_holder_holds_the_acknowledgement_until_its_lease_and_margin_run_out() {
         let w = stop(Stop::Killed);
         let cfg = ControlConfig::default();
         let mut c = Control::new(&w, &tenants(), |t| t.policy.clone(), cfg, LeaseMode::Leased);
@@ -1268,25 +1271,28 @@ mod tests {
         );
         assert_eq!(acked(&c), dead_ack);
         let dead_record = record(&c, dead).unwrap();
-        assert!(!dead_record.left);
-        // Its lease and margin would run out 20 s less one report interval after the kill.
-        let end_ms = dead_record.lease_expires_at_ms;
-        assert!((29_000..29_500).contains(&end_ms), "{end_ms}");
-        // Then the standby claims (one commit, which marks the dead record as left), writes
-        // every bucket and sends AgentPassed: until that commits the acknowledgement stays at
-        // the dead holder's last pass, though the standby acknowledges later epochs.
+        assert!(!dead_record.left && !dead_record.deposed);
+        // Its lease, from its last renewal before the kill, and the margin end here (the
+        // coordinator's time).
+        let out_ms = dead_record.lease_expires_at_ms + cfg.drift_margin_ms;
+        assert!((30_000..30_500).contains(&out_ms), "{out_ms}");
+        // The standby claims (one commit, which marks the dead record as left and deposed),
+        // writes every bucket and sends AgentPassed. The acknowledgement stays at the dead
+        // holder's last pass until the record's lease and margin are over, though the standby
+        // acknowledges later epochs and its AgentPassed commits long before.
         let claimed = |op: &Operation| matches!(op, Operation::ClaimAgent { .. });
         let passed = |op: &Operation| matches!(op, Operation::AgentPassed { .. });
         let mut held_back = false;
         let mut t = 23_000;
-        while committed_at(&c, 20_000, passed).is_none() {
-            assert!(t < 25_000, "no AgentPassed committed by {t} ms");
+        while acked(&c) == dead_ack {
+            assert!(t < 33_000, "the acknowledgement still held at {t} ms");
             drive(&mut c, &w, t, t + 10, &[10, 10, 80]);
             t += 10;
-            if committed_at(&c, 20_000, passed).is_none() {
-                assert_eq!(acked(&c), dead_ack, "at {t} ms");
-                let left = committed_at(&c, 20_000, claimed).is_some();
-                assert_eq!(record(&c, dead).map(|d| d.left), Some(left), "at {t} ms");
+            if acked(&c) == dead_ack {
+                let replaced = committed_at(&c, 20_000, claimed).is_some();
+                let d = record(&c, dead).expect("the dead record holds");
+                assert_eq!((d.left, d.deposed), (replaced, replaced), "at {t} ms");
+                assert_eq!(d.lease_expires_at_ms, dead_record.lease_expires_at_ms);
                 held_back |= record(&c, standby).unwrap().acked_epoch > dead_ack;
             }
         }
@@ -1294,7 +1300,12 @@ mod tests {
             held_back,
             "the standby never acknowledged past the dead holder's pass"
         );
-        assert!((23_000..24_000).contains(&t), "{t}");
+        let passed_ms = committed_at(&c, 20_000, passed).expect("AgentPassed committed");
+        assert!((23_000..24_000).contains(&passed_ms), "{passed_ms}");
+        // The first renewal committed after the record's end drops it and raises the
+        // acknowledgement: not before, and within a report interval and a round trip.
+        assert!(c.committed.last_now_ms > out_ms, "{out_ms}");
+        assert!((30_000..31_500).contains(&t), "{t}");
         assert_eq!(record(&c, dead), None);
         assert!(acked(&c) > dead_ack);
         let taken = c.counts.takeovers_ms[1].clone();
@@ -1304,13 +1315,12 @@ mod tests {
         );
         let r1 = &c.regions[1];
         let holder = &r1.daemons[r1.holder().unwrap()];
+        assert!(holder.passed);
         assert_eq!(holder.view.applied_epoch(), r1.replica.epoch);
         assert!(r1.grants[0].share_ppm < before.share_ppm);
         assert!(r1.stored_lease.unwrap().start_local_ms > lease.start_local_ms);
         assert!(c.counts.usage_reports[1] > reports[1]);
         // A daemon started in the killed one's place stands by as a new node.
-        drive(&mut c, &w, t, 26_000, &[10, 10, 80]);
-        let r1 = &c.regions[1];
         assert_eq!(r1.daemons.len(), 2);
         assert!(r1.daemons.iter().all(|d| d.node != dead));
         assert_eq!(c.counts.stops, vec![0, 1, 0]);
@@ -1384,7 +1394,7 @@ mod tests {
                 && committed_at(&c, 20_000, passed).is_none()
             {
                 assert_eq!(acked(&c), last_pass, "at {t} ms");
-                assert!(record(&c, gone).is_some_and(|d| d.left));
+                assert!(record(&c, gone).is_some_and(|d| d.left && !d.deposed));
                 held_back |= record(&c, standby).unwrap().acked_epoch > last_pass;
             }
         }

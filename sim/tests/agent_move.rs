@@ -1,11 +1,13 @@
 //! `agent_move` and `agent_crash`: region 1's agent holder stops every 10 s for the fault span,
 //! on SIGTERM (it releases the role and the standby claims at its next look) or killed (the
-//! standby claims after three report intervals). Either way the stopped holder's record holds
-//! region 1's acknowledgement at its last pass until the new holder's `AgentPassed`, sent after
-//! its first pass, commits. quotad keeps its overshoot bound either way and costs the other
-//! regions next to nothing (healthy goodput, regions 0 and 2 against the same strategy on the
-//! same arrivals without the stops, ≥ 0.99); a crash costs them a little more, the wait for
-//! the standby's claim.
+//! standby claims after three report intervals). A released holder's record holds region 1's
+//! acknowledgement at its last pass until the new holder's `AgentPassed`, sent after its first
+//! pass, commits; a killed holder's, deposed by the claim, until its lease and margin run out,
+//! since the dead daemon may only be paused and still decide on its old view. quotad keeps its
+//! overshoot bound either way; a graceful move costs the other regions next to nothing (healthy
+//! goodput, regions 0 and 2 against the same strategy on the same arrivals without the stops,
+//! ≥ 0.99), a crash more: region 1's share reaches region 2 only as its acknowledgement catches
+//! up.
 
 use clap::Parser;
 use sim::control::AgentCounts;
@@ -110,19 +112,20 @@ fn a_graceful_move_keeps_the_bound_and_costs_the_other_regions_nothing() {
     );
 }
 
-/// A crash costs a little more than a graceful move: the standby waits three report intervals
-/// before it claims, and until the new holder's first pass the dead daemon's record (it may
-/// only be paused) holds region 1's acknowledgement, so region 1's share goes to region 2 a
-/// little later. Healthy goodput measured at seeds 1–8 (this run's options): 0.997–0.998,
-/// against 0.999–1.000 for the graceful move.
+/// A crash costs more than a graceful move: the standby waits three report intervals before
+/// it claims, and the dead daemon's record (it may only be paused) holds region 1's
+/// acknowledgement until its lease and margin run out, about 10 s after each kill, so with a
+/// kill every 10 s region 1's decreases stay unacknowledged for most of the fault and region 2
+/// is raised late. Healthy goodput measured at seeds 1–8 (this run's options): 0.913–0.982,
+/// against 0.999–1.000 for the graceful move; the floor leaves 0.01 below the lowest.
 #[test]
-fn a_crash_keeps_the_bound_and_costs_the_wait_for_the_standbys_claim() {
+fn a_crash_keeps_the_bound_and_costs_the_dead_holders_lease() {
     let kind = ScenarioKind::AgentCrash;
     let s = run(kind);
     let good = s
         .goodput_healthy
         .expect("healthy regions admitted something");
-    assert!(good >= 0.99, "healthy goodput {good:.4}");
+    assert!(good >= 0.90, "healthy goodput {good:.4}");
     let agents = s.agents.expect("quotad runs region agents");
     let stops = stops(kind, &agents);
     let taken = &agents.takeovers_ms[AGENT_REGION];
@@ -139,7 +142,7 @@ fn a_crash_keeps_the_bound_and_costs_the_wait_for_the_standbys_claim() {
     );
     let graceful = run(ScenarioKind::AgentMove).goodput_healthy.unwrap();
     assert!(
-        good < graceful,
-        "a crash ({good:.4}) costs no more than a graceful move ({graceful:.4})"
+        good < graceful - 0.01,
+        "a crash ({good:.4}) costs little more than a graceful move ({graceful:.4})"
     );
 }

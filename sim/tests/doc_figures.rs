@@ -320,8 +320,8 @@ fn sim_readme_prose_quotes_its_tables() {
             t.cell(("agent_move", "quotad"), "conv_s")
         ),
         format!(
-            "keeps the bound (over(W) {}, region 1 never on its floors) and costs the other \
-             regions little more than a release: healthy goodput {} (",
+            "keeps the bound (over(W) {}, region 1 never on its floors) but costs the other \
+             regions more than a release: healthy goodput {} (",
             t.cell(("agent_crash", "quotad"), "over(W)"),
             t.cell(("agent_crash", "quotad"), "good_ok")
         ),
