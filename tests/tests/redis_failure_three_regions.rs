@@ -1006,6 +1006,10 @@ async fn local_fail_mode_keeps_the_share_while_redis_is_down_longer_than_a_lease
         settled.is_some(),
         "B applies its share under a configured-length lease"
     );
+    // B became its region's agent at start: for a lease and two drift margins after that, what
+    // an earlier writer may have left in Redis counts (`Written::bounded_by`), so an epoch B
+    // cannot write is acknowledged only after it. The outage starts once that is over.
+    tokio::time::sleep(Duration::from_millis(t.lease_ms + 2 * t.drift_margin_ms)).await;
 
     let start = Instant::now();
     let traffic = Traffic {
