@@ -78,14 +78,7 @@ impl CoordinatorState {
         if !d.deposed {
             d.lease_expires_at_ms = d.lease_expires_at_ms.max(expires);
         }
-        let least = region
-            .daemons
-            .values()
-            .filter(|d| live(d))
-            .map(|d| d.acked_epoch)
-            .min()
-            .unwrap_or(acked);
-        region.acked_epoch = region.acked_epoch.max(least);
+        raise_ack(region, margin, now);
         region.lease_expires_at_ms = region.lease_expires_at_ms.max(expires);
         Response::LeaseRenewed {
             region: index,
@@ -401,7 +394,11 @@ mod tests {
             },
         );
         assert_eq!(r, Response::AgentPassed);
-        assert_eq!(c.acked(), 4, "the claimant's pass does not end a deposed agent's lease");
+        assert_eq!(
+            c.acked(),
+            4,
+            "the claimant's pass does not end a deposed agent's lease"
+        );
         // Its lease (3 000 after 1 000) and the margin (500) are over at 4 501.
         c.renew(4_500, 2, 9);
         assert_eq!(c.acked(), 4);

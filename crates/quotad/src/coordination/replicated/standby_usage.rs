@@ -7,16 +7,15 @@
 use std::sync::Arc;
 
 use axum::extract::State;
-use axum::http::{header, StatusCode};
+use axum::http::StatusCode;
 use axum::response::{IntoResponse as _, Response};
 use quota_core::{PolicyName, RegionId, TenantId};
-use quota_raft::peer_api::{caller_region, refuse_identity};
+use quota_raft::peer_api::refuse_identity;
 use quota_store::{BucketRef, UsageRecord};
 use serde::{Deserialize, Serialize};
 
 use super::{unavailable, Replicated};
 use crate::coordination::mutation::CoordError;
-use crate::secret::bearer;
 use crate::telemetry;
 
 /// The peer-port route where standbys hand their counts to their region's agent.
@@ -160,17 +159,10 @@ pub(super) async fn receive(
     State(me): State<Arc<Replicated>>,
     req: axum::extract::Request,
 ) -> Response {
-    let presented = req
-        .headers()
-        .get(header::AUTHORIZATION)
-        .and_then(|v| bearer(v.as_bytes()));
-    if !presented.is_some_and(|t| me.peer_token.matches(t)) {
-        return StatusCode::UNAUTHORIZED.into_response();
-    }
-    let caller = me
-        .peer_tls
-        .as_ref()
-        .map(|s| caller_region(&s.identities, &req).map(str::to_string));
+    let caller = match super::usage::peer_caller(&me, &req) {
+        Ok(c) => c,
+        Err(code) => return code.into_response(),
+    };
     let Ok(body) = axum::body::to_bytes(req.into_body(), MAX_BYTES).await else {
         return StatusCode::PAYLOAD_TOO_LARGE.into_response();
     };

@@ -167,20 +167,33 @@ impl Replicated {
     }
 }
 
-/// POST /quotad/v1/usage on the leader, authenticated with the peer token.
-async fn receive_usage(State(me): State<Arc<Replicated>>, req: axum::extract::Request) -> Response {
+/// A peer request's credentials: the peer token must be presented; with peer TLS, the region
+/// the connection's certificate names (`Some(None)`: none), which the body must claim. `Err`
+/// is the status to answer a request without the token with.
+pub(super) fn peer_caller(
+    me: &Replicated,
+    req: &axum::extract::Request,
+) -> Result<Option<Option<String>>, StatusCode> {
     let presented = req
         .headers()
         .get(header::AUTHORIZATION)
         .and_then(|v| bearer(v.as_bytes()));
     if !presented.is_some_and(|t| me.peer_token.matches(t)) {
-        return StatusCode::UNAUTHORIZED.into_response();
+        return Err(StatusCode::UNAUTHORIZED);
     }
-    // With peer TLS, the report must come over a connection authenticated as its region.
-    let caller = me
+    Ok(me
         .peer_tls
         .as_ref()
-        .map(|s| caller_region(&s.identities, &req).map(str::to_string));
+        .map(|s| caller_region(&s.identities, req).map(str::to_string)))
+}
+
+/// POST /quotad/v1/usage on the leader, authenticated with the peer token.
+async fn receive_usage(State(me): State<Arc<Replicated>>, req: axum::extract::Request) -> Response {
+    // With peer TLS, the report must come over a connection authenticated as its region.
+    let caller = match peer_caller(&me, &req) {
+        Ok(c) => c,
+        Err(code) => return code.into_response(),
+    };
     let Ok(body) = axum::body::to_bytes(req.into_body(), MAX_USAGE_REPORT_BYTES).await else {
         return StatusCode::PAYLOAD_TOO_LARGE.into_response();
     };
