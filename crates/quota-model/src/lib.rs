@@ -6,16 +6,20 @@
 //! region's floor is given to another, and a deposed agent never raises a share. The model
 //! runs the product's own code wherever the product has it, so the two cannot drift apart:
 //! `CoordinatorState::apply` for every coordinator command (share changes, daemon lease
-//! renewals, agent claims) and its `enforceable`, `check_invariant` and `region_share`;
-//! quota-core's `RegionView` and `RegionLease` for each daemon's lease clock and what it
-//! enforces; quota-store's `Fence::refuses` (the rule `set_params.lua` applies) and
-//! `LeaseEnd::end_at` (its stored lease end). What the model writes itself is what only
-//! quotad's daemon loop and the Lua scripts hold: which epoch a daemon acknowledges, how a
-//! write maps the lease end onto Redis's clock (`agent/store_clock.rs`), and a gateway
-//! reading the floor once the stored end has passed (`token_bucket.lua`).
+//! renewals, agent claims, releases and `AgentPassed`) and its `enforceable`,
+//! `check_invariant` and `region_share`; quota-core's `RegionView` and `RegionLease` for each
+//! daemon's lease clock and what it enforces; quota-store's `Fence::refuses` (the rule
+//! `set_params.lua` applies) and `LeaseEnd::end_at` (its stored lease end). What the model
+//! writes itself is what only quotad's daemon loop and the Lua scripts hold: which epoch a
+//! daemon acknowledges (a standby its view; the agent a complete pass, or its view once
+//! `Written::bounded_by` holds), when the agent commits `AgentPassed`, how a write maps the
+//! lease end onto Redis's clock (`agent/store_clock.rs`), and a gateway reading the floor
+//! once the stored end has passed (`token_bucket.lua`).
 //!
 //! Every guard can be switched off ([`Guard`]); for each, a test asserts that the checker
-//! finds a run breaking the budget and prints it as a trace.
+//! finds a run breaking the budget and prints it as a trace. Two guards are rules quotad
+//! does not have yet ([`Guard::BoundedAfterWait`], [`Guard::RecordCoversLease`]): switched
+//! off, the model is quotad as it is, and the checker finds it over the budget.
 //!
 //! # Abstractions, and why they lose nothing the properties see
 //! - Region A is modelled in full (two daemons contending for its agent role, its Redis

@@ -17,7 +17,7 @@ use quota_core::{CoordinatorState, PolicyKey, PolicyName, RegionId, TenantId, PP
 use quota_store::{Fence, LeaseEnd, Limit};
 
 use crate::state::{
-    Clock, Coord, Daemon, Msg, Outstanding, Redis, Spent, State, Step, Stored, Write,
+    Clock, Coord, Daemon, Held, Msg, Outstanding, Redis, Spent, State, Step, Stored, Write,
 };
 use crate::world::{
     node_of, Bounds, Guard, A, BASE_MS, BUDGET_UNITS, DAEMONS, FLOOR_PPM, LEASE_MS, MARGIN_MS,
@@ -44,8 +44,18 @@ pub enum Action {
     Claim(u8),
     /// The holder sends its view's parameters with its lease end and fence to its Redis.
     Write(u8),
-    /// The holder's write is answered: its pass is complete.
+    /// The holder's write is answered by the primary: its pass is complete if `WAIT` finds
+    /// the replica has it.
     WriteOk(u8),
+    /// The agent's `AgentPassed` commits: its pass under its fence is complete and replicated.
+    Passed(u8),
+    /// A daemon stops (SIGTERM): it decides and writes nothing more and commits
+    /// `ReleaseAgent` with the fence it holds (0 for a standby). Its writes in flight may
+    /// still land.
+    Stop(u8),
+    /// A daemon dies without a word (SIGKILL, or its `ReleaseAgent` lost): as [`Action::Stop`]
+    /// but nothing commits.
+    Kill(u8),
     Deliver(Msg),
     /// Delivered, and a copy stays in flight.
     Duplicate(Msg),
@@ -83,6 +93,9 @@ pub struct LeaseModel {
     pub region_ids: [RegionId; REGIONS],
     /// Each region's grant in the initial state.
     pub initial_shares_ppm: [u32; REGIONS],
+    /// Keeps every end as it is, for traces; searches forget ends that cannot be reached
+    /// before the horizon (see [`LeaseModel::settle`]).
+    exact: bool,
     init: State,
 }
 
@@ -117,7 +130,17 @@ impl LeaseModel {
             key,
             region_ids,
             initial_shares_ppm,
+            exact: false,
             init,
+        }
+    }
+
+    /// The same model keeping every end as it is, to tell a run (its states are the same
+    /// but for ends past the horizon).
+    pub fn exact(&self) -> Self {
+        Self {
+            exact: true,
+            ..self.clone()
         }
     }
 
@@ -135,13 +158,14 @@ impl LeaseModel {
         }
     }
 
-    /// How long past the local end of the lease it was written under a write may still be
-    /// in force, on its writer's clock: twice the margin (none with the `WriteRunOut` mutant).
-    pub fn run_out_ms(&self) -> u64 {
+    /// `Written::bounded_by`'s slack: how long past a stored end, on the agent's clock, it
+    /// counts the share as run out. Two margins, as quotad passes it (one with the
+    /// `WriteRunOut` mutant).
+    pub fn slack_ms(&self) -> u64 {
         if self.guarded(Guard::WriteRunOut) {
             2 * self.margin_ms()
         } else {
-            0
+            self.margin_ms()
         }
     }
 
@@ -152,29 +176,60 @@ impl LeaseModel {
         commit(s.coord.make_mut(), now_ms, op)
     }
 
-    /// The epoch daemon `d` acknowledges in a renewal it sends now.
-    ///
-    /// Its view's (applied) epoch; but while a write of its own may still be in force in
-    /// Redis, at most the epoch of its last complete pass. A write is in force at the latest
-    /// until its stored end, which maps the writer's lease end onto Redis's clock; counted on
-    /// the writer's clock, that is two margins past the lease's local end — when the
-    /// coordinator, too, would have stopped counting the writer.
+    /// The epoch daemon `d` acknowledges in a renewal it sends now, as quotad's apply loop
+    /// sets it: a standby its view's epoch, at once; the agent its view's epoch after a
+    /// complete pass or with the store bounded by the view ([`LeaseModel::bounded`]),
+    /// otherwise what it last acknowledged.
     pub fn ack_of(&self, s: &State, d: usize) -> u64 {
         let daemon = &s.daemons[d];
         let applied = daemon.view.applied_epoch();
         if !self.guarded(Guard::AckApplied) {
             return applied.max(daemon.heard_epoch);
         }
-        let local = s.local_ms(d);
-        let in_force = daemon
-            .wrote_lease_end_ms
-            .is_some_and(|end| local < end + self.run_out_ms());
-        let holds_back = in_force && (daemon.fence.is_some() || self.guarded(Guard::DeposedAck));
-        if holds_back {
-            applied.min(daemon.pass_epoch)
+        if daemon.fence.is_none() || self.complete(s, d) || self.bounded(s, d) {
+            daemon.acked.max(applied)
         } else {
-            applied
+            daemon.acked
         }
+    }
+
+    /// Whether a pass of the agent's now writes nothing and is complete: what it last wrote
+    /// was answered, is its view's share, and (`WAIT`) the replica has it.
+    pub fn complete(&self, s: &State, d: usize) -> bool {
+        let enforced = crate::properties::in_process(self, s, d);
+        s.daemons[d].held.is_some_and(|h| {
+            h.confirmed && !h.dirty && h.share_ppm == enforced && self.replicated(s, &h)
+        })
+    }
+
+    /// `Written::bounded_by`: the store cannot enforce more than the agent's view grants now,
+    /// though its writes are not all answered — what it holds is at most the view's share or
+    /// has run out (`slack` past its end), and was written by this agent or an earlier
+    /// agent's shares have run out. With [`Guard::BoundedAfterWait`] (not in quotad), only
+    /// once `WAIT` has confirmed every write the primary answered.
+    pub fn bounded(&self, s: &State, d: usize) -> bool {
+        let daemon = &s.daemons[d];
+        let local = s.local_ms(d);
+        let over = |until: u64| local >= until.saturating_add(self.slack_ms());
+        let earlier_run_over = over(daemon.unknown_until_ms);
+        let enforced = crate::properties::in_process(self, s, d);
+        if self.guarded(Guard::BoundedAfterWait) && daemon.unconfirmed.is_some() {
+            return false;
+        }
+        match daemon.held {
+            Some(h) => {
+                (h.share_ppm <= enforced || over(h.until_ms)) && (h.confirmed || earlier_run_over)
+            }
+            None => earlier_run_over,
+        }
+    }
+
+    /// `WAIT 1`: the replica has taken the primary's stream up to the write `h` (always, for
+    /// the `WaitBeforeAck` mutant).
+    pub fn replicated(&self, s: &State, h: &Held) -> bool {
+        let replica = s.redis.replica;
+        !self.guarded(Guard::WaitBeforeAck)
+            || (replica.fence >= h.fence && replica.epoch >= h.epoch)
     }
 
     /// Whether a message can be delivered now (a cut holds up the coordinator's answers).
@@ -188,7 +243,9 @@ impl LeaseModel {
     /// Whether daemon `d`'s view lags the leader's state.
     fn behind(&self, s: &State, d: usize) -> bool {
         let c = &s.coord;
-        s.daemons[d].view.applied_epoch() < c.epoch || s.daemons[d].view_fence != holder_fence(c)
+        let daemon = &s.daemons[d];
+        !daemon.stopped
+            && (daemon.view.applied_epoch() < c.epoch || daemon.view_fence != holder_fence(c))
     }
 
     /// Liveness runs: events that happen before time moves on — a deliverable answer
@@ -196,8 +253,10 @@ impl LeaseModel {
     /// What stays nondeterministic is the environment: cuts, heals, clock steps, shares.
     pub fn urgent(&self, s: &State) -> bool {
         s.net.iter().any(|m| self.deliverable(s, m))
-            || (0..DAEMONS)
-                .any(|d| (!s.cut && self.behind(s, d)) || !s.daemons[d].renewed_this_tick)
+            || (0..DAEMONS).any(|d| {
+                (!s.cut && self.behind(s, d))
+                    || !(s.daemons[d].renewed_this_tick || s.daemons[d].stopped)
+            })
     }
 
     fn reshare(&self, s: &mut State, region: usize, up: bool) -> Option<()> {
@@ -242,15 +301,22 @@ impl LeaseModel {
         daemon.view.on_applied(epoch);
         daemon.grant = grant;
         daemon.view_fence = fence;
-        // Deposed: the view shows another holder's fence, so it stops writing.
+        // Deposed: the view shows another holder's fence, so it stops writing and is a
+        // standby (its ledger goes with the role: a claim starts a new one).
         if daemon.fence.is_some_and(|f| f != fence) {
             daemon.fence = None;
+            daemon.held = None;
+            daemon.unknown_until_ms = 0;
+            daemon.passed = true;
         }
         Some(())
     }
 
     /// Commits a renewal and puts its answer in flight; a renewal sent into a cut is lost.
     fn renew(&self, s: &mut State, d: usize) -> Option<()> {
+        if s.daemons[d].stopped {
+            return None;
+        }
         if self.liveness {
             if s.daemons[d].renewed_this_tick {
                 return None;
@@ -278,6 +344,14 @@ impl LeaseModel {
             r.acked_epoch = r.acked_epoch.max(acked_epoch);
         }
         let lease = RegionLease::from_response(&response, sent_local_ms)?;
+        let deposed = s
+            .coord
+            .region(A)
+            .and_then(|r| r.daemons.get(&node_of(d)))
+            .is_some_and(|r| r.deposed);
+        if deposed && self.guarded(Guard::RecordCoversLease) {
+            return Some(());
+        }
         s.send(Msg::Lease {
             daemon: d as u8,
             epoch: lease.epoch,
@@ -287,18 +361,41 @@ impl LeaseModel {
         Some(())
     }
 
+    /// A claim that wins starts the agent afresh (`Written::new`): nothing written yet,
+    /// an earlier agent's shares possibly held for a lease from now, its first pass to tell.
     fn claim(&self, s: &mut State, d: usize) -> Option<()> {
-        if s.cut || s.spent.claims >= self.bounds.claims || s.daemons[d].fence.is_some() {
+        let daemon = &s.daemons[d];
+        if s.cut || s.spent.claims >= self.bounds.claims || daemon.fence.is_some() || daemon.stopped
+        {
             return None;
         }
         s.spent.claims += 1;
+        let replaced = s.coord.region(A).and_then(|r| r.agent).map(|a| a.node);
         let op = Operation::ClaimAgent {
             region: self.region_ids[A].clone(),
             node: node_of(d),
             fence_seen: s.daemons[d].view_fence,
         };
-        if let Response::AgentClaimed { fence } = self.apply(s, op) {
-            s.daemons[d].fence = Some(fence);
+        let Response::AgentClaimed { fence } = self.apply(s, op) else {
+            return Some(());
+        };
+        if !self.guarded(Guard::ClaimMarksLeft) {
+            let r = s.coord.make_mut().regions[A].as_mut()?;
+            if let Some(record) = replaced.and_then(|n| r.daemons.get_mut(&n)) {
+                record.left = false;
+                record.deposed = false;
+            }
+        }
+        let local = s.local_ms(d);
+        let daemon = &mut s.daemons[d];
+        daemon.fence = Some(fence);
+        // As a standby it acknowledged its view.
+        daemon.acked = daemon.acked.max(daemon.view.applied_epoch());
+        daemon.held = None;
+        daemon.unknown_until_ms = local + LEASE_MS;
+        daemon.passed = false;
+        if !self.guarded(Guard::PassedAfterFirstPass) {
+            self.pass(s, d, fence);
         }
         Some(())
     }
@@ -315,10 +412,11 @@ impl LeaseModel {
         let end = daemon.view.lease()?.end_local_ms(margin);
         let remaining_ms = end.checked_sub(local).filter(|&r| r > 0)?;
         let epoch = daemon.view.applied_epoch();
+        let share_ppm = daemon.grant.share_ppm;
         let write = Write {
             fence,
             epoch,
-            share_ppm: daemon.grant.share_ppm,
+            share_ppm,
             floor_ppm: daemon.grant.floor_ppm,
             remaining_ms,
             // Redis read its clock at the local reading: the latest end the mapping allows.
@@ -330,9 +428,30 @@ impl LeaseModel {
         daemon.outstanding = Some(Outstanding {
             fence,
             epoch,
+            share_ppm,
+            until_ms: end,
             landed: false,
         });
-        daemon.wrote_lease_end_ms = Some(daemon.wrote_lease_end_ms.map_or(end, |e| e.max(end)));
+        // Recorded as a write whose outcome is unknown (`Written::record` of a failure) until
+        // it is answered: the agent may give up on it at any time.
+        daemon.held = Some(match daemon.held {
+            Some(old) => Held {
+                fence,
+                epoch,
+                share_ppm: old.share_ppm.max(share_ppm),
+                until_ms: old.until_ms.max(end),
+                confirmed: old.confirmed,
+                dirty: true,
+            },
+            None => Held {
+                fence,
+                epoch,
+                share_ppm,
+                until_ms: end,
+                confirmed: false,
+                dirty: true,
+            },
+        });
         s.send(Msg::Write {
             daemon: d as u8,
             write,
@@ -340,16 +459,83 @@ impl LeaseModel {
         Some(())
     }
 
+    /// The primary's answer (`Written::record` of a success); then `WAIT`: the pass is
+    /// complete, and acknowledged, if the replica has the write.
     fn write_ok(&self, s: &mut State, d: usize) -> Option<()> {
-        let replica = s.redis.replica;
+        let o = s.daemons[d].outstanding.filter(|o| o.landed)?;
+        let held = Held {
+            fence: o.fence,
+            epoch: o.epoch,
+            share_ppm: o.share_ppm,
+            until_ms: o.until_ms,
+            confirmed: true,
+            dirty: false,
+        };
+        let replicated = self.replicated(s, &held);
         let daemon = &mut s.daemons[d];
-        let o = daemon.outstanding.filter(|o| o.landed)?;
-        // WAIT 1: the replica has taken the primary's stream up to this write.
-        let replicated = replica.fence >= o.fence && replica.epoch >= o.epoch;
-        if self.guarded(Guard::WaitBeforeAck) && !replicated {
+        daemon.outstanding = None;
+        if daemon.fence != Some(o.fence) {
+            return Some(());
+        }
+        daemon.held = Some(held);
+        if replicated {
+            daemon.acked = daemon.acked.max(o.epoch);
+            daemon.unconfirmed = None;
+        } else {
+            daemon.unconfirmed = Some((o.fence, o.epoch));
+        }
+        Some(())
+    }
+
+    /// The agent's first complete, replicated pass under its fence: it commits
+    /// `AgentPassed`, and the left records of agents that stopped go.
+    fn passed(&self, s: &mut State, d: usize) -> Option<()> {
+        let daemon = &s.daemons[d];
+        let fence = daemon.fence?;
+        let h = daemon.held?;
+        let done = h.fence == fence && h.confirmed && !h.dirty && self.replicated(s, &h);
+        if s.cut || daemon.passed || !done {
             return None;
         }
-        daemon.pass_epoch = daemon.pass_epoch.max(o.epoch);
+        self.pass(s, d, fence);
+        Some(())
+    }
+
+    fn pass(&self, s: &mut State, d: usize, fence: u64) {
+        let op = Operation::AgentPassed {
+            region: self.region_ids[A].clone(),
+            node: node_of(d),
+            fence,
+        };
+        let r = self.apply(s, op);
+        assert!(
+            matches!(r, Response::AgentPassed | Response::AgentHeld { .. }),
+            "{r:?}"
+        );
+        s.daemons[d].passed = true;
+    }
+
+    fn stop(&self, s: &mut State, d: usize, release: bool) -> Option<()> {
+        if s.daemons[d].stopped || s.spent.stops >= self.bounds.stops {
+            return None;
+        }
+        s.spent.stops += 1;
+        if release && !s.cut {
+            let op = Operation::ReleaseAgent {
+                region: self.region_ids[A].clone(),
+                node: node_of(d),
+                fence: s.daemons[d].fence.unwrap_or(0),
+            };
+            self.apply(s, op);
+        }
+        let daemon = &mut s.daemons[d];
+        daemon.stopped = true;
+        daemon.view = RegionView::new();
+        daemon.fence = None;
+        daemon.held = None;
+        daemon.unknown_until_ms = 0;
+        daemon.passed = true;
+        daemon.unconfirmed = None;
         daemon.outstanding = None;
         Some(())
     }
@@ -447,10 +633,11 @@ impl LeaseModel {
 impl LeaseModel {
     /// Forgets what can no longer change anything, so that states which behave alike are one
     /// state: a stored end already passed (Redis's clock never goes back), the replica once no
-    /// failover is left (only WAIT reads it then, and it would find every write), a writer's
-    /// lease end once its writes have all run out, an answer whose lease is over, a write
-    /// the primary will refuse whenever it lands, and a pending write that can no longer land.
-    fn settle(&self, s: &mut State) {
+    /// failover is left (only WAIT reads it then, and it would find every write), an end in
+    /// the agent's ledger once it has run out (slack included), an earlier agent's end that
+    /// cannot run out before the horizon, an answer whose lease is over, a write the primary
+    /// will refuse whenever it lands, and a pending write that can no longer land.
+    pub(crate) fn settle(&self, s: &mut State) {
         let margin = self.margin_ms();
         let failover_left = s.spent.failovers < self.bounds.failovers;
         let redis_now = s.redis_ms();
@@ -463,12 +650,47 @@ impl LeaseModel {
             s.redis.replica = s.redis.primary;
         }
         let locals: [u64; DAEMONS] = std::array::from_fn(|d| s.local_ms(d));
+        let slack = self.slack_ms();
+        let replica = s.redis.replica;
+        // The latest reading each daemon's clock can reach in the run.
+        let steps_left = u64::from(self.bounds.drift_steps - s.spent.drift_steps);
+        let latest: [u64; DAEMONS] = std::array::from_fn(|d| {
+            let ticks_left = u64::from(self.bounds.horizon_ticks - s.t);
+            locals[d] + ticks_left + steps_left
+        });
         for (d, daemon) in s.daemons.iter_mut().enumerate() {
-            let past = daemon
-                .wrote_lease_end_ms
-                .is_some_and(|end| locals[d] >= end + self.run_out_ms());
-            if past {
-                daemon.wrote_lease_end_ms = None;
+            // A standby acknowledges its view, and what it acknowledged as the agent is no
+            // later; its write's answer changes nothing (a claim starts a new ledger).
+            if daemon.fence.is_none() {
+                daemon.acked = 0;
+                daemon.outstanding = None;
+                daemon.unconfirmed = None;
+            }
+            // The next pass's `WAIT` finds it.
+            if daemon
+                .unconfirmed
+                .is_some_and(|(f, e)| replica.fence >= f && replica.epoch >= e)
+            {
+                daemon.unconfirmed = None;
+            }
+            let unknown = daemon.unknown_until_ms.saturating_add(slack);
+            if locals[d] >= unknown {
+                daemon.unknown_until_ms = 0;
+            } else if latest[d] < unknown && !self.exact {
+                daemon.unknown_until_ms = u64::MAX;
+            }
+            if let Some(h) = daemon.held.as_mut() {
+                let end = h.until_ms.saturating_add(slack);
+                if locals[d] >= end {
+                    h.until_ms = 0;
+                } else if latest[d] < end && !self.exact {
+                    h.until_ms = u64::MAX;
+                }
+            }
+            if let Some(o) = daemon.outstanding.as_mut() {
+                if latest[d] < o.until_ms.saturating_add(slack) && !self.exact {
+                    o.until_ms = u64::MAX;
+                }
             }
         }
         let primary = s.redis.primary;
@@ -485,13 +707,17 @@ impl LeaseModel {
                 && self.guarded(Guard::FenceCheck)
                 && Fence::refuses(Some(stored), Some(this)).is_some()
         };
+        let stopped: [bool; DAEMONS] = std::array::from_fn(|d| s.daemons[d].stopped);
         s.net.retain(|m| match m {
             Msg::Lease {
                 daemon,
                 start_local_ms,
                 lease_ms,
                 ..
-            } => start_local_ms + lease_ms > locals[usize::from(*daemon)] + margin,
+            } => {
+                let d = usize::from(*daemon);
+                !stopped[d] && start_local_ms + lease_ms > locals[d] + margin
+            }
             Msg::Write { write, .. } => !refused(write),
         });
         for (d, daemon) in s.daemons.iter_mut().enumerate() {
@@ -523,7 +749,7 @@ impl LeaseModel {
             .find(|&d| !s.cut && self.behind(s, d))
             .map(|d| Action::CatchUp(d as u8));
         let renew = (0..DAEMONS)
-            .find(|&d| !s.daemons[d].renewed_this_tick)
+            .find(|&d| !(s.daemons[d].renewed_this_tick || s.daemons[d].stopped))
             .map(|d| Action::Renew(d as u8));
         if let Some(urgent) = deliver.or(catch_up).or(renew) {
             out.push(urgent);
@@ -588,6 +814,13 @@ impl stateright::Model for LeaseModel {
         for d in 0..DAEMONS {
             let daemon = &s.daemons[d];
             let d8 = d as u8;
+            if daemon.stopped {
+                continue;
+            }
+            if s.spent.stops < b.stops {
+                out.push(Action::Stop(d8));
+                out.push(Action::Kill(d8));
+            }
             if !s.cut && self.behind(s, d) {
                 out.push(Action::CatchUp(d8));
             }
@@ -607,6 +840,9 @@ impl stateright::Model for LeaseModel {
             }
             if daemon.outstanding.is_some_and(|o| o.landed) {
                 out.push(Action::WriteOk(d8));
+            }
+            if !s.cut && daemon.fence.is_some() && !daemon.passed {
+                out.push(Action::Passed(d8));
             }
         }
         let mut last = None;
@@ -643,6 +879,9 @@ impl stateright::Model for LeaseModel {
             Action::Claim(d) => self.claim(&mut s, usize::from(d))?,
             Action::Write(d) => self.write(&mut s, usize::from(d))?,
             Action::WriteOk(d) => self.write_ok(&mut s, usize::from(d))?,
+            Action::Passed(d) => self.passed(&mut s, usize::from(d))?,
+            Action::Stop(d) => self.stop(&mut s, usize::from(d), true)?,
+            Action::Kill(d) => self.stop(&mut s, usize::from(d), false)?,
             Action::Deliver(m) => {
                 if !s.take(&m) {
                     return None;
@@ -798,6 +1037,15 @@ fn initial(key: &PolicyKey, region_ids: &[RegionId; REGIONS], margin: u64) -> St
         r => panic!("claim refused: {r:?}"),
     };
     let grant = grant_of(&c, key, A);
+    // a1's ledger: its write of epoch e, answered and replicated, and no earlier agent.
+    let held = Held {
+        fence,
+        epoch,
+        share_ppm: grant.share_ppm,
+        until_ms: leases[0].end_local_ms(margin),
+        confirmed: true,
+        dirty: false,
+    };
     let daemons = std::array::from_fn(|d| {
         let holder = d == 0;
         let mut view = RegionView::new();
@@ -810,8 +1058,12 @@ fn initial(key: &PolicyKey, region_ids: &[RegionId; REGIONS], margin: u64) -> St
             view_fence: fence,
             heard_epoch: epoch,
             fence: holder.then_some(fence),
-            pass_epoch: if holder { epoch } else { 0 },
-            wrote_lease_end_ms: holder.then(|| leases[d].end_local_ms(margin)),
+            acked: if holder { epoch } else { 0 },
+            held: holder.then_some(held),
+            unknown_until_ms: 0,
+            passed: true,
+            unconfirmed: None,
+            stopped: false,
             outstanding: None,
             renewals: 0,
             writes: 0,
@@ -940,27 +1192,105 @@ mod tests {
         s
     }
 
+    const CUT: Action = Action::Reshare {
+        region: A as u8,
+        up: false,
+    };
+
+    fn region_acked(s: &State) -> u64 {
+        s.coord.region(A).unwrap().acked_epoch
+    }
+
+    fn the_write(s: &State, d: u8) -> Msg {
+        *s.net
+            .iter()
+            .find(|m| matches!(m, Msg::Write { daemon, .. } if *daemon == d))
+            .expect("a write in flight")
+    }
+
     #[test]
-    fn the_holder_acks_its_pass_a_bystander_its_view_and_a_deposed_holder_waits() {
+    fn a_standby_acks_its_view_the_agent_its_pass_and_a_deposed_agents_record_holds() {
         let m = model(None);
-        let cut = Action::Reshare {
-            region: A as u8,
-            up: false,
-        };
-        let s = run(&m, &[cut, Action::CatchUp(0), Action::CatchUp(1)]);
-        let pass = s.daemons[0].pass_epoch;
-        assert_eq!(m.ack_of(&s, 0), pass, "the holder: its last complete pass");
-        assert_eq!(m.ack_of(&s, 1), s.coord.epoch, "a bystander: its view");
-        // a2 takes the role; a1 sees it and is deposed, its write still in Redis.
+        let s = run(&m, &[CUT, Action::CatchUp(0), Action::CatchUp(1)]);
+        let (old, new) = (s.coord.epoch - 1, s.coord.epoch);
+        assert_eq!(
+            m.ack_of(&s, 0),
+            old,
+            "the agent: Redis may hold 5 until its pass"
+        );
+        assert_eq!(m.ack_of(&s, 1), new, "a standby: its view, at once");
+        // a2 takes the role; a1 sees it and stands by, acknowledging its view.
         let s = run_from(&m, s, &[Action::Claim(1), Action::CatchUp(0)]);
         assert_eq!(s.daemons[0].fence, None);
-        assert_eq!(m.ack_of(&s, 0), pass, "deposed, its write may be in force");
-        // Past its lease end plus twice the margin, nothing it wrote is.
-        let end = s.daemons[0].wrote_lease_end_ms.unwrap();
-        let mut later = s.clone();
-        later.daemons[0].off = (end + 2 * MARGIN_MS - s.local_ms(0)) as i8;
-        assert_eq!(m.ack_of(&later, 0), s.coord.epoch);
-        let eager = model(Some(Guard::DeposedAck));
-        assert_eq!(eager.ack_of(&s, 0), s.coord.epoch);
+        assert_eq!(m.ack_of(&s, 0), new);
+        // Its record is deposed: its renewal changes nothing, and it holds A's back.
+        let s = run_from(&m, s, &[Action::Renew(0), Action::Renew(1)]);
+        assert_eq!(region_acked(&s), old);
+    }
+
+    #[test]
+    fn the_bounded_ack_waits_two_margins_past_the_stored_end() {
+        // Exact ends: the instant search's horizon would forget this one.
+        let (strict, one) = (model(None).exact(), model(Some(Guard::WriteRunOut)).exact());
+        let s = run(&strict, &[CUT, Action::CatchUp(0)]);
+        let end = s.daemons[0].held.unwrap().until_ms;
+        let at = |local: u64| {
+            let mut x = s.clone();
+            x.daemons[0].off = (local - s.local_ms(0)) as i8;
+            x
+        };
+        assert!(!strict.bounded(&at(end + MARGIN_MS), 0));
+        assert!(strict.bounded(&at(end + 2 * MARGIN_MS), 0));
+        assert_eq!(strict.ack_of(&at(end + 2 * MARGIN_MS), 0), s.coord.epoch);
+        assert!(one.bounded(&at(end + MARGIN_MS), 0));
+    }
+
+    #[test]
+    fn a_write_the_primary_answered_bounds_the_store_only_once_wait_confirmed_it() {
+        let m = model(None);
+        let s = run(&m, &[CUT, Action::CatchUp(0), Action::Write(0)]);
+        let s = run_from(
+            &m,
+            s.clone(),
+            &[Action::Deliver(the_write(&s, 0)), Action::WriteOk(0)],
+        );
+        assert_eq!(s.daemons[0].unconfirmed, Some((1, s.coord.epoch)));
+        assert!(!m.bounded(&s, 0));
+        assert!(
+            model(Some(Guard::BoundedAfterWait)).bounded(&s, 0),
+            "quotad's rule"
+        );
+        let s = run_from(&m, s, &[Action::Replicate]);
+        assert_eq!(s.daemons[0].unconfirmed, None);
+        assert!(m.bounded(&s, 0) && m.complete(&s, 0));
+    }
+
+    #[test]
+    fn a_stopped_agents_record_holds_the_region_until_its_successor_passed() {
+        let m = model(None);
+        let s = run(
+            &m,
+            &[
+                CUT,
+                Action::CatchUp(1),
+                Action::Renew(1),
+                Action::Stop(0),
+                Action::CatchUp(1),
+                Action::Claim(1),
+                Action::Write(1),
+            ],
+        );
+        let (old, new) = (s.coord.epoch - 1, s.coord.epoch);
+        assert!(s.coord.region(A).unwrap().daemons[&node_of(0)].left);
+        assert_eq!(region_acked(&s), old);
+        let s = run_from(
+            &m,
+            s.clone(),
+            &[Action::Deliver(the_write(&s, 1)), Action::WriteOk(1)],
+        );
+        assert!(m.next_state(&s, Action::Passed(1)).is_none(), "WAIT first");
+        let s = run_from(&m, s, &[Action::Replicate, Action::Passed(1)]);
+        assert!(!s.coord.region(A).unwrap().daemons.contains_key(&node_of(0)));
+        assert_eq!(region_acked(&s), new);
     }
 }

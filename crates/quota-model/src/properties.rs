@@ -34,6 +34,8 @@ pub const LAPSED_AND_BACK: &str = "reachable: A's leases ran out in a cut, then 
 pub const MOVED: &str = "reachable: B enforces a share taken from A";
 /// Reachability: a2 took A's agent role from a1 and its write landed.
 pub const TAKEOVER: &str = "reachable: a2 took A's role and its write landed";
+/// Reachability: a1 stopped as agent, and a2's `AgentPassed` ended its left record.
+pub const PASSED: &str = "reachable: a2 passed after a1 stopped, and a1's record went";
 /// Reachability: a failover loses a write (the replica lags the primary when it is promoted).
 pub const LOST_WRITE: &str = "reachable: a failover lost a write";
 
@@ -66,14 +68,24 @@ pub fn all(m: &LeaseModel) -> Vec<Property<LeaseModel>> {
             let holder = s.coord.region(A).and_then(|r| r.agent);
             holder.is_some_and(|a| a.node == node_of(1) && s.redis.primary.fence == a.fence)
         }),
+        Property::sometimes(PASSED, |_, s: &State| {
+            let r = s.coord.region(A);
+            s.daemons[0].stopped
+                && s.daemons[1].fence.is_some()
+                && s.daemons[1].passed
+                && r.is_some_and(|r| !r.daemons.contains_key(&node_of(0)))
+        }),
         // A failover is taken only when the replica lags, so each one loses a write.
         Property::sometimes(LOST_WRITE, |_, s: &State| s.spent.failovers > 0),
     ]
 }
 
-/// What daemon `d` enforces in process now.
+/// What daemon `d` enforces in process now (nothing once stopped).
 pub fn in_process(m: &LeaseModel, s: &State, d: usize) -> u32 {
     let daemon = &s.daemons[d];
+    if daemon.stopped {
+        return 0;
+    }
     daemon
         .view
         .enforced_share(&daemon.grant, s.local_ms(d), m.margin_ms())

@@ -7,9 +7,10 @@
 //! Every mutant's counterexample is found in the scenario named for it.
 //!
 //! A cut is in none of the safety scenarios: it only keeps region A's daemons from
-//! renewing, claiming, catching up and hearing answers, all of which they may leave undone
-//! in any run anyway, so every state a cut reaches is reached without one (properties do not
-//! read the cut). The liveness scenario has one.
+//! renewing, claiming, catching up, hearing answers and saying they stop, all of which they
+//! may leave undone in any run anyway (a daemon may die without a word), so every state a
+//! cut reaches is reached without one (properties do not read the cut). The liveness
+//! scenario has one.
 
 use crate::world::{Bounds, Guard, MARGIN_MS};
 
@@ -20,16 +21,18 @@ pub struct Scenario {
     pub bounds: Bounds,
 }
 
-/// No time passes: agent moves with writes in flight, duplicated and reordered, views that
-/// lag, renewals with their acknowledgements, a Redis failover, two share changes.
+/// No time passes: the agent role moved by a claim, or by a daemon stopping, with writes in
+/// flight, duplicated and reordered, views that lag, renewals with their acknowledgements, a
+/// Redis failover, two share changes.
 pub const INSTANT: Scenario = Scenario {
-    name: "instant: agent move, writes, failover",
+    name: "instant: agent move or stop, writes, failover",
     bounds: Bounds {
         horizon_ticks: 0,
         reshares: 2,
         renewals_per_daemon: 1,
         writes_per_daemon: 1,
         claims: 1,
+        stops: 1,
         duplicates: 1,
         failovers: 1,
         cuts: 0,
@@ -46,6 +49,7 @@ pub const REORDERED_WRITES: Scenario = Scenario {
         renewals_per_daemon: 1,
         writes_per_daemon: 2,
         claims: 0,
+        stops: 0,
         duplicates: 1,
         failovers: 0,
         cuts: 0,
@@ -63,6 +67,7 @@ pub const LEASES: Scenario = Scenario {
         renewals_per_daemon: 1,
         writes_per_daemon: 0,
         claims: 0,
+        stops: 0,
         duplicates: 0,
         failovers: 0,
         cuts: 0,
@@ -79,6 +84,7 @@ pub const LATE_WRITES: Scenario = Scenario {
         renewals_per_daemon: 1,
         writes_per_daemon: 1,
         claims: 0,
+        stops: 0,
         duplicates: 0,
         failovers: 0,
         cuts: 0,
@@ -86,8 +92,9 @@ pub const LATE_WRITES: Scenario = Scenario {
     },
 };
 
-/// An agent move while time runs: the deposed holder's write stays in Redis until its
-/// lease end, and its acknowledgement must wait for it, under one clock step.
+/// An agent move while time runs: the deposed agent goes on renewing and deciding on its old
+/// view, its record holds the region's acknowledgement until its lease is over, and the new
+/// agent acknowledges once an earlier agent's shares have run out, under one clock step.
 pub const TIMED_TAKEOVER: Scenario = Scenario {
     name: "agent move over time",
     bounds: Bounds {
@@ -96,6 +103,7 @@ pub const TIMED_TAKEOVER: Scenario = Scenario {
         renewals_per_daemon: 1,
         writes_per_daemon: 0,
         claims: 1,
+        stops: 0,
         duplicates: 0,
         failovers: 0,
         cuts: 0,
@@ -103,8 +111,8 @@ pub const TIMED_TAKEOVER: Scenario = Scenario {
     },
 };
 
-/// [`TIMED_TAKEOVER`] under two clock steps, the whole drift the margin must cover: about 9
-/// million states, over a minute's search, so the tests run it only on request
+/// [`TIMED_TAKEOVER`] under two clock steps, the whole drift the margin must cover: about 14
+/// million states, over two minutes' search, so the tests run it only on request
 /// (`--ignored`).
 pub const TIMED_TAKEOVER_FULL_DRIFT: Scenario = Scenario {
     name: "agent move over time, two clock steps",
@@ -124,6 +132,7 @@ pub const LIVENESS: Scenario = Scenario {
         renewals_per_daemon: 0,
         writes_per_daemon: 0,
         claims: 0,
+        stops: 0,
         duplicates: 0,
         failovers: 0,
         cuts: 1,
@@ -150,6 +159,9 @@ pub fn for_mutant(guard: Guard) -> Scenario {
         | Guard::AckApplied
         | Guard::LeastLiveAck
         | Guard::WaitBeforeAck
-        | Guard::DeposedAck => INSTANT,
+        | Guard::ClaimMarksLeft
+        | Guard::PassedAfterFirstPass
+        | Guard::BoundedAfterWait => INSTANT,
+        Guard::RecordCoversLease => TIMED_TAKEOVER,
     }
 }

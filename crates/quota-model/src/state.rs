@@ -50,7 +50,7 @@ impl Hash for Coord {
         for r in s.regions.iter().flatten() {
             (r.lease_expires_at_ms, r.acked_epoch).hash(h);
             for (node, d) in &r.daemons {
-                (node, d.acked_epoch, d.lease_expires_at_ms).hash(h);
+                (node, d.acked_epoch, d.lease_expires_at_ms, d.left).hash(h);
             }
             r.agent.map(|a| (a.node, a.fence)).hash(h);
         }
@@ -132,8 +132,30 @@ pub struct Redis {
 pub struct Outstanding {
     pub fence: u64,
     pub epoch: u64,
+    pub share_ppm: u32,
+    /// The local end of the lease it was written under.
+    pub until_ms: u64,
     /// The primary took it (a reply is on its way).
     pub landed: bool,
+}
+
+/// What the agent's ledger (quotad's `Written`) holds for the policy's bucket: what the
+/// store was last told, as `record` keeps it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct Held {
+    pub fence: u64,
+    pub epoch: u64,
+    /// The share the store may hold: after a write not (yet) answered, the larger of what it
+    /// held and what was sent.
+    pub share_ppm: u32,
+    /// Until when, on the agent's clock: the local end of the lease the write was made
+    /// under (after one not answered, the later of the two). 0 once it has run out, slack
+    /// included.
+    pub until_ms: u64,
+    /// A write of this agent's was answered: what an earlier agent wrote is overwritten.
+    pub confirmed: bool,
+    /// The last write is not answered (yet): the store holds it or what it held before.
+    pub dirty: bool,
 }
 
 /// One daemon: its replica's view of the coordinator, its lease clock (quota-core's
@@ -152,10 +174,21 @@ pub struct Daemon {
     pub heard_epoch: u64,
     /// The role this daemon believes it holds: the fence its claim drew.
     pub fence: Option<u64>,
-    /// The epoch of its last complete (acknowledged by Redis, and with WAIT, replicated) pass.
-    pub pass_epoch: u64,
-    /// The local end of the lease its latest write was made under.
-    pub wrote_lease_end_ms: Option<u64>,
+    /// The epoch the agent last acknowledged (quotad's `on_applied`); 0 for a standby, which
+    /// acknowledges its view.
+    pub acked: u64,
+    /// The agent's ledger, emptied by a claim (`Written::new`); `None` until its first write.
+    pub held: Option<Held>,
+    /// Until when (its clock) shares an earlier agent stored may hold, for all the agent
+    /// knows: its claim plus a lease (`Written::new`). 0 once run out, slack included.
+    pub unknown_until_ms: u64,
+    /// Whether the coordinator has the agent's `AgentPassed` (or needs none).
+    pub passed: bool,
+    /// The last write the primary answered that `WAIT` has not yet found on the replica
+    /// (fence, epoch): quotad's `unconfirmed`.
+    pub unconfirmed: Option<(u64, u64)>,
+    /// Stopped (SIGTERM): it decides, renews and writes nothing more.
+    pub stopped: bool,
     pub outstanding: Option<Outstanding>,
     pub renewals: u8,
     pub writes: u8,
@@ -188,6 +221,7 @@ pub enum Msg {
 pub struct Spent {
     pub reshares: u8,
     pub claims: u8,
+    pub stops: u8,
     pub duplicates: u8,
     pub failovers: u8,
     pub cuts: u8,

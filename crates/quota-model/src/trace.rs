@@ -3,6 +3,7 @@
 
 use std::fmt::Write as _;
 
+use quota_core::coordinator::DaemonLease;
 use quota_core::lease::Revocation;
 use quota_store::Fence;
 use stateright::Model as _;
@@ -10,7 +11,7 @@ use stateright::Model as _;
 use crate::model::{Action, LeaseModel};
 use crate::properties::{gateway, in_process, region_enforced, total};
 use crate::state::{Clock, Msg, State, Step};
-use crate::world::{units, Guard, A, DAEMON_NAMES, REGION_NAMES};
+use crate::world::{node_of, units, Guard, A, DAEMON_NAMES, REGION_NAMES};
 
 /// Tells a path from the initial state, one line per event.
 pub fn narrate(m: &LeaseModel, path: &[(State, Option<Action>)]) -> String {
@@ -36,6 +37,7 @@ pub fn narrate(m: &LeaseModel, path: &[(State, Option<Action>)]) -> String {
 
 /// Tells a path given as actions from the initial state.
 pub fn narrate_actions(m: &LeaseModel, actions: &[Action]) -> String {
+    let m = &m.exact();
     let mut s = m.init_states().remove(0);
     let mut path = Vec::new();
     for &a in actions {
@@ -134,13 +136,19 @@ fn event(m: &LeaseModel, b: &State, action: Action, a: &State) -> String {
         }
         Action::Renew(d) => {
             let (ack_b, ack_a) = (acked(b), acked(a));
+            let note = match record(a, usize::from(d)) {
+                Some(r) if r.deposed => " (its record is deposed: unchanged)",
+                Some(r) if r.left => " (its record is left: its ack stays)",
+                _ => "",
+            };
             format!(
-                "{} renews, acking epoch {} (local {}); committed at coordinator time {}: \
+                "{} renews, acking epoch {} (local {}); committed at coordinator time {}{}: \
                  A acked {}{}",
                 name(d),
                 m.ack_of(b, usize::from(d)),
                 b.local_ms(usize::from(d)),
                 a.coord.last_now_ms,
+                note,
                 ack_a,
                 if ack_a != ack_b {
                     format!(" (was {ack_b})")
@@ -149,16 +157,35 @@ fn event(m: &LeaseModel, b: &State, action: Action, a: &State) -> String {
                 }
             )
         }
-        Action::Claim(d) => format!(
-            "{} claims A's agent role (fence seen {}): {}",
-            name(d),
-            b.daemons[usize::from(d)].view_fence,
-            a.daemons[usize::from(d)]
-                .fence
-                .map_or("refused".to_string(), |f| format!(
+        Action::Claim(d) => {
+            let won = a.daemons[usize::from(d)].fence;
+            let left: Vec<&str> = DAEMON_NAMES
+                .iter()
+                .enumerate()
+                .filter(|&(o, _)| {
+                    record(a, o).is_some_and(|r| r.left) && !record(b, o).is_some_and(|r| r.left)
+                })
+                .map(|(_, n)| *n)
+                .collect();
+            format!(
+                "{} claims A's agent role (fence seen {}): {}{}{}",
+                name(d),
+                b.daemons[usize::from(d)].view_fence,
+                won.map_or("refused".to_string(), |f| format!(
                     "holds it with fence {f}"
-                ))
-        ),
+                )),
+                if left.is_empty() {
+                    String::new()
+                } else {
+                    format!("; {}'s record is deposed (frozen)", left.join(", "))
+                },
+                if won.is_some() && a.daemons[usize::from(d)].passed {
+                    format!("; {} commits AgentPassed at once", name(d))
+                } else {
+                    String::new()
+                }
+            )
+        }
         Action::Write(d) => {
             let w = a
                 .net
@@ -180,16 +207,48 @@ fn event(m: &LeaseModel, b: &State, action: Action, a: &State) -> String {
                 w.not_after_ms.map_or("-".into(), |n| n.to_string())
             )
         }
-        Action::WriteOk(d) => format!(
-            "{} hears its write answered{}: its pass at epoch {} is complete",
-            name(d),
-            if m.guarded(Guard::WaitBeforeAck) {
-                " and replicated (WAIT 1)"
-            } else {
-                " by the primary"
-            },
-            a.daemons[usize::from(d)].pass_epoch
-        ),
+        Action::WriteOk(d) => {
+            let o = b.daemons[usize::from(d)]
+                .outstanding
+                .expect("a write answered");
+            let held = a.daemons[usize::from(d)]
+                .held
+                .filter(|h| h.fence == o.fence && h.epoch == o.epoch && !h.dirty);
+            let outcome = match held {
+                None => ", but it no longer holds the role".to_string(),
+                Some(h) if !m.replicated(a, &h) => {
+                    ", but WAIT 1 finds the replica without it: not acknowledged".to_string()
+                }
+                Some(_) if m.guarded(Guard::WaitBeforeAck) => {
+                    ", and WAIT 1 finds the replica has it: its pass is complete".to_string()
+                }
+                Some(_) => ": its pass is complete (no WAIT)".to_string(),
+            };
+            format!(
+                "{} hears its write of epoch {} answered by the primary{outcome}",
+                name(d),
+                o.epoch
+            )
+        }
+        Action::Passed(d) => {
+            let gone: Vec<&str> = DAEMON_NAMES
+                .iter()
+                .enumerate()
+                .filter(|&(o, _)| record(b, o).is_some_and(|r| r.left) && record(a, o).is_none())
+                .map(|(_, n)| *n)
+                .collect();
+            format!(
+                "{} commits AgentPassed (fence {}): {}; A acked {}",
+                name(d),
+                a.daemons[usize::from(d)].fence.unwrap_or(0),
+                if gone.is_empty() {
+                    "no record was left".to_string()
+                } else {
+                    format!("{}'s left record goes", gone.join(", "))
+                },
+                acked(a)
+            )
+        }
         Action::Deliver(msg) => delivered(m, b, msg, a),
         Action::Duplicate(msg) => format!("(a duplicate) {}", delivered(m, b, msg, a)),
         Action::Replicate => format!(
@@ -207,6 +266,29 @@ fn event(m: &LeaseModel, b: &State, action: Action, a: &State) -> String {
                 x.until_ms
             )
         }
+        Action::Stop(d) => {
+            let x = usize::from(d);
+            let outcome = match (record(b, x), record(a, x)) {
+                (Some(_), Some(r)) if r.left && r.deposed => {
+                    "its record is deposed: unchanged".to_string()
+                }
+                (Some(_), Some(r)) if r.left => format!(
+                    "gives up the role; its record is left (ack {} frozen)",
+                    r.acked_epoch
+                ),
+                (Some(_), None) => "its record goes".to_string(),
+                _ => "no record".to_string(),
+            };
+            format!(
+                "{} stops (SIGTERM), deciding and writing nothing more: {outcome}; A acked {}",
+                name(d),
+                acked(a)
+            )
+        }
+        Action::Kill(d) => format!(
+            "{} is killed (SIGKILL): it decides and writes nothing more, and says nothing",
+            name(d)
+        ),
         Action::Cut => "region A is cut off from the coordinator".into(),
         Action::Heal => "region A is reconnected".into(),
     }
@@ -272,4 +354,11 @@ fn delivered(m: &LeaseModel, b: &State, msg: Msg, a: &State) -> String {
 
 fn acked(s: &State) -> u64 {
     s.coord.region(A).map_or(0, |r| r.acked_epoch)
+}
+
+/// Daemon `d`'s lease record at the coordinator.
+fn record(s: &State, d: usize) -> Option<DaemonLease> {
+    s.coord
+        .region(A)
+        .and_then(|r| r.daemons.get(&node_of(d)).copied())
 }

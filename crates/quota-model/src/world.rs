@@ -64,8 +64,9 @@ pub enum Guard {
     /// `set_params.lua` refuses a write whose fence or epoch is below the stored one
     /// (`quota_store::Fence::refuses`). Off: every write lands.
     FenceCheck,
-    /// A daemon acknowledges only an epoch it has applied; the holder only that of a complete
-    /// pass. Off: each acknowledges the newest epoch it has heard of.
+    /// A daemon acknowledges only an epoch it has applied; the agent only that of a complete
+    /// pass, or its view once the store is bounded by it. Off: each acknowledges the newest
+    /// epoch it has heard of.
     AckApplied,
     /// The region's acknowledgement is the least over its daemons still live. Off: the
     /// latest renewal's acknowledgement is the region's (as with one daemon).
@@ -79,19 +80,32 @@ pub enum Guard {
     /// A lease renewed at epoch E is usable only once the daemon applied E
     /// (`RegionView::on_renewal`). Off: usable at once, for whatever the daemon applied.
     LeaseAfterApply,
-    /// A deposed holder, like the holder, acknowledges at most its last complete pass while a
-    /// write of its own may be in force in Redis. Off: it acknowledges its view at once (as
-    /// quotad's standby branch does).
-    DeposedAck,
-    /// A write counts as run out two margins past the local end of the lease it was written
-    /// under (`start + lease + margin`); only then may its writer acknowledge its view without
-    /// a complete pass. Off: at that end (as quotad's `Written::bounded_by` does).
+    /// A claim marks the replaced agent's lease record as deposed (`claim_agent`): its
+    /// renewals neither raise its acknowledgement nor lengthen it, so it holds the region's
+    /// until its lease and the margin are over. Off: the marks are cleared right after the
+    /// claim, so the deposed agent, renewing as a standby, acknowledges its view.
+    ClaimMarksLeft,
+    /// A stopped agent's record (left, by `ReleaseAgent`) goes with the next agent's
+    /// `AgentPassed`, which it commits only after its first complete pass, confirmed by a
+    /// replica (`WAIT`). Off: with its claim, before it has written anything.
+    PassedAfterFirstPass,
+    /// With its writes unanswered, the agent acknowledges its view only once each share it
+    /// may have stored above the view's has run out two margins past the stored end, on its
+    /// own clock (`Written::bounded_by`'s slack). Off: one margin.
     WriteRunOut,
+    /// Not in quotad: the agent's bounded acknowledgement (`bounded_by`, its writes not all
+    /// answered) waits, as a complete pass does, until `WAIT` has confirmed what the primary
+    /// answered. Off, as quotad is: a write the primary answered counts as the store's at once.
+    BoundedAfterWait,
+    /// Not in quotad: a renewal grants no lease the daemon's record does not count; a deposed
+    /// agent's renewal, which leaves its record as it is, is answered without one. Off, as
+    /// quotad is: it is answered with a whole lease.
+    RecordCoversLease,
 }
 
 impl Guard {
     /// Every guard, in the order the tests report them.
-    pub const ALL: [Guard; 10] = [
+    pub const ALL: [Guard; 13] = [
         Guard::RevokeBeforeGrant,
         Guard::DriftMargin,
         Guard::FenceCheck,
@@ -100,8 +114,11 @@ impl Guard {
         Guard::WaitBeforeAck,
         Guard::NotAfter,
         Guard::LeaseAfterApply,
-        Guard::DeposedAck,
+        Guard::ClaimMarksLeft,
+        Guard::PassedAfterFirstPass,
         Guard::WriteRunOut,
+        Guard::BoundedAfterWait,
+        Guard::RecordCoversLease,
     ];
 }
 
@@ -118,6 +135,9 @@ pub struct Bounds {
     pub writes_per_daemon: u8,
     /// Claims of region A's agent role, by either of its daemons.
     pub claims: u8,
+    /// Daemons of A that stop (SIGTERM: they decide and write nothing more and leave,
+    /// `ReleaseAgent`) or are killed (no word).
+    pub stops: u8,
     /// Messages delivered twice.
     pub duplicates: u8,
     /// Failovers of region A's Redis.
@@ -134,8 +154,8 @@ impl fmt::Display for Bounds {
             f,
             "regions {REGIONS} (A: 2 daemons and Redis, B: worst case), budget {BUDGET_UNITS} units, floors 1, \
              lease {LEASE_MS} ticks, margin {MARGIN_MS}; ticks 0..={}, reshares {}, \
-             renewals/daemon {}, writes/daemon {}, claims {}, duplicates {}, failovers {}, \
-             cuts {}, clock steps {}",
+             renewals/daemon {}, writes/daemon {}, claims {}, stops {}, duplicates {}, \
+             failovers {}, cuts {}, clock steps {}",
             self.horizon_ticks,
             self.reshares,
             if self.renewals_per_daemon == 0 {
@@ -145,6 +165,7 @@ impl fmt::Display for Bounds {
             },
             self.writes_per_daemon,
             self.claims,
+            self.stops,
             self.duplicates,
             self.failovers,
             self.cuts,

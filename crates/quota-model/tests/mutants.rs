@@ -102,16 +102,39 @@ fn a_lease_used_before_its_epoch_is_applied_outlives_the_revocation() {
 }
 
 #[test]
-fn a_deposed_holder_acknowledging_its_view_frees_a_share_its_write_still_holds() {
-    let t = counterexample(Guard::DeposedAck, BUDGET);
-    assert!(t.contains("deposed"), "{t}");
+fn a_claim_that_leaves_the_replaced_agents_record_live_frees_a_share_its_write_still_holds() {
+    let t = counterexample(Guard::ClaimMarksLeft, BUDGET);
+    assert!(t.contains("a2 claims A's agent role"), "{t}");
+    assert!(last_line(&t).ends_with("= 11"), "{t}");
 }
 
 #[test]
-fn acknowledging_at_the_written_lease_end_misses_a_redis_clock_running_slow() {
+fn agent_passed_before_the_first_pass_frees_a_share_the_stopped_agents_write_still_holds() {
+    let t = counterexample(Guard::PassedAfterFirstPass, BUDGET);
+    assert!(t.contains("a1 stops"), "{t}");
+    assert!(t.contains("commits AgentPassed at once"), "{t}");
+}
+
+#[test]
+fn acknowledging_one_margin_past_the_stored_end_misses_a_redis_clock_running_slow() {
     let t = counterexample(Guard::WriteRunOut, BUDGET);
-    assert!(
-        t.contains("slow") || t.contains("fast"),
-        "a clock step: {t}"
-    );
+    assert!(t.contains("Redis A's clock does not advance"), "{t}");
+}
+
+/// quotad as it is: with its writes not all answered, the agent counts a write the primary
+/// answered as the store's before `WAIT` confirmed it.
+#[test]
+fn quotad_bounds_the_store_by_a_write_no_replica_has_and_a_failover_restores_the_cut() {
+    let t = counterexample(Guard::BoundedAfterWait, BUDGET);
+    assert!(t.contains("WAIT 1 finds the replica without it"), "{t}");
+    assert!(t.contains("fails over"), "{t}");
+}
+
+/// quotad as it is: a deposed agent's renewal leaves its record as it was but answers with a
+/// whole lease, which the agent uses on its old view after the record has run out.
+#[test]
+fn quotad_grants_a_deposed_agent_a_lease_its_record_does_not_count() {
+    let t = counterexample(Guard::RecordCoversLease, BUDGET);
+    assert!(t.contains("its record is deposed"), "{t}");
+    assert!(t.contains("a1 hears its lease"), "{t}");
 }
