@@ -17,9 +17,9 @@
 //! once the stored end has passed (`token_bucket.lua`).
 //!
 //! Every guard can be switched off ([`Guard`]); for each, a test asserts that the checker
-//! finds a run breaking the budget and prints it as a trace. Two guards are rules quotad
-//! does not have yet ([`Guard::BoundedAfterWait`], [`Guard::RecordCoversLease`]): switched
-//! off, the model is quotad as it is, and the checker finds it over the budget.
+//! finds a run breaking the budget and prints it as a trace. Two guards
+//! ([`Guard::BoundedAfterWait`], [`Guard::RecordCoversLease`]) are rules quotad took from the
+//! model after the checker found it over the budget without them.
 //!
 //! # Abstractions, and why they lose nothing the properties see
 //! - Region A is modelled in full (two daemons contending for its agent role, its Redis

@@ -205,7 +205,7 @@ impl LeaseModel {
     /// `Written::bounded_by`: the store cannot enforce more than the agent's view grants now,
     /// though its writes are not all answered — what it holds is at most the view's share or
     /// has run out (`slack` past its end), and was written by this agent or an earlier
-    /// agent's shares have run out. With [`Guard::BoundedAfterWait`] (not in quotad), only
+    /// agent's shares have run out. With [`Guard::BoundedAfterWait`] (quotad's rule), only
     /// once `WAIT` has confirmed every write the primary answered.
     pub fn bounded(&self, s: &State, d: usize) -> bool {
         let daemon = &s.daemons[d];
@@ -338,7 +338,15 @@ impl LeaseModel {
             node: node_of(d),
             acked_epoch,
         };
-        let response = self.apply(s, op);
+        let mut response = self.apply(s, op);
+        // The coordinator grants a deposed agent's renewal no lease; the mutant grants it one.
+        if !self.guarded(Guard::RecordCoversLease) {
+            if let Response::LeaseRenewed { lease_ms, .. } = &mut response {
+                if *lease_ms == 0 {
+                    *lease_ms = s.coord.lease.lease_ms;
+                }
+            }
+        }
         if !self.guarded(Guard::LeastLiveAck) {
             let r = s.coord.make_mut().regions[A].as_mut()?;
             r.acked_epoch = r.acked_epoch.max(acked_epoch);

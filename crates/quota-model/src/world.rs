@@ -93,13 +93,13 @@ pub enum Guard {
     /// may have stored above the view's has run out two margins past the stored end, on its
     /// own clock (`Written::bounded_by`'s slack). Off: one margin.
     WriteRunOut,
-    /// Not in quotad: the agent's bounded acknowledgement (`bounded_by`, its writes not all
-    /// answered) waits, as a complete pass does, until `WAIT` has confirmed what the primary
-    /// answered. Off, as quotad is: a write the primary answered counts as the store's at once.
+    /// The agent's bounded acknowledgement (`bounded_by`, its writes not all answered) waits,
+    /// as a complete pass does, until `WAIT` has confirmed what the primary answered (quotad's
+    /// `unconfirmed`). Off: a write the primary answered counts as the store's at once.
     BoundedAfterWait,
-    /// Not in quotad: a renewal grants no lease the daemon's record does not count; a deposed
-    /// agent's renewal, which leaves its record as it is, is answered without one. Off, as
-    /// quotad is: it is answered with a whole lease.
+    /// A renewal grants no lease the daemon's record does not count: a deposed agent's
+    /// renewal, which leaves its record as it is, is answered with none (quota-core's
+    /// `renew_lease`). Off: it is answered with a whole lease.
     RecordCoversLease,
 }
 

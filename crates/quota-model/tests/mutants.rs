@@ -124,7 +124,7 @@ fn acknowledging_one_margin_past_the_stored_end_misses_a_redis_clock_running_slo
 /// quotad as it is: with its writes not all answered, the agent counts a write the primary
 /// answered as the store's before `WAIT` confirmed it.
 #[test]
-fn quotad_bounds_the_store_by_a_write_no_replica_has_and_a_failover_restores_the_cut() {
+fn bounding_the_store_by_a_write_no_replica_has_lets_a_failover_restore_the_cut() {
     let t = counterexample(Guard::BoundedAfterWait, BUDGET);
     assert!(t.contains("WAIT 1 finds the replica without it"), "{t}");
     assert!(t.contains("fails over"), "{t}");
@@ -133,7 +133,7 @@ fn quotad_bounds_the_store_by_a_write_no_replica_has_and_a_failover_restores_the
 /// quotad as it is: a deposed agent's renewal leaves its record as it was but answers with a
 /// whole lease, which the agent uses on its old view after the record has run out.
 #[test]
-fn quotad_grants_a_deposed_agent_a_lease_its_record_does_not_count() {
+fn a_lease_granted_to_a_deposed_agent_outlives_its_record() {
     let t = counterexample(Guard::RecordCoversLease, BUDGET);
     assert!(t.contains("its record is deposed"), "{t}");
     assert!(t.contains("a1 hears its lease"), "{t}");

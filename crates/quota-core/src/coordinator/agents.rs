@@ -57,6 +57,17 @@ impl CoordinatorState {
         // Records that can no longer enforce anything go (the holder's stays, for display).
         region.daemons.retain(|n, d| live(d) || Some(*n) == holder);
         let expires = now.saturating_add(lease_ms);
+        // A deposed agent that has not noticed yet gets no new lease while its record holds:
+        // its record covers the lease it had, not one granted now (found by the model
+        // checker, mutant `RecordCoversLease`).
+        if let Some(d) = region.daemons.get(&node).filter(|d| d.deposed && live(d)) {
+            return Response::LeaseRenewed {
+                region: index,
+                epoch,
+                lease_ms: 0,
+                expires_at_ms: d.lease_expires_at_ms,
+            };
+        }
         let acked = region.acked_epoch;
         let d = region.daemons.entry(node).or_insert(DaemonLease {
             acked_epoch: acked,
@@ -368,7 +379,7 @@ mod tests {
         assert!(!c.s.region(0).unwrap().daemons.contains_key(&1));
     }
 
-    /// Found by the model checker (`quota-model`, mutant `DeposedAck`): an agent deposed by a
+    /// Found by the model checker (`quota-model`, mutant `ClaimMarksLeft`): an agent deposed by a
     /// claim while alive goes on renewing as a standby, acknowledging its view; its last
     /// write, of an older epoch, is still in the store, and it may still decide in process on
     /// an old view until its lease ends. Its record holds until then, whatever the claimant
@@ -381,8 +392,12 @@ mod tests {
         c.renew(1_000, 1, 4);
         c.renew(1_000, 2, 9);
         assert_eq!(c.claim(2, 1), Response::AgentClaimed { fence: 2 });
-        // Its renewals neither raise its acknowledgement nor lengthen its record.
-        c.renew(1_100, 1, 9);
+        // Its renewals neither raise its acknowledgement nor lengthen its record, and grant it
+        // no lease.
+        assert!(matches!(
+            c.renew(1_100, 1, 9),
+            Response::LeaseRenewed { lease_ms: 0, .. }
+        ));
         c.renew(1_100, 2, 9);
         assert_eq!(c.acked(), 4, "the deposed agent may still enforce epoch 4");
         let r = c.op(
