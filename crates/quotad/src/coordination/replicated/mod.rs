@@ -22,6 +22,7 @@
 
 mod agent_role;
 mod lease;
+mod peer_auth;
 mod plans;
 mod readiness;
 mod round;

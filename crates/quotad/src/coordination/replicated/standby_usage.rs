@@ -159,7 +159,7 @@ pub(super) async fn receive(
     State(me): State<Arc<Replicated>>,
     req: axum::extract::Request,
 ) -> Response {
-    let caller = match super::usage::peer_caller(&me, &req) {
+    let caller = match super::peer_auth::peer_caller(&me, &req) {
         Ok(c) => c,
         Err(code) => return code.into_response(),
     };

@@ -4,21 +4,20 @@
 use std::sync::Arc;
 
 use axum::extract::State;
-use axum::http::{header, StatusCode};
+use axum::http::StatusCode;
 use axum::response::{IntoResponse as _, Response};
 use axum::routing::post;
 use axum::Router;
 use quota_core::coordinator::PolicyKey;
 use quota_core::demand::Usage;
 use quota_core::{PolicyName, RegionId, TenantId};
-use quota_raft::peer_api::{caller_region, refuse_identity};
+use quota_raft::peer_api::refuse_identity;
 use quota_raft::Role;
 use quota_store::UsageRecord;
 use serde::{Deserialize, Serialize};
 
 use super::{unavailable, Replicated};
 use crate::coordination::mutation::CoordError;
-use crate::secret::bearer;
 
 /// The peer-port route where regions send usage reports to the leader.
 pub const PATH_USAGE: &str = "/quotad/v1/usage";
@@ -167,30 +166,10 @@ impl Replicated {
     }
 }
 
-/// A peer request's credentials: the peer token must be presented; with peer TLS, the region
-/// the connection's certificate names (`Some(None)`: none), which the body must claim. `Err`
-/// is the status to answer a request without the token with.
-pub(super) fn peer_caller(
-    me: &Replicated,
-    req: &axum::extract::Request,
-) -> Result<Option<Option<String>>, StatusCode> {
-    let presented = req
-        .headers()
-        .get(header::AUTHORIZATION)
-        .and_then(|v| bearer(v.as_bytes()));
-    if !presented.is_some_and(|t| me.peer_token.matches(t)) {
-        return Err(StatusCode::UNAUTHORIZED);
-    }
-    Ok(me
-        .peer_tls
-        .as_ref()
-        .map(|s| caller_region(&s.identities, req).map(str::to_string)))
-}
-
 /// POST /quotad/v1/usage on the leader, authenticated with the peer token.
 async fn receive_usage(State(me): State<Arc<Replicated>>, req: axum::extract::Request) -> Response {
     // With peer TLS, the report must come over a connection authenticated as its region.
-    let caller = match peer_caller(&me, &req) {
+    let caller = match super::peer_auth::peer_caller(&me, &req) {
         Ok(c) => c,
         Err(code) => return code.into_response(),
     };
