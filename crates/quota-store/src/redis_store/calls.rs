@@ -297,8 +297,8 @@ impl RedisStore {
     }
 
     /// Whether the writes this store sent so far are on a replica of every master that has
-    /// one ([`crate::AnyStore::durable`]): `INFO replication`, then `WAIT 1` within the
-    /// store's timeout where a master has connected replicas.
+    /// one ([`crate::AnyStore::durable`]): `INFO replication`, then `WAIT 1` for at most
+    /// [`WAIT_MS`] where a master has connected replicas.
     pub async fn durable(&self) -> Result<bool, StoreError> {
         let info = self.info_of_masters("replication").await?;
         let mut replicas = Vec::new();
@@ -311,9 +311,12 @@ impl RedisStore {
         if replicas.iter().all(|r| r == "0") {
             return Ok(true);
         }
+        // WAIT holds the connection the decisions share for as long as it waits: a short wait,
+        // and writes a replica has not confirmed by then are confirmed by a later call (WAIT
+        // covers every earlier write of the connection).
         let mut wait = redis::cmd("WAIT");
-        wait.arg(1).arg(self.timeout.as_millis() as u64);
-        // WAIT blocks up to its own timeout: the call's bound is twice the store's.
+        wait.arg(1).arg(WAIT_MS);
+        // The call's bound: the store's timeout past the wait.
         let call = async {
             match &*self.source.load_full() {
                 Source::Single(s) => {
@@ -330,11 +333,12 @@ impl RedisStore {
                 }
             }
         };
-        let reply = match tokio::time::timeout(self.timeout * 2, call).await {
+        let bound = self.timeout + std::time::Duration::from_millis(WAIT_MS);
+        let reply = match tokio::time::timeout(bound, call).await {
             Ok(r) => r.map_err(|e| from_redis(&e))?,
             Err(_) => {
                 return Err(StoreError::Timeout {
-                    ms: (self.timeout * 2).as_millis() as u64,
+                    ms: bound.as_millis() as u64,
                 })
             }
         };
@@ -465,6 +469,9 @@ impl RedisStore {
         Ok(values.into_iter().next())
     }
 }
+
+/// How long `WAIT` may hold the shared connection for a replica's confirmation (ms).
+const WAIT_MS: u64 = 10;
 
 /// The key naming who writes this Redis's parameters (a region's daemons, or one daemon of a
 /// single region): a daemon refuses to start on a Redis another writer holds.
