@@ -15,6 +15,10 @@ use super::{unavailable, Replicated};
 use crate::clock;
 use crate::coordination::mutation::CoordError;
 
+/// Renewals of its own a standby must see succeed while the holder's stay silent before it
+/// claims the role.
+pub const RENEWALS_BEFORE_CLAIM: u32 = 2;
+
 /// What a daemon does about the role at a look.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Act {
@@ -36,6 +40,10 @@ pub struct Watch {
     mine: Option<u64>,
     /// Set by a won claim: when the replaced holder was last seen renewing.
     took_over_since: Option<u64>,
+    /// This daemon's own renewals that succeeded since the holder was last seen renewing: a
+    /// holder silent while this daemon renews is gone; both silent is the coordinator (a
+    /// leader election), which must not depose a live holder.
+    renewed_since: u32,
 }
 
 impl Watch {
@@ -66,15 +74,23 @@ impl Watch {
         if self.seen != Some(seen) {
             self.seen = Some(seen);
             self.since_ms = now_ms;
+            self.renewed_since = 0;
             return Act::Stand;
         }
-        if now_ms.saturating_sub(self.since_ms) >= takeover_ms {
+        if now_ms.saturating_sub(self.since_ms) >= takeover_ms
+            && self.renewed_since >= RENEWALS_BEFORE_CLAIM
+        {
             Act::Claim {
                 fence_seen: role.fence,
             }
         } else {
             Act::Stand
         }
+    }
+
+    /// Records one of this daemon's own renewals that succeeded.
+    pub fn renewed(&mut self) {
+        self.renewed_since = self.renewed_since.saturating_add(1);
     }
 
     /// Records a won claim at `now_ms`.
@@ -253,13 +269,17 @@ mod tests {
         let mut w = Watch::default();
         // The holder renews every 200 ms: its lease end moves, the standby stands.
         for (i, now) in (0..20u64).map(|i| (i, i * 200)) {
+            w.renewed();
             assert_eq!(
                 w.act(2, role(1, 3), 5_000 + i * 200, now, TAKEOVER),
                 Act::Stand
             );
         }
-        // Renewals stop at 3 800: standing until 3 800 + 600, then a claim on fence 3.
+        // Renewals stop at 3 800: standing until 3 800 + 600 with two renewals of its own,
+        // then a claim on fence 3.
         assert_eq!(w.act(2, role(1, 3), 8_800, 4_000, TAKEOVER), Act::Stand);
+        w.renewed();
+        w.renewed();
         assert_eq!(w.act(2, role(1, 3), 8_800, 4_399, TAKEOVER), Act::Stand);
         assert_eq!(
             w.act(2, role(1, 3), 8_800, 4_400, TAKEOVER),
@@ -268,6 +288,22 @@ mod tests {
         // Another standby won meanwhile: a new holder, a new wait.
         assert_eq!(w.act(2, role(3, 4), 9_000, 4_500, TAKEOVER), Act::Stand);
         assert_eq!(w.act(2, role(3, 4), 9_000, 5_000, TAKEOVER), Act::Stand);
+    }
+
+    /// A leader election: nobody's renewals commit for a while, the holder's no more than
+    /// this daemon's. That is no reason to depose a live holder.
+    #[test]
+    fn a_standby_whose_own_renewals_fail_too_does_not_claim() {
+        let mut w = Watch::default();
+        assert_eq!(w.act(2, role(1, 3), 5_000, 0, TAKEOVER), Act::Stand);
+        assert_eq!(w.act(2, role(1, 3), 5_000, 2_000, TAKEOVER), Act::Stand);
+        w.renewed();
+        assert_eq!(w.act(2, role(1, 3), 5_000, 2_200, TAKEOVER), Act::Stand);
+        // The holder renews again after the election: the wait starts over.
+        assert_eq!(w.act(2, role(1, 3), 7_200, 2_400, TAKEOVER), Act::Stand);
+        w.renewed();
+        w.renewed();
+        assert_eq!(w.act(2, role(1, 3), 7_200, 2_500, TAKEOVER), Act::Stand);
     }
 
     #[test]

@@ -197,6 +197,10 @@ impl Replicated {
                     lease_ms,
                 };
                 self.change_lease(|v| v.on_renewal(lease));
+                self.agent
+                    .lock()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .renewed();
                 self.rebuild_view();
                 Ok(())
             }
