@@ -154,10 +154,7 @@ impl CoordinatorState {
         if released {
             Response::AgentReleased
         } else {
-            Response::AgentHeld {
-                node: agent.map_or(0, |a| a.node),
-                fence: agent.map_or(0, |a| a.fence),
-            }
+            held(agent)
         }
     }
 
@@ -180,16 +177,21 @@ impl CoordinatorState {
                 raise_ack(region, margin, now);
                 Response::AgentPassed
             }
-            a => Response::AgentHeld {
-                node: a.map_or(0, |a| a.node),
-                fence: a.map_or(0, |a| a.fence),
-            },
+            a => held(a),
         }
     }
 
     fn region_mut(&mut self, id: &RegionId) -> Option<&mut super::RegionState> {
         let index = usize::from(self.region_index(id)?);
         self.regions.get_mut(index).and_then(Option::as_mut)
+    }
+}
+
+/// Who holds the role, as a refused claim, release or pass is answered (0, 0: nobody).
+fn held(agent: Option<AgentRole>) -> Response {
+    Response::AgentHeld {
+        node: agent.map_or(0, |a| a.node),
+        fence: agent.map_or(0, |a| a.fence),
     }
 }
 
