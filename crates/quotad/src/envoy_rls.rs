@@ -33,6 +33,7 @@ use std::time::Duration;
 
 use envoy_types::pb::envoy::config::core::v3::HeaderValue as EnvoyHeader;
 use envoy_types::pb::envoy::extensions::common::ratelimit::v3::RateLimitDescriptor;
+use envoy_types::pb::envoy::service::rate_limit_quota::v3::rate_limit_quota_service_server::RateLimitQuotaServiceServer;
 use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_response::{
     rate_limit::Unit, Code, DescriptorStatus, RateLimit,
 };
@@ -55,6 +56,7 @@ use crate::api::check::{rate_limit_values, secs_ceil, CheckResponse};
 use crate::api::AppState;
 use crate::config::EnvoyConfig;
 use crate::decision::{CheckError, Mode, Verdict};
+use crate::envoy_rlqs::EnvoyQuota;
 use crate::telemetry;
 
 /// The names gRPC health answers for: the server as a whole, the name envoyproxy/ratelimit
@@ -72,9 +74,66 @@ const READINESS_POLL: Duration = Duration::from_millis(50);
 #[derive(Debug, Clone)]
 pub struct EnvoyRateLimit {
     state: AppState,
+    keys: SubjectKeys,
+}
+
+/// The entry keys that name a limit's subject and policy, in RLS descriptors and RLQS bucket
+/// ids alike.
+#[derive(Debug, Clone)]
+pub struct SubjectKeys {
     tenant_key: String,
     policy_key: String,
     identity_key: Option<String>,
+}
+
+impl SubjectKeys {
+    pub fn new(cfg: &EnvoyConfig) -> Self {
+        Self {
+            tenant_key: cfg.tenant_key.clone(),
+            policy_key: cfg.policy_key.clone(),
+            identity_key: cfg.identity_key.clone(),
+        }
+    }
+
+    /// The subject and policy named by entries `with_key` finds (`Err` for a key given twice):
+    /// the tenant entry, else the identity entry hashed with the identity key; the policy
+    /// entry, else `domain`. `Ok(None)` when neither names a subject; `Err` with a metric-safe
+    /// word for what is malformed.
+    pub fn subject<'a>(
+        &self,
+        state: &AppState,
+        with_key: impl Fn(&str) -> Result<Option<&'a str>, ()>,
+        domain: &'a str,
+    ) -> Result<Option<(TenantId, PolicyName)>, &'static str> {
+        let (Ok(tenant), Ok(policy)) = (with_key(&self.tenant_key), with_key(&self.policy_key))
+        else {
+            return Err("repeated_key");
+        };
+        let identity = match self.identity_key.as_deref().map(&with_key) {
+            Some(Err(())) => return Err("repeated_key"),
+            Some(Ok(v)) => v,
+            None => None,
+        };
+        let tenant = match (tenant, identity) {
+            (Some(t), _) => match TenantId::new(t) {
+                Ok(t) if t.reserved().is_none() => t,
+                _ => return Err("bad_tenant"),
+            },
+            // The raw value goes no further than the hash.
+            (None, Some(raw)) => match &state.identity_key {
+                Some(_) if raw.is_empty() || raw.len() > crate::api::check::MAX_IDENTITY_BYTES => {
+                    return Err("bad_identity")
+                }
+                Some(key) => quota_core::hashed_id(key.expose().as_bytes(), raw.as_bytes()),
+                None => return Err("no_identity_key"),
+            },
+            (None, None) => return Ok(None),
+        };
+        let Ok(policy) = PolicyName::new(policy.unwrap_or(domain)) else {
+            return Err("bad_policy");
+        };
+        Ok(Some((tenant, policy)))
+    }
 }
 
 /// One descriptor, read.
@@ -104,9 +163,7 @@ impl EnvoyRateLimit {
     pub fn new(state: AppState, cfg: &EnvoyConfig) -> Self {
         Self {
             state,
-            tenant_key: cfg.tenant_key.clone(),
-            policy_key: cfg.policy_key.clone(),
-            identity_key: cfg.identity_key.clone(),
+            keys: SubjectKeys::new(cfg),
         }
     }
 
@@ -157,32 +214,10 @@ impl EnvoyRateLimit {
                 (one, None) => Ok(one.map(|e| e.value.as_str())),
             }
         };
-        let (Ok(tenant), Ok(policy)) = (with_key(&self.tenant_key), with_key(&self.policy_key))
-        else {
-            return Descriptor::Refused("repeated_key");
-        };
-        let identity = match self.identity_key.as_deref().map(with_key) {
-            Some(Err(())) => return Descriptor::Refused("repeated_key"),
-            Some(Ok(v)) => v,
-            None => None,
-        };
-        let tenant = match (tenant, identity) {
-            (Some(t), _) => match TenantId::new(t) {
-                Ok(t) if t.reserved().is_none() => t,
-                _ => return Descriptor::Refused("bad_tenant"),
-            },
-            // The raw value goes no further than the hash.
-            (None, Some(raw)) => match &self.state.identity_key {
-                Some(_) if raw.is_empty() || raw.len() > crate::api::check::MAX_IDENTITY_BYTES => {
-                    return Descriptor::Refused("bad_identity")
-                }
-                Some(key) => quota_core::hashed_id(key.expose().as_bytes(), raw.as_bytes()),
-                None => return Descriptor::Refused("no_identity_key"),
-            },
-            (None, None) => return Descriptor::NoTenant,
-        };
-        let Ok(policy) = PolicyName::new(policy.unwrap_or(domain)) else {
-            return Descriptor::Refused("bad_policy");
+        let (tenant, policy) = match self.keys.subject(&self.state, with_key, domain) {
+            Ok(Some(s)) => s,
+            Ok(None) => return Descriptor::NoTenant,
+            Err(reason) => return Descriptor::Refused(reason),
         };
         let cost = d.hits_addend.as_ref().map_or(request_cost, |h| h.value);
         Descriptor::Check {
@@ -504,24 +539,26 @@ fn serving_status(ready: &AtomicBool) -> ServingStatus {
     }
 }
 
-/// Serves the rate limit service and gRPC health on `listener` until `stop` turns true, then
+/// Serves the rate limit service, the rate limit quota service and gRPC health on `listener` until `stop` turns true, then
 /// lets in-flight calls finish for at most `drain` (an Envoy keeps its HTTP/2 connection open;
 /// shutdown must not wait on it). Health mirrors readiness: `NOT_SERVING` while starting and
 /// from the moment shutdown begins (readiness turns false before the API drains), then, on
 /// `stop`, every watch stream ends.
 pub async fn serve(
     service: EnvoyRateLimit,
+    quota: EnvoyQuota,
     listener: tokio::net::TcpListener,
     stop: watch::Receiver<bool>,
     drain: Duration,
 ) -> Result<(), tonic::transport::Error> {
     let incoming = TcpIncoming::from(listener).with_nodelay(Some(true));
-    serve_incoming(service, incoming, stop, drain).await
+    serve_incoming(service, quota, incoming, stop, drain).await
 }
 
 /// Like [`serve`], over TLS: connections handshaken by `incoming` (`[envoy] tls_*`).
 pub async fn serve_tls(
     service: EnvoyRateLimit,
+    quota: EnvoyQuota,
     incoming: quota_raft::tls::TlsIncoming,
     stop: watch::Receiver<bool>,
     drain: Duration,
@@ -530,11 +567,12 @@ pub async fn serve_tls(
         let (tls, _remote) = incoming.next().await?;
         Some((Ok::<_, std::io::Error>(tls), incoming))
     });
-    serve_incoming(service, incoming, stop, drain).await
+    serve_incoming(service, quota, incoming, stop, drain).await
 }
 
 async fn serve_incoming<I, IO, IE>(
     service: EnvoyRateLimit,
+    quota: EnvoyQuota,
     incoming: I,
     stop: watch::Receiver<bool>,
     drain: Duration,
@@ -555,12 +593,15 @@ where
     let (streams_tx, streams_stop) = watch::channel(false);
     let health = HealthService {
         status,
-        stop: streams_stop,
+        stop: streams_stop.clone(),
     };
     let (mut graceful, mut deadline) = (stop.clone(), stop);
     let server = tonic::transport::Server::builder()
         .add_service(HealthServer::new(health))
         .add_service(RateLimitServiceServer::new(service))
+        .add_service(RateLimitQuotaServiceServer::new(
+            quota.ending_on(streams_stop),
+        ))
         .serve_with_incoming_shutdown(incoming, async move {
             let mut poll = tokio::time::interval(READINESS_POLL);
             loop {
@@ -616,8 +657,15 @@ mod tests {
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let addr = listener.local_addr().unwrap();
         let (stop_tx, stop) = watch::channel(false);
+        let quota = EnvoyQuota::new(state.clone(), &EnvoyConfig::default());
         let service = EnvoyRateLimit::new(state, &EnvoyConfig::default());
-        tokio::spawn(serve(service, listener, stop, Duration::from_secs(1)));
+        tokio::spawn(serve(
+            service,
+            quota,
+            listener,
+            stop,
+            Duration::from_secs(1),
+        ));
         let channel = Channel::from_shared(format!("http://{addr}"))
             .unwrap()
             .connect()

@@ -23,7 +23,7 @@ use crate::decision::breaker::Breaker;
 use crate::decision::{Decider, DeciderParts};
 use crate::secret::Secret;
 use crate::tokens::Tokens;
-use crate::{agent, decision, envoy_rls, eviction, redis_password, telemetry};
+use crate::{agent, decision, envoy_rlqs, envoy_rls, eviction, redis_password, telemetry};
 use quota_raft::tls::{PeerHttp, ServerTls};
 
 /// Resolves once SIGTERM or Ctrl-C arrives.
@@ -534,9 +534,10 @@ async fn envoy_task(
         .await
         .with_context(|| format!("binding the Envoy rate limit listener on {addr}"))?;
     let service = envoy_rls::EnvoyRateLimit::new(state.clone(), &cfg.envoy);
+    let quota = envoy_rlqs::EnvoyQuota::new(state.clone(), &cfg.envoy);
     let stop = stop_rx.clone();
     let drain = Duration::from_millis(cfg.api.drain_timeout_ms);
-    tracing::info!(envoy = %addr, tls = tls.is_some(), "Envoy rate limit service (RLS v3) serving.");
+    tracing::info!(envoy = %addr, tls = tls.is_some(), "Envoy rate limit services (RLS v3, RLQS) serving.");
     let mut tasks = Vec::new();
     let served = match &tls {
         Some(tls) => {
@@ -545,13 +546,13 @@ async fn envoy_task(
                 .incoming(listener, &[b"h2"])
                 .context("reading the Envoy listener address")?;
             tokio::spawn(async move {
-                if let Err(e) = envoy_rls::serve_tls(service, incoming, stop, drain).await {
+                if let Err(e) = envoy_rls::serve_tls(service, quota, incoming, stop, drain).await {
                     tracing::error!(error = %e, "The Envoy rate limit listener failed.");
                 }
             })
         }
         None => tokio::spawn(async move {
-            if let Err(e) = envoy_rls::serve(service, listener, stop, drain).await {
+            if let Err(e) = envoy_rls::serve(service, quota, listener, stop, drain).await {
                 tracing::error!(error = %e, "The Envoy rate limit listener failed.");
             }
         }),

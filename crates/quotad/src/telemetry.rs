@@ -51,6 +51,17 @@ pub const REDIS_PASSWORD_RELOADS_TOTAL: &str = "quotad_redis_password_reloads_to
 /// tenant entry; `unknown_policy`: no such policy for the tenant; for a reading, `hits_addend`
 /// 0: `pinned_elsewhere`, `store_unavailable`), as Envoy's convention asks.
 pub const ENVOY_UNDECIDED_DESCRIPTORS_TOTAL: &str = "quotad_envoy_undecided_descriptors_total";
+/// Envoy RLQS streams open on this daemon.
+pub const RLQS_STREAMS: &str = "quotad_rlqs_streams";
+/// Entries this daemon keeps for RLQS: a stream's bucket of a budget, held until its assignment
+/// expires after the stream ended.
+pub const RLQS_BUCKETS: &str = "quotad_rlqs_buckets";
+/// RLQS assignments sent, by `strategy` (`token_bucket`, `allow_all`, `deny_all`).
+pub const RLQS_ASSIGNMENTS_TOTAL: &str = "quotad_rlqs_assignments_total";
+/// RLQS reports refused, by `reason` (`no_buckets`, `empty_bucket_id`, `too_many_buckets`; the
+/// stream ended with `INVALID_ARGUMENT`), and bucket ids denied as malformed (`bad_tenant`,
+/// `bad_policy`, `repeated_key`, `bad_identity`, `no_identity_key`).
+pub const RLQS_REJECTED_REPORTS_TOTAL: &str = "quotad_rlqs_rejected_reports_total";
 /// The coordinator epoch this region has seen committed.
 pub const COMMITTED_EPOCH: &str = "quotad_committed_epoch";
 /// The last epoch this region's store enforces (or is bounded by, while unreachable); it

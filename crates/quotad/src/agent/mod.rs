@@ -130,8 +130,12 @@ pub async fn run_apply(
                     // pass, the `local` fail mode), and acknowledges that.
                     metrics.holder.set(0.0);
                     holding = None;
-                    r.on_applied(v.epoch);
-                    metrics.applied_epoch.set(v.epoch as f64);
+                    // Envoys hold assignments of this daemon until they expire: a cut share
+                    // is acknowledged once they fit it.
+                    if decider.envoys_fit(&v) {
+                        r.on_applied(v.epoch);
+                        metrics.applied_epoch.set(v.epoch as f64);
+                    }
                     continue;
                 }
             },
@@ -168,10 +172,12 @@ pub async fn run_apply(
                         "Store unreachable; its shares are within this epoch's."
                     );
                 }
-                if all || bounded {
+                // Envoys' assignments (RLQS) are enforced by the Envoys, not the store.
+                let applied = (all || bounded) && decider.envoys_fit(&v);
+                if applied {
                     r.on_applied(v.epoch);
                 }
-                all || bounded
+                applied
             }
             None => all,
         };
@@ -422,8 +428,9 @@ pub async fn run_drain(
         }
         wait = match decider.store().collect_usage(MAX_USAGE_RECORDS).await {
             Ok(_) => {
-                // Reported to no one either: kept, they would only fill their map.
+                // Reported to no one either: kept, they would only fill their maps.
                 drop(decider.take_cached_denials());
+                drop(decider.take_forwarded_usage());
                 every
             }
             Err(e) => {

@@ -20,8 +20,8 @@ use std::path::Path;
 pub use env::ENV_OVERRIDES;
 pub use problem::{ConfigErrors, ConfigProblem};
 pub use schema::{
-    ApiConfig, BreakerConfig, Config, CoordinationConfig, EnvoyConfig, LogFormat, PeerConfig,
-    RaftTimings, RedisConfig, RedisMode, RegionConfig, RuntimeConfig, TelemetryConfig,
+    ApiConfig, Blanket, BreakerConfig, Config, CoordinationConfig, EnvoyConfig, LogFormat,
+    PeerConfig, RaftTimings, RedisConfig, RedisMode, RegionConfig, RuntimeConfig, TelemetryConfig,
 };
 pub use secrets::{
     SecretSource, Secrets, ENV_ADMIN_TOKEN, ENV_PEER_TOKEN, ENV_REDIS_PASSWORD,

@@ -32,8 +32,9 @@ pub struct Config {
     pub envoy: EnvoyConfig,
 }
 
-/// Envoy's global rate limit service (RLS v3) for Envoy-based gateways: off unless `listen` is
-/// set. Each descriptor names a tenant (and a policy, or the request's domain is the policy).
+/// Envoy's global rate limit service (RLS v3) and rate limit quota service (RLQS) for
+/// Envoy-based gateways: off unless `listen` is set. Each descriptor or bucket id names a tenant
+/// (and a policy, or the request's domain is the policy).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct EnvoyConfig {
@@ -52,6 +53,21 @@ pub struct EnvoyConfig {
     /// descriptor without the tenant entry is decided for that identity, hashed with the
     /// identity key like a check's `identity`.
     pub identity_key: Option<String>,
+    /// RLQS: the answer for a bucket id that names no tenant, or a policy the tenant lacks.
+    pub rlqs_unknown_bucket: Blanket,
+    /// RLQS: the answer for a budget pinned to another region (its Envoys hold nothing here).
+    pub rlqs_elsewhere: Blanket,
+    /// RLQS: how often Envoys report (Envoy's client reports every 5 s, whatever its
+    /// `reporting_interval` says); assignments live two of these and a second.
+    pub rlqs_report_ms: u64,
+}
+
+/// A blanket RLQS answer: every request of the bucket allowed, or every one denied.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Blanket {
+    AllowAll,
+    DenyAll,
 }
 
 impl Default for EnvoyConfig {
@@ -65,6 +81,9 @@ impl Default for EnvoyConfig {
             tls_client_ca_file: None,
             tls_check_ms: 10_000,
             identity_key: None,
+            rlqs_unknown_bucket: Blanket::AllowAll,
+            rlqs_elsewhere: Blanket::DenyAll,
+            rlqs_report_ms: 5_000,
         }
     }
 }

@@ -112,6 +112,14 @@ impl Config {
                 "must differ from envoy.tenant_key",
             ));
         }
+        // Envoy counts assignment lifetimes in whole seconds; an assignment lives two reports,
+        // and an Envoy that went away holds its part that long.
+        if !(1_000..=60_000).contains(&self.envoy.rlqs_report_ms) {
+            p.push(problem(
+                "envoy.rlqs_report_ms",
+                "must be between 1000 and 60000",
+            ));
+        }
     }
 
     fn check_api_limits(&self, p: &mut Vec<ConfigProblem>) {
@@ -1247,6 +1255,23 @@ seed_urls = ["redis://10.0.0.2:26379", "redis://10.0.0.3:26379"]
             problem_fields("[envoy]\ntenant_key = \"\"\npolicy_key = \"\"\n"),
             ["envoy.tenant_key", "envoy.policy_key", "envoy.policy_key"]
         );
+        for bad in ["999", "60001"] {
+            assert_eq!(
+                problem_fields(&format!("[envoy]\nrlqs_report_ms = {bad}\n")),
+                ["envoy.rlqs_report_ms"]
+            );
+        }
+        let rlqs = "[envoy]\nrlqs_unknown_bucket = \"deny_all\"\nrlqs_elsewhere = \"allow_all\"\n";
+        assert!(problem_fields(rlqs).is_empty());
+        let c = Config::from_toml(rlqs).unwrap();
+        assert_eq!(
+            (c.envoy.rlqs_unknown_bucket, c.envoy.rlqs_elsewhere),
+            (
+                crate::config::Blanket::DenyAll,
+                crate::config::Blanket::AllowAll
+            )
+        );
+        assert!(Config::from_toml("[envoy]\nrlqs_elsewhere = \"maybe\"\n").is_err());
         let mut c = Config::default();
         let mut problems = Vec::new();
         c.apply_env(

@@ -27,11 +27,13 @@
 //!   answers and charged back to it; the store as decisions see it ([`outage::Regional`]).
 //! - [`breaker`], [`denials`], [`reservations`]: the state the local path keeps; [`multi`]:
 //!   checks of several limits at once.
+//! - [`envoy_holdings`]: the parts of this region's shares Envoys hold over RLQS.
 //! - [`exposure`]: what this region could admit beyond a budget if cut off or without Redis.
 
 pub mod breaker;
 mod check;
 pub mod denials;
+pub mod envoy_holdings;
 pub mod exposure;
 mod fail_mode;
 mod forward;
@@ -57,6 +59,7 @@ use crate::clock;
 use crate::coordination::{ClusterView, PolicyEntry};
 use crate::decision::breaker::Breaker;
 use crate::decision::denials::{Denials, Unreported};
+use crate::decision::envoy_holdings::EnvoyHoldings;
 use crate::decision::outage::{InProcess, Outage, Regional};
 use crate::decision::reservations::Reservations;
 use crate::secret::Secret;
@@ -120,6 +123,8 @@ pub struct Decider {
     store_timeout: Duration,
     reservation_hits: Counter,
     reservation_batches: Counter,
+    /// What Envoys enforcing assignments of this daemon (RLQS) hold of the region's shares.
+    envoy_holdings: EnvoyHoldings,
 }
 
 /// What a [`Decider`] is built from.
@@ -179,6 +184,7 @@ impl Decider {
             denials: Denials::default(),
             denial_cache: true,
             cached_denied: Unreported::default(),
+            envoy_holdings: EnvoyHoldings::default(),
         }
     }
 
@@ -224,6 +230,23 @@ impl Decider {
     /// The current coordinator view.
     pub fn view(&self) -> Arc<ClusterView> {
         self.view.borrow().clone()
+    }
+
+    /// What Envoys hold of this region's shares through this daemon (RLQS).
+    pub fn envoy_holdings(&self) -> &EnvoyHoldings {
+        &self.envoy_holdings
+    }
+
+    /// The daemons of this region: each decides in process, and assigns to Envoys, its part.
+    pub fn daemons(&self) -> u64 {
+        self.outage.daemons()
+    }
+
+    /// Whether what Envoys hold through this daemon fits `view`'s grants now: the region
+    /// acknowledges `view`'s epoch only then.
+    pub fn envoys_fit(&self, view: &ClusterView) -> bool {
+        self.envoy_holdings
+            .fits(view, &self.region, self.daemons(), clock::monotonic_ms())
     }
 
     /// This region's limit for a policy right now (lease or floor), with the enforced share.
