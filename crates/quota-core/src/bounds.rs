@@ -38,6 +38,12 @@ pub const DEFAULT_PERIOD_MS: u64 = 1000;
 /// wait a script computes is exact (its first estimate in doubles is off by less than 1 ms).
 pub const MAX_FILL_BOUND_MS: u64 = 9_000_000_000_000;
 
+/// The longest wait a bucket reports, in ms (2^51, about 71 000 years): a wait beyond it (only
+/// a deep debt at a slow refill comes near) reads as never. Half of 2^52 and more, so the
+/// scripts' first estimate of a longer wait in doubles (off by less than 1 ms up to here) tells
+/// it apart exactly.
+pub const MAX_WAIT_MS: u64 = 1 << 51;
+
 /// The largest burst, and the largest cost of one request, in whole tokens: its capacity in
 /// micro-tokens must stay exact in a double.
 pub const MAX_BURST: u64 = MAX_CAPACITY_UT / UT;
@@ -72,6 +78,8 @@ const _: () = {
     assert!(MAX_BURST * PPM as u64 <= MAX_REFILL_UT);
     assert!(MAX_PERIOD_MS < 1 << 32);
     assert!(MAX_FILL_BOUND_MS + MAX_PERIOD_MS < 1 << 44);
+    // Every wait of a bucket out of debt is reported: filling takes under 2^44 ms.
+    assert!(1 << 44 < MAX_WAIT_MS && MAX_WAIT_MS + 4 < 1 << 52);
     // Every policy's fill time is within the bucket bound.
     assert!(MAX_FILL_MS < MAX_FILL_BOUND_MS);
     // prev·(w − off) + (cur + cost)·w with prev, cur, cost ≤ limit.
@@ -79,7 +87,7 @@ const _: () = {
     assert!(MAX_WINDOW_PRODUCT / MAX_WINDOW_MS == 840_725);
 };
 
-/// How long `refund.lua` and `collect_usage.lua` keep the key that makes one call apply once
-/// (a refund's marker, a collection's reply), in ms: a retry of the call (the store's own, or a
+/// How long `refund.lua`, `charge.lua` and `collect_usage.lua` keep the key that makes one call
+/// apply once (a refund's or a charge's marker, a collection's reply), in ms: a retry of the call (the store's own, or a
 /// Cluster client's) comes within the store's timeout, which configuration keeps below this.
 pub const ONCE_KEY_MS: u64 = 10_000;

@@ -42,7 +42,7 @@ pub mod share;
 pub mod split;
 pub mod window;
 
-pub use bucket::{BucketParams, BucketState, Decision};
+pub use bucket::{BucketParams, BucketState, ChargeOutcome, Decision};
 pub use coordinator::{Command, CoordinatorState, Operation, PolicyKey, RequestId, Response};
 pub use ids::{hashed_id, IdError, PlanName, PolicyName, RegionId, TenantId};
 pub use policy::{Algorithm, FailMode, Policy, PolicyMode, PolicySpec, Tier, PPM};

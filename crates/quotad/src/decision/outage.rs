@@ -87,6 +87,7 @@ struct Buckets {
 fn see(b: &mut Buckets, bucket: &BucketRef, params: &BucketParams, remaining: u64, now: u64) {
     let state = BucketState {
         tokens_ut: remaining.saturating_mul(UT).min(params.capacity_ut),
+        debt_ut: 0,
         carry: 0,
         ts_ms: now,
         period_ms: params.period_ms,
@@ -218,6 +219,7 @@ impl Outage {
                     // Never answered for (or forgotten): empty, refilling from now.
                     None => BucketState {
                         tokens_ut: 0,
+                        debt_ut: 0,
                         carry: 0,
                         ts_ms: now,
                         period_ms: params.period_ms,
