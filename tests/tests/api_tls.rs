@@ -1,7 +1,7 @@
 //! TLS on the API and Envoy listeners, with a PKI generated per test (rcgen): HTTPS answers and
 //! plain HTTP to the TLS port does not; rotated files reach new connections and a broken file
 //! is kept out; with a client CA, a missing or foreign client certificate is refused; Envoy's
-//! gRPC service answers over TLS (tonic client).
+//! gRPC services answer over TLS (tonic client), and an RLQS stream needs the client certificate.
 
 use std::path::Path;
 use std::sync::Arc;
@@ -293,4 +293,117 @@ tls_client_ca_file = "{}"
             "a client certificate ({what}) was accepted: {r:?}"
         );
     }
+}
+
+/// Envoy's rate limit quota service behind a client CA: a stream from a client without a
+/// certificate never opens; one with the gateways' certificate gets its assignment.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn rlqs_streams_need_a_client_certificate_when_the_envoy_listener_asks_for_one() {
+    use envoy_types::pb::envoy::r#type::v3::rate_limit_strategy::Strategy;
+    use envoy_types::pb::envoy::service::rate_limit_quota::v3::rate_limit_quota_response::bucket_action::BucketAction as Action;
+    use envoy_types::pb::envoy::service::rate_limit_quota::v3::rate_limit_quota_service_client::RateLimitQuotaServiceClient;
+    use envoy_types::pb::envoy::service::rate_limit_quota::v3::rate_limit_quota_usage_reports::BucketQuotaUsage;
+    use envoy_types::pb::envoy::service::rate_limit_quota::v3::{
+        BucketId, RateLimitQuotaUsageReports,
+    };
+
+    let pki = tempfile::tempdir().unwrap();
+    let (server_ca, client_ca) = (Ca::new("api"), Ca::new("gateways"));
+    let server = server_ca.leaf(ExtendedKeyUsagePurpose::ServerAuth);
+    let path = |name: &str| pki.path().join(name);
+    put(&path("api.pem"), &server.0);
+    put(&path("api-key.pem"), &server.1);
+    put(&path("clients.pem"), &client_ca.0.pem());
+    let (api, envoy) = (free_port().unwrap(), free_port().unwrap());
+    let (c, k, ca) = (
+        path("api.pem").display().to_string(),
+        path("api-key.pem").display().to_string(),
+        path("clients.pem").display().to_string(),
+    );
+    let config = format!(
+        r#"region = "eu"
+[api]
+listen = "127.0.0.1:{api}"
+tls_cert_file = "{c}"
+tls_key_file = "{k}"
+[envoy]
+listen = "127.0.0.1:{envoy}"
+tls_cert_file = "{c}"
+tls_key_file = "{k}"
+tls_client_ca_file = "{ca}"
+"#
+    );
+    let ca_pem = server_ca.0.pem();
+    let client = https(client_config(&ca_pem, None));
+    let _d = start(&config, api, &client).await;
+    let r = client
+        .put(format!(
+            "https://127.0.0.1:{api}/v1/tenants/acme/policies/writes"
+        ))
+        .bearer_auth(TOKEN)
+        .json(&json!({"limit": 600, "window_ms": 60000}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200, "{}", r.text().await.unwrap());
+
+    let report = || RateLimitQuotaUsageReports {
+        domain: "writes".into(),
+        bucket_quota_usages: vec![BucketQuotaUsage {
+            bucket_id: Some(BucketId {
+                bucket: [("tenant".to_string(), "acme".to_string())].into(),
+            }),
+            time_elapsed: None,
+            num_requests_allowed: 1,
+            num_requests_denied: 0,
+        }],
+    };
+    let stream = |identity: Option<(String, String)>| {
+        let ca_pem = ca_pem.clone();
+        async move {
+            let mut tls = tonic::transport::ClientTlsConfig::new()
+                .ca_certificate(tonic::transport::Certificate::from_pem(&ca_pem))
+                .domain_name("127.0.0.1");
+            if let Some((cert, key)) = identity {
+                tls = tls.identity(tonic::transport::Identity::from_pem(cert, key));
+            }
+            let channel =
+                tonic::transport::Channel::from_shared(format!("https://127.0.0.1:{envoy}"))
+                    .unwrap()
+                    .tls_config(tls)
+                    .unwrap()
+                    .connect_timeout(Duration::from_secs(5))
+                    .connect()
+                    .await
+                    .map_err(|e| e.to_string())?;
+            let mut answers = RateLimitQuotaServiceClient::new(channel)
+                .stream_rate_limit_quotas(futures::StreamExt::chain(
+                    futures::stream::iter([report()]),
+                    futures::stream::pending(),
+                ))
+                .await
+                .map_err(|e| e.to_string())?
+                .into_inner();
+            tokio::time::timeout(Duration::from_secs(5), answers.message())
+                .await
+                .map_err(|e| e.to_string())?
+                .map_err(|e| e.to_string())?
+                .ok_or_else(|| "no answer".to_string())
+        }
+    };
+    let refused = stream(None).await;
+    assert!(
+        refused.is_err(),
+        "a stream without a client certificate: {refused:?}"
+    );
+    let gateway = client_ca.leaf(ExtendedKeyUsagePurpose::ClientAuth);
+    let answer = stream(Some(gateway)).await.unwrap();
+    let Some(Action::QuotaAssignmentAction(a)) = &answer.bucket_action[0].bucket_action else {
+        panic!("not an assignment: {answer:?}");
+    };
+    // 600 a minute is 10 a second, the whole budget in a single region.
+    let Some(Strategy::TokenBucket(b)) = a.rate_limit_strategy.unwrap().strategy else {
+        panic!("not a token bucket: {a:?}");
+    };
+    assert_eq!(b.tokens_per_fill.map(|t| t.value), Some(10));
 }
