@@ -76,6 +76,8 @@ impl Bench {
                 algorithm: Algorithm::TokenBucket,
                 mode: quota_core::PolicyMode::Enforcing,
                 replaces: None,
+                debt_limit: 0,
+                after_the_fact: false,
             };
             b.apply(Operation::PutPolicy {
                 key: key.clone(),

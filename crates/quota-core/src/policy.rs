@@ -69,6 +69,12 @@ pub struct Policy {
     /// parameter write carries what the old bucket had spent. Replicated, so a daemon that
     /// restarts between the change and that write still carries it.
     pub replaces: Option<u64>,
+    /// Tokens a charge for work already done may take the bucket below empty (costs known
+    /// after the fact, such as LLM tokens); beyond it a charge is clamped. 0: never below empty.
+    pub debt_limit: u64,
+    /// Costs are known after the fact: an Envoy RLS descriptor with hits is a charge of work
+    /// already done (Envoy AI Gateway's `apply_on_stream_done`), never denied, not a check.
+    pub after_the_fact: bool,
 }
 
 /// Untrusted policy input. Numbers are `f64` so that negative, fractional, NaN and huge values
@@ -93,6 +99,12 @@ pub struct PolicySpec {
     /// `enforcing` (default) or `shadow`.
     #[serde(default)]
     pub mode: Option<PolicyMode>,
+    /// Tokens a charge may take the bucket below empty, 0 (default) to the burst.
+    #[serde(default)]
+    pub debt_limit: Option<f64>,
+    /// Envoy RLS descriptors with hits are charges of work already done (default false).
+    #[serde(default)]
+    pub after_the_fact: Option<bool>,
 }
 
 /// One problem with a policy spec, naming the field.
@@ -194,8 +206,35 @@ impl PolicySpec {
                 });
             }
         }
-        match (limit, window_ms, burst, floor_ppm) {
-            (Some(limit), Some(window_ms), Some(burst), Some(floor_ppm)) if errors.is_empty() => {
+        // At most the burst: a bucket is then never more than one burst below empty, which
+        // keeps a debt's repayment within the fill time validation bounds (and the Lua
+        // arithmetic exact).
+        let debt_limit = match (self.debt_limit, burst) {
+            (None, _) => Some(0),
+            (Some(d), Some(burst)) => whole(&mut errors, "debt_limit", d, 0, burst),
+            (Some(d), None) => whole(&mut errors, "debt_limit", d, 0, MAX_BURST),
+        };
+        let after_the_fact = self.after_the_fact.unwrap_or(false);
+        if self.algorithm == Some(Algorithm::SlidingWindow) {
+            if debt_limit.is_some_and(|d| d > 0) {
+                errors.push(FieldError {
+                    field: "debt_limit",
+                    message: "debt needs a token bucket (algorithm token_bucket)".to_string(),
+                });
+            }
+            if after_the_fact {
+                errors.push(FieldError {
+                    field: "after_the_fact",
+                    message: "charges after the fact need a token bucket (algorithm \
+                              token_bucket)"
+                        .to_string(),
+                });
+            }
+        }
+        match (limit, window_ms, burst, floor_ppm, debt_limit) {
+            (Some(limit), Some(window_ms), Some(burst), Some(floor_ppm), Some(debt_limit))
+                if errors.is_empty() =>
+            {
                 Ok(Policy {
                     limit,
                     window_ms,
@@ -207,6 +246,8 @@ impl PolicySpec {
                     algorithm: self.algorithm.unwrap_or_default(),
                     mode: self.mode.unwrap_or_default(),
                     replaces: None,
+                    debt_limit,
+                    after_the_fact,
                 })
             }
             _ => Err(PolicyErrors(errors)),
@@ -333,6 +374,30 @@ mod tests {
         let errs = s.validate().unwrap_err().0;
         let fields: Vec<_> = errs.iter().map(|e| e.field).collect();
         assert_eq!(fields, ["limit", "window_ms", "burst", "floor"]);
+    }
+
+    #[test]
+    fn debt_is_bounded_by_the_burst_and_needs_a_token_bucket() {
+        let with = |debt: f64, algorithm| PolicySpec {
+            burst: Some(50.0),
+            debt_limit: Some(debt),
+            after_the_fact: Some(true),
+            algorithm,
+            ..spec(100.0, 60_000.0)
+        };
+        let p = with(50.0, None).validate().unwrap();
+        assert_eq!((p.debt_limit, p.after_the_fact), (50, true));
+        assert_eq!(spec(100.0, 60_000.0).validate().unwrap().debt_limit, 0);
+        for bad in [51.0, -1.0, 2.5, f64::NAN] {
+            let e = with(bad, None).validate().unwrap_err();
+            assert_eq!(e.0.len(), 1, "{bad}: {e}");
+            assert_eq!(e.0[0].field, "debt_limit");
+        }
+        let e = with(10.0, Some(Algorithm::SlidingWindow))
+            .validate()
+            .unwrap_err();
+        let fields: Vec<_> = e.0.iter().map(|f| f.field).collect();
+        assert_eq!(fields, ["debt_limit", "after_the_fact"]);
     }
 
     #[test]

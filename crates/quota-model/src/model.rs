@@ -993,6 +993,8 @@ fn policy() -> Policy {
         algorithm: Algorithm::TokenBucket,
         mode: PolicyMode::Enforcing,
         replaces: None,
+        debt_limit: 0,
+        after_the_fact: false,
     }
 }
 

@@ -13,9 +13,10 @@ use serde::Serialize;
 /// `CoordinatorState::tenant_pins` (tenant-level pins), 3 plans (`plan_assignments`, the plan
 /// operations) and a policy's shadow mode, 4 promoted subjects (`CoordinatorState::promoted`,
 /// `Operation::SetPromoted`), 5 a region's daemons and agent role (`RegionState::daemons`,
-/// `RegionState::agent`, `CoordinatorState::last_fence`, the agent operations), so an older snapshot, log or peer message is refused by name
+/// `RegionState::agent`, `CoordinatorState::last_fence`, the agent operations), 6 a policy's
+/// `debt_limit` and `after_the_fact`, so an older snapshot, log or peer message is refused by name
 /// instead of decoding wrong.
-pub const FORMAT_VERSION: u8 = 5;
+pub const FORMAT_VERSION: u8 = 6;
 
 /// Why bytes could not be encoded or decoded.
 #[derive(Debug, thiserror::Error)]

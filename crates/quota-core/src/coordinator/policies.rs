@@ -254,6 +254,8 @@ fn policy_spec(policy: &Policy) -> PolicySpec {
         floor: Some(f64::from(policy.floor_ppm) / f64::from(PPM)),
         algorithm: Some(policy.algorithm),
         mode: Some(policy.mode),
+        debt_limit: Some(policy.debt_limit as f64),
+        after_the_fact: Some(policy.after_the_fact),
     }
 }
 

@@ -34,6 +34,8 @@ pub fn policy(floor_ppm: u32, tier: Tier) -> Policy {
         algorithm: Algorithm::TokenBucket,
         mode: quota_core::PolicyMode::Enforcing,
         replaces: None,
+        debt_limit: 0,
+        after_the_fact: false,
     }
 }
 

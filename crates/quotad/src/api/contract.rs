@@ -162,6 +162,7 @@ fn bound_bodies(s: &mut Schemas) {
     set(s, "PolicyBody", "limit", whole(1, MAX_BURST, false));
     set(s, "PolicyBody", "window_ms", whole(1, MAX_WINDOW_MS, false));
     set(s, "PolicyBody", "burst", whole(1, MAX_BURST, true));
+    set(s, "PolicyBody", "debt_limit", whole(0, MAX_BURST, true));
     set(s, "PolicyBody", "tier", one_of(&["standard", "critical"]));
     set(
         s,

@@ -46,6 +46,8 @@ pub struct PlanPolicyView {
     /// `enforcing` or `shadow`.
     #[schema(value_type = String)]
     pub mode: PolicyMode,
+    pub debt_limit: u64,
+    pub after_the_fact: bool,
 }
 
 impl From<&Policy> for PlanPolicyView {
@@ -60,6 +62,8 @@ impl From<&Policy> for PlanPolicyView {
             floor: f64::from(p.floor_ppm) / f64::from(PPM),
             algorithm: p.algorithm,
             mode: p.mode,
+            debt_limit: p.debt_limit,
+            after_the_fact: p.after_the_fact,
         }
     }
 }

@@ -120,6 +120,12 @@ pub struct PolicyBody {
     /// `enforcing` (default) or `shadow`: a shadow policy is decided and counted but always
     /// admits, marking a would-be denial `shadow_denied`.
     mode: Option<String>,
+    /// Tokens a charge for work already done may take the bucket below empty, 0 (default) to
+    /// the burst; beyond it a charge is clamped (and counted).
+    debt_limit: Option<u64>,
+    /// Costs are known after the fact: an Envoy RLS descriptor with hits is a charge (default
+    /// false).
+    after_the_fact: Option<bool>,
 }
 
 /// A policy as stored.
@@ -140,6 +146,8 @@ pub struct PolicyView {
     pub algorithm: Algorithm,
     #[schema(value_type = String)]
     pub mode: quota_core::PolicyMode,
+    pub debt_limit: u64,
+    pub after_the_fact: bool,
 }
 
 impl PolicyView {
@@ -156,6 +164,8 @@ impl PolicyView {
             floor: f64::from(p.floor_ppm) / f64::from(PPM),
             algorithm: p.algorithm,
             mode: p.mode,
+            debt_limit: p.debt_limit,
+            after_the_fact: p.after_the_fact,
         }
     }
 }
