@@ -46,13 +46,15 @@
 -- period 1000 and rewritten in the 96-byte layout. The expiry is then lengthened
 -- if the parameters in force now need longer to refill the bucket from its stored level (the
 -- level only grows with time, so that is an upper bound), and removed if the bucket can no
--- longer refill; it is never shortened. Parameters must be written through this script, never
+-- longer refill (or not within MAX_WAIT, from a deep debt); it is never shortened. Parameters must be written through this script, never
 -- with a bare HSET.
 --
 -- A changed policy (KEYS[3], token-bucket parameters): what the old bucket had spent stays
 -- spent. Both buckets refilled to now under the parameters in force for each, the new level is
--- max(0, new level - (old capacity - old level)), the new level being the capacity when the new
--- bucket has no state yet. This applies while the new state does not exist or is still on the
+-- max(floor, new level - (old capacity - old level)), the new level being the capacity when
+-- the new bucket has no state yet, and floor 0, or the old level when that is a debt (a debt
+-- is kept, never deepened by a smaller capacity), and at least new capacity - MAX_CAP (see
+-- token_bucket.lua, Debt). This applies while the new state does not exist or is still on the
 -- fallback (src = 0: decided before its parameters were written), so a repeated call never
 -- takes the tokens twice; a missing old state is a full bucket (nothing spent). The old state
 -- is left as it is (its usage is still collected; the daemon clears it afterwards).
@@ -84,6 +86,7 @@ local MAX_CAP = 9007199254740991 -- 2^53 - 1: capacities and refills in µt, tim
 local MAX_PERIOD = 2678400000 -- longest refill period in ms (31 days, below 2^32)
 local DEFAULT_PERIOD_MS = 1000 -- period of a refill given per second, and of old states
 local MAX_FILL = 9000000000000 -- floor(capacity / refill) * period stays below this
+local MAX_WAIT = 2251799813685248 -- 2^51: longest wait reported in ms; longer reads as never
 local MAX_COST = 9007199254 -- MAX_CAP / UT: whole tokens per call
 local MAX_LIMITS = 16 -- most token buckets one check of several limits decides
 local MAX_WINDOW_LIMIT = 1000000000 -- sliding-window limit in tokens
@@ -97,9 +100,10 @@ local COLLECT_MAX = 100000 -- most keys one usage collection takes
 local ONCE_MS = 10000 -- how long a key making a call exactly once lives: past any retry of it
 local STATE_LEN = 96 -- bytes of a token-bucket state
 local STATE_LEN_NO_PERIOD = 88 -- bytes of a state written without its period (period 1000)
--- Token-bucket state: 12 little-endian doubles (exact for integers below 2^53): tokens (µt),
--- carry (1/per µt), ts (latest ms seen), ad / dn (tokens admitted / denied since the last
--- collection, bytes 25..40), cap, rate, src, until, fcap, frate, per (see token_bucket.lua).
+-- Token-bucket state: 12 little-endian doubles (exact for integers below 2^53): tokens (µt;
+-- negative in debt, down to -MAX_CAP), carry (1/per µt), ts (latest ms seen), ad / dn (tokens
+-- admitted / denied since the last collection, bytes 25..40), cap, rate, src, until, fcap,
+-- frate, per (see token_bucket.lua).
 -- A state of the first 11 alone (88 bytes) has per = 1000: rate and frate are µt per second.
 local STATE_FMT = '<dddddddddddd'
 local STATE_FMT_NO_PERIOD = '<ddddddddddd'
@@ -114,13 +118,13 @@ local find = string.find
 -- one upvalue object for every local a closure captures, so they are made by one call, where a
 -- script needs them: quotad_helpers(MAX_CAP, MAX_PERIOD, MAX_FILL, DEFAULT_PERIOD_MS,
 -- MAX_WINDOW_LIMIT, MAX_WINDOW_MS, MAX_WINDOW_PRODUCT, STATE_LEN, STATE_LEN_NO_PERIOD,
--- STATE_FMT, STATE_FMT_NO_PERIOD) returns them in a table. The factory captures nothing (the
--- bounds come as arguments), so defining it costs one closure; token_bucket.lua decides its
--- common paths without it. Exactness: every value is an integer below 2^53, so x % y (x >= 0,
--- y >= 1) is exact there, as math.fmod is everywhere.
+-- STATE_FMT, STATE_FMT_NO_PERIOD, MAX_WAIT) returns them in a table. The factory captures
+-- nothing (the bounds come as arguments), so defining it costs one closure; token_bucket.lua
+-- decides its common paths without it. Exactness: every value is an integer below 2^53, so
+-- x % y (x >= 0, y >= 1) is exact there, as math.fmod is everywhere.
 local function quotad_helpers(MAX_CAP, MAX_PERIOD, MAX_FILL, DEFAULT_PERIOD_MS,
     MAX_WINDOW_LIMIT, MAX_WINDOW_MS, MAX_WINDOW_PRODUCT, STATE_LEN, STATE_LEN_NO_PERIOD,
-    STATE_FMT, STATE_FMT_NO_PERIOD)
+    STATE_FMT, STATE_FMT_NO_PERIOD, MAX_WAIT)
   local fmod, ceil, find = math.fmod, math.ceil, string.find
 
   local function err(what)
@@ -188,7 +192,7 @@ local function quotad_helpers(MAX_CAP, MAX_PERIOD, MAX_FILL, DEFAULT_PERIOD_MS,
 
   -- The fields of a token-bucket state, or nil when v is not one (wrong length, NaN, a
   -- fraction or a value out of bounds; without a lease, until = -1 and the floor 0, 0):
-  -- tokens, carry, ts, ad, dn, cap, rate, src, until, fcap, frate, per.
+  -- tokens (negative in debt), carry, ts, ad, dn, cap, rate, src, until, fcap, frate, per.
   local function state_decode(v)
     local t, c, ts, ad, dn, cap, rate, src, lease_end, fcap, frate, per
     if #v == STATE_LEN then
@@ -201,7 +205,7 @@ local function quotad_helpers(MAX_CAP, MAX_PERIOD, MAX_FILL, DEFAULT_PERIOD_MS,
     else
       return nil
     end
-    if t % 1 == 0 and t >= 0 and t <= MAX_CAP and ts % 1 == 0 and ts >= 0 and ts <= MAX_CAP
+    if t % 1 == 0 and t >= -MAX_CAP and t <= MAX_CAP and ts % 1 == 0 and ts >= 0 and ts <= MAX_CAP
         and ad % 1 == 0 and ad >= 0 and ad <= MAX_CAP and dn % 1 == 0 and dn >= 0
         and dn <= MAX_CAP and bucket_ok(cap, rate, per) and c % 1 == 0 and c >= 0 and c < per
         and (src == 0 or src == 1)
@@ -246,36 +250,49 @@ local function quotad_helpers(MAX_CAP, MAX_PERIOD, MAX_FILL, DEFAULT_PERIOD_MS,
     return need <= muldiv(e0, b, c, per)
   end
 
-  -- ceil((need * per - carry) / rate), the ms until need more µt accrue (need > 0, rate > 0):
-  -- directly when need * per is exact, else estimated in doubles (off by less than 1 below the
-  -- fill bound) and made exact with enough.
+  -- ceil((need * per - carry) / rate), the ms until need more µt accrue (0 < need <= MAX_CAP,
+  -- rate > 0), or -1 when that is beyond MAX_WAIT (only a deep debt at a slow refill comes
+  -- near): directly when need * per is exact, else estimated in doubles (three roundings, off
+  -- by less than 1 up to MAX_WAIT + 3, so an estimate above MAX_WAIT + 2 is beyond it) and
+  -- made exact with enough.
   local function time_to(need, carry, rate, per)
     local n = need * per
+    local t
     if n <= MAX_CAP then
       n = n - carry
       local r = fmod(n, rate)
+      t = (n - r) / rate
       if r > 0 then
-        return (n - r) / rate + 1
+        t = t + 1
       end
-      return n / rate
+    else
+      t = ceil((n - carry) / rate)
+      if t > MAX_WAIT + 2 then
+        return -1
+      end
+      if not enough(t, need, carry, rate, per) then
+        t = t + 1
+      elseif t > 1 and enough(t - 1, need, carry, rate, per) then
+        t = t - 1
+      end
     end
-    local t = ceil((n - carry) / rate)
-    if not enough(t, need, carry, rate, per) then
-      return t + 1
-    end
-    if t > 1 and enough(t - 1, need, carry, rate, per) then
-      return t - 1
+    if t > MAX_WAIT then
+      return -1
     end
     return t
   end
 
-  -- A bucket's tokens and carry clipped to cap and refilled from ts to now at rate per per ms
-  -- (nothing when now <= ts: a clock stepping back), and the latest time seen. The µt added are
-  -- floor((e * rate + c) / per), the carry its remainder: directly when e * rate + c is exact,
-  -- else split as in enough (the sum stays below cap - tokens there, so every term is exact).
+  -- A bucket's tokens (its level: negative in debt) and carry clipped to cap, and to
+  -- cap - MAX_CAP below (a debt deeper than these parameters keep exact: cap - tokens must stay
+  -- below 2^53), and refilled from ts to now at rate per per ms (nothing when now <= ts: a
+  -- clock stepping back), and the latest time seen. The µt added are floor((e * rate + c) /
+  -- per), the carry its remainder: directly when e * rate + c is exact, else split as in
+  -- enough (the sum stays below cap - tokens there, so every term is exact).
   local function refilled(tokens, carry, ts, cap, rate, per, now)
     if tokens >= cap then
       tokens, carry = cap, 0
+    elseif tokens < cap - MAX_CAP then
+      tokens = cap - MAX_CAP
     end
     if now <= ts then
       return tokens, carry, ts
@@ -311,7 +328,7 @@ end
 
 local h = quotad_helpers(MAX_CAP, MAX_PERIOD, MAX_FILL, DEFAULT_PERIOD_MS, MAX_WINDOW_LIMIT,
   MAX_WINDOW_MS, MAX_WINDOW_PRODUCT, STATE_LEN, STATE_LEN_NO_PERIOD, STATE_FMT,
-  STATE_FMT_NO_PERIOD)
+  STATE_FMT_NO_PERIOD, MAX_WAIT)
 local err, int, arg_now, opt_int, failed = h.err, h.int, h.arg_now, h.opt_int, h.failed
 local bucket_ok, window_ok, state_decode, time_to, refilled =
   h.bucket_ok, h.window_ok, h.state_decode, h.time_to, h.refilled
@@ -442,8 +459,9 @@ if v then
     return err('stored state is invalid')
   end
 end
--- What the replaced bucket had spent by now (nil: nothing to carry over).
-local spent
+-- What the replaced bucket had spent by now (nil: nothing to carry over), and its level when
+-- that is a debt (else 0).
+local spent, owed = nil, 0
 if KEYS[3] and bucket and (not v or src0 == 0) then
   local o = redis.pcall('GET', KEYS[3])
   if failed(o) then
@@ -459,6 +477,9 @@ if KEYS[3] and bucket and (not v or src0 == 0) then
     end
     t = refilled(t, c, ots, ocap, orate, oper, now)
     spent = ocap - t
+    if t < 0 then
+      owed = t
+    end
   end
 end
 
@@ -709,7 +730,7 @@ local icap, irate = v1, v2
 if lease and now >= lease_end then
   icap, irate = g1, g2
 end
-if spent and spent > 0 and (v or icap > 0) then
+if spent and spent > 0 and (v or icap > 0 or owed < 0) then
   if v then
     if cper ~= per then
       carry = 0
@@ -717,13 +738,17 @@ if spent and spent > 0 and (v or icap > 0) then
     cper = per
     tokens, carry, ts = refilled(tokens, carry, ts, icap, irate, per, now)
   else
-    -- A new bucket is full, less what was spent (a bucket of capacity 0 needs no state).
+    -- A new bucket is full, less what was spent (a bucket of capacity 0 needs no state, but
+    -- for a debt).
     tokens, carry, ts, ad, dn, cper = icap, 0, now, 0, 0, per
     v = true
   end
   tokens = tokens - spent
-  if tokens < 0 then
-    tokens = 0
+  if tokens < owed then
+    tokens = owed
+  end
+  if tokens < icap - MAX_CAP then
+    tokens = icap - MAX_CAP
   end
 end
 if not v then
@@ -749,7 +774,16 @@ if rate == 0 then
   redis.call('PERSIST', KEYS[2])
   return 1
 end
+-- From the level the next refill starts at (a debt clipped as token_bucket.lua clips it).
+if tokens < cap - MAX_CAP then
+  tokens = cap - MAX_CAP
+end
 local need = time_to(cap - tokens, carry, rate, per)
+if need == -1 then
+  -- Full only beyond MAX_WAIT: the key must stay.
+  redis.call('PERSIST', KEYS[2])
+  return 1
+end
 if need < min_ttl then
   need = min_ttl
 end

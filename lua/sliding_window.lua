@@ -56,6 +56,7 @@ local MAX_CAP = 9007199254740991 -- 2^53 - 1: capacities and refills in µt, tim
 local MAX_PERIOD = 2678400000 -- longest refill period in ms (31 days, below 2^32)
 local DEFAULT_PERIOD_MS = 1000 -- period of a refill given per second, and of old states
 local MAX_FILL = 9000000000000 -- floor(capacity / refill) * period stays below this
+local MAX_WAIT = 2251799813685248 -- 2^51: longest wait reported in ms; longer reads as never
 local MAX_COST = 9007199254 -- MAX_CAP / UT: whole tokens per call
 local MAX_LIMITS = 16 -- most token buckets one check of several limits decides
 local MAX_WINDOW_LIMIT = 1000000000 -- sliding-window limit in tokens
@@ -69,9 +70,10 @@ local COLLECT_MAX = 100000 -- most keys one usage collection takes
 local ONCE_MS = 10000 -- how long a key making a call exactly once lives: past any retry of it
 local STATE_LEN = 96 -- bytes of a token-bucket state
 local STATE_LEN_NO_PERIOD = 88 -- bytes of a state written without its period (period 1000)
--- Token-bucket state: 12 little-endian doubles (exact for integers below 2^53): tokens (µt),
--- carry (1/per µt), ts (latest ms seen), ad / dn (tokens admitted / denied since the last
--- collection, bytes 25..40), cap, rate, src, until, fcap, frate, per (see token_bucket.lua).
+-- Token-bucket state: 12 little-endian doubles (exact for integers below 2^53): tokens (µt;
+-- negative in debt, down to -MAX_CAP), carry (1/per µt), ts (latest ms seen), ad / dn (tokens
+-- admitted / denied since the last collection, bytes 25..40), cap, rate, src, until, fcap,
+-- frate, per (see token_bucket.lua).
 -- A state of the first 11 alone (88 bytes) has per = 1000: rate and frate are µt per second.
 local STATE_FMT = '<dddddddddddd'
 local STATE_FMT_NO_PERIOD = '<ddddddddddd'
@@ -86,13 +88,13 @@ local find = string.find
 -- one upvalue object for every local a closure captures, so they are made by one call, where a
 -- script needs them: quotad_helpers(MAX_CAP, MAX_PERIOD, MAX_FILL, DEFAULT_PERIOD_MS,
 -- MAX_WINDOW_LIMIT, MAX_WINDOW_MS, MAX_WINDOW_PRODUCT, STATE_LEN, STATE_LEN_NO_PERIOD,
--- STATE_FMT, STATE_FMT_NO_PERIOD) returns them in a table. The factory captures nothing (the
--- bounds come as arguments), so defining it costs one closure; token_bucket.lua decides its
--- common paths without it. Exactness: every value is an integer below 2^53, so x % y (x >= 0,
--- y >= 1) is exact there, as math.fmod is everywhere.
+-- STATE_FMT, STATE_FMT_NO_PERIOD, MAX_WAIT) returns them in a table. The factory captures
+-- nothing (the bounds come as arguments), so defining it costs one closure; token_bucket.lua
+-- decides its common paths without it. Exactness: every value is an integer below 2^53, so
+-- x % y (x >= 0, y >= 1) is exact there, as math.fmod is everywhere.
 local function quotad_helpers(MAX_CAP, MAX_PERIOD, MAX_FILL, DEFAULT_PERIOD_MS,
     MAX_WINDOW_LIMIT, MAX_WINDOW_MS, MAX_WINDOW_PRODUCT, STATE_LEN, STATE_LEN_NO_PERIOD,
-    STATE_FMT, STATE_FMT_NO_PERIOD)
+    STATE_FMT, STATE_FMT_NO_PERIOD, MAX_WAIT)
   local fmod, ceil, find = math.fmod, math.ceil, string.find
 
   local function err(what)
@@ -160,7 +162,7 @@ local function quotad_helpers(MAX_CAP, MAX_PERIOD, MAX_FILL, DEFAULT_PERIOD_MS,
 
   -- The fields of a token-bucket state, or nil when v is not one (wrong length, NaN, a
   -- fraction or a value out of bounds; without a lease, until = -1 and the floor 0, 0):
-  -- tokens, carry, ts, ad, dn, cap, rate, src, until, fcap, frate, per.
+  -- tokens (negative in debt), carry, ts, ad, dn, cap, rate, src, until, fcap, frate, per.
   local function state_decode(v)
     local t, c, ts, ad, dn, cap, rate, src, lease_end, fcap, frate, per
     if #v == STATE_LEN then
@@ -173,7 +175,7 @@ local function quotad_helpers(MAX_CAP, MAX_PERIOD, MAX_FILL, DEFAULT_PERIOD_MS,
     else
       return nil
     end
-    if t % 1 == 0 and t >= 0 and t <= MAX_CAP and ts % 1 == 0 and ts >= 0 and ts <= MAX_CAP
+    if t % 1 == 0 and t >= -MAX_CAP and t <= MAX_CAP and ts % 1 == 0 and ts >= 0 and ts <= MAX_CAP
         and ad % 1 == 0 and ad >= 0 and ad <= MAX_CAP and dn % 1 == 0 and dn >= 0
         and dn <= MAX_CAP and bucket_ok(cap, rate, per) and c % 1 == 0 and c >= 0 and c < per
         and (src == 0 or src == 1)
@@ -218,36 +220,49 @@ local function quotad_helpers(MAX_CAP, MAX_PERIOD, MAX_FILL, DEFAULT_PERIOD_MS,
     return need <= muldiv(e0, b, c, per)
   end
 
-  -- ceil((need * per - carry) / rate), the ms until need more µt accrue (need > 0, rate > 0):
-  -- directly when need * per is exact, else estimated in doubles (off by less than 1 below the
-  -- fill bound) and made exact with enough.
+  -- ceil((need * per - carry) / rate), the ms until need more µt accrue (0 < need <= MAX_CAP,
+  -- rate > 0), or -1 when that is beyond MAX_WAIT (only a deep debt at a slow refill comes
+  -- near): directly when need * per is exact, else estimated in doubles (three roundings, off
+  -- by less than 1 up to MAX_WAIT + 3, so an estimate above MAX_WAIT + 2 is beyond it) and
+  -- made exact with enough.
   local function time_to(need, carry, rate, per)
     local n = need * per
+    local t
     if n <= MAX_CAP then
       n = n - carry
       local r = fmod(n, rate)
+      t = (n - r) / rate
       if r > 0 then
-        return (n - r) / rate + 1
+        t = t + 1
       end
-      return n / rate
+    else
+      t = ceil((n - carry) / rate)
+      if t > MAX_WAIT + 2 then
+        return -1
+      end
+      if not enough(t, need, carry, rate, per) then
+        t = t + 1
+      elseif t > 1 and enough(t - 1, need, carry, rate, per) then
+        t = t - 1
+      end
     end
-    local t = ceil((n - carry) / rate)
-    if not enough(t, need, carry, rate, per) then
-      return t + 1
-    end
-    if t > 1 and enough(t - 1, need, carry, rate, per) then
-      return t - 1
+    if t > MAX_WAIT then
+      return -1
     end
     return t
   end
 
-  -- A bucket's tokens and carry clipped to cap and refilled from ts to now at rate per per ms
-  -- (nothing when now <= ts: a clock stepping back), and the latest time seen. The µt added are
-  -- floor((e * rate + c) / per), the carry its remainder: directly when e * rate + c is exact,
-  -- else split as in enough (the sum stays below cap - tokens there, so every term is exact).
+  -- A bucket's tokens (its level: negative in debt) and carry clipped to cap, and to
+  -- cap - MAX_CAP below (a debt deeper than these parameters keep exact: cap - tokens must stay
+  -- below 2^53), and refilled from ts to now at rate per per ms (nothing when now <= ts: a
+  -- clock stepping back), and the latest time seen. The µt added are floor((e * rate + c) /
+  -- per), the carry its remainder: directly when e * rate + c is exact, else split as in
+  -- enough (the sum stays below cap - tokens there, so every term is exact).
   local function refilled(tokens, carry, ts, cap, rate, per, now)
     if tokens >= cap then
       tokens, carry = cap, 0
+    elseif tokens < cap - MAX_CAP then
+      tokens = cap - MAX_CAP
     end
     if now <= ts then
       return tokens, carry, ts
@@ -463,7 +478,7 @@ if sts and not sh then
     legacy = true
     local hp = quotad_helpers(MAX_CAP, MAX_PERIOD, MAX_FILL, DEFAULT_PERIOD_MS,
       MAX_WINDOW_LIMIT, MAX_WINDOW_MS, MAX_WINDOW_PRODUCT, STATE_LEN, STATE_LEN_NO_PERIOD,
-      STATE_FMT, STATE_FMT_NO_PERIOD)
+      STATE_FMT, STATE_FMT_NO_PERIOD, MAX_WAIT)
     local ws, cu, pv = hp.int(o[1] or '0', MAX_CAP), hp.int(o[2] or '0', MAX_WINDOW_LIMIT),
       hp.int(o[3] or '0', MAX_WINDOW_LIMIT)
     if not (ws and cu and pv) then

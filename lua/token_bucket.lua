@@ -19,8 +19,8 @@
 -- ARGV[7]  optional batch: spend up to this many multiples of the cost at once, as many as the
 --          bucket holds, at least one (a daemon's reservation); integer 1..9007199254 with
 --          cost * batch <= 9007199254 (absent: 1, and the reply has 4 fields)
--- returns  {allowed 0|1, remaining whole tokens, retry_after_ms (-1 = never at these
---           parameters), reset_ms (ms until full, -1 = never)}, and with ARGV[7] a fifth
+-- returns  {allowed 0|1, remaining whole tokens (0 in debt), retry_after_ms (-1 = never at
+--           these parameters), reset_ms (ms until full, -1 = never)}, and with ARGV[7] a fifth
 --          field: the multiples spent (0 when denied or a peek)
 -- errors   'ERR quotad: <what>' for every invalid argument (the fallback ARGV[2], ARGV[3],
 --          ARGV[6] only when it is used: no stored parameters and no state copy of them),
@@ -38,7 +38,7 @@
 --
 -- State: ONE string, struct.pack('<dddddddddddd', t, c, ts, ad, dn, cap, rate, src, until,
 -- fcap, frate, per) (96 bytes, little-endian doubles, exact for integers below 2^53): t tokens
--- (µt), c carry, ts latest time seen (ms), ad / dn tokens admitted / denied since the last
+-- (µt; negative in debt, see Debt), c carry, ts latest time seen (ms), ad / dn tokens admitted / denied since the last
 -- collection, cap / rate / per the parameters, src 1 when they are a copy of the stored
 -- parameters (KEYS[2]) or 0 when they came from the fallback (then this call's fallback
 -- applies, as the reference does), until the lease end (-1 = none) after which fcap / frate
@@ -52,14 +52,21 @@
 -- dies, this script alone drops the bucket to the floor at until, so share the coordinator
 -- gives elsewhere is never held twice.
 --
+-- Debt: charge.lua applies a charge for work already done past the tokens left, down to a
+-- level of -debt limit, so t may be negative (at least -MAX_CAP). A check in debt is denied
+-- with the wait until t reaches the cost (the repayment included), and the refill repays the
+-- debt first. A level below cap - MAX_CAP (parameters changed under a debt) is raised to it,
+-- so cap - t stays exact; a wait beyond MAX_WAIT (2^51 ms) is reported as never (-1). Debts
+-- are rare, so their waits are taken by the helpers.
+--
 -- Activity index: the key is listed exactly while ad + dn > 0: every decision adds at least 1
 -- and a collection zeroes both, so only the first decision of each report interval pays the
 -- SADD.
 --
 -- Expiry: every decision writes the state with SET ... PX max(time to refill fully, minimum
--- idle TTL): an expired bucket reads as full, so it must not expire before it would be full.
--- With no refill and not full, the SET carries no expiry (the key must stay); every bucket
--- that refills (any nonzero share) expires.
+-- idle TTL): an expired bucket reads as full, so it must not expire before it would be full
+-- (from a debt too). With no refill and not full, or a time to full beyond MAX_WAIT, the SET
+-- carries no expiry (the key must stay); every other bucket that refills expires.
 --
 -- Cost: TIME (unless now is given), GET, SET PX per decision (a peek: TIME, GET); SADD once per
 -- bucket per report interval; HGETALL of the parameters only when the bucket key is missing.
@@ -67,7 +74,7 @@
 -- runs without the shared helpers: it checks arguments, the state and the parameters inline
 -- (the same checks as int, bucket_ok and state_decode) and takes the refill and waits in their
 -- exact direct forms, with x % y for math.fmod (exact for integers below 2^53), and makes the
--- helpers only for a product past 2^53. The minimum TTL goes to SET as the argument string
+-- helpers only for a product past 2^53 or a debt. The minimum TTL goes to SET as the argument string
 -- when it has no leading zero (a number argument costs Redis a conversion).
 
 -- quotad shared helpers: begin. The same text in every script in lua/ (each script runs on its
@@ -78,6 +85,7 @@ local MAX_CAP = 9007199254740991 -- 2^53 - 1: capacities and refills in µt, tim
 local MAX_PERIOD = 2678400000 -- longest refill period in ms (31 days, below 2^32)
 local DEFAULT_PERIOD_MS = 1000 -- period of a refill given per second, and of old states
 local MAX_FILL = 9000000000000 -- floor(capacity / refill) * period stays below this
+local MAX_WAIT = 2251799813685248 -- 2^51: longest wait reported in ms; longer reads as never
 local MAX_COST = 9007199254 -- MAX_CAP / UT: whole tokens per call
 local MAX_LIMITS = 16 -- most token buckets one check of several limits decides
 local MAX_WINDOW_LIMIT = 1000000000 -- sliding-window limit in tokens
@@ -91,9 +99,10 @@ local COLLECT_MAX = 100000 -- most keys one usage collection takes
 local ONCE_MS = 10000 -- how long a key making a call exactly once lives: past any retry of it
 local STATE_LEN = 96 -- bytes of a token-bucket state
 local STATE_LEN_NO_PERIOD = 88 -- bytes of a state written without its period (period 1000)
--- Token-bucket state: 12 little-endian doubles (exact for integers below 2^53): tokens (µt),
--- carry (1/per µt), ts (latest ms seen), ad / dn (tokens admitted / denied since the last
--- collection, bytes 25..40), cap, rate, src, until, fcap, frate, per (see token_bucket.lua).
+-- Token-bucket state: 12 little-endian doubles (exact for integers below 2^53): tokens (µt;
+-- negative in debt, down to -MAX_CAP), carry (1/per µt), ts (latest ms seen), ad / dn (tokens
+-- admitted / denied since the last collection, bytes 25..40), cap, rate, src, until, fcap,
+-- frate, per (see token_bucket.lua).
 -- A state of the first 11 alone (88 bytes) has per = 1000: rate and frate are µt per second.
 local STATE_FMT = '<dddddddddddd'
 local STATE_FMT_NO_PERIOD = '<ddddddddddd'
@@ -108,13 +117,13 @@ local find = string.find
 -- one upvalue object for every local a closure captures, so they are made by one call, where a
 -- script needs them: quotad_helpers(MAX_CAP, MAX_PERIOD, MAX_FILL, DEFAULT_PERIOD_MS,
 -- MAX_WINDOW_LIMIT, MAX_WINDOW_MS, MAX_WINDOW_PRODUCT, STATE_LEN, STATE_LEN_NO_PERIOD,
--- STATE_FMT, STATE_FMT_NO_PERIOD) returns them in a table. The factory captures nothing (the
--- bounds come as arguments), so defining it costs one closure; token_bucket.lua decides its
--- common paths without it. Exactness: every value is an integer below 2^53, so x % y (x >= 0,
--- y >= 1) is exact there, as math.fmod is everywhere.
+-- STATE_FMT, STATE_FMT_NO_PERIOD, MAX_WAIT) returns them in a table. The factory captures
+-- nothing (the bounds come as arguments), so defining it costs one closure; token_bucket.lua
+-- decides its common paths without it. Exactness: every value is an integer below 2^53, so
+-- x % y (x >= 0, y >= 1) is exact there, as math.fmod is everywhere.
 local function quotad_helpers(MAX_CAP, MAX_PERIOD, MAX_FILL, DEFAULT_PERIOD_MS,
     MAX_WINDOW_LIMIT, MAX_WINDOW_MS, MAX_WINDOW_PRODUCT, STATE_LEN, STATE_LEN_NO_PERIOD,
-    STATE_FMT, STATE_FMT_NO_PERIOD)
+    STATE_FMT, STATE_FMT_NO_PERIOD, MAX_WAIT)
   local fmod, ceil, find = math.fmod, math.ceil, string.find
 
   local function err(what)
@@ -182,7 +191,7 @@ local function quotad_helpers(MAX_CAP, MAX_PERIOD, MAX_FILL, DEFAULT_PERIOD_MS,
 
   -- The fields of a token-bucket state, or nil when v is not one (wrong length, NaN, a
   -- fraction or a value out of bounds; without a lease, until = -1 and the floor 0, 0):
-  -- tokens, carry, ts, ad, dn, cap, rate, src, until, fcap, frate, per.
+  -- tokens (negative in debt), carry, ts, ad, dn, cap, rate, src, until, fcap, frate, per.
   local function state_decode(v)
     local t, c, ts, ad, dn, cap, rate, src, lease_end, fcap, frate, per
     if #v == STATE_LEN then
@@ -195,7 +204,7 @@ local function quotad_helpers(MAX_CAP, MAX_PERIOD, MAX_FILL, DEFAULT_PERIOD_MS,
     else
       return nil
     end
-    if t % 1 == 0 and t >= 0 and t <= MAX_CAP and ts % 1 == 0 and ts >= 0 and ts <= MAX_CAP
+    if t % 1 == 0 and t >= -MAX_CAP and t <= MAX_CAP and ts % 1 == 0 and ts >= 0 and ts <= MAX_CAP
         and ad % 1 == 0 and ad >= 0 and ad <= MAX_CAP and dn % 1 == 0 and dn >= 0
         and dn <= MAX_CAP and bucket_ok(cap, rate, per) and c % 1 == 0 and c >= 0 and c < per
         and (src == 0 or src == 1)
@@ -240,36 +249,49 @@ local function quotad_helpers(MAX_CAP, MAX_PERIOD, MAX_FILL, DEFAULT_PERIOD_MS,
     return need <= muldiv(e0, b, c, per)
   end
 
-  -- ceil((need * per - carry) / rate), the ms until need more µt accrue (need > 0, rate > 0):
-  -- directly when need * per is exact, else estimated in doubles (off by less than 1 below the
-  -- fill bound) and made exact with enough.
+  -- ceil((need * per - carry) / rate), the ms until need more µt accrue (0 < need <= MAX_CAP,
+  -- rate > 0), or -1 when that is beyond MAX_WAIT (only a deep debt at a slow refill comes
+  -- near): directly when need * per is exact, else estimated in doubles (three roundings, off
+  -- by less than 1 up to MAX_WAIT + 3, so an estimate above MAX_WAIT + 2 is beyond it) and
+  -- made exact with enough.
   local function time_to(need, carry, rate, per)
     local n = need * per
+    local t
     if n <= MAX_CAP then
       n = n - carry
       local r = fmod(n, rate)
+      t = (n - r) / rate
       if r > 0 then
-        return (n - r) / rate + 1
+        t = t + 1
       end
-      return n / rate
+    else
+      t = ceil((n - carry) / rate)
+      if t > MAX_WAIT + 2 then
+        return -1
+      end
+      if not enough(t, need, carry, rate, per) then
+        t = t + 1
+      elseif t > 1 and enough(t - 1, need, carry, rate, per) then
+        t = t - 1
+      end
     end
-    local t = ceil((n - carry) / rate)
-    if not enough(t, need, carry, rate, per) then
-      return t + 1
-    end
-    if t > 1 and enough(t - 1, need, carry, rate, per) then
-      return t - 1
+    if t > MAX_WAIT then
+      return -1
     end
     return t
   end
 
-  -- A bucket's tokens and carry clipped to cap and refilled from ts to now at rate per per ms
-  -- (nothing when now <= ts: a clock stepping back), and the latest time seen. The µt added are
-  -- floor((e * rate + c) / per), the carry its remainder: directly when e * rate + c is exact,
-  -- else split as in enough (the sum stays below cap - tokens there, so every term is exact).
+  -- A bucket's tokens (its level: negative in debt) and carry clipped to cap, and to
+  -- cap - MAX_CAP below (a debt deeper than these parameters keep exact: cap - tokens must stay
+  -- below 2^53), and refilled from ts to now at rate per per ms (nothing when now <= ts: a
+  -- clock stepping back), and the latest time seen. The µt added are floor((e * rate + c) /
+  -- per), the carry its remainder: directly when e * rate + c is exact, else split as in
+  -- enough (the sum stays below cap - tokens there, so every term is exact).
   local function refilled(tokens, carry, ts, cap, rate, per, now)
     if tokens >= cap then
       tokens, carry = cap, 0
+    elseif tokens < cap - MAX_CAP then
+      tokens = cap - MAX_CAP
     end
     if now <= ts then
       return tokens, carry, ts
@@ -393,7 +415,7 @@ if v then
   -- MAX_FILL, which cap * per < MAX_FILL implies (rate >= 1); x % y is exact for integers
   -- below 2^53.
   if not (tokens % 1 + ts % 1 + ad % 1 + dn % 1 + cap % 1 + rate % 1 + per % 1 + carry % 1 == 0
-      and tokens >= 0 and tokens <= MAX_CAP and ts >= 0 and ts <= MAX_CAP and ad >= 0
+      and tokens >= -MAX_CAP and tokens <= MAX_CAP and ts >= 0 and ts <= MAX_CAP and ad >= 0
       and ad <= MAX_CAP and dn >= 0 and dn <= MAX_CAP and cap >= 0 and cap <= MAX_CAP
       and rate >= 0 and rate <= MAX_CAP and per >= 1 and per <= MAX_PERIOD
       and (rate == 0 or cap * per < MAX_FILL or (cap - cap % rate) / rate * per < MAX_FILL)
@@ -461,7 +483,7 @@ else
       src = 1
     end
   end
-  tokens, carry, ts, ad, dn = -1, 0, now, 0, 0
+  tokens, carry, ts, ad, dn = false, 0, now, 0, 0
 end
 if src == 0 then
   -- The fallback, checked only where it is used (stored parameters make it unused): int(),
@@ -495,15 +517,18 @@ local share_cap, share_rate = cap, rate
 if src == 1 and lease_end >= 0 and now >= lease_end then
   cap, rate = fcap, frate
 end
-if tokens < 0 then
+if not tokens then
   tokens = cap -- a new bucket is full
 end
 
--- refilled(), inline: clipped to cap, then floor((e * rate + carry) / per) µt added and the
--- remainder carried, directly while e * rate + carry is exact (the helper splits it otherwise).
-local h -- the helpers, made only where a product passes 2^53
+-- refilled(), inline: clipped to cap (and a debt to cap - MAX_CAP), then floor((e * rate +
+-- carry) / per) µt added and the remainder carried, directly while e * rate + carry is exact
+-- (the helper splits it otherwise).
+local h -- the helpers, made only where a product passes 2^53, and in debt
 if tokens >= cap then
   tokens, carry = cap, 0
+elseif tokens < 0 and tokens < cap - MAX_CAP then
+  tokens = cap - MAX_CAP
 end
 if now > ts then
   if tokens < cap and rate > 0 then
@@ -511,7 +536,7 @@ if now > ts then
     if n > MAX_CAP then
       h = quotad_helpers(MAX_CAP, MAX_PERIOD, MAX_FILL, DEFAULT_PERIOD_MS, MAX_WINDOW_LIMIT,
         MAX_WINDOW_MS, MAX_WINDOW_PRODUCT, STATE_LEN, STATE_LEN_NO_PERIOD, STATE_FMT,
-        STATE_FMT_NO_PERIOD)
+        STATE_FMT_NO_PERIOD, MAX_WAIT)
       tokens, carry = h.refilled(tokens, carry, ts, cap, rate, per, now)
     else
       local r = n % per
@@ -528,7 +553,7 @@ end
 
 -- The decision (a peek, cost 0, spends nothing), then the waits: time_to(), inline:
 -- ceil((need * per - carry) / rate), directly while need * per is exact (the helper corrects a
--- double estimate otherwise).
+-- double estimate otherwise, and bounds the long waits of a debt).
 local allowed, retry, granted = 1, 0, 0
 if cost > 0 then
   local cost_ut = cost * UT
@@ -546,10 +571,10 @@ if cost > 0 then
   else
     allowed = 0
     local n = (cost_ut - tokens) * per
-    if n > MAX_CAP then
+    if n > MAX_CAP or tokens < 0 then
       h = quotad_helpers(MAX_CAP, MAX_PERIOD, MAX_FILL, DEFAULT_PERIOD_MS, MAX_WINDOW_LIMIT,
         MAX_WINDOW_MS, MAX_WINDOW_PRODUCT, STATE_LEN, STATE_LEN_NO_PERIOD, STATE_FMT,
-        STATE_FMT_NO_PERIOD)
+        STATE_FMT_NO_PERIOD, MAX_WAIT)
       retry = h.time_to(cost_ut - tokens, carry, rate, per)
     else
       n = n - carry
@@ -567,10 +592,10 @@ if tokens < cap then
     reset = -1
   else
     local n = (cap - tokens) * per
-    if n > MAX_CAP then
+    if n > MAX_CAP or tokens < 0 then
       h = h or quotad_helpers(MAX_CAP, MAX_PERIOD, MAX_FILL, DEFAULT_PERIOD_MS,
         MAX_WINDOW_LIMIT, MAX_WINDOW_MS, MAX_WINDOW_PRODUCT, STATE_LEN, STATE_LEN_NO_PERIOD,
-        STATE_FMT, STATE_FMT_NO_PERIOD)
+        STATE_FMT, STATE_FMT_NO_PERIOD, MAX_WAIT)
       reset = h.time_to(cap - tokens, carry, rate, per)
     else
       n = n - carry
@@ -582,11 +607,15 @@ if tokens < cap then
     end
   end
 end
+local left = 0 -- whole tokens left: none in debt
+if tokens > 0 then
+  left = (tokens - tokens % UT) / UT
+end
 if cost == 0 then
   if n_args == 7 then
-    return { 1, (tokens - tokens % UT) / UT, 0, reset, 0 }
+    return { 1, left, 0, reset, 0 }
   end
-  return { 1, (tokens - tokens % UT) / UT, 0, reset }
+  return { 1, left, 0, reset }
 end
 
 -- Writes, last: the index (the only write that can fail), then the state. SADD answers 0 or 1,
@@ -622,6 +651,6 @@ else
   end
 end
 if n_args == 7 then
-  return { allowed, (tokens - tokens % UT) / UT, retry, reset, granted }
+  return { allowed, left, retry, reset, granted }
 end
-return { allowed, (tokens - tokens % UT) / UT, retry, reset }
+return { allowed, left, retry, reset }

@@ -14,13 +14,14 @@ use std::hash::{BuildHasher, RandomState};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{SystemTime, UNIX_EPOCH};
 
+use quota_core::bounds::ONCE_KEY_MS;
 use quota_core::keys::StateKind;
 use quota_core::window::HeldRaise;
-use quota_core::{bucket, window, BucketState, Decision, WindowParams, WindowState};
+use quota_core::{bucket, window, BucketState, ChargeOutcome, Decision, WindowParams, WindowState};
 
 use crate::{
-    BucketRef, CheckRequest, Fence, Limit, MultiCheckRequest, SetParams, Store, StoreError,
-    UsageRecord, DEFAULT_MIN_IDLE_TTL_MS,
+    BucketRef, ChargeRequest, CheckRequest, Fence, Limit, MultiCheckRequest, SetParams, Store,
+    StoreError, UsageRecord, DEFAULT_MIN_IDLE_TTL_MS,
 };
 
 /// Shards by default: a power of two well above the core count.
@@ -75,6 +76,9 @@ struct Shard {
     holds: HashMap<BucketRef, HeldRaise>,
     /// The fence stored with a bucket's parameters (`fence` / `ep` beside them in Redis).
     fences: HashMap<BucketRef, Fence>,
+    /// Charges made under an id: what each applied and clamped, until when (ms) a charge of
+    /// the same id is a replay (`charge.lua`'s marker).
+    charges: HashMap<(BucketRef, String), (u64, u64, u64)>,
     /// State keys decided since the last collection (each at most once while it lives).
     active: Vec<StateKey>,
     /// Decisions since the last sweep; a sweep runs once this exceeds the map's size right
@@ -90,6 +94,7 @@ impl Shard {
     fn sweep(&mut self) {
         let now = self.latest_ms;
         self.states.retain(|_, e| e.live_at(now));
+        self.charges.retain(|_, &mut (_, _, until)| now < until);
         let states = &self.states;
         self.active
             .retain(|k| states.get(k).is_some_and(|e| e.listed));
@@ -259,8 +264,11 @@ impl EmbeddedStore {
             },
             _ => new_share,
         };
-        let spent = old_p.capacity_ut - bucket::refill(now, &old_p, Some(old_s)).tokens_ut;
-        if spent == 0 || (new_entry.is_none() && new_p.capacity_ut == 0) {
+        // As set_params.lua: nothing spent, or a new bucket of capacity 0 with nothing owed,
+        // needs no state.
+        let old_level = bucket::refill(now, &old_p, Some(old_s)).level_ut();
+        let spent = old_p.capacity_ut as i64 - old_level;
+        if spent <= 0 || (new_entry.is_none() && new_p.capacity_ut == 0 && old_level >= 0) {
             return;
         }
         let prev = new_entry.and_then(|e| match &e.state {
@@ -443,6 +451,84 @@ impl EmbeddedStore {
         Ok((decision, granted))
     }
 
+    /// A charge into bounded debt, as `charge.lua`: refused when the capacity in force plus
+    /// the debt limit is out of bounds; a replay of an id answers the first charge's applied
+    /// and clamped tokens with the bucket as it stands, and stores nothing (refused when its
+    /// cost differs: an id names one charge).
+    fn charge_bucket(&self, req: &ChargeRequest) -> Result<ChargeOutcome, StoreError> {
+        req.validate()?;
+        let now = req.now_ms.unwrap_or_else(|| (self.clock)());
+        let mut shard = self.shard(&req.bucket);
+        let shard = &mut *shard;
+        let p = match shard.params.get(&req.bucket) {
+            Some(&(Limit::TokenBucket(_), Some((end, Limit::TokenBucket(floor)))))
+                if now >= end =>
+            {
+                floor
+            }
+            Some(&(Limit::TokenBucket(p), _)) => p,
+            _ => req.params,
+        };
+        let rejected = |e: bucket::ChargeError| StoreError::Rejected {
+            reason: e.to_string(),
+        };
+        bucket::check_debt_limit(&p, req.debt_limit_ut).map_err(rejected)?;
+        shard.latest_ms = shard.latest_ms.max(now);
+        shard.since_sweep += 1;
+        if shard.since_sweep > shard.len_after_sweep.max(1024) {
+            shard.sweep();
+        }
+        let key = (req.bucket.clone(), StateKind::Bucket);
+        let prev = shard
+            .states
+            .get(&key)
+            .filter(|e| e.live_at(now))
+            .and_then(|e| match &e.state {
+                State::Bucket(s) => Some(*s),
+                State::Window(_) => None,
+            });
+        let once = req.id.as_ref().map(|id| (req.bucket.clone(), id.clone()));
+        if let Some(&(applied, clamped, _)) = once
+            .as_ref()
+            .and_then(|k| shard.charges.get(k))
+            .filter(|&&(_, _, until)| now < until)
+        {
+            if applied + clamped != req.cost {
+                return Err(StoreError::Rejected {
+                    reason: "the charge id was used for a charge of another cost".into(),
+                });
+            }
+            return Ok(bucket::charge_replayed(
+                now,
+                &p,
+                prev.as_ref(),
+                applied,
+                clamped,
+            ));
+        }
+        let (o, s) = bucket::charge(now, &p, prev.as_ref(), req.cost, req.debt_limit_ut)
+            .map_err(rejected)?;
+        let ttl = bucket::idle_ttl_ms(&p, &s);
+        let expires_at_ms =
+            (ttl != u64::MAX).then(|| s.ts_ms.saturating_add(ttl.max(self.min_idle_ttl_ms)));
+        let limit = Limit::TokenBucket(p);
+        shard.record(
+            key,
+            now,
+            State::Bucket(s),
+            limit,
+            expires_at_ms,
+            o.applied,
+            o.clamped,
+        );
+        if let Some(k) = once {
+            shard
+                .charges
+                .insert(k, (o.applied, o.clamped, now.saturating_add(ONCE_KEY_MS)));
+        }
+        Ok(o)
+    }
+
     /// Gives `tokens` of a reservation back to a token bucket, as `refund.lua`: the bucket's
     /// remaining whole tokens after, `None` when it has no state (it is full).
     fn give_back(
@@ -477,6 +563,7 @@ impl EmbeddedStore {
         };
         e.state = State::Bucket(next);
         e.admitted = e.admitted.saturating_sub(tokens);
+        // 0 still in debt.
         Ok(Some(next.tokens_ut / bucket::UT))
     }
 
@@ -594,6 +681,10 @@ impl Store for EmbeddedStore {
 
     async fn reserve(&self, req: &CheckRequest, batch: u64) -> Result<(Decision, u64), StoreError> {
         self.decide_batch(req, batch)
+    }
+
+    async fn charge(&self, req: &ChargeRequest) -> Result<ChargeOutcome, StoreError> {
+        self.charge_bucket(req)
     }
 
     async fn refund(

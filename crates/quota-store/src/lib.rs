@@ -1,6 +1,7 @@
 //! quota-store: where regional decisions are made.
 //!
-//! A [`Store`] decides one request atomically against a token bucket or a sliding window, holds
+//! A [`Store`] decides one request atomically against a token bucket or a sliding window,
+//! charges a token bucket for work already done (into bounded debt, [`ChargeRequest`]), holds
 //! this region's parameters for each bucket (written by the region agent), and hands out the
 //! usage (admitted and denied tokens per bucket) recorded since the previous collection.
 //!
@@ -23,9 +24,9 @@ pub mod embedded;
 pub mod redis_store;
 pub mod script;
 
-use quota_core::bucket::{MAX_CAPACITY_UT, MAX_LIMITS_PER_CHECK, UT};
+use quota_core::bucket::{self, MAX_CAPACITY_UT, MAX_LIMITS_PER_CHECK, UT};
 use quota_core::keys::{self, StateKind};
-use quota_core::{BucketParams, Decision, PolicyName, TenantId, WindowParams};
+use quota_core::{BucketParams, ChargeOutcome, Decision, PolicyName, TenantId, WindowParams};
 
 pub use embedded::EmbeddedStore;
 pub use redis_store::{
@@ -200,6 +201,92 @@ impl MultiCheckRequest {
             l.limit.validate()?;
             if self.limits[..i].iter().any(|o| o.bucket == l.bucket) {
                 return rejected(format!("limit {} repeats a bucket", i + 1));
+            }
+        }
+        Ok(())
+    }
+}
+
+/// The longest id of a [`ChargeRequest`], in bytes.
+pub const MAX_CHARGE_ID_LEN: usize = 128;
+
+/// A charge for work already done (LLM tokens counted once a response ends), applied to a
+/// token bucket even past the tokens left, down to `debt_limit_ut` below empty
+/// ([`quota_core::bucket::charge`]; `lua/charge.lua` on Redis). While the bucket is in debt
+/// every check of it is denied, with a retry time that covers the repayment; the refill and
+/// refunds repay the debt first. What the limit keeps the bucket from taking is reported
+/// (`clamped`), not dropped.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ChargeRequest {
+    pub bucket: BucketRef,
+    /// Fallback parameters, used when the store has none written for this bucket.
+    pub params: BucketParams,
+    /// Whole tokens, 1 to [`MAX_COST`].
+    pub cost: u64,
+    /// How far below empty the charge may take the bucket, in micro-tokens. The capacity in
+    /// force (stored, else `params`) plus this must be at most [`MAX_CAPACITY_UT`]; the store
+    /// refuses a larger one and changes nothing.
+    pub debt_limit_ut: u64,
+    /// Explicit time for tests and the simulator; `None` uses the store's clock.
+    pub now_ms: Option<u64>,
+    /// Names this charge, so that a caller's retry applies it once: a charge of the same bucket
+    /// with the same id within [`quota_core::bounds::ONCE_KEY_MS`] of the first changes
+    /// nothing and answers what the first applied and clamped, with the bucket as it stands
+    /// (one of another cost is refused: an id names one charge).
+    /// 1 to [`MAX_CHARGE_ID_LEN`] printable ASCII characters, no space. Without one, the
+    /// store's own retries still apply once.
+    pub id: Option<String>,
+}
+
+impl ChargeRequest {
+    /// A charge of `cost` on `bucket` (fallback `params`) down to `debt_limit_ut` below empty,
+    /// on the store's clock, without an id.
+    pub fn new(bucket: BucketRef, params: BucketParams, cost: u64, debt_limit_ut: u64) -> Self {
+        Self {
+            bucket,
+            params,
+            cost,
+            debt_limit_ut,
+            now_ms: None,
+            id: None,
+        }
+    }
+
+    /// The same at an explicit time.
+    pub fn at(mut self, now_ms: u64) -> Self {
+        self.now_ms = Some(now_ms);
+        self
+    }
+
+    /// The same named `id` (see [`ChargeRequest::id`]).
+    pub fn with_id(mut self, id: impl Into<String>) -> Self {
+        self.id = Some(id.into());
+        self
+    }
+
+    /// Rejects what `charge.lua` would reject, before any I/O (the debt limit against the
+    /// fallback; the store checks it against the capacity in force too).
+    pub fn validate(&self) -> Result<(), StoreError> {
+        let rejected = |reason: String| Err(StoreError::Rejected { reason });
+        if self.cost == 0 || self.cost > MAX_COST {
+            return rejected(format!(
+                "charge cost {} is outside 1..={MAX_COST}",
+                self.cost
+            ));
+        }
+        validate_now(self.now_ms)?;
+        Limit::TokenBucket(self.params).validate()?;
+        if let Err(e) = bucket::check_debt_limit(&self.params, self.debt_limit_ut) {
+            return rejected(e.to_string());
+        }
+        if let Some(id) = &self.id {
+            if id.is_empty()
+                || id.len() > MAX_CHARGE_ID_LEN
+                || !id.bytes().all(|b| b.is_ascii_graphic())
+            {
+                return rejected(format!(
+                    "a charge id is 1..={MAX_CHARGE_ID_LEN} printable ASCII characters"
+                ));
             }
         }
         Ok(())
@@ -525,9 +612,16 @@ pub trait Store: Send + Sync {
         req: &CheckRequest,
         batch: u64,
     ) -> impl std::future::Future<Output = Result<(Decision, u64), StoreError>> + Send;
-    /// Gives `tokens` whole tokens of a reservation back to a token bucket, never above its
-    /// capacity: its remaining whole tokens after, `None` when it has no state (a full bucket,
-    /// nothing to give back to).
+    /// Charges a token bucket for work already done, into debt down to the request's limit
+    /// ([`ChargeRequest`]): what was applied and clamped, and the bucket it left. Applied once
+    /// whatever retries it takes (the store's own, or the caller's under one id).
+    fn charge(
+        &self,
+        req: &ChargeRequest,
+    ) -> impl std::future::Future<Output = Result<ChargeOutcome, StoreError>> + Send;
+    /// Gives `tokens` whole tokens of a reservation back to a token bucket (repaying a debt
+    /// first), never above its capacity: its remaining whole tokens after (0 still in debt),
+    /// `None` when it has no state (a full bucket, nothing to give back to).
     fn refund(
         &self,
         bucket: &BucketRef,
@@ -664,6 +758,13 @@ impl Store for AnyStore {
         match self {
             Self::Embedded(s) => s.reserve(req, batch).await,
             Self::Redis(s) => s.reserve(req, batch).await,
+        }
+    }
+
+    async fn charge(&self, req: &ChargeRequest) -> Result<ChargeOutcome, StoreError> {
+        match self {
+            Self::Embedded(s) => s.charge(req).await,
+            Self::Redis(s) => s.charge(req).await,
         }
     }
 

@@ -33,7 +33,7 @@ use std::time::Duration;
 
 use arc_swap::ArcSwap;
 use quota_core::keys::{self, StateKind};
-use quota_core::Decision;
+use quota_core::{ChargeOutcome, Decision};
 use redis::Script;
 
 pub use config::{
@@ -44,7 +44,8 @@ pub use tls::{ClientIdentity, Tls, TlsPart};
 
 use crate::script::{self, Arg};
 use crate::{
-    BucketRef, CheckRequest, Limit, MultiCheckRequest, SetParams, Store, StoreError, UsageRecord,
+    BucketRef, ChargeRequest, CheckRequest, Limit, MultiCheckRequest, SetParams, Store, StoreError,
+    UsageRecord,
 };
 use source::{build_source, Source};
 
@@ -65,6 +66,7 @@ struct Scripts {
     collect_usage: Script,
     set_params: Script,
     refund: Script,
+    charge: Script,
 }
 
 /// The Redis-backed store. Cheap to clone; clones share connections.
@@ -114,6 +116,7 @@ impl RedisStore {
             collect_usage: Script::new(script::COLLECT_USAGE_LUA),
             set_params: Script::new(script::SET_PARAMS_LUA),
             refund: Script::new(script::REFUND_LUA),
+            charge: Script::new(script::CHARGE_LUA),
         });
         let min_idle_ttl_ms = (config.min_idle_ttl.as_millis() as u64)
             .clamp(1, quota_core::bucket::MAX_CAPACITY_UT)
@@ -221,6 +224,29 @@ impl Store for RedisStore {
             .invoke(&self.scripts.refund, &[&state, &marker], &args)
             .await?;
         Ok(u64::try_from(left).ok())
+    }
+
+    async fn charge(&self, req: &ChargeRequest) -> Result<ChargeOutcome, StoreError> {
+        req.validate()?;
+        let state = req.bucket.state_key(StateKind::Bucket);
+        let params = req.bucket.params_key();
+        let index = self.index_key(&state);
+        // Always a marker: the caller's id names the charge across its own retries; without
+        // one, a key unique to this call makes the store's retry (and a Cluster client's) a
+        // replay. Generated ids are hex, so they never meet an `id:` one.
+        let marker = match &req.id {
+            Some(id) => format!("{state}:g:id:{id}"),
+            None => calls::once_key(&state, "g"),
+        };
+        let args = script::charge_args(req, &self.min_idle_ttl_ms);
+        let reply: Vec<i64> = self
+            .invoke(
+                &self.scripts.charge,
+                &[&state, &params, &index, &marker],
+                &args,
+            )
+            .await?;
+        script::charge_from_reply(&reply, req.cost)
     }
 
     async fn check_all(&self, req: &MultiCheckRequest) -> Result<Vec<Decision>, StoreError> {

@@ -1,9 +1,9 @@
 //! The Lua scripts (compiled in with `include_str!`), the arguments they take and the replies
 //! they give. Each script opens with its KEYS / ARGV / return contract.
 
-use quota_core::Decision;
+use quota_core::{ChargeOutcome, Decision};
 
-use crate::{CheckRequest, Limit, MultiCheckRequest, SetParams, StoreError};
+use crate::{ChargeRequest, CheckRequest, Limit, MultiCheckRequest, SetParams, StoreError};
 
 /// One token-bucket decision (`lua/token_bucket.lua`).
 pub const TOKEN_BUCKET_LUA: &str = include_str!("../../../lua/token_bucket.lua");
@@ -20,6 +20,9 @@ pub const SET_PARAMS_LUA: &str = include_str!("../../../lua/set_params.lua");
 
 /// Gives tokens of a reservation back to a token bucket (`lua/refund.lua`).
 pub const REFUND_LUA: &str = include_str!("../../../lua/refund.lua");
+
+/// Charges a token bucket for work already done, into bounded debt (`lua/charge.lua`).
+pub const CHARGE_LUA: &str = include_str!("../../../lua/charge.lua");
 
 /// Drains an activity index (`lua/collect_usage.lua`).
 pub const COLLECT_USAGE_LUA: &str = include_str!("../../../lua/collect_usage.lua");
@@ -93,6 +96,55 @@ pub fn multi_args<'a>(req: &MultiCheckRequest, min_idle_ttl_ms: &'a str) -> Vec<
         }
     }
     args
+}
+
+/// The ARGV of `charge.lua` for `req`: cost, debt limit, fallback capacity and refill,
+/// explicit now (or `""`), minimum idle TTL and fallback period.
+pub fn charge_args<'a>(req: &ChargeRequest, min_idle_ttl_ms: &'a str) -> [Arg<'a>; 7] {
+    let p = req.params;
+    [
+        Arg::Num(req.cost),
+        Arg::Num(req.debt_limit_ut),
+        Arg::Num(p.capacity_ut),
+        Arg::Num(p.refill_ut),
+        req.now_ms.map_or(Arg::Str(""), Arg::Num),
+        Arg::Str(min_idle_ttl_ms),
+        Arg::Num(p.period_ms),
+    ]
+}
+
+/// Decodes `{applied, clamped, remaining, debt, retry_after_ms, reset_ms}` from `charge.lua`
+/// for a charge of `cost`; `-1` means "never".
+pub fn charge_from_reply(reply: &[i64], cost: u64) -> Result<ChargeOutcome, StoreError> {
+    let &[applied, clamped, remaining, debt, retry, reset] = reply else {
+        return Err(StoreError::Protocol {
+            reason: format!("a charge has 6 fields, got {}", reply.len()),
+        });
+    };
+    let whole = |v: i64| u64::try_from(v).ok();
+    let never = |v: i64| if v < 0 { None } else { Some(v as u64) };
+    match (
+        whole(applied),
+        whole(clamped),
+        whole(remaining),
+        whole(debt),
+    ) {
+        (Some(a), Some(c), Some(remaining), Some(debt))
+            if a.checked_add(c) == Some(cost) && (remaining == 0 || debt == 0) =>
+        {
+            Ok(ChargeOutcome {
+                applied: a,
+                clamped: c,
+                remaining,
+                debt,
+                retry_after_ms: never(retry),
+                reset_ms: never(reset),
+            })
+        }
+        _ => Err(StoreError::Protocol {
+            reason: format!("bad charge fields {reply:?} for a cost of {cost}"),
+        }),
+    }
 }
 
 /// Decodes the 4 fields of each of `n` limits from `token_buckets.lua`.
@@ -209,6 +261,17 @@ mod tests {
     }
 
     #[test]
+    fn charge_replies_add_up_to_the_cost() {
+        let o = charge_from_reply(&[3, 2, 0, 8, -1, 12_000], 5).unwrap();
+        assert_eq!((o.applied, o.clamped, o.debt), (3, 2, 8));
+        assert_eq!((o.retry_after_ms, o.reset_ms), (None, Some(12_000)));
+        assert!(charge_from_reply(&[3, 2, 0, 8, -1, 0], 6).is_err());
+        assert!(charge_from_reply(&[3, 2, 1, 8, 0, 0], 5).is_err());
+        assert!(charge_from_reply(&[-1, 6, 0, 0, 0, 0], 5).is_err());
+        assert!(charge_from_reply(&[5, 0, 0, 0, 0], 5).is_err());
+    }
+
+    #[test]
     fn every_script_states_its_contract() {
         for s in [
             TOKEN_BUCKET_LUA,
@@ -217,6 +280,7 @@ mod tests {
             COLLECT_USAGE_LUA,
             SET_PARAMS_LUA,
             REFUND_LUA,
+            CHARGE_LUA,
         ] {
             assert!(s.contains("KEYS[1]") && s.contains("ARGV[1]") && s.contains("returns"));
         }

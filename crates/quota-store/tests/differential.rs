@@ -185,19 +185,19 @@ fn field(v: &Option<String>) -> u64 {
 }
 
 /// The fields t, c, ts and per of the packed token-bucket state: little-endian doubles, exact
-/// integers (see lua/token_bucket.lua).
+/// integers (see lua/token_bucket.lua); t is the level, negative in debt.
 fn packed_state(raw: &[u8]) -> BucketState {
     assert_eq!(raw.len(), 96, "packed state of {} bytes", raw.len());
-    let f = |i: usize| {
+    let g = |i: usize| {
         let v = f64::from_le_bytes(raw[i * 8..i * 8 + 8].try_into().unwrap());
-        assert!(
-            v >= 0.0 && v.fract() == 0.0 && v < 9_007_199_254_740_992.0,
-            "{v}"
-        );
-        v as u64
+        assert!(v.fract() == 0.0 && v.abs() < 9_007_199_254_740_992.0, "{v}");
+        v as i64
     };
+    let f = |i: usize| u64::try_from(g(i)).expect("a nonnegative field");
+    let level = g(0);
     BucketState {
-        tokens_ut: f(0),
+        tokens_ut: level.max(0) as u64,
+        debt_ut: level.min(0).unsigned_abs(),
         carry: f(1),
         ts_ms: f(2),
         period_ms: f(11),
@@ -688,6 +688,7 @@ fn the_layout_without_a_period_reads_as_per_second() {
     let p = BucketParams::new(10 * UT, 3 * UT / 7).unwrap();
     let old = BucketState {
         tokens_ut: 2 * UT + 17,
+        debt_ut: 0,
         carry: 999,
         ts_ms: 1_700_000_000_000,
         period_ms: 1000,

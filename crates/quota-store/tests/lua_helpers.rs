@@ -11,25 +11,26 @@
 
 use quota_core::bounds::{
     DEFAULT_PERIOD_MS, EXACT_LOG_MAX, MAX_BURST, MAX_CAPACITY_UT, MAX_FILL_BOUND_MS,
-    MAX_LIMITS_PER_CHECK, MAX_PERIOD_MS, MAX_REFILL_UT, MAX_WINDOW_LIMIT, MAX_WINDOW_MS,
-    MAX_WINDOW_PRODUCT, ONCE_KEY_MS, UT,
+    MAX_LIMITS_PER_CHECK, MAX_PERIOD_MS, MAX_REFILL_UT, MAX_WAIT_MS, MAX_WINDOW_LIMIT,
+    MAX_WINDOW_MS, MAX_WINDOW_PRODUCT, ONCE_KEY_MS, UT,
 };
 use quota_store::script::{
-    COLLECT_BATCH_MAX, COLLECT_USAGE_LUA, REFUND_LUA, SET_PARAMS_LUA, SLIDING_WINDOW_LUA,
-    TOKEN_BUCKETS_LUA, TOKEN_BUCKET_LUA,
+    CHARGE_LUA, COLLECT_BATCH_MAX, COLLECT_USAGE_LUA, REFUND_LUA, SET_PARAMS_LUA,
+    SLIDING_WINDOW_LUA, TOKEN_BUCKETS_LUA, TOKEN_BUCKET_LUA,
 };
 use quota_store::{DEFAULT_MIN_IDLE_TTL_MS, MAX_COST};
 
 const BEGIN: &str = "-- quotad shared helpers: begin.";
 const END: &str = "-- quotad shared helpers: end.";
 
-const SCRIPTS: [(&str, &str); 6] = [
+const SCRIPTS: [(&str, &str); 7] = [
     ("token_bucket.lua", TOKEN_BUCKET_LUA),
     ("token_buckets.lua", TOKEN_BUCKETS_LUA),
     ("sliding_window.lua", SLIDING_WINDOW_LUA),
     ("set_params.lua", SET_PARAMS_LUA),
     ("collect_usage.lua", COLLECT_USAGE_LUA),
     ("refund.lua", REFUND_LUA),
+    ("charge.lua", CHARGE_LUA),
 ];
 
 /// The helper block of `src` (from the begin line to the end line) and the text around it.
@@ -83,6 +84,7 @@ fn lua_bounds_equal_quota_core_bounds() {
         ("MAX_PERIOD", MAX_PERIOD_MS),
         ("DEFAULT_PERIOD_MS", DEFAULT_PERIOD_MS),
         ("MAX_FILL", MAX_FILL_BOUND_MS),
+        ("MAX_WAIT", MAX_WAIT_MS),
         ("MAX_COST", MAX_BURST),
         ("MAX_LIMITS", MAX_LIMITS_PER_CHECK),
         ("MAX_WINDOW_LIMIT", MAX_WINDOW_LIMIT),
@@ -215,4 +217,19 @@ fn the_block_is_found_by_the_checks() {
     assert!(constants(&block).len() >= 12);
     assert!(block.contains("local function err(") && block.contains("local function int("));
     assert!(factory_params(&block).contains(&"MAX_CAP".to_string()));
+}
+
+#[test]
+fn every_script_in_lua_is_checked() {
+    // A new script must carry the block too: list it in SCRIPTS.
+    let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../lua");
+    let mut found: Vec<String> = std::fs::read_dir(&dir)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .filter(|n| n.ends_with(".lua"))
+        .collect();
+    found.sort();
+    let mut listed: Vec<String> = SCRIPTS.iter().map(|(n, _)| n.to_string()).collect();
+    listed.sort();
+    assert_eq!(found, listed);
 }

@@ -46,7 +46,259 @@ both_stores!(
     a_moved_window_share_cuts_at_once_and_raises_after_a_window,
     a_window_without_state_holds_a_raise,
     a_fence_refuses_deposed_and_late_writes,
+    a_charge_goes_into_debt_and_checks_wait_for_the_repayment,
+    a_refund_repays_a_debt_first,
+    a_replayed_charge_id_applies_once,
+    bad_charges_are_refused_and_change_nothing,
+    a_changed_policy_keeps_a_debt,
 );
+
+/// Token-bucket parameters in whole tokens and tokens per second, for a charge.
+fn params(cap: u64, per_s: u64) -> BucketParams {
+    BucketParams::new(cap * UT, per_s * UT).unwrap()
+}
+
+/// Issue 32: a charge for work already done is applied past the tokens left, into debt down
+/// to its limit; beyond it the tokens are clamped and reported. Checks in debt are denied with
+/// a retry that covers the repayment, and are admitted exactly then.
+async fn a_charge_goes_into_debt_and_checks_wait_for_the_repayment<S: Store>(s: &S) {
+    use quota_store::ChargeRequest;
+    let b = fresh_bucket("debt");
+    let p = params(10, 1);
+    let charge = |cost, at| ChargeRequest::new(b.clone(), p, cost, 8 * UT).at(at);
+    let o = s.charge(&charge(15, T0)).await.unwrap();
+    assert_eq!((o.applied, o.clamped, o.remaining, o.debt), (15, 0, 0, 5));
+    // One token 6 s away (5 owed first), full 15 s away.
+    assert_eq!((o.retry_after_ms, o.reset_ms), (Some(6_000), Some(15_000)));
+    // 3 of 5 fit above the limit of 8 owed; 2 are clamped, never taken.
+    let o = s.charge(&charge(5, T0)).await.unwrap();
+    assert_eq!((o.applied, o.clamped, o.debt), (3, 2, 8));
+    let o = s.charge(&charge(4, T0)).await.unwrap();
+    assert_eq!((o.applied, o.clamped, o.debt), (0, 4, 8));
+    // A check of 1 needs the 8 owed and 1 more: 9 s.
+    let l = Limit::TokenBucket(p);
+    let d = s.check(&req(&b, l, 1, Some(T0))).await.unwrap();
+    assert_eq!(
+        d,
+        Decision {
+            allowed: false,
+            remaining: 0,
+            retry_after_ms: Some(9_000),
+            reset_ms: Some(18_000),
+        }
+    );
+    assert!(
+        !s.check(&req(&b, l, 1, Some(T0 + 8_999)))
+            .await
+            .unwrap()
+            .allowed
+    );
+    let d = s.check(&req(&b, l, 1, Some(T0 + 9_000))).await.unwrap();
+    assert_eq!((d.allowed, d.remaining), (true, 0));
+    // A peek in debt is allowed and spends nothing; a reservation is denied as a check.
+    let o = s.charge(&charge(2, T0 + 9_000)).await.unwrap();
+    assert_eq!((o.applied, o.debt), (2, 2));
+    let d = s.check(&req(&b, l, 0, Some(T0 + 9_000))).await.unwrap();
+    assert_eq!(
+        (d.allowed, d.remaining, d.reset_ms),
+        (true, 0, Some(12_000))
+    );
+    let (d, n) = s
+        .reserve(&req(&b, l, 1, Some(T0 + 9_000)), 4)
+        .await
+        .unwrap();
+    assert_eq!((d.allowed, n, d.retry_after_ms), (false, 0, Some(3_000)));
+    // Applied tokens count as admitted, clamped ones as denied, with the checks'.
+    let got = s.collect_usage(usize::MAX).await.unwrap();
+    assert_eq!(
+        got,
+        vec![UsageRecord {
+            bucket: b.clone(),
+            admitted: 15 + 3 + 1 + 2,
+            // Clamped 2 and 4; two checks and a reservation denied.
+            denied: 2 + 4 + 1 + 1 + 1,
+        }]
+    );
+    // All or nothing: a limit in debt denies a check of several, and the other spends nothing.
+    let other = quota_store::BucketRef {
+        policy: quota_core::PolicyName::new("other").unwrap(),
+        ..b.clone()
+    };
+    let multi = quota_store::MultiCheckRequest {
+        limits: [&b, &other]
+            .into_iter()
+            .map(|bucket| quota_store::LimitCheck {
+                bucket: bucket.clone(),
+                limit: l,
+            })
+            .collect(),
+        cost: 1,
+        now_ms: Some(T0 + 9_000),
+    };
+    let ds = s.check_all(&multi).await.unwrap();
+    assert_eq!((ds[0].allowed, ds[0].retry_after_ms), (false, Some(3_000)));
+    assert_eq!((ds[1].allowed, ds[1].remaining), (true, 10));
+    let d = s.check(&req(&other, l, 0, Some(T0 + 9_000))).await.unwrap();
+    assert_eq!(d.remaining, 10);
+}
+
+/// A refund repays a debt before it gives tokens, never above the capacity.
+async fn a_refund_repays_a_debt_first<S: Store>(s: &S) {
+    use quota_store::ChargeRequest;
+    let b = fresh_bucket("repay");
+    let p = params(10, 0);
+    let o = s
+        .charge(&ChargeRequest::new(b.clone(), p, 16, 10 * UT).at(T0))
+        .await
+        .unwrap();
+    assert_eq!(
+        (o.applied, o.debt, o.retry_after_ms, o.reset_ms),
+        (16, 6, None, None)
+    );
+    assert_eq!(s.refund(&b, 4, Some(T0)).await.unwrap(), Some(0));
+    let l = Limit::TokenBucket(p);
+    let d = s.check(&req(&b, l, 1, Some(T0))).await.unwrap();
+    assert_eq!((d.allowed, d.retry_after_ms), (false, None));
+    assert_eq!(s.refund(&b, 5, Some(T0)).await.unwrap(), Some(3));
+    assert!(s.check(&req(&b, l, 2, Some(T0))).await.unwrap().allowed);
+    assert_eq!(s.refund(&b, 100, Some(T0)).await.unwrap(), Some(10));
+}
+
+/// A charge retried under its id (a client's retry of one request) applies once, and the
+/// replay answers what the first applied with the bucket as it stands; another id charges.
+async fn a_replayed_charge_id_applies_once<S: Store>(s: &S) {
+    use quota_store::ChargeRequest;
+    let b = fresh_bucket("once");
+    let p = params(10, 1);
+    let first = ChargeRequest::new(b.clone(), p, 12, 5 * UT)
+        .at(T0)
+        .with_id("req-7f3a");
+    let o = s.charge(&first).await.unwrap();
+    assert_eq!((o.applied, o.clamped, o.remaining, o.debt), (12, 0, 0, 2));
+    let again = s.charge(&first).await.unwrap();
+    assert_eq!(again, o);
+    // Later: still a replay, and the refill shows.
+    let later = ChargeRequest {
+        now_ms: Some(T0 + 1_000),
+        ..first.clone()
+    };
+    let o = s.charge(&later).await.unwrap();
+    assert_eq!((o.applied, o.clamped, o.remaining, o.debt), (12, 0, 0, 1));
+    // The id names one charge: another cost under it is refused and takes nothing.
+    let other_cost = ChargeRequest {
+        cost: 3,
+        ..later.clone()
+    };
+    let r = s.charge(&other_cost).await;
+    assert!(matches!(r, Err(StoreError::Rejected { .. })), "{r:?}");
+    let o = s.charge(&other_cost.with_id("req-80b1")).await.unwrap();
+    assert_eq!((o.applied, o.clamped, o.debt), (3, 0, 4));
+    let usage = s.collect_usage(usize::MAX).await.unwrap();
+    assert_eq!((usage[0].admitted, usage[0].denied), (15, 0));
+}
+
+/// Bad charges are refused as `Rejected`, by both stores alike, and change nothing: a cost out
+/// of bounds, a debt limit too large for the fallback or for the capacity in force, a bad id,
+/// a time out of bounds, parameters out of bounds.
+async fn bad_charges_are_refused_and_change_nothing<S: Store>(s: &S) {
+    use quota_store::{ChargeRequest, MAX_CHARGE_ID_LEN};
+    let b = fresh_bucket("bad-charge");
+    let p = params(10, 1);
+    // Stored parameters of a larger capacity than the fallback.
+    s.set_params(&SetParams::new(b.clone(), tokens(100, 1)).at(T0))
+        .await
+        .unwrap();
+    let ok = ChargeRequest::new(b.clone(), p, 3, 0).at(T0);
+    assert_eq!(s.charge(&ok).await.unwrap().remaining, 97);
+    let huge = BucketParams {
+        capacity_ut: 1 << 53,
+        ..p
+    };
+    let bad = [
+        ChargeRequest {
+            cost: 0,
+            ..ok.clone()
+        },
+        ChargeRequest {
+            cost: quota_store::MAX_COST + 1,
+            ..ok.clone()
+        },
+        ChargeRequest {
+            debt_limit_ut: bucket::MAX_CAPACITY_UT - 10 * UT + 1,
+            ..ok.clone()
+        },
+        // Within the fallback's bound, beyond the stored capacity's.
+        ChargeRequest {
+            debt_limit_ut: bucket::MAX_CAPACITY_UT - 10 * UT,
+            ..ok.clone()
+        },
+        ChargeRequest {
+            params: huge,
+            ..ok.clone()
+        },
+        ChargeRequest {
+            now_ms: Some(1 << 53),
+            ..ok.clone()
+        },
+        ok.clone().with_id(""),
+        ok.clone().with_id("has space"),
+        ok.clone().with_id("é"),
+        ok.clone().with_id("x".repeat(MAX_CHARGE_ID_LEN + 1)),
+    ];
+    for r in &bad {
+        assert!(
+            matches!(s.charge(r).await, Err(StoreError::Rejected { .. })),
+            "{r:?}"
+        );
+    }
+    let d = s
+        .check(&req(&b, Limit::TokenBucket(p), 0, Some(T0)))
+        .await
+        .unwrap();
+    assert_eq!(d.remaining, 97, "a refused charge took nothing");
+    let usage = s.collect_usage(usize::MAX).await.unwrap();
+    assert_eq!((usage[0].admitted, usage[0].denied), (3, 0));
+    // The largest debt limit the stored capacity takes, and the longest id, are charged.
+    let most = ChargeRequest {
+        debt_limit_ut: bucket::MAX_CAPACITY_UT - 100 * UT,
+        ..ok.clone()
+    }
+    .with_id("x".repeat(MAX_CHARGE_ID_LEN));
+    assert_eq!(s.charge(&most).await.unwrap().remaining, 94);
+}
+
+/// A changed policy keeps what the old bucket owes: the new bucket starts in the same debt.
+async fn a_changed_policy_keeps_a_debt<S: Store>(s: &S) {
+    use quota_store::ChargeRequest;
+    let v1 = fresh_bucket("owed");
+    let v2 = quota_store::BucketRef {
+        version: 2,
+        ..v1.clone()
+    };
+    let p = params(10, 1);
+    s.set_params(&SetParams::new(v1.clone(), Limit::TokenBucket(p)).at(T0))
+        .await
+        .unwrap();
+    let o = s
+        .charge(&ChargeRequest::new(v1.clone(), p, 15, 10 * UT).at(T0))
+        .await
+        .unwrap();
+    assert_eq!(o.debt, 5);
+    // Smaller terms: the debt stays as it was (not deepened by the smaller capacity).
+    let small = tokens(3, 1);
+    let w = SetParams::new(v2.clone(), small)
+        .at(T0 + 1_000)
+        .replacing(1);
+    s.set_params(&w).await.unwrap();
+    let d = s
+        .check(&req(&v2, small, 1, Some(T0 + 1_000)))
+        .await
+        .unwrap();
+    assert_eq!(
+        (d.allowed, d.remaining, d.retry_after_ms),
+        (false, 0, Some(5_000))
+    );
+}
 
 /// Issue 31: parameters carry the writer's fence and epoch. A deposed agent (lower fence), an
 /// older allocation landing late (lower epoch) and an unfenced writer are refused and change

@@ -188,8 +188,8 @@ impl RedisStore {
                 // have run before the connection broke (so may a Cluster client's own retries),
                 // so every script is safe to run twice: a decision or a batch spends twice,
                 // which errs towards denying; set_params.lua writes the same parameters again;
-                // refund.lua and collect_usage.lua are exactly once through a key unique to
-                // the call (`once_key`), which a replay finds.
+                // refund.lua, charge.lua and collect_usage.lua are exactly once through a key
+                // unique to the call (`once_key`, or a charge's id), which a replay finds.
                 Err(e)
                     if e.is_connection_dropped()
                         || e.is_connection_refusal()

@@ -34,10 +34,10 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use quota_core::bucket::{self, BucketParams, BucketState, UT};
-use quota_core::Decision;
+use quota_core::{ChargeOutcome, Decision};
 use quota_store::{
-    AnyStore, BucketRef, CheckRequest, EmbeddedStore, Limit, MultiCheckRequest, SetParams, Store,
-    StoreError, UsageRecord, MAX_COST,
+    AnyStore, BucketRef, ChargeRequest, CheckRequest, EmbeddedStore, Limit, MultiCheckRequest,
+    SetParams, Store, StoreError, UsageRecord, MAX_COST,
 };
 use tokio::sync::Notify;
 use tokio::time::Instant;
@@ -535,6 +535,11 @@ impl Store for Regional {
             self.outage.seen(&req.bucket, p, d.remaining);
         }
         Ok((d, taken))
+    }
+
+    /// Passed on as it is: the answer is not remembered for an outage.
+    async fn charge(&self, req: &ChargeRequest) -> Result<ChargeOutcome, StoreError> {
+        self.store.charge(req).await
     }
 
     async fn refund(
