@@ -15,6 +15,7 @@ Policies the caller puts (tenant/policy: limit per window):
     acme/weekly   1 per 7 days      current_limit 1 per WEEK
     acme/reads    2 per hour        hits_addend 0 reads without spending
     acme/small    5 per hour        a cost of 6 is above the burst
+    acme/refunds  10 per hour       is_negative_hits gives tokens back
 
 Each point prints `ok <name>` (with figures where there are some); the first failed point
 stops the script with exit status 1. Requires grpcio and grpcio-tools (see .ci/run).
@@ -175,9 +176,6 @@ def malformed_each_on_its_own(c):
         "two tenant entries": c.descriptor([("tenant", "acme"), ("tenant", "globex")]),
         "a bad policy name": c.check("acme", "no such"),
     }
-    refund = c.check("acme", "five")
-    refund.is_negative_hits = True
-    cases["a refund"] = refund
     override = c.check("acme", "five")
     override.limit.requests_per_unit = 1
     override.limit.unit = 1
@@ -265,6 +263,23 @@ def hits_addend_zero(c):
     return "reads spend nothing; OVER_LIMIT once empty"
 
 
+def refund(c):
+    """is_negative_hits gives tokens back: `remaining` rises by them, never above the burst."""
+    r = c.call([c.check("acme", "refunds", hits=6)])
+    expect((r.overall_code, r.statuses[0].limit_remaining) == (c.OK, 4), f"spent 6 of 10: {r}")
+    back = c.check("acme", "refunds", hits=3)
+    back.is_negative_hits = True
+    r = c.call([back])
+    expect((r.overall_code, r.statuses[0].limit_remaining) == (c.OK, 7), f"3 given back: {r}")
+    r = c.call([c.check("acme", "refunds")])
+    expect(r.statuses[0].limit_remaining == 6, f"the next check sees them: {r}")
+    back = c.check("acme", "refunds", hits=100)
+    back.is_negative_hits = True
+    r = c.call([back])
+    expect((r.overall_code, r.statuses[0].limit_remaining) == (c.OK, 10), f"capped at 10: {r}")
+    return "remaining 4 -> 7 after a refund of 3; capped at the burst"
+
+
 def health(c):
     h = c.health
     serving = h.HealthCheckResponse.SERVING
@@ -326,6 +341,7 @@ def main():
         ("headers", headers_on_every_decided),
         ("cost_above_burst", cost_above_burst),
         ("hits_addend_zero", hits_addend_zero),
+        ("refund", refund),
         ("latency", latency),
     ]
     try:

@@ -17,7 +17,7 @@ use tokio::io::{AsyncBufReadExt, BufReader};
 use tokio::process::Command;
 
 /// The points the script reports, in order.
-const POINTS: [&str; 12] = [
+const POINTS: [&str; 13] = [
     "five_then_over",
     "concurrent",
     "malformed_beside_spent_global",
@@ -27,6 +27,7 @@ const POINTS: [&str; 12] = [
     "headers",
     "cost_above_burst",
     "hits_addend_zero",
+    "refund",
     "latency",
     "health",
     "drain",
@@ -98,6 +99,7 @@ async fn a_python_grpcio_client_sees_every_point_of_the_envoy_contract() -> anyh
         ("acme", "weekly", 1, 7 * 24 * HOUR_MS),
         ("acme", "reads", 2, HOUR_MS),
         ("acme", "small", 5, HOUR_MS),
+        ("acme", "refunds", 10, HOUR_MS),
     ] {
         d.put_policy(
             tenant,

@@ -55,7 +55,7 @@ use crate::api::batch::MAX_BATCH;
 use crate::api::check::{rate_limit_values, secs_ceil, CheckResponse};
 use crate::api::AppState;
 use crate::config::EnvoyConfig;
-use crate::decision::{CheckError, Mode, Verdict};
+use crate::decision::{CheckError, Mode, Refunded, Verdict};
 use crate::envoy_rlqs::EnvoyQuota;
 use crate::telemetry;
 
@@ -145,6 +145,12 @@ enum Descriptor {
         policy: PolicyName,
         cost: u64,
     },
+    /// `is_negative_hits`: `tokens` given back to the bucket.
+    Refund {
+        tenant: TenantId,
+        policy: PolicyName,
+        tokens: u64,
+    },
     /// No tenant entry: nothing for quotad to decide.
     NoTenant,
     /// Malformed, or asking for what quotad does not do; the reason is a metric-safe word.
@@ -201,9 +207,6 @@ impl EnvoyRateLimit {
         if d.entries.iter().any(|e| e.key.is_empty()) {
             return Descriptor::Refused("empty_key");
         }
-        if d.is_negative_hits {
-            return Descriptor::Refused("negative_hits");
-        }
         if d.limit.is_some() {
             return Descriptor::Refused("limit_override");
         }
@@ -220,6 +223,15 @@ impl EnvoyRateLimit {
             Err(reason) => return Descriptor::Refused(reason),
         };
         let cost = d.hits_addend.as_ref().map_or(request_cost, |h| h.value);
+        if d.is_negative_hits && cost > 0 {
+            return Descriptor::Refund {
+                tenant,
+                policy,
+                tokens: cost,
+            };
+        }
+        // A refund of nothing reads the bucket, as a check of nothing does.
+        let cost = if d.is_negative_hits { 0 } else { cost };
         Descriptor::Check {
             tenant,
             policy,
@@ -246,6 +258,11 @@ impl EnvoyRateLimit {
                     policy,
                     cost,
                 } => self.check(tenant, policy, cost, &mut fields).await,
+                Descriptor::Refund {
+                    tenant,
+                    policy,
+                    tokens,
+                } => self.refund(tenant, policy, tokens).await,
                 Descriptor::NoTenant => undecided("no_tenant"),
                 Descriptor::Refused(reason) => {
                     metrics::counter!(telemetry::REJECTED_REQUESTS_TOTAL, "code" => "ENVOY_INVALID_DESCRIPTOR")
@@ -304,6 +321,24 @@ impl EnvoyRateLimit {
                 Some((p, _, _)) => self.decided(&policy, &self.denied(p, 0, None), fields),
                 None => status(Code::OverLimit, None, 0, 0),
             },
+        }
+    }
+
+    /// An `is_negative_hits` descriptor: `tokens` given back to the bucket (never above its
+    /// capacity), `OK` with what it holds after. Given back nowhere (the budget lives in
+    /// another region, the store is out): `OK`, undecided.
+    async fn refund(&self, tenant: TenantId, policy: PolicyName, tokens: u64) -> DescriptorStatus {
+        let decider = &self.state.decider;
+        let Some((p, _, _)) = self.bucket_of(&tenant, &policy) else {
+            return undecided("unknown_policy");
+        };
+        let limit = current_limit(&policy, p.limit, p.window_ms);
+        match decider.refund(&tenant, &policy, tokens).await {
+            Ok(Refunded::Applied { remaining }) => status(Code::Ok, Some(limit), remaining, 0),
+            Ok(Refunded::Full) => status(Code::Ok, Some(limit), p.burst, 0),
+            Ok(Refunded::Elsewhere) => undecided("pinned_elsewhere"),
+            Ok(Refunded::Unavailable) => undecided("store_unavailable"),
+            Err(_) => undecided("unknown_policy"),
         }
     }
 
@@ -882,12 +917,39 @@ mod tests {
             .all(|s| s.code == OK && s.current_limit.is_none()));
     }
 
+    #[tokio::test]
+    async fn negative_hits_give_tokens_back_up_to_the_capacity() {
+        let state = embedded();
+        put(&state, "acme", "writes", spec(10, 3_600_000)).await;
+        let (mut client, _, _stop) = start(state.clone()).await;
+        let spend = with_hits(descriptor(&[("tenant", "acme"), ("policy", "writes")]), 6);
+        let r = call(&mut client, request("edge", vec![spend])).await;
+        assert_eq!(r.statuses[0].limit_remaining, 4);
+        let mut back = with_hits(descriptor(&[("tenant", "acme"), ("policy", "writes")]), 3);
+        back.is_negative_hits = true;
+        let r = call(&mut client, request("edge", vec![back.clone()])).await;
+        assert_eq!((r.overall_code, r.statuses[0].limit_remaining), (OK, 7));
+        // Never above the capacity.
+        back.hits_addend = Some(UInt64Value { value: 1_000 });
+        let r = call(&mut client, request("edge", vec![back.clone()])).await;
+        assert_eq!((r.overall_code, r.statuses[0].limit_remaining), (OK, 10));
+        // A refund of an unknown policy is undecided, and of nothing a reading.
+        let mut unknown = with_hits(descriptor(&[("tenant", "acme"), ("policy", "nope")]), 3);
+        unknown.is_negative_hits = true;
+        let r = call(&mut client, request("edge", vec![unknown])).await;
+        assert_eq!(r.overall_code, OK);
+        assert!(r.statuses[0].current_limit.is_none());
+        back.hits_addend = Some(UInt64Value { value: 0 });
+        let parsed = EnvoyRateLimit::new(state, &EnvoyConfig::default())
+            .parse(&request("edge", vec![back]))
+            .unwrap();
+        assert!(matches!(parsed[0], Descriptor::Check { cost: 0, .. }));
+    }
+
     #[test]
     fn each_malformed_descriptor_is_refused_by_its_own_rule() {
         let svc = EnvoyRateLimit::new(embedded(), &EnvoyConfig::default());
         let good = descriptor(&[("tenant", "acme"), ("policy", "writes")]);
-        let mut refund = good.clone();
-        refund.is_negative_hits = true;
         let mut overridden = good.clone();
         overridden.limit = Some(RateLimitOverride {
             requests_per_unit: 1,
@@ -896,7 +958,6 @@ mod tests {
         let cases = [
             (descriptor(&[]), "no_entries"),
             (descriptor(&[("tenant", "acme"), ("", "x")]), "empty_key"),
-            (refund, "negative_hits"),
             (overridden, "limit_override"),
             (
                 descriptor(&[("tenant", "acme"), ("tenant", "globex")]),

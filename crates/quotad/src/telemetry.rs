@@ -51,6 +51,10 @@ pub const REDIS_PASSWORD_RELOADS_TOTAL: &str = "quotad_redis_password_reloads_to
 /// tenant entry; `unknown_policy`: no such policy for the tenant; for a reading, `hits_addend`
 /// 0: `pinned_elsewhere`, `store_unavailable`), as Envoy's convention asks.
 pub const ENVOY_UNDECIDED_DESCRIPTORS_TOTAL: &str = "quotad_envoy_undecided_descriptors_total";
+/// Refunds (tokens given back to a bucket, Envoy's `is_negative_hits`), by `outcome`
+/// (`applied`, `full`: nothing to give back to, `elsewhere`: the budget lives in another
+/// region, `unavailable`: the store did not answer).
+pub const REFUNDS_TOTAL: &str = "quotad_refunds_total";
 /// Envoy RLQS streams open on this daemon.
 pub const RLQS_STREAMS: &str = "quotad_rlqs_streams";
 /// Entries this daemon keeps for RLQS: a stream's bucket of a budget, held until its assignment

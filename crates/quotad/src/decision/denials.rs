@@ -251,6 +251,15 @@ impl Denials {
         }
     }
 
+    /// Drops `bucket`'s entry: tokens came back to it (a refund), so its standing denial may
+    /// no longer stand. A denial in flight may still be remembered after this: it stands until
+    /// its retry time, a false denial at worst, never an admission.
+    pub fn forget(&self, bucket: &BucketRef) {
+        if let Some(e) = self.lock().remove(bucket) {
+            e.settled.notify_waiters();
+        }
+    }
+
     /// How many entries are held.
     pub fn len(&self) -> usize {
         self.lock().len()

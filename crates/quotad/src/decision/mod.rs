@@ -23,6 +23,7 @@
 //! - `forward`: checks decided in another region, one at a time or a home's batch in one
 //!   request, and the floor here when the home does not answer.
 //! - `fail_mode`: the policy's fail mode while this region's store is out.
+//! - `refund`: tokens given back to a bucket (Envoy's `is_negative_hits`).
 //! - [`outage`]: the `local` fail mode's in-process buckets, continued from Redis's last
 //!   answers and charged back to it; the store as decisions see it ([`outage::Regional`]).
 //! - [`breaker`], [`denials`], [`reservations`]: the state the local path keeps; [`multi`]:
@@ -40,6 +41,7 @@ mod forward;
 mod local;
 pub mod multi;
 pub mod outage;
+mod refund;
 pub mod reservations;
 #[cfg(test)]
 pub(crate) mod tests;
@@ -67,6 +69,7 @@ use crate::telemetry::{self, DecisionMetrics};
 use quota_raft::tls::PeerHttp;
 
 pub use forward::{FORWARDED_FROM_HEADER, FORWARDED_HEADER, PEER_FORWARD_PREFIX};
+pub use refund::Refunded;
 pub use verdict::{CheckError, Mode, Verdict};
 
 /// True when the store decides in process (no Redis: nothing to break).
