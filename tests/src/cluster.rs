@@ -22,6 +22,9 @@ pub struct Cluster {
     pub daemons: Vec<Daemon>,
     pub redis: Vec<redis_harness::RedisServer>,
     pub proxies: Vec<FaultProxy>,
+    /// Each daemon's Envoy listener port, in region order; empty unless started with
+    /// [`Cluster::start_with_envoy`].
+    pub envoy_ports: Vec<u16>,
 }
 
 /// A daemon started to join a [`Cluster`] ([`Cluster::start_joining`]), with its Redis and the
@@ -81,6 +84,26 @@ impl Cluster {
         t: &Timings,
         env: &[(&str, &[(&str, &str)])],
     ) -> anyhow::Result<Self> {
+        Self::start_inner(names, t, env, None).await
+    }
+
+    /// [`Cluster::start`] with Envoy's gRPC listener on in every daemon, on a loopback port of
+    /// its own ([`Cluster::envoy_target`]); `envoy` holds further lines of the `[envoy]` section
+    /// (empty for the defaults).
+    pub async fn start_with_envoy(
+        names: &[&str],
+        t: &Timings,
+        envoy: &str,
+    ) -> anyhow::Result<Self> {
+        Self::start_inner(names, t, &[], Some(envoy)).await
+    }
+
+    async fn start_inner(
+        names: &[&str],
+        t: &Timings,
+        env: &[(&str, &[(&str, &str)])],
+        envoy: Option<&str>,
+    ) -> anyhow::Result<Self> {
         let serial = serial_lock().await?;
         let mut redis = Vec::new();
         for _ in names {
@@ -89,9 +112,9 @@ impl Cluster {
         // Ports are picked free and then bound by the daemons: another process can take one in
         // between, and that daemon exits at once. Such a start is retried on fresh ports.
         let mut attempt = 0;
-        let (daemons, proxies) = loop {
+        let (daemons, proxies, envoy_ports) = loop {
             attempt += 1;
-            match Self::spawn_regions(names, t, &redis, env).await {
+            match Self::spawn_regions(names, t, &redis, env, envoy).await {
                 Ok(started) => break started,
                 Err(e) if attempt < 3 && format!("{e:#}").contains("exited during start-up") => {
                     eprintln!("cluster start attempt {attempt} failed, retrying: {e:#}");
@@ -105,17 +128,20 @@ impl Cluster {
             daemons,
             redis,
             proxies,
+            envoy_ports,
         })
     }
 
-    /// Spawns one daemon per region (with a fault proxy in front of each peer port) and waits
-    /// until all are ready. A daemon that fails is killed when its `Daemon` drops.
+    /// Spawns one daemon per region (with a fault proxy in front of each peer port, and an
+    /// Envoy listener when `envoy` is set) and waits until all are ready. A daemon that fails
+    /// is killed when its `Daemon` drops.
     async fn spawn_regions(
         names: &[&str],
         t: &Timings,
         redis: &[redis_harness::RedisServer],
         env: &[(&str, &[(&str, &str)])],
-    ) -> anyhow::Result<(Vec<Daemon>, Vec<FaultProxy>)> {
+        envoy: Option<&str>,
+    ) -> anyhow::Result<(Vec<Daemon>, Vec<FaultProxy>, Vec<u16>)> {
         let api: Vec<u16> = names
             .iter()
             .map(|_| free_port())
@@ -124,6 +150,13 @@ impl Cluster {
             .iter()
             .map(|_| free_port())
             .collect::<anyhow::Result<_>>()?;
+        let envoy_ports: Vec<u16> = match envoy {
+            Some(_) => names
+                .iter()
+                .map(|_| free_port())
+                .collect::<anyhow::Result<_>>()?,
+            None => Vec::new(),
+        };
         let mut proxies = Vec::new();
         for p in &peer {
             proxies.push(FaultProxy::start(([127, 0, 0, 1], *p).into()).await?);
@@ -139,7 +172,13 @@ impl Cluster {
         }
         let mut daemons = Vec::new();
         for (i, n) in names.iter().enumerate() {
-            let config = daemon_config(n, api[i], peer[i], &redis[i].url(), t, &members);
+            let mut config = daemon_config(n, api[i], peer[i], &redis[i].url(), t, &members);
+            if let Some(extra) = envoy {
+                config.push_str(&format!(
+                    "[envoy]\nlisten = \"127.0.0.1:{}\"\n{extra}\n",
+                    envoy_ports[i]
+                ));
+            }
             let mut vars = vec![("QUOTAD_PEER_TOKEN", PEER_TOKEN)];
             for (_, extra) in env.iter().filter(|(region, _)| region == n) {
                 vars.extend_from_slice(extra);
@@ -155,7 +194,7 @@ impl Cluster {
                 return Err(e.context(d.log_text()));
             }
         }
-        Ok((daemons, proxies))
+        Ok((daemons, proxies, envoy_ports))
     }
 
     /// Starts a daemon for a new region `name` with its own redis-server, configured to join
@@ -222,6 +261,15 @@ impl Cluster {
     /// The daemon of a region.
     pub fn daemon(&self, name: &str) -> &Daemon {
         &self.daemons[self.index(name)]
+    }
+
+    /// `host:port` of region `name`'s Envoy listener (started with [`Cluster::start_with_envoy`]).
+    pub fn envoy_target(&self, name: &str) -> String {
+        let port = self
+            .envoy_ports
+            .get(self.index(name))
+            .unwrap_or_else(|| panic!("the cluster runs no Envoy listener"));
+        format!("127.0.0.1:{port}")
     }
 
     /// Cuts region `name` off from every other region, both ways.
