@@ -1,5 +1,8 @@
 //! Differential tests: the Lua scripts on a real redis-server (explicit now) against the
 //! quota-core references, step by step, comparing every decision and the stored state.
+//! Buckets are also charged into debt (`charge.lua`, `quota_core::bucket::charge`, with debt
+//! limits up to the bound and past it) and refunded (`refund.lua`), so checks meet debts,
+//! clipped debts and waits beyond `MAX_WAIT_MS`.
 //!
 //! 250 cases × up to 100 steps per algorithm (≥ 10 000 checks each, asserted), including extremes: capacity
 //! near MAX_CAPACITY_UT, tiny and huge rates, long idle gaps, time moving backwards, parameter
@@ -8,7 +11,8 @@
 //!
 //! Then the embedded store against the Redis store through the `Store` trait: decisions, peeks
 //! (cost 0), reservations and refunds (`token_bucket.lua`'s batch, `refund.lua`, the embedded
-//! store on `quota_core::bucket::reserve` and `refund`) and usage, with parameters written with
+//! store on `quota_core::bucket::reserve` and `refund`), charges into debt and replays of
+//! charge ids (`charge.lua`, `bucket::charge`) and usage, with parameters written with
 //! and without lease ends (and latest lease ends, `not_after`); and checks of
 //! several limits at once (`token_buckets.lua`, the embedded store and
 //! `quota_core::bucket::decide_all`), every limit's decision and stored state equal.
@@ -20,14 +24,19 @@ use std::cell::{Cell, RefCell};
 use proptest::prelude::*;
 use proptest::test_runner::{RngSeed, TestRunner};
 use quota_core::bucket::{
-    self, DEFAULT_PERIOD_MS, MAX_CAPACITY_UT, MAX_FILL_BOUND_MS, MAX_PERIOD_MS, MAX_REFILL_UT, UT,
+    self, DEFAULT_PERIOD_MS, MAX_CAPACITY_UT, MAX_FILL_BOUND_MS, MAX_PERIOD_MS, MAX_REFILL_UT,
+    MAX_WAIT_MS, UT,
 };
 use quota_core::window::{
     self, HeldRaise, EXACT_LOG_MAX, MAX_WINDOW_LIMIT, MAX_WINDOW_MS, MAX_WINDOW_PRODUCT,
 };
 use quota_core::{BucketParams, BucketState, Decision, WindowParams, WindowState};
-use quota_store::script::{SET_PARAMS_LUA, SLIDING_WINDOW_LUA, TOKEN_BUCKET_LUA};
-use quota_store::{EmbeddedStore, Limit, RedisStore, SetParams, Store, UsageRecord, MAX_COST};
+use quota_store::script::{
+    CHARGE_LUA, REFUND_LUA, SET_PARAMS_LUA, SLIDING_WINDOW_LUA, TOKEN_BUCKET_LUA,
+};
+use quota_store::{
+    ChargeRequest, EmbeddedStore, Limit, RedisStore, SetParams, Store, UsageRecord, MAX_COST,
+};
 use redis_harness::RedisServer;
 
 struct Fixture {
@@ -35,6 +44,8 @@ struct Fixture {
     conn: redis::Connection,
     bucket_sha: String,
     window_sha: String,
+    charge_sha: String,
+    refund_sha: String,
     next: u64,
     _server: RedisServer,
 }
@@ -51,10 +62,14 @@ fn with_fixture<T>(f: impl FnOnce(&mut Fixture) -> T) -> T {
             let mut conn = common::sync_conn(&server);
             let bucket_sha = common::load(&mut conn, TOKEN_BUCKET_LUA);
             let window_sha = common::load(&mut conn, SLIDING_WINDOW_LUA);
+            let charge_sha = common::load(&mut conn, CHARGE_LUA);
+            let refund_sha = common::load(&mut conn, REFUND_LUA);
             Fixture {
                 conn,
                 bucket_sha,
                 window_sha,
+                charge_sha,
+                refund_sha,
                 next: 0,
                 _server: server,
             }
@@ -140,6 +155,47 @@ enum Step<P> {
     },
     /// The state is gone (idle past its lifetime): windows only.
     Forget,
+    /// A charge into debt (buckets only).
+    Charge {
+        dt: i64,
+        cost: u64,
+        limit: DebtLimit,
+    },
+    /// Tokens given back (buckets only).
+    Refund {
+        dt: i64,
+        tokens: u64,
+    },
+}
+
+/// A charge's debt limit, some resolved against the parameters in force.
+#[derive(Debug, Clone, Copy)]
+enum DebtLimit {
+    Ut(u64),
+    /// The largest the capacity in force takes: `MAX_CAPACITY_UT − capacity`.
+    Most,
+    /// One more: refused.
+    TooMuch,
+}
+
+impl DebtLimit {
+    fn resolve(self, p: &BucketParams) -> u64 {
+        match self {
+            Self::Ut(v) => v,
+            Self::Most => MAX_CAPACITY_UT - p.capacity_ut,
+            Self::TooMuch => MAX_CAPACITY_UT - p.capacity_ut + 1,
+        }
+    }
+}
+
+fn debt_limit() -> impl Strategy<Value = DebtLimit> {
+    prop_oneof![
+        3 => (0u64..=50).prop_map(|t| DebtLimit::Ut(t * UT)),
+        2 => (0u64..=1_000_000_000).prop_map(DebtLimit::Ut),
+        2 => Just(DebtLimit::Most),
+        1 => Just(DebtLimit::TooMuch),
+        1 => any::<u64>().prop_map(|v| DebtLimit::Ut(v % (MAX_CAPACITY_UT + 1))),
+    ]
 }
 
 fn steps<P: std::fmt::Debug + Clone + 'static>(
@@ -148,7 +204,24 @@ fn steps<P: std::fmt::Debug + Clone + 'static>(
 ) -> impl Strategy<Value = Vec<Step<P>>> {
     let check = (dt(), cost).prop_map(|(dt, cost)| Step::Check { dt, cost });
     let params = (p, any::<bool>()).prop_map(|(p, stored)| Step::Params { p, stored });
-    proptest::collection::vec(prop_oneof![9 => check, 1 => params], 1..100)
+    let charge_cost = prop_oneof![
+        6 => 1u64..=5,
+        3 => 1u64..=60,
+        1 => 1u64..=MAX_COST,
+        1 => Just(MAX_COST),
+        1 => Just(0),
+    ];
+    let charge = (dt(), charge_cost, debt_limit()).prop_map(|(dt, cost, limit)| Step::Charge {
+        dt,
+        cost,
+        limit,
+    });
+    let refund = (dt(), prop_oneof![1u64..=10, 1u64..=MAX_COST])
+        .prop_map(|(dt, tokens)| Step::Refund { dt, tokens });
+    proptest::collection::vec(
+        prop_oneof![9 => check, 1 => params, 3 => charge, 1 => refund],
+        1..100,
+    )
 }
 
 /// [`steps`] with a window's state forgotten now and then, so raises meet windows with and
@@ -217,6 +290,9 @@ fn run_bucket(
             "qd:v1:active",
         );
         let (mut fallback, mut stored) = (p0, None::<BucketParams>);
+        // The parameters the state's copy holds (refund.lua reads them): the stored ones,
+        // else the fallback of the latest write.
+        let mut written = p0;
         let mut now = start;
         let mut state: Option<BucketState> = None;
         for (i, step) in steps.iter().enumerate() {
@@ -242,11 +318,98 @@ fn run_bucket(
                 }
                 Step::Params { p, stored: false } => fallback = p,
                 Step::Forget => unreachable!("windows only"),
+                Step::Charge { dt, cost, limit } => {
+                    CHECKS.set(CHECKS.get() + 1);
+                    now = now.saturating_add_signed(dt).min(MAX_CAPACITY_UT);
+                    let p = stored.unwrap_or(fallback);
+                    let limit = limit.resolve(&p);
+                    let want = bucket::charge(now, &p, state.as_ref(), cost, limit);
+                    let reply: redis::RedisResult<Vec<i64>> = redis::cmd("EVALSHA")
+                        .arg(&f.charge_sha)
+                        .arg(3)
+                        .arg(&b)
+                        .arg(&pk)
+                        .arg(ix)
+                        .arg(cost)
+                        .arg(limit)
+                        .arg(fallback.capacity_ut)
+                        .arg(fallback.refill_ut)
+                        .arg(now)
+                        .arg("")
+                        .arg(fallback.period_ms)
+                        .query(&mut f.conn);
+                    match (want, reply) {
+                        (Ok((want, next)), Ok(reply)) => {
+                            let got = quota_store::script::charge_from_reply(&reply, cost)
+                                .map_err(|e| TestCaseError::fail(format!("step {i}: {e}")))?;
+                            prop_assert_eq!(
+                                got,
+                                want,
+                                "charge at step {} (now {}, {:?})",
+                                i,
+                                now,
+                                p
+                            );
+                            if next.debt_ut > 0 {
+                                DEBTS.set(DEBTS.get() + 1);
+                            }
+                            state = Some(next);
+                            written = p;
+                        }
+                        (Err(_), Err(e)) => {
+                            prop_assert!(e.to_string().contains("quotad:"), "step {}: {}", i, e)
+                        }
+                        (want, reply) => prop_assert!(
+                            false,
+                            "charge at step {}: reference {:?}, Lua {:?}",
+                            i,
+                            want,
+                            reply
+                        ),
+                    }
+                    let raw: Option<Vec<u8>> =
+                        redis::cmd("GET").arg(&b).query(&mut f.conn).unwrap();
+                    prop_assert_eq!(
+                        raw.as_deref().map(packed_state),
+                        state,
+                        "state at step {}",
+                        i
+                    );
+                }
+                Step::Refund { dt, tokens } => {
+                    now = now.saturating_add_signed(dt).min(MAX_CAPACITY_UT);
+                    let p = stored.unwrap_or(written);
+                    let next = bucket::refund(now, &p, state.as_ref(), tokens);
+                    let left: i64 = redis::cmd("EVALSHA")
+                        .arg(&f.refund_sha)
+                        .arg(1)
+                        .arg(&b)
+                        .arg(tokens)
+                        .arg(now)
+                        .query(&mut f.conn)
+                        .map_err(|e| TestCaseError::fail(format!("step {i}: {e}")))?;
+                    let want = next.map_or(-1, |s| (s.tokens_ut / UT) as i64);
+                    prop_assert_eq!(left, want, "refund at step {}", i);
+                    if next.is_some() {
+                        state = next;
+                    }
+                    let raw: Option<Vec<u8>> =
+                        redis::cmd("GET").arg(&b).query(&mut f.conn).unwrap();
+                    prop_assert_eq!(
+                        raw.as_deref().map(packed_state),
+                        state,
+                        "state at step {}",
+                        i
+                    );
+                }
                 Step::Check { dt, cost } => {
                     CHECKS.set(CHECKS.get() + 1);
                     now = now.saturating_add_signed(dt).min(MAX_CAPACITY_UT);
                     let p = stored.unwrap_or(fallback);
                     let (want, next) = bucket::decide(now, &p, state.as_ref(), cost);
+                    if state.is_some_and(|s| s.debt_ut > 0) {
+                        IN_DEBT.set(IN_DEBT.get() + 1);
+                    }
                     let reply: Vec<i64> = redis::cmd("EVALSHA")
                         .arg(&f.bucket_sha)
                         .arg(3)
@@ -274,6 +437,7 @@ fn run_bucket(
                     let got = raw.as_deref().map(packed_state);
                     if cost > 0 {
                         state = Some(next);
+                        written = p;
                     }
                     // A peek leaves the state as it was (none at all on a new bucket).
                     prop_assert_eq!(got, state, "state at step {}", i);
@@ -390,6 +554,7 @@ fn run_window(
                     prop_assert_eq!(got, held, "held raise at step {}", i);
                 }
                 Step::Params { p, stored: false } => fallback = p,
+                Step::Charge { .. } | Step::Refund { .. } => unreachable!("buckets only"),
                 Step::Forget => {
                     redis::cmd("DEL").arg(&k).query::<()>(&mut f.conn).unwrap();
                     state = None;
@@ -458,6 +623,12 @@ thread_local! {
     static CUT_LEASES: Cell<u64> = const { Cell::new(0) };
     /// Window checks under a raise the parameters hold: (without a state, with one).
     static HELD_CHECKS: Cell<(u64, u64)> = const { Cell::new((0, 0)) };
+    /// Charges that left a bucket in debt, and checks of a bucket in debt.
+    static DEBTS: Cell<u64> = const { Cell::new(0) };
+    static IN_DEBT: Cell<u64> = const { Cell::new(0) };
+    /// Charge ids replayed, and charges both stores refused.
+    static REPLAYS: Cell<u64> = const { Cell::new(0) };
+    static REFUSED_CHARGES: Cell<u64> = const { Cell::new(0) };
 }
 
 fn config() -> ProptestConfig {
@@ -518,6 +689,14 @@ fn token_bucket_lua_matches_the_reference() {
         );
     }
     report("token bucket", before, &cfg);
+    let (debts, in_debt) = (DEBTS.get(), IN_DEBT.get());
+    println!("{debts} charges into debt, {in_debt} checks in debt");
+    if cfg.cases >= 250 {
+        assert!(
+            debts >= 500 && in_debt >= 500,
+            "{debts} debts, {in_debt} in debt"
+        );
+    }
 }
 
 #[test]
@@ -608,6 +787,104 @@ fn extremes_match_the_reference() {
         .collect();
         run_window(1_700_000_000_000, w, &steps).unwrap();
     }
+}
+
+/// Debts whose time to full is about `MAX_WAIT_MS`: the last ms a wait reads as never and the
+/// first it is reported, in Lua as in the reference, through the direct and the estimated
+/// waits; and debts deeper than new parameters keep exact, clipped alike.
+#[test]
+fn debts_at_the_bounds_match_the_reference() {
+    let t0 = 1_700_000_000_000;
+    let cost = MAX_WAIT_MS / UT + 1;
+    for (rate, per) in [
+        (1, 1),
+        (1000, 1000),
+        (3, 7),
+        (MAX_PERIOD_MS, MAX_PERIOD_MS),
+        (2_147_483_646, 2_147_483_647),
+    ] {
+        let p = BucketParams::per_period(UT, rate, per).unwrap();
+        let (_, s) = bucket::charge(t0, &p, None, cost, MAX_CAPACITY_UT - UT).unwrap();
+        // The first ms the time to full is reported (it only shrinks as the debt is repaid).
+        let reported = |t: u64| bucket::decide(t, &p, Some(&s), 0).0.reset_ms.is_some();
+        assert!(!reported(t0) && reported(MAX_CAPACITY_UT));
+        let (mut lo, mut hi) = (t0, MAX_CAPACITY_UT);
+        while hi - lo > 1 {
+            let mid = lo + (hi - lo) / 2;
+            if reported(mid) {
+                hi = mid;
+            } else {
+                lo = mid;
+            }
+        }
+        // At 1 µt a ms the wait steps down 1 ms a ms: exactly the bound.
+        let first = bucket::decide(hi, &p, Some(&s), 0).0.reset_ms.unwrap();
+        assert!(first <= MAX_WAIT_MS && (rate != per || first == MAX_WAIT_MS));
+        let steps = [
+            Step::Charge {
+                dt: 0,
+                cost,
+                limit: DebtLimit::Most,
+            },
+            // Past the bound: denied, never at these parameters.
+            Step::Check { dt: 0, cost: 1 },
+            Step::Check {
+                dt: (hi - t0 - 1) as i64,
+                cost: 0,
+            },
+            Step::Check { dt: 1, cost: 0 },
+            Step::Check { dt: 0, cost: 1 },
+            Step::Check { dt: 1, cost: 0 },
+            Step::Check { dt: 0, cost: 2 },
+        ];
+        run_bucket(t0, p, &steps).unwrap();
+    }
+    // The deepest debt of a one-token bucket, under parameters of the largest capacity and of
+    // half of it, then refunded and checked.
+    let tiny = BucketParams::new(UT, UT).unwrap();
+    let huge = BucketParams::new(MAX_CAPACITY_UT, MAX_CAPACITY_UT / 1000).unwrap();
+    let half = BucketParams::new(MAX_CAPACITY_UT / 2, MAX_CAPACITY_UT / 1000).unwrap();
+    let steps = [
+        Step::Charge {
+            dt: 0,
+            cost: MAX_COST,
+            limit: DebtLimit::Most,
+        },
+        Step::Check { dt: 0, cost: 1 },
+        Step::Params {
+            p: half,
+            stored: true,
+        },
+        Step::Check { dt: 0, cost: 1 },
+        Step::Charge {
+            dt: 0,
+            cost: MAX_COST,
+            limit: DebtLimit::TooMuch,
+        },
+        Step::Params {
+            p: huge,
+            stored: true,
+        },
+        Step::Refund {
+            dt: 0,
+            tokens: MAX_COST,
+        },
+        Step::Check {
+            dt: 1,
+            cost: MAX_COST,
+        },
+        Step::Params {
+            p: tiny,
+            stored: true,
+        },
+        Step::Charge {
+            dt: 0,
+            cost: MAX_COST,
+            limit: DebtLimit::Most,
+        },
+        Step::Check { dt: 1000, cost: 1 },
+    ];
+    run_bucket(t0, tiny, &steps).unwrap();
 }
 
 /// The packed state of `b` after a decision of `cost` at `now` on `p` (as the fallback).
@@ -871,6 +1148,18 @@ enum StoreStep {
         dt: i64,
         tokens: u64,
     },
+    /// A charge into debt down to `limit` (resolved against the fallback), under an id or
+    /// not (token buckets only).
+    Charge {
+        dt: i64,
+        cost: u64,
+        limit: DebtLimit,
+        id: bool,
+    },
+    /// The latest charge under an id again, while the stores keep its id (a client's retry).
+    Replay {
+        dt: i64,
+    },
 }
 
 fn small_bucket() -> impl Strategy<Value = Limit> + Clone {
@@ -901,9 +1190,28 @@ fn store_steps(
     let check = (dt.clone(), cost.clone()).prop_map(|(dt, cost)| StoreStep::Check { dt, cost });
     let reserve = (dt.clone(), cost, prop_oneof![1u64..=3, 1u64..=50])
         .prop_map(|(dt, cost, batch)| StoreStep::Reserve { dt, cost, batch });
-    let refund = (dt, prop_oneof![1u64..=5, 1u64..=100])
+    let refund = (dt.clone(), prop_oneof![1u64..=5, 1u64..=100])
         .prop_map(|(dt, tokens)| StoreStep::Refund { dt, tokens });
-    let (w_reserve, w_refund) = if reservations { (4, 2) } else { (0, 0) };
+    let limit_pick = prop_oneof![
+        6 => (0u64..=50).prop_map(|t| DebtLimit::Ut(t * UT)),
+        1 => Just(DebtLimit::Most),
+        1 => Just(DebtLimit::TooMuch),
+    ];
+    let charge =
+        (dt.clone(), 1u64..=60, limit_pick, any::<bool>()).prop_map(|(dt, cost, limit, id)| {
+            StoreStep::Charge {
+                dt,
+                cost,
+                limit,
+                id,
+            }
+        });
+    let replay = (0i64..=3_000).prop_map(|dt| StoreStep::Replay { dt });
+    let (w_reserve, w_refund, w_charge, w_replay) = if reservations {
+        (4, 2, 4, 1)
+    } else {
+        (0, 0, 0, 0)
+    };
     let ms = prop_oneof![0u64..=5_000, (0u64..=40).prop_map(|k| k * 50)];
     let not_after = proptest::option::of(prop_oneof![
         -500i64..=6_000,
@@ -921,6 +1229,8 @@ fn store_steps(
             1 => Just(StoreStep::Collect),
             w_reserve => reserve,
             w_refund => refund,
+            w_charge => charge,
+            w_replay => replay,
         ],
         1..120,
     )
@@ -962,6 +1272,8 @@ fn run_stores(
         let embedded = EmbeddedStore::new();
         let mut b = common::fresh_bucket("emb");
         let mut now = start;
+        // The latest charge made under an id, and when.
+        let mut last: Option<(ChargeRequest, u64)> = None;
         for (i, step) in steps.iter().enumerate() {
             match step {
                 StoreStep::Check { dt, cost } => {
@@ -1010,6 +1322,39 @@ fn run_stores(
                         .map_err(|e| TestCaseError::fail(format!("step {i}: {e}")))?;
                     prop_assert_eq!(got, want, "refund at step {} at {}", i, now);
                 }
+                StoreStep::Charge {
+                    dt,
+                    cost,
+                    limit,
+                    id,
+                } => {
+                    CHECKS.set(CHECKS.get() + 1);
+                    now = now.saturating_add_signed(*dt);
+                    let Limit::TokenBucket(p) = p0 else {
+                        unreachable!("token buckets only")
+                    };
+                    let mut r = ChargeRequest::new(b.clone(), p, *cost, limit.resolve(&p)).at(now);
+                    if *id {
+                        r = r.with_id(format!("c{i}"));
+                        last = Some((r.clone(), now));
+                    }
+                    same_charge(&embedded, redis, &r, i).await?;
+                }
+                StoreStep::Replay { dt } => {
+                    now = now.saturating_add_signed(*dt);
+                    // Redis keeps the id ONCE_KEY_MS of real time, the embedded store of the
+                    // store's time: replay only well within both.
+                    let Some((r, at)) = &last else { continue };
+                    if now >= at + quota_core::bounds::ONCE_KEY_MS {
+                        continue;
+                    }
+                    REPLAYS.set(REPLAYS.get() + 1);
+                    let r = ChargeRequest {
+                        now_ms: Some(now),
+                        ..r.clone()
+                    };
+                    same_charge(&embedded, redis, &r, i).await?;
+                }
                 StoreStep::Collect => {
                     // The Redis index is shared by every case: keep this case's bucket only.
                     let mine = |v: Vec<UsageRecord>| -> Vec<UsageRecord> {
@@ -1023,6 +1368,35 @@ fn run_stores(
         }
         Ok(())
     })
+}
+
+/// Charges `r` on both stores: the same outcome, or both refused.
+async fn same_charge(
+    embedded: &EmbeddedStore,
+    redis: &RedisStore,
+    r: &ChargeRequest,
+    i: usize,
+) -> Result<(), TestCaseError> {
+    use quota_store::StoreError::Rejected;
+    let want = embedded.charge(r).await;
+    let got = redis.charge(r).await;
+    match (&got, &want) {
+        (Ok(g), Ok(w)) => {
+            prop_assert_eq!(g, w, "charge at step {}", i);
+            prop_assert_eq!(g.applied + g.clamped, r.cost);
+        }
+        (Err(Rejected { .. }), Err(Rejected { .. })) => {
+            REFUSED_CHARGES.set(REFUSED_CHARGES.get() + 1)
+        }
+        _ => prop_assert!(
+            false,
+            "charge at step {}: embedded {:?}, Redis {:?}",
+            i,
+            want,
+            got
+        ),
+    }
+    Ok(())
 }
 
 fn stores_agree(
@@ -1064,6 +1438,12 @@ fn embedded_and_redis_stores_agree_on_buckets_with_leases() {
         "{} reservations",
         RESERVATIONS.get()
     );
+    let (replays, refused) = (REPLAYS.get(), REFUSED_CHARGES.get());
+    println!("{replays} charge ids replayed, {refused} charges refused by both");
+    assert!(
+        replays >= 100 && refused >= 100,
+        "{replays} replays, {refused} refused"
+    );
     assert!(CUT_LEASES.get() >= 100, "{} cut leases", CUT_LEASES.get());
 }
 
@@ -1092,6 +1472,13 @@ enum MultiStep {
         limit: usize,
         p: BucketParams,
     },
+    /// One limit charged into debt (charge.lua), so checks of all meet a limit in debt.
+    Charge {
+        dt: i64,
+        limit: usize,
+        cost: u64,
+        debt_tokens: u64,
+    },
     Collect,
 }
 
@@ -1115,10 +1502,19 @@ fn multi_steps(n: usize) -> impl Strategy<Value = Vec<MultiStep>> {
     ];
     let cost = prop_oneof![6 => 1u64..=6, 1 => Just(0u64), 1 => 1u64..=70];
     let all = (dt.clone(), cost.clone()).prop_map(|(dt, cost)| MultiStep::All { dt, cost });
-    let one = (dt, 0..n, cost).prop_map(|(dt, limit, cost)| MultiStep::One { dt, limit, cost });
+    let one =
+        (dt.clone(), 0..n, cost).prop_map(|(dt, limit, cost)| MultiStep::One { dt, limit, cost });
     let set = (0..n, multi_bucket()).prop_map(|(limit, p)| MultiStep::Set { limit, p });
+    let charge = (dt, 0..n, 1u64..=80, 0u64..=40).prop_map(|(dt, limit, cost, debt_tokens)| {
+        MultiStep::Charge {
+            dt,
+            limit,
+            cost,
+            debt_tokens,
+        }
+    });
     proptest::collection::vec(
-        prop_oneof![12 => all, 3 => one, 1 => set, 1 => Just(MultiStep::Collect)],
+        prop_oneof![12 => all, 3 => one, 1 => set, 2 => charge, 1 => Just(MultiStep::Collect)],
         1..120,
     )
 }
@@ -1201,6 +1597,32 @@ fn run_multi(
                     );
                     prop_assert_eq!(redis.check(&r).await.unwrap(), want, "step {}", i);
                     prop_assert_eq!(embedded.check(&r).await.unwrap(), want, "step {}", i);
+                }
+                MultiStep::Charge {
+                    dt,
+                    limit,
+                    cost,
+                    debt_tokens,
+                } => {
+                    now = now.saturating_add_signed(dt);
+                    let (want, next) = bucket::charge(
+                        now,
+                        &params[limit],
+                        states[limit].as_ref(),
+                        cost,
+                        debt_tokens * UT,
+                    )
+                    .unwrap();
+                    states[limit] = Some(next);
+                    let r = ChargeRequest::new(
+                        buckets[limit].clone(),
+                        fallbacks[limit],
+                        cost,
+                        debt_tokens * UT,
+                    )
+                    .at(now);
+                    prop_assert_eq!(redis.charge(&r).await.unwrap(), want, "step {}", i);
+                    prop_assert_eq!(embedded.charge(&r).await.unwrap(), want, "step {}", i);
                 }
                 MultiStep::Set { limit, p } => {
                     let s = SetParams::new(buckets[limit].clone(), Limit::TokenBucket(p)).at(now);
