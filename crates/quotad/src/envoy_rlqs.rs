@@ -44,7 +44,6 @@ use envoy_types::pb::google::protobuf::{Duration as ProtoDuration, UInt32Value};
 use futures::stream::BoxStream;
 use futures::StreamExt as _;
 use metrics::Gauge;
-use quota_store::BucketRef;
 use tokio::sync::watch;
 use tonic::{Request, Response, Status, Streaming};
 
@@ -258,14 +257,6 @@ impl Inner {
         };
         let allowed = usage.num_requests_allowed;
         let denied = usage.num_requests_denied;
-        let bucket = BucketRef {
-            tenant: tenant.clone(),
-            policy: policy.clone(),
-            version: p.version,
-        };
-        if allowed > 0 || denied > 0 {
-            decider.count_reported_usage(&bucket, allowed, denied);
-        }
         let home = view
             .resolve(&tenant, &policy)
             .and_then(|r| r.entry.home.as_ref());
@@ -280,6 +271,7 @@ impl Inner {
             .max(1);
         let demand_per_s = allowed.saturating_add(denied) as f64 / elapsed_s as f64;
         let key: BudgetKey = (tenant, policy);
+        let holdings = decider.envoy_holdings();
         let assignment =
             if session.budgets.len() >= MAX_BUCKETS_PER_REPORT && !session.budgets.contains(&key) {
                 Assignment::Deny {
@@ -287,14 +279,11 @@ impl Inner {
                 }
             } else {
                 session.budgets.insert(key.clone());
-                decider.envoy_holdings().assign(
-                    &key,
-                    session.id,
-                    demand_per_s,
-                    part,
-                    self.ttl_ms,
-                    now_ms,
-                )
+                let a = holdings.assign(&key, session.id, demand_per_s, part, self.ttl_ms, now_ms);
+                // The reported requests are the region's demand, spread over its usage reports.
+                let per_s = |n: u64| n as f64 / elapsed_s as f64;
+                holdings.record_rates(&key, session.id, p.version, per_s(allowed), per_s(denied));
+                a
             };
         match assignment {
             Assignment::Bucket {
@@ -549,15 +538,18 @@ mod tests {
         assert_eq!(assigned(&r.bucket_action[1]), (0, ALLOW, 11));
         assert_eq!(assigned(&r.bucket_action[2]), (0, ALLOW, 11));
         assert_eq!(assigned(&r.bucket_action[3]), (0, DENY, 11));
-        // The reported requests are this region's demand, for its usage report.
-        let counted = state.decider.take_forwarded_usage();
+        // The reported requests are this region's demand, for its usage reports: one a second
+        // (a first report counts over one second), spread over them.
+        let holdings = state.decider.envoy_holdings();
+        let counted = holdings.take_usage(3_000, clock::monotonic_ms());
         assert_eq!(counted.len(), 1);
         assert_eq!(counted[0].bucket.tenant.as_str(), "acme");
-        assert_eq!((counted[0].admitted, counted[0].denied), (1, 0));
-        // The same bucket again, zero usage: the same assignment, so Envoy keeps its bucket.
+        assert_eq!((counted[0].admitted, counted[0].denied), (3, 0));
+        // The same bucket again, zero usage: the same assignment, so Envoy keeps its bucket,
+        // and no more demand.
         let r = s.report(vec![usage(acme, 5, 0, 0)]).await.unwrap();
         assert_eq!(assigned(&r.bucket_action[0]), (100, 100, 11));
-        assert!(state.decider.take_forwarded_usage().is_empty());
+        assert!(holdings.take_usage(3_000, clock::monotonic_ms()).is_empty());
     }
 
     #[tokio::test]
@@ -624,7 +616,10 @@ mod tests {
             assert_eq!(err.code(), tonic::Code::InvalidArgument, "{err:?}");
         }
         // The listener still serves, and nothing was assigned or counted.
-        assert!(state.decider.take_forwarded_usage().is_empty());
+        let holdings = state.decider.envoy_holdings();
+        assert!(holdings
+            .take_usage(60_000, clock::monotonic_ms())
+            .is_empty());
         let mut s = Stream::open(&channel).await;
         let r = s
             .report(vec![usage(id(&[("tenant", "acme")]), 0, 0, 0)])

@@ -339,7 +339,10 @@ pub async fn run_report(
                 Ok(false) => {
                     // What a standby counts without the store goes to the agent's report:
                     // checks it forwarded, denials it answered from its cache.
-                    let forwarded = decider.take_forwarded_usage();
+                    let mut forwarded = decider.take_forwarded_usage();
+                    // Envoys' requests (RLQS) are demand here, where the Envoys are.
+                    let envoys = decider.envoy_holdings();
+                    forwarded.extend(envoys.take_usage(interval_ms, clock::monotonic_ms()));
                     let cached = decider.take_cached_denials();
                     if let Err(e) = r.hand_over_usage(&forwarded, &cached).await {
                         tracing::debug!(error = %e, "Handing usage to the agent failed.");
@@ -352,6 +355,10 @@ pub async fn run_report(
                     return None;
                 }
             }
+            // Envoys' requests (RLQS), over this interval: the store never sees them.
+            let envoys = decider
+                .envoy_holdings()
+                .take_usage(interval_ms, clock::monotonic_ms());
             // The first report after a takeover drains what Redis counted since the replaced
             // agent's last report: over that time, not one interval.
             let mut interval_ms = interval_ms;
@@ -364,6 +371,7 @@ pub async fn run_report(
                         let (standby_forwarded, standby_cached) = r.take_standby_usage();
                         // Checks sent to another region are demand here, where their callers are.
                         usage.extend(decider.take_forwarded_usage());
+                        usage.extend(envoys);
                         usage.extend(standby_forwarded);
                         // Denials answered from the denial cache never reached Redis's counters.
                         let mut cached = decider.take_cached_denials();

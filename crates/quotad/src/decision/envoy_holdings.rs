@@ -27,11 +27,16 @@ use std::collections::HashMap;
 use std::sync::Mutex;
 
 use quota_core::{Algorithm, Policy, PolicyName, RegionId, TenantId};
+use quota_store::{BucketRef, UsageRecord};
 
 use crate::coordination::ClusterView;
 
 /// Most streams one budget keeps entries for: past it, a new stream is denied that budget.
 pub const MAX_HOLDERS: usize = 4096;
+
+/// How long a stream's reported rates count as demand without a new report: six of Envoy's
+/// 5 s reports, so a bucket an Envoy stopped reporting stops being demand.
+pub const RATES_KEPT_MS: u64 = 30_000;
 
 /// Most budgets kept: past it, a budget no stream holds yet is denied.
 pub const MAX_BUDGETS: usize = 65_536;
@@ -128,6 +133,9 @@ struct Held {
 struct Holder {
     /// Requests a second the stream last reported (allowed and denied).
     demand_per_s: f64,
+    /// The same, allowed and denied apart, for the region's usage reports.
+    allowed_per_s: f64,
+    denied_per_s: f64,
     /// The stream is still open.
     live: bool,
     /// When the stream last reported this budget.
@@ -144,6 +152,9 @@ impl Holder {
 #[derive(Debug, Default)]
 struct Holdings {
     budgets: HashMap<BudgetKey, HashMap<u64, Holder>>,
+    /// Each budget's policy version (its bucket in usage reports) and the fractions of
+    /// requests not yet reported (allowed, denied).
+    spread: HashMap<BudgetKey, (u64, f64, f64)>,
 }
 
 /// Every budget's assignments to this daemon's RLQS streams.
@@ -282,6 +293,73 @@ impl EnvoyHoldings {
         }
     }
 
+    /// Records what `stream` reported for `budget` (policy `version`): requests a second,
+    /// allowed and denied. They go into the region's usage reports spread over time
+    /// ([`EnvoyHoldings::take_usage`]): an Envoy reports 5 s of requests at once, which added
+    /// to one usage report would read as a burst of demand and then none.
+    pub fn record_rates(
+        &self,
+        budget: &BudgetKey,
+        stream: u64,
+        version: u64,
+        allowed_per_s: f64,
+        denied_per_s: f64,
+    ) {
+        let finite = |x: f64| if x.is_finite() { x.max(0.0) } else { 0.0 };
+        let mut all = self.lock();
+        let Some(h) = all
+            .budgets
+            .get_mut(budget)
+            .and_then(|holders| holders.get_mut(&stream))
+        else {
+            return;
+        };
+        h.allowed_per_s = finite(allowed_per_s);
+        h.denied_per_s = finite(denied_per_s);
+        let spread = all.spread.entry(budget.clone()).or_default();
+        if spread.0 != version {
+            *spread = (version, 0.0, 0.0);
+        }
+    }
+
+    /// The requests open streams report, over `interval_ms` to local monotonic `now_ms`: each
+    /// budget's rates (their sum over its open streams that reported it in the last
+    /// [`RATES_KEPT_MS`]) times the interval, in whole requests, the fractions kept for the
+    /// next call. The region's demand, as its usage reports carry it.
+    pub fn take_usage(&self, interval_ms: u64, now_ms: u64) -> Vec<UsageRecord> {
+        let mut all = self.lock();
+        let Holdings { budgets, spread } = &mut *all;
+        spread.retain(|k, _| budgets.contains_key(k));
+        let secs = interval_ms as f64 / 1000.0;
+        let mut out = Vec::new();
+        for (key, (version, carry_a, carry_d)) in spread.iter_mut() {
+            let Some(holders) = budgets.get(key) else {
+                continue;
+            };
+            let (a, d) = holders
+                .values()
+                .filter(|h| h.live && now_ms.saturating_sub(h.reported_ms) <= RATES_KEPT_MS)
+                .fold((0.0, 0.0), |(a, d), h| {
+                    (a + h.allowed_per_s, d + h.denied_per_s)
+                });
+            let (a, d) = (a * secs + *carry_a, d * secs + *carry_d);
+            let (admitted, denied) = (a.floor(), d.floor());
+            (*carry_a, *carry_d) = (a - admitted, d - denied);
+            if admitted >= 1.0 || denied >= 1.0 {
+                out.push(UsageRecord {
+                    bucket: BucketRef {
+                        tenant: key.0.clone(),
+                        policy: key.1.clone(),
+                        version: *version,
+                    },
+                    admitted: admitted as u64,
+                    denied: denied as u64,
+                });
+            }
+        }
+        out
+    }
+
     /// `stream` ended: it asks for nothing more; what it was told stays held until it expires.
     pub fn end_stream(&self, stream: u64, budgets: &[BudgetKey]) {
         let mut all = self.lock();
@@ -290,6 +368,8 @@ impl EnvoyHoldings {
                 if let Some(h) = holders.get_mut(&stream) {
                     h.live = false;
                     h.demand_per_s = 0.0;
+                    h.allowed_per_s = 0.0;
+                    h.denied_per_s = 0.0;
                 }
             }
         }
@@ -570,6 +650,34 @@ mod tests {
             bucket(h.assign(&b, 1, 50.0, p(&quarter, 11_002), TTL_MS, 11_002)),
             (25, 25)
         );
+    }
+
+    #[test]
+    fn reported_rates_are_spread_over_usage_reports() {
+        let h = EnvoyHoldings::default();
+        let b = ids("t", "w");
+        h.assign(&b, 1, 0.0, part(10, 10), TTL_MS, 0);
+        h.assign(&b, 2, 0.0, part(10, 10), TTL_MS, 0);
+        // 5 s of traffic reported at once: 2.5 allowed and 0.5 denied a second, and 1 a
+        // second from the other stream.
+        h.record_rates(&b, 1, 7, 2.5, 0.5);
+        h.record_rates(&b, 2, 7, 1.0, 0.0);
+        // Five 200 ms usage reports carry one second of it, fractions carried over.
+        let mut total = (0, 0);
+        for k in 1..=5 {
+            for u in h.take_usage(200, k * 200) {
+                assert_eq!((u.bucket.tenant.as_str(), u.bucket.version), ("t", 7));
+                total = (total.0 + u.admitted, total.1 + u.denied);
+            }
+        }
+        assert_eq!(total, (3, 0));
+        let more: Vec<_> = h.take_usage(1000, 2000);
+        // The next second: 3.5 and the half carried over.
+        assert_eq!((more[0].admitted, more[0].denied), (4, 1));
+        // An ended stream is no demand; one that stopped reporting neither, after a while.
+        h.end_stream(1, std::slice::from_ref(&b));
+        assert_eq!(h.take_usage(1000, 3000)[0].admitted, 1);
+        assert!(h.take_usage(1000, RATES_KEPT_MS + 1).is_empty());
     }
 
     proptest! {

@@ -99,18 +99,6 @@ impl Decider {
             .collect()
     }
 
-    /// Counts requests an Envoy admitted or denied under its own assignment (RLQS): demand
-    /// here, reported with the region's usage though the store never saw them.
-    pub fn count_reported_usage(&self, bucket: &BucketRef, admitted: u64, denied: u64) {
-        let mut usage = self
-            .forwarded_usage
-            .lock()
-            .unwrap_or_else(|e| e.into_inner());
-        let slot = usage.entry(bucket.clone()).or_default();
-        slot.0 = slot.0.saturating_add(admitted);
-        slot.1 = slot.1.saturating_add(denied);
-    }
-
     /// Counts a check another region decided for this one's caller.
     fn count_forwarded(&self, bucket: &BucketRef, cost: u64, allowed: bool) {
         let mut usage = self
@@ -283,7 +271,7 @@ impl Decider {
     /// `None` when the home is unknown, or none of its daemons answers that within the forward
     /// timeout. Successive calls start at successive daemons, so a home region's daemons
     /// share the load, and a daemon that is down costs the next one's turn, not the check.
-    async fn send_home<T: serde::de::DeserializeOwned>(
+    pub(super) async fn send_home<T: serde::de::DeserializeOwned>(
         &self,
         home: &RegionId,
         path: &str,
