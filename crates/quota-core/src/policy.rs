@@ -211,7 +211,14 @@ impl PolicySpec {
         // arithmetic exact).
         let debt_limit = match (self.debt_limit, burst) {
             (None, _) => Some(0),
-            (Some(d), Some(burst)) => whole(&mut errors, "debt_limit", d, 0, burst),
+            // The bucket's capacity and its debt together stay exact in a double.
+            (Some(d), Some(burst)) => whole(
+                &mut errors,
+                "debt_limit",
+                d,
+                0,
+                burst.min(MAX_BURST - burst),
+            ),
             (Some(d), None) => whole(&mut errors, "debt_limit", d, 0, MAX_BURST),
         };
         let after_the_fact = self.after_the_fact.unwrap_or(false);
@@ -388,6 +395,14 @@ mod tests {
         let p = with(50.0, None).validate().unwrap();
         assert_eq!((p.debt_limit, p.after_the_fact), (50, true));
         assert_eq!(spec(100.0, 60_000.0).validate().unwrap().debt_limit, 0);
+        let huge = PolicySpec {
+            limit: MAX_BURST as f64,
+            window_ms: 1e9,
+            burst: Some((MAX_BURST - 10) as f64),
+            debt_limit: Some(11.0),
+            ..PolicySpec::default()
+        };
+        assert_eq!(huge.validate().unwrap_err().0[0].field, "debt_limit");
         for bad in [51.0, -1.0, 2.5, f64::NAN] {
             let e = with(bad, None).validate().unwrap_err();
             assert_eq!(e.0.len(), 1, "{bad}: {e}");

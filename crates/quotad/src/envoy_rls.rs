@@ -55,7 +55,7 @@ use crate::api::batch::MAX_BATCH;
 use crate::api::check::{rate_limit_values, secs_ceil, CheckResponse};
 use crate::api::AppState;
 use crate::config::EnvoyConfig;
-use crate::decision::{CheckError, Mode, Refunded, Verdict};
+use crate::decision::{Charged, CheckError, Mode, Refunded, Verdict};
 use crate::envoy_rlqs::EnvoyQuota;
 use crate::telemetry;
 
@@ -292,7 +292,7 @@ impl EnvoyRateLimit {
         out
     }
 
-    /// A check that spends `cost`.
+    /// A check that spends `cost`; for a policy charged after the fact, a charge.
     async fn check(
         &self,
         tenant: TenantId,
@@ -301,6 +301,12 @@ impl EnvoyRateLimit {
         fields: &mut Fields,
     ) -> DescriptorStatus {
         let decider = &self.state.decider;
+        if let Some((p, _, _)) = self
+            .bucket_of(&tenant, &policy)
+            .filter(|(p, _, _)| p.after_the_fact)
+        {
+            return self.charge(tenant, policy, p, cost).await;
+        }
         match decider
             .check(tenant.clone(), policy.clone(), cost, false)
             .await
@@ -321,6 +327,33 @@ impl EnvoyRateLimit {
                 Some((p, _, _)) => self.decided(&policy, &self.denied(p, 0, None), fields),
                 None => status(Code::OverLimit, None, 0, 0),
             },
+        }
+    }
+
+    /// A descriptor of a policy charged after the fact (Envoy AI Gateway's tokens at stream
+    /// end, `apply_on_stream_done`): the work is done, so it is charged, into the policy's
+    /// debt limit, and answered `OK` with what the bucket holds after. Not applied (the store
+    /// or the home region did not answer): `OK` undecided, counted in `quotad_charges_total`.
+    async fn charge(
+        &self,
+        tenant: TenantId,
+        policy: PolicyName,
+        p: Policy,
+        cost: u64,
+    ) -> DescriptorStatus {
+        let limit = current_limit(&policy, p.limit, p.window_ms);
+        match self
+            .state
+            .decider
+            .charge(&tenant, &policy, cost, None, false)
+            .await
+        {
+            Ok(Charged::Applied { outcome, .. }) => {
+                status(Code::Ok, Some(limit), outcome.remaining, 0)
+            }
+            Ok(Charged::HomeUnreachable(_)) => undecided("home_unreachable"),
+            Ok(_) => undecided("store_unavailable"),
+            Err(_) => undecided("unknown_policy"),
         }
     }
 
@@ -944,6 +977,37 @@ mod tests {
             .parse(&request("edge", vec![back]))
             .unwrap();
         assert!(matches!(parsed[0], Descriptor::Check { cost: 0, .. }));
+    }
+
+    #[tokio::test]
+    async fn a_policy_charged_after_the_fact_takes_every_hit_and_reads_deny_in_debt() {
+        let state = embedded();
+        let tokens = PolicySpec {
+            burst: Some(100.0),
+            debt_limit: Some(50.0),
+            after_the_fact: Some(true),
+            ..spec(100, 3_600_000)
+        };
+        put(&state, "acme", "tokens", tokens).await;
+        let (mut client, _, _stop) = start(state.clone()).await;
+        let d = |hits| {
+            with_hits(
+                descriptor(&[("tenant", "acme"), ("policy", "tokens")]),
+                hits,
+            )
+        };
+        // At the start of a request: a reading (hits 0), OK while one token is left.
+        let r = call(&mut client, request("edge", vec![d(0)])).await;
+        assert_eq!(r.overall_code, OK);
+        // At stream end: the tokens the response took, 130 against 100 left, into debt.
+        let r = call(&mut client, request("edge", vec![d(130)])).await;
+        assert_eq!((r.overall_code, r.statuses[0].limit_remaining), (OK, 0));
+        // The next request's reading is over the limit while the debt stands.
+        let r = call(&mut client, request("edge", vec![d(0)])).await;
+        assert_eq!(r.overall_code, OVER);
+        // A charge past the debt limit is clamped, never refused.
+        let r = call(&mut client, request("edge", vec![d(1_000)])).await;
+        assert_eq!(r.overall_code, OK);
     }
 
     #[test]

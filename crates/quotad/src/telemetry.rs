@@ -51,6 +51,15 @@ pub const REDIS_PASSWORD_RELOADS_TOTAL: &str = "quotad_redis_password_reloads_to
 /// tenant entry; `unknown_policy`: no such policy for the tenant; for a reading, `hits_addend`
 /// 0: `pinned_elsewhere`, `store_unavailable`), as Envoy's convention asks.
 pub const ENVOY_UNDECIDED_DESCRIPTORS_TOTAL: &str = "quotad_envoy_undecided_descriptors_total";
+/// Charges of work already done (`POST /v1/charges`, Envoy descriptors of a policy charged
+/// after the fact), by `outcome` (`applied`, `clamped`: the debt limit held part of it back,
+/// `home_unreachable`: the budget lives in another region, which did not answer, `refused`: a
+/// sliding window, `unavailable`: the store did not answer). Nothing is applied but for the
+/// first two.
+pub const CHARGES_TOTAL: &str = "quotad_charges_total";
+/// Tokens of charges the debt limit held back (work done that the bucket did not pay for), by
+/// policy.
+pub const CHARGE_CLAMPED_TOKENS_TOTAL: &str = "quotad_charge_clamped_tokens_total";
 /// Refunds (tokens given back to a bucket, Envoy's `is_negative_hits`), by `outcome`
 /// (`applied`, `full`: nothing to give back to, `elsewhere`: the budget lives in another
 /// region, `unavailable`: the store did not answer).

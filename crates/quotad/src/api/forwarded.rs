@@ -1,5 +1,5 @@
-//! Checks other regions forward here over the peer listener (with peer TLS): the same
-//! handlers as `/v1/check` and `/v1/check/batch`, at [`PEER_FORWARD_PREFIX`] on the peer
+//! Checks and charges other regions forward here over the peer listener (with peer TLS): the
+//! same handlers as `/v1/check`, `/v1/check/batch` and `/v1/charges`, at [`PEER_FORWARD_PREFIX`] on the peer
 //! port, so a pinned tenant's checks cross the WAN encrypted and authenticated by the
 //! sending region's certificate rather than in clear to the API port.
 //!
@@ -20,8 +20,8 @@ use axum::Router;
 use quota_raft::peer_api::{caller_region, refuse_identity};
 
 use crate::api::state::AppState;
-use crate::api::{batch, check, routes};
-use crate::decision::{FORWARDED_FROM_HEADER, FORWARDED_HEADER, PEER_FORWARD_PREFIX};
+use crate::api::{batch, charges, check, routes};
+use crate::decision::{CHARGES_PATH, FORWARDED_FROM_HEADER, FORWARDED_HEADER, PEER_FORWARD_PREFIX};
 
 /// Certificate identity → region (see `quota_raft::coordinator::PeerSecurity`).
 pub type Identities = Arc<HashMap<String, String>>;
@@ -30,9 +30,11 @@ pub type Identities = Arc<HashMap<String, String>>;
 pub fn peer_router(state: AppState, identities: Option<Identities>) -> Router {
     let check_path = format!("{PEER_FORWARD_PREFIX}{}", routes::CHECK_PATH);
     let batch_path = format!("{PEER_FORWARD_PREFIX}/v1/check/batch");
+    let charges_path = format!("{PEER_FORWARD_PREFIX}{CHARGES_PATH}");
     Router::new()
         .route(&check_path, post(check::check))
         .route(&batch_path, post(batch::check_batch))
+        .route(&charges_path, post(charges::charge))
         .layer(DefaultBodyLimit::max(state.body_limit_bytes))
         .layer(middleware::from_fn_with_state(
             (state.clone(), identities),

@@ -12,6 +12,7 @@
 pub mod assignment_batch;
 pub mod auth;
 pub mod batch;
+pub mod charges;
 pub mod check;
 pub mod cluster;
 pub mod contract;
@@ -46,6 +47,7 @@ pub type Api = edge::Edge<routes::Routes>;
     paths(
         check::check,
         batch::check_batch,
+        charges::charge,
         tenants::put_policy,
         policy_batch::put_policies,
         tenants::get_policy,
@@ -121,6 +123,11 @@ pub(crate) fn router(state: AppState) -> Router {
     Router::new()
         .route(routes::CHECK_PATH, checks(post(check::check)))
         .route("/v1/check/batch", checks(post(batch::check_batch)))
+        // Never open: a charge spends what no check admitted.
+        .route(
+            crate::decision::CHARGES_PATH,
+            scoped(Scope::Check, post(charges::charge)),
+        )
         .route(
             "/v1/tenants/{tenant}/policies/{policy}",
             read(get(tenants::get_policy))

@@ -1076,6 +1076,7 @@ async fn every_status_a_route_answers_is_in_the_document() {
     // (method, template, uri, token, body); a body of None is sent without a content type.
     let t = Some(TOKEN);
     type Case<'a> = (&'a str, &'a str, String, Option<&'a str>, Option<&'a str>);
+    let charge = r#"{"tenant":"acme","policy":"writes","cost":3,"id":"c-1"}"#;
     let cases: Vec<Case> = vec![
         ("POST", "/v1/check", "/v1/check".into(), None, Some(check)),
         ("POST", "/v1/check", "/v1/check".into(), None, Some(check)),
@@ -1586,6 +1587,36 @@ async fn every_status_a_route_answers_is_in_the_document() {
             t,
             None,
         ),
+        // After the checks: a charge spends what they would have.
+        ("POST", "/v1/charges", "/v1/charges".into(), t, Some(charge)),
+        (
+            "POST",
+            "/v1/charges",
+            "/v1/charges".into(),
+            t,
+            Some(r#"{"tenant":"acme","policy":"writes","cost":4,"id":"c-1"}"#),
+        ),
+        (
+            "POST",
+            "/v1/charges",
+            "/v1/charges".into(),
+            t,
+            Some(r#"{"tenant":"acme","policy":"writes","cost":-4}"#),
+        ),
+        (
+            "POST",
+            "/v1/charges",
+            "/v1/charges".into(),
+            t,
+            Some(r#"{"tenant":"acme","policy":"nope","cost":4}"#),
+        ),
+        (
+            "POST",
+            "/v1/charges",
+            "/v1/charges".into(),
+            None,
+            Some(charge),
+        ),
         ("GET", "/livez", "/livez".into(), None, None),
         ("GET", "/readyz", "/readyz".into(), None, None),
         ("GET", "/metrics", "/metrics".into(), None, None),
@@ -1617,6 +1648,13 @@ async fn every_status_a_route_answers_is_in_the_document() {
             let statuses = seen.get(&(m.as_str(), template.as_str()));
             assert!(statuses.is_some(), "{m} {template} was not exercised");
         }
+    }
+    let charges = &seen[&("POST", "/v1/charges")];
+    for s in [200, 409, 400, 404, 401] {
+        assert!(
+            charges.contains(&s),
+            "a charge never answered {s}: {charges:?}"
+        );
     }
     let check = &seen[&("POST", "/v1/check")];
     for s in [200, 429, 400, 415, 413, 404] {
@@ -2705,4 +2743,164 @@ async fn a_new_member_is_addressed_by_host_name_or_ip() {
             r.body
         );
     }
+}
+
+#[tokio::test]
+async fn a_charge_goes_into_debt_to_its_limit_and_denies_checks_until_repaid() {
+    // 60 a minute (one a second), burst 10, debt to 5.
+    let router =
+        with_policy(json!({"limit": 60, "window_ms": 60000, "burst": 10, "debt_limit": 5})).await;
+    let charge = |cost: u64, id: &str| {
+        json!({"tenant": "acme", "policy": "writes", "cost": cost, "id": id}).to_string()
+    };
+    // 12 tokens of work done against 10 left: 2 into debt.
+    let r = send(
+        &router,
+        "POST",
+        "/v1/charges",
+        Some(TOKEN),
+        Some(&charge(12, "c1")),
+    )
+    .await;
+    assert_eq!(r.status, StatusCode::OK, "{}", r.body);
+    assert_eq!(
+        (
+            &r.body["applied"],
+            &r.body["clamped"],
+            &r.body["remaining"],
+            &r.body["debt"]
+        ),
+        (&json!(12), &json!(0), &json!(0), &json!(2))
+    );
+    assert_eq!(
+        (r.body["region"].as_str(), r.body["charged_by"].as_str()),
+        (Some("eu"), Some("eu"))
+    );
+    // The repayment and one more token: about 3 s.
+    let ms = r.body["retry_after_ms"].as_u64().unwrap();
+    assert!((2_000..=3_000).contains(&ms), "{ms}");
+    // The same charge retried: applied once.
+    let again = send(
+        &router,
+        "POST",
+        "/v1/charges",
+        Some(TOKEN),
+        Some(&charge(12, "c1")),
+    )
+    .await;
+    assert_eq!(again.status, StatusCode::OK);
+    assert_eq!(again.body["debt"], 2, "{}", again.body);
+    // The id of another cost: refused, nothing applied.
+    let reused = send(
+        &router,
+        "POST",
+        "/v1/charges",
+        Some(TOKEN),
+        Some(&charge(3, "c1")),
+    )
+    .await;
+    assert_eq!(reused.status, StatusCode::CONFLICT, "{}", reused.body);
+    // Beyond the debt limit: clamped, and said so.
+    let r = send(
+        &router,
+        "POST",
+        "/v1/charges",
+        Some(TOKEN),
+        Some(&charge(9, "c2")),
+    )
+    .await;
+    assert_eq!(r.status, StatusCode::OK);
+    assert_eq!(
+        (&r.body["applied"], &r.body["clamped"], &r.body["debt"]),
+        (&json!(3), &json!(6), &json!(5))
+    );
+    // In debt, a check is denied with a wait that covers the repayment.
+    let check = json!({"tenant": "acme", "policy": "writes"}).to_string();
+    let r = send(&router, "POST", "/v1/check", None, Some(&check)).await;
+    assert_eq!(r.status, StatusCode::TOO_MANY_REQUESTS);
+    let ms = r.body["retry_after_ms"].as_u64().unwrap();
+    assert!((5_000..=6_000).contains(&ms), "{ms}");
+}
+
+#[tokio::test]
+async fn bad_charges_are_refused_by_field_and_change_nothing() {
+    let router = with_policy(json!({"limit": 10, "window_ms": 60000})).await;
+    let post = |body: Value| {
+        let router = router.clone();
+        async move {
+            send(
+                &router,
+                "POST",
+                "/v1/charges",
+                Some(TOKEN),
+                Some(&body.to_string()),
+            )
+            .await
+        }
+    };
+    for (body, field) in [
+        (
+            json!({"tenant": "acme", "policy": "writes", "cost": -1}),
+            "cost",
+        ),
+        (
+            json!({"tenant": "acme", "policy": "writes", "cost": 2.5}),
+            "cost",
+        ),
+        (
+            json!({"tenant": "acme", "policy": "writes", "cost": 0}),
+            "cost",
+        ),
+        (
+            json!({"tenant": "acme", "policy": "writes", "cost": 1, "id": ""}),
+            "id",
+        ),
+        (
+            json!({"tenant": "acme", "policy": "writes", "cost": 1, "id": "a b"}),
+            "id",
+        ),
+        (
+            json!({"tenant": "acme", "policy": "writes", "cost": 1, "id": "x".repeat(129)}),
+            "id",
+        ),
+        (
+            json!({"tenant": "ac.me", "policy": "writes", "cost": 1}),
+            "tenant",
+        ),
+        (
+            json!({"tenant": "acme", "policy": "no such", "cost": 1}),
+            "policy",
+        ),
+    ] {
+        let r = post(body.clone()).await;
+        assert_eq!(r.status, StatusCode::BAD_REQUEST, "{body}: {}", r.body);
+        assert!(is_problem(&r));
+        assert_eq!(r.body["errors"][0]["field"], field, "{body}: {}", r.body);
+    }
+    let r = post(json!({"tenant": "acme", "policy": "writes"})).await;
+    assert_eq!(
+        r.status,
+        StatusCode::BAD_REQUEST,
+        "a charge names its cost: {}",
+        r.body
+    );
+    let r = post(json!({"tenant": "acme", "policy": "reads", "cost": 1})).await;
+    assert_eq!(r.status, StatusCode::NOT_FOUND);
+    // A token is needed, whatever open checks allow.
+    let body = json!({"tenant": "acme", "policy": "writes", "cost": 1}).to_string();
+    let r = send(&router, "POST", "/v1/charges", None, Some(&body)).await;
+    assert_eq!(r.status, StatusCode::UNAUTHORIZED);
+    // Nothing was spent by any of them.
+    let check = json!({"tenant": "acme", "policy": "writes", "cost": 10}).to_string();
+    let r = send(&router, "POST", "/v1/check", None, Some(&check)).await;
+    assert_eq!(r.status, StatusCode::OK, "{}", r.body);
+}
+
+#[tokio::test]
+async fn a_sliding_window_has_nothing_to_charge() {
+    let router =
+        with_policy(json!({"limit": 10, "window_ms": 60000, "algorithm": "sliding_window"})).await;
+    let body = json!({"tenant": "acme", "policy": "writes", "cost": 1}).to_string();
+    let r = send(&router, "POST", "/v1/charges", Some(TOKEN), Some(&body)).await;
+    assert_eq!(r.status, StatusCode::CONFLICT, "{}", r.body);
 }

@@ -23,6 +23,7 @@
 //! - `forward`: checks decided in another region, one at a time or a home's batch in one
 //!   request, and the floor here when the home does not answer.
 //! - `fail_mode`: the policy's fail mode while this region's store is out.
+//! - `charge`: charges of work already done, into the policy's debt limit.
 //! - `refund`: tokens given back to a bucket (Envoy's `is_negative_hits`).
 //! - [`outage`]: the `local` fail mode's in-process buckets, continued from Redis's last
 //!   answers and charged back to it; the store as decisions see it ([`outage::Regional`]).
@@ -32,6 +33,7 @@
 //! - [`exposure`]: what this region could admit beyond a budget if cut off or without Redis.
 
 pub mod breaker;
+mod charge;
 mod check;
 pub mod denials;
 pub mod envoy_holdings;
@@ -68,6 +70,7 @@ use crate::secret::Secret;
 use crate::telemetry::{self, DecisionMetrics};
 use quota_raft::tls::PeerHttp;
 
+pub use charge::{Charged, CHARGES_PATH};
 pub use forward::{FORWARDED_FROM_HEADER, FORWARDED_HEADER, PEER_FORWARD_PREFIX};
 pub use refund::Refunded;
 pub use verdict::{CheckError, Mode, Verdict};
