@@ -17,8 +17,9 @@
 -- level as it stands.
 --
 -- The bucket is refilled to now under the parameters its state holds (the floor's after the
--- lease end), then up by the tokens (repaying a debt first), never above the capacity: a bucket that filled meanwhile
--- keeps none of them, as it would not have had they never been taken. A missing state is a
+-- lease end), then up by the tokens (repaying a debt first), never above the capacity: a
+-- bucket that filled meanwhile keeps none of them, as it would not have had they never been
+-- taken. A missing state is a
 -- full bucket (it expired full), so nothing is written. The admitted counter drops by the
 -- tokens (not below 0), since they were counted when the reservation spent them and were never
 -- handed out. The key keeps its TTL: more tokens only bring the time to full closer. The

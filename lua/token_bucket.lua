@@ -38,8 +38,8 @@
 --
 -- State: ONE string, struct.pack('<dddddddddddd', t, c, ts, ad, dn, cap, rate, src, until,
 -- fcap, frate, per) (96 bytes, little-endian doubles, exact for integers below 2^53): t tokens
--- (µt; negative in debt, see Debt), c carry, ts latest time seen (ms), ad / dn tokens admitted / denied since the last
--- collection, cap / rate / per the parameters, src 1 when they are a copy of the stored
+-- (µt; negative in debt, see Debt), c carry, ts latest time seen (ms), ad / dn tokens admitted
+-- / denied since the last collection, cap / rate / per the parameters, src 1 when they are a copy of the stored
 -- parameters (KEYS[2]) or 0 when they came from the fallback (then this call's fallback
 -- applies, as the reference does), until the lease end (-1 = none) after which fcap / frate
 -- are in force instead. The carry is in 1/per µt of the state's per: parameters of another
@@ -74,8 +74,8 @@
 -- runs without the shared helpers: it checks arguments, the state and the parameters inline
 -- (the same checks as int, bucket_ok and state_decode) and takes the refill and waits in their
 -- exact direct forms, with x % y for math.fmod (exact for integers below 2^53), and makes the
--- helpers only for a product past 2^53 or a debt. The minimum TTL goes to SET as the argument string
--- when it has no leading zero (a number argument costs Redis a conversion).
+-- helpers only for a product past 2^53 or a debt. The minimum TTL goes to SET as the argument
+-- string when it has no leading zero (a number argument costs Redis a conversion).
 
 -- quotad shared helpers: begin. The same text in every script in lua/ (each script runs on its
 -- own, so the block is copied, not included); a test holds the copies equal, the bounds equal to

@@ -848,6 +848,23 @@ mod tests {
     }
 
     #[tokio::test]
+    async fn a_bucket_in_debt_is_evicted_only_once_full() {
+        let s = EmbeddedStore::with_shards(system_clock(), 1).with_min_idle_ttl(1000);
+        let b = bucket("owing");
+        let p = BucketParams::new(10 * UT, UT).unwrap();
+        let o = s
+            .charge(&ChargeRequest::new(b.clone(), p, 15, 10 * UT).at(0))
+            .await
+            .unwrap();
+        assert_eq!(o.debt, 5);
+        // 5 owed and 10 to fill at 1 a second: 15 s.
+        s.evict_expired(14_999);
+        assert_eq!(s.len(), 1);
+        s.evict_expired(15_000);
+        assert_eq!(s.len(), 0);
+    }
+
+    #[tokio::test]
     async fn a_dry_bucket_is_never_evicted() {
         let s = EmbeddedStore::with_shards(system_clock(), 1);
         let b = bucket("dry");

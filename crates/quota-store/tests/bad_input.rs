@@ -7,10 +7,10 @@ mod common;
 use common::{fresh_bucket, req, tokens};
 use quota_core::BucketParams;
 use quota_store::script::{
-    COLLECT_USAGE_LUA, REFUND_LUA, SET_PARAMS_LUA, SLIDING_WINDOW_LUA, TOKEN_BUCKETS_LUA,
-    TOKEN_BUCKET_LUA,
+    CHARGE_LUA, COLLECT_USAGE_LUA, REFUND_LUA, SET_PARAMS_LUA, SLIDING_WINDOW_LUA,
+    TOKEN_BUCKETS_LUA, TOKEN_BUCKET_LUA,
 };
-use quota_store::{Limit, SetParams, Store, StoreError};
+use quota_store::{ChargeRequest, Limit, SetParams, Store, StoreError};
 use redis_harness::RedisServer;
 
 const B: &str = "qd:v1:{bad}:x:1:b";
@@ -517,6 +517,159 @@ fn refund_rejects_bad_arguments_and_writes_nothing() {
 }
 
 #[test]
+fn charge_rejects_bad_arguments_and_writes_nothing() {
+    let server = RedisServer::start().unwrap();
+    let mut c = common::sync_conn(&server);
+    let m = "qd:v1:{bad}:x:1:b:g:1";
+    let all = [B, P, IX, m];
+    // A bucket of 5 charged 2 (the fallback's copy in its state).
+    let fallback = ["5000000", "1000000"];
+    let args = |cost: &'static str, limit: &'static str| -> Vec<&'static str> {
+        vec![cost, limit, fallback[0], fallback[1]]
+    };
+    let at = |mut a: Vec<&'static str>| {
+        a.push("1700000000000");
+        a
+    };
+    let r = eval(&mut c, CHARGE_LUA, &[B, P, IX], &at(args("2", "0"))).unwrap();
+    assert_eq!(
+        r,
+        redis::Value::Array([2, 0, 3, 0, 0, 2000].map(redis::Value::Int).to_vec())
+    );
+    let before = dumps(&mut c, &all);
+    let cases: &[(&str, Vec<&str>)] = &[
+        ("no arguments", vec![]),
+        ("three arguments", vec!["1", "0", "5000000"]),
+        (
+            "eight arguments",
+            vec!["1", "0", "5000000", "1000000", "", "", "", ""],
+        ),
+        ("zero cost", args("0", "0")),
+        ("negative cost", args("-1", "0")),
+        ("float cost", args("1.5", "0")),
+        ("cost above max", args("9007199255", "0")),
+        ("empty limit", args("1", "")),
+        ("negative limit", args("1", "-1")),
+        ("float limit", args("1", "0.5")),
+        ("exponent limit", args("1", "1e3")),
+        ("limit above 2^53", args("1", "9007199254740992")),
+        // 2^53 - 1 - 5 000 000 + 1: one past what a capacity of 5 tokens takes.
+        (
+            "limit too large for the capacity",
+            args("1", "9007199249740992"),
+        ),
+        ("bad now", vec!["1", "0", fallback[0], fallback[1], "soon"]),
+        (
+            "zero minimum TTL",
+            vec!["1", "0", fallback[0], fallback[1], "", "0"],
+        ),
+        (
+            "zero period",
+            vec!["1", "0", fallback[0], fallback[1], "", "", "0"],
+        ),
+        (
+            "fallback out of bounds",
+            vec!["1", "0", "9007199254740992", "1"],
+        ),
+    ];
+    for (case, a) in cases {
+        assert_quotad_error(eval(&mut c, CHARGE_LUA, &[B, P, IX], a), case);
+    }
+    for keys in [
+        &[B, P][..],
+        &[B, P, IX, m, "qd:v1:{bad}:x:1:b:g:2"][..],
+        &[B, B, IX][..],
+        &[B, P, B][..],
+        &[B, P, IX, B][..],
+        &[B, P, IX, IX][..],
+    ] {
+        assert_quotad_error(
+            eval(&mut c, CHARGE_LUA, keys, &args("1", "0")),
+            &format!("keys {keys:?}"),
+        );
+    }
+    // A marker of another type, of other content, or of another cost.
+    let cmd = |c: &mut redis::Connection, args: &[&str]| {
+        let mut q = redis::cmd(args[0]);
+        for a in &args[1..] {
+            q.arg(*a);
+        }
+        let _: redis::Value = q.query(c).unwrap();
+    };
+    for (case, seed) in [
+        ("a hash marker", &["HSET", m, "f", "v"][..]),
+        ("a marker of other content", &["SET", m, "x"][..]),
+        ("a marker of another cost", &["SET", m, "1:2"][..]),
+    ] {
+        cmd(&mut c, &["DEL", m]);
+        cmd(&mut c, seed);
+        let seeded = dumps(&mut c, &all);
+        assert_quotad_error(
+            eval(&mut c, CHARGE_LUA, &[B, P, IX, m], &args("4", "0")),
+            case,
+        );
+        assert_eq!(dumps(&mut c, &all), seeded, "{case}");
+    }
+    cmd(&mut c, &["DEL", m]);
+    assert_eq!(
+        dumps(&mut c, &all),
+        before,
+        "a rejected charge wrote nothing"
+    );
+    // A replay answers the first run and writes nothing either.
+    cmd(&mut c, &["SET", m, "3:1"]);
+    let seeded = dumps(&mut c, &all);
+    let r = eval(&mut c, CHARGE_LUA, &[B, P, IX, m], &at(args("4", "0"))).unwrap();
+    assert_eq!(
+        r,
+        redis::Value::Array([3, 1, 3, 0, 0, 2000].map(redis::Value::Int).to_vec())
+    );
+    assert_eq!(dumps(&mut c, &all), seeded, "a replay wrote nothing");
+
+    // A new bucket: no parameters and no fallback, invalid stored parameters, a state or an
+    // index of another type, a debt limit too large for the stored capacity.
+    let (b2, p2) = ("qd:v1:{bad}:y:1:b", "qd:v1:{bad}:y:1:p");
+    let fresh = [b2, p2, IX];
+    assert_quotad_error(
+        eval(&mut c, CHARGE_LUA, &fresh, &["1", "0", "", ""]),
+        "no parameters",
+    );
+    assert_quotad_error(
+        eval(
+            &mut c,
+            CHARGE_LUA,
+            &fresh,
+            &["1", "0", "", "", "", "", "1000"],
+        ),
+        "a period without a fallback",
+    );
+    cmd(&mut c, &["HSET", p2, "cap", "garbage", "rate", "1"]);
+    assert_quotad_error(
+        eval(&mut c, CHARGE_LUA, &fresh, &args("1", "0")),
+        "invalid stored parameters",
+    );
+    cmd(&mut c, &["HSET", p2, "cap", "100000000", "rate", "1"]);
+    // Within the fallback's bound (5 tokens), past the stored capacity's (100).
+    assert_quotad_error(
+        eval(&mut c, CHARGE_LUA, &fresh, &args("1", "9007199249740991")),
+        "limit too large for the stored capacity",
+    );
+    cmd(&mut c, &["RPUSH", b2, "x"]);
+    assert_quotad_error(
+        eval(&mut c, CHARGE_LUA, &fresh, &args("1", "0")),
+        "a list state",
+    );
+    cmd(&mut c, &["DEL", b2, IX]);
+    cmd(&mut c, &["RPUSH", IX, "x"]);
+    assert_quotad_error(
+        eval(&mut c, CHARGE_LUA, &fresh, &args("1", "0")),
+        "a list index",
+    );
+    let exists: bool = redis::cmd("EXISTS").arg(b2).query(&mut c).unwrap();
+    assert!(!exists, "a refused charge made no state");
+}
+
+#[test]
 fn collect_usage_rejects_bad_max() {
     let server = RedisServer::start().unwrap();
     let mut c = common::sync_conn(&server);
@@ -594,6 +747,44 @@ async fn invalid_requests_never_reach_redis() {
             "{p:?}: {r:?}"
         );
     }
+    let p = BucketParams::new(5 * quota_core::bucket::UT, 1).unwrap();
+    let ok = ChargeRequest::new(b.clone(), p, 1, 0);
+    let bad_charges = [
+        ChargeRequest {
+            cost: 0,
+            ..ok.clone()
+        },
+        ChargeRequest {
+            cost: quota_store::MAX_COST + 1,
+            ..ok.clone()
+        },
+        ChargeRequest {
+            debt_limit_ut: (1 << 53) - 5_000_000,
+            ..ok.clone()
+        },
+        ChargeRequest {
+            params: out_of_range,
+            ..ok.clone()
+        },
+        ok.clone().at(u64::MAX),
+        ok.clone().with_id("a b"),
+        ok.clone().with_id(""),
+    ];
+    for r in &bad_charges {
+        let got = store.charge(r).await;
+        assert!(
+            matches!(got, Err(StoreError::Rejected { .. })),
+            "{r:?}: {got:?}"
+        );
+    }
+    let r = store.charge(&ok).await;
+    assert!(
+        matches!(
+            r,
+            Err(StoreError::Unavailable { .. } | StoreError::Timeout { .. })
+        ),
+        "{r:?}"
+    );
     // And a valid one does reach it, and fails as unavailable, not as invalid.
     let r = store.check(&req(&b, tokens(1, 1), 1, None)).await;
     assert!(

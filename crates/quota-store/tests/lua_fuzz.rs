@@ -1,18 +1,18 @@
-//! Fuzzes the five Lua scripts against a real redis-server: random KEYS counts (repeated keys
+//! Fuzzes every Lua script against a real redis-server: random KEYS counts (repeated keys
 //! included), adversarial ARGV strings (negatives, floats, exponents, hex, spaces, inf, nan,
 //! 20-digit numbers, unicode, empty) and pre-existing keys of every type (string, list, set,
-//! zset, hash, stream, valid and corrupt states). Every reply must be valid by the script's
-//! contract, or an error starting with `ERR quotad:`; a call answered with an error must change
-//! no key (DUMP of every key before and after; a hash's fields and values sorted instead, as
+//! zset, hash, stream, valid and corrupt states, states in debt, charge markers). Every reply
+//! must be valid by the script's contract, or an error starting with `ERR quotad:`; a call
+//! answered with an error must change no key (DUMP of every key before and after; a hash's fields and values sorted instead, as
 //! the order DUMP gives a large hash moves with its table's rehashing, even on reads).
 //!
 //! Seeded: `QUOTAD_LUA_FUZZ_SEED=<u64>` replays a run (the seed is printed);
 //! `QUOTAD_LUA_FUZZ_CALLS=<n>` sets the calls per script (default 20 000).
 
-use quota_core::bounds::{MAX_BURST, MAX_CAPACITY_UT, MAX_WINDOW_LIMIT};
+use quota_core::bounds::{MAX_BURST, MAX_CAPACITY_UT, MAX_WAIT_MS, MAX_WINDOW_LIMIT};
 use quota_store::script::{
-    COLLECT_USAGE_LUA, REFUND_LUA, SET_PARAMS_LUA, SLIDING_WINDOW_LUA, TOKEN_BUCKETS_LUA,
-    TOKEN_BUCKET_LUA,
+    CHARGE_LUA, COLLECT_USAGE_LUA, REFUND_LUA, SET_PARAMS_LUA, SLIDING_WINDOW_LUA,
+    TOKEN_BUCKETS_LUA, TOKEN_BUCKET_LUA,
 };
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
@@ -42,15 +42,17 @@ enum Script {
     SetParams,
     CollectUsage,
     Refund,
+    Charge,
 }
 
-const SCRIPTS: [Script; 6] = [
+const SCRIPTS: [Script; 7] = [
     Script::TokenBucket,
     Script::TokenBuckets,
     Script::SlidingWindow,
     Script::SetParams,
     Script::CollectUsage,
     Script::Refund,
+    Script::Charge,
 ];
 
 /// An adversarial argument string.
@@ -131,6 +133,18 @@ fn plausible(rng: &mut ChaCha8Rng, script: Script, i: usize) -> String {
         (Script::TokenBucket, 6) => rng.random_range(1..=100u64).to_string(),
         (Script::Refund, 0) => rng.random_range(1..=50u64).to_string(),
         (Script::Refund, 1) => now(rng),
+        // Cost, debt limit, fallback capacity and refill, now, minimum TTL, period.
+        (Script::Charge, 0) => n(rng, 40),
+        (Script::Charge, 1) => match rng.random_range(0..4) {
+            0 => "0".to_string(),
+            1 => (MAX_CAPACITY_UT - rng.random_range(0..=20u64) * 1_000_000).to_string(),
+            _ => (rng.random_range(0..=30u64) * 1_000_000).to_string(),
+        },
+        (Script::Charge, 2) => (rng.random_range(0..=20u64) * 1_000_000).to_string(),
+        (Script::Charge, 3) => n(rng, 5_000_000),
+        (Script::Charge, 4) => now(rng),
+        (Script::Charge, 5) => n(rng, 100_000),
+        (Script::Charge, 6) => period(rng),
         (Script::SetParams, 0) => ["cap", "limit"][rng.random_range(0..2)].to_string(),
         (Script::SetParams, 2) => ["rate", "window"][rng.random_range(0..2)].to_string(),
         (Script::SetParams, 1 | 6) => n(rng, 20_000_000),
@@ -198,6 +212,7 @@ fn arity(script: Script) -> (usize, std::ops::RangeInclusive<usize>) {
         Script::SetParams => (5, 4..=10),
         Script::CollectUsage => (1, 1..=1),
         Script::Refund => (1, 1..=2),
+        Script::Charge => (4, 4..=7),
     }
 }
 
@@ -236,6 +251,14 @@ fn role_keys(script: Script, rng: &mut ChaCha8Rng) -> Vec<&'static str> {
         }
         Script::CollectUsage => vec![k(":ix")],
         Script::Refund => vec![k(&format!("{t}:b"))],
+        Script::Charge => {
+            // With a marker (the spare key) or without.
+            let mut keys = vec![k(&format!("{t}:b")), k(&format!("{t}:p")), k(":ix")];
+            if rng.random_bool(0.5) {
+                keys.push(k(":x"));
+            }
+            keys
+        }
     }
 }
 
@@ -293,7 +316,12 @@ fn state(fields: [f64; 12]) -> Vec<u8> {
 
 fn valid_state(rng: &mut ChaCha8Rng) -> [f64; 12] {
     let cap = rng.random_range(0..=20u64) as f64 * 1e6;
-    let tokens = (rng.random_range(0.0..=1.0) * cap).floor();
+    let tokens = match rng.random_range(0..5) {
+        // In debt (charge.lua), at most the deepest a state may hold.
+        0 => -(rng.random_range(0..=30_000_000u64) as f64),
+        1 => -(rng.random_range(0..=MAX_CAPACITY_UT) as f64),
+        _ => (rng.random_range(0.0..=1.0) * cap).floor(),
+    };
     let rate = rng.random_range(0..=5_000_000u64) as f64;
     let leased = rng.random_bool(0.5);
     let per = match rng.random_range(0..3) {
@@ -328,6 +356,10 @@ fn seed_key(rng: &mut ChaCha8Rng, key: &str, pipe: &mut redis::Pipeline) {
         if key.ends_with(":b") && rng.random_bool(0.5) {
             let f = valid_state(rng);
             pipe.cmd("SET").arg(key).arg(state(f)).ignore();
+        } else if key.ends_with(":x") && rng.random_bool(0.5) {
+            // A charge's marker: what its first run applied and clamped.
+            let (a, c) = (rng.random_range(0..=20u64), rng.random_range(0..=20u64));
+            pipe.cmd("SET").arg(key).arg(format!("{a}:{c}")).ignore();
         } else if key.ends_with(":p") && rng.random_bool(0.5) {
             let (f1, f2, v1, v2) = if rng.random_bool(0.5) {
                 ("cap", "rate", rng.random_range(0..=20u64) * 1_000_000, 1000)
@@ -565,6 +597,34 @@ fn check_reply(script: Script, args: &[String], v: &Value) -> Result<(), String>
             Value::Int(n) if (-1..=MAX_BURST as i64).contains(n) => Ok(()),
             _ => bad(),
         },
+        Script::Charge => {
+            let Value::Array(a) = v else { return bad() };
+            let f: Vec<i64> = a.iter().filter_map(int).collect();
+            let &[applied, clamped, remaining, debt, retry, reset] = f.as_slice() else {
+                return bad();
+            };
+            let cost: i64 = args[0]
+                .parse()
+                .map_err(|_| format!("accepted cost {:?}", args[0]))?;
+            let whole = 0..=(MAX_CAPACITY_UT / 1_000_000 + 1) as i64;
+            let wait = -1..=MAX_WAIT_MS as i64;
+            let ok = a.len() == 6
+                && applied >= 0
+                && clamped >= 0
+                && applied + clamped == cost
+                && whole.contains(&remaining)
+                && whole.contains(&debt)
+                && (remaining == 0 || debt == 0)
+                && wait.contains(&retry)
+                && wait.contains(&reset)
+                && (retry == 0) == (remaining > 0)
+                && (reset != 0 || debt == 0);
+            if ok {
+                Ok(())
+            } else {
+                bad()
+            }
+        }
         Script::CollectUsage => {
             let Value::Array(a) = v else { return bad() };
             let max: i64 = args[0]
@@ -620,6 +680,7 @@ fn scripts_answer_valid_replies_or_quotad_errors_and_errors_change_nothing() {
         SET_PARAMS_LUA,
         COLLECT_USAGE_LUA,
         REFUND_LUA,
+        CHARGE_LUA,
     ]
     .iter()
     .map(|src| {

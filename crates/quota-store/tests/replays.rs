@@ -1,6 +1,7 @@
-//! Scripts that must apply exactly once (`refund.lua`, `collect_usage.lua`) against a connection
-//! that breaks after Redis ran the script but before its reply arrived: the store's retry (and a
-//! Cluster client's own) sends the same call again, which must change nothing more.
+//! Scripts that must apply exactly once (`refund.lua`, `charge.lua`, `collect_usage.lua`)
+//! against a connection that breaks after Redis ran the script but before its reply arrived: the
+//! store's retry (and a Cluster client's own) sends the same call again, which must change
+//! nothing more.
 //!
 //! A proxy between the store and a real `redis-server` drops the first reply after it is armed
 //! and closes that connection, as a network cut or a restarted load balancer would.
@@ -11,7 +12,9 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
 use common::{fresh_bucket, req, tokens};
-use quota_store::{RedisStore, RedisStoreConfig, Store};
+use quota_core::bucket::UT;
+use quota_core::BucketParams;
+use quota_store::{ChargeRequest, RedisStore, RedisStoreConfig, Store, UsageRecord};
 use redis_harness::RedisServer;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
@@ -105,6 +108,41 @@ async fn a_refund_whose_reply_was_lost_credits_its_tokens_once() {
     assert_eq!(peek.remaining, 7, "3 tokens credited once, not twice");
     // A new refund is a new call: it credits.
     assert_eq!(store.refund(&b, 2, Some(NOW)).await.unwrap(), Some(9));
+}
+
+/// A charge whose reply was lost: the store's retry finds the charge's marker, takes nothing
+/// more and answers what the first run applied.
+#[tokio::test]
+async fn a_charge_whose_reply_was_lost_applies_once() {
+    let server = RedisServer::start().unwrap();
+    let proxy = ReplyCutter::start(server.port()).await;
+    let store = store_through(&proxy).await;
+    let p = BucketParams::new(10 * UT, 0).unwrap();
+    // charge.lua loaded, so the armed cut meets the charge's own reply.
+    let other = fresh_bucket("charge-once-load");
+    store
+        .charge(&ChargeRequest::new(other, p, 1, 0).at(NOW))
+        .await
+        .unwrap();
+    let b = fresh_bucket("charge-once");
+    proxy.arm();
+    let o = store
+        .charge(&ChargeRequest::new(b.clone(), p, 14, 10 * UT).at(NOW))
+        .await
+        .unwrap();
+    assert!(proxy.fired(), "the charge's first reply was cut");
+    assert_eq!((o.applied, o.clamped, o.debt), (14, 0, 4));
+    // Charged once: 4 owed, so 5 back leave 1 (twice: 10 owed, none left).
+    let direct = common::store(&server).await;
+    assert_eq!(direct.refund(&b, 5, Some(NOW)).await.unwrap(), Some(1));
+    let usage: Vec<UsageRecord> = direct
+        .collect_usage(100)
+        .await
+        .unwrap()
+        .into_iter()
+        .filter(|u| u.bucket == b)
+        .collect();
+    assert_eq!((usage[0].admitted, usage[0].denied), (14 - 5, 0));
 }
 
 /// Regression: the store retried `collect_usage.lua` on a dropped connection; the first run

@@ -160,6 +160,74 @@ async fn new_parameters_rewrite_the_live_bucket_and_keep_its_expiry_safe() {
     assert_eq!(d.remaining, 2);
 }
 
+/// A bucket in debt expires only once it would be full again (an expired bucket reads as
+/// full), and never while that is beyond `MAX_WAIT_MS`; new parameters lengthen its expiry to
+/// the new time to full from the debt.
+#[tokio::test]
+async fn a_bucket_in_debt_expires_only_once_full() {
+    use quota_core::bucket::{MAX_CAPACITY_UT, MAX_WAIT_MS, UT};
+    use quota_core::BucketParams;
+    use quota_store::ChargeRequest;
+    let server = RedisServer::start().unwrap();
+    let s = fast_expiry_store(&server).await;
+    let mut c = conn(&server).await;
+    let b = fresh_bucket("owing");
+    let key = b.state_key(quota_core::keys::StateKind::Bucket);
+    let p = BucketParams::new(10 * UT, UT).unwrap();
+    let o = s
+        .charge(&ChargeRequest::new(b.clone(), p, 15, 10 * UT))
+        .await
+        .unwrap();
+    assert_eq!(o.debt, 5);
+    // 5 owed and 10 to fill at 1 a second.
+    let pttl: i64 = c.pttl(&key).await.unwrap();
+    assert!((14_000..=15_000).contains(&pttl), "pttl {pttl}");
+    // A denied check keeps the expiry covering the repayment.
+    let d = s
+        .check(&req(&b, Limit::TokenBucket(p), 1, None))
+        .await
+        .unwrap();
+    assert!(!d.allowed);
+    let pttl: i64 = c.pttl(&key).await.unwrap();
+    assert!((14_000..=15_000).contains(&pttl), "pttl {pttl}");
+    // Half the refill: twice as long from the same debt.
+    let slow = Limit::TokenBucket(BucketParams::new(10 * UT, UT / 2).unwrap());
+    s.set_params(&SetParams::new(b.clone(), slow))
+        .await
+        .unwrap();
+    let pttl: i64 = c.pttl(&key).await.unwrap();
+    assert!((29_000..=30_000).contains(&pttl), "pttl {pttl}");
+
+    // A debt repaid only beyond MAX_WAIT_MS (1 µt a ms): the key stays.
+    let deep = fresh_bucket("deep");
+    let key = deep.state_key(quota_core::keys::StateKind::Bucket);
+    let p = BucketParams::per_period(UT, 1, 1).unwrap();
+    let t0 = 1_700_000_000_000;
+    let cost = MAX_WAIT_MS / UT + 1;
+    let o = s
+        .charge(&ChargeRequest::new(deep.clone(), p, cost, MAX_CAPACITY_UT - UT).at(t0))
+        .await
+        .unwrap();
+    assert_eq!(
+        (o.applied, o.retry_after_ms, o.reset_ms),
+        (cost, None, None)
+    );
+    let pttl: i64 = c.pttl(&key).await.unwrap();
+    assert_eq!(pttl, -1);
+    // Once the time to full is within the bound, it expires then.
+    let later = t0 + (cost * UT - MAX_WAIT_MS);
+    let d = s
+        .check(&req(&deep, Limit::TokenBucket(p), 0, Some(later)))
+        .await
+        .unwrap();
+    assert_eq!(d.reset_ms, Some(MAX_WAIT_MS));
+    s.check(&req(&deep, Limit::TokenBucket(p), 1, Some(later)))
+        .await
+        .unwrap();
+    let pttl: i64 = c.pttl(&key).await.unwrap();
+    assert!(pttl > (MAX_WAIT_MS - 60_000) as i64, "pttl {pttl}");
+}
+
 #[tokio::test]
 async fn a_hot_key_costs_get_and_set_only() {
     let server = RedisServer::start().unwrap();
