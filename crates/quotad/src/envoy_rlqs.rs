@@ -663,6 +663,45 @@ mod tests {
     }
 
     #[tokio::test]
+    async fn a_budget_pinned_elsewhere_gets_the_configured_answer() {
+        use crate::coordination::{Coordinator, LocalCoordinator};
+        use crate::decision::tests::{decider_of, entry};
+        // Region a's view: t/w lives whole in region b.
+        let pinned = entry(
+            serde_json::json!({"limit": 100, "window_ms": 1000}),
+            &[("a", 0, 0), ("b", 1_000_000, 0)],
+            Some("b"),
+        );
+        let state = || {
+            let region = quota_core::RegionId::new("a").unwrap();
+            let coordinator =
+                std::sync::Arc::new(Coordinator::Local(LocalCoordinator::in_temp_dir(region)));
+            crate::api::tests::state_with(
+                coordinator,
+                decider_of(pinned.clone(), u64::MAX, HashMap::new()),
+            )
+        };
+        let t = id(&[("tenant", "t"), ("policy", "w")]);
+        for (rule, want) in [(None, DENY), (Some(Blanket::AllowAll), ALLOW)] {
+            // The default, then the other answer configured.
+            let cfg = match rule {
+                None => EnvoyConfig::default(),
+                Some(r) => EnvoyConfig {
+                    rlqs_elsewhere: r,
+                    ..EnvoyConfig::default()
+                },
+            };
+            let state = state();
+            let (channel, _stop) = start(state.clone(), cfg).await;
+            let mut s = Stream::open(&channel).await;
+            let r = s.report(vec![usage(t.clone(), 5, 10, 0)]).await.unwrap();
+            assert_eq!(assigned(&r.bucket_action[0]), (0, want, 11));
+            // Nothing is held here.
+            assert_eq!(state.decider.envoy_holdings().counts(), (0, 0));
+        }
+    }
+
+    #[tokio::test]
     async fn the_listener_stopping_ends_every_stream() {
         let state = embedded();
         put(&state, "acme", "api", 100, 1000).await;

@@ -55,7 +55,7 @@ pub(crate) fn state_on(store: quota_store::AnyStore, breaker: Breaker) -> AppSta
 }
 
 /// The API state around `decider` and `coordinator`.
-fn state_with(coordinator: Arc<Coordinator>, decider: Decider) -> AppState {
+pub(crate) fn state_with(coordinator: Arc<Coordinator>, decider: Decider) -> AppState {
     state_with_tokens(
         coordinator,
         decider,
