@@ -9,7 +9,8 @@
 //! plus tokens the cut-off bucket holds at that moment: `(share − floor) · (C + r · 2 ·
 //! margin)`. Plus what an outage of this region's Redis can add under the policy's `local` fail
 //! mode ([`outage::overshoot_tokens`]). An embedded store has no outage, and a lease that never
-//! ends (a single region) is never reused elsewhere.
+//! ends (a single region) is never reused elsewhere. A policy with a debt limit adds it: charges
+//! of work already done may take this region's bucket that far below empty, whatever the share.
 
 use quota_core::bucket::UT;
 use quota_core::{FailMode, Policy, PPM};
@@ -41,7 +42,9 @@ pub fn worst_case_overshoot_tokens(
     } else {
         0.0
     };
-    cut_off + redis_out
+    // Charges after the fact (`POST /v1/charges`) take the bucket down to `-debt_limit`, in
+    // every region, cut off or not.
+    cut_off + redis_out + p.debt_limit as f64
 }
 
 /// This region's exposure over every policy in its view.
@@ -139,6 +142,20 @@ mod tests {
             worst_case_overshoot_tokens(&p, 500_000, &limit, false, 500, false),
             0.0
         );
+    }
+
+    #[test]
+    fn a_debt_limit_is_exposed_in_every_region_whatever_its_share() {
+        let mut p = policy("closed", 0.0);
+        p.debt_limit = 40;
+        let limit: Limit = quota_core::share::limit_for_share(&p, 0).into();
+        assert_eq!(
+            worst_case_overshoot_tokens(&p, 0, &limit, false, 500, false),
+            40.0
+        );
+        let limit: Limit = quota_core::share::limit_for_share(&p, 500_000).into();
+        let w = worst_case_overshoot_tokens(&p, 500_000, &limit, true, 500, false);
+        assert!((w - 95.0).abs() < 1e-9, "{w}");
     }
 
     #[test]
