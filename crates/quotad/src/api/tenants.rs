@@ -364,7 +364,28 @@ pub struct ThisRegionView {
     /// deciding now: Redis, or the in-process bucket while Redis is down); `null` if it could
     /// not be read.
     pub tokens_left: Option<u64>,
+    /// Whole tokens owed below empty by charges of work already done (`debt_limit`): checks
+    /// are denied until the refill has repaid them. Read from the time the bucket needs to be
+    /// full, so exact within one millisecond of refill; `null` when not read.
+    pub debt: Option<u64>,
     pub lease_remaining_ms: Option<u64>,
+}
+
+/// Whole tokens a bucket read as `d` owes below empty: what its time to full refills beyond
+/// its capacity, less one millisecond of refill (the time is a ceiling, so an empty bucket
+/// refills up to that much past its capacity), rounded up.
+fn debt_of(limit: &Limit, d: &quota_core::Decision) -> u64 {
+    let (Limit::TokenBucket(b), Some(ms)) = (limit, d.reset_ms) else {
+        return 0;
+    };
+    if d.remaining > 0 || b.refill_ut == 0 {
+        return 0;
+    }
+    let (rate, period) = (u128::from(b.refill_ut), u128::from(b.period_ms));
+    let refilled = u128::from(ms) * rate / period;
+    let one_ms = rate.div_ceil(period);
+    let owed = refilled.saturating_sub(u128::from(b.capacity_ut) + one_ms);
+    u64::try_from(owed.div_ceil(u128::from(UT))).unwrap_or(u64::MAX)
 }
 
 /// One policy's allowance.
@@ -441,7 +462,9 @@ pub async fn allowance(
             policy: name.clone(),
             version: p.version,
         };
-        let tokens_left = state.decider.tokens_left(bucket, limit).await;
+        let level = state.decider.peek(bucket, limit).await;
+        let tokens_left = level.map(|d| d.remaining);
+        let debt = level.map(|d| debt_of(&limit, &d));
         let grant = entry.grants.get(&region);
         let share = grant.map_or(0, |g| g.share_ppm);
         let frac = |ppm: u32| f64::from(ppm) / f64::from(PPM);
@@ -477,6 +500,7 @@ pub async fn allowance(
                 capacity,
                 refill_per_s,
                 tokens_left,
+                debt,
                 lease_remaining_ms: grant
                     .and(lease_of(&region))
                     .map(|exp| exp.saturating_sub(now_ms)),

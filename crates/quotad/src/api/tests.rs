@@ -2820,6 +2820,37 @@ async fn a_charge_goes_into_debt_to_its_limit_and_denies_checks_until_repaid() {
     assert_eq!(r.status, StatusCode::TOO_MANY_REQUESTS);
     let ms = r.body["retry_after_ms"].as_u64().unwrap();
     assert!((5_000..=6_000).contains(&ms), "{ms}");
+    // The allowance shows the debt (the refill may have repaid one token since).
+    let allowance = |router: &Api| {
+        let router = router.clone();
+        async move {
+            let r = send(
+                &router,
+                "GET",
+                "/v1/tenants/acme/allowance",
+                Some(TOKEN),
+                None,
+            )
+            .await;
+            assert_eq!(r.status, StatusCode::OK);
+            r.body["policies"][0]["this_region"].clone()
+        }
+    };
+    let here = allowance(&router).await;
+    assert_eq!(here["tokens_left"], 0);
+    let debt = here["debt"].as_u64().unwrap();
+    assert!((4..=5).contains(&debt), "{here}");
+    // An empty bucket owes nothing.
+    let empty = with_policy(json!({"limit": 60, "window_ms": 60000, "burst": 10})).await;
+    let all = json!({"tenant": "acme", "policy": "writes", "cost": 10}).to_string();
+    let r = send(&empty, "POST", "/v1/check", None, Some(&all)).await;
+    assert_eq!(r.status, StatusCode::OK);
+    let here = allowance(&empty).await;
+    assert_eq!(
+        (&here["tokens_left"], &here["debt"]),
+        (&json!(0), &json!(0)),
+        "{here}"
+    );
 }
 
 #[tokio::test]
