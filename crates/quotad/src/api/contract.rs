@@ -223,6 +223,30 @@ fn bound_bodies(s: &mut Schemas) {
             .max_length(Some(crate::api::check::MAX_IDENTITY_BYTES))
             .build(),
     );
+    set(s, "ChargeBody", "tenant", id_or_null(TenantId::MAX_LEN));
+    set(s, "ChargeBody", "policy", id(PolicyName::MAX_LEN));
+    set(s, "ChargeBody", "cost", whole(1, MAX_COST, false));
+    set(
+        s,
+        "ChargeBody",
+        "identity",
+        ObjectBuilder::new()
+            .schema_type(SchemaType::from_iter([Type::String, Type::Null]))
+            .min_length(Some(1))
+            .max_length(Some(crate::api::check::MAX_IDENTITY_BYTES))
+            .build(),
+    );
+    set(
+        s,
+        "ChargeBody",
+        "id",
+        ObjectBuilder::new()
+            .schema_type(SchemaType::from_iter([Type::String, Type::Null]))
+            .pattern(Some("^[!-~]+$"))
+            .min_length(Some(1))
+            .max_length(Some(quota_store::MAX_CHARGE_ID_LEN))
+            .build(),
+    );
     set(s, "NewMember", "node_id", whole(1, u64::MAX, false));
     set(s, "NewMember", "region", id(RegionId::MAX_LEN));
     for f in ["peer", "api"] {
@@ -282,6 +306,7 @@ fn close_bodies(s: &mut Schemas) {
     for name in [
         "PolicyBody",
         "CheckBody",
+        "ChargeBody",
         "PinBody",
         "NewMember",
         "BatchBody",
