@@ -18,9 +18,11 @@
 //! - [`fault_proxy`]: the TCP proxy that cuts regions apart.
 //! - [`prometheus`]: a real Prometheus scraping daemons ([`Prometheus`]); its binaries.
 //! - [`grafana`]: the Grafana dashboard's panels and queries.
+//! - [`crates`]: where Cargo put the crates whose `.proto` files the Python clients compile.
 
 pub mod cluster;
 pub mod config;
+pub mod crates;
 pub mod daemon;
 pub mod fault_proxy;
 pub mod grafana;

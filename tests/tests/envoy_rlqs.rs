@@ -26,8 +26,9 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context};
+use quotad_system_tests::crates::{cargo_metadata, crate_dir};
 use quotad_system_tests::{eventually, Cluster, Timings};
-use serde_json::{json, Value};
+use serde_json::json;
 use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader};
 use tokio::process::{Child, ChildStdin, Command};
 
@@ -49,44 +50,6 @@ const LEASE_MS: u64 = 15_000;
 /// How far a region's share may be read before or after the instant it applied to: the admin
 /// API is polled every 250 ms and the clocks are tied through pipes.
 const SHARE_SLACK_S: f64 = 1.0;
-
-/// The source directory of `package` as Cargo resolved it for this workspace.
-fn crate_dir(metadata: &Value, package: &str) -> anyhow::Result<PathBuf> {
-    let manifest = metadata["packages"]
-        .as_array()
-        .context("cargo metadata has no packages")?
-        .iter()
-        .find(|p| p["name"] == package)
-        .and_then(|p| p["manifest_path"].as_str())
-        .with_context(|| format!("{package} is not in the dependency graph"))?;
-    Ok(Path::new(manifest)
-        .parent()
-        .context("a manifest path without a parent")?
-        .to_path_buf())
-}
-
-/// The crates this workspace builds for this host, offline.
-async fn cargo_metadata(workspace: &Path) -> anyhow::Result<Value> {
-    let rustc = std::env::var("RUSTC").unwrap_or_else(|_| "rustc".into());
-    let version = Command::new(rustc).arg("-vV").output().await?;
-    let version = String::from_utf8(version.stdout)?;
-    let host = version
-        .lines()
-        .find_map(|l| l.strip_prefix("host: "))
-        .context("rustc -vV names no host")?;
-    let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
-    let out = Command::new(cargo)
-        .args(["metadata", "--format-version", "1", "--offline", "--locked"])
-        .args(["--filter-platform", host])
-        .current_dir(workspace)
-        .output()
-        .await
-        .context("running cargo metadata")?;
-    if !out.status.success() {
-        bail!("cargo metadata: {}", String::from_utf8_lossy(&out.stderr));
-    }
-    Ok(serde_json::from_slice(&out.stdout)?)
-}
 
 /// One assignment as a client received it.
 #[derive(Debug, Clone, PartialEq)]

@@ -7,7 +7,7 @@ use axum::http::HeaderMap;
 use quota_core::PolicyName;
 use serde::{Deserialize, Serialize};
 
-use crate::api::check::{check_error, subject, MAX_COST};
+use crate::api::check::{check_error, parse_cost, subject};
 use crate::api::problem::{ApiError, ApiJson, Problem};
 use crate::api::state::AppState;
 use crate::decision::{Charged, FORWARDED_HEADER};
@@ -104,17 +104,11 @@ pub async fn charge(
         forwarded,
     )?;
     let policy = PolicyName::new(body.policy).map_err(|e| ApiError::field("policy", &e))?;
-    let c = body.cost;
-    if c.fract() != 0.0 || !(1.0..=MAX_COST as f64).contains(&c) {
-        return Err(ApiError::field(
-            "cost",
-            &format!("must be a whole number of at least 1 (got {c})"),
-        ));
-    }
+    let cost = parse_cost(Some(body.cost))?;
     let id = parse_id(body.id)?;
     let out = state
         .decider
-        .charge(&tenant, &policy, c as u64, id, forwarded)
+        .charge(&tenant, &policy, cost, id, forwarded)
         .await
         .map_err(check_error)?;
     let region = state.decider.region().as_str().to_string();

@@ -49,6 +49,15 @@ fn id_or_null(max_len: usize) -> Object {
         .build()
 }
 
+/// A raw identity: any UTF-8 of 1 to `MAX_IDENTITY_BYTES`, or null.
+fn identity() -> Object {
+    ObjectBuilder::new()
+        .schema_type(SchemaType::from_iter([Type::String, Type::Null]))
+        .min_length(Some(1))
+        .max_length(Some(crate::api::check::MAX_IDENTITY_BYTES))
+        .build()
+}
+
 fn whole(min: u64, max: u64, nullable: bool) -> Object {
     let ty = if nullable {
         SchemaType::from_iter([Type::Integer, Type::Null])
@@ -213,29 +222,11 @@ fn bound_bodies(s: &mut Schemas) {
         id_or_null(quota_core::PlanName::MAX_LEN),
     );
     set(s, "PolicyBody", "mode", one_of(&["enforcing", "shadow"]));
-    set(
-        s,
-        "CheckBody",
-        "identity",
-        ObjectBuilder::new()
-            .schema_type(SchemaType::from_iter([Type::String, Type::Null]))
-            .min_length(Some(1))
-            .max_length(Some(crate::api::check::MAX_IDENTITY_BYTES))
-            .build(),
-    );
+    set(s, "CheckBody", "identity", identity());
     set(s, "ChargeBody", "tenant", id_or_null(TenantId::MAX_LEN));
     set(s, "ChargeBody", "policy", id(PolicyName::MAX_LEN));
     set(s, "ChargeBody", "cost", whole(1, MAX_COST, false));
-    set(
-        s,
-        "ChargeBody",
-        "identity",
-        ObjectBuilder::new()
-            .schema_type(SchemaType::from_iter([Type::String, Type::Null]))
-            .min_length(Some(1))
-            .max_length(Some(crate::api::check::MAX_IDENTITY_BYTES))
-            .build(),
-    );
+    set(s, "ChargeBody", "identity", identity());
     set(
         s,
         "ChargeBody",
