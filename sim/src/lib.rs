@@ -21,6 +21,8 @@
 //! - [`simulation`]: the engine that runs a scenario.
 //! - [`per_subject`]: the `per_subject` scenario: 100 000 subjects of one plan, in an engine of
 //!   its own.
+//! - [`llm_tokens`]: budgets of LLM tokens, each request's cost known only when it ends, in an
+//!   engine of its own; its strategies are [`strategy::llm`].
 //! - [`sliding_window`]: "at most N in any W" policies split over the regions, decided by
 //!   `quota_core::window`, in a small engine of their own.
 //! - [`report`], [`plot`]: table, CSV and JSON output; SVG plots.
@@ -28,6 +30,7 @@
 
 pub mod control;
 pub mod faults;
+pub mod llm_tokens;
 pub mod metrics;
 pub mod options;
 pub mod per_subject;

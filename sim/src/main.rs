@@ -8,10 +8,11 @@ use std::time::Instant;
 use anyhow::Context;
 use clap::Parser;
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
+use sim::llm_tokens::LlmRun;
 use sim::options::{Format, Options};
 use sim::per_subject::SubjectRun;
 use sim::simulation::ScenarioRun;
-use sim::{per_subject, plot, report, sliding_window};
+use sim::{llm_tokens, per_subject, plot, report, sliding_window};
 
 fn main() {
     if let Err(e) = run() {
@@ -40,13 +41,21 @@ fn run() -> anyhow::Result<()> {
              file for its table with --per-subject-csv PATH or --out DIR)"
         );
     }
+    if opts.llm_tokens_skipped() {
+        eprintln!(
+            "note: --format csv prints one table; llm_tokens did not run (its table goes to \
+             DIR/llm_tokens.csv with --out DIR, or to stdout with --scenario llm_tokens alone)"
+        );
+    }
     let scenarios = opts.scenarios();
     let strategies = opts.strategies();
     let jobs = opts
         .jobs
         .unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()));
     let per_subject = opts.per_subject();
-    let total = (scenarios.len() as u64 + u64::from(per_subject)) * cfg.duration_ms / 1000;
+    let llm = opts.llm_tokens();
+    let total =
+        (scenarios.len() as u64 + u64::from(per_subject) + u64::from(llm)) * cfg.duration_ms / 1000;
     let bar = ProgressBar::with_draw_target(Some(total), ProgressDrawTarget::stderr());
     if !std::io::stderr().is_terminal() {
         bar.set_draw_target(ProgressDrawTarget::hidden());
@@ -60,6 +69,9 @@ fn run() -> anyhow::Result<()> {
     let wall_s = started.elapsed().as_secs_f64();
     let subjects =
         per_subject.then(|| per_subject::run(&opts.subject_config(&cfg), &mut |n| bar.inc(n)));
+    let llm_run = llm
+        .then(|| llm_tokens::run(&cfg, &mut |n| bar.inc(n)))
+        .transpose()?;
     bar.finish_and_clear();
 
     // The default suite ends with sliding-window policies (a small engine of their own), in the
@@ -74,7 +86,13 @@ fn run() -> anyhow::Result<()> {
             "note: the sliding-window policies' table is in --format table and json, not csv"
         );
     }
-    let stdout = report::render(opts.format, &runs, subjects.as_ref(), &windows);
+    let stdout = report::render(
+        opts.format,
+        &runs,
+        subjects.as_ref(),
+        &windows,
+        llm_run.as_ref(),
+    );
     std::io::stdout()
         .lock()
         .write_all(stdout.as_bytes())
@@ -101,8 +119,14 @@ fn run() -> anyhow::Result<()> {
         file.write_all(per_subject::csv(run).as_bytes())
             .with_context(|| format!("writing {}", path.display()))?;
     }
+    if let Some(run) = &llm_run {
+        eprintln!(
+            "llm_tokens: {} simulated decisions in {:.2} s wall on 1 thread",
+            run.decisions, run.wall_s
+        );
+    }
     if let Some(out) = out_dir {
-        out.write(&runs, subjects.as_ref())?;
+        out.write(&runs, subjects.as_ref(), llm_run.as_ref())?;
     }
     Ok(())
 }
@@ -129,15 +153,25 @@ impl OutDir {
         })
     }
 
-    /// Writes `results.csv`, `per_subject.csv` when it ran, and per scenario its series and
-    /// plots.
-    fn write(self, runs: &[ScenarioRun], subjects: Option<&SubjectRun>) -> anyhow::Result<()> {
+    /// Writes `results.csv`, `per_subject.csv` and `llm_tokens.csv` when they ran, and per
+    /// scenario its series and plots.
+    fn write(
+        self,
+        runs: &[ScenarioRun],
+        subjects: Option<&SubjectRun>,
+        llm: Option<&LlmRun>,
+    ) -> anyhow::Result<()> {
         let (path, mut file) = self.results;
         file.write_all(report::csv(runs).as_bytes())
             .with_context(|| format!("writing {}", path.display()))?;
         if let Some(run) = subjects {
             let path = self.dir.join("per_subject.csv");
             std::fs::write(&path, per_subject::csv(run))
+                .with_context(|| format!("writing {}", path.display()))?;
+        }
+        if let Some(run) = llm {
+            let path = self.dir.join("llm_tokens.csv");
+            std::fs::write(&path, llm_tokens::csv(run))
                 .with_context(|| format!("writing {}", path.display()))?;
         }
         for run in runs {

@@ -176,6 +176,8 @@ pub struct Recorder {
     cached_1s: u64,
     max_w: f64,
     max_1s: f64,
+    /// Per tenant: its overshoot(W) so far.
+    max_w_tenant: Vec<f64>,
     latency: Vec<u64>,
     /// Latency counts from here on.
     warmup_ms: u64,
@@ -190,6 +192,8 @@ pub struct Recorder {
     floor_ms: Vec<u64>,
     /// Every closed matching bin's tokens in healthy regions, for [`Recorder::against_baseline`].
     healthy_bins: Vec<HealthyBin>,
+    /// Seconds per matching bin ([`MATCH_S`] unless [`Recorder::matching_over`] says).
+    match_s: usize,
     /// Decisions made in another region than the caller's, over the whole run.
     forwarded: u64,
     /// Denials with no retry time (the deciding bucket can never hold the cost), over the
@@ -268,16 +272,29 @@ impl Recorder {
             cached_1s: 0,
             max_w: 0.0,
             max_1s: 0.0,
+            max_w_tenant: vec![0.0; tenants.len()],
             latency: vec![0; (LATENCY_MAX_US / LATENCY_BIN_US) as usize + 1],
             warmup_ms,
             decisions: 0,
             open: vec![TenantSecond::default(); tenants.len()],
             secs: vec![Second::default(); duration_ms.div_ceil(1000) as usize],
             floor_ms: vec![0; healthy.len()],
+            match_s: MATCH_S as usize,
             forwarded: 0,
             never: 0,
             healthy,
             healthy_bins: Vec::new(),
+        }
+    }
+
+    /// The same recorder matching admissions against the shadow's per `match_s`-second bin
+    /// instead of [`MATCH_S`]: for costs that land in lumps (a request's tokens at its end), a
+    /// short bin would count *when* a lump lands as denials.
+    pub fn matching_over(self, match_s: u64) -> Self {
+        assert!(match_s > 0, "a matching bin lasts at least a second");
+        Self {
+            match_s: match_s as usize,
+            ..self
         }
     }
 
@@ -305,7 +322,7 @@ impl Recorder {
             self.latency[(latency_us.min(LATENCY_MAX_US) / LATENCY_BIN_US) as usize] += 1;
         }
         let now_sec = (t_ms / 1000) as usize;
-        let bin_sec = now_sec - now_sec % MATCH_S as usize;
+        let bin_sec = now_sec - now_sec % self.match_s;
         if self.open[tenant].sec != bin_sec {
             self.close(tenant);
             self.open[tenant].sec = bin_sec;
@@ -337,6 +354,7 @@ impl Recorder {
                 self.ring_1s.add(tenant, self.cached_1s, cost) as f64 * self.inv_bound_1s[tenant];
             sec.overshoot_w = sec.overshoot_w.max(w);
             self.max_w = self.max_w.max(w);
+            self.max_w_tenant[tenant] = self.max_w_tenant[tenant].max(w);
             self.max_1s = self.max_1s.max(s);
         }
     }
@@ -390,6 +408,11 @@ impl Recorder {
                 sec.healthy_both_tokens += got.min(base);
             }
         }
+    }
+
+    /// Each tenant's overshoot(W) so far, in tenant order (the run's is their largest).
+    pub fn overshoot_window_by_tenant(&self) -> &[f64] {
+        &self.max_w_tenant
     }
 
     /// The decisions recorded so far.

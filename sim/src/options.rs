@@ -147,15 +147,15 @@ fn seconds_to_ms(errors: &mut Vec<String>, name: &str, s: f64, min_ms: u64, max_
 }
 
 impl Options {
-    /// The suite's scenarios to run, in suite order (`per_subject` runs apart:
-    /// [`Options::per_subject`]).
+    /// The suite's scenarios to run, in suite order (`per_subject` and `llm_tokens` run apart:
+    /// [`Options::per_subject`], [`Options::llm_tokens`]).
     pub fn scenarios(&self) -> Vec<ScenarioKind> {
         let mut v = if self.scenarios.is_empty() {
             ScenarioKind::ALL.to_vec()
         } else {
             self.scenarios.clone()
         };
-        v.retain(|&k| k != ScenarioKind::PerSubject);
+        v.retain(|&k| !matches!(k, ScenarioKind::PerSubject | ScenarioKind::LlmTokens));
         v.sort();
         v.dedup();
         v
@@ -177,6 +177,24 @@ impl Options {
             && self.per_subject_asked()
             && !self.scenarios().is_empty()
             && self.per_subject_csv.is_none()
+            && self.out.is_none()
+    }
+
+    /// Whether to run `llm_tokens`: by default, or when named.
+    pub fn llm_tokens(&self) -> bool {
+        self.llm_tokens_asked() && !self.llm_tokens_skipped()
+    }
+
+    fn llm_tokens_asked(&self) -> bool {
+        self.scenarios.is_empty() || self.scenarios.contains(&ScenarioKind::LlmTokens)
+    }
+
+    /// `--format csv` prints one table: when another takes stdout and there is no `--out` for
+    /// `llm_tokens.csv`, that scenario is not run, and `main` says so on stderr.
+    pub fn llm_tokens_skipped(&self) -> bool {
+        self.format == Format::Csv
+            && self.llm_tokens_asked()
+            && (!self.scenarios().is_empty() || self.per_subject())
             && self.out.is_none()
     }
 
@@ -330,7 +348,11 @@ impl Options {
 
     /// Whether every chosen scenario fits the regions and the duration.
     fn check_scenarios(&self, duration_ms: u64, e: &mut Vec<String>) {
-        for kind in self.scenarios() {
+        let llm = self
+            .llm_tokens()
+            .then_some(ScenarioKind::LlmTokens)
+            .into_iter();
+        for kind in self.scenarios().into_iter().chain(llm) {
             if self.regions < kind.min_regions() {
                 e.push(format!(
                     "--regions {} is too few for scenario {kind} (needs {}); choose others with \
@@ -452,6 +474,30 @@ mod tests {
         assert!(
             e.contains("--per-subject-csv needs the per_subject scenario"),
             "{e}"
+        );
+    }
+
+    #[test]
+    fn llm_tokens_runs_by_default_or_when_named_and_needs_a_partition() {
+        let o = |args: &[&str]| Options::try_parse_from(args).unwrap();
+        assert!(o(&["sim"]).llm_tokens());
+        assert!(o(&["sim", "--scenario", "llm_tokens"]).llm_tokens());
+        assert!(o(&["sim", "--scenario", "llm_tokens"])
+            .scenarios()
+            .is_empty());
+        assert!(!o(&["sim", "--scenario", "steady"]).llm_tokens());
+        // CSV on stdout is one table: beside the suite's it needs --out.
+        assert!(o(&["sim", "--format", "csv"]).llm_tokens_skipped());
+        assert!(o(&["sim", "--format", "csv", "--out", "r"]).llm_tokens());
+        assert!(o(&["sim", "--format", "csv", "--scenario", "llm_tokens"]).llm_tokens());
+        let e = o(&["sim", "--scenario", "llm_tokens", "--regions", "2"])
+            .run_config()
+            .unwrap_err()
+            .0;
+        assert!(
+            e.iter()
+                .any(|m| m.contains("too few for scenario llm_tokens")),
+            "{e:?}"
         );
     }
 

@@ -10,7 +10,9 @@
 //! Every call that reaches a Redis (a decision, a reservation, a refund) is counted, so
 //! strategies can be compared by the store calls they make per decision.
 
-use quota_core::bucket::{decide, next_admission_ms, refund, reserve, BucketParams, BucketState};
+use quota_core::bucket::{
+    charge, decide, next_admission_ms, refund, reserve, BucketParams, BucketState,
+};
 use quota_core::FailMode;
 use serde::Serialize;
 
@@ -182,6 +184,60 @@ impl RegionalStores {
         true
     }
 
+    /// Whether `region`'s bucket for `tenant` holds `cost` now, spending nothing (a reading);
+    /// while the Redis is down the fail mode answers, `local` reading the in-process bucket.
+    pub fn peek(
+        &mut self,
+        region: RegionIx,
+        tenant: u32,
+        fail_mode: FailMode,
+        local_ms: u64,
+        params: &BucketParams,
+        cost: u64,
+    ) -> bool {
+        let i = tenant as usize * self.regions + region;
+        let state = if self.down[region] {
+            match fail_mode {
+                FailMode::Open => return true,
+                FailMode::Closed => return false,
+                FailMode::Local => self.fallback[i],
+            }
+        } else {
+            self.calls.decisions += 1;
+            self.states[i]
+        };
+        decide(local_ms, params, state.as_ref(), cost).0.allowed
+    }
+
+    /// Charges `cost` whole tokens of work already done to `region`'s Redis bucket for `tenant`
+    /// with [`charge`]: into debt down to `debt_limit_ut` below empty. Returns the tokens it
+    /// clamped (did not take), or `None` while the Redis is down: nothing is applied, as the
+    /// daemon decides no charge in process.
+    pub fn charge_into_debt(
+        &mut self,
+        region: RegionIx,
+        tenant: u32,
+        local_ms: u64,
+        params: &BucketParams,
+        cost: u64,
+        debt_limit_ut: u64,
+    ) -> Option<u64> {
+        if self.down[region] {
+            return None;
+        }
+        let i = tenant as usize * self.regions + region;
+        let (out, s) = charge(
+            local_ms,
+            params,
+            self.states[i].as_ref(),
+            cost,
+            debt_limit_ut,
+        )
+        .expect("a cost of 1..=MAX_BURST and a debt limit within MAX_CAPACITY_UT");
+        self.states[i] = Some(s);
+        Some(out.clamped)
+    }
+
     /// Charges `tokens` already spent elsewhere to a bucket, going no lower than empty; returns
     /// what could not be charged (the debt left over).
     pub fn charge(
@@ -256,5 +312,20 @@ mod tests {
         assert_eq!(st.charge(0, 0, 0, &p, 2 * ut), 0);
         assert_eq!(st.charge(0, 0, 0, &p, 4 * ut), ut);
         assert!(!st.decide(0, 0, FailMode::Local, 0, &p, 1));
+    }
+
+    #[test]
+    fn a_charge_goes_into_debt_down_to_its_limit_and_a_reading_spends_nothing() {
+        let ut = quota_core::bucket::UT;
+        let p = BucketParams::new(5 * ut, 0).unwrap();
+        let mut st = RegionalStores::new(1, 1);
+        assert!(st.peek(0, 0, FailMode::Closed, 0, &p, 5));
+        assert!(st.peek(0, 0, FailMode::Closed, 0, &p, 5), "nothing spent");
+        assert!(!st.peek(0, 0, FailMode::Closed, 0, &p, 6));
+        // 5 tokens and a debt limit of 3: a charge of 7 takes all, one of 4 more takes 1.
+        assert_eq!(st.charge_into_debt(0, 0, 0, &p, 7, 3 * ut), Some(0));
+        assert_eq!(st.charge_into_debt(0, 0, 0, &p, 4, 3 * ut), Some(3));
+        assert!(!st.peek(0, 0, FailMode::Closed, 0, &p, 1), "in debt");
+        assert!(!st.decide(0, 0, FailMode::Closed, 0, &p, 1));
     }
 }

@@ -5,6 +5,7 @@ use std::fmt::Write as _;
 
 use serde::Serialize;
 
+use crate::llm_tokens::{LlmRow, LlmRun};
 use crate::metrics::Summary;
 use crate::options::Format;
 use crate::per_subject::{SubjectRow, SubjectRun};
@@ -42,29 +43,42 @@ fn conv(s: &Summary) -> String {
     }
 }
 
-/// What `sim` prints on stdout. `table`: the suite's table, then per_subject's after a blank
-/// line. `csv`: one table, the suite's, or per_subject's when it ran alone (the options see
-/// to it that per_subject's has a file of its own when both ran). `json`: one document.
-/// `windows`: the sliding-window policies' rows (empty when they did not run); the CSV table
-/// leaves them out, one table being one header.
+/// What `sim` prints on stdout. `table`: the suite's table, then per_subject's, the
+/// sliding-window policies' and llm_tokens', each after a blank line. `csv`: one table, the
+/// first that ran of the suite's, per_subject's and llm_tokens' (the options see to it that
+/// the others have files of their own). `json`: one document. `windows`: the sliding-window
+/// policies' rows (empty when they did not run); the CSV table leaves them out, one table
+/// being one header.
 pub fn render(
     format: Format,
     runs: &[ScenarioRun],
     subjects: Option<&SubjectRun>,
     windows: &[WindowRow],
+    llm: Option<&LlmRun>,
 ) -> String {
-    if format == Format::Table && !windows.is_empty() {
-        return render(format, runs, subjects, &[]) + "\n" + &crate::sliding_window::table(windows);
-    }
-    match (format, subjects) {
-        (Format::Table, Some(run)) if !runs.is_empty() => {
-            table(runs) + "\n" + &crate::per_subject::table(run)
+    match format {
+        Format::Table => {
+            let mut parts = Vec::new();
+            if !runs.is_empty() || (subjects.is_none() && llm.is_none()) {
+                parts.push(table(runs));
+            }
+            if let Some(run) = subjects {
+                parts.push(crate::per_subject::table(run));
+            }
+            if !windows.is_empty() {
+                parts.push(crate::sliding_window::table(windows));
+            }
+            if let Some(run) = llm {
+                parts.push(crate::llm_tokens::table(run));
+            }
+            parts.join("\n")
         }
-        (Format::Table, Some(run)) => crate::per_subject::table(run),
-        (Format::Table, None) => table(runs),
-        (Format::Csv, Some(run)) if runs.is_empty() => crate::per_subject::csv(run),
-        (Format::Csv, _) => csv(runs),
-        (Format::Json, _) => json(runs, subjects, windows),
+        Format::Csv => match (subjects, llm) {
+            (Some(run), _) if runs.is_empty() => crate::per_subject::csv(run),
+            (None, Some(run)) if runs.is_empty() => crate::llm_tokens::csv(run),
+            _ => csv(runs),
+        },
+        Format::Json => json(runs, subjects, windows, llm),
     }
 }
 
@@ -235,18 +249,24 @@ impl<'a> From<&'a Summary> for JsonRow<'a> {
     }
 }
 
-/// Both tables in one JSON document.
+/// Every table in one JSON document.
 #[derive(Debug, Serialize)]
 struct Document<'a> {
     scenarios: Vec<JsonRow<'a>>,
     per_subject: &'a [SubjectRow],
     sliding_window: &'a [WindowRow],
+    llm_tokens: &'a [LlmRow],
 }
 
-/// JSON: one document, `{"scenarios": [...], "per_subject": [...], "sliding_window": [...]}`,
-/// each an array of rows keyed by the names of its CSV header (the sliding-window rows by their
-/// fields), an empty array for a table that did not run.
-pub fn json(runs: &[ScenarioRun], subjects: Option<&SubjectRun>, windows: &[WindowRow]) -> String {
+/// JSON: one document, `{"scenarios": [...], "per_subject": [...], "sliding_window": [...],
+/// "llm_tokens": [...]}`, each an array of rows keyed by the names of its CSV header (the
+/// sliding-window rows by their fields), an empty array for a table that did not run.
+pub fn json(
+    runs: &[ScenarioRun],
+    subjects: Option<&SubjectRun>,
+    windows: &[WindowRow],
+    llm: Option<&LlmRun>,
+) -> String {
     let doc = Document {
         scenarios: runs
             .iter()
@@ -254,6 +274,7 @@ pub fn json(runs: &[ScenarioRun], subjects: Option<&SubjectRun>, windows: &[Wind
             .collect(),
         per_subject: subjects.map_or(&[], |s| &s.rows),
         sliding_window: windows,
+        llm_tokens: llm.map_or(&[], |l| &l.rows),
     };
     serde_json::to_string_pretty(&doc).expect("rows serialise") + "\n"
 }

@@ -82,6 +82,10 @@ pub enum ScenarioKind {
     /// 100 000 subjects of one plan, each held to its limit worldwide (runs in its own engine,
     /// [`crate::per_subject`]; not in [`ScenarioKind::ALL`]).
     PerSubject,
+    /// Budgets of LLM tokens: each request's cost known only when it ends, seconds later;
+    /// demand above the budgets, the last region cut off for 90 s (runs in its own engine,
+    /// [`crate::llm_tokens`]; not in [`ScenarioKind::ALL`]).
+    LlmTokens,
 }
 
 impl ScenarioKind {
@@ -119,6 +123,7 @@ impl ScenarioKind {
                 | Self::Flapping
                 | Self::Heal
                 | Self::RedisOutage
+                | Self::LlmTokens
         )
     }
 
@@ -163,6 +168,7 @@ impl ScenarioKind {
             Self::SmallBudget => "small_budget",
             Self::SlowBudget => "slow_budget",
             Self::PerSubject => "per_subject",
+            Self::LlmTokens => "llm_tokens",
         }
     }
 }
@@ -218,7 +224,7 @@ pub enum ScenarioError {
     },
     #[error("invalid policy: {0}")]
     Policy(String),
-    #[error("{scenario} runs in its own engine (sim::per_subject)")]
+    #[error("{scenario} runs in its own engine (sim::{scenario})")]
     OwnEngine { scenario: ScenarioKind },
 }
 
@@ -358,7 +364,7 @@ impl Scenario {
         opts: &ScenarioOptions,
         rng: &mut ChaCha8Rng,
     ) -> Result<Self, ScenarioError> {
-        if kind == ScenarioKind::PerSubject {
+        if matches!(kind, ScenarioKind::PerSubject | ScenarioKind::LlmTokens) {
             return Err(ScenarioError::OwnEngine { scenario: kind });
         }
         let span = Span::new(kind, opts)?;

@@ -231,7 +231,10 @@ fn sorted(names: impl Iterator<Item = &'static str>) -> Vec<String> {
 fn json_is_one_document_with_both_tables_named_as_in_csv() {
     let doc: Value = serde_json::from_str(&sim_ok(&["--format", "json"])).expect("one document");
     let top: Vec<&String> = doc.as_object().expect("an object").keys().collect();
-    assert_eq!(top, ["per_subject", "scenarios", "sliding_window"]);
+    assert_eq!(
+        top,
+        ["llm_tokens", "per_subject", "scenarios", "sliding_window"]
+    );
     let scenarios = doc["scenarios"].as_array().unwrap();
     let subjects = doc["per_subject"].as_array().unwrap();
     assert_eq!(
@@ -298,6 +301,7 @@ fn json_is_one_document_with_both_tables_named_as_in_csv() {
     let doc: Value = serde_json::from_slice(&out.stdout).expect("one document");
     assert_eq!(doc["scenarios"].as_array().unwrap().len(), 1);
     assert_eq!(doc["per_subject"], Value::Array(vec![]));
+    assert_eq!(doc["llm_tokens"], Value::Array(vec![]));
 }
 
 /// Exit code 1, a message naming `path`, no panic, nothing on stdout.
@@ -340,4 +344,65 @@ fn outputs_that_cannot_be_written_are_refused_before_the_run() {
         stderr.contains("--per-subject-csv needs the per_subject scenario"),
         "{stderr}"
     );
+}
+
+/// `llm_tokens` alone prints its own table as CSV, and JSON carries its rows under its CSV's
+/// names; with the suite's CSV on stdout it runs only with `--out`, into `llm_tokens.csv`.
+#[test]
+fn llm_tokens_prints_its_own_csv_and_json_rows() {
+    let small = [
+        "--duration",
+        "20",
+        "--warmup",
+        "5",
+        "--tenants",
+        "2",
+        "--scenario",
+        "llm_tokens",
+    ];
+    let run = |extra: &[&str]| {
+        let args: Vec<&str> = small.iter().chain(extra).copied().collect();
+        let out = sim(&args);
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        String::from_utf8(out.stdout).unwrap()
+    };
+    let csv = run(&["--format", "csv"]);
+    assert_eq!(one_table(&csv), (sim::llm_tokens::CSV_HEADER.into(), 4));
+    let doc: Value = serde_json::from_str(&run(&["--format", "json"])).expect("one document");
+    let rows = doc["llm_tokens"].as_array().unwrap();
+    assert_eq!(rows.len(), 4);
+    assert_eq!(keys(rows), sorted(sim::llm_tokens::CSV_HEADER.split(',')));
+    assert_eq!(doc["scenarios"], Value::Array(vec![]));
+
+    // Beside the suite's CSV it has no place on stdout: a note, or a file with --out.
+    let both = [
+        "--scenario",
+        "steady",
+        "--strategy",
+        "quotad",
+        "--format",
+        "csv",
+    ];
+    let out = sim(&small.iter().chain(&both).copied().collect::<Vec<_>>());
+    assert!(out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("llm_tokens did not run"));
+    let dir = tempfile::tempdir().unwrap();
+    let args: Vec<&str> = small
+        .iter()
+        .chain(&both)
+        .copied()
+        .chain(["--out", dir.path().to_str().unwrap()])
+        .collect();
+    let out = sim(&args);
+    assert!(out.status.success());
+    assert_eq!(
+        one_table(&String::from_utf8(out.stdout).unwrap()).0,
+        sim::report::CSV_HEADER
+    );
+    let file = std::fs::read_to_string(dir.path().join("llm_tokens.csv")).unwrap();
+    assert_eq!(one_table(&file), (sim::llm_tokens::CSV_HEADER.into(), 4));
 }

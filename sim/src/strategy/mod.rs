@@ -4,10 +4,15 @@
 //! messages, rebalances and leases up to that instant), then [`Strategy::decide`] for each
 //! request of the tick in a fixed order. A strategy sees the world (latencies, clocks, faults)
 //! but never the shadow bucket.
+//!
+//! [`llm`] holds the `llm_tokens` scenario's strategies, for costs known only when a request
+//! ends; they decide a request twice (at its start and at its end) and run in that scenario's
+//! engine.
 
 mod async_broadcast;
 mod fixed_share;
 mod global_store;
+pub mod llm;
 mod quotad;
 mod quotad_pinned;
 mod quotad_reserved;

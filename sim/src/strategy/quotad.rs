@@ -4,7 +4,9 @@
 //!
 //! The same machinery, configured differently, is `rebalance_no_lease` (no leases, no
 //! revoke-before-grant) and `quotad_pinned` (critical tenants pinned, other regions forward
-//! their checks to the home region); with [`Reservations`] it is `quotad_reserved`.
+//! their checks to the home region); with [`Reservations`] it is `quotad_reserved`. The
+//! `llm_tokens` strategies read a bucket ([`Quotad::peek`]) and settle holds against costs
+//! known only at the end ([`Quotad::settle`]) through it.
 //!
 //! Every variant runs the daemon's denial cache ([`Denials`]): a Redis answer that bounds the
 //! next admission (a denial's retry time R, or an admission that left fewer tokens than its
@@ -106,6 +108,12 @@ impl Denials {
                 until_ms: local_ms + hold_us.div_ceil(1_000),
             }
         });
+    }
+
+    /// Forgets `tenant`'s denial in `region`: tokens came back to its bucket (a client's
+    /// refund), so the denial may no longer stand, as the daemon's refund forgets it.
+    fn forget(&mut self, region: RegionIx, tenant: usize) {
+        self.standing[tenant * self.regions + region] = None;
     }
 
     /// Forgets every denial of `region`: its daemon stopped.
@@ -254,14 +262,29 @@ impl Strategy for Quotad {
     }
 
     fn decide(&mut self, world: &World, t_ms: u64, req: &Request) -> Verdict {
+        self.decide_routed(world, t_ms, req).0
+    }
+}
+
+impl Quotad {
+    /// Decides `req` as [`Strategy::decide`] does, and says in which region it was decided
+    /// (the caller's, or the one it was forwarded to).
+    pub fn decide_routed(
+        &mut self,
+        world: &World,
+        t_ms: u64,
+        req: &Request,
+    ) -> (Verdict, RegionIx) {
         let target = self.forward_target(world, t_ms, req);
         let mut v = self.decide_in(world, req.region, t_ms, req);
+        let mut decided_in = req.region;
         if let (false, Forward::To(there, at_ms, latency_us)) = (v.allowed, target) {
             v = Verdict {
                 latency_us,
                 forwarded: true,
                 ..self.decide_in(world, there, at_ms, req)
             };
+            decided_in = there;
         }
         // A check no reachable bucket can hold gets 503 from the daemon (reduced capacity,
         // retry), not a denial that never ends: not admitted, but no "never" either. With
@@ -273,11 +296,72 @@ impl Strategy for Quotad {
         // home to its callers.
         self.control
             .count(req.region, req.tenant as usize, req.cost, v.allowed);
-        v
+        (v, decided_in)
     }
-}
 
-impl Quotad {
+    /// Reads whether the caller's regional bucket holds `req.cost` now, spending nothing (an
+    /// Envoy reading, as a check that is charged later makes it). A refused reading counts
+    /// as denied demand, so the allocator sees what the region turns away.
+    pub fn peek(&mut self, world: &World, t_ms: u64, req: &Request) -> bool {
+        let (region, i) = (req.region, req.tenant as usize);
+        let local = world.local_ms(region, t_ms);
+        let params = self.params(region, i, local);
+        let fail_mode = self.tenants[i].policy.fail_mode;
+        let ok = self.stores.peek(
+            region,
+            req.tenant,
+            fail_mode,
+            local,
+            &params,
+            u64::from(req.cost),
+        );
+        if !ok {
+            self.control.count(region, i, req.cost, false);
+        }
+        ok
+    }
+
+    /// Settles a hold of `held` tokens that `req`'s caller took in `region` against the
+    /// request's actual cost `req.cost`, at the parameters `region` enforces now: the
+    /// difference goes back ([`quota_core::bucket::refund`], which drops the bucket's standing
+    /// denial, as the daemon's refund does), or the excess is charged into debt down to the
+    /// policy's `debt_limit` below empty ([`quota_core::bucket::charge`]). The excess charged
+    /// counts as admitted demand where the caller is. Returns the tokens of the excess no
+    /// bucket took: clamped at the debt limit, or all of it while the Redis is down.
+    pub fn settle(
+        &mut self,
+        world: &World,
+        t_ms: u64,
+        region: RegionIx,
+        req: &Request,
+        held: u64,
+    ) -> u64 {
+        let i = req.tenant as usize;
+        let local = world.local_ms(region, t_ms);
+        let params = self.params(region, i, local);
+        let actual = u64::from(req.cost);
+        if actual <= held {
+            if actual < held
+                && self
+                    .stores
+                    .refund(region, req.tenant, local, &params, held - actual)
+            {
+                self.denials.forget(region, i);
+            }
+            return 0;
+        }
+        let excess = actual - held;
+        let debt_limit_ut = self.tenants[i].policy.debt_limit.saturating_mul(UT);
+        let clamped = self
+            .stores
+            .charge_into_debt(region, req.tenant, local, &params, excess, debt_limit_ut)
+            .unwrap_or(excess);
+        let charged =
+            u32::try_from(excess - clamped).expect("a charge is at most a request's cost");
+        self.control.count(req.region, i, charged, true);
+        clamped
+    }
+
     /// Decides `req` against `region`'s bucket at true time `at_ms`.
     fn decide_in(&mut self, world: &World, region: RegionIx, at_ms: u64, req: &Request) -> Verdict {
         let i = req.tenant as usize;
