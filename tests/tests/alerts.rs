@@ -85,7 +85,8 @@ async fn until_alert(p: &Prometheus, name: &str, region: &str) -> anyhow::Result
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_real_prometheus_evaluates_the_rules_against_a_three_region_cluster() -> anyhow::Result<()>
 {
-    let mut cluster = Cluster::start(&["a", "b", "c"], &Timings::default()).await?;
+    // With the Envoy listener on, so its metrics (RLQS) are exported for the dashboard's queries.
+    let mut cluster = Cluster::start_with_envoy(&["a", "b", "c"], &Timings::default(), "").await?;
     let targets: Vec<String> = cluster
         .daemons
         .iter()

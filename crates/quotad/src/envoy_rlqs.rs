@@ -130,13 +130,14 @@ fn blanket(rule: Blanket) -> BlanketRule {
     }
 }
 
-fn action(bucket_id: BucketId, strategy: Strategy, ttl_s: u32) -> BucketAction {
+fn action(region: &str, bucket_id: BucketId, strategy: Strategy, ttl_s: u32) -> BucketAction {
     let name = match strategy {
         Strategy::TokenBucket(_) => "token_bucket",
         Strategy::BlanketRule(r) if r == BlanketRule::AllowAll as i32 => "allow_all",
         _ => "deny_all",
     };
-    metrics::counter!(telemetry::RLQS_ASSIGNMENTS_TOTAL, "strategy" => name).increment(1);
+    metrics::counter!(telemetry::RLQS_ASSIGNMENTS_TOTAL, "strategy" => name, "region" => region.to_string())
+        .increment(1);
     BucketAction {
         bucket_id: Some(bucket_id),
         bucket_action: Some(Action::QuotaAssignmentAction(QuotaAssignmentAction {
@@ -154,6 +155,11 @@ fn action(bucket_id: BucketId, strategy: Strategy, ttl_s: u32) -> BucketAction {
 impl EnvoyQuota {
     pub fn new(state: AppState, cfg: &EnvoyConfig) -> Self {
         let region = state.decider.region().as_str().to_string();
+        // Exported (and graphed) at 0 before the first assignment.
+        for strategy in ["token_bucket", "allow_all", "deny_all"] {
+            metrics::counter!(telemetry::RLQS_ASSIGNMENTS_TOTAL, "strategy" => strategy, "region" => region.clone())
+                .increment(0);
+        }
         Self {
             inner: Arc::new(Inner {
                 state,
@@ -189,6 +195,10 @@ impl EnvoyQuota {
 }
 
 impl Inner {
+    fn region(&self) -> &str {
+        self.state.decider.region().as_str()
+    }
+
     fn blanket_ttl_s(&self) -> u32 {
         (self.ttl_ms / 1000) as u32
     }
@@ -239,13 +249,23 @@ impl Inner {
             Ok(Some(s)) => s,
             Ok(None) => {
                 let rule = blanket(self.unknown) as i32;
-                return action(id, Strategy::BlanketRule(rule), self.blanket_ttl_s());
+                return action(
+                    self.region(),
+                    id,
+                    Strategy::BlanketRule(rule),
+                    self.blanket_ttl_s(),
+                );
             }
             Err(reason) => {
-                metrics::counter!(telemetry::RLQS_REJECTED_REPORTS_TOTAL, "reason" => reason)
+                metrics::counter!(telemetry::RLQS_REJECTED_REPORTS_TOTAL, "reason" => reason, "region" => self.region().to_string())
                     .increment(1);
                 let rule = BlanketRule::DenyAll as i32;
-                return action(id, Strategy::BlanketRule(rule), self.blanket_ttl_s());
+                return action(
+                    self.region(),
+                    id,
+                    Strategy::BlanketRule(rule),
+                    self.blanket_ttl_s(),
+                );
             }
         };
         let decider = &self.state.decider;
@@ -253,7 +273,12 @@ impl Inner {
         let Some((part, p)) = Part::of(view, region, &tenant, &policy, decider.daemons(), now_ms)
         else {
             let rule = blanket(self.unknown) as i32;
-            return action(id, Strategy::BlanketRule(rule), self.blanket_ttl_s());
+            return action(
+                self.region(),
+                id,
+                Strategy::BlanketRule(rule),
+                self.blanket_ttl_s(),
+            );
         };
         let allowed = usage.num_requests_allowed;
         let denied = usage.num_requests_denied;
@@ -262,7 +287,12 @@ impl Inner {
             .and_then(|r| r.entry.home.as_ref());
         if home.is_some_and(|h| h != region) {
             let rule = blanket(self.elsewhere) as i32;
-            return action(id, Strategy::BlanketRule(rule), self.blanket_ttl_s());
+            return action(
+                self.region(),
+                id,
+                Strategy::BlanketRule(rule),
+                self.blanket_ttl_s(),
+            );
         }
         // Envoy's `time_elapsed` is whole seconds and 0 on a bucket's first report.
         let elapsed_s = usage
@@ -291,6 +321,7 @@ impl Inner {
                 max_tokens,
                 ttl_s,
             } => action(
+                self.region(),
                 id,
                 Strategy::TokenBucket(TokenBucket {
                     max_tokens,
@@ -305,6 +336,7 @@ impl Inner {
                 ttl_s,
             ),
             Assignment::Deny { ttl_s } => action(
+                self.region(),
                 id,
                 Strategy::BlanketRule(BlanketRule::DenyAll as i32),
                 ttl_s,
@@ -357,7 +389,7 @@ impl RateLimitQuotaService for EnvoyQuota {
             match inner.answer(&mut session, report) {
                 Ok(resp) => Some((Ok(resp), Some((session, reports, stop)))),
                 Err(refusal) => {
-                    metrics::counter!(telemetry::RLQS_REJECTED_REPORTS_TOTAL, "reason" => refusal.reason())
+                    metrics::counter!(telemetry::RLQS_REJECTED_REPORTS_TOTAL, "reason" => refusal.reason(), "region" => inner.region().to_string())
                             .increment(1);
                     // The error ends the stream; the session goes with the state.
                     Some((Err(refusal.status()), None))

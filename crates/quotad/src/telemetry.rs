@@ -57,8 +57,7 @@ pub const ENVOY_UNDECIDED_DESCRIPTORS_TOTAL: &str = "quotad_envoy_undecided_desc
 /// sliding window, `unavailable`: the store did not answer). Nothing is applied but for the
 /// first two.
 pub const CHARGES_TOTAL: &str = "quotad_charges_total";
-/// Tokens of charges the debt limit held back (work done that the bucket did not pay for), by
-/// policy.
+/// Tokens of charges the debt limit held back (work done that the bucket did not pay for).
 pub const CHARGE_CLAMPED_TOKENS_TOTAL: &str = "quotad_charge_clamped_tokens_total";
 /// Refunds (tokens given back to a bucket, Envoy's `is_negative_hits`), by `outcome`
 /// (`applied`, `full`: nothing to give back to, `elsewhere`: the budget lives in another

@@ -65,7 +65,7 @@ impl Decider {
         }
         if let Some(home) = self.home_elsewhere(tenant, policy, forwarded) {
             let out = self.charge_at_home(&home, tenant, policy, cost, id).await;
-            count(policy, &out);
+            count(&self.region, &out);
             return Ok(out);
         }
         let (p, share, _) = self
@@ -103,7 +103,7 @@ impl Decider {
                 Charged::Unavailable
             }
         };
-        count(policy, &out);
+        count(&self.region, &out);
         Ok(out)
     }
 }
@@ -153,8 +153,19 @@ impl Decider {
 /// The route charges are taken on (forwarded ones too).
 pub const CHARGES_PATH: &str = "/v1/charges";
 
+/// Registers the charge and refund series of `region` at 0, so they are exported (and graphed)
+/// before the first charge.
+pub fn register_metrics(region: &RegionId) {
+    let region = region.as_str().to_string();
+    metrics::counter!(telemetry::CHARGES_TOTAL, "outcome" => "applied", "region" => region.clone())
+        .increment(0);
+    metrics::counter!(telemetry::REFUNDS_TOTAL, "outcome" => "applied", "region" => region.clone())
+        .increment(0);
+    metrics::counter!(telemetry::CHARGE_CLAMPED_TOKENS_TOTAL, "region" => region).increment(0);
+}
+
 /// Counts a charge's outcome, and the tokens its debt limit held back.
-fn count(policy: &PolicyName, out: &Charged) {
+fn count(region: &RegionId, out: &Charged) {
     let outcome = match out {
         Charged::Applied { outcome, .. } if outcome.clamped > 0 => "clamped",
         Charged::Applied { .. } => "applied",
@@ -162,10 +173,12 @@ fn count(policy: &PolicyName, out: &Charged) {
         Charged::NotTokenBucket | Charged::IdReused => "refused",
         Charged::Unavailable => "unavailable",
     };
-    metrics::counter!(telemetry::CHARGES_TOTAL, "outcome" => outcome).increment(1);
+    let region = region.as_str().to_string();
+    metrics::counter!(telemetry::CHARGES_TOTAL, "outcome" => outcome, "region" => region.clone())
+        .increment(1);
     if let Charged::Applied { outcome, .. } = out {
         if outcome.clamped > 0 {
-            metrics::counter!(telemetry::CHARGE_CLAMPED_TOKENS_TOTAL, "policy" => policy.as_str().to_string())
+            metrics::counter!(telemetry::CHARGE_CLAMPED_TOKENS_TOTAL, "region" => region)
                 .increment(outcome.clamped);
         }
     }

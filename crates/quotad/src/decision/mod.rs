@@ -161,6 +161,7 @@ impl Decider {
         let region = p.region.as_str().to_string();
         let outage = Arc::new(Outage::default());
         outage.share_among(u64::from(p.daemons.max(1)));
+        charge::register_metrics(&p.region);
         Self {
             metrics: DecisionMetrics::new(&region),
             store_latency: metrics::histogram!(telemetry::STORE_LATENCY_SECONDS, "region" => region.clone()),

@@ -49,7 +49,9 @@ impl Decider {
     ) -> Result<Refunded, CheckError> {
         let out = self.refund_here(tenant, policy, tokens).await;
         if let Ok(r) = &out {
-            metrics::counter!(crate::telemetry::REFUNDS_TOTAL, "outcome" => r.label()).increment(1);
+            let region = self.region.as_str().to_string();
+            metrics::counter!(crate::telemetry::REFUNDS_TOTAL, "outcome" => r.label(), "region" => region)
+                .increment(1);
         }
         out
     }
