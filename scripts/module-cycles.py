@@ -46,7 +46,7 @@ ROOT = Path(__file__).resolve().parent.parent
 # binary are the crate's wiring). Paths are module paths; an entry covers its submodules.
 LAYERED_CRATE = "quotad"
 API_MODULE = "api"
-API_ENTRY_POINTS = {"crate", "server", "envoy_rls", "main", "lib", "cli"}
+API_ENTRY_POINTS = {"crate", "server", "envoy", "main", "lib", "cli"}
 
 
 @dataclass

@@ -20,9 +20,8 @@
 //!   reports, lease renewals and the leader's rebalancing.
 //! - [`agent`]: the region agent (applies shares, collects usage) and its ledger of what the
 //!   store was told.
-//! - [`envoy_rls`]: Envoy's rate limit service (gRPC) over the same decision path.
-//! - [`envoy_rlqs`]: Envoy's rate limit quota service (gRPC): Envoys enforce assigned parts
-//!   of this region's shares themselves.
+//! - [`envoy`]: Envoy's rate limit service (gRPC) over the same decision path, and its rate
+//!   limit quota service: Envoys enforce assigned parts of this region's shares themselves.
 //! - [`eviction`]: whether the regional Redis may evict quotad's keys.
 //! - [`redis_password`]: re-reading the Redis password file, for rotation without a restart.
 //! - [`telemetry`]: metric names, the Prometheus exporter, log set-up.
@@ -36,8 +35,7 @@ pub mod clock;
 pub mod config;
 pub mod coordination;
 pub mod decision;
-pub mod envoy_rlqs;
-pub mod envoy_rls;
+pub mod envoy;
 pub mod eviction;
 pub mod redis_password;
 pub mod secret;

@@ -23,7 +23,7 @@ use crate::decision::breaker::Breaker;
 use crate::decision::{Decider, DeciderParts};
 use crate::secret::Secret;
 use crate::tokens::Tokens;
-use crate::{agent, decision, envoy_rlqs, envoy_rls, eviction, redis_password, telemetry};
+use crate::{agent, decision, envoy, eviction, redis_password, telemetry};
 use quota_raft::tls::{PeerHttp, ServerTls};
 
 /// Resolves once SIGTERM or Ctrl-C arrives.
@@ -533,8 +533,8 @@ async fn envoy_task(
     let listener = TcpListener::bind(addr)
         .await
         .with_context(|| format!("binding the Envoy rate limit listener on {addr}"))?;
-    let service = envoy_rls::EnvoyRateLimit::new(state.clone(), &cfg.envoy);
-    let quota = envoy_rlqs::EnvoyQuota::new(state.clone(), &cfg.envoy);
+    let service = envoy::EnvoyRateLimit::new(state.clone(), &cfg.envoy);
+    let quota = envoy::EnvoyQuota::new(state.clone(), &cfg.envoy);
     let stop = stop_rx.clone();
     let drain = Duration::from_millis(cfg.api.drain_timeout_ms);
     tracing::info!(envoy = %addr, tls = tls.is_some(), "Envoy rate limit services (RLS v3, RLQS) serving.");
@@ -546,13 +546,13 @@ async fn envoy_task(
                 .incoming(listener, &[b"h2"])
                 .context("reading the Envoy listener address")?;
             tokio::spawn(async move {
-                if let Err(e) = envoy_rls::serve_tls(service, quota, incoming, stop, drain).await {
+                if let Err(e) = envoy::serve_tls(service, quota, incoming, stop, drain).await {
                     tracing::error!(error = %e, "The Envoy rate limit listener failed.");
                 }
             })
         }
         None => tokio::spawn(async move {
-            if let Err(e) = envoy_rls::serve(service, quota, listener, stop, drain).await {
+            if let Err(e) = envoy::serve(service, quota, listener, stop, drain).await {
                 tracing::error!(error = %e, "The Envoy rate limit listener failed.");
             }
         }),

@@ -1,6 +1,6 @@
-//! Envoy's global rate limit service (RLS v3, `envoy.service.ratelimit.v3.RateLimitService`)
-//! on a gRPC listener of its own, so Envoy-based gateways (Envoy, Istio, Contour) call quotad
-//! from their rate limit filter with no code of their own. docs/envoy.md is the reference.
+//! Envoy's global rate limit service (RLS v3, `envoy.service.ratelimit.v3.RateLimitService`),
+//! so Envoy-based gateways (Envoy, Istio, Contour) call quotad from their rate limit filter with
+//! no code of their own. docs/envoy.md is the reference.
 //!
 //! Each descriptor is decided or refused on its own, and the request is `OVER_LIMIT` if any
 //! descriptor is. No descriptor's content fails the whole request: Envoy's default
@@ -24,116 +24,31 @@
 //! - `current_limit` states the policy's limit per the smallest unit at least as long as its
 //!   window; the response carries the IETF `RateLimit-Policy` and `RateLimit` fields of every
 //!   decided descriptor, and `Retry-After` when over.
-//! - gRPC health answers for "", `ratelimit` and the full service name, mirrors `/readyz`,
-//!   and turns `NOT_SERVING` as soon as shutdown begins.
-
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::Arc;
-use std::time::Duration;
 
 use envoy_types::pb::envoy::config::core::v3::HeaderValue as EnvoyHeader;
 use envoy_types::pb::envoy::extensions::common::ratelimit::v3::RateLimitDescriptor;
-use envoy_types::pb::envoy::service::rate_limit_quota::v3::rate_limit_quota_service_server::RateLimitQuotaServiceServer;
 use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_response::{
     rate_limit::Unit, Code, DescriptorStatus, RateLimit,
 };
-use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_service_server::{
-    RateLimitService, RateLimitServiceServer,
-};
+use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_service_server::RateLimitService;
 use envoy_types::pb::envoy::service::ratelimit::v3::{RateLimitRequest, RateLimitResponse};
 use envoy_types::pb::google::protobuf::Duration as ProtoDuration;
-use futures::stream::BoxStream;
 use quota_core::{Decision, FailMode, Policy, PolicyName, TenantId};
 use quota_store::BucketRef;
-use tokio::sync::watch;
-use tonic::transport::server::TcpIncoming;
-use tonic_health::pb::health_check_response::ServingStatus;
-use tonic_health::pb::health_server::{Health, HealthServer};
-use tonic_health::pb::{HealthCheckRequest, HealthCheckResponse};
 
+use super::subject::SubjectKeys;
 use crate::api::batch::MAX_BATCH;
 use crate::api::check::{rate_limit_values, secs_ceil, CheckResponse};
 use crate::api::AppState;
 use crate::config::EnvoyConfig;
 use crate::decision::{Charged, CheckError, Mode, Refunded, Verdict};
-use crate::envoy_rlqs::EnvoyQuota;
 use crate::telemetry;
-
-/// The names gRPC health answers for: the server as a whole, the name envoyproxy/ratelimit
-/// registers, and the full service name.
-pub const HEALTH_SERVICE_NAMES: [&str; 3] = [
-    "",
-    "ratelimit",
-    "envoy.service.ratelimit.v3.RateLimitService",
-];
-
-/// How often gRPC health re-reads readiness (the flag `/readyz` answers from).
-const READINESS_POLL: Duration = Duration::from_millis(50);
 
 /// The rate limit service over the daemon's decision path.
 #[derive(Debug, Clone)]
 pub struct EnvoyRateLimit {
-    state: AppState,
+    pub(super) state: AppState,
     keys: SubjectKeys,
-}
-
-/// The entry keys that name a limit's subject and policy, in RLS descriptors and RLQS bucket
-/// ids alike.
-#[derive(Debug, Clone)]
-pub struct SubjectKeys {
-    tenant_key: String,
-    policy_key: String,
-    identity_key: Option<String>,
-}
-
-impl SubjectKeys {
-    pub fn new(cfg: &EnvoyConfig) -> Self {
-        Self {
-            tenant_key: cfg.tenant_key.clone(),
-            policy_key: cfg.policy_key.clone(),
-            identity_key: cfg.identity_key.clone(),
-        }
-    }
-
-    /// The subject and policy named by entries `with_key` finds (`Err` for a key given twice):
-    /// the tenant entry, else the identity entry hashed with the identity key; the policy
-    /// entry, else `domain`. `Ok(None)` when neither names a subject; `Err` with a metric-safe
-    /// word for what is malformed.
-    pub fn subject<'a>(
-        &self,
-        state: &AppState,
-        with_key: impl Fn(&str) -> Result<Option<&'a str>, ()>,
-        domain: &'a str,
-    ) -> Result<Option<(TenantId, PolicyName)>, &'static str> {
-        let (Ok(tenant), Ok(policy)) = (with_key(&self.tenant_key), with_key(&self.policy_key))
-        else {
-            return Err("repeated_key");
-        };
-        let identity = match self.identity_key.as_deref().map(&with_key) {
-            Some(Err(())) => return Err("repeated_key"),
-            Some(Ok(v)) => v,
-            None => None,
-        };
-        let tenant = match (tenant, identity) {
-            (Some(t), _) => match TenantId::new(t) {
-                Ok(t) if t.reserved().is_none() => t,
-                _ => return Err("bad_tenant"),
-            },
-            // The raw value goes no further than the hash.
-            (None, Some(raw)) => match &state.identity_key {
-                Some(_) if raw.is_empty() || raw.len() > crate::api::check::MAX_IDENTITY_BYTES => {
-                    return Err("bad_identity")
-                }
-                Some(key) => quota_core::hashed_id(key.expose().as_bytes(), raw.as_bytes()),
-                None => return Err("no_identity_key"),
-            },
-            (None, None) => return Ok(None),
-        };
-        let Ok(policy) = PolicyName::new(policy.unwrap_or(domain)) else {
-            return Err("bad_policy");
-        };
-        Ok(Some((tenant, policy)))
-    }
 }
 
 /// One descriptor, read.
@@ -538,162 +453,6 @@ fn header(key: &str, value: String) -> EnvoyHeader {
     }
 }
 
-/// gRPC health (`grpc.health.v1`) for [`HEALTH_SERVICE_NAMES`]: `Check` answers the status
-/// (`NOT_FOUND` for another name), `Watch` streams it (`SERVICE_UNKNOWN` for another name,
-/// as the spec asks, without ending the call). Every stream ends when `stop` turns true, so
-/// no open watch holds shutdown up.
-#[derive(Debug, Clone)]
-struct HealthService {
-    status: watch::Receiver<ServingStatus>,
-    stop: watch::Receiver<bool>,
-}
-
-fn health_response(status: ServingStatus) -> HealthCheckResponse {
-    HealthCheckResponse {
-        status: status as i32,
-    }
-}
-
-#[tonic::async_trait]
-impl Health for HealthService {
-    async fn check(
-        &self,
-        request: tonic::Request<HealthCheckRequest>,
-    ) -> Result<tonic::Response<HealthCheckResponse>, tonic::Status> {
-        if !HEALTH_SERVICE_NAMES.contains(&request.get_ref().service.as_str()) {
-            return Err(tonic::Status::not_found("unknown service"));
-        }
-        Ok(tonic::Response::new(health_response(*self.status.borrow())))
-    }
-
-    type WatchStream = BoxStream<'static, Result<HealthCheckResponse, tonic::Status>>;
-
-    async fn watch(
-        &self,
-        request: tonic::Request<HealthCheckRequest>,
-    ) -> Result<tonic::Response<Self::WatchStream>, tonic::Status> {
-        let known = HEALTH_SERVICE_NAMES.contains(&request.get_ref().service.as_str());
-        let (mut status, stop) = (self.status.clone(), self.stop.clone());
-        let first = if known {
-            *status.borrow_and_update()
-        } else {
-            ServingStatus::ServiceUnknown
-        };
-        // A stop already sent ends the stream after the current status.
-        let later =
-            futures::stream::unfold((status, stop), move |(mut status, mut stop)| async move {
-                let changed = tokio::select! {
-                    // A change sent before the stop is streamed before the stream ends.
-                    biased;
-                    changed = status.changed(), if known => changed.is_ok(),
-                    _ = stop.wait_for(|stopped| *stopped) => false,
-                };
-                let now = changed.then(|| *status.borrow_and_update())?;
-                Some((Ok(health_response(now)), (status, stop)))
-            });
-        let stream = futures::StreamExt::chain(
-            futures::stream::once(async move { Ok(health_response(first)) }),
-            later,
-        );
-        Ok(tonic::Response::new(Box::pin(stream)))
-    }
-}
-
-fn serving_status(ready: &AtomicBool) -> ServingStatus {
-    if ready.load(Ordering::Relaxed) {
-        ServingStatus::Serving
-    } else {
-        ServingStatus::NotServing
-    }
-}
-
-/// Serves the rate limit service, the rate limit quota service and gRPC health on `listener` until `stop` turns true, then
-/// lets in-flight calls finish for at most `drain` (an Envoy keeps its HTTP/2 connection open;
-/// shutdown must not wait on it). Health mirrors readiness: `NOT_SERVING` while starting and
-/// from the moment shutdown begins (readiness turns false before the API drains), then, on
-/// `stop`, every watch stream ends.
-pub async fn serve(
-    service: EnvoyRateLimit,
-    quota: EnvoyQuota,
-    listener: tokio::net::TcpListener,
-    stop: watch::Receiver<bool>,
-    drain: Duration,
-) -> Result<(), tonic::transport::Error> {
-    let incoming = TcpIncoming::from(listener).with_nodelay(Some(true));
-    serve_incoming(service, quota, incoming, stop, drain).await
-}
-
-/// Like [`serve`], over TLS: connections handshaken by `incoming` (`[envoy] tls_*`).
-pub async fn serve_tls(
-    service: EnvoyRateLimit,
-    quota: EnvoyQuota,
-    incoming: quota_raft::tls::TlsIncoming,
-    stop: watch::Receiver<bool>,
-    drain: Duration,
-) -> Result<(), tonic::transport::Error> {
-    let incoming = futures::stream::unfold(incoming, |mut incoming| async move {
-        let (tls, _remote) = incoming.next().await?;
-        Some((Ok::<_, std::io::Error>(tls), incoming))
-    });
-    serve_incoming(service, quota, incoming, stop, drain).await
-}
-
-async fn serve_incoming<I, IO, IE>(
-    service: EnvoyRateLimit,
-    quota: EnvoyQuota,
-    incoming: I,
-    stop: watch::Receiver<bool>,
-    drain: Duration,
-) -> Result<(), tonic::transport::Error>
-where
-    I: futures::Stream<Item = Result<IO, IE>>,
-    IO: tokio::io::AsyncRead
-        + tokio::io::AsyncWrite
-        + tonic::transport::server::Connected
-        + Unpin
-        + Send
-        + 'static,
-    IO::ConnectInfo: Clone + Send + Sync + 'static,
-    IE: Into<Box<dyn std::error::Error + Send + Sync>>,
-{
-    let ready: Arc<AtomicBool> = service.state.ready.clone();
-    let (status_tx, status) = watch::channel(serving_status(&ready));
-    let (streams_tx, streams_stop) = watch::channel(false);
-    let health = HealthService {
-        status,
-        stop: streams_stop.clone(),
-    };
-    let (mut graceful, mut deadline) = (stop.clone(), stop);
-    let server = tonic::transport::Server::builder()
-        .add_service(HealthServer::new(health))
-        .add_service(RateLimitServiceServer::new(service))
-        .add_service(RateLimitQuotaServiceServer::new(
-            quota.ending_on(streams_stop),
-        ))
-        .serve_with_incoming_shutdown(incoming, async move {
-            let mut poll = tokio::time::interval(READINESS_POLL);
-            loop {
-                tokio::select! {
-                    _ = graceful.wait_for(|stopped| *stopped) => break,
-                    _ = poll.tick() => {
-                        let now = serving_status(&ready);
-                        status_tx.send_if_modified(|s| std::mem::replace(s, now) != now);
-                    }
-                }
-            }
-            let not_serving = ServingStatus::NotServing;
-            status_tx.send_if_modified(|s| std::mem::replace(s, not_serving) != not_serving);
-            streams_tx.send_replace(true);
-        });
-    tokio::select! {
-        served = server => served,
-        () = async {
-            let _ = deadline.wait_for(|stopped| *stopped).await;
-            tokio::time::sleep(drain).await;
-        } => Ok(()),
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use std::time::Duration;
@@ -709,10 +468,17 @@ mod tests {
     use tonic::transport::Channel;
     use tonic_health::pb::health_client::HealthClient;
 
+    use std::sync::atomic::Ordering;
+
+    use tokio::sync::watch;
+    use tonic_health::pb::health_check_response::ServingStatus;
+    use tonic_health::pb::HealthCheckRequest;
+
     use super::*;
     use crate::api::tests::state_on;
     use crate::config::BreakerConfig;
     use crate::decision::breaker::Breaker;
+    use crate::envoy::{serve, EnvoyQuota, HEALTH_SERVICE_NAMES};
 
     /// A running service on a loopback port and a client of it; the sender stops it.
     async fn start(

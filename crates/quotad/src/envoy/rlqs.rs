@@ -47,11 +47,11 @@ use metrics::Gauge;
 use tokio::sync::watch;
 use tonic::{Request, Response, Status, Streaming};
 
+use super::subject::SubjectKeys;
 use crate::api::AppState;
 use crate::clock;
 use crate::config::{Blanket, EnvoyConfig};
 use crate::decision::envoy_holdings::{Assignment, BudgetKey, Part};
-use crate::envoy_rls::SubjectKeys;
 use crate::telemetry;
 
 /// Most buckets one report may list (Envoy lists every bucket it caches).
@@ -415,7 +415,7 @@ mod tests {
     use crate::api::tests::state_on;
     use crate::config::BreakerConfig;
     use crate::decision::breaker::Breaker;
-    use crate::envoy_rls::{serve, EnvoyRateLimit};
+    use crate::envoy::{serve, EnvoyRateLimit};
 
     /// A running Envoy listener on a loopback port, a channel to it, and its stop.
     async fn start(state: AppState, cfg: EnvoyConfig) -> (Channel, watch::Sender<bool>) {
