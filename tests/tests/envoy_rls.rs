@@ -78,6 +78,6 @@ async fn envoy_descriptors_share_buckets_with_http_checks_and_sigterm_still_stop
     );
     assert!(d
         .log_text()
-        .contains("Envoy rate limit service (RLS v3) serving"));
+        .contains("Envoy rate limit services (RLS v3, RLQS) serving"));
     Ok(())
 }
