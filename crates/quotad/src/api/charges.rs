@@ -105,6 +105,13 @@ pub async fn charge(
     )?;
     let policy = PolicyName::new(body.policy).map_err(|e| ApiError::field("policy", &e))?;
     let cost = parse_cost(Some(body.cost))?;
+    // The store's exact range: a larger cost could not be told apart from a clamped one.
+    if cost > quota_store::MAX_COST {
+        return Err(ApiError::field(
+            "cost",
+            &format!("must be at most {} (got {cost})", quota_store::MAX_COST),
+        ));
+    }
     let id = parse_id(body.id)?;
     let out = state
         .decider

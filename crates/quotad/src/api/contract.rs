@@ -225,7 +225,12 @@ fn bound_bodies(s: &mut Schemas) {
     set(s, "CheckBody", "identity", identity());
     set(s, "ChargeBody", "tenant", id_or_null(TenantId::MAX_LEN));
     set(s, "ChargeBody", "policy", id(PolicyName::MAX_LEN));
-    set(s, "ChargeBody", "cost", whole(1, MAX_COST, false));
+    set(
+        s,
+        "ChargeBody",
+        "cost",
+        whole(1, quota_store::MAX_COST, false),
+    );
     set(s, "ChargeBody", "identity", identity());
     set(
         s,

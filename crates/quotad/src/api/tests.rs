@@ -2883,6 +2883,10 @@ async fn bad_charges_are_refused_by_field_and_change_nothing() {
             "cost",
         ),
         (
+            json!({"tenant": "acme", "policy": "writes", "cost": 1e12}),
+            "cost",
+        ),
+        (
             json!({"tenant": "acme", "policy": "writes", "cost": 1, "id": ""}),
             "id",
         ),

@@ -213,7 +213,9 @@ impl EnvoyHoldings {
             return Assignment::Deny { ttl_s: 1 };
         }
         let mut all = self.lock();
-        let full = !all.budgets.contains_key(budget) && all.budgets.len() >= MAX_BUDGETS;
+        if !all.budgets.contains_key(budget) && all.budgets.len() >= MAX_BUDGETS {
+            return Assignment::Deny { ttl_s };
+        }
         let holders = all.budgets.entry(budget.clone()).or_default();
         // Forget streams that ended, or stopped reporting this budget, once nothing they were
         // told is in force.
@@ -222,7 +224,7 @@ impl EnvoyHoldings {
                 || h.held_at(now_ms).is_some()
                 || (h.live && now_ms.saturating_sub(h.reported_ms) <= 3 * ttl_ms)
         });
-        if full || (!holders.contains_key(&stream) && holders.len() >= MAX_HOLDERS) {
+        if !holders.contains_key(&stream) && holders.len() >= MAX_HOLDERS {
             return Assignment::Deny { ttl_s };
         }
         let me = holders.entry(stream).or_default();
