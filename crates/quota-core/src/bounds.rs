@@ -91,3 +91,7 @@ const _: () = {
 /// apply once (a refund's or a charge's marker, a collection's reply), in ms: a retry of the call (the store's own, or a
 /// Cluster client's) comes within the store's timeout, which configuration keeps below this.
 pub const ONCE_KEY_MS: u64 = 10_000;
+
+/// The longest a hold lives unsettled, in ms (1 h): also the longest a holder keeps a slot of
+/// a concurrency limit, so a crashed holder's slot always comes back within it.
+pub const MAX_HOLD_TTL_MS: u64 = 3_600_000;
