@@ -48,6 +48,9 @@ local DEFAULT_MIN_TTL_ARG = '60000' -- the same as a command argument
 local DEFAULT_PERIOD_ARG = '1000' -- DEFAULT_PERIOD_MS as a command argument
 local COLLECT_MAX = 100000 -- most keys one usage collection takes
 local ONCE_MS = 10000 -- how long a key making a call exactly once lives: past any retry of it
+local MAX_HOLD_TTL = 3600000 -- longest a hold lives unsettled, in ms (1 h)
+local HOLD_MEMORY_MS = 600000 -- how long a hold's record is kept after the hold ended
+local MAX_HOLD_ID = 64 -- longest hold id, in characters
 local STATE_LEN = 96 -- bytes of a token-bucket state
 local STATE_LEN_NO_PERIOD = 88 -- bytes of a state written without its period (period 1000)
 -- Token-bucket state: 12 little-endian doubles (exact for integers below 2^53): tokens (µt;

@@ -95,3 +95,11 @@ pub const ONCE_KEY_MS: u64 = 10_000;
 /// The longest a hold lives unsettled, in ms (1 h): also the longest a holder keeps a slot of
 /// a concurrency limit, so a crashed holder's slot always comes back within it.
 pub const MAX_HOLD_TTL_MS: u64 = 3_600_000;
+
+/// How long a hold's record is kept after the hold ended (settled, released, or expired
+/// unsettled), in ms (10 min): a retried or late settle within it gets a clear answer (the
+/// same result, a conflict, or "expired"), and "unknown" only after it.
+pub const HOLD_MEMORY_MS: u64 = 600_000;
+
+/// The longest hold id, in characters (`[A-Za-z0-9_-]`): it is part of the record's key.
+pub const MAX_HOLD_ID_LEN: usize = 64;

@@ -82,6 +82,17 @@ pub fn params_key(tenant: &TenantId, policy: &PolicyName, version: u64) -> Strin
     key(tenant, policy, version, "p")
 }
 
+/// The part of a hold record's key where a bucket key has its policy: `~` is in no policy
+/// name, so [`parse_state_key`] and [`parse_params_key`] never read a record as a bucket's key,
+/// and with one `:` fewer than a bucket key it never matches [`PARAMS_KEY_PATTERN`].
+pub const HOLD_MARK: &str = "~h";
+
+/// The key of a tenant's hold record, in the tenant's hash slot beside its buckets. `id` is a
+/// hold id (`[A-Za-z0-9_-]`, see `hold::valid_id`).
+pub fn hold_key(tenant: &TenantId, id: &str) -> String {
+    format!("{PREFIX}{{{}}}:{HOLD_MARK}:{id}", tenant.as_str())
+}
+
 /// Splits a bucket key into tenant, policy, version and suffix; `None` for anything this
 /// schema did not write.
 fn parse_key(k: &str) -> Option<(TenantId, PolicyName, u64, &str)> {
@@ -259,6 +270,37 @@ mod tests {
         }
         // The SCAN pattern is a glob over exactly these keys' shape.
         assert!(PARAMS_KEY_PATTERN.starts_with(PREFIX) && PARAMS_KEY_PATTERN.ends_with(":p"));
+    }
+
+    /// Redis `SCAN … MATCH` globbing for patterns of literals and `*` (all the schema uses).
+    fn glob(pattern: &str, key: &str) -> bool {
+        match pattern.split_once('*') {
+            None => pattern == key,
+            Some((head, rest)) => {
+                let Some(key) = key.strip_prefix(head) else {
+                    return false;
+                };
+                (0..=key.len())
+                    .filter(|&i| key.is_char_boundary(i))
+                    .any(|i| glob(rest, &key[i..]))
+            }
+        }
+    }
+
+    #[test]
+    fn hold_records_are_never_read_as_buckets() {
+        let t = TenantId::new("acme").unwrap();
+        let p = PolicyName::new("p").unwrap();
+        assert!(glob(PARAMS_KEY_PATTERN, &params_key(&t, &p, 1)));
+        for id in ["p", "x", "a-b_c", "1", &"p".repeat(64)] {
+            let k = hold_key(&t, id);
+            assert_eq!(k, format!("qd:v1:{{acme}}:~h:{id}"));
+            assert_eq!(parse_state_key(&k), None, "{k}");
+            assert_eq!(parse_params_key(&k), None, "{k}");
+            assert!(!glob(PARAMS_KEY_PATTERN, &k), "{k}");
+            assert_eq!(key_slot(&k), key_slot(&bucket_key(&t, &p, 1)));
+        }
+        assert!(PolicyName::new(HOLD_MARK).is_err());
     }
 
     #[test]

@@ -12,6 +12,7 @@
 //! - [`policy`]: policies and their validation (every problem reported at once).
 //! - [`bucket`]: the reference token bucket, bit-exact with `lua/token_bucket.lua`.
 //! - [`window`]: the reference sliding window, exact with `lua/sliding_window.lua`.
+//! - [`hold`]: holds, an estimate reserved now and settled later with the actual cost.
 //! - [`keys`]: the Redis key schema.
 //! - [`coordinator`]: the replicated state machine `apply(state, command)` and its safety rules.
 //! - [`allocator`]: one rebalance round: demand → max-min fair, damped, revoke-before-grant shares.
@@ -29,6 +30,7 @@ pub mod bucket;
 pub mod coordinator;
 pub mod demand;
 pub mod heavy;
+pub mod hold;
 pub mod ids;
 pub mod keys;
 pub mod lease;

@@ -15,12 +15,17 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{SystemTime, UNIX_EPOCH};
 
 use quota_core::bounds::ONCE_KEY_MS;
+use quota_core::hold::{self, Create, Finish, HoldRecord, Verdict};
 use quota_core::keys::StateKind;
 use quota_core::window::HeldRaise;
-use quota_core::{bucket, window, BucketState, ChargeOutcome, Decision, WindowParams, WindowState};
+use quota_core::{
+    bucket, window, BucketParams, BucketState, ChargeOutcome, Decision, TenantId, WindowParams,
+    WindowState,
+};
 
 use crate::{
-    BucketRef, ChargeRequest, CheckRequest, Fence, Limit, MultiCheckRequest, SetParams, Store,
+    BucketRef, ChargeRequest, CheckRequest, Fence, HoldLimit, HoldOutcome, HoldRequest, Limit,
+    MultiCheckRequest, ReleaseRequest, SetParams, SettleRequest, Settled, SettledLimit, Store,
     StoreError, UsageRecord, DEFAULT_MIN_IDLE_TTL_MS,
 };
 
@@ -79,6 +84,9 @@ struct Shard {
     /// Charges made under an id: what each applied and clamped, until when (ms) a charge of
     /// the same id is a replay (`charge.lua`'s marker).
     charges: HashMap<(BucketRef, String), (u64, u64, u64)>,
+    /// Hold records by tenant and id (`hold.lua`'s `qd:v1:{tenant}:~h:<id>`), until
+    /// forgotten.
+    hold_records: HashMap<(TenantId, String), HoldRecord<HoldLimit>>,
     /// State keys decided since the last collection (each at most once while it lives).
     active: Vec<StateKey>,
     /// Decisions since the last sweep; a sweep runs once this exceeds the map's size right
@@ -95,6 +103,7 @@ impl Shard {
         let now = self.latest_ms;
         self.states.retain(|_, e| e.live_at(now));
         self.charges.retain(|_, &mut (_, _, until)| now < until);
+        self.hold_records.retain(|_, r| r.live_at(now));
         let states = &self.states;
         self.active
             .retain(|k| states.get(k).is_some_and(|e| e.listed));
@@ -139,6 +148,45 @@ impl Shard {
                 self.active.push(key);
             }
         }
+    }
+}
+
+impl Shard {
+    /// Counts a call towards the next sweep, running it when due (amortised O(1)).
+    fn tick(&mut self, now: u64) {
+        self.latest_ms = self.latest_ms.max(now);
+        self.since_sweep += 1;
+        if self.since_sweep > self.len_after_sweep.max(1024) {
+            self.sweep();
+        }
+    }
+
+    /// A token bucket as the scripts read it at `now`: the stored token-bucket parameters
+    /// (their floor from the lease end on), else `fallback`; and its live state.
+    fn bucket_at(
+        &self,
+        b: &BucketRef,
+        fallback: BucketParams,
+        now: u64,
+    ) -> (BucketParams, Option<BucketState>) {
+        let p = match self.params.get(b) {
+            Some(&(Limit::TokenBucket(_), Some((end, Limit::TokenBucket(floor)))))
+                if now >= end =>
+            {
+                floor
+            }
+            Some(&(Limit::TokenBucket(p), _)) => p,
+            _ => fallback,
+        };
+        let state = self
+            .states
+            .get(&(b.clone(), StateKind::Bucket))
+            .filter(|e| e.live_at(now))
+            .and_then(|e| match &e.state {
+                State::Bucket(s) => Some(*s),
+                State::Window(_) => None,
+            });
+        (p, state)
     }
 }
 
@@ -219,8 +267,181 @@ impl EmbeddedStore {
     /// policy's new bucket reads the old one, and a check of several limits decides them all,
     /// under one lock), as a tenant's Redis keys share one hash slot.
     fn shard(&self, b: &BucketRef) -> MutexGuard<'_, Shard> {
-        let i = self.hasher.hash_one(&b.tenant) as usize % self.shards.len();
+        self.tenant_shard(&b.tenant)
+    }
+
+    /// The shard of every bucket and hold of `tenant`.
+    fn tenant_shard(&self, tenant: &TenantId) -> MutexGuard<'_, Shard> {
+        let i = self.hasher.hash_one(tenant) as usize % self.shards.len();
         lock(&self.shards[i])
+    }
+
+    /// The expiry of a token-bucket state written at its `ts_ms`, as the scripts' PX: its time
+    /// to full, at least the minimum idle TTL; `None` (never) when it does not refill.
+    fn bucket_expiry(&self, p: &BucketParams, s: &BucketState) -> Option<u64> {
+        let ttl = bucket::idle_ttl_ms(p, s);
+        (ttl != u64::MAX).then(|| s.ts_ms.saturating_add(ttl.max(self.min_idle_ttl_ms)))
+    }
+
+    /// A hold on token buckets, as `hold.lua`: a live record of the id answers the same
+    /// request again (peeks) and refuses another; else all or nothing as
+    /// [`decide_all`](Self::decide_all), and a record when held.
+    fn make_hold(&self, req: &HoldRequest) -> Result<HoldOutcome, StoreError> {
+        req.validate()?;
+        let now = req.now_ms.unwrap_or_else(|| (self.clock)());
+        let tenant = &req.limits[0].bucket.tenant;
+        let mut shard = self.tenant_shard(tenant);
+        let shard = &mut *shard;
+        shard.tick(now);
+        let mut inputs = Vec::with_capacity(req.limits.len());
+        for l in &req.limits {
+            let Limit::TokenBucket(fallback) = l.limit else {
+                return Err(StoreError::Rejected {
+                    reason: "a hold's limits are token buckets".into(),
+                });
+            };
+            inputs.push(shard.bucket_at(&l.bucket, fallback, now));
+        }
+        let key = (tenant.clone(), req.id.clone());
+        let found = shard.hold_records.get(&key);
+        match hold::create(now, found, &req.limits, req.cost, req.ttl_ms) {
+            Create::Refused => {
+                return Err(StoreError::Rejected {
+                    reason: hold::HOLD_ID_TAKEN.into(),
+                })
+            }
+            Create::Replay { expires_at_ms } => {
+                return Ok(HoldOutcome {
+                    decisions: inputs
+                        .iter()
+                        .map(|(p, s)| bucket::decide(now, p, s.as_ref(), 0).0)
+                        .collect(),
+                    held: true,
+                    expires_at_ms,
+                    replayed: true,
+                })
+            }
+            Create::Fresh => {}
+        }
+        for (i, ((p, _), l)) in inputs.iter().zip(&req.limits).enumerate() {
+            if let Err(e) = bucket::check_debt_limit(p, l.debt_limit_ut) {
+                return Err(StoreError::Rejected {
+                    reason: format!("limit {}: {e}", i + 1),
+                });
+            }
+        }
+        let outcomes = bucket::decide_all(now, &inputs, req.cost);
+        let held = outcomes.iter().all(|o| o.decision.allowed);
+        for ((o, (p, _)), l) in outcomes.iter().zip(&inputs).zip(&req.limits) {
+            let Some(s) = o.state else { continue };
+            let (ad, dn) = if held { (req.cost, 0) } else { (0, req.cost) };
+            let expires = self.bucket_expiry(p, &s);
+            let k = (l.bucket.clone(), StateKind::Bucket);
+            shard.record(
+                k,
+                now,
+                State::Bucket(s),
+                Limit::TokenBucket(*p),
+                expires,
+                ad,
+                dn,
+            );
+        }
+        if held {
+            let r = HoldRecord::open(now, req.limits.clone(), req.cost, req.ttl_ms);
+            shard.hold_records.insert(key, r);
+        }
+        Ok(HoldOutcome {
+            decisions: outcomes.into_iter().map(|o| o.decision).collect(),
+            held,
+            expires_at_ms: now.saturating_add(req.ttl_ms),
+            replayed: false,
+        })
+    }
+
+    /// Settles or releases a hold, as `settle.lua`: on each bucket the excess charged (usage
+    /// as a charge's) or the difference refunded (taken off the admitted count).
+    fn end_hold(
+        &self,
+        tenant: &TenantId,
+        id: &str,
+        what: Finish,
+        now_ms: Option<u64>,
+    ) -> Result<Settled, StoreError> {
+        let now = now_ms.unwrap_or_else(|| (self.clock)());
+        let mut shard = self.tenant_shard(tenant);
+        let shard = &mut *shard;
+        shard.tick(now);
+        let key = (tenant.clone(), id.to_string());
+        let found = shard.hold_records.get(&key);
+        let limits_of = |r: &HoldRecord<HoldLimit>, results: Vec<hold::BucketResult>| {
+            r.limits
+                .iter()
+                .zip(results)
+                .map(|(l, x)| SettledLimit::of(l.bucket.clone(), x))
+                .collect()
+        };
+        let record = match hold::finish(now, found, what) {
+            Verdict::Unknown => return Ok(Settled::Unknown),
+            Verdict::Expired { expired_at_ms } => return Ok(Settled::Expired { expired_at_ms }),
+            Verdict::Conflict(why) => return Ok(Settled::Conflict(why)),
+            Verdict::Replay(results) => {
+                let limits = found.map_or_else(Vec::new, |r| limits_of(r, results));
+                return Ok(Settled::Done {
+                    limits,
+                    replayed: true,
+                });
+            }
+            Verdict::Apply => match shard.hold_records.remove(&key) {
+                Some(r) => r,
+                None => return Ok(Settled::Unknown),
+            },
+        };
+        let actual = what.actual();
+        let mut results = Vec::with_capacity(record.limits.len());
+        for l in &record.limits {
+            let Limit::TokenBucket(fallback) = l.limit else {
+                continue;
+            };
+            let (p, state) = shard.bucket_at(&l.bucket, fallback, now);
+            let done = hold::settle_bucket(
+                now,
+                &p,
+                state.as_ref(),
+                l.debt_limit_ut,
+                record.cost,
+                actual,
+            );
+            results.push(done.result);
+            let Some(s) = done.state else { continue };
+            let k = (l.bucket.clone(), StateKind::Bucket);
+            if actual > record.cost {
+                let expires = self.bucket_expiry(&p, &s);
+                let limit = Limit::TokenBucket(p);
+                shard.record(
+                    k,
+                    now,
+                    State::Bucket(s),
+                    limit,
+                    expires,
+                    done.admitted,
+                    done.denied,
+                );
+            } else if let Some(e) = shard.states.get_mut(&k).filter(|e| e.live_at(now)) {
+                // A refund keeps the expiry, as refund.lua's KEEPTTL.
+                e.state = State::Bucket(s);
+                e.limit = Limit::TokenBucket(p);
+                e.admitted = e.admitted.saturating_sub(done.unadmitted);
+            }
+        }
+        let limits = limits_of(&record, results.clone());
+        shard
+            .hold_records
+            .insert(key, record.ended(now, what, results));
+        Ok(Settled::Done {
+            limits,
+            replayed: false,
+        })
     }
 
     /// A changed policy: the new bucket (no state yet, or decided only on the fallback) keeps
@@ -694,6 +915,21 @@ impl Store for EmbeddedStore {
         now_ms: Option<u64>,
     ) -> Result<Option<u64>, StoreError> {
         self.give_back(bucket, tokens, now_ms)
+    }
+
+    async fn hold(&self, req: &HoldRequest) -> Result<HoldOutcome, StoreError> {
+        self.make_hold(req)
+    }
+
+    async fn settle(&self, req: &SettleRequest) -> Result<Settled, StoreError> {
+        req.validate()?;
+        let what = Finish::Settle { actual: req.cost };
+        self.end_hold(&req.tenant, &req.id, what, req.now_ms)
+    }
+
+    async fn release(&self, req: &ReleaseRequest) -> Result<Settled, StoreError> {
+        req.validate()?;
+        self.end_hold(&req.tenant, &req.id, Finish::Release, req.now_ms)
     }
 
     async fn set_params(&self, req: &SetParams) -> Result<(), StoreError> {

@@ -2,13 +2,15 @@
 //!
 //! A [`Store`] decides one request atomically against a token bucket or a sliding window,
 //! charges a token bucket for work already done (into bounded debt, [`ChargeRequest`]), holds
-//! this region's parameters for each bucket (written by the region agent), and hands out the
-//! usage (admitted and denied tokens per bucket) recorded since the previous collection.
+//! an estimate on token buckets and settles it later at the actual cost ([`HoldRequest`],
+//! [`SettleRequest`]), holds this region's parameters for each bucket (written by the region
+//! agent), and hands out the usage (admitted and denied tokens per bucket) recorded since the
+//! previous collection.
 //!
 //! Two implementations give the same decisions:
 //!
-//! - [`RedisStore`]: one EVALSHA of `lua/token_bucket.lua` or `lua/sliding_window.lua` per
-//!   decision on the region's Redis (standalone or Cluster), reloading scripts on NOSCRIPT,
+//! - [`RedisStore`]: one EVALSHA of a script in `lua/` per call (`token_bucket.lua`,
+//!   `sliding_window.lua`, `hold.lua`, …) on the region's Redis (standalone or Cluster), reloading scripts on NOSCRIPT,
 //!   reconnecting on its own, with a timeout on every call.
 //! - [`EmbeddedStore`]: the same arithmetic from `quota-core` in process, for running without
 //!   Redis (one region, development, higher-layer tests); sharded, with idle buckets evicted.
@@ -17,10 +19,12 @@
 //!
 //! # Layout
 //! - [`script`]: the Lua sources, their argument encoding and reply decoding.
+//! - [`hold`]: the requests and answers of holds (reserve, then settle).
 //! - [`embedded`]: the in-process store.
 //! - [`redis_store`]: the Redis store.
 
 pub mod embedded;
+pub mod hold;
 pub mod redis_store;
 pub mod script;
 
@@ -29,6 +33,9 @@ use quota_core::keys::{self, StateKind};
 use quota_core::{BucketParams, ChargeOutcome, Decision, PolicyName, TenantId, WindowParams};
 
 pub use embedded::EmbeddedStore;
+pub use hold::{
+    HoldLimit, HoldOutcome, HoldRequest, ReleaseRequest, SettleRequest, Settled, SettledLimit,
+};
 pub use redis_store::{
     check_url, ClientIdentity, Credentials, RedisStore, RedisStoreConfig, Tls, TlsPart, Topology,
 };
@@ -628,6 +635,25 @@ pub trait Store: Send + Sync {
         tokens: u64,
         now_ms: Option<u64>,
     ) -> impl std::future::Future<Output = Result<Option<u64>, StoreError>> + Send;
+    /// Holds an estimate on one tenant's token buckets, all or nothing ([`HoldRequest`]): spent
+    /// now and recorded under the request's id until settled, released or expired. Applied
+    /// once whatever retries it takes: a create under a live id answers the first.
+    fn hold(
+        &self,
+        req: &HoldRequest,
+    ) -> impl std::future::Future<Output = Result<HoldOutcome, StoreError>> + Send;
+    /// Settles a hold at its actual cost: the excess over the estimate charged into debt (as
+    /// [`charge`](Self::charge)), the rest given back (as [`refund`](Self::refund)). Applied
+    /// once: the same settle again answers the first ([`Settled::Done`] `replayed`).
+    fn settle(
+        &self,
+        req: &SettleRequest,
+    ) -> impl std::future::Future<Output = Result<Settled, StoreError>> + Send;
+    /// Releases a hold: its whole estimate given back. Applied once, as a settle.
+    fn release(
+        &self,
+        req: &ReleaseRequest,
+    ) -> impl std::future::Future<Output = Result<Settled, StoreError>> + Send;
     /// Writes this region's parameters for a bucket (the region agent does this on allocation
     /// and renews them with its lease). They replace any written before and take precedence
     /// over a check's fallback.
@@ -777,6 +803,27 @@ impl Store for AnyStore {
         match self {
             Self::Embedded(s) => s.refund(bucket, tokens, now_ms).await,
             Self::Redis(s) => s.refund(bucket, tokens, now_ms).await,
+        }
+    }
+
+    async fn hold(&self, req: &HoldRequest) -> Result<HoldOutcome, StoreError> {
+        match self {
+            Self::Embedded(s) => s.hold(req).await,
+            Self::Redis(s) => s.hold(req).await,
+        }
+    }
+
+    async fn settle(&self, req: &SettleRequest) -> Result<Settled, StoreError> {
+        match self {
+            Self::Embedded(s) => s.settle(req).await,
+            Self::Redis(s) => s.settle(req).await,
+        }
+    }
+
+    async fn release(&self, req: &ReleaseRequest) -> Result<Settled, StoreError> {
+        match self {
+            Self::Embedded(s) => s.release(req).await,
+            Self::Redis(s) => s.release(req).await,
         }
     }
 

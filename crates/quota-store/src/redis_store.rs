@@ -44,8 +44,8 @@ pub use tls::{ClientIdentity, Tls, TlsPart};
 
 use crate::script::{self, Arg};
 use crate::{
-    BucketRef, ChargeRequest, CheckRequest, Limit, MultiCheckRequest, SetParams, Store, StoreError,
-    UsageRecord,
+    BucketRef, ChargeRequest, CheckRequest, HoldOutcome, HoldRequest, Limit, MultiCheckRequest,
+    ReleaseRequest, SetParams, SettleRequest, Settled, Store, StoreError, UsageRecord,
 };
 use source::{build_source, Source};
 
@@ -67,6 +67,8 @@ struct Scripts {
     set_params: Script,
     refund: Script,
     charge: Script,
+    hold: Script,
+    settle: Script,
 }
 
 /// The Redis-backed store. Cheap to clone; clones share connections.
@@ -117,6 +119,8 @@ impl RedisStore {
             set_params: Script::new(script::SET_PARAMS_LUA),
             refund: Script::new(script::REFUND_LUA),
             charge: Script::new(script::CHARGE_LUA),
+            hold: Script::new(script::HOLD_LUA),
+            settle: Script::new(script::SETTLE_LUA),
         });
         let min_idle_ttl_ms = (config.min_idle_ttl.as_millis() as u64)
             .clamp(1, quota_core::bucket::MAX_CAPACITY_UT)
@@ -168,6 +172,24 @@ impl RedisStore {
         self.ping(&candidate).await?;
         self.source.store(Arc::new(candidate));
         Ok(())
+    }
+}
+
+impl RedisStore {
+    /// Settles (`cost`) or releases the hold recorded at `record` with one `settle.lua`: a
+    /// retry of the call finds the record ended by the first run and answers its results.
+    async fn end_hold(
+        &self,
+        record: &str,
+        cost: Option<u64>,
+        now_ms: Option<u64>,
+    ) -> Result<Settled, StoreError> {
+        let index = self.index_key(record);
+        let args = script::settle_args(cost, now_ms, &self.min_idle_ttl_ms);
+        let reply: Vec<redis::Value> = self
+            .invoke(&self.scripts.settle, &[record, &index], &args)
+            .await?;
+        script::settled_from_reply(&reply)
     }
 }
 
@@ -264,6 +286,38 @@ impl Store for RedisStore {
             .invoke(&self.scripts.token_buckets, &keys, &args)
             .await?;
         script::decisions_from_reply(&reply, req.limits.len())
+    }
+
+    async fn hold(&self, req: &HoldRequest) -> Result<HoldOutcome, StoreError> {
+        req.validate()?;
+        let tenant = &req.limits[0].bucket.tenant;
+        let record = keys::hold_key(tenant, &req.id);
+        let mut keys = Vec::with_capacity(2 + 2 * req.limits.len());
+        // The record and the buckets share the tenant's hash slot, so one index for all.
+        keys.push(self.index_key(&record));
+        for l in &req.limits {
+            keys.push(l.bucket.state_key(StateKind::Bucket));
+            keys.push(l.bucket.params_key());
+        }
+        let keys: Vec<&str> = std::iter::once(record.as_str())
+            .chain(keys.iter().map(String::as_str))
+            .collect();
+        let args = script::hold_args(req, &self.min_idle_ttl_ms);
+        // A retry of this call (the store's own, or a Cluster client's) meets the record the
+        // first run wrote and is answered as a replay: the estimate is spent once.
+        let reply: Vec<i64> = self.invoke(&self.scripts.hold, &keys, &args).await?;
+        script::hold_from_reply(&reply, req.limits.len())
+    }
+
+    async fn settle(&self, req: &SettleRequest) -> Result<Settled, StoreError> {
+        req.validate()?;
+        self.end_hold(&req.record_key(), Some(req.cost), req.now_ms)
+            .await
+    }
+
+    async fn release(&self, req: &ReleaseRequest) -> Result<Settled, StoreError> {
+        req.validate()?;
+        self.end_hold(&req.record_key(), None, req.now_ms).await
     }
 
     async fn set_params(&self, req: &SetParams) -> Result<(), StoreError> {

@@ -1,9 +1,13 @@
 //! The Lua scripts (compiled in with `include_str!`), the arguments they take and the replies
 //! they give. Each script opens with its KEYS / ARGV / return contract.
 
+use quota_core::keys;
 use quota_core::{ChargeOutcome, Decision};
 
-use crate::{ChargeRequest, CheckRequest, Limit, MultiCheckRequest, SetParams, StoreError};
+use crate::{
+    BucketRef, ChargeRequest, CheckRequest, HoldOutcome, HoldRequest, Limit, MultiCheckRequest,
+    SetParams, Settled, SettledLimit, StoreError,
+};
 
 /// One token-bucket decision (`lua/token_bucket.lua`).
 pub const TOKEN_BUCKET_LUA: &str = include_str!("../../../lua/token_bucket.lua");
@@ -23,6 +27,13 @@ pub const REFUND_LUA: &str = include_str!("../../../lua/refund.lua");
 
 /// Charges a token bucket for work already done, into bounded debt (`lua/charge.lua`).
 pub const CHARGE_LUA: &str = include_str!("../../../lua/charge.lua");
+
+/// Makes a hold: an estimate spent on token buckets, all or nothing, and its record
+/// (`lua/hold.lua`).
+pub const HOLD_LUA: &str = include_str!("../../../lua/hold.lua");
+
+/// Settles or releases a hold (`lua/settle.lua`).
+pub const SETTLE_LUA: &str = include_str!("../../../lua/settle.lua");
 
 /// Drains an activity index (`lua/collect_usage.lua`).
 pub const COLLECT_USAGE_LUA: &str = include_str!("../../../lua/collect_usage.lua");
@@ -144,6 +155,137 @@ pub fn charge_from_reply(reply: &[i64], cost: u64) -> Result<ChargeOutcome, Stor
         _ => Err(StoreError::Protocol {
             reason: format!("bad charge fields {reply:?} for a cost of {cost}"),
         }),
+    }
+}
+
+/// The ARGV of `hold.lua` for `req`: estimate, ttl, explicit now (or `""`), minimum idle TTL,
+/// then each limit's fallback capacity, refill, period and debt limit.
+pub fn hold_args<'a>(req: &HoldRequest, min_idle_ttl_ms: &'a str) -> Vec<Arg<'a>> {
+    let mut args = Vec::with_capacity(4 + 4 * req.limits.len());
+    args.extend([
+        Arg::Num(req.cost),
+        Arg::Num(req.ttl_ms),
+        req.now_ms.map_or(Arg::Str(""), Arg::Num),
+        Arg::Str(min_idle_ttl_ms),
+    ]);
+    for l in &req.limits {
+        match l.limit {
+            Limit::TokenBucket(p) => args.extend([
+                Arg::Num(p.capacity_ut),
+                Arg::Num(p.refill_ut),
+                Arg::Num(p.period_ms),
+            ]),
+            // Refused by HoldRequest::validate; the script refuses an empty fallback.
+            Limit::SlidingWindow { .. } => args.extend([Arg::Str(""); 3]),
+        }
+        args.push(Arg::Num(l.debt_limit_ut));
+    }
+    args
+}
+
+/// Decodes `{held, expires_at_ms, replayed, 4 fields per limit}` from `hold.lua` for `n`
+/// limits.
+pub fn hold_from_reply(reply: &[i64], n: usize) -> Result<HoldOutcome, StoreError> {
+    let [held, expires, replayed, fields @ ..] = reply else {
+        return Err(StoreError::Protocol {
+            reason: format!("a hold reply has 3 fields and more, got {}", reply.len()),
+        });
+    };
+    let flag = |v: i64| match v {
+        0 => Ok(false),
+        1 => Ok(true),
+        _ => Err(StoreError::Protocol {
+            reason: format!("bad hold flag {v}"),
+        }),
+    };
+    let decisions = decisions_from_reply(fields, n)?;
+    let held = flag(*held)?;
+    if held && !decisions.iter().all(|d| d.allowed) {
+        return Err(StoreError::Protocol {
+            reason: "a hold held on a limit that denied".into(),
+        });
+    }
+    Ok(HoldOutcome {
+        decisions,
+        held,
+        expires_at_ms: u64::try_from(*expires).map_err(|_| StoreError::Protocol {
+            reason: format!("bad hold expiry {expires}"),
+        })?,
+        replayed: flag(*replayed)?,
+    })
+}
+
+/// The ARGV of `settle.lua`: `settle` and the actual cost, or `release` and `""`; the
+/// explicit now (or `""`); the minimum idle TTL.
+pub fn settle_args<'a>(
+    cost: Option<u64>,
+    now_ms: Option<u64>,
+    min_idle_ttl_ms: &'a str,
+) -> [Arg<'a>; 4] {
+    [
+        Arg::Str(if cost.is_some() { "settle" } else { "release" }),
+        cost.map_or(Arg::Str(""), Arg::Num),
+        now_ms.map_or(Arg::Str(""), Arg::Num),
+        Arg::Str(min_idle_ttl_ms),
+    ]
+}
+
+/// Decodes `settle.lua`'s reply: `{0}` unknown; `{1, replayed, 6 fields per limit}` done;
+/// `{2, expired_at_ms}` expired; `{3, why}` a conflict.
+pub fn settled_from_reply(reply: &[redis::Value]) -> Result<Settled, StoreError> {
+    let bad = |what: &str| StoreError::Protocol {
+        reason: format!("a settle reply {what}"),
+    };
+    let int = |v: &redis::Value| match v {
+        redis::Value::Int(n) => u64::try_from(*n).ok(),
+        _ => None,
+    };
+    match reply {
+        [redis::Value::Int(0)] => Ok(Settled::Unknown),
+        [redis::Value::Int(2), at] => Ok(Settled::Expired {
+            expired_at_ms: int(at).ok_or_else(|| bad("with a bad expiry"))?,
+        }),
+        [redis::Value::Int(3), why] => match why {
+            redis::Value::BulkString(b) => {
+                Ok(Settled::Conflict(String::from_utf8_lossy(b).into_owned()))
+            }
+            _ => Err(bad("with a conflict that is not text")),
+        },
+        [redis::Value::Int(1), replayed, rest @ ..] if !rest.is_empty() && rest.len() % 6 == 0 => {
+            let replayed = match int(replayed) {
+                Some(0) => false,
+                Some(1) => true,
+                _ => return Err(bad("with a bad replay flag")),
+            };
+            let mut limits = Vec::with_capacity(rest.len() / 6);
+            for f in rest.chunks_exact(6) {
+                let redis::Value::BulkString(k) = &f[0] else {
+                    return Err(bad("without a state key"));
+                };
+                let key = std::str::from_utf8(k).map_err(|_| bad("with a key not UTF-8"))?;
+                let (_, tenant, policy, version) =
+                    keys::parse_state_key(key).ok_or_else(|| bad("with a foreign key"))?;
+                let n: Vec<u64> = f[1..]
+                    .iter()
+                    .map(int)
+                    .collect::<Option<_>>()
+                    .ok_or_else(|| bad("with a bad count"))?;
+                limits.push(SettledLimit {
+                    bucket: BucketRef {
+                        tenant,
+                        policy,
+                        version,
+                    },
+                    charged: n[0],
+                    clamped: n[1],
+                    refunded: n[2],
+                    remaining: n[3],
+                    debt: n[4],
+                });
+            }
+            Ok(Settled::Done { limits, replayed })
+        }
+        _ => Err(bad(&format!("of {} fields", reply.len()))),
     }
 }
 
@@ -281,6 +423,8 @@ mod tests {
             SET_PARAMS_LUA,
             REFUND_LUA,
             CHARGE_LUA,
+            HOLD_LUA,
+            SETTLE_LUA,
         ] {
             assert!(s.contains("KEYS[1]") && s.contains("ARGV[1]") && s.contains("returns"));
         }

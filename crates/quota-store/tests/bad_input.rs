@@ -1241,3 +1241,398 @@ fn window_states_of_the_two_counter_layout_err_toward_denying() {
         .unwrap();
     assert_eq!(log, ["900:2,1100:3", "5"]);
 }
+
+/// `hold.lua` refuses every bad argument, a record key not of its form, keys of other tenants
+/// or types, a debt limit past the capacity in force and an id of another request, and writes
+/// nothing then; a replay writes nothing either.
+#[test]
+fn hold_rejects_bad_arguments_and_writes_nothing() {
+    use quota_store::script::HOLD_LUA;
+    let server = RedisServer::start().unwrap();
+    let mut c = common::sync_conn(&server);
+    let h = "qd:v1:{bad}:~h:h1";
+    let (b2, p2) = ("qd:v1:{bad}:y:1:b", "qd:v1:{bad}:y:1:p");
+    let keys = [h, IX, B, P];
+    let all = [h, IX, B, P, b2, p2];
+    // A hold of 2 of a bucket of 5 (fallback), debt limit 1 token.
+    let args = |cost: &'static str, ttl: &'static str| -> Vec<&'static str> {
+        vec![
+            cost,
+            ttl,
+            "1700000000000",
+            "",
+            "5000000",
+            "1000000",
+            "",
+            "1000000",
+        ]
+    };
+    let r = eval(&mut c, HOLD_LUA, &keys, &args("2", "1000")).unwrap();
+    assert_eq!(
+        r,
+        redis::Value::Array(
+            [1, 1_700_000_001_000, 0, 1, 3, 0, 2000]
+                .map(redis::Value::Int)
+                .to_vec()
+        )
+    );
+    let before = dumps(&mut c, &all);
+    let with = |i: usize, v: &'static str| {
+        let mut a = args("2", "1000");
+        a[i] = v;
+        a
+    };
+    let cases: Vec<(&str, Vec<&str>)> = vec![
+        ("no arguments", vec![]),
+        ("one argument short", args("2", "1000")[..7].to_vec()),
+        ("zero estimate", args("0", "1000")),
+        ("float estimate", args("1.5", "1000")),
+        ("estimate above max", args("9007199255", "1000")),
+        ("zero ttl", args("2", "0")),
+        ("ttl above an hour", args("2", "3600001")),
+        ("bad now", with(2, "soon")),
+        ("now too late for the record", with(2, "9007199254740991")),
+        ("zero minimum TTL", with(3, "0")),
+        ("no fallback", with(4, "")),
+        ("fallback out of bounds", with(4, "9007199254740992")),
+        ("zero period", with(6, "0")),
+        ("negative debt limit", with(7, "-1")),
+        ("debt limit past the capacity", with(7, "9007199249740992")),
+        // The same id, another request.
+        ("another estimate", args("3", "1000")),
+        ("another ttl", args("2", "999")),
+        ("another debt limit", with(7, "0")),
+    ];
+    for (case, a) in &cases {
+        assert_quotad_error(eval(&mut c, HOLD_LUA, &keys, a), case);
+    }
+    for (case, keys) in [
+        ("three keys", &[h, IX, B][..]),
+        ("repeated keys", &[h, IX, B, B][..]),
+        (
+            "a record key of another form",
+            &["qd:v1:{bad}:h:h1", IX, B, P][..],
+        ),
+        ("an id with a colon", &["qd:v1:{bad}:~h:h:1", IX, B, P][..]),
+        (
+            "an id too long",
+            &[
+                "qd:v1:{bad}:~h:xxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxx",
+                IX,
+                B,
+                P,
+            ][..],
+        ),
+        (
+            "a bucket of another tenant",
+            &[h, IX, "qd:v1:{other}:x:1:b", P][..],
+        ),
+    ] {
+        assert_quotad_error(eval(&mut c, HOLD_LUA, keys, &args("2", "1000")), case);
+    }
+    assert_eq!(dumps(&mut c, &all), before, "a refused hold wrote nothing");
+    // Answered again: a replay writes nothing.
+    let r = eval(&mut c, HOLD_LUA, &keys, &args("2", "1000")).unwrap();
+    assert_eq!(
+        r,
+        redis::Value::Array(
+            [1, 1_700_000_001_000, 1, 1, 3, 0, 2000]
+                .map(redis::Value::Int)
+                .to_vec()
+        )
+    );
+    assert_eq!(dumps(&mut c, &all), before, "a replay wrote nothing");
+    // Keys of another type, a corrupt record, invalid stored parameters: refused, nothing
+    // written.
+    let cmd = |c: &mut redis::Connection, args: &[&str]| {
+        let mut q = redis::cmd(args[0]);
+        for a in &args[1..] {
+            q.arg(*a);
+        }
+        let _: redis::Value = q.query(c).unwrap();
+    };
+    let h2 = "qd:v1:{bad}:~h:h2";
+    let fresh = [h2, IX, b2, p2];
+    for (case, seed, undo) in [
+        (
+            "a record of another type",
+            &["SET", h2, "x"][..],
+            &["DEL", h2][..],
+        ),
+        (
+            "a corrupt record",
+            &["HSET", h2, "s", "o", "c", "x"][..],
+            &["DEL", h2][..],
+        ),
+        (
+            "a state of another type",
+            &["RPUSH", b2, "x"][..],
+            &["DEL", b2][..],
+        ),
+        (
+            "parameters of another type",
+            &["SET", p2, "x"][..],
+            &["DEL", p2][..],
+        ),
+        (
+            "invalid stored parameters",
+            &["HSET", p2, "cap", "x", "rate", "1"][..],
+            &["DEL", p2][..],
+        ),
+        (
+            "an index of another type",
+            &["SET", "qd:v1:ix2", "x"][..],
+            &["DEL", "qd:v1:ix2"][..],
+        ),
+    ] {
+        cmd(&mut c, seed);
+        let seeded = dumps(&mut c, &all);
+        let keys = if case.contains("index") {
+            [h2, "qd:v1:ix2", b2, p2]
+        } else {
+            fresh
+        };
+        assert_quotad_error(eval(&mut c, HOLD_LUA, &keys, &args("2", "1000")), case);
+        assert_eq!(dumps(&mut c, &all), seeded, "{case}");
+        cmd(&mut c, undo);
+    }
+    // Stored parameters of capacity 100 make a debt limit within the fallback's bound too large.
+    cmd(&mut c, &["HSET", p2, "cap", "100000000", "rate", "1"]);
+    assert_quotad_error(
+        eval(&mut c, HOLD_LUA, &fresh, &with(7, "9007199249740991")),
+        "a debt limit past the stored capacity",
+    );
+    let exists: bool = redis::cmd("EXISTS").arg(h2).arg(b2).query(&mut c).unwrap();
+    assert!(!exists, "a refused hold made no record and no state");
+}
+
+/// `settle.lua` refuses every bad argument and a corrupt record, and writes nothing then.
+#[test]
+fn settle_rejects_bad_arguments_and_writes_nothing() {
+    use quota_store::script::{HOLD_LUA, SETTLE_LUA};
+    let server = RedisServer::start().unwrap();
+    let mut c = common::sync_conn(&server);
+    let h = "qd:v1:{bad}:~h:h1";
+    let now = "1700000000000";
+    let hold = ["2", "1000", now, "", "5000000", "1000000", "", "1000000"];
+    eval(&mut c, HOLD_LUA, &[h, IX, B, P], &hold).unwrap();
+    let all = [h, IX, B, P];
+    let before = dumps(&mut c, &all);
+    let cases: &[(&str, &[&str])] = &[
+        ("no arguments", &[]),
+        ("three arguments", &["settle", "1", now]),
+        ("neither settle nor release", &["close", "1", now, ""]),
+        ("a settle without a cost", &["settle", "", now, ""]),
+        ("a negative cost", &["settle", "-1", now, ""]),
+        ("a cost above max", &["settle", "9007199255", now, ""]),
+        ("a release with a cost", &["release", "1", now, ""]),
+        ("bad now", &["settle", "1", "soon", ""]),
+        (
+            "now too late for the record",
+            &["settle", "1", "9007199254740991", ""],
+        ),
+        ("zero minimum TTL", &["settle", "1", now, "0"]),
+    ];
+    for (case, a) in cases {
+        assert_quotad_error(eval(&mut c, SETTLE_LUA, &[h, IX], a), case);
+    }
+    for (case, keys) in [
+        ("one key", &[h][..]),
+        ("the same key twice", &[h, h][..]),
+        (
+            "a record key of another form",
+            &["qd:v1:{bad}:x:1:b", IX][..],
+        ),
+    ] {
+        assert_quotad_error(
+            eval(&mut c, SETTLE_LUA, keys, &["settle", "1", now, ""]),
+            case,
+        );
+    }
+    assert_eq!(
+        dumps(&mut c, &all),
+        before,
+        "a refused settle wrote nothing"
+    );
+    // A record whose limits name another tenant's keys, or are not MessagePack.
+    let cmd = |c: &mut redis::Connection, args: &[&str]| {
+        let mut q = redis::cmd(args[0]);
+        for a in &args[1..] {
+            q.arg(*a);
+        }
+        let _: redis::Value = q.query(c).unwrap();
+    };
+    let theirs: Vec<u8> = {
+        // MessagePack of {{"qd:v1:{other}:x:1:b", "qd:v1:{other}:x:1:p", 5e6, 1e6, 1000, 0}}.
+        let mut v = vec![0x91, 0x96];
+        for k in ["qd:v1:{other}:x:1:b", "qd:v1:{other}:x:1:p"] {
+            v.push(0xa0 | k.len() as u8);
+            v.extend(k.as_bytes());
+        }
+        v.push(0xce);
+        v.extend(5_000_000u32.to_be_bytes());
+        v.push(0xce);
+        v.extend(1_000_000u32.to_be_bytes());
+        v.push(0xcd);
+        v.extend(1000u16.to_be_bytes());
+        v.push(0);
+        v
+    };
+    for (case, l) in [
+        ("another tenant's keys", theirs),
+        ("not MessagePack", b"\xc1".to_vec()),
+    ] {
+        let _: () = redis::cmd("HSET")
+            .arg(h)
+            .arg("l")
+            .arg(l)
+            .query(&mut c)
+            .unwrap();
+        let seeded = dumps(&mut c, &all);
+        assert_quotad_error(
+            eval(&mut c, SETTLE_LUA, &[h, IX], &["settle", "1", now, ""]),
+            case,
+        );
+        assert_eq!(dumps(&mut c, &all), seeded, "{case}");
+    }
+    cmd(&mut c, &["HSET", h, "s", "x"]);
+    assert_quotad_error(
+        eval(&mut c, SETTLE_LUA, &[h, IX], &["release", "", now, ""]),
+        "an unknown phase",
+    );
+}
+
+#[tokio::test]
+async fn invalid_holds_never_reach_redis() {
+    use quota_store::{HoldLimit, HoldRequest, ReleaseRequest, SettleRequest};
+    let mut server = RedisServer::start().unwrap();
+    let store = common::store(&server).await;
+    server.stop();
+    let b = fresh_bucket("never-held");
+    let other = fresh_bucket("never-held-other");
+    let limit = |b: &quota_store::BucketRef| HoldLimit {
+        bucket: b.clone(),
+        limit: tokens(5, 1),
+        debt_limit_ut: 0,
+    };
+    let ok = HoldRequest {
+        id: "h".into(),
+        limits: vec![limit(&b)],
+        cost: 1,
+        ttl_ms: 1000,
+        now_ms: None,
+    };
+    let window = Limit::SlidingWindow {
+        limit: 1,
+        window_ms: 1000,
+    };
+    let bad = [
+        HoldRequest {
+            id: "".into(),
+            ..ok.clone()
+        },
+        HoldRequest {
+            id: "a:b".into(),
+            ..ok.clone()
+        },
+        HoldRequest {
+            id: "x".repeat(65),
+            ..ok.clone()
+        },
+        HoldRequest {
+            limits: vec![],
+            ..ok.clone()
+        },
+        HoldRequest {
+            limits: vec![limit(&b); 2],
+            ..ok.clone()
+        },
+        HoldRequest {
+            limits: vec![limit(&b), limit(&other)],
+            ..ok.clone()
+        },
+        HoldRequest {
+            limits: vec![HoldLimit {
+                limit: window,
+                ..limit(&b)
+            }],
+            ..ok.clone()
+        },
+        HoldRequest {
+            limits: vec![HoldLimit {
+                debt_limit_ut: (1 << 53) - 5_000_000,
+                ..limit(&b)
+            }],
+            ..ok.clone()
+        },
+        HoldRequest {
+            cost: 0,
+            ..ok.clone()
+        },
+        HoldRequest {
+            cost: quota_store::MAX_COST + 1,
+            ..ok.clone()
+        },
+        HoldRequest {
+            ttl_ms: 0,
+            ..ok.clone()
+        },
+        HoldRequest {
+            ttl_ms: quota_core::bounds::MAX_HOLD_TTL_MS + 1,
+            ..ok.clone()
+        },
+        HoldRequest {
+            now_ms: Some((1 << 53) - 1000),
+            ..ok.clone()
+        },
+    ];
+    for r in &bad {
+        let got = store.hold(r).await;
+        assert!(
+            matches!(got, Err(StoreError::Rejected { .. })),
+            "{r:?}: {got:?}"
+        );
+    }
+    let settle = SettleRequest {
+        tenant: b.tenant.clone(),
+        id: "h".into(),
+        cost: 1,
+        now_ms: None,
+    };
+    for r in [
+        SettleRequest {
+            id: "a b".into(),
+            ..settle.clone()
+        },
+        SettleRequest {
+            cost: quota_store::MAX_COST + 1,
+            ..settle.clone()
+        },
+        SettleRequest {
+            now_ms: Some(u64::MAX),
+            ..settle.clone()
+        },
+    ] {
+        let got = store.settle(&r).await;
+        assert!(
+            matches!(got, Err(StoreError::Rejected { .. })),
+            "{r:?}: {got:?}"
+        );
+    }
+    let release = ReleaseRequest {
+        tenant: b.tenant.clone(),
+        id: "".into(),
+        now_ms: None,
+    };
+    let got = store.release(&release).await;
+    assert!(matches!(got, Err(StoreError::Rejected { .. })), "{got:?}");
+    // A valid one reaches Redis, and fails as unavailable.
+    let got = store.hold(&ok).await;
+    assert!(
+        matches!(
+            got,
+            Err(StoreError::Unavailable { .. } | StoreError::Timeout { .. })
+        ),
+        "{got:?}"
+    );
+}

@@ -1,6 +1,7 @@
 //! Redis Cluster: three masters started by redis-harness. Decisions for tenants spread over all
-//! nodes, parameters, NOSCRIPT after a flush on every node, and usage collection through the
-//! per-slot activity indexes (each in its bucket's slot, so the scripts never cross slots).
+//! nodes, parameters, NOSCRIPT after a flush on every node, usage collection through the
+//! per-slot activity indexes (each in its bucket's slot, so the scripts never cross slots), and
+//! holds (a record in its tenant's slot, beside the buckets it names).
 
 mod common;
 
@@ -8,7 +9,11 @@ use std::time::Duration;
 
 use common::{admin, first_decision, fresh_bucket, req, tokens};
 use quota_core::keys::{self, StateKind};
-use quota_store::{Credentials, Limit, RedisStore, RedisStoreConfig, SetParams, Store, StoreError};
+use quota_core::PolicyName;
+use quota_store::{
+    BucketRef, Credentials, HoldLimit, HoldRequest, Limit, RedisStore, RedisStoreConfig,
+    ReleaseRequest, SetParams, SettleRequest, Settled, SettledLimit, Store, StoreError,
+};
 use redis_harness::RedisCluster;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -75,6 +80,64 @@ async fn decisions_and_usage_on_a_three_master_cluster() {
     assert!(first.len() <= 3);
     let rest = s.collect_usage(usize::MAX).await.unwrap();
     assert_eq!(first.len() + rest.len(), 5);
+
+    // Holds on every master: a record shares its tenant's slot with the buckets it holds, and
+    // settle.lua reads the buckets the record names there. Settled at 5 (3 more charged) or
+    // released (2 back).
+    for (i, b) in buckets.iter().enumerate() {
+        let held = BucketRef {
+            policy: PolicyName::new("held").unwrap(),
+            ..b.clone()
+        };
+        let h = HoldRequest {
+            id: format!("h{i}"),
+            limits: vec![HoldLimit {
+                bucket: held.clone(),
+                limit: tokens(5, 0),
+                debt_limit_ut: 0,
+            }],
+            cost: 2,
+            ttl_ms: 60_000,
+            now_ms: None,
+        };
+        let o = s.hold(&h).await.unwrap();
+        assert!(o.held && o.decisions[0].remaining == 3, "{o:?}");
+        let got = if i % 2 == 0 {
+            let r = SettleRequest {
+                tenant: b.tenant.clone(),
+                id: h.id.clone(),
+                cost: 5,
+                now_ms: None,
+            };
+            s.settle(&r).await.unwrap()
+        } else {
+            let r = ReleaseRequest {
+                tenant: b.tenant.clone(),
+                id: h.id.clone(),
+                now_ms: None,
+            };
+            s.release(&r).await.unwrap()
+        };
+        let (charged, refunded, remaining) = if i % 2 == 0 { (3, 0, 0) } else { (0, 2, 5) };
+        assert_eq!(
+            got,
+            Settled::Done {
+                limits: vec![SettledLimit {
+                    bucket: held,
+                    charged,
+                    clamped: 0,
+                    refunded,
+                    remaining,
+                    debt: 0
+                }],
+                replayed: false
+            }
+        );
+    }
+    // Settled ones used 5 each; released ones nothing.
+    let usage = s.collect_usage(usize::MAX).await.unwrap();
+    assert_eq!(usage.len(), 15, "{usage:?}");
+    assert!(usage.iter().all(|u| u.admitted == 5 && u.denied == 0));
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -1937,3 +1937,529 @@ fn fences_refuse_alike_in_both_stores() {
         "{refused:?} {accepted:?}"
     );
 }
+
+/// A step of the holds comparison. Ids are named by how recently they were first asked for
+/// (`back` 0: the latest), so settles meet live holds and new holds meet taken ids.
+#[derive(Debug, Clone)]
+enum HoldStep {
+    /// A hold of the limits in `mask` (bits of the case's buckets), under a new id or (`reuse`)
+    /// one asked for before.
+    Hold {
+        dt: i64,
+        reuse: Option<usize>,
+        mask: u8,
+        cost: u64,
+        ttl_ms: u64,
+        debt_tokens: u64,
+    },
+    /// The latest hold asked under an id, asked again as it was (a caller's retry).
+    Retry {
+        dt: i64,
+        back: usize,
+    },
+    Settle {
+        dt: i64,
+        back: usize,
+        cost: u64,
+    },
+    Release {
+        dt: i64,
+        back: usize,
+    },
+    /// One limit checked alone (token_bucket.lua).
+    Check {
+        dt: i64,
+        limit: usize,
+        cost: u64,
+    },
+    /// One limit charged into debt (charge.lua).
+    Charge {
+        dt: i64,
+        limit: usize,
+        cost: u64,
+        debt_tokens: u64,
+    },
+    /// New parameters stored for one limit (set_params.lua).
+    Set {
+        limit: usize,
+        p: BucketParams,
+    },
+    Collect,
+}
+
+fn hold_steps(n: usize) -> impl Strategy<Value = Vec<HoldStep>> {
+    // Mostly within a hold's life; some past its expiry, some past its record's memory.
+    let dt = prop_oneof![
+        8 => 0i64..=2_000,
+        3 => 0i64..=70_000,
+        1 => 590_000i64..=700_000,
+        1 => -500i64..=0,
+    ];
+    let back = 0usize..3;
+    let ttl = prop_oneof![
+        3 => 1_000u64..=300_000,
+        1 => 1u64..=5_000,
+        1 => Just(quota_core::bounds::MAX_HOLD_TTL_MS),
+    ];
+    let hold = (
+        dt.clone(),
+        prop_oneof![3 => Just(None), 1 => back.clone().prop_map(Some)],
+        1u8..(1 << n),
+        prop_oneof![4 => 1u64..=8, 1 => 1u64..=70],
+        ttl,
+        0u64..=20,
+    )
+        .prop_map(
+            |(dt, reuse, mask, cost, ttl_ms, debt_tokens)| HoldStep::Hold {
+                dt,
+                reuse,
+                mask,
+                cost,
+                ttl_ms,
+                debt_tokens,
+            },
+        );
+    let retry = (dt.clone(), back.clone()).prop_map(|(dt, back)| HoldStep::Retry { dt, back });
+    let settle = (dt.clone(), back.clone(), prop_oneof![0u64..=10, 0u64..=40])
+        .prop_map(|(dt, back, cost)| HoldStep::Settle { dt, back, cost });
+    let release = (dt.clone(), back).prop_map(|(dt, back)| HoldStep::Release { dt, back });
+    let check = (dt.clone(), 0..n, 0u64..=6).prop_map(|(dt, limit, cost)| HoldStep::Check {
+        dt,
+        limit,
+        cost,
+    });
+    let charge = (dt, 0..n, 1u64..=30, 0u64..=20).prop_map(|(dt, limit, cost, debt_tokens)| {
+        HoldStep::Charge {
+            dt,
+            limit,
+            cost,
+            debt_tokens,
+        }
+    });
+    let set = (0..n, multi_bucket()).prop_map(|(limit, p)| HoldStep::Set { limit, p });
+    proptest::collection::vec(
+        prop_oneof![
+            6 => hold,
+            2 => retry,
+            5 => settle,
+            2 => release,
+            3 => check,
+            1 => charge,
+            1 => set,
+            1 => Just(HoldStep::Collect),
+        ],
+        1..80,
+    )
+}
+
+/// A limit of a hold in the reference's record: the bucket's index, its fallback, its debt
+/// limit (as the stores' records keep bucket, fallback and debt limit).
+type RefLimit = (usize, BucketParams, u64);
+
+/// `lua/hold.lua` and `lua/settle.lua` (through the Redis store) and the embedded store against
+/// `quota_core::hold` over `quota_core::bucket`: every hold's outcome, settle's and release's
+/// answer, every bucket's stored state and the usage collected, equal.
+fn run_holds(
+    rt: &tokio::runtime::Runtime,
+    redis: &RedisStore,
+    conn: &mut redis::Connection,
+    start: u64,
+    fallbacks: &[BucketParams],
+    steps: &[HoldStep],
+) -> Result<(), TestCaseError> {
+    use quota_core::hold::{self, Create, Finish, HoldRecord, Verdict};
+    use quota_core::PolicyName;
+    use quota_store::{
+        BucketRef, HoldLimit, HoldOutcome, HoldRequest, ReleaseRequest, SettleRequest, Settled,
+        SettledLimit, StoreError,
+    };
+    use std::collections::HashMap;
+    rt.block_on(async {
+        let embedded = EmbeddedStore::new().with_min_idle_ttl(MULTI_IDLE_TTL_MS);
+        let tenant = common::fresh_bucket("holds").tenant;
+        let buckets: Vec<BucketRef> = (0..fallbacks.len())
+            .map(|i| BucketRef {
+                tenant: tenant.clone(),
+                policy: PolicyName::new(format!("p{i}")).unwrap(),
+                version: 1,
+            })
+            .collect();
+        let mut params: Vec<BucketParams> = fallbacks.to_vec();
+        let mut states: Vec<Option<BucketState>> = vec![None; fallbacks.len()];
+        let mut usage: Vec<(u64, u64)> = vec![(0, 0); fallbacks.len()];
+        let mut records: HashMap<String, HoldRecord<RefLimit>> = HashMap::new();
+        let mut asked: HashMap<String, HoldRequest> = HashMap::new();
+        // Ids in the order first asked for.
+        let mut ids: Vec<String> = Vec::new();
+        let id_back = |ids: &[String], back: usize| -> String {
+            ids.len()
+                .checked_sub(back + 1)
+                .map_or_else(|| "never".to_string(), |k| ids[k].clone())
+        };
+        let mut now = start;
+        for (i, step) in steps.iter().enumerate() {
+            match step {
+                HoldStep::Hold { dt, .. } | HoldStep::Retry { dt, .. } => {
+                    now = now.saturating_add_signed(*dt);
+                    let key = match *step {
+                        HoldStep::Hold { reuse: None, .. } => {
+                            ids.push(format!("h{}", ids.len()));
+                            id_back(&ids, 0)
+                        }
+                        HoldStep::Hold {
+                            reuse: Some(back), ..
+                        }
+                        | HoldStep::Retry { back, .. } => id_back(&ids, back),
+                        _ => unreachable!(),
+                    };
+                    let req = match *step {
+                        HoldStep::Hold {
+                            mask,
+                            cost,
+                            ttl_ms,
+                            debt_tokens,
+                            ..
+                        } => HoldRequest {
+                            id: key.clone(),
+                            limits: (0..buckets.len())
+                                .filter(|k| mask & (1 << k) != 0)
+                                .map(|k| HoldLimit {
+                                    bucket: buckets[k].clone(),
+                                    limit: Limit::TokenBucket(fallbacks[k]),
+                                    debt_limit_ut: debt_tokens * UT,
+                                })
+                                .collect(),
+                            cost,
+                            ttl_ms,
+                            now_ms: Some(now),
+                        },
+                        _ => match asked.get(&key) {
+                            Some(r) => HoldRequest {
+                                now_ms: Some(now),
+                                ..r.clone()
+                            },
+                            None => continue,
+                        },
+                    };
+                    asked.insert(key.clone(), req.clone());
+                    let idx: Vec<usize> = req
+                        .limits
+                        .iter()
+                        .map(|l| buckets.iter().position(|b| *b == l.bucket).unwrap())
+                        .collect();
+                    let mine: Vec<RefLimit> = idx
+                        .iter()
+                        .zip(&req.limits)
+                        .map(|(&k, l)| (k, fallbacks[k], l.debt_limit_ut))
+                        .collect();
+                    let inputs: Vec<(BucketParams, Option<BucketState>)> =
+                        idx.iter().map(|&k| (params[k], states[k])).collect();
+                    let want = match hold::create(now, records.get(&key), &mine, req.cost, req.ttl_ms)
+                    {
+                        Create::Refused => None,
+                        Create::Replay { expires_at_ms } => {
+                            REPLAYED_HOLDS.set(REPLAYED_HOLDS.get() + 1);
+                            Some(HoldOutcome {
+                                decisions: inputs
+                                    .iter()
+                                    .map(|(p, s)| bucket::decide(now, p, s.as_ref(), 0).0)
+                                    .collect(),
+                                held: true,
+                                expires_at_ms,
+                                replayed: true,
+                            })
+                        }
+                        Create::Fresh => {
+                            let outcomes = bucket::decide_all(now, &inputs, req.cost);
+                            let held = outcomes.iter().all(|o| o.decision.allowed);
+                            for (&k, o) in idx.iter().zip(&outcomes) {
+                                if let Some(s) = o.state {
+                                    states[k] = Some(s);
+                                    if held {
+                                        usage[k].0 += req.cost;
+                                    } else {
+                                        usage[k].1 += req.cost;
+                                    }
+                                }
+                            }
+                            if held {
+                                HELD.set(HELD.get() + 1);
+                                let r = HoldRecord::open(now, mine, req.cost, req.ttl_ms);
+                                records.insert(key.clone(), r);
+                            }
+                            Some(HoldOutcome {
+                                decisions: outcomes.iter().map(|o| o.decision).collect(),
+                                held,
+                                expires_at_ms: now + req.ttl_ms,
+                                replayed: false,
+                            })
+                        }
+                    };
+                    let got = redis.hold(&req).await;
+                    let emb = embedded.hold(&req).await;
+                    match want {
+                        Some(w) => {
+                            prop_assert_eq!(got.as_ref().ok(), Some(&w), "Lua, step {}", i);
+                            prop_assert_eq!(emb.as_ref().ok(), Some(&w), "embedded, step {}", i);
+                        }
+                        None => {
+                            REFUSED_HOLDS.set(REFUSED_HOLDS.get() + 1);
+                            for r in [&got, &emb] {
+                                prop_assert!(
+                                    matches!(r, Err(StoreError::Rejected { reason }) if reason.contains("hold id")),
+                                    "step {}: {:?}",
+                                    i,
+                                    r
+                                );
+                            }
+                        }
+                    }
+                }
+                HoldStep::Settle { dt, back, .. } | HoldStep::Release { dt, back } => {
+                    now = now.saturating_add_signed(*dt);
+                    let key = id_back(&ids, *back);
+                    let what = match *step {
+                        HoldStep::Settle { cost, .. } => Finish::Settle { actual: cost },
+                        _ => Finish::Release,
+                    };
+                    let want = match hold::finish(now, records.get(&key), what) {
+                        Verdict::Unknown => Settled::Unknown,
+                        Verdict::Expired { expired_at_ms } => Settled::Expired { expired_at_ms },
+                        Verdict::Conflict(why) => Settled::Conflict(why),
+                        Verdict::Replay(results) => Settled::Done {
+                            limits: records[&key]
+                                .limits
+                                .iter()
+                                .zip(results)
+                                .map(|(l, r)| SettledLimit::of(buckets[l.0].clone(), r))
+                                .collect(),
+                            replayed: true,
+                        },
+                        Verdict::Apply => {
+                            let r = records.remove(&key).unwrap();
+                            let mut results = Vec::new();
+                            for &(k, _, debt) in &r.limits {
+                                let s = hold::settle_bucket(
+                                    now,
+                                    &params[k],
+                                    states[k].as_ref(),
+                                    debt,
+                                    r.cost,
+                                    what.actual(),
+                                );
+                                if let Some(next) = s.state {
+                                    states[k] = Some(next);
+                                }
+                                usage[k].0 = (usage[k].0 + s.admitted).saturating_sub(s.unadmitted);
+                                usage[k].1 += s.denied;
+                                results.push(s.result);
+                            }
+                            let limits = r
+                                .limits
+                                .iter()
+                                .zip(&results)
+                                .map(|(l, x)| SettledLimit::of(buckets[l.0].clone(), *x))
+                                .collect();
+                            records.insert(key.clone(), r.ended(now, what, results));
+                            Settled::Done {
+                                limits,
+                                replayed: false,
+                            }
+                        }
+                    };
+                    let (got, emb) = match what {
+                        Finish::Settle { actual } => {
+                            let r = SettleRequest {
+                                tenant: tenant.clone(),
+                                id: key.clone(),
+                                cost: actual,
+                                now_ms: Some(now),
+                            };
+                            (redis.settle(&r).await, embedded.settle(&r).await)
+                        }
+                        Finish::Release => {
+                            let r = ReleaseRequest {
+                                tenant: tenant.clone(),
+                                id: key.clone(),
+                                now_ms: Some(now),
+                            };
+                            (redis.release(&r).await, embedded.release(&r).await)
+                        }
+                    };
+                    let seen = SETTLED.get();
+                    SETTLED.set(match &want {
+                        Settled::Done { replayed: false, .. } => (seen.0 + 1, seen.1),
+                        Settled::Expired { .. } => (seen.0, seen.1 + 1),
+                        _ => seen,
+                    });
+                    prop_assert_eq!(got.as_ref().ok(), Some(&want), "Lua, step {}: {:?}", i, got);
+                    prop_assert_eq!(emb.as_ref().ok(), Some(&want), "embedded, step {}", i);
+                }
+                HoldStep::Check { dt, limit, cost } => {
+                    let (limit, cost) = (*limit, *cost);
+                    now = now.saturating_add_signed(*dt);
+                    let (want, next) =
+                        bucket::decide(now, &params[limit], states[limit].as_ref(), cost);
+                    if cost > 0 {
+                        states[limit] = Some(next);
+                        if want.allowed {
+                            usage[limit].0 += cost;
+                        } else {
+                            usage[limit].1 += cost;
+                        }
+                    }
+                    let r = common::req(
+                        &buckets[limit],
+                        Limit::TokenBucket(fallbacks[limit]),
+                        cost,
+                        Some(now),
+                    );
+                    prop_assert_eq!(redis.check(&r).await.unwrap(), want, "step {}", i);
+                    prop_assert_eq!(embedded.check(&r).await.unwrap(), want, "step {}", i);
+                }
+                HoldStep::Charge {
+                    dt,
+                    limit,
+                    cost,
+                    debt_tokens,
+                } => {
+                    let limit = *limit;
+                    now = now.saturating_add_signed(*dt);
+                    let (want, next) = bucket::charge(
+                        now,
+                        &params[limit],
+                        states[limit].as_ref(),
+                        *cost,
+                        debt_tokens * UT,
+                    )
+                    .unwrap();
+                    states[limit] = Some(next);
+                    usage[limit].0 += want.applied;
+                    usage[limit].1 += want.clamped;
+                    let r = ChargeRequest::new(
+                        buckets[limit].clone(),
+                        fallbacks[limit],
+                        *cost,
+                        debt_tokens * UT,
+                    )
+                    .at(now);
+                    prop_assert_eq!(redis.charge(&r).await.unwrap(), want, "step {}", i);
+                    prop_assert_eq!(embedded.charge(&r).await.unwrap(), want, "step {}", i);
+                }
+                HoldStep::Set { limit, p } => {
+                    let s = SetParams::new(buckets[*limit].clone(), Limit::TokenBucket(*p)).at(now);
+                    redis.set_params(&s).await.unwrap();
+                    embedded.set_params(&s).await.unwrap();
+                    params[*limit] = *p;
+                    states[*limit] = states[*limit].map(|s| s.in_period(p.period_ms));
+                }
+                HoldStep::Collect => {
+                    let mine = |v: Vec<UsageRecord>| -> Vec<UsageRecord> {
+                        let mut v: Vec<_> = v
+                            .into_iter()
+                            .filter(|u| u.bucket.tenant == tenant)
+                            .collect();
+                        v.sort_by(|a, b| a.bucket.cmp(&b.bucket));
+                        v
+                    };
+                    let want: Vec<UsageRecord> = buckets
+                        .iter()
+                        .zip(&mut usage)
+                        .filter_map(|(b, u)| {
+                            let (admitted, denied) = std::mem::take(u);
+                            (admitted + denied > 0).then(|| UsageRecord {
+                                bucket: b.clone(),
+                                admitted,
+                                denied,
+                            })
+                        })
+                        .collect();
+                    let emb = mine(embedded.collect_usage(usize::MAX).await.unwrap());
+                    let got = mine(redis.collect_usage(usize::MAX).await.unwrap());
+                    prop_assert_eq!(&got, &want, "Lua usage at step {}", i);
+                    prop_assert_eq!(&emb, &want, "embedded usage at step {}", i);
+                }
+            }
+            for (k, b) in buckets.iter().enumerate() {
+                let raw: Option<Vec<u8>> = redis::cmd("GET")
+                    .arg(b.state_key(quota_core::keys::StateKind::Bucket))
+                    .query(conn)
+                    .unwrap();
+                prop_assert_eq!(
+                    raw.as_deref().map(packed_state),
+                    states[k],
+                    "limit {} state at step {}",
+                    k,
+                    i
+                );
+            }
+        }
+        Ok(())
+    })
+}
+
+thread_local! {
+    /// Holds made, answered again, and refused (an id of another request), by the holds
+    /// comparison on this thread.
+    static HELD: Cell<u64> = const { Cell::new(0) };
+    static REPLAYED_HOLDS: Cell<u64> = const { Cell::new(0) };
+    static REFUSED_HOLDS: Cell<u64> = const { Cell::new(0) };
+    /// Holds ended (settled or released) and found expired.
+    static SETTLED: Cell<(u64, u64)> = const { Cell::new((0, 0)) };
+}
+
+/// Holds (reserve, then settle) over a few token buckets of one tenant, mixed with checks,
+/// charges into debt, new parameters and usage collections, with time stepping within a
+/// hold's life, past its expiry and past its record's memory: Lua and the embedded store
+/// against the reference, step by step.
+#[test]
+fn holds_match_the_reference_in_lua_and_embedded() {
+    let mut cfg = config();
+    cfg.cases = cfg.cases.div_ceil(2);
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    let server = RedisServer::start().unwrap();
+    let cfg_redis = quota_store::RedisStoreConfig::standalone(server.url())
+        .with_timeout(std::time::Duration::from_secs(5))
+        .with_min_idle_ttl(std::time::Duration::from_millis(MULTI_IDLE_TTL_MS));
+    let redis = rt.block_on(RedisStore::connect(cfg_redis)).unwrap();
+    let conn = RefCell::new(common::sync_conn(&server));
+    let mut runner = TestRunner::new(cfg.clone());
+    let strategy = (1usize..=3).prop_flat_map(|n| {
+        (
+            1_600_000_000_000u64..=1_900_000_000_000,
+            proptest::collection::vec(multi_bucket(), n),
+            hold_steps(n),
+        )
+    });
+    let result = runner.run(&strategy, |(start, fallbacks, steps)| {
+        run_holds(
+            &rt,
+            &redis,
+            &mut conn.borrow_mut(),
+            start,
+            &fallbacks,
+            &steps,
+        )
+    });
+    if let Err(e) = result {
+        panic!(
+            "{e}\nreproduce: PROPTEST_RNG_SEED={:?} cargo test -p quota-store --test differential",
+            cfg.rng_seed
+        );
+    }
+    let (ended, expired) = SETTLED.get();
+    println!(
+        "holds: {} held, {} replayed, {} refused, {ended} ended, {expired} expired over {} cases",
+        HELD.get(),
+        REPLAYED_HOLDS.get(),
+        REFUSED_HOLDS.get(),
+        cfg.cases
+    );
+    if cfg.cases >= 100 {
+        assert!(HELD.get() > 500 && ended > 300, "too few holds reached");
+        assert!(REPLAYED_HOLDS.get() > 20 && REFUSED_HOLDS.get() > 20 && expired > 20);
+    }
+}

@@ -10,20 +10,21 @@
 //! bad-input tests hold its decisions, states and error replies to the references.
 
 use quota_core::bounds::{
-    DEFAULT_PERIOD_MS, EXACT_LOG_MAX, MAX_BURST, MAX_CAPACITY_UT, MAX_FILL_BOUND_MS,
-    MAX_LIMITS_PER_CHECK, MAX_PERIOD_MS, MAX_REFILL_UT, MAX_WAIT_MS, MAX_WINDOW_LIMIT,
-    MAX_WINDOW_MS, MAX_WINDOW_PRODUCT, ONCE_KEY_MS, UT,
+    DEFAULT_PERIOD_MS, EXACT_LOG_MAX, HOLD_MEMORY_MS, MAX_BURST, MAX_CAPACITY_UT,
+    MAX_FILL_BOUND_MS, MAX_HOLD_ID_LEN, MAX_HOLD_TTL_MS, MAX_LIMITS_PER_CHECK, MAX_PERIOD_MS,
+    MAX_REFILL_UT, MAX_WAIT_MS, MAX_WINDOW_LIMIT, MAX_WINDOW_MS, MAX_WINDOW_PRODUCT, ONCE_KEY_MS,
+    UT,
 };
 use quota_store::script::{
-    CHARGE_LUA, COLLECT_BATCH_MAX, COLLECT_USAGE_LUA, REFUND_LUA, SET_PARAMS_LUA,
-    SLIDING_WINDOW_LUA, TOKEN_BUCKETS_LUA, TOKEN_BUCKET_LUA,
+    CHARGE_LUA, COLLECT_BATCH_MAX, COLLECT_USAGE_LUA, HOLD_LUA, REFUND_LUA, SETTLE_LUA,
+    SET_PARAMS_LUA, SLIDING_WINDOW_LUA, TOKEN_BUCKETS_LUA, TOKEN_BUCKET_LUA,
 };
 use quota_store::{DEFAULT_MIN_IDLE_TTL_MS, MAX_COST};
 
 const BEGIN: &str = "-- quotad shared helpers: begin.";
 const END: &str = "-- quotad shared helpers: end.";
 
-const SCRIPTS: [(&str, &str); 7] = [
+const SCRIPTS: [(&str, &str); 9] = [
     ("token_bucket.lua", TOKEN_BUCKET_LUA),
     ("token_buckets.lua", TOKEN_BUCKETS_LUA),
     ("sliding_window.lua", SLIDING_WINDOW_LUA),
@@ -31,6 +32,8 @@ const SCRIPTS: [(&str, &str); 7] = [
     ("collect_usage.lua", COLLECT_USAGE_LUA),
     ("refund.lua", REFUND_LUA),
     ("charge.lua", CHARGE_LUA),
+    ("hold.lua", HOLD_LUA),
+    ("settle.lua", SETTLE_LUA),
 ];
 
 /// The helper block of `src` (from the begin line to the end line) and the text around it.
@@ -94,6 +97,9 @@ fn lua_bounds_equal_quota_core_bounds() {
         ("DEFAULT_MIN_TTL_MS", DEFAULT_MIN_IDLE_TTL_MS),
         ("COLLECT_MAX", COLLECT_BATCH_MAX as u64),
         ("ONCE_MS", ONCE_KEY_MS),
+        ("MAX_HOLD_TTL", MAX_HOLD_TTL_MS),
+        ("HOLD_MEMORY_MS", HOLD_MEMORY_MS),
+        ("MAX_HOLD_ID", MAX_HOLD_ID_LEN as u64),
         // 12 doubles (see STATE_FMT), 11 in the layout without the period.
         ("STATE_LEN", 12 * 8),
         ("STATE_LEN_NO_PERIOD", 11 * 8),

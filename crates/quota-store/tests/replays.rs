@@ -1,7 +1,9 @@
-//! Scripts that must apply exactly once (`refund.lua`, `charge.lua`, `collect_usage.lua`)
-//! against a connection that breaks after Redis ran the script but before its reply arrived: the
-//! store's retry (and a Cluster client's own) sends the same call again, which must change
-//! nothing more.
+//! Scripts that must apply exactly once (`refund.lua`, `charge.lua`, `collect_usage.lua`,
+//! `hold.lua`, `settle.lua`) against a connection that breaks after Redis ran the script but
+//! before its reply arrived: the store's retry (and a Cluster client's own) sends the same call
+//! again, which must change nothing more. And a hold's retries and late calls (the same create,
+//! settle or release again; one after another; after the expiry; after the record is
+//! forgotten), answered alike by both stores.
 //!
 //! A proxy between the store and a real `redis-server` drops the first reply after it is armed
 //! and closes that connection, as a network cut or a restarted load balancer would.
@@ -14,7 +16,10 @@ use std::sync::Arc;
 use common::{fresh_bucket, req, tokens};
 use quota_core::bucket::UT;
 use quota_core::BucketParams;
-use quota_store::{ChargeRequest, RedisStore, RedisStoreConfig, Store, UsageRecord};
+use quota_store::{
+    ChargeRequest, HoldLimit, HoldRequest, RedisStore, RedisStoreConfig, ReleaseRequest,
+    SettleRequest, Settled, Store, StoreError, UsageRecord,
+};
 use redis_harness::RedisServer;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
@@ -186,4 +191,228 @@ async fn a_collection_whose_reply_was_lost_loses_no_usage() {
         store.collect_usage(100).await.unwrap().is_empty(),
         "and nothing twice"
     );
+}
+
+/// A hold of `cost` on `b` (fallback `p`, debt limit 5 tokens) under `id`, at `now`.
+fn hold_req(b: &quota_store::BucketRef, id: &str, cost: u64, now: u64) -> HoldRequest {
+    HoldRequest {
+        id: id.into(),
+        limits: vec![HoldLimit {
+            bucket: b.clone(),
+            limit: tokens(10, 0),
+            debt_limit_ut: 5 * UT,
+        }],
+        cost,
+        ttl_ms: 60_000,
+        now_ms: Some(now),
+    }
+}
+
+/// A hold whose reply was lost: the store's retry meets the record the first run wrote and is
+/// answered as a replay, so the estimate is spent once.
+#[tokio::test]
+async fn a_hold_whose_reply_was_lost_spends_once() {
+    let server = RedisServer::start().unwrap();
+    let proxy = ReplyCutter::start(server.port()).await;
+    let store = store_through(&proxy).await;
+    // hold.lua loaded, so the armed cut meets the hold's own reply.
+    let other = fresh_bucket("hold-once-load");
+    assert!(
+        store
+            .hold(&hold_req(&other, "a", 1, NOW))
+            .await
+            .unwrap()
+            .held
+    );
+    let b = fresh_bucket("hold-once");
+    proxy.arm();
+    let o = store.hold(&hold_req(&b, "h", 6, NOW)).await.unwrap();
+    assert!(proxy.fired(), "the hold's first reply was cut");
+    assert!(o.held && o.replayed, "{o:?}");
+    assert_eq!(o.decisions[0].remaining, 4, "spent once: 10 less 6");
+    let direct = common::store(&server).await;
+    let peek = direct
+        .check(&req(&b, tokens(10, 0), 0, Some(NOW)))
+        .await
+        .unwrap();
+    assert_eq!(peek.remaining, 4);
+}
+
+/// A settle whose reply was lost: the retry finds the hold settled at that cost and answers the
+/// first run's results; the excess is charged once.
+#[tokio::test]
+async fn a_settle_whose_reply_was_lost_charges_once() {
+    let server = RedisServer::start().unwrap();
+    let proxy = ReplyCutter::start(server.port()).await;
+    let store = store_through(&proxy).await;
+    let b = fresh_bucket("settle-once");
+    assert!(store.hold(&hold_req(&b, "h", 6, NOW)).await.unwrap().held);
+    // settle.lua loaded by an unknown hold.
+    let unknown = SettleRequest {
+        tenant: b.tenant.clone(),
+        id: "nothing".into(),
+        cost: 1,
+        now_ms: Some(NOW),
+    };
+    assert_eq!(store.settle(&unknown).await.unwrap(), Settled::Unknown);
+    proxy.arm();
+    let s = SettleRequest {
+        id: "h".into(),
+        cost: 12,
+        ..unknown
+    };
+    let got = store.settle(&s).await.unwrap();
+    assert!(proxy.fired(), "the settle's first reply was cut");
+    let Settled::Done { limits, replayed } = got else {
+        panic!("{got:?}")
+    };
+    assert!(replayed);
+    // 4 left, 6 more: 4 taken and 2 into debt, once.
+    assert_eq!((limits[0].charged, limits[0].debt), (6, 2));
+    let direct = common::store(&server).await;
+    assert_eq!(direct.refund(&b, 3, Some(NOW)).await.unwrap(), Some(1));
+}
+
+/// What a store answers a hold's retries and late calls, in order, each checked on the
+/// buckets: the same answers from both stores.
+async fn retries_and_late_calls<S: Store>(store: &S, prefix: &str) {
+    let b = fresh_bucket(prefix);
+    let peek = |now| req(&b, tokens(10, 0), 0, Some(now));
+    let settle = |id: &str, cost, now| SettleRequest {
+        tenant: b.tenant.clone(),
+        id: id.into(),
+        cost,
+        now_ms: Some(now),
+    };
+    let release = |id: &str, now| ReleaseRequest {
+        tenant: b.tenant.clone(),
+        id: id.into(),
+        now_ms: Some(now),
+    };
+    // Made, retried: answered again, spent once.
+    let first = store.hold(&hold_req(&b, "a", 3, NOW)).await.unwrap();
+    assert!(first.held && !first.replayed);
+    assert_eq!(first.expires_at_ms, NOW + 60_000);
+    let again = store.hold(&hold_req(&b, "a", 3, NOW + 5)).await.unwrap();
+    assert!(again.held && again.replayed && again.expires_at_ms == NOW + 60_000);
+    assert_eq!(store.check(&peek(NOW + 5)).await.unwrap().remaining, 7);
+    // The id with another estimate: refused, nothing spent.
+    let e = store
+        .hold(&hold_req(&b, "a", 4, NOW + 5))
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(&e, StoreError::Rejected { reason } if reason.contains("hold id")),
+        "{e}"
+    );
+    assert_eq!(store.check(&peek(NOW + 5)).await.unwrap().remaining, 7);
+    // Settled at 1: 2 back. Again at 1: the same, replayed. At 2, or released: conflicts.
+    let done = store.settle(&settle("a", 1, NOW + 10)).await.unwrap();
+    let Settled::Done { limits, replayed } = &done else {
+        panic!("{done:?}")
+    };
+    assert!(!replayed);
+    assert_eq!((limits[0].refunded, limits[0].remaining), (2, 9));
+    let twice = store.settle(&settle("a", 1, NOW + 20)).await.unwrap();
+    assert_eq!(
+        twice,
+        Settled::Done {
+            limits: limits.clone(),
+            replayed: true
+        }
+    );
+    assert_eq!(store.check(&peek(NOW + 20)).await.unwrap().remaining, 9);
+    assert_eq!(
+        store.settle(&settle("a", 2, NOW + 20)).await.unwrap(),
+        Settled::Conflict("settled at 1 tokens, not 2".into())
+    );
+    assert!(matches!(
+        store.release(&release("a", NOW + 20)).await.unwrap(),
+        Settled::Conflict(_)
+    ));
+    // Released, released again (replayed), then settled: a conflict.
+    assert!(
+        store
+            .hold(&hold_req(&b, "r", 4, NOW + 30))
+            .await
+            .unwrap()
+            .held
+    );
+    let gone = store.release(&release("r", NOW + 40)).await.unwrap();
+    assert!(matches!(&gone, Settled::Done { replayed: false, limits } if limits[0].refunded == 4));
+    assert!(matches!(
+        store.release(&release("r", NOW + 50)).await.unwrap(),
+        Settled::Done { replayed: true, .. }
+    ));
+    assert_eq!(
+        store.settle(&settle("r", 4, NOW + 50)).await.unwrap(),
+        Settled::Conflict("released: a released hold is not settled".into())
+    );
+    // Run past its expiry: expired, the estimate stays spent, until the record is forgotten.
+    assert!(
+        store
+            .hold(&hold_req(&b, "x", 5, NOW + 60))
+            .await
+            .unwrap()
+            .held
+    );
+    let end = NOW + 60 + 60_000;
+    // The last ms of its life it is still settled.
+    assert!(matches!(
+        store.settle(&settle("x", 0, end - 1)).await.unwrap(),
+        Settled::Done {
+            replayed: false,
+            ..
+        }
+    ));
+    assert!(
+        store
+            .hold(&hold_req(&b, "y", 5, NOW + 60))
+            .await
+            .unwrap()
+            .held
+    );
+    let expired = Settled::Expired { expired_at_ms: end };
+    assert_eq!(store.settle(&settle("y", 0, end)).await.unwrap(), expired);
+    assert_eq!(
+        store.release(&release("y", end + 1)).await.unwrap(),
+        expired
+    );
+    let memory = quota_core::bounds::HOLD_MEMORY_MS;
+    assert_eq!(
+        store
+            .release(&release("y", end + memory - 1))
+            .await
+            .unwrap(),
+        expired
+    );
+    assert_eq!(
+        store.release(&release("y", end + memory)).await.unwrap(),
+        Settled::Unknown
+    );
+    // Ended records are forgotten HOLD_MEMORY_MS after they ended; the id is free again.
+    assert_eq!(
+        store
+            .settle(&settle("a", 1, NOW + 10 + memory))
+            .await
+            .unwrap(),
+        Settled::Unknown
+    );
+    let fresh = store
+        .hold(&hold_req(&b, "a", 4, NOW + 10 + memory))
+        .await
+        .unwrap();
+    assert!(fresh.held && !fresh.replayed);
+    // Never made: unknown.
+    assert_eq!(
+        store.settle(&settle("never", 1, NOW)).await.unwrap(),
+        Settled::Unknown
+    );
+}
+
+#[tokio::test]
+async fn holds_answer_retries_and_late_calls_alike_on_both_stores() {
+    let server = RedisServer::start().unwrap();
+    retries_and_late_calls(&common::store(&server).await, "late-redis").await;
+    retries_and_late_calls(&quota_store::EmbeddedStore::new(), "late-embedded").await;
 }

@@ -359,3 +359,55 @@ async fn one_million_identities_leave_no_trace() {
         "memory did not return near the baseline"
     );
 }
+
+/// A hold's record expires by itself: `ttl + HOLD_MEMORY_MS` after it was made while open,
+/// `HOLD_MEMORY_MS` after it ended; once Redis dropped it, the hold is unknown and its id free.
+#[tokio::test]
+async fn a_hold_record_expires_its_memory_after_the_hold() {
+    use quota_core::bounds::HOLD_MEMORY_MS;
+    use quota_store::{HoldLimit, HoldRequest, SettleRequest, Settled};
+    let server = RedisServer::start().unwrap();
+    let s = common::store(&server).await;
+    let mut c = conn(&server).await;
+    let b = fresh_bucket("hold-ttl");
+    let hold = HoldRequest {
+        id: "h-1".into(),
+        limits: vec![HoldLimit {
+            bucket: b.clone(),
+            limit: tokens(10, 1),
+            debt_limit_ut: 0,
+        }],
+        cost: 4,
+        ttl_ms: 30_000,
+        now_ms: None,
+    };
+    assert!(s.hold(&hold).await.unwrap().held);
+    let record = quota_core::keys::hold_key(&b.tenant, "h-1");
+    let pttl: i64 = c.pttl(&record).await.unwrap();
+    let open = (30_000 + HOLD_MEMORY_MS) as i64;
+    assert!((open - 1000..=open).contains(&pttl), "open: pttl {pttl}");
+    let settle = SettleRequest {
+        tenant: b.tenant.clone(),
+        id: "h-1".into(),
+        cost: 4,
+        now_ms: None,
+    };
+    assert!(matches!(
+        s.settle(&settle).await.unwrap(),
+        Settled::Done {
+            replayed: false,
+            ..
+        }
+    ));
+    let pttl: i64 = c.pttl(&record).await.unwrap();
+    let ended = HOLD_MEMORY_MS as i64;
+    assert!((ended - 1000..=ended).contains(&pttl), "ended: pttl {pttl}");
+    // Its memory over (shortened here, as the clock would end it): unknown, the id free.
+    let _: bool = c.pexpire(&record, 1).await.unwrap();
+    while c.exists::<_, bool>(&record).await.unwrap() {
+        tokio::time::sleep(Duration::from_millis(2)).await;
+    }
+    assert_eq!(s.settle(&settle).await.unwrap(), Settled::Unknown);
+    let again = s.hold(&hold).await.unwrap();
+    assert!(again.held && !again.replayed);
+}

@@ -189,7 +189,8 @@ impl RedisStore {
                 // so every script is safe to run twice: a decision or a batch spends twice,
                 // which errs towards denying; set_params.lua writes the same parameters again;
                 // refund.lua, charge.lua and collect_usage.lua are exactly once through a key
-                // unique to the call (`once_key`, or a charge's id), which a replay finds.
+                // unique to the call (`once_key`, or a charge's id), which a replay finds;
+                // hold.lua and settle.lua through the hold's record (its id, its phase).
                 Err(e)
                     if e.is_connection_dropped()
                         || e.is_connection_refusal()
