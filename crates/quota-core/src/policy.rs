@@ -36,6 +36,9 @@ pub enum Algorithm {
     #[default]
     TokenBucket,
     SlidingWindow,
+    /// At most `limit` requests in flight at once, each holding a slot from its hold to its
+    /// release, or for at most `window_ms` (a crashed holder's slot comes back then).
+    Concurrency,
 }
 
 /// Whether a policy's denials deny.
@@ -222,7 +225,13 @@ impl PolicySpec {
             (Some(d), None) => whole(&mut errors, "debt_limit", d, 0, MAX_BURST),
         };
         let after_the_fact = self.after_the_fact.unwrap_or(false);
-        if self.algorithm == Some(Algorithm::SlidingWindow) {
+        if self.algorithm == Some(Algorithm::Concurrency) {
+            concurrency_errors(self, limit, window_ms, &mut errors);
+        }
+        if matches!(
+            self.algorithm,
+            Some(Algorithm::SlidingWindow | Algorithm::Concurrency)
+        ) {
             if debt_limit.is_some_and(|d| d > 0) {
                 errors.push(FieldError {
                     field: "debt_limit",
@@ -259,6 +268,48 @@ impl PolicySpec {
             }
             _ => Err(PolicyErrors(errors)),
         }
+    }
+}
+
+/// The most slots a concurrency limit holds: each live slot is a member of a sorted set in
+/// Redis, which a hold trims and counts.
+pub const MAX_CONCURRENCY: u64 = 1_000_000;
+
+/// The longest a holder keeps a slot of a concurrency limit (its `window_ms`): also the
+/// longest a hold of any budget lives unsettled.
+pub const MAX_HOLD_TTL_MS: u64 = crate::bounds::MAX_HOLD_TTL_MS;
+
+/// What only a concurrency limit refuses: more slots than a sorted set should hold, a slot
+/// lease past the longest hold, and a burst (slots do not refill).
+fn concurrency_errors(
+    spec: &PolicySpec,
+    limit: Option<u64>,
+    window_ms: Option<u64>,
+    errors: &mut Vec<FieldError>,
+) {
+    if limit.is_some_and(|l| l > MAX_CONCURRENCY) {
+        errors.push(FieldError {
+            field: "limit",
+            message: format!("a concurrency limit holds at most {MAX_CONCURRENCY} slots"),
+        });
+    }
+    if window_ms.is_some_and(|w| w > MAX_HOLD_TTL_MS) {
+        errors.push(FieldError {
+            field: "window_ms",
+            message: format!(
+                "a concurrency limit's window_ms is how long a holder may keep a slot: at most \
+                 {MAX_HOLD_TTL_MS} ms"
+            ),
+        });
+    }
+    if spec
+        .burst
+        .is_some_and(|b| Some(b as u64) != limit || b.fract() != 0.0)
+    {
+        errors.push(FieldError {
+            field: "burst",
+            message: "a concurrency limit has no burst: its slots do not refill".to_string(),
+        });
     }
 }
 
@@ -305,11 +356,11 @@ impl Policy {
     }
 
     /// The units a share of this policy is counted in: tokens of burst for a token bucket,
-    /// tokens per window for a sliding window.
+    /// tokens per window for a sliding window, slots for a concurrency limit.
     pub fn units(&self) -> u64 {
         match self.algorithm {
             Algorithm::TokenBucket => self.burst,
-            Algorithm::SlidingWindow => self.limit,
+            Algorithm::SlidingWindow | Algorithm::Concurrency => self.limit,
         }
     }
 
@@ -332,13 +383,13 @@ impl Policy {
     }
 
     /// How long an empty bucket takes to refill (burst · window / limit), in ms; a sliding
-    /// window's window.
+    /// window's window; a concurrency limit's slot lease (slots in use come back within it).
     pub fn fill_ms(&self) -> u128 {
         match self.algorithm {
             Algorithm::TokenBucket => {
                 u128::from(self.burst) * u128::from(self.window_ms) / u128::from(self.limit.max(1))
             }
-            Algorithm::SlidingWindow => u128::from(self.window_ms),
+            Algorithm::SlidingWindow | Algorithm::Concurrency => u128::from(self.window_ms),
         }
     }
 
@@ -413,6 +464,51 @@ mod tests {
             .unwrap_err();
         let fields: Vec<_> = e.0.iter().map(|f| f.field).collect();
         assert_eq!(fields, ["debt_limit", "after_the_fact"]);
+    }
+
+    #[test]
+    fn a_concurrency_limit_counts_slots_held_at_most_its_window() {
+        let slots = |limit: f64, window_ms: f64| PolicySpec {
+            algorithm: Some(Algorithm::Concurrency),
+            ..spec(limit, window_ms)
+        };
+        let p = slots(3.0, 120_000.0).validate().unwrap();
+        assert_eq!((p.units(), p.burst, p.fill_ms()), (3, 3, 120_000));
+        assert_eq!(p.min_share_ppm(), 333_334);
+        let field = |s: PolicySpec| {
+            let e = s.validate().unwrap_err();
+            e.0.iter().map(|f| f.field).collect::<Vec<_>>()
+        };
+        assert_eq!(
+            field(slots((MAX_CONCURRENCY + 1) as f64, 1000.0)),
+            ["limit"]
+        );
+        assert_eq!(
+            field(slots(3.0, (MAX_HOLD_TTL_MS + 1) as f64)),
+            ["window_ms"]
+        );
+        assert_eq!(
+            field(PolicySpec {
+                burst: Some(5.0),
+                ..slots(3.0, 1000.0)
+            }),
+            ["burst"]
+        );
+        // A burst equal to the limit says nothing new.
+        assert!(PolicySpec {
+            burst: Some(3.0),
+            ..slots(3.0, 1000.0)
+        }
+        .validate()
+        .is_ok());
+        assert_eq!(
+            field(PolicySpec {
+                debt_limit: Some(1.0),
+                after_the_fact: Some(true),
+                ..slots(3.0, 1000.0)
+            }),
+            ["debt_limit", "after_the_fact"]
+        );
     }
 
     #[test]

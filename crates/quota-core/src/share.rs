@@ -12,10 +12,15 @@ pub enum ShareLimit {
         limit: u64,
         window_ms: u64,
     },
+    /// At most `limit` holds in flight at once (whole slots).
+    Concurrency {
+        limit: u64,
+    },
 }
 
 /// The limit a region enforces for `policy` at `share_ppm`: a bucket of `s·C` refilling at
-/// `s·r`, or for a sliding window `s·limit` per window (rounded down). Shares above [`PPM`]
+/// `s·r`, for a sliding window `s·limit` per window, for a concurrency limit `s·limit` slots
+/// (both rounded down, so the regions' parts never sum above the limit). Shares above [`PPM`]
 /// count as the whole budget.
 pub fn limit_for_share(policy: &Policy, share_ppm: u32) -> ShareLimit {
     match policy.algorithm {
@@ -23,11 +28,18 @@ pub fn limit_for_share(policy: &Policy, share_ppm: u32) -> ShareLimit {
             ShareLimit::TokenBucket(BucketParams::for_share(policy, share_ppm))
         }
         Algorithm::SlidingWindow => ShareLimit::SlidingWindow {
-            limit: (u128::from(policy.limit) * u128::from(share_ppm.min(PPM)) / u128::from(PPM))
-                as u64,
+            limit: part(policy.limit, share_ppm),
             window_ms: policy.window_ms,
         },
+        Algorithm::Concurrency => ShareLimit::Concurrency {
+            limit: part(policy.limit, share_ppm),
+        },
     }
+}
+
+/// `share_ppm` of `whole` units, rounded down.
+fn part(whole: u64, share_ppm: u32) -> u64 {
+    (u128::from(whole) * u128::from(share_ppm.min(PPM)) / u128::from(PPM)) as u64
 }
 
 #[cfg(test)]
@@ -88,8 +100,25 @@ mod tests {
     }
 
     #[test]
+    fn a_concurrency_share_is_whole_slots_rounded_down() {
+        let p = policy(Algorithm::Concurrency);
+        assert_eq!(
+            limit_for_share(&p, 333_333),
+            ShareLimit::Concurrency { limit: 333 }
+        );
+        assert_eq!(
+            limit_for_share(&p, 999),
+            ShareLimit::Concurrency { limit: 0 }
+        );
+    }
+
+    #[test]
     fn a_share_above_the_whole_counts_as_the_whole() {
-        for algorithm in [Algorithm::TokenBucket, Algorithm::SlidingWindow] {
+        for algorithm in [
+            Algorithm::TokenBucket,
+            Algorithm::SlidingWindow,
+            Algorithm::Concurrency,
+        ] {
             let p = policy(algorithm);
             assert_eq!(limit_for_share(&p, PPM + 1), limit_for_share(&p, PPM));
             assert_eq!(limit_for_share(&p, u32::MAX), limit_for_share(&p, PPM));

@@ -3,7 +3,9 @@
 //! reference code and the Lua scripts enforce, and its largest cost is one they take.
 
 use proptest::prelude::*;
-use quota_core::bounds::{MAX_BURST, MAX_WINDOW_MS, PPM};
+use quota_core::bounds::{MAX_BURST, MAX_HOLD_TTL_MS, MAX_WINDOW_MS, PPM};
+use quota_core::policy::MAX_CONCURRENCY;
+use quota_core::share::{limit_for_share, ShareLimit};
 use quota_core::{window, Algorithm, BucketParams, PolicySpec, WindowParams};
 
 fn spec() -> impl Strategy<Value = PolicySpec> {
@@ -19,7 +21,11 @@ fn spec() -> impl Strategy<Value = PolicySpec> {
         (MAX_WINDOW_MS - 10)..=(MAX_WINDOW_MS + 10)
     ];
     let burst = prop_oneof![Just(None), (1u64..=MAX_BURST + 10).prop_map(Some)];
-    let algorithm = prop_oneof![Just(Algorithm::TokenBucket), Just(Algorithm::SlidingWindow)];
+    let algorithm = prop_oneof![
+        Just(Algorithm::TokenBucket),
+        Just(Algorithm::SlidingWindow),
+        Just(Algorithm::Concurrency)
+    ];
     (limit, window, burst, algorithm).prop_map(|(l, w, b, a)| PolicySpec {
         limit: l as f64,
         window_ms: w as f64,
@@ -52,6 +58,16 @@ proptest! {
                     // The largest cost the policy allows is decided, not refused.
                     let (d, _) = window::decide(0, &p.unwrap(), None, policy.burst);
                     prop_assert!(d.retry_after_ms.is_none() || d.allowed || policy.burst <= limit);
+                }
+                Algorithm::Concurrency => {
+                    // Whole slots, never above the limit, and a share's slots only.
+                    let slots = match limit_for_share(&policy, share) {
+                        ShareLimit::Concurrency { limit } => limit,
+                        other => return Err(TestCaseError::fail(format!("{policy:?}: {other:?}"))),
+                    };
+                    prop_assert!(slots <= policy.limit && slots <= MAX_CONCURRENCY);
+                    prop_assert_eq!(u128::from(slots), u128::from(policy.limit) * u128::from(share) / u128::from(PPM));
+                    prop_assert!(policy.window_ms <= MAX_HOLD_TTL_MS && policy.burst == policy.limit);
                 }
             }
             prop_assert!(policy.burst <= MAX_BURST);
