@@ -48,7 +48,8 @@ pub const REJECTED_REQUESTS_TOTAL: &str = "quotad_rejected_requests_total";
 /// `refused`, `unreachable`) and unreadable files (`unreadable`).
 pub const REDIS_PASSWORD_RELOADS_TOTAL: &str = "quotad_redis_password_reloads_total";
 /// Envoy rate limit descriptors answered `OK` without a decision, by reason (`no_tenant`: no
-/// tenant entry; `unknown_policy`: no such policy for the tenant; for a reading, `hits_addend`
+/// tenant entry; `unknown_policy`: no such policy for the tenant; `concurrency_limit`: a
+/// concurrency limit, taken with holds; for a reading, `hits_addend`
 /// 0: `pinned_elsewhere`, `store_unavailable`), as Envoy's convention asks.
 pub const ENVOY_UNDECIDED_DESCRIPTORS_TOTAL: &str = "quotad_envoy_undecided_descriptors_total";
 /// Charges of work already done (`POST /v1/charges`, Envoy descriptors of a policy charged
@@ -63,6 +64,15 @@ pub const CHARGE_CLAMPED_TOKENS_TOTAL: &str = "quotad_charge_clamped_tokens_tota
 /// (`applied`, `full`: nothing to give back to, `elsewhere`: the budget lives in another
 /// region, `unavailable`: the store did not answer).
 pub const REFUNDS_TOTAL: &str = "quotad_refunds_total";
+/// Holds asked of this daemon, by `outcome` (`held`, `denied`, `relayed`: made in the home
+/// region the budget lives in, `refused`: the key names another hold, `home_unreachable`,
+/// `unavailable`: the store did not answer). Nothing is held but for `held` (and `relayed`
+/// ones the home held).
+pub const HOLDS_TOTAL: &str = "quotad_holds_total";
+/// Settles and releases of holds, by `outcome` (`settled`, `released`, `replayed`: the same
+/// settle or release again, `expired`, `unknown`, `conflict`, `relayed`: to the hold's region,
+/// `region_unreachable`, `unavailable`). Only the first two change anything.
+pub const HOLD_SETTLEMENTS_TOTAL: &str = "quotad_hold_settlements_total";
 /// Envoy RLQS streams open on this daemon.
 pub const RLQS_STREAMS: &str = "quotad_rlqs_streams";
 /// Entries this daemon keeps for RLQS: a stream's bucket of a budget, held until its assignment

@@ -176,6 +176,9 @@ pub(crate) fn check_error(e: CheckError) -> ApiError {
             what: "policy for this tenant",
         },
         CheckError::Cost(e) => ApiError::field("cost", &e),
+        CheckError::TakenWithHolds => ApiError::Conflict {
+            detail: CheckError::TakenWithHolds.to_string(),
+        },
         CheckError::ReducedCapacity { policy, reason } => ApiError::ReducedCapacity {
             policy: policy.as_str().to_string(),
             reason: reason.to_string(),

@@ -1,4 +1,4 @@
-//! Checks and charges other regions forward here over the peer listener (with peer TLS): the
+//! Checks, charges and holds (made, settled, released) other regions forward here over the peer listener (with peer TLS): the
 //! same handlers as `/v1/check`, `/v1/check/batch` and `/v1/charges`, at [`PEER_FORWARD_PREFIX`] on the peer
 //! port, so a pinned tenant's checks cross the WAN encrypted and authenticated by the
 //! sending region's certificate rather than in clear to the API port.
@@ -20,7 +20,8 @@ use axum::Router;
 use quota_raft::peer_api::{caller_region, refuse_identity};
 
 use crate::api::state::AppState;
-use crate::api::{batch, charges, check, routes};
+use crate::api::{batch, charges, check, holds, routes};
+use crate::decision::holds::HOLDS_PATH;
 use crate::decision::{CHARGES_PATH, FORWARDED_FROM_HEADER, FORWARDED_HEADER, PEER_FORWARD_PREFIX};
 
 /// Certificate identity → region (see `quota_raft::coordinator::PeerSecurity`).
@@ -31,10 +32,17 @@ pub fn peer_router(state: AppState, identities: Option<Identities>) -> Router {
     let check_path = format!("{PEER_FORWARD_PREFIX}{}", routes::CHECK_PATH);
     let batch_path = format!("{PEER_FORWARD_PREFIX}/v1/check/batch");
     let charges_path = format!("{PEER_FORWARD_PREFIX}{CHARGES_PATH}");
+    let holds_path = format!("{PEER_FORWARD_PREFIX}{HOLDS_PATH}");
     Router::new()
         .route(&check_path, post(check::check))
         .route(&batch_path, post(batch::check_batch))
         .route(&charges_path, post(charges::charge))
+        .route(&holds_path, post(holds::hold))
+        .route(&format!("{holds_path}/{{id}}/settle"), post(holds::settle))
+        .route(
+            &format!("{holds_path}/{{id}}/release"),
+            post(holds::release_by_post),
+        )
         .layer(DefaultBodyLimit::max(state.body_limit_bytes))
         .layer(middleware::from_fn_with_state(
             (state.clone(), identities),

@@ -2,7 +2,7 @@
 //! with `oneshot` and no socket.
 //!
 //! Layout: [`edge`] (request id, body limit and timeout in front of every route), [`routes`]
-//! (`POST /v1/check` past the router, the rest through it), [`check`] (decisions), [`batch`]
+//! (`POST /v1/check` past the router, the rest through it), [`check`] (decisions), [`holds`] (estimates held and settled), [`batch`]
 //! (batches of them), [`forwarded`] (checks forwarded over the peer listener), [`tenants`]
 //! (policies, pins, allowance), [`plans`] (plans and tenants' plans), [`policy_batch`] (many
 //! policies in one step), [`assignment_batch`] (many tenants' plans in one step), [`cluster`] (status,
@@ -19,6 +19,7 @@ pub mod contract;
 pub mod edge;
 pub mod forwarded;
 mod header_text;
+pub mod holds;
 pub mod plans;
 pub mod policy_batch;
 pub mod problem;
@@ -48,6 +49,10 @@ pub type Api = edge::Edge<routes::Routes>;
         check::check,
         batch::check_batch,
         charges::charge,
+        holds::hold,
+        holds::settle,
+        holds::release,
+        holds::release_by_post,
         tenants::put_policy,
         policy_batch::put_policies,
         tenants::get_policy,
@@ -127,6 +132,23 @@ pub(crate) fn router(state: AppState) -> Router {
         .route(
             crate::decision::CHARGES_PATH,
             scoped(Scope::Check, post(charges::charge)),
+        )
+        // Never open either: a settle charges, a release gives back.
+        .route(
+            crate::decision::holds::HOLDS_PATH,
+            scoped(Scope::Check, post(holds::hold)),
+        )
+        .route(
+            "/v1/holds/{id}/settle",
+            scoped(Scope::Check, post(holds::settle)),
+        )
+        .route(
+            "/v1/holds/{id}/release",
+            scoped(Scope::Check, post(holds::release_by_post)),
+        )
+        .route(
+            "/v1/holds/{id}",
+            scoped(Scope::Check, delete(holds::release)),
         )
         .route(
             "/v1/tenants/{tenant}/policies/{policy}",

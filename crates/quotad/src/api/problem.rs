@@ -94,6 +94,9 @@ pub enum ApiError {
     UnsupportedMediaType,
     #[error("temporarily reduced capacity: {reason}")]
     ReducedCapacity { policy: String, reason: String },
+    /// Reduced capacity that is no one policy's (a hold's store or region did not answer).
+    #[error("temporarily reduced capacity: {reason}")]
+    Unavailable { reason: String },
     #[error("coordinator unavailable: {reason}")]
     CoordinatorUnavailable { reason: String },
     /// The request outran the configured request timeout (`[api] request_timeout_ms`).
@@ -134,7 +137,7 @@ impl ApiError {
             ApiError::UnsupportedMediaType => {
                 (StatusCode::UNSUPPORTED_MEDIA_TYPE, "UNSUPPORTED_MEDIA_TYPE")
             }
-            ApiError::ReducedCapacity { .. } => (
+            ApiError::ReducedCapacity { .. } | ApiError::Unavailable { .. } => (
                 StatusCode::SERVICE_UNAVAILABLE,
                 "TEMPORARY_REDUCED_CAPACITY",
             ),
@@ -151,7 +154,9 @@ impl ApiError {
     pub fn problem(&self) -> Problem {
         let (status, code) = self.status_and_code();
         let type_ = match self {
-            ApiError::ReducedCapacity { .. } => REDUCED_CAPACITY_TYPE.to_string(),
+            ApiError::ReducedCapacity { .. } | ApiError::Unavailable { .. } => {
+                REDUCED_CAPACITY_TYPE.to_string()
+            }
             _ => format!(
                 "urn:quotad:problem:{}",
                 code.to_ascii_lowercase().replace('_', "-")

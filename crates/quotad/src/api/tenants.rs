@@ -473,6 +473,8 @@ pub async fn allowance(
             Limit::SlidingWindow { limit, window_ms } => {
                 (limit as f64, limit as f64 * 1000.0 / window_ms as f64)
             }
+            // Slots do not refill: they come back with their holds.
+            Limit::Concurrency { limit } => (limit as f64, 0.0),
         };
         // A lease that never ends (a single region) is never reused elsewhere: nothing to spend
         // twice.

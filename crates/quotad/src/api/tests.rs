@@ -22,7 +22,7 @@ use crate::decision::{Decider, DeciderParts};
 use crate::secret::Secret;
 use crate::tokens::{Scope, Tokens};
 
-const TOKEN: &str = "test-token";
+pub(crate) const TOKEN: &str = "test-token";
 /// The identity key of the test daemons.
 const TEST_IDENTITY_KEY: &str = "test-identity-key-0123456789";
 
@@ -106,13 +106,13 @@ fn state_with_tokens(
     })
 }
 
-struct Reply {
-    status: StatusCode,
-    headers: axum::http::HeaderMap,
-    body: Value,
+pub(crate) struct Reply {
+    pub(crate) status: StatusCode,
+    pub(crate) headers: axum::http::HeaderMap,
+    pub(crate) body: Value,
 }
 
-async fn send<S>(
+pub(crate) async fn send<S>(
     router: &S,
     method: &str,
     uri: &str,
@@ -148,7 +148,7 @@ where
     }
 }
 
-async fn with_policy(spec: Value) -> Api {
+pub(crate) async fn with_policy(spec: Value) -> Api {
     let router = app(state());
     let r = send(
         &router,
@@ -162,7 +162,7 @@ async fn with_policy(spec: Value) -> Api {
     router
 }
 
-fn is_problem(r: &Reply) -> bool {
+pub(crate) fn is_problem(r: &Reply) -> bool {
     r.headers
         .get(header::CONTENT_TYPE)
         .is_some_and(|v| v == "application/problem+json")
@@ -1077,6 +1077,7 @@ async fn every_status_a_route_answers_is_in_the_document() {
     let t = Some(TOKEN);
     type Case<'a> = (&'a str, &'a str, String, Option<&'a str>, Option<&'a str>);
     let charge = r#"{"tenant":"acme","policy":"writes","cost":3,"id":"c-1"}"#;
+    let hold = r#"{"tenant":"acme","policy":"writes","id":"h-1"}"#;
     let cases: Vec<Case> = vec![
         ("POST", "/v1/check", "/v1/check".into(), None, Some(check)),
         ("POST", "/v1/check", "/v1/check".into(), None, Some(check)),
@@ -1617,6 +1618,59 @@ async fn every_status_a_route_answers_is_in_the_document() {
             None,
             Some(charge),
         ),
+        // Holds (the budget is spent by now: the first is denied, then a small one held).
+        ("POST", "/v1/holds", "/v1/holds".into(), t, Some(hold)),
+        (
+            "POST",
+            "/v1/holds",
+            "/v1/holds".into(),
+            t,
+            Some(r#"{"tenant":"acme","policy":"writes","ttl_ms":0}"#),
+        ),
+        (
+            "POST",
+            "/v1/holds",
+            "/v1/holds".into(),
+            t,
+            Some(r#"{"tenant":"acme","policy":"nope"}"#),
+        ),
+        (
+            "POST",
+            "/v1/holds",
+            "/v1/holds".into(),
+            t,
+            Some(r#"{"tenant":"acme","policies":["writes","writes"]}"#),
+        ),
+        ("POST", "/v1/holds", "/v1/holds".into(), None, Some(hold)),
+        (
+            "POST",
+            "/v1/holds/{id}/settle",
+            "/v1/holds/eu.acme.h-1/settle".into(),
+            t,
+            Some(r#"{"cost":1}"#),
+        ),
+        (
+            "POST",
+            "/v1/holds/{id}/settle",
+            "/v1/holds/eu.acme/settle".into(),
+            t,
+            Some(r#"{"cost":1}"#),
+        ),
+        (
+            "DELETE",
+            "/v1/holds/{id}",
+            "/v1/holds/eu.acme.h-1".into(),
+            t,
+            None,
+        ),
+        ("DELETE", "/v1/holds/{id}", "/v1/holds/nope".into(), t, None),
+        (
+            "POST",
+            "/v1/holds/{id}/release",
+            "/v1/holds/eu.acme.h-1/release".into(),
+            t,
+            None,
+        ),
         ("GET", "/livez", "/livez".into(), None, None),
         ("GET", "/readyz", "/readyz".into(), None, None),
         ("GET", "/metrics", "/metrics".into(), None, None),
@@ -1655,6 +1709,10 @@ async fn every_status_a_route_answers_is_in_the_document() {
             charges.contains(&s),
             "a charge never answered {s}: {charges:?}"
         );
+    }
+    let holds = &seen[&("POST", "/v1/holds")];
+    for s in [429, 400, 404, 401] {
+        assert!(holds.contains(&s), "a hold never answered {s}: {holds:?}");
     }
     let check = &seen[&("POST", "/v1/check")];
     for s in [200, 429, 400, 415, 413, 404] {

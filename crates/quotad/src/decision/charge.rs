@@ -127,10 +127,22 @@ impl Decider {
         if let Some(id) = id {
             body["id"] = serde_json::Value::String(id);
         }
-        match self
-            .send_home::<ForwardedCharge>(home, CHARGES_PATH, &body)
-            .await
-        {
+        let answer = self.relay(home, CHARGES_PATH, &body).await;
+        match answer.as_ref().map(|r| r.status) {
+            // The home refused it (an id of another cost, a window): so does this region.
+            Some(409) => {
+                return match answer.and_then(|r| r.body["detail"].as_str().map(str::to_string)) {
+                    Some(d) if d.contains("sliding window") => Charged::NotTokenBucket,
+                    _ => Charged::IdReused,
+                }
+            }
+            Some(200) => {}
+            _ => {
+                self.forward_failures.increment(1);
+                return Charged::HomeUnreachable(home.clone());
+            }
+        }
+        match answer.and_then(|r| serde_json::from_value::<ForwardedCharge>(r.body).ok()) {
             Some(a) => Charged::Applied {
                 outcome: ChargeOutcome {
                     applied: a.applied,

@@ -4,7 +4,7 @@
 
 use quota_core::mode;
 use quota_core::share::limit_for_share;
-use quota_core::{PolicyName, RegionId, TenantId};
+use quota_core::{Algorithm, PolicyName, RegionId, TenantId};
 use quota_store::{BucketRef, Limit};
 
 use super::verdict::outcome_of;
@@ -16,7 +16,7 @@ use crate::coordination::PolicyEntry;
 pub(super) fn holds(limit: &Limit, cost: u64) -> bool {
     match *limit {
         Limit::TokenBucket(p) => p.capacity_ut >= cost.saturating_mul(quota_core::bucket::UT),
-        Limit::SlidingWindow { limit, .. } => limit >= cost,
+        Limit::SlidingWindow { limit, .. } | Limit::Concurrency { limit } => limit >= cost,
     }
 }
 
@@ -53,6 +53,9 @@ impl Decider {
             .ok_or(CheckError::UnknownPolicy)?
             .entry;
         let (policy, _share, limit) = self.params_of(&view, entry);
+        if policy.algorithm == Algorithm::Concurrency {
+            return Err(CheckError::TakenWithHolds);
+        }
         mode::check_cost(&policy, cost, entry.grants.len())?;
         // While a home is still being granted its share (it holds less than the cost), the
         // region granted the most decides.

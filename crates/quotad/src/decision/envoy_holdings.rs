@@ -62,7 +62,8 @@ impl Part {
     /// This daemon's part of `region`'s grant of `policy` in `view` at local monotonic
     /// `now_ms`, with `daemons` daemons in the region: the share while the lease holds, the
     /// floor after (and once less than a second of lease is left, since Envoy counts whole
-    /// seconds). Sliding windows are assigned as the token bucket of their rate and limit.
+    /// seconds). Sliding windows are assigned as the token bucket of their rate and limit;
+    /// a concurrency limit has no rate to assign (`None`, as an unknown bucket).
     pub fn of(
         view: &ClusterView,
         region: &RegionId,
@@ -72,6 +73,9 @@ impl Part {
         now_ms: u64,
     ) -> Option<(Part, Policy)> {
         let entry = view.resolve(subject, policy)?.entry;
+        if entry.policy.algorithm == Algorithm::Concurrency {
+            return None;
+        }
         let grant = entry.grants.get(region);
         let lease_left_ms = view.lease_end_local_ms.saturating_sub(now_ms);
         let (share_ppm, lease_left_ms) = match grant {
@@ -96,7 +100,7 @@ impl Part {
             / (u128::from(policy.window_ms.max(1)) * 1_000_000 * n);
         let size = match policy.algorithm {
             Algorithm::TokenBucket => policy.burst,
-            Algorithm::SlidingWindow => policy.limit,
+            Algorithm::SlidingWindow | Algorithm::Concurrency => policy.limit,
         };
         let burst = u128::from(size) * share / (1_000_000 * n);
         let cap = |x: u128| u64::try_from(x).unwrap_or(u64::MAX);

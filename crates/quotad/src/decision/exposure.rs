@@ -13,7 +13,7 @@
 //! of work already done may take this region's bucket that far below empty, whatever the share.
 
 use quota_core::bucket::UT;
-use quota_core::{FailMode, Policy, PPM};
+use quota_core::{Algorithm, FailMode, Policy, PPM};
 use quota_store::Limit;
 
 use crate::clock;
@@ -31,6 +31,15 @@ pub fn worst_case_overshoot_tokens(
     embedded: bool,
 ) -> f64 {
     let non_floor = f64::from(enforced_ppm.saturating_sub(p.whole_floor_ppm())) / f64::from(PPM);
+    if p.algorithm == Algorithm::Concurrency {
+        // Slots held above the floor stay held past a cut-off, until released or at most the
+        // policy's window_ms; holds are never decided in process.
+        return if leased {
+            (non_floor * p.limit as f64).floor()
+        } else {
+            0.0
+        };
+    }
     let rate_tokens_per_s = p.rate_ut_per_s() as f64 / UT as f64;
     let cut_off = if leased {
         non_floor * (p.burst as f64 + rate_tokens_per_s * 2.0 * margin_ms as f64 / 1000.0)

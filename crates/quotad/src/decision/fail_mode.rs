@@ -54,7 +54,7 @@ impl Decider {
                     allowed: true,
                     remaining: match req.limit {
                         Limit::TokenBucket(p) => p.capacity_ut / quota_core::bucket::UT,
-                        Limit::SlidingWindow { limit, .. } => limit,
+                        Limit::SlidingWindow { limit, .. } | Limit::Concurrency { limit } => limit,
                     },
                     retry_after_ms: Some(0),
                     reset_ms: Some(0),

@@ -295,6 +295,40 @@ impl Decider {
         None
     }
 
+    /// POSTs `body` to `path` on one of `region`'s daemons as [`Self::send_home`] does, and
+    /// passes its answer on as it gave it: a decision (200, 429) or a refusal of the request
+    /// (400, 404, 409). `None` when no daemon gave one within the forward timeout.
+    pub(super) async fn relay(
+        &self,
+        region: &RegionId,
+        path: &str,
+        body: &serde_json::Value,
+    ) -> Option<super::holds::Relayed> {
+        let addrs = self.homes.get(region).filter(|a| !a.is_empty())?;
+        let first = self
+            .next_home
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let deadline = tokio::time::Instant::now() + self.forward_timeout;
+        for i in 0..addrs.len() {
+            let addr = &addrs[(first + i) % addrs.len()];
+            let left = deadline.saturating_duration_since(tokio::time::Instant::now());
+            if left.is_zero() {
+                break;
+            }
+            let Some(resp) = self.post_to(addr, path, body, left).await else {
+                continue;
+            };
+            let status = resp.status().as_u16();
+            if !matches!(status, 200 | 400 | 404 | 409 | 429) {
+                continue;
+            }
+            if let Ok(body) = resp.json::<serde_json::Value>().await {
+                return Some(super::holds::Relayed { status, body });
+            }
+        }
+        None
+    }
+
     /// One attempt of [`Self::send_home`] at one daemon.
     async fn send_to<T: serde::de::DeserializeOwned>(
         &self,
@@ -303,6 +337,21 @@ impl Decider {
         body: &serde_json::Value,
         timeout: std::time::Duration,
     ) -> Option<T> {
+        let resp = self.post_to(addr, path, body, timeout).await?;
+        if !matches!(resp.status().as_u16(), 200 | 429) {
+            return None;
+        }
+        resp.json::<T>().await.ok()
+    }
+
+    /// POSTs `body` to `path` at `addr` as a forwarding peer; `None` when it did not answer.
+    async fn post_to(
+        &self,
+        addr: &str,
+        path: &str,
+        body: &serde_json::Value,
+        timeout: std::time::Duration,
+    ) -> Option<reqwest::Response> {
         let prefix = if self.over_peer {
             PEER_FORWARD_PREFIX
         } else {
@@ -319,11 +368,7 @@ impl Decider {
         if self.over_peer {
             req = req.header(FORWARDED_FROM_HEADER.as_str(), self.region.as_str());
         }
-        let resp = req.timeout(timeout).json(body).send().await.ok()?;
-        if !matches!(resp.status().as_u16(), 200 | 429) {
-            return None;
-        }
-        resp.json::<T>().await.ok()
+        req.timeout(timeout).json(body).send().await.ok()
     }
 
     /// A check whose home region could not decide it: this region's floor, in process, or a
@@ -357,6 +402,8 @@ impl Decider {
                     window_ms,
                 }
             }
+            // Refused before any check is forwarded: a slot is a hold.
+            l @ quota_store::Limit::Concurrency { .. } => l,
         };
         let req = CheckRequest {
             bucket,

@@ -25,6 +25,8 @@
 //! - `fail_mode`: the policy's fail mode while this region's store is out.
 //! - `charge`: charges of work already done, into the policy's debt limit.
 //! - `refund`: tokens given back to a bucket (Envoy's `is_negative_hits`).
+//! - [`holds`]: estimates held now and settled with the actual cost later, and concurrency
+//!   slots.
 //! - [`outage`]: the `local` fail mode's in-process buckets, continued from Redis's last
 //!   answers and charged back to it; the store as decisions see it ([`outage::Regional`]).
 //! - [`breaker`], [`denials`], [`reservations`]: the state the local path keeps; [`multi`]:
@@ -40,6 +42,7 @@ pub mod envoy_holdings;
 pub mod exposure;
 mod fail_mode;
 mod forward;
+pub mod holds;
 mod local;
 pub mod multi;
 pub mod outage;
@@ -162,6 +165,7 @@ impl Decider {
         let outage = Arc::new(Outage::default());
         outage.share_among(u64::from(p.daemons.max(1)));
         charge::register_metrics(&p.region);
+        holds::register_metrics(&p.region);
         Self {
             metrics: DecisionMetrics::new(&region),
             store_latency: metrics::histogram!(telemetry::STORE_LATENCY_SECONDS, "region" => region.clone()),

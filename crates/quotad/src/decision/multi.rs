@@ -97,12 +97,16 @@ impl Decider {
                         name.as_str()
                     )));
                 }
-                if !matches!(limit, Limit::TokenBucket(_)) {
-                    return Err(MultiError::Unsupported(format!(
-                        "policy {:?} is a sliding window; several policies at once are token \
-                         buckets",
-                        name.as_str()
-                    )));
+                match limit {
+                    Limit::TokenBucket(_) => {}
+                    Limit::SlidingWindow { .. } => {
+                        return Err(MultiError::Unsupported(format!(
+                            "policy {:?} is a sliding window; several policies at once are \
+                             token buckets",
+                            name.as_str()
+                        )))
+                    }
+                    Limit::Concurrency { .. } => return Err(CheckError::TakenWithHolds.into()),
                 }
                 // As for one policy: a share here that cannot hold the cost at all is reduced
                 // capacity for now, not a denial that could never end.
@@ -266,7 +270,7 @@ impl Decider {
                     allowed: true,
                     remaining: match l.limit {
                         Limit::TokenBucket(p) => p.capacity_ut / UT,
-                        Limit::SlidingWindow { limit, .. } => limit,
+                        Limit::SlidingWindow { limit, .. } | Limit::Concurrency { limit } => limit,
                     },
                     retry_after_ms: Some(0),
                     reset_ms: Some(0),

@@ -36,8 +36,9 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use quota_core::bucket::{self, BucketParams, BucketState, UT};
 use quota_core::{ChargeOutcome, Decision};
 use quota_store::{
-    AnyStore, BucketRef, ChargeRequest, CheckRequest, EmbeddedStore, Limit, MultiCheckRequest,
-    SetParams, Store, StoreError, UsageRecord, MAX_COST,
+    AnyStore, BucketRef, ChargeRequest, CheckRequest, EmbeddedStore, HoldOutcome, HoldRequest,
+    Limit, MultiCheckRequest, ReleaseRequest, SetParams, SettleRequest, Settled, Store, StoreError,
+    UsageRecord, MAX_COST,
 };
 use tokio::sync::Notify;
 use tokio::time::Instant;
@@ -537,6 +538,34 @@ impl Store for Regional {
         Ok((d, taken))
     }
 
+    /// After charging what the buckets owe; the answers remembered, as a check's.
+    async fn hold(&self, req: &HoldRequest) -> Result<HoldOutcome, StoreError> {
+        if !self.remember {
+            return self.store.hold(req).await;
+        }
+        for l in &req.limits {
+            if let Limit::TokenBucket(_) = l.limit {
+                self.outage.settle(&self.store, &l.bucket).await?;
+            }
+        }
+        let out = self.store.hold(req).await?;
+        for (l, d) in req.limits.iter().zip(&out.decisions) {
+            if let Limit::TokenBucket(p) = &l.limit {
+                self.outage.seen(&l.bucket, p, d.remaining);
+            }
+        }
+        Ok(out)
+    }
+
+    /// Passed on as it is, as a charge or a refund is.
+    async fn settle(&self, req: &SettleRequest) -> Result<Settled, StoreError> {
+        self.store.settle(req).await
+    }
+
+    async fn release(&self, req: &ReleaseRequest) -> Result<Settled, StoreError> {
+        self.store.release(req).await
+    }
+
     /// Passed on as it is: the answer is not remembered for an outage.
     async fn charge(&self, req: &ChargeRequest) -> Result<ChargeOutcome, StoreError> {
         self.store.charge(req).await
@@ -617,6 +646,10 @@ impl InProcess {
                 };
                 self.windows.check(&mine).await
             }
+            // Refused before any check reaches here: a slot is a hold, kept in the store.
+            Limit::Concurrency { .. } => Err(StoreError::Rejected {
+                reason: "a concurrency limit is taken with holds".into(),
+            }),
         }
     }
 
@@ -652,7 +685,8 @@ pub fn part(p: &BucketParams, n: u64) -> BucketParams {
 /// in-process window starts unspent, so up to its limit.
 pub fn overshoot_tokens(limit: &Limit) -> f64 {
     match limit {
-        Limit::TokenBucket(_) => 0.0,
+        // Holds are never decided in process.
+        Limit::TokenBucket(_) | Limit::Concurrency { .. } => 0.0,
         Limit::SlidingWindow { limit, .. } => *limit as f64,
     }
 }

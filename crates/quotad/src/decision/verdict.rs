@@ -77,6 +77,12 @@ pub enum CheckError {
         policy: PolicyName,
         reason: &'static str,
     },
+    /// A concurrency limit counts holds in flight: a slot is taken with a hold and given back
+    /// by its release, never checked.
+    #[error(
+        "a concurrency limit is taken with a hold (POST /v1/holds) and given back by its release"
+    )]
+    TakenWithHolds,
 }
 
 /// What a check's result counts as in the decision metrics.

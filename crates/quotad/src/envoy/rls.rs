@@ -228,6 +228,8 @@ impl EnvoyRateLimit {
         {
             Ok(v) => self.decided(&policy, &v, fields),
             Err(CheckError::UnknownPolicy) => undecided("unknown_policy"),
+            // Envoy cannot give a slot back: a concurrency limit is not Envoy's to decide.
+            Err(CheckError::TakenWithHolds) => undecided("concurrency_limit"),
             // Never admissible: denied with the bucket's level, as it stands, in the fields.
             Err(CheckError::Cost(_)) => {
                 let Some((p, bucket, limit)) = self.bucket_of(&tenant, &policy) else {
