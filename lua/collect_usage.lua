@@ -13,7 +13,8 @@
 -- Two state kinds: token buckets are one string (96 bytes, struct '<dddddddddddd': t, c, ts,
 -- ad, dn, then the parameters; or the 88-byte layout without the period; see token_bucket.lua),
 -- rewritten with ad = dn = 0 (bytes 25..40, the same in both layouts) and SET ... KEEPTTL;
--- sliding windows are hashes with fields ad / dn.
+-- sliding windows are hashes with fields ad / dn, and so is a concurrency limit's usage
+-- (…:cu beside its slots, hold.lua: acquisitions admitted and denied).
 --
 -- SPOP takes each key at most once and the counters are reset in the same atomic step, so usage
 -- is never counted twice; a decision after the collection re-lists its key (the decision
@@ -51,6 +52,7 @@ local ONCE_MS = 10000 -- how long a key making a call exactly once lives: past a
 local MAX_HOLD_TTL = 3600000 -- longest a hold lives unsettled, in ms (1 h)
 local HOLD_MEMORY_MS = 600000 -- how long a hold's record is kept after the hold ended
 local MAX_HOLD_ID = 64 -- longest hold id, in characters
+local MAX_SLOTS = 1000000 -- largest concurrency limit, in slots
 local STATE_LEN = 96 -- bytes of a token-bucket state
 local STATE_LEN_NO_PERIOD = 88 -- bytes of a state written without its period (period 1000)
 -- Token-bucket state: 12 little-endian doubles (exact for integers below 2^53): tokens (µt;

@@ -1,6 +1,6 @@
 -- hold.lua: makes a hold for quotad: an estimated cost spent now on 1 to 16 token buckets of
--- one tenant, all or nothing, and a record of it, settled later with the actual cost
--- (settle.lua).
+-- one tenant, all or nothing, or one slot of a concurrency limit, and a record of it, settled
+-- or released later (settle.lua).
 --
 -- KEYS[1]     the hold's record (hash)   qd:v1:{tenant}:~h:<id>, id 1..64 of [A-Za-z0-9_-]
 -- KEYS[2]     activity index (set of state keys decided since the last usage collection)
@@ -23,6 +23,16 @@
 --             parameters), reset_ms (-1 = never)}: expires_at_ms is now + ttl (the recorded
 --             one when replayed); when the hold is denied, a limit that would have admitted
 --             answers allowed 1 with its level unspent, as token_buckets.lua
+--
+-- A concurrency hold (ARGV[5] 'slots'): one slot of one concurrency limit, estimate 1.
+-- KEYS[3..5]  the limit's slots (sorted set of hold ids scored by expiry)
+--             qd:v1:{tenant}:<policy>:<version>:c, its parameters (…:p: slots, and with a
+--             lease end until and the floor fslots) and its usage (hash ad, dn, …:cu)
+-- ARGV[6..8]  the fallback limit in slots (0..1000000), '', and a debt limit (only recorded)
+-- returns     as above for one limit: remaining is the slots free after, retry_after_ms (when
+--             denied) the ms until enough live slots expire on their own for one more (-1 for a
+--             limit of 0), reset_ms the ms until every live slot has expired
+--
 -- errors      'ERR quotad: <what>' (naming the limit i where one is at fault) for every invalid
 --             argument (the fallbacks are checked even when unused: the record keeps them), a
 --             record key not of that form, repeated keys, keys of another type, a stored
@@ -42,6 +52,16 @@
 --   e expires_at = now + ttl, f forget at = e + HOLD_MEMORY_MS (the key's PX ends there too),
 --   l the limits: MessagePack of {state key, parameters key, fallback capacity, refill,
 --   period, debt limit} per limit, all settle.lua needs (its caller names only the record)
+--
+-- A concurrency hold drops the slots expired by now (score <= now, ZREMRANGEBYSCORE), then
+-- takes one (ZADD, score now + ttl) while fewer than the limit in force are live: the stored
+-- one, the floor from the lease end on (the holders keep their slots; new ones wait until
+-- fewer than the floor are live), else the fallback. The set expires with its last slot. An
+-- acquisition admitted or denied counts 1 in the usage hash (ad or dn, as a window's), listed
+-- in the activity index while ad + dn > 0; collect_usage.lua reports it. A settle or release
+-- frees the slot at once (ZREM); a crashed holder's slot comes back at its expiry. The
+-- reference is quota-core's slots module; the record is as above, with k 'slots' and l
+-- {{slots key, parameters key, usage key, fallback limit, debt limit}}.
 --
 -- A create whose id has a live record (now < f) decides nothing: the same request (estimate,
 -- ttl and limits equal) is answered again, held, replayed, with each bucket's level as it
@@ -73,6 +93,7 @@ local ONCE_MS = 10000 -- how long a key making a call exactly once lives: past a
 local MAX_HOLD_TTL = 3600000 -- longest a hold lives unsettled, in ms (1 h)
 local HOLD_MEMORY_MS = 600000 -- how long a hold's record is kept after the hold ended
 local MAX_HOLD_ID = 64 -- longest hold id, in characters
+local MAX_SLOTS = 1000000 -- largest concurrency limit, in slots
 local STATE_LEN = 96 -- bytes of a token-bucket state
 local STATE_LEN_NO_PERIOD = 88 -- bytes of a state written without its period (period 1000)
 -- Token-bucket state: 12 little-endian doubles (exact for integers below 2^53): tokens (µt;
@@ -310,11 +331,17 @@ local bucket_ok, state_decode, time_to, refilled = h.bucket_ok, h.state_decode, 
 local fmod = math.fmod
 
 local n_keys = #KEYS
-if n_keys < 4 or n_keys % 2 ~= 0 or n_keys > 2 * MAX_LIMITS + 2 then
+local slots = ARGV[5] == 'slots' -- a concurrency hold
+if slots then
+  if n_keys ~= 5 then
+    return err('a concurrency hold takes 5 keys: the record, the activity index, the slots, '
+      .. 'the parameters and the usage')
+  end
+elseif n_keys < 4 or n_keys % 2 ~= 0 or n_keys > 2 * MAX_LIMITS + 2 then
   return err('expected the record, the activity index and 2 keys for each of 1..' .. MAX_LIMITS
     .. ' limits')
 end
-local n = (n_keys - 2) / 2
+local n = slots and 1 or (n_keys - 2) / 2
 local seen = {}
 for i = 1, n_keys do
   if seen[KEYS[i]] then
@@ -331,7 +358,8 @@ end
 local own = 'qd:v1:' .. tag .. ':'
 for i = 3, n_keys do
   if string.sub(KEYS[i], 1, #own) ~= own then
-    return err('limit ' .. math.floor((i - 1) / 2) .. ': its keys are not of the record\'s tenant')
+    return err('limit ' .. (slots and 1 or math.floor((i - 1) / 2))
+      .. ': its keys are not of the record\'s tenant')
   end
 end
 if #ARGV ~= 4 + 4 * n then
@@ -340,6 +368,9 @@ end
 local cost = int(ARGV[1], MAX_COST)
 if cost == nil or cost < 1 then
   return err('the estimate must be an integer in 1..' .. MAX_COST)
+end
+if slots and cost ~= 1 then
+  return err('a concurrency hold takes one slot: the estimate must be 1')
 end
 local ttl = int(ARGV[2], MAX_HOLD_TTL)
 if ttl == nil or ttl < 1 then
@@ -357,7 +388,7 @@ if min_ttl == nil then
   return err('minimum TTL must be an integer number of ms in 1..' .. MAX_CAP)
 end
 local limits = {}
-for i = 1, n do
+for i = 1, slots and 0 or n do
   local a = 4 * i
   local cap, rate = int(ARGV[a + 1], MAX_CAP), int(ARGV[a + 2], MAX_CAP)
   local per = opt_int(ARGV[a + 3], DEFAULT_PERIOD_MS, MAX_PERIOD)
@@ -371,6 +402,17 @@ for i = 1, n do
       .. 'below 2^53')
   end
   limits[i] = { KEYS[2 * i + 1], KEYS[2 * i + 2], cap, rate, per, debt }
+end
+if slots then
+  local limit = int(ARGV[6], MAX_SLOTS)
+  if limit == nil or ARGV[7] ~= '' then
+    return err('limit 1: the fallback concurrency limit must be an integer in 0..' .. MAX_SLOTS)
+  end
+  local debt = int(ARGV[8], MAX_CAP)
+  if debt == nil then
+    return err('limit 1: the debt limit must be an integer number of micro-tokens below 2^53')
+  end
+  limits[1] = { KEYS[3], KEYS[4], KEYS[5], limit, debt }
 end
 local packed = cmsgpack.pack(limits)
 
@@ -388,7 +430,7 @@ if #rec > 0 then
   local rc, rt, re, rf = int(r.c, MAX_COST), int(r.t, MAX_HOLD_TTL), int(r.e, MAX_CAP),
     int(r.f, MAX_CAP)
   if not (rc and rt and re and rf and (r.s == 'o' or r.s == 's' or r.s == 'r')
-      and type(r.l) == 'string') then
+      and type(r.l) == 'string' and (r.k == nil or r.k == 'slots')) then
     return err('the hold record is invalid')
   end
   if now < rf then
@@ -397,6 +439,96 @@ if #rec > 0 then
     end
     replay = re
   end
+end
+
+-- A concurrency hold: one slot of the sorted set KEYS[3] (hold ids scored by expiry) while
+-- fewer than the limit in force are live (score > now): the stored one (slots), the floor
+-- (fslots) from the lease end (until) on, else the fallback. Usage in the hash KEYS[5].
+if slots then
+  local sk, pk, uk = KEYS[3], KEYS[4], KEYS[5]
+  local kind = redis.call('TYPE', sk)['ok']
+  if kind ~= 'zset' and kind ~= 'none' then
+    return err('limit 1: the slots key holds another type')
+  end
+  local p = redis.pcall('HMGET', pk, 'slots', 'until', 'fslots')
+  if failed(p) then
+    return err('limit 1: the parameters key holds another type')
+  end
+  local limit = limits[1][4]
+  if p[1] then
+    limit = int(p[1], MAX_SLOTS)
+    if limit == nil then
+      return err('limit 1: stored parameters are invalid')
+    end
+    if p[2] or p[3] then
+      local lease_end, floor = int(p[2], MAX_CAP), int(p[3], MAX_SLOTS)
+      if lease_end == nil or floor == nil then
+        return err('limit 1: stored parameters are invalid')
+      end
+      if now >= lease_end then
+        limit = floor
+      end
+    end
+  end
+  local u = redis.pcall('HMGET', uk, 'ad', 'dn')
+  if failed(u) then
+    return err('limit 1: the usage key holds another type')
+  end
+  local ad, dn = int(u[1] or '0', MAX_CAP), int(u[2] or '0', MAX_CAP)
+  if ad == nil or dn == nil then
+    return err('limit 1: the usage counters are invalid')
+  end
+  local at = string.format('%d', now)
+  -- ms until every live slot has expired (0: none live).
+  local function reset_slots()
+    local last = redis.call('ZRANGE', sk, -1, -1, 'WITHSCORES')
+    local e = last[2] and tonumber(last[2])
+    if e and e > now then
+      return e - now
+    end
+    return 0
+  end
+  if replay then
+    local live = redis.call('ZCOUNT', sk, '(' .. at, '+inf')
+    return { 1, replay, 1, 1, math.max(limit - live, 0), 0, reset_slots() }
+  end
+
+  -- Writes, last: the index (the only write that can fail), the slots, the usage, the record.
+  if ad + dn == 0 then
+    if failed(redis.pcall('SADD', KEYS[2], uk)) then
+      return err('the activity index holds another type')
+    end
+  end
+  redis.call('ZREMRANGEBYSCORE', sk, '-inf', at)
+  local live = redis.call('ZCARD', sk)
+  local e = now + ttl
+  local out = { 0, e, 0, 0, 0, -1, 0 }
+  if live < limit then
+    redis.call('ZADD', sk, string.format('%d', e), id)
+    local pttl = redis.call('PTTL', sk)
+    if pttl < ttl then
+      redis.call('PEXPIRE', sk, ttl)
+    end
+    out[1], out[4], out[5], out[6] = 1, 1, limit - live - 1, 0
+    ad = math.min(ad + 1, MAX_CAP)
+  else
+    if limit > 0 then
+      -- The (live - limit + 1)-th earliest expiry frees the slot one more needs.
+      local k = live - limit
+      out[6] = tonumber(redis.call('ZRANGE', sk, k, k, 'WITHSCORES')[2]) - now
+    end
+    dn = math.min(dn + 1, MAX_CAP)
+  end
+  out[7] = reset_slots()
+  redis.call('HSET', uk, 'ad', string.format('%d', ad), 'dn', string.format('%d', dn))
+  redis.call('PEXPIRE', uk, min_ttl)
+  if out[1] == 1 then
+    redis.call('DEL', KEYS[1])
+    redis.call('HSET', KEYS[1], 's', 'o', 'k', 'slots', 'c', '1', 't', string.format('%d', ttl),
+      'e', string.format('%d', e), 'f', string.format('%d', e + HOLD_MEMORY_MS), 'l', packed)
+    redis.call('PEXPIRE', KEYS[1], string.format('%d', ttl + HOLD_MEMORY_MS))
+  end
+  return out
 end
 
 -- Limit i's bucket as token_bucket.lua reads it, refilled to now: its state, else the stored

@@ -10,10 +10,11 @@
 --          window state (…:<version>:w)
 -- ARGV[1..4]  'cap', capacity µt, 'rate', µt per period    (token bucket)
 --          or 'limit', tokens, 'window', ms                  (sliding window)
+--          or 'slots', slots 0..1000000, '', ''              (concurrency limit; 2 keys only)
 -- ARGV[5]  optional minimum idle TTL in ms ('' or absent: 60000)
 -- ARGV[6]  optional lease: ms from now the parameters hold ('' or absent: no end)
 -- ARGV[7], ARGV[8]  with a lease: the floor in force after it, of the same kind as ARGV[1..4]
---          (capacity and rate, or limit and window)
+--          (capacity and rate, limit and window, or slots and '')
 -- ARGV[9]  optional explicit now in ms since the epoch ('' or absent: Redis TIME)
 -- ARGV[10] optional token-bucket refill period in ms, 1..2678400000, of the parameters and the
 --          floor alike ('' or absent: 1000, rate per second); '' for a sliding window
@@ -33,11 +34,16 @@
 --          before the first write, so nothing is written then.
 --
 -- The hash is replaced (DEL + HSET): cap, rate, per [, until, fcap, frate] or limit, window
--- [, until, flimit, fwindow] [, hlimit, huntil], then [, fence, ep], until = min(now + lease, ARGV[11]) in this
--- server's clock. The decision scripts enforce
+-- [, until, flimit, fwindow] [, hlimit, huntil] or slots [, until, fslots], then [, fence, ep],
+-- until = min(now + lease, ARGV[11]) in this server's clock. The decision scripts enforce
 -- the floor from until on by themselves: the region agent renews until once half of it has
 -- passed, so a region whose daemon died falls back to its floor when its stored lease ends
 -- (at the latest when its lease does) even while gateways keep calling this Redis directly.
+--
+-- A concurrency limit's slots (hold.lua) keep no copy of the parameters: hold.lua reads them
+-- on every acquisition, the floor from until on, while the holders keep the slots they have.
+-- Its live slots are not carried to a new version (a changed policy starts with none in
+-- flight).
 --
 -- If the token-bucket state exists, its parameter copy is rewritten in place (SET ... KEEPTTL),
 -- so the decision script never reads KEYS[1] while the bucket lives: src = 1 for token-bucket
@@ -101,6 +107,7 @@ local ONCE_MS = 10000 -- how long a key making a call exactly once lives: past a
 local MAX_HOLD_TTL = 3600000 -- longest a hold lives unsettled, in ms (1 h)
 local HOLD_MEMORY_MS = 600000 -- how long a hold's record is kept after the hold ended
 local MAX_HOLD_ID = 64 -- longest hold id, in characters
+local MAX_SLOTS = 1000000 -- largest concurrency limit, in slots
 local STATE_LEN = 96 -- bytes of a token-bucket state
 local STATE_LEN_NO_PERIOD = 88 -- bytes of a state written without its period (period 1000)
 -- Token-bucket state: 12 little-endian doubles (exact for integers below 2^53): tokens (µt;
@@ -349,11 +356,19 @@ for i = 1, #KEYS do
 end
 local f1, v1, f2, v2 = ARGV[1], int(ARGV[2], MAX_CAP), ARGV[3], int(ARGV[4], MAX_CAP)
 local bucket = f1 == 'cap' and f2 == 'rate'
-if not (bucket or (f1 == 'limit' and f2 == 'window')) or v1 == nil or v2 == nil then
-  return err('expected cap, rate or limit, window with integer values')
+-- A concurrency limit: 'slots', limit, '', ''.
+local slots = f1 == 'slots' and f2 == '' and ARGV[4] == ''
+if slots then
+  v2 = 0
+end
+if not (bucket or slots or (f1 == 'limit' and f2 == 'window')) or v1 == nil or v2 == nil then
+  return err('expected cap, rate or limit, window or slots with integer values')
 end
 if #KEYS == 5 and bucket then
   return err('5 keys are for sliding-window parameters')
+end
+if #KEYS > 2 and slots then
+  return err('a concurrency limit takes 2 keys: it carries nothing over')
 end
 local per = DEFAULT_PERIOD_MS
 if bucket then
@@ -368,12 +383,16 @@ end
 local function pair_ok(a, b)
   if bucket then
     return bucket_ok(a, b, per)
+  elseif slots then
+    return a <= MAX_SLOTS and b == 0
   end
   return window_ok(a, b)
 end
 if not pair_ok(v1, v2) then
   if bucket then
     return err('capacity, refill and period must be integers within the bucket bounds')
+  elseif slots then
+    return err('a concurrency limit must be an integer in 0..' .. MAX_SLOTS)
   end
   return err('limit and window must be integers within the window bounds')
 end
@@ -384,6 +403,9 @@ end
 local lease, g1, g2
 if ARGV[6] ~= nil and ARGV[6] ~= '' then
   lease, g1, g2 = int(ARGV[6], MAX_CAP), int(ARGV[7], MAX_CAP), int(ARGV[8], MAX_CAP)
+  if slots then
+    g2 = ARGV[8] == '' and 0 or nil
+  end
   if lease == nil or g1 == nil or g2 == nil then
     return err('a lease needs integer ms and an integer floor pair')
   end
@@ -650,7 +672,7 @@ end
 
 -- A raise of a sliding window: the hold written with the parameters (read before any write).
 local hold = {}
-if not bucket then
+if not bucket and not slots then
   -- The limit in force now of the window parameters at k, and their hold; nil: none stored;
   -- 0 (no hold): malformed.
   local function in_force(k)
@@ -710,6 +732,12 @@ if bucket then
       'frate', g2, unpack(fenced))
   else
     redis.call('HSET', KEYS[1], f1, v1, f2, v2, 'per', per, unpack(fenced))
+  end
+elseif slots then
+  if lease then
+    redis.call('HSET', KEYS[1], 'slots', v1, 'until', lease_end, 'fslots', g1, unpack(fenced))
+  else
+    redis.call('HSET', KEYS[1], 'slots', v1, unpack(fenced))
   end
 else
   for _, x in ipairs(fenced) do

@@ -33,6 +33,10 @@
 --                      (full); it comes off the admitted count (not below 0); TTL kept
 --   equal              nothing
 --
+-- A concurrency hold (the record's k 'slots'): its slot is freed (ZREM), whatever the actual
+-- cost; its result is {0, 0, 1 (the slot given back), the slots free after under the limit in
+-- force, 0}.
+--
 -- A release is a settle at 0. The record then keeps s 's' (settled; a the actual cost) or 'r'
 -- (released), r the results (MessagePack, {charged, clamped, refunded, remaining, debt} per
 -- limit) and f = now + HOLD_MEMORY_MS, with the key's PX. The same call again (a settle at the
@@ -62,6 +66,7 @@ local ONCE_MS = 10000 -- how long a key making a call exactly once lives: past a
 local MAX_HOLD_TTL = 3600000 -- longest a hold lives unsettled, in ms (1 h)
 local HOLD_MEMORY_MS = 600000 -- how long a hold's record is kept after the hold ended
 local MAX_HOLD_ID = 64 -- longest hold id, in characters
+local MAX_SLOTS = 1000000 -- largest concurrency limit, in slots
 local STATE_LEN = 96 -- bytes of a token-bucket state
 local STATE_LEN_NO_PERIOD = 88 -- bytes of a state written without its period (period 1000)
 -- Token-bucket state: 12 little-endian doubles (exact for integers below 2^53): tokens (µt;
@@ -356,18 +361,35 @@ end
 if r.s == 'o' and now >= e then
   return { 2, e }
 end
--- The limits: {state key, parameters key, fallback capacity, refill, period, debt limit}.
+-- The limits: {state key, parameters key, fallback capacity, refill, period, debt limit}; of
+-- a concurrency hold (k 'slots') one {slots key, parameters key, usage key, fallback limit,
+-- debt limit}.
+local slots = r.k == 'slots'
+if r.k ~= nil and not slots then
+  return err('the hold record is invalid')
+end
 local ok, limits = pcall(cmsgpack.unpack, r.l)
-if not ok or type(limits) ~= 'table' or #limits < 1 or #limits > MAX_LIMITS then
+if not ok or type(limits) ~= 'table' or #limits < 1 or #limits > MAX_LIMITS
+    or (slots and #limits ~= 1) then
   return err('the hold record is invalid')
 end
 local n = #limits
+local function whole(x, max)
+  return type(x) == 'number' and x % 1 == 0 and x >= 0 and x <= max
+end
 for i = 1, n do
   local l = limits[i]
-  if type(l) ~= 'table' or #l ~= 6 or type(l[1]) ~= 'string' or type(l[2]) ~= 'string'
+  if type(l) ~= 'table' or type(l[1]) ~= 'string' or type(l[2]) ~= 'string'
       or string.sub(l[1], 1, #own) ~= own or string.sub(l[2], 1, #own) ~= own
-      or l[1] == l[2] or not bucket_ok(l[3], l[4], l[5]) or type(l[6]) ~= 'number'
-      or l[6] % 1 ~= 0 or l[6] < 0 or l[6] > MAX_CAP then
+      or l[1] == l[2] then
+    return err('the hold record is invalid')
+  end
+  if slots then
+    if #l ~= 5 or type(l[3]) ~= 'string' or string.sub(l[3], 1, #own) ~= own or l[3] == l[1]
+        or l[3] == l[2] or not whole(l[4], MAX_SLOTS) or not whole(l[5], MAX_CAP) then
+      return err('the hold record is invalid')
+    end
+  elseif #l ~= 6 or not bucket_ok(l[3], l[4], l[5]) or not whole(l[6], MAX_CAP) then
     return err('the hold record is invalid')
   end
 end
@@ -404,6 +426,48 @@ if r.s ~= 'o' then
     end
   end
   return out
+end
+
+-- A concurrency hold: its slot freed (whatever the actual cost), and the slots free after
+-- under the limit in force (as hold.lua reads it).
+if slots then
+  local sk, pk = limits[1][1], limits[1][2]
+  local kind = redis.call('TYPE', sk)['ok']
+  if kind ~= 'zset' and kind ~= 'none' then
+    return err('limit 1: the slots key holds another type')
+  end
+  local p = redis.pcall('HMGET', pk, 'slots', 'until', 'fslots')
+  if failed(p) then
+    return err('limit 1: the parameters key holds another type')
+  end
+  local limit = limits[1][4]
+  if p[1] then
+    limit = int(p[1], MAX_SLOTS)
+    if limit == nil then
+      return err('limit 1: stored parameters are invalid')
+    end
+    if p[2] or p[3] then
+      local lease_end, floor = int(p[2], MAX_CAP), int(p[3], MAX_SLOTS)
+      if lease_end == nil or floor == nil then
+        return err('limit 1: stored parameters are invalid')
+      end
+      if now >= lease_end then
+        limit = floor
+      end
+    end
+  end
+  redis.call('ZREM', sk, id)
+  local live = redis.call('ZCOUNT', sk, '(' .. string.format('%d', now), '+inf')
+  local res = { { 0, 0, 1, math.max(limit - live, 0), 0 } }
+  if release then
+    redis.call('HSET', KEYS[1], 's', 'r', 'r', cmsgpack.pack(res), 'f',
+      string.format('%d', now + HOLD_MEMORY_MS))
+  else
+    redis.call('HSET', KEYS[1], 's', 's', 'a', string.format('%d', actual), 'r',
+      cmsgpack.pack(res), 'f', string.format('%d', now + HOLD_MEMORY_MS))
+  end
+  redis.call('PEXPIRE', KEYS[1], HOLD_MEMORY_MS)
+  return { 1, 0, sk, 0, 0, 1, res[1][4], 0 }
 end
 
 -- Limit i's bucket as token_bucket.lua reads it, refilled to now: its state, else the stored

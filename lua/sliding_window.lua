@@ -71,6 +71,7 @@ local ONCE_MS = 10000 -- how long a key making a call exactly once lives: past a
 local MAX_HOLD_TTL = 3600000 -- longest a hold lives unsettled, in ms (1 h)
 local HOLD_MEMORY_MS = 600000 -- how long a hold's record is kept after the hold ended
 local MAX_HOLD_ID = 64 -- longest hold id, in characters
+local MAX_SLOTS = 1000000 -- largest concurrency limit, in slots
 local STATE_LEN = 96 -- bytes of a token-bucket state
 local STATE_LEN_NO_PERIOD = 88 -- bytes of a state written without its period (period 1000)
 -- Token-bucket state: 12 little-endian doubles (exact for integers below 2^53): tokens (µt;

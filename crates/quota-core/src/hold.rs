@@ -62,6 +62,18 @@ pub struct BucketResult {
     pub debt: u64,
 }
 
+impl BucketResult {
+    /// A concurrency hold's result: its slot given back (`refunded` 1), `remaining` slots free
+    /// after.
+    pub fn slot_freed(remaining: u64) -> Self {
+        Self {
+            refunded: 1,
+            remaining,
+            ..Self::default()
+        }
+    }
+}
+
 /// A hold's record: its request (limits `L`, estimate, TTL), its phase and, once ended, what
 /// it did to each bucket (answered again to a repeated settle or release).
 #[derive(Debug, Clone, PartialEq, Eq)]

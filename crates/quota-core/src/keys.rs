@@ -5,6 +5,10 @@
 //! ```text
 //! qd:v1:{<tenant>}:<policy>:<version>:b   token-bucket state (packed string), expires when idle
 //! qd:v1:{<tenant>}:<policy>:<version>:w   sliding-window state (hash), expires when idle
+//! qd:v1:{<tenant>}:<policy>:<version>:c   a concurrency limit's slots (sorted set of hold ids
+//!                                         scored by their expiry), expires with the last
+//! qd:v1:{<tenant>}:<policy>:<version>:cu  its usage (hash: ad, dn acquisitions admitted and
+//!                                         denied), listed in the activity index
 //! qd:v1:{<tenant>}:<policy>:<version>:p   this region's parameters (hash), no TTL; written by
 //!                                         lua/set_params.lua, which updates the bucket's copy
 //! qd:v1:active                            activity index (set of state keys), standalone Redis
@@ -34,6 +38,9 @@ pub enum StateKind {
     Bucket,
     /// A sliding window (`:w`).
     Window,
+    /// A concurrency limit's slots (`:c`): the holds in flight, scored by their expiry. Its
+    /// usage counters sit beside them ([`slots_usage_key`]).
+    Slots,
 }
 
 impl StateKind {
@@ -41,6 +48,7 @@ impl StateKind {
         match self {
             Self::Bucket => "b",
             Self::Window => "w",
+            Self::Slots => "c",
         }
     }
 }
@@ -75,6 +83,12 @@ pub fn window_key(tenant: &TenantId, policy: &PolicyName, version: u64) -> Strin
 /// The state key of either kind.
 pub fn state_key(kind: StateKind, tenant: &TenantId, policy: &PolicyName, version: u64) -> String {
     key(tenant, policy, version, kind.suffix())
+}
+
+/// The usage counters of a concurrency limit, beside its slots: a sorted set cannot also hold
+/// them.
+pub fn slots_usage_key(tenant: &TenantId, policy: &PolicyName, version: u64) -> String {
+    key(tenant, policy, version, "cu")
 }
 
 /// The bucket-parameters key of a tenant's policy, beside its bucket.
@@ -119,6 +133,21 @@ pub fn parse_state_key(k: &str) -> Option<(StateKind, TenantId, PolicyName, u64)
     let kind = match suffix {
         "b" => StateKind::Bucket,
         "w" => StateKind::Window,
+        "c" => StateKind::Slots,
+        _ => return None,
+    };
+    Some((kind, tenant, policy, version))
+}
+
+/// Parses a key the activity index lists (a token-bucket or window state, a concurrency
+/// limit's usage counters) back into its kind, tenant, policy and version; `None` for
+/// anything else.
+pub fn parse_usage_key(k: &str) -> Option<(StateKind, TenantId, PolicyName, u64)> {
+    let (tenant, policy, version, suffix) = parse_key(k)?;
+    let kind = match suffix {
+        "b" => StateKind::Bucket,
+        "w" => StateKind::Window,
+        "cu" => StateKind::Slots,
         _ => return None,
     };
     Some((kind, tenant, policy, version))
@@ -234,10 +263,24 @@ mod tests {
     fn state_keys_parse_back() {
         let t = TenantId::new("a-b_c").unwrap();
         let p = PolicyName::new("login").unwrap();
-        for kind in [StateKind::Bucket, StateKind::Window] {
+        for kind in [StateKind::Bucket, StateKind::Window, StateKind::Slots] {
             let k = state_key(kind, &t, &p, 42);
             assert_eq!(parse_state_key(&k), Some((kind, t.clone(), p.clone(), 42)));
         }
+        // The activity index lists bucket and window states and a concurrency limit's usage.
+        let u = slots_usage_key(&t, &p, 42);
+        assert_eq!(u, "qd:v1:{a-b_c}:login:42:cu");
+        assert_eq!(
+            parse_usage_key(&u),
+            Some((StateKind::Slots, t.clone(), p.clone(), 42))
+        );
+        assert_eq!(parse_state_key(&u), None);
+        let b = bucket_key(&t, &p, 42);
+        assert_eq!(parse_usage_key(&b), parse_state_key(&b));
+        assert_eq!(
+            parse_usage_key(&state_key(StateKind::Slots, &t, &p, 42)),
+            None
+        );
         for bad in [
             "qd:v1:{acme}:writes:3:p",
             "qd:v1:{acme}:writes:03:b",

@@ -13,6 +13,7 @@
 //! - [`bucket`]: the reference token bucket, bit-exact with `lua/token_bucket.lua`.
 //! - [`window`]: the reference sliding window, exact with `lua/sliding_window.lua`.
 //! - [`hold`]: holds, an estimate reserved now and settled later with the actual cost.
+//! - [`slots`]: concurrency limits, at most so many holds in flight at once.
 //! - [`keys`]: the Redis key schema.
 //! - [`coordinator`]: the replicated state machine `apply(state, command)` and its safety rules.
 //! - [`allocator`]: one rebalance round: demand → max-min fair, damped, revoke-before-grant shares.
@@ -41,6 +42,7 @@ pub mod promotion;
 pub mod region;
 pub mod reservation;
 pub mod share;
+pub mod slots;
 pub mod split;
 pub mod window;
 

@@ -17,6 +17,7 @@ use std::time::{SystemTime, UNIX_EPOCH};
 use quota_core::bounds::ONCE_KEY_MS;
 use quota_core::hold::{self, Create, Finish, HoldRecord, Verdict};
 use quota_core::keys::StateKind;
+use quota_core::slots::Slots;
 use quota_core::window::HeldRaise;
 use quota_core::{
     bucket, window, BucketParams, BucketState, ChargeOutcome, Decision, TenantId, WindowParams,
@@ -48,6 +49,8 @@ pub fn system_clock() -> Clock {
 enum State {
     Bucket(BucketState),
     Window(WindowState),
+    /// A concurrency limit's slots (its usage counters are the entry's).
+    Slots(Slots),
 }
 
 #[derive(Debug)]
@@ -161,6 +164,47 @@ impl Shard {
         }
     }
 
+    /// A concurrency limit as `hold.lua` reads it at `now`: the stored one (its floor from the
+    /// lease end on), else `fallback`.
+    fn slots_limit(&self, b: &BucketRef, fallback: u64, now: u64) -> u64 {
+        match self.params.get(b) {
+            Some(&(Limit::Concurrency { .. }, Some((end, Limit::Concurrency { limit }))))
+                if now >= end =>
+            {
+                limit
+            }
+            Some(&(Limit::Concurrency { limit }, _)) => limit,
+            _ => fallback,
+        }
+    }
+
+    /// The slots of a concurrency limit kept at `now`, if any.
+    fn slots(&self, b: &BucketRef, now: u64) -> Option<&Slots> {
+        match self
+            .states
+            .get(&(b.clone(), StateKind::Slots))
+            .filter(|e| e.live_at(now))
+            .map(|e| &e.state)
+        {
+            Some(State::Slots(s)) => Some(s),
+            _ => None,
+        }
+    }
+
+    /// The slots of a concurrency limit taken out of their entry to change them (empty when
+    /// none are kept); [`Shard::record`] puts them back.
+    fn take_slots(&mut self, b: &BucketRef, now: u64) -> Slots {
+        match self
+            .states
+            .get_mut(&(b.clone(), StateKind::Slots))
+            .filter(|e| e.live_at(now))
+            .map(|e| &mut e.state)
+        {
+            Some(State::Slots(s)) => std::mem::take(s),
+            _ => Slots::default(),
+        }
+    }
+
     /// A token bucket as the scripts read it at `now`: the stored token-bucket parameters
     /// (their floor from the lease end on), else `fallback`; and its live state.
     fn bucket_at(
@@ -184,7 +228,7 @@ impl Shard {
             .filter(|e| e.live_at(now))
             .and_then(|e| match &e.state {
                 State::Bucket(s) => Some(*s),
-                State::Window(_) => None,
+                State::Window(_) | State::Slots(_) => None,
             });
         (p, state)
     }
@@ -293,18 +337,27 @@ impl EmbeddedStore {
         let mut shard = self.tenant_shard(tenant);
         let shard = &mut *shard;
         shard.tick(now);
+        let key = (tenant.clone(), req.id.clone());
+        let found = shard.hold_records.get(&key);
+        let create = hold::create(now, found, &req.limits, req.cost, req.ttl_ms);
+        if create == Create::Refused {
+            return Err(StoreError::Rejected {
+                reason: hold::HOLD_ID_TAKEN.into(),
+            });
+        }
+        if let Limit::Concurrency { limit } = req.limits[0].limit {
+            return Ok(self.take_slot(shard, req, limit, now, create));
+        }
         let mut inputs = Vec::with_capacity(req.limits.len());
         for l in &req.limits {
             let Limit::TokenBucket(fallback) = l.limit else {
                 return Err(StoreError::Rejected {
-                    reason: "a hold's limits are token buckets".into(),
+                    reason: "a hold's limits are token buckets or one concurrency limit".into(),
                 });
             };
             inputs.push(shard.bucket_at(&l.bucket, fallback, now));
         }
-        let key = (tenant.clone(), req.id.clone());
-        let found = shard.hold_records.get(&key);
-        match hold::create(now, found, &req.limits, req.cost, req.ttl_ms) {
+        match create {
             Create::Refused => {
                 return Err(StoreError::Rejected {
                     reason: hold::HOLD_ID_TAKEN.into(),
@@ -359,6 +412,54 @@ impl EmbeddedStore {
         })
     }
 
+    /// A concurrency hold, as `hold.lua`: one slot while fewer than the limit in force are live
+    /// (the acquisition counted admitted or denied), or the replay's peek.
+    fn take_slot(
+        &self,
+        shard: &mut Shard,
+        req: &HoldRequest,
+        fallback: u64,
+        now: u64,
+        create: Create,
+    ) -> HoldOutcome {
+        let l = &req.limits[0];
+        let limit = shard.slots_limit(&l.bucket, fallback, now);
+        if let Create::Replay { expires_at_ms } = create {
+            let slots = shard.slots(&l.bucket, now);
+            return HoldOutcome {
+                decisions: vec![
+                    slots.map_or(Slots::default().peek(now, limit), |s| s.peek(now, limit))
+                ],
+                held: true,
+                expires_at_ms,
+                replayed: true,
+            };
+        }
+        let mut slots = shard.take_slots(&l.bucket, now);
+        let expires_at_ms = now.saturating_add(req.ttl_ms);
+        let d = slots.acquire(now, limit, &req.id, expires_at_ms);
+        // Kept while a slot lives, and the usage at least the minimum idle TTL.
+        let kept = slots
+            .latest_expiry(now)
+            .unwrap_or(0)
+            .max(now.saturating_add(self.min_idle_ttl_ms));
+        let k = (l.bucket.clone(), StateKind::Slots);
+        let (ad, dn) = if d.allowed { (1, 0) } else { (0, 1) };
+        shard.record(k, now, State::Slots(slots), l.limit, Some(kept), ad, dn);
+        if d.allowed {
+            let r = HoldRecord::open(now, req.limits.clone(), req.cost, req.ttl_ms);
+            shard
+                .hold_records
+                .insert((l.bucket.tenant.clone(), req.id.clone()), r);
+        }
+        HoldOutcome {
+            decisions: vec![d],
+            held: d.allowed,
+            expires_at_ms,
+            replayed: false,
+        }
+    }
+
     /// Settles or releases a hold, as `settle.lua`: on each bucket the excess charged (usage
     /// as a charge's) or the difference refunded (taken off the admitted count).
     fn end_hold(
@@ -400,6 +501,23 @@ impl EmbeddedStore {
         let actual = what.actual();
         let mut results = Vec::with_capacity(record.limits.len());
         for l in &record.limits {
+            if let Limit::Concurrency { limit } = l.limit {
+                // The slot freed, whatever the actual cost.
+                let limit = shard.slots_limit(&l.bucket, limit, now);
+                let k = (l.bucket.clone(), StateKind::Slots);
+                let live = match shard.states.get_mut(&k).filter(|e| e.live_at(now)) {
+                    Some(Entry {
+                        state: State::Slots(s),
+                        ..
+                    }) => {
+                        s.release(id);
+                        s.live(now)
+                    }
+                    _ => 0,
+                };
+                results.push(hold::BucketResult::slot_freed(limit.saturating_sub(live)));
+                continue;
+            }
             let Limit::TokenBucket(fallback) = l.limit else {
                 continue;
             };
@@ -481,7 +599,7 @@ impl EmbeddedStore {
         let new_p = match req.lease {
             Some(l) if l.end_at(now) <= now => match l.floor {
                 Limit::TokenBucket(f) => f,
-                Limit::SlidingWindow { .. } => return,
+                Limit::SlidingWindow { .. } | Limit::Concurrency { .. } => return,
             },
             _ => new_share,
         };
@@ -494,7 +612,7 @@ impl EmbeddedStore {
         }
         let prev = new_entry.and_then(|e| match &e.state {
             State::Bucket(s) => Some(*s),
-            State::Window(_) => None,
+            State::Window(_) | State::Slots(_) => None,
         });
         let s = bucket::carry_over(now, &old_p, old_s, &new_p, prev.as_ref());
         let ttl = bucket::idle_ttl_ms(&new_p, &s);
@@ -661,6 +779,7 @@ impl EmbeddedStore {
         let latest = match &state {
             State::Bucket(s) => s.ts_ms,
             State::Window(s) => s.ts_ms,
+            State::Slots(_) => now,
         };
         let expires_at_ms = ttl.map(|t| latest.saturating_add(t));
         let (admitted, denied) = if decision.allowed {
@@ -706,7 +825,7 @@ impl EmbeddedStore {
             .filter(|e| e.live_at(now))
             .and_then(|e| match &e.state {
                 State::Bucket(s) => Some(*s),
-                State::Window(_) => None,
+                State::Window(_) | State::Slots(_) => None,
             });
         let once = req.id.as_ref().map(|id| (req.bucket.clone(), id.clone()));
         if let Some(&(applied, clamped, _)) = once
@@ -820,7 +939,7 @@ impl EmbeddedStore {
                 .filter(|e| e.live_at(now))
                 .and_then(|e| match &e.state {
                     State::Bucket(s) => Some(*s),
-                    State::Window(_) => None,
+                    State::Window(_) | State::Slots(_) => None,
                 });
             inputs.push((p, state));
         }
@@ -881,6 +1000,9 @@ impl EmbeddedStore {
                     Some(ttl.max(self.min_idle_ttl_ms)),
                 )
             }
+            Limit::Concurrency { .. } => {
+                unreachable!("CheckRequest::validate refuses a check of a concurrency limit")
+            }
         }
     }
 }
@@ -932,6 +1054,15 @@ impl Store for EmbeddedStore {
         self.end_hold(&req.tenant, &req.id, Finish::Release, req.now_ms)
     }
 
+    async fn in_flight(&self, bucket: &BucketRef, now_ms: Option<u64>) -> Result<u64, StoreError> {
+        crate::validate_now(now_ms)?;
+        let now = now_ms.unwrap_or_else(|| (self.clock)());
+        Ok(self
+            .shard(bucket)
+            .slots(bucket, now)
+            .map_or(0, |s| s.live(now)))
+    }
+
     async fn set_params(&self, req: &SetParams) -> Result<(), StoreError> {
         req.validate()?;
         let now = req.now_ms.unwrap_or_else(|| (self.clock)());
@@ -966,7 +1097,7 @@ impl Store for EmbeddedStore {
         s.params.remove(bucket);
         s.fences.remove(bucket);
         s.holds.remove(bucket);
-        for kind in [StateKind::Bucket, StateKind::Window] {
+        for kind in [StateKind::Bucket, StateKind::Window, StateKind::Slots] {
             // The activity list drops keys without a state at the next collection or sweep.
             s.states.remove(&(bucket.clone(), kind));
         }

@@ -23,7 +23,8 @@ pub struct HoldLimit {
     /// How far below empty a settle above the estimate may take the bucket, in micro-tokens
     /// (as [`crate::ChargeRequest::debt_limit_ut`]): the capacity in force plus this must be
     /// at most [`MAX_CAPACITY_UT`] when the hold is made; a settle cuts it to that bound if the
-    /// capacity grew since.
+    /// capacity grew since. A concurrency limit's is only recorded (part of the request a
+    /// replay must repeat).
     pub debt_limit_ut: u64,
 }
 
@@ -39,8 +40,10 @@ pub struct HoldRequest {
     /// refused ([`StoreError::Rejected`], the reason names the "hold id").
     pub id: String,
     /// 1 to [`MAX_LIMITS_PER_CHECK`] token buckets of one tenant, each once; all or nothing.
+    /// Or exactly one concurrency limit ([`Limit::Concurrency`]): the hold takes one of its
+    /// slots (its debt limit is only recorded).
     pub limits: Vec<HoldLimit>,
-    /// The estimate, whole tokens, 1 to [`MAX_COST`].
+    /// The estimate, whole tokens, 1 to [`MAX_COST`]; 1 (one slot) for a concurrency limit.
     pub cost: u64,
     /// 1 to [`MAX_HOLD_TTL_MS`]: when the hold expires unsettled. A token budget's estimate
     /// then stays spent (the work may have been done).
@@ -83,16 +86,34 @@ impl HoldRequest {
         {
             return rejected("the hold would end too late".into());
         }
+        if let Limit::Concurrency { .. } = self.limits[0].limit {
+            if n > 1 {
+                return rejected("a concurrency limit is held alone".into());
+            }
+            if self.cost != 1 {
+                return rejected(format!(
+                    "a hold of a concurrency limit takes one slot: estimate 1, not {}",
+                    self.cost
+                ));
+            }
+            return self.limits[0].limit.validate();
+        }
         let first = &self.limits[0].bucket.tenant;
         for (i, l) in self.limits.iter().enumerate() {
             if l.bucket.tenant != *first {
                 return rejected("the limits of one hold belong to one tenant".into());
             }
-            let Limit::TokenBucket(p) = l.limit else {
-                return rejected(format!(
-                    "limit {} is a sliding window, which keeps no level to hold",
-                    i + 1
-                ));
+            let p = match l.limit {
+                Limit::TokenBucket(p) => p,
+                Limit::SlidingWindow { .. } => {
+                    return rejected(format!(
+                        "limit {} is a sliding window, which keeps no level to hold",
+                        i + 1
+                    ))
+                }
+                Limit::Concurrency { .. } => {
+                    return rejected("a concurrency limit is held alone".into())
+                }
             };
             l.limit.validate()?;
             if let Err(e) = bucket::check_debt_limit(&p, l.debt_limit_ut) {
@@ -174,7 +195,9 @@ impl ReleaseRequest {
     }
 }
 
-/// What ending a hold did to one of its buckets, in whole tokens.
+/// What ending a hold did to one of its buckets, in whole tokens. A concurrency limit's: 0
+/// charged, clamped and owed, 1 refunded (its slot given back, whatever the actual cost), and
+/// `remaining` the slots free after.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct SettledLimit {
     pub bucket: BucketRef,

@@ -3,9 +3,10 @@
 //! A [`Store`] decides one request atomically against a token bucket or a sliding window,
 //! charges a token bucket for work already done (into bounded debt, [`ChargeRequest`]), holds
 //! an estimate on token buckets and settles it later at the actual cost ([`HoldRequest`],
-//! [`SettleRequest`]), holds this region's parameters for each bucket (written by the region
-//! agent), and hands out the usage (admitted and denied tokens per bucket) recorded since the
-//! previous collection.
+//! [`SettleRequest`]), takes and gives back the slots of a concurrency limit (a hold of one
+//! slot, [`Limit::Concurrency`]), holds this region's parameters for each bucket (written by
+//! the region agent), and hands out the usage (admitted and denied tokens, or slot
+//! acquisitions, per bucket) recorded since the previous collection.
 //!
 //! Two implementations give the same decisions:
 //!
@@ -80,6 +81,12 @@ pub enum Limit {
         limit: u64,
         window_ms: u64,
     },
+    /// At most `limit` holds in flight at once (a concurrency limit's slots), 0 to
+    /// [`quota_core::policy::MAX_CONCURRENCY`]. Taken only with holds ([`Store::hold`]): a
+    /// check of it is refused.
+    Concurrency {
+        limit: u64,
+    },
 }
 
 impl Limit {
@@ -88,6 +95,7 @@ impl Limit {
         match self {
             Self::TokenBucket(_) => StateKind::Bucket,
             Self::SlidingWindow { .. } => StateKind::Window,
+            Self::Concurrency { .. } => StateKind::Slots,
         }
     }
 
@@ -107,6 +115,15 @@ impl Limit {
                 .map_err(|e| StoreError::Rejected {
                     reason: e.to_string(),
                 }),
+            Self::Concurrency { limit } if limit > quota_core::policy::MAX_CONCURRENCY => {
+                Err(StoreError::Rejected {
+                    reason: format!(
+                        "a concurrency limit of {limit} is above {}",
+                        quota_core::policy::MAX_CONCURRENCY
+                    ),
+                })
+            }
+            Self::Concurrency { .. } => Ok(()),
         }
     }
 }
@@ -117,6 +134,7 @@ impl From<quota_core::share::ShareLimit> for Limit {
         match l {
             S::TokenBucket(p) => Self::TokenBucket(p),
             S::SlidingWindow { limit, window_ms } => Self::SlidingWindow { limit, window_ms },
+            S::Concurrency { limit } => Self::Concurrency { limit },
         }
     }
 }
@@ -147,6 +165,11 @@ impl CheckRequest {
 
     /// Rejects what the scripts would reject, before any I/O.
     pub fn validate(&self) -> Result<(), StoreError> {
+        if matches!(self.limit, Limit::Concurrency { .. }) {
+            return Err(StoreError::Rejected {
+                reason: CONCURRENCY_BY_HOLDS.into(),
+            });
+        }
         if self.cost > MAX_COST {
             return Err(StoreError::Rejected {
                 reason: format!("cost {} is outside 0..={MAX_COST}", self.cost),
@@ -199,11 +222,15 @@ impl MultiCheckRequest {
             if l.bucket.tenant != *first {
                 return rejected("the limits of one check belong to one tenant".into());
             }
-            if !matches!(l.limit, Limit::TokenBucket(_)) {
-                return rejected(format!(
-                    "limit {} is a sliding window; several limits at once are token buckets",
-                    i + 1
-                ));
+            match l.limit {
+                Limit::TokenBucket(_) => {}
+                Limit::SlidingWindow { .. } => {
+                    return rejected(format!(
+                        "limit {} is a sliding window; several limits at once are token buckets",
+                        i + 1
+                    ))
+                }
+                Limit::Concurrency { .. } => return rejected(CONCURRENCY_BY_HOLDS.into()),
             }
             l.limit.validate()?;
             if self.limits[..i].iter().any(|o| o.bucket == l.bucket) {
@@ -213,6 +240,10 @@ impl MultiCheckRequest {
         Ok(())
     }
 }
+
+/// Why a check of a concurrency limit is refused: its slots are taken and given back with
+/// holds ([`Store::hold`], [`Store::release`]).
+pub const CONCURRENCY_BY_HOLDS: &str = "a concurrency limit is taken with holds";
 
 /// The longest id of a [`ChargeRequest`], in bytes.
 pub const MAX_CHARGE_ID_LEN: usize = 128;
@@ -649,11 +680,19 @@ pub trait Store: Send + Sync {
         &self,
         req: &SettleRequest,
     ) -> impl std::future::Future<Output = Result<Settled, StoreError>> + Send;
-    /// Releases a hold: its whole estimate given back. Applied once, as a settle.
+    /// Releases a hold: its whole estimate given back (a concurrency hold's slot freed).
+    /// Applied once, as a settle.
     fn release(
         &self,
         req: &ReleaseRequest,
     ) -> impl std::future::Future<Output = Result<Settled, StoreError>> + Send;
+    /// The slots of a concurrency limit live at `now_ms` (the store's clock when `None`):
+    /// holds in flight, for observability. O(log slots).
+    fn in_flight(
+        &self,
+        bucket: &BucketRef,
+        now_ms: Option<u64>,
+    ) -> impl std::future::Future<Output = Result<u64, StoreError>> + Send;
     /// Writes this region's parameters for a bucket (the region agent does this on allocation
     /// and renews them with its lease). They replace any written before and take precedence
     /// over a check's fallback.
@@ -824,6 +863,13 @@ impl Store for AnyStore {
         match self {
             Self::Embedded(s) => s.release(req).await,
             Self::Redis(s) => s.release(req).await,
+        }
+    }
+
+    async fn in_flight(&self, bucket: &BucketRef, now_ms: Option<u64>) -> Result<u64, StoreError> {
+        match self {
+            Self::Embedded(s) => s.in_flight(bucket, now_ms).await,
+            Self::Redis(s) => s.in_flight(bucket, now_ms).await,
         }
     }
 

@@ -205,6 +205,12 @@ impl Store for RedisStore {
         let s = match kind {
             StateKind::Bucket => &self.scripts.token_bucket,
             StateKind::Window => &self.scripts.sliding_window,
+            // Refused by CheckRequest::validate.
+            StateKind::Slots => {
+                return Err(StoreError::Rejected {
+                    reason: crate::CONCURRENCY_BY_HOLDS.into(),
+                })
+            }
         };
         let reply: Vec<i64> = self.invoke(s, &[&state, &params, &index], args).await?;
         script::decision_from_reply(&reply)
@@ -222,7 +228,7 @@ impl Store for RedisStore {
         all[6] = Arg::Num(batch);
         let s = match req.limit.kind() {
             StateKind::Bucket => &self.scripts.token_bucket,
-            StateKind::Window => {
+            StateKind::Window | StateKind::Slots => {
                 return Err(StoreError::Rejected {
                     reason: "only token buckets take a batch".into(),
                 })
@@ -296,8 +302,12 @@ impl Store for RedisStore {
         // The record and the buckets share the tenant's hash slot, so one index for all.
         keys.push(self.index_key(&record));
         for l in &req.limits {
-            keys.push(l.bucket.state_key(StateKind::Bucket));
+            keys.push(l.bucket.state_key(l.limit.kind()));
             keys.push(l.bucket.params_key());
+            if let Limit::Concurrency { .. } = l.limit {
+                let b = &l.bucket;
+                keys.push(keys::slots_usage_key(&b.tenant, &b.policy, b.version));
+            }
         }
         let keys: Vec<&str> = std::iter::once(record.as_str())
             .chain(keys.iter().map(String::as_str))
@@ -320,6 +330,20 @@ impl Store for RedisStore {
         self.end_hold(&req.record_key(), None, req.now_ms).await
     }
 
+    async fn in_flight(&self, bucket: &BucketRef, now_ms: Option<u64>) -> Result<u64, StoreError> {
+        crate::validate_now(now_ms)?;
+        let now = match now_ms {
+            Some(n) => n,
+            None => self.clock_ms().await?,
+        };
+        let mut count = redis::cmd("ZCOUNT");
+        count
+            .arg(bucket.state_key(StateKind::Slots))
+            .arg(format!("({now}"))
+            .arg("+inf");
+        self.command(&count).await
+    }
+
     async fn set_params(&self, req: &SetParams) -> Result<(), StoreError> {
         req.validate()?;
         // One script: the params hash and the copy inside the token-bucket state change
@@ -337,7 +361,8 @@ impl Store for RedisStore {
                 b.params_key(),
                 req.bucket.state_key(StateKind::Window),
             ],
-            (None, _) => Vec::new(),
+            // A concurrency limit carries nothing over (set_params.lua).
+            (None, _) | (Some(_), Limit::Concurrency { .. }) => Vec::new(),
         };
         let keys: Vec<&str> = [key.as_str(), state.as_str()]
             .into_iter()
@@ -352,7 +377,13 @@ impl Store for RedisStore {
         let mut del = redis::cmd("DEL");
         del.arg(bucket.params_key())
             .arg(bucket.state_key(StateKind::Bucket))
-            .arg(bucket.state_key(StateKind::Window));
+            .arg(bucket.state_key(StateKind::Window))
+            .arg(bucket.state_key(StateKind::Slots))
+            .arg(keys::slots_usage_key(
+                &bucket.tenant,
+                &bucket.policy,
+                bucket.version,
+            ));
         let _: i64 = self.command(&del).await?;
         Ok(())
     }

@@ -74,6 +74,8 @@ pub fn decision_args<'a>(req: &CheckRequest, min_idle_ttl_ms: &'a str) -> ([Arg<
     let (a, b, n, per) = match req.limit {
         Limit::TokenBucket(p) => (p.capacity_ut, p.refill_ut, 6, p.period_ms),
         Limit::SlidingWindow { limit, window_ms } => (limit, window_ms, 5, 0),
+        // Refused by CheckRequest::validate: a concurrency limit is taken with holds.
+        Limit::Concurrency { limit } => (limit, 0, 5, 0),
     };
     let args = [
         Arg::Num(req.cost),
@@ -103,7 +105,9 @@ pub fn multi_args<'a>(req: &MultiCheckRequest, min_idle_ttl_ms: &'a str) -> Vec<
                 Arg::Num(p.period_ms),
             ]),
             // Refused by MultiCheckRequest::validate; the script answers "no fallback".
-            Limit::SlidingWindow { .. } => args.extend([Arg::Str(""); 3]),
+            Limit::SlidingWindow { .. } | Limit::Concurrency { .. } => {
+                args.extend([Arg::Str(""); 3])
+            }
         }
     }
     args
@@ -159,7 +163,8 @@ pub fn charge_from_reply(reply: &[i64], cost: u64) -> Result<ChargeOutcome, Stor
 }
 
 /// The ARGV of `hold.lua` for `req`: estimate, ttl, explicit now (or `""`), minimum idle TTL,
-/// then each limit's fallback capacity, refill, period and debt limit.
+/// then each limit's fallback capacity, refill, period and debt limit (a concurrency limit:
+/// `slots`, its fallback limit, `""` and the debt limit).
 pub fn hold_args<'a>(req: &HoldRequest, min_idle_ttl_ms: &'a str) -> Vec<Arg<'a>> {
     let mut args = Vec::with_capacity(4 + 4 * req.limits.len());
     args.extend([
@@ -175,6 +180,9 @@ pub fn hold_args<'a>(req: &HoldRequest, min_idle_ttl_ms: &'a str) -> Vec<Arg<'a>
                 Arg::Num(p.refill_ut),
                 Arg::Num(p.period_ms),
             ]),
+            Limit::Concurrency { limit } => {
+                args.extend([Arg::Str("slots"), Arg::Num(limit), Arg::Str("")])
+            }
             // Refused by HoldRequest::validate; the script refuses an empty fallback.
             Limit::SlidingWindow { .. } => args.extend([Arg::Str(""); 3]),
         }
@@ -304,13 +312,16 @@ pub fn decisions_from_reply(reply: &[i64], n: usize) -> Result<Vec<Decision>, St
 /// token bucket the refill period, the latest lease end (or empty), and the fence's token and
 /// epoch (or empty).
 pub fn set_params_args(req: &SetParams, min_idle_ttl_ms: &str) -> Vec<String> {
+    // A concurrency limit has one value: its second is empty.
     let pair = |l: Limit| match l {
-        Limit::TokenBucket(p) => (p.capacity_ut, p.refill_ut),
-        Limit::SlidingWindow { limit, window_ms } => (limit, window_ms),
+        Limit::TokenBucket(p) => (p.capacity_ut.to_string(), p.refill_ut.to_string()),
+        Limit::SlidingWindow { limit, window_ms } => (limit.to_string(), window_ms.to_string()),
+        Limit::Concurrency { limit } => (limit.to_string(), String::new()),
     };
     let (f1, f2) = match req.limit {
         Limit::TokenBucket(_) => ("cap", "rate"),
         Limit::SlidingWindow { .. } => ("limit", "window"),
+        Limit::Concurrency { .. } => ("slots", ""),
     };
     let (v1, v2) = pair(req.limit);
     let (lease, g1, g2, not_after) = match req.lease {
@@ -318,8 +329,8 @@ pub fn set_params_args(req: &SetParams, min_idle_ttl_ms: &str) -> Vec<String> {
             let (g1, g2) = pair(l.floor);
             (
                 l.remaining_ms.to_string(),
-                g1.to_string(),
-                g2.to_string(),
+                g1,
+                g2,
                 l.not_after_ms.map(|n| n.to_string()).unwrap_or_default(),
             )
         }
@@ -327,9 +338,9 @@ pub fn set_params_args(req: &SetParams, min_idle_ttl_ms: &str) -> Vec<String> {
     };
     vec![
         f1.to_string(),
-        v1.to_string(),
+        v1,
         f2.to_string(),
-        v2.to_string(),
+        v2,
         min_idle_ttl_ms.to_string(),
         lease,
         g1,
@@ -337,7 +348,7 @@ pub fn set_params_args(req: &SetParams, min_idle_ttl_ms: &str) -> Vec<String> {
         req.now_ms.map(|n| n.to_string()).unwrap_or_default(),
         match req.limit {
             Limit::TokenBucket(p) => p.period_ms.to_string(),
-            Limit::SlidingWindow { .. } => String::new(),
+            Limit::SlidingWindow { .. } | Limit::Concurrency { .. } => String::new(),
         },
         not_after,
         req.fence.map(|f| f.token.to_string()).unwrap_or_default(),

@@ -1510,6 +1510,10 @@ async fn invalid_holds_never_reach_redis() {
     server.stop();
     let b = fresh_bucket("never-held");
     let other = fresh_bucket("never-held-other");
+    let b2 = quota_store::BucketRef {
+        policy: quota_core::PolicyName::new("other").unwrap(),
+        ..b.clone()
+    };
     let limit = |b: &quota_store::BucketRef| HoldLimit {
         bucket: b.clone(),
         limit: tokens(5, 1),
@@ -1585,6 +1589,44 @@ async fn invalid_holds_never_reach_redis() {
             now_ms: Some((1 << 53) - 1000),
             ..ok.clone()
         },
+        // A concurrency limit: held alone, one slot, within MAX_CONCURRENCY.
+        HoldRequest {
+            limits: vec![HoldLimit {
+                limit: Limit::Concurrency { limit: 2 },
+                ..limit(&b)
+            }],
+            cost: 2,
+            ..ok.clone()
+        },
+        HoldRequest {
+            limits: vec![
+                limit(&b),
+                HoldLimit {
+                    limit: Limit::Concurrency { limit: 2 },
+                    ..limit(&b2)
+                },
+            ],
+            ..ok.clone()
+        },
+        HoldRequest {
+            limits: vec![
+                HoldLimit {
+                    limit: Limit::Concurrency { limit: 2 },
+                    ..limit(&b)
+                },
+                limit(&b2),
+            ],
+            ..ok.clone()
+        },
+        HoldRequest {
+            limits: vec![HoldLimit {
+                limit: Limit::Concurrency {
+                    limit: quota_core::policy::MAX_CONCURRENCY + 1,
+                },
+                ..limit(&b)
+            }],
+            ..ok.clone()
+        },
     ];
     for r in &bad {
         let got = store.hold(r).await;
@@ -1635,4 +1677,185 @@ async fn invalid_holds_never_reach_redis() {
         ),
         "{got:?}"
     );
+}
+
+/// A concurrency hold (`hold.lua` with `slots`) and concurrency parameters (`set_params.lua`
+/// with `slots`) refuse every bad argument and key, and write nothing then.
+#[test]
+fn concurrency_holds_and_parameters_reject_bad_input_and_write_nothing() {
+    use quota_store::script::HOLD_LUA;
+    let server = RedisServer::start().unwrap();
+    let mut c = common::sync_conn(&server);
+    let (h, z, p, u) = (
+        "qd:v1:{bad}:~h:s1",
+        "qd:v1:{bad}:c:1:c",
+        "qd:v1:{bad}:c:1:p",
+        "qd:v1:{bad}:c:1:cu",
+    );
+    let keys = [h, IX, z, p, u];
+    let all = [h, IX, z, p, u];
+    let now = "1700000000000";
+    let args = |cost: &'static str, limit: &'static str| -> Vec<&'static str> {
+        vec![cost, "1000", now, "", "slots", limit, "", "0"]
+    };
+    let r = eval(&mut c, HOLD_LUA, &keys, &args("1", "2")).unwrap();
+    assert_eq!(
+        r,
+        redis::Value::Array(
+            [1, 1_700_000_001_000, 0, 1, 1, 0, 1000]
+                .map(redis::Value::Int)
+                .to_vec()
+        )
+    );
+    let before = dumps(&mut c, &all);
+    let cases: Vec<(&str, Vec<&str>)> = vec![
+        ("an estimate of 2", args("2", "2")),
+        ("a limit above MAX_SLOTS", args("1", "1000001")),
+        ("a negative limit", args("1", "-1")),
+        ("a second value", {
+            let mut a = args("1", "2");
+            a[6] = "1";
+            a
+        }),
+        ("no debt limit", {
+            let mut a = args("1", "2");
+            a[7] = "";
+            a
+        }),
+        ("nine arguments", {
+            let mut a = args("1", "2");
+            a.push("");
+            a
+        }),
+    ];
+    for (case, a) in &cases {
+        assert_quotad_error(eval(&mut c, HOLD_LUA, &keys, a), case);
+    }
+    assert_quotad_error(
+        eval(&mut c, HOLD_LUA, &[h, IX, z, p], &args("1", "2")),
+        "four keys",
+    );
+    assert_eq!(dumps(&mut c, &all), before, "a refused hold wrote nothing");
+    let cmd = |c: &mut redis::Connection, args: &[&str]| {
+        let mut q = redis::cmd(args[0]);
+        for a in &args[1..] {
+            q.arg(*a);
+        }
+        let _: redis::Value = q.query(c).unwrap();
+    };
+    let (h2, z2, p2, u2) = (
+        "qd:v1:{bad}:~h:s2",
+        "qd:v1:{bad}:d:1:c",
+        "qd:v1:{bad}:d:1:p",
+        "qd:v1:{bad}:d:1:cu",
+    );
+    let fresh = [h2, IX, z2, p2, u2];
+    for (case, seed) in [
+        ("slots of another type", &["SET", z2, "x"][..]),
+        ("usage of another type", &["SET", u2, "x"][..]),
+        (
+            "usage counters out of bounds",
+            &["HSET", u2, "ad", "-1"][..],
+        ),
+        ("parameters of another type", &["SET", p2, "x"][..]),
+        ("invalid stored parameters", &["HSET", p2, "slots", "x"][..]),
+        (
+            "a lease end without a floor",
+            &["HSET", p2, "slots", "1", "until", "5"][..],
+        ),
+    ] {
+        cmd(&mut c, seed);
+        let seeded = dumps(&mut c, &fresh);
+        assert_quotad_error(eval(&mut c, HOLD_LUA, &fresh, &args("1", "2")), case);
+        assert_eq!(dumps(&mut c, &fresh), seeded, "{case}");
+        cmd(&mut c, &["DEL", z2, u2, p2]);
+    }
+    // Concurrency parameters: one value, a floor of the same kind, no period, 2 keys.
+    let b = "qd:v1:{bad}:c:1:b";
+    let before = dumps(&mut c, &[p, b]);
+    let bad: &[(&str, &[&str])] = &[
+        ("above MAX_SLOTS", &["slots", "1000001", "", ""]),
+        ("a second value", &["slots", "1", "", "1"]),
+        ("a second field", &["slots", "1", "rate", ""]),
+        (
+            "a floor above MAX_SLOTS",
+            &["slots", "1", "", "", "", "1000", "1000001", ""],
+        ),
+        (
+            "a floor of two values",
+            &["slots", "1", "", "", "", "1000", "1", "1"],
+        ),
+        (
+            "a period",
+            &["slots", "1", "", "", "", "", "", "", "", "1000"],
+        ),
+    ];
+    for (case, a) in bad {
+        assert_quotad_error(eval(&mut c, SET_PARAMS_LUA, &[p, b], a), case);
+    }
+    assert_quotad_error(
+        eval(
+            &mut c,
+            SET_PARAMS_LUA,
+            &[p, b, "qd:v1:{bad}:c:0:b"],
+            &["slots", "1", "", ""],
+        ),
+        "a replaced version",
+    );
+    assert_eq!(
+        dumps(&mut c, &[p, b]),
+        before,
+        "refused parameters wrote nothing"
+    );
+}
+
+/// A check, a check of several limits or a reservation of a concurrency limit is refused by
+/// both stores before anything is decided: its slots are taken with holds.
+#[tokio::test]
+async fn a_concurrency_limit_is_never_checked() {
+    use quota_store::{EmbeddedStore, LimitCheck, MultiCheckRequest};
+    let server = RedisServer::start().unwrap();
+    let redis = common::store(&server).await;
+    let embedded = EmbeddedStore::new();
+    let b = fresh_bucket("never-checked");
+    let slots = Limit::Concurrency { limit: 3 };
+    let multi = MultiCheckRequest {
+        limits: vec![
+            LimitCheck {
+                bucket: quota_store::BucketRef {
+                    policy: quota_core::PolicyName::new("tokens").unwrap(),
+                    ..b.clone()
+                },
+                limit: tokens(5, 1),
+            },
+            LimitCheck {
+                bucket: b.clone(),
+                limit: slots,
+            },
+        ],
+        cost: 1,
+        now_ms: None,
+    };
+    let refused = |r: Result<(), StoreError>| {
+        assert!(
+            matches!(&r, Err(StoreError::Rejected { reason }) if reason == quota_store::CONCURRENCY_BY_HOLDS),
+            "{r:?}"
+        );
+    };
+    refused(redis.check(&req(&b, slots, 1, None)).await.map(drop));
+    refused(embedded.check(&req(&b, slots, 1, None)).await.map(drop));
+    refused(redis.reserve(&req(&b, slots, 1, None), 3).await.map(drop));
+    refused(
+        embedded
+            .reserve(&req(&b, slots, 1, None), 3)
+            .await
+            .map(drop),
+    );
+    refused(redis.check_all(&multi).await.map(drop));
+    refused(embedded.check_all(&multi).await.map(drop));
+    let mut conn = common::sync_conn(&server);
+    let n: u64 = redis::cmd("DBSIZE").query(&mut conn).unwrap();
+    assert_eq!(n, 0, "nothing written");
+    assert!(embedded.is_empty());
+    assert_eq!(redis.in_flight(&b, None).await.unwrap(), 0);
 }

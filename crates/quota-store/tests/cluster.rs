@@ -138,6 +138,44 @@ async fn decisions_and_usage_on_a_three_master_cluster() {
     let usage = s.collect_usage(usize::MAX).await.unwrap();
     assert_eq!(usage.len(), 15, "{usage:?}");
     assert!(usage.iter().all(|u| u.admitted == 5 && u.denied == 0));
+
+    // A concurrency limit of 1 slot per tenant: its slots, parameters and usage share the
+    // record's slot. One taken, one denied, the first released.
+    for b in &buckets {
+        let slots = BucketRef {
+            policy: PolicyName::new("slots").unwrap(),
+            ..b.clone()
+        };
+        let take = |id: &str| HoldRequest {
+            id: id.into(),
+            limits: vec![HoldLimit {
+                bucket: slots.clone(),
+                limit: Limit::Concurrency { limit: 1 },
+                debt_limit_ut: 0,
+            }],
+            cost: 1,
+            ttl_ms: 60_000,
+            now_ms: None,
+        };
+        assert!(s.hold(&take("a")).await.unwrap().held);
+        assert!(!s.hold(&take("b")).await.unwrap().held);
+        assert_eq!(s.in_flight(&slots, None).await.unwrap(), 1);
+        let r = ReleaseRequest {
+            tenant: b.tenant.clone(),
+            id: "a".into(),
+            now_ms: None,
+        };
+        assert!(matches!(
+            s.release(&r).await.unwrap(),
+            Settled::Done {
+                replayed: false,
+                ..
+            }
+        ));
+    }
+    let usage = s.collect_usage(usize::MAX).await.unwrap();
+    assert_eq!(usage.len(), 30, "{usage:?}");
+    assert!(usage.iter().all(|u| u.admitted == 1 && u.denied == 1));
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -2463,3 +2463,566 @@ fn holds_match_the_reference_in_lua_and_embedded() {
         assert!(REPLAYED_HOLDS.get() > 20 && REFUSED_HOLDS.get() > 20 && expired > 20);
     }
 }
+
+/// A step of the concurrency comparison (ids named as in [`HoldStep`]).
+#[derive(Debug, Clone)]
+enum SlotStep {
+    /// A hold of one slot of limit `limit`, under a new id or (`reuse`) one asked for before.
+    Take {
+        dt: i64,
+        limit: usize,
+        reuse: Option<usize>,
+        ttl_ms: u64,
+    },
+    Retry {
+        dt: i64,
+        back: usize,
+    },
+    Settle {
+        dt: i64,
+        back: usize,
+        cost: u64,
+    },
+    Release {
+        dt: i64,
+        back: usize,
+    },
+    /// New parameters (a lease of `ms` falling to `floor` slots, or none) for one limit.
+    Set {
+        limit: usize,
+        slots: u64,
+        lease: Option<(u64, u64)>,
+    },
+    /// One limit's parameters and slots removed (clear_params).
+    Clear {
+        limit: usize,
+    },
+    InFlight {
+        dt: i64,
+        limit: usize,
+    },
+    Collect,
+}
+
+fn slot_steps(n: usize) -> impl Strategy<Value = Vec<SlotStep>> {
+    let dt = prop_oneof![
+        8 => 0i64..=3_000,
+        2 => 0i64..=40_000,
+        1 => 590_000i64..=700_000,
+        1 => -500i64..=0,
+    ];
+    let back = 0usize..4;
+    let take = (
+        dt.clone(),
+        0..n,
+        prop_oneof![4 => Just(None), 1 => back.clone().prop_map(Some)],
+        prop_oneof![3 => 1u64..=30_000, 1 => 1u64..=600_000],
+    )
+        .prop_map(|(dt, limit, reuse, ttl_ms)| SlotStep::Take {
+            dt,
+            limit,
+            reuse,
+            ttl_ms,
+        });
+    let retry = (dt.clone(), back.clone()).prop_map(|(dt, back)| SlotStep::Retry { dt, back });
+    let settle = (dt.clone(), back.clone(), 0u64..=50)
+        .prop_map(|(dt, back, cost)| SlotStep::Settle { dt, back, cost });
+    let release = (dt.clone(), back).prop_map(|(dt, back)| SlotStep::Release { dt, back });
+    let set = (
+        0..n,
+        0u64..=6,
+        proptest::option::of((1u64..=20_000, 0u64..=3)),
+    )
+        .prop_map(|(limit, slots, lease)| SlotStep::Set {
+            limit,
+            slots,
+            lease,
+        });
+    let in_flight = (dt, 0..n).prop_map(|(dt, limit)| SlotStep::InFlight { dt, limit });
+    proptest::collection::vec(
+        prop_oneof![
+            8 => take,
+            2 => retry,
+            3 => settle,
+            3 => release,
+            2 => set,
+            1 => (0..n).prop_map(|limit| SlotStep::Clear { limit }),
+            1 => in_flight,
+            1 => Just(SlotStep::Collect),
+        ],
+        1..80,
+    )
+}
+
+/// A stored concurrency limit with its lease end and floor, if any.
+type StoredSlots = (u64, Option<(u64, u64)>);
+
+/// Concurrency limits taken with holds: `lua/hold.lua` and `lua/settle.lua` on a sorted set of
+/// slots (through the Redis store) and the embedded store against `quota_core::slots` and
+/// `quota_core::hold`: every decision, answer, slot set (ids and expiries), count in flight and
+/// usage, equal; with parameters written with and without lease ends (the floor takes over at
+/// the end while the holders keep their slots) and cleared.
+fn run_slots(
+    rt: &tokio::runtime::Runtime,
+    redis: &RedisStore,
+    conn: &mut redis::Connection,
+    start: u64,
+    fallbacks: &[u64],
+    steps: &[SlotStep],
+) -> Result<(), TestCaseError> {
+    use quota_core::hold::{self, BucketResult, Create, Finish, HoldRecord, Verdict};
+    use quota_core::slots::Slots;
+    use quota_core::PolicyName;
+    use quota_store::{
+        BucketRef, HoldLimit, HoldOutcome, HoldRequest, ReleaseRequest, SettleRequest, Settled,
+        SettledLimit, StoreError,
+    };
+    use std::collections::HashMap;
+    rt.block_on(async {
+        let embedded = EmbeddedStore::new().with_min_idle_ttl(MULTI_IDLE_TTL_MS);
+        let tenant = common::fresh_bucket("slots").tenant;
+        let limits: Vec<BucketRef> = (0..fallbacks.len())
+            .map(|i| BucketRef {
+                tenant: tenant.clone(),
+                policy: PolicyName::new(format!("c{i}")).unwrap(),
+                version: 1,
+            })
+            .collect();
+        let mut stored: Vec<Option<StoredSlots>> = vec![None; fallbacks.len()];
+        let in_force = |stored: &Option<StoredSlots>, k: usize, now: u64| match *stored
+        {
+            Some((_, Some((end, floor)))) if now >= end => floor,
+            Some((l, _)) => l,
+            None => fallbacks[k],
+        };
+        let mut slots: Vec<Slots> = vec![Slots::default(); fallbacks.len()];
+        let mut usage: Vec<(u64, u64)> = vec![(0, 0); fallbacks.len()];
+        let mut records: HashMap<String, HoldRecord<usize>> = HashMap::new();
+        let mut asked: HashMap<String, HoldRequest> = HashMap::new();
+        let mut ids: Vec<String> = Vec::new();
+        let id_back = |ids: &[String], back: usize| -> String {
+            ids.len()
+                .checked_sub(back + 1)
+                .map_or_else(|| "never".to_string(), |k| ids[k].clone())
+        };
+        let mut now = start;
+        for (i, step) in steps.iter().enumerate() {
+            match *step {
+                SlotStep::Take { dt, .. } | SlotStep::Retry { dt, .. } => {
+                    now = now.saturating_add_signed(dt);
+                    let req = match *step {
+                        SlotStep::Take {
+                            limit,
+                            reuse,
+                            ttl_ms,
+                            ..
+                        } => {
+                            let id = match reuse {
+                                None => {
+                                    ids.push(format!("s{}", ids.len()));
+                                    id_back(&ids, 0)
+                                }
+                                Some(back) => id_back(&ids, back),
+                            };
+                            HoldRequest {
+                                id,
+                                limits: vec![HoldLimit {
+                                    bucket: limits[limit].clone(),
+                                    limit: Limit::Concurrency {
+                                        limit: fallbacks[limit],
+                                    },
+                                    debt_limit_ut: 0,
+                                }],
+                                cost: 1,
+                                ttl_ms,
+                                now_ms: Some(now),
+                            }
+                        }
+                        SlotStep::Retry { back, .. } => match asked.get(&id_back(&ids, back)) {
+                            Some(r) => HoldRequest {
+                                now_ms: Some(now),
+                                ..r.clone()
+                            },
+                            None => continue,
+                        },
+                        _ => unreachable!(),
+                    };
+                    asked.insert(req.id.clone(), req.clone());
+                    let k = limits.iter().position(|b| *b == req.limits[0].bucket).unwrap();
+                    let limit = in_force(&stored[k], k, now);
+                    let want = match hold::create(now, records.get(&req.id), &[k], 1, req.ttl_ms)
+                    {
+                        Create::Refused => None,
+                        Create::Replay { expires_at_ms } => {
+                            REPLAYED_SLOTS.set(REPLAYED_SLOTS.get() + 1);
+                            Some(HoldOutcome {
+                                decisions: vec![slots[k].peek(now, limit)],
+                                held: true,
+                                expires_at_ms,
+                                replayed: true,
+                            })
+                        }
+                        Create::Fresh => {
+                            let expires = now + req.ttl_ms;
+                            let d = slots[k].acquire(now, limit, &req.id, expires);
+                            if d.allowed {
+                                usage[k].0 += 1;
+                                TAKEN.set(TAKEN.get() + 1);
+                                records.insert(
+                                    req.id.clone(),
+                                    HoldRecord::open(now, vec![k], 1, req.ttl_ms),
+                                );
+                            } else {
+                                usage[k].1 += 1;
+                                let (full, floor) = FULL.get();
+                                let below = stored[k].is_some_and(|(l, _)| limit < l);
+                                FULL.set((full + 1, floor + u64::from(below)));
+                            }
+                            Some(HoldOutcome {
+                                decisions: vec![d],
+                                held: d.allowed,
+                                expires_at_ms: expires,
+                                replayed: false,
+                            })
+                        }
+                    };
+                    let got = redis.hold(&req).await;
+                    let emb = embedded.hold(&req).await;
+                    match want {
+                        Some(w) => {
+                            prop_assert_eq!(got.as_ref().ok(), Some(&w), "Lua, step {}: {:?}", i, got);
+                            prop_assert_eq!(emb.as_ref().ok(), Some(&w), "embedded, step {}", i);
+                        }
+                        None => {
+                            for r in [&got, &emb] {
+                                prop_assert!(
+                                    matches!(r, Err(StoreError::Rejected { reason }) if reason.contains("hold id")),
+                                    "step {}: {:?}",
+                                    i,
+                                    r
+                                );
+                            }
+                        }
+                    }
+                }
+                SlotStep::Settle { dt, back, .. } | SlotStep::Release { dt, back } => {
+                    now = now.saturating_add_signed(dt);
+                    let key = id_back(&ids, back);
+                    let what = match *step {
+                        SlotStep::Settle { cost, .. } => Finish::Settle { actual: cost },
+                        _ => Finish::Release,
+                    };
+                    let want = match hold::finish(now, records.get(&key), what) {
+                        Verdict::Unknown => Settled::Unknown,
+                        Verdict::Expired { expired_at_ms } => Settled::Expired { expired_at_ms },
+                        Verdict::Conflict(why) => Settled::Conflict(why),
+                        Verdict::Replay(results) => Settled::Done {
+                            limits: vec![SettledLimit::of(
+                                limits[records[&key].limits[0]].clone(),
+                                results[0],
+                            )],
+                            replayed: true,
+                        },
+                        Verdict::Apply => {
+                            let r = records.remove(&key).unwrap();
+                            let k = r.limits[0];
+                            slots[k].release(&key);
+                            let free = in_force(&stored[k], k, now).saturating_sub(slots[k].live(now));
+                            let result = BucketResult::slot_freed(free);
+                            records.insert(key.clone(), r.ended(now, what, vec![result]));
+                            FREED.set(FREED.get() + 1);
+                            Settled::Done {
+                                limits: vec![SettledLimit::of(limits[k].clone(), result)],
+                                replayed: false,
+                            }
+                        }
+                    };
+                    let (got, emb) = match what {
+                        Finish::Settle { actual } => {
+                            let r = SettleRequest {
+                                tenant: tenant.clone(),
+                                id: key.clone(),
+                                cost: actual,
+                                now_ms: Some(now),
+                            };
+                            (redis.settle(&r).await, embedded.settle(&r).await)
+                        }
+                        Finish::Release => {
+                            let r = ReleaseRequest {
+                                tenant: tenant.clone(),
+                                id: key.clone(),
+                                now_ms: Some(now),
+                            };
+                            (redis.release(&r).await, embedded.release(&r).await)
+                        }
+                    };
+                    prop_assert_eq!(got.as_ref().ok(), Some(&want), "Lua, step {}: {:?}", i, got);
+                    prop_assert_eq!(emb.as_ref().ok(), Some(&want), "embedded, step {}", i);
+                }
+                SlotStep::Set {
+                    limit: k,
+                    slots: l,
+                    lease,
+                } => {
+                    let mut s = SetParams::new(limits[k].clone(), Limit::Concurrency { limit: l })
+                        .at(now);
+                    if let Some((ms, floor)) = lease {
+                        s = s.with_lease(ms, Limit::Concurrency { limit: floor });
+                    }
+                    redis.set_params(&s).await.unwrap();
+                    embedded.set_params(&s).await.unwrap();
+                    stored[k] = Some((l, lease.map(|(ms, floor)| (now + ms, floor))));
+                }
+                SlotStep::Clear { limit: k } => {
+                    redis.clear_params(&limits[k]).await.unwrap();
+                    embedded.clear_params(&limits[k]).await.unwrap();
+                    stored[k] = None;
+                    slots[k] = Slots::default();
+                    usage[k] = (0, 0);
+                }
+                SlotStep::InFlight { dt, limit: k } => {
+                    now = now.saturating_add_signed(dt);
+                    let want = slots[k].live(now);
+                    prop_assert_eq!(redis.in_flight(&limits[k], Some(now)).await.unwrap(), want);
+                    prop_assert_eq!(embedded.in_flight(&limits[k], Some(now)).await.unwrap(), want);
+                }
+                SlotStep::Collect => {
+                    let mine = |v: Vec<UsageRecord>| -> Vec<UsageRecord> {
+                        let mut v: Vec<_> = v
+                            .into_iter()
+                            .filter(|u| u.bucket.tenant == tenant)
+                            .collect();
+                        v.sort_by(|a, b| a.bucket.cmp(&b.bucket));
+                        v
+                    };
+                    let want: Vec<UsageRecord> = limits
+                        .iter()
+                        .zip(&mut usage)
+                        .filter_map(|(b, u)| {
+                            let (admitted, denied) = std::mem::take(u);
+                            (admitted + denied > 0).then(|| UsageRecord {
+                                bucket: b.clone(),
+                                admitted,
+                                denied,
+                            })
+                        })
+                        .collect();
+                    let emb = mine(embedded.collect_usage(usize::MAX).await.unwrap());
+                    let got = mine(redis.collect_usage(usize::MAX).await.unwrap());
+                    prop_assert_eq!(&got, &want, "Lua usage at step {}", i);
+                    prop_assert_eq!(&emb, &want, "embedded usage at step {}", i);
+                }
+            }
+            // Every limit's slot set (ids and expiries) is the reference's.
+            for (k, b) in limits.iter().enumerate() {
+                let got: Vec<(String, u64)> = redis::cmd("ZRANGE")
+                    .arg(b.state_key(quota_core::keys::StateKind::Slots))
+                    .arg(0)
+                    .arg(-1)
+                    .arg("WITHSCORES")
+                    .query(conn)
+                    .unwrap();
+                let mut want: Vec<(String, u64)> =
+                    slots[k].iter().map(|(id, e)| (id.to_string(), e)).collect();
+                want.sort_by(|a, b| (a.1, &a.0).cmp(&(b.1, &b.0)));
+                prop_assert_eq!(got, want, "limit {} slots at step {}", k, i);
+            }
+        }
+        Ok(())
+    })
+}
+
+thread_local! {
+    /// Slots taken, acquisitions denied (of them under a floor below the stored limit), holds
+    /// answered again, and slots freed by a settle or release, by the concurrency comparison.
+    static TAKEN: Cell<u64> = const { Cell::new(0) };
+    static FULL: Cell<(u64, u64)> = const { Cell::new((0, 0)) };
+    static REPLAYED_SLOTS: Cell<u64> = const { Cell::new(0) };
+    static FREED: Cell<u64> = const { Cell::new(0) };
+}
+
+#[test]
+fn concurrency_limits_match_the_reference_in_lua_and_embedded() {
+    let mut cfg = config();
+    cfg.cases = cfg.cases.div_ceil(2);
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    let server = RedisServer::start().unwrap();
+    let cfg_redis = quota_store::RedisStoreConfig::standalone(server.url())
+        .with_timeout(std::time::Duration::from_secs(5))
+        .with_min_idle_ttl(std::time::Duration::from_millis(MULTI_IDLE_TTL_MS));
+    let redis = rt.block_on(RedisStore::connect(cfg_redis)).unwrap();
+    let conn = RefCell::new(common::sync_conn(&server));
+    let mut runner = TestRunner::new(cfg.clone());
+    let strategy = (1usize..=2).prop_flat_map(|n| {
+        (
+            1_600_000_000_000u64..=1_900_000_000_000,
+            proptest::collection::vec(0u64..=5, n),
+            slot_steps(n),
+        )
+    });
+    let result = runner.run(&strategy, |(start, fallbacks, steps)| {
+        run_slots(
+            &rt,
+            &redis,
+            &mut conn.borrow_mut(),
+            start,
+            &fallbacks,
+            &steps,
+        )
+    });
+    if let Err(e) = result {
+        panic!(
+            "{e}\nreproduce: PROPTEST_RNG_SEED={:?} cargo test -p quota-store --test differential",
+            cfg.rng_seed
+        );
+    }
+    let (full, under_floor) = FULL.get();
+    println!(
+        "slots: {} taken, {full} denied ({under_floor} under a floor), {} replayed, {} freed \
+         over {} cases",
+        TAKEN.get(),
+        REPLAYED_SLOTS.get(),
+        FREED.get(),
+        cfg.cases
+    );
+    if cfg.cases >= 100 {
+        assert!(TAKEN.get() > 500 && full > 200 && under_floor > 20 && FREED.get() > 200);
+        assert!(REPLAYED_SLOTS.get() > 20);
+    }
+}
+
+/// The floor of a concurrency limit after its lease end, on both stores: 3 slots taken under a
+/// limit of 3; from the lease end on the floor of 1 is in force, the three holders keep their
+/// slots, and a new one waits until fewer than 1 are live: two expiries or releases are not
+/// enough, the third is.
+#[test]
+fn a_lease_end_drops_a_concurrency_limit_to_its_floor_and_holders_keep_their_slots() {
+    use quota_store::{HoldLimit, HoldRequest, ReleaseRequest, Settled};
+    async fn run<S: Store>(s: &S) {
+        let b = common::fresh_bucket("floor");
+        let t0 = 1_700_000_000_000;
+        let p = SetParams::new(b.clone(), Limit::Concurrency { limit: 3 })
+            .with_lease(10_000, Limit::Concurrency { limit: 1 })
+            .at(t0);
+        s.set_params(&p).await.unwrap();
+        let take = |id: &str, ttl_ms: u64, now: u64| HoldRequest {
+            id: id.into(),
+            limits: vec![HoldLimit {
+                bucket: b.clone(),
+                limit: Limit::Concurrency { limit: 9 },
+                debt_limit_ut: 0,
+            }],
+            cost: 1,
+            ttl_ms,
+            now_ms: Some(now),
+        };
+        for (i, ttl) in [(0, 20_000), (1, 30_000), (2, 40_000)] {
+            let o = s.hold(&take(&format!("h{i}"), ttl, t0)).await.unwrap();
+            assert!(o.held, "{o:?}");
+            assert_eq!(o.decisions[0].remaining, 2 - i);
+        }
+        let full = s.hold(&take("x", 1000, t0 + 1)).await.unwrap();
+        assert!(!full.held);
+        // From the lease end: still 3 in flight; one more needs all three gone (h2 at 40 s).
+        let at_end = t0 + 10_000;
+        assert_eq!(s.in_flight(&b, Some(at_end)).await.unwrap(), 3);
+        let d = s.hold(&take("x", 1000, at_end)).await.unwrap().decisions[0];
+        assert_eq!(
+            (d.allowed, d.remaining, d.retry_after_ms, d.reset_ms),
+            (false, 0, Some(30_000), Some(30_000))
+        );
+        // h0 expires at 20 s, h1 is released: h2 still holds the floor's one slot.
+        let released = s
+            .release(&ReleaseRequest {
+                tenant: b.tenant.clone(),
+                id: "h1".into(),
+                now_ms: Some(t0 + 21_000),
+            })
+            .await
+            .unwrap();
+        let Settled::Done { limits, .. } = released else {
+            panic!("{released:?}")
+        };
+        assert_eq!((limits[0].refunded, limits[0].remaining), (1, 0));
+        assert!(!s.hold(&take("x", 1000, t0 + 21_000)).await.unwrap().held);
+        assert_eq!(s.in_flight(&b, Some(t0 + 21_000)).await.unwrap(), 1);
+        // h2 expires at 40 s: the slot comes back by itself.
+        let o = s.hold(&take("x", 1000, t0 + 40_000)).await.unwrap();
+        assert!(o.held && o.decisions[0].remaining == 0, "{o:?}");
+    }
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    let server = RedisServer::start().unwrap();
+    rt.block_on(async {
+        run(&common::store(&server).await).await;
+        run(&EmbeddedStore::new()).await;
+    });
+}
+
+/// Concurrency parameters are written as the others: fenced (a lower fence refused, nothing
+/// changed), listed, and cleared with the slots they count; both stores alike.
+#[test]
+fn concurrency_parameters_are_fenced_listed_and_cleared_alike() {
+    use quota_store::{Fence, HoldLimit, HoldRequest, StoreError};
+    async fn run<S: Store>(s: &S) {
+        let b = common::fresh_bucket("fenced-slots");
+        let now = 1_700_000_000_000;
+        let limit = |l| Limit::Concurrency { limit: l };
+        let fence = |token, epoch| Fence { token, epoch };
+        s.set_params(
+            &SetParams::new(b.clone(), limit(2))
+                .fenced(fence(5, 3))
+                .at(now),
+        )
+        .await
+        .unwrap();
+        for f in [fence(4, 9), fence(5, 2)] {
+            let e = s
+                .set_params(&SetParams::new(b.clone(), limit(1)).fenced(f).at(now))
+                .await
+                .unwrap_err();
+            assert!(matches!(e, StoreError::Fenced { .. }), "{e}");
+        }
+        let e = s
+            .set_params(&SetParams::new(b.clone(), limit(1)).at(now))
+            .await
+            .unwrap_err();
+        assert!(matches!(e, StoreError::Fenced { .. }), "{e}");
+        assert!(s.list_params().await.unwrap().contains(&b));
+        // The stored 2, not the fallback 9, nor a refused 1.
+        let take = |id: &str| HoldRequest {
+            id: id.into(),
+            limits: vec![HoldLimit {
+                bucket: b.clone(),
+                limit: limit(9),
+                debt_limit_ut: 0,
+            }],
+            cost: 1,
+            ttl_ms: 60_000,
+            now_ms: Some(now),
+        };
+        assert!(s.hold(&take("a")).await.unwrap().held);
+        assert!(s.hold(&take("b")).await.unwrap().held);
+        assert!(!s.hold(&take("c")).await.unwrap().held);
+        // Cleared: no parameters, no slots; the fallback's 9 in force again.
+        s.clear_params(&b).await.unwrap();
+        assert!(!s.list_params().await.unwrap().contains(&b));
+        assert_eq!(s.in_flight(&b, Some(now)).await.unwrap(), 0);
+        let o = s.hold(&take("c")).await.unwrap();
+        assert!(o.held && o.decisions[0].remaining == 8, "{o:?}");
+    }
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    let server = RedisServer::start().unwrap();
+    rt.block_on(async {
+        run(&common::store(&server).await).await;
+        run(&EmbeddedStore::new()).await;
+    });
+}

@@ -100,6 +100,7 @@ fn lua_bounds_equal_quota_core_bounds() {
         ("MAX_HOLD_TTL", MAX_HOLD_TTL_MS),
         ("HOLD_MEMORY_MS", HOLD_MEMORY_MS),
         ("MAX_HOLD_ID", MAX_HOLD_ID_LEN as u64),
+        ("MAX_SLOTS", quota_core::policy::MAX_CONCURRENCY),
         // 12 doubles (see STATE_FMT), 11 in the layout without the period.
         ("STATE_LEN", 12 * 8),
         ("STATE_LEN_NO_PERIOD", 11 * 8),

@@ -416,3 +416,42 @@ async fn holds_answer_retries_and_late_calls_alike_on_both_stores() {
     retries_and_late_calls(&common::store(&server).await, "late-redis").await;
     retries_and_late_calls(&quota_store::EmbeddedStore::new(), "late-embedded").await;
 }
+
+/// A concurrency hold whose reply was lost: the retry is answered as a replay and the slot is
+/// taken once (a limit of 1 still has the one holder, not a denial of its own retry).
+#[tokio::test]
+async fn a_slot_whose_reply_was_lost_is_taken_once() {
+    let server = RedisServer::start().unwrap();
+    let proxy = ReplyCutter::start(server.port()).await;
+    let store = store_through(&proxy).await;
+    let b = fresh_bucket("slot-once");
+    let take = |id: &str| HoldRequest {
+        id: id.into(),
+        limits: vec![HoldLimit {
+            bucket: b.clone(),
+            limit: quota_store::Limit::Concurrency { limit: 1 },
+            debt_limit_ut: 0,
+        }],
+        cost: 1,
+        ttl_ms: 60_000,
+        now_ms: Some(NOW),
+    };
+    // hold.lua loaded by a hold of another limit.
+    let other = fresh_bucket("slot-once-load");
+    assert!(
+        store
+            .hold(&hold_req(&other, "a", 1, NOW))
+            .await
+            .unwrap()
+            .held
+    );
+    proxy.arm();
+    let o = store.hold(&take("h")).await.unwrap();
+    assert!(proxy.fired(), "the hold's first reply was cut");
+    assert!(
+        o.held && o.replayed && o.decisions[0].remaining == 0,
+        "{o:?}"
+    );
+    assert_eq!(store.in_flight(&b, Some(NOW)).await.unwrap(), 1);
+    assert!(!store.hold(&take("g")).await.unwrap().held);
+}

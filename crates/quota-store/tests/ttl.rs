@@ -411,3 +411,43 @@ async fn a_hold_record_expires_its_memory_after_the_hold() {
     let again = s.hold(&hold).await.unwrap();
     assert!(again.held && !again.replayed);
 }
+
+/// A concurrency limit's slots expire with their last slot (a crashed holder's slot comes back
+/// at its expiry, and an idle limit leaves no key); its usage counters live the minimum idle
+/// TTL from the latest acquisition, as a window's.
+#[tokio::test]
+async fn a_concurrency_limits_slots_expire_with_the_last_one() {
+    use quota_core::keys::{self, StateKind};
+    use quota_store::{HoldLimit, HoldRequest};
+    let server = RedisServer::start().unwrap();
+    let s = common::store(&server).await;
+    let mut c = conn(&server).await;
+    let b = fresh_bucket("slots-ttl");
+    let take = |id: &str, ttl_ms: u64| HoldRequest {
+        id: id.into(),
+        limits: vec![HoldLimit {
+            bucket: b.clone(),
+            limit: Limit::Concurrency { limit: 2 },
+            debt_limit_ut: 0,
+        }],
+        cost: 1,
+        ttl_ms,
+        now_ms: None,
+    };
+    assert!(s.hold(&take("long", 30_000)).await.unwrap().held);
+    assert!(s.hold(&take("short", 5_000)).await.unwrap().held);
+    let slots = b.state_key(StateKind::Slots);
+    let pttl: i64 = c.pttl(&slots).await.unwrap();
+    assert!((29_000..=30_000).contains(&pttl), "slots: pttl {pttl}");
+    let usage = keys::slots_usage_key(&b.tenant, &b.policy, b.version);
+    let pttl: i64 = c.pttl(&usage).await.unwrap();
+    let idle = quota_store::DEFAULT_MIN_IDLE_TTL_MS as i64;
+    assert!((idle - 1000..=idle).contains(&pttl), "usage: pttl {pttl}");
+    // A third is denied; the set keeps its expiry.
+    assert!(!s.hold(&take("third", 60_000)).await.unwrap().held);
+    let pttl: i64 = c.pttl(&slots).await.unwrap();
+    assert!(
+        (28_000..=30_000).contains(&pttl),
+        "slots after a denial: pttl {pttl}"
+    );
+}

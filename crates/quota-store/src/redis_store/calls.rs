@@ -572,7 +572,7 @@ fn parse_usage(reply: Vec<Value>) -> Result<(usize, Vec<UsageRecord>), StoreErro
         let key: String = redis::from_redis_value(k).map_err(parse)?;
         let admitted: u64 = redis::from_redis_value(a).map_err(parse)?;
         let denied: u64 = redis::from_redis_value(d).map_err(parse)?;
-        match keys::parse_state_key(&key) {
+        match keys::parse_usage_key(&key) {
             Some((_, tenant, policy, version)) => {
                 out.push(UsageRecord {
                     bucket: BucketRef {
