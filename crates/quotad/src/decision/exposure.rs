@@ -154,6 +154,26 @@ mod tests {
     }
 
     #[test]
+    fn a_concurrency_limit_exposes_the_slots_held_above_its_floor() {
+        let spec: PolicySpec = serde_json::from_value(serde_json::json!({
+            "limit": 10, "window_ms": 30000, "algorithm": "concurrency", "floor": 0.2,
+            "fail_mode": "local"
+        }))
+        .unwrap();
+        let p = spec.validate().unwrap();
+        let limit: Limit = quota_core::share::limit_for_share(&p, 550_000).into();
+        // 5.5 slots of share, 2 of floor: 3 whole slots kept past a cut-off; no outage adds.
+        assert_eq!(
+            worst_case_overshoot_tokens(&p, 550_000, &limit, true, 500, false),
+            3.0
+        );
+        assert_eq!(
+            worst_case_overshoot_tokens(&p, 550_000, &limit, false, 500, false),
+            0.0
+        );
+    }
+
+    #[test]
     fn a_debt_limit_is_exposed_in_every_region_whatever_its_share() {
         let mut p = policy("closed", 0.0);
         p.debt_limit = 40;

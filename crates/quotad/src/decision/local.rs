@@ -72,6 +72,16 @@ impl Decider {
     /// A bucket of this region as a check of cost 0 sees it, spending nothing, read as
     /// [`Decider::tokens_left`] reads it; `None` if the store cannot answer.
     pub async fn peek(&self, bucket: BucketRef, limit: Limit) -> Option<Decision> {
+        if let Limit::Concurrency { limit } = limit {
+            // A concurrency limit's level is its free slots: only the store knows its holds.
+            let held = self.store.in_flight(&bucket, None).await.ok()?;
+            return Some(Decision {
+                allowed: held < limit,
+                remaining: limit.saturating_sub(held),
+                retry_after_ms: None,
+                reset_ms: None,
+            });
+        }
         let req = CheckRequest::peek(bucket, limit);
         // The store bounds every call with its own timeout.
         let r = if self.breaker.is_open() {

@@ -566,6 +566,10 @@ impl Store for Regional {
         self.store.release(req).await
     }
 
+    async fn in_flight(&self, bucket: &BucketRef, now_ms: Option<u64>) -> Result<u64, StoreError> {
+        self.store.in_flight(bucket, now_ms).await
+    }
+
     /// Passed on as it is: the answer is not remembered for an outage.
     async fn charge(&self, req: &ChargeRequest) -> Result<ChargeOutcome, StoreError> {
         self.store.charge(req).await
