@@ -62,8 +62,11 @@ fn spec() -> impl Strategy<Value = PolicySpec> {
         Just(Some(0.05)),
         (0u32..=200_000).prop_map(|f| Some(f64::from(f) / f64::from(PPM))),
     ];
-    let algorithm =
-        prop_oneof![3 => Just(Algorithm::TokenBucket), 1 => Just(Algorithm::SlidingWindow)];
+    let algorithm = prop_oneof![
+        3 => Just(Algorithm::TokenBucket),
+        1 => Just(Algorithm::SlidingWindow),
+        1 => Just(Algorithm::Concurrency)
+    ];
     (limit, window, burst, floor, algorithm).prop_map(|(l, w, b, f, a)| PolicySpec {
         limit: l as f64,
         window_ms: w as f64,
@@ -110,7 +113,7 @@ fn phase() -> impl Strategy<Value = Phase> {
 fn units_at(policy: &Policy, share_ppm: u32) -> u64 {
     match limit_for_share(policy, share_ppm) {
         ShareLimit::TokenBucket(p) => p.capacity_ut / quota_core::bucket::UT,
-        ShareLimit::SlidingWindow { limit, .. } => limit,
+        ShareLimit::SlidingWindow { limit, .. } | ShareLimit::Concurrency { limit } => limit,
     }
 }
 
