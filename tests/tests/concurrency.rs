@@ -1,0 +1,560 @@
+//! A concurrency limit of 3 slots over two regions of real daemons, each on its own
+//! redis-server: clients in both regions acquire a slot (`POST /v1/holds`), work for a seeded
+//! random time and release it (`DELETE /v1/holds/{id}`), while a holder in another OS process
+//! (tests/python/hold_client.py) is killed with SIGKILL holding its slot.
+//!
+//! 3 slots over 2 regions is under 3 a region, so the limit lives in one home region (a) and b
+//! relays its holds there: docs/architecture.md's bound, `limit + slots regions gave up within
+//! the last window_ms`, is then 3 + 0, and the test holds every instant to at most 3.
+//!
+//! # Measuring slots in flight
+//!
+//! A slot is counted from the arrival of the answer that admitted it to the sending of its
+//! release (or, at the latest, its acquire's sending plus the TTL less the clock skew). The
+//! store admitted it before the answer arrived, and released it after the release was sent (or
+//! at its TTL, counted from a store time no earlier than the acquire's sending), so each counted
+//! interval lies inside the interval the store held the slot. The count at any instant is then
+//! at most what the store held: the assertion cannot fail on a correct store however slow the
+//! host (an overcount would make it flaky). It can miss an excess only by the few milliseconds
+//! of latency trimmed off each end, against work times of 100 to 600 ms; a killed holder's slot
+//! handed out early would show for up to seconds. A retried call counts from its first sending
+//! (release) or last answer (acquire), which keeps the interval inside too. The killed holder's
+//! slot counts from the moment the test read its id to the earliest instant it may expire: the
+//! holder's wall-clock time just before it sent the acquire, plus the TTL, less the skew
+//! between the test's monotonic clock and the wall clock Redis's TIME reads.
+
+use std::path::Path;
+use std::process::Stdio;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use anyhow::{bail, Context as _};
+use quotad_system_tests::{eventually, Cluster, Daemon, Timings, TOKEN};
+use rand::{Rng as _, SeedableRng as _};
+use rand_chacha::ChaCha8Rng;
+use serde_json::{json, Value};
+use tokio::io::{AsyncBufReadExt as _, BufReader};
+
+/// Every random choice derives from this seed; change it to replay another run.
+const SEED: u64 = 47;
+const REGIONS: [&str; 2] = ["a", "b"];
+const TENANT: &str = "crowd";
+const POLICY: &str = "slots";
+const LIMIT: usize = 3;
+/// The longest a holder keeps a slot: the default (and largest) TTL of a hold.
+const WINDOW_MS: f64 = 4_000.0;
+/// Load clients per region.
+const CLIENTS_PER_REGION: u64 = 3;
+/// How long the load clients keep acquiring at least; and at least this long past the TTL of
+/// the holder killed among them, to see its slot come back.
+const LOAD_MS: f64 = 14_000.0;
+const AFTER_TTL_MS: f64 = 5_000.0;
+/// Seeded ranges: work while holding a slot, and the pause after a denial.
+const WORK_MS: std::ops::RangeInclusive<u64> = 100..=600;
+const BACKOFF_MS: std::ops::RangeInclusive<u64> = 20..=80;
+/// Between the test's monotonic clock and the wall clock (Redis TIME, Python's time.time):
+/// the same host, so only their drift over the test and a step of the wall clock.
+const SKEW_MS: f64 = 50.0;
+/// A waiting acquirer polls every 50 ms: it is admitted within this of the killed slot's TTL.
+const LATE_MS: f64 = 1_000.0;
+
+/// The test's time line: monotonic ms since the start, and the wall clock then.
+#[derive(Debug, Clone, Copy)]
+struct Clock {
+    start: Instant,
+    start_wall_ms: f64,
+}
+
+impl Clock {
+    fn new() -> Self {
+        let start = Instant::now();
+        let wall = SystemTime::now()
+            .duration_since(UNIX_EPOCH)
+            .unwrap_or_default();
+        Self {
+            start,
+            start_wall_ms: wall.as_secs_f64() * 1000.0,
+        }
+    }
+
+    fn now(&self) -> f64 {
+        self.start.elapsed().as_secs_f64() * 1000.0
+    }
+
+    /// A wall-clock time on the time line.
+    fn of_wall(&self, wall_ms: f64) -> f64 {
+        wall_ms - self.start_wall_ms
+    }
+}
+
+/// One slot as the test saw it held, on the time line: `[from, to)`.
+#[derive(Debug, Clone)]
+struct Slot {
+    who: String,
+    from: f64,
+    to: f64,
+    killed: bool,
+}
+
+/// What an acquire came to.
+#[derive(Debug)]
+enum Acquired {
+    /// Held: the hold id, when the acquire was first sent and when its answer arrived.
+    Held {
+        id: String,
+        sent: f64,
+        at: f64,
+    },
+    Denied {
+        retry_after_ms: f64,
+        at: f64,
+    },
+    /// No decided answer in 10 s (503s or failed calls): a slot may be held unseen, which only
+    /// lowers the count.
+    GaveUp,
+}
+
+/// Acquires a slot through `d` under hold key `key`, again under the same key while the
+/// daemon answers 503 or the call fails (the same hold if an earlier try was held).
+async fn acquire(d: &Daemon, key: &str, clock: &Clock) -> anyhow::Result<Acquired> {
+    let body = json!({"tenant": TENANT, "policy": POLICY, "id": key}).to_string();
+    let sent = clock.now();
+    loop {
+        if let Ok(r) = d
+            .request("POST", "/v1/holds", Some(TOKEN), Some(body.clone()))
+            .await
+        {
+            let at = clock.now();
+            match r.status {
+                200 => {
+                    anyhow::ensure!(r.body["ttl_ms"] == WINDOW_MS as u64, "{}", r.body);
+                    let id = r.body["hold_id"].as_str().context("no hold_id")?;
+                    return Ok(Acquired::Held {
+                        id: id.to_string(),
+                        sent,
+                        at,
+                    });
+                }
+                429 => {
+                    let retry_after_ms = r.body["retry_after_ms"].as_f64().unwrap_or(-1.0);
+                    return Ok(Acquired::Denied { retry_after_ms, at });
+                }
+                503 => {}
+                s => bail!("an acquire through {} answered {s}: {}", d.api_port, r.body),
+            }
+        }
+        if clock.now() > sent + 10_000.0 {
+            return Ok(Acquired::GaveUp);
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+/// What a release came to.
+#[derive(Debug, PartialEq)]
+enum Released {
+    Done,
+    /// 409: the slot had expired (its holder held it past the TTL).
+    Expired,
+    GaveUp,
+}
+
+/// Releases hold `id` through `d`, again while 503 or failed; when it was first sent.
+async fn release(d: &Daemon, id: &str, clock: &Clock) -> anyhow::Result<(f64, Released)> {
+    let sent = clock.now();
+    loop {
+        if let Ok(r) = d
+            .request("DELETE", &format!("/v1/holds/{id}"), Some(TOKEN), None)
+            .await
+        {
+            match r.status {
+                200 => {
+                    anyhow::ensure!(r.body["state"] == "released", "{}", r.body);
+                    return Ok((sent, Released::Done));
+                }
+                409 => return Ok((sent, Released::Expired)),
+                503 => {}
+                s => bail!("a release of {id} answered {s}: {}", r.body),
+            }
+        }
+        if clock.now() > sent + 10_000.0 {
+            return Ok((sent, Released::GaveUp));
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+/// A slot's counted end: its release's sending, and at the latest the earliest its TTL could
+/// end (see the module's docs).
+fn slot_end(acquire_sent: f64, release_sent: f64) -> f64 {
+    release_sent.min(acquire_sent + WINDOW_MS - SKEW_MS)
+}
+
+/// What a load client did.
+#[derive(Debug, Default)]
+struct ClientLog {
+    slots: Vec<Slot>,
+    denials: Vec<f64>,
+    gave_up: usize,
+    expired: usize,
+}
+
+/// A client in `cluster`'s region `region`: acquires, works, releases until `until` (ms on the
+/// time line, as `f64` bits; it may move), with its choices drawn from [`SEED`] and `n`.
+async fn client(
+    cluster: Arc<Cluster>,
+    region: usize,
+    n: u64,
+    clock: Clock,
+    until: Arc<AtomicU64>,
+) -> anyhow::Result<ClientLog> {
+    let d = &cluster.daemons[region];
+    let who = format!("{}{n}", REGIONS[region]);
+    let mut rng = ChaCha8Rng::seed_from_u64(SEED.wrapping_mul(1_000).wrapping_add(n));
+    let mut log = ClientLog::default();
+    for i in 0.. {
+        if clock.now() >= f64::from_bits(until.load(Ordering::Relaxed)) {
+            break;
+        }
+        match acquire(d, &format!("{who}-{i}"), &clock).await? {
+            Acquired::Held { id, sent, at } => {
+                let work = rng.random_range(WORK_MS);
+                tokio::time::sleep(Duration::from_millis(work)).await;
+                let (release_sent, how) = release(d, &id, &clock).await?;
+                match how {
+                    Released::Done => {}
+                    Released::Expired => log.expired += 1,
+                    Released::GaveUp => log.gave_up += 1,
+                }
+                log.slots.push(Slot {
+                    who: who.clone(),
+                    from: at,
+                    to: slot_end(sent, release_sent),
+                    killed: false,
+                });
+            }
+            Acquired::Denied { at, .. } => {
+                log.denials.push(at);
+                let pause = rng.random_range(BACKOFF_MS);
+                tokio::time::sleep(Duration::from_millis(pause)).await;
+            }
+            Acquired::GaveUp => log.gave_up += 1,
+        }
+    }
+    Ok(log)
+}
+
+/// A holder killed holding its slot: the slot as counted, and the window its TTL ends in.
+#[derive(Debug)]
+struct Killed {
+    slot: Slot,
+    /// The earliest and latest instants the store may expire the slot (time line).
+    expires: (f64, f64),
+    denied_before: u64,
+}
+
+/// Starts tests/python/hold_client.py against `d`, reads the slot it acquired, and kills it
+/// (SIGKILL) holding it.
+async fn killed_holder(d: &Daemon, prefix: &str, clock: &Clock) -> anyhow::Result<Killed> {
+    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("python/hold_client.py");
+    let mut child = tokio::process::Command::new("python3")
+        .arg(&script)
+        .args(["--base", &d.base(), "--token", TOKEN, "--tenant", TENANT])
+        .args(["--policy", POLICY, "--id-prefix", prefix])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .kill_on_drop(true)
+        .spawn()
+        .context("starting python3")?;
+    let mut lines = BufReader::new(child.stdout.take().context("no stdout")?).lines();
+    let line = tokio::time::timeout(Duration::from_secs(40), lines.next_line()).await;
+    let read_at = clock.now();
+    let line = match line {
+        Ok(Ok(Some(line))) => line,
+        other => {
+            let _ = child.start_kill();
+            let out = child.wait_with_output().await?;
+            bail!(
+                "the holder printed no slot ({other:?}): {}",
+                String::from_utf8_lossy(&out.stderr)
+            );
+        }
+    };
+    child.start_kill().context("killing the holder")?;
+    let status = child.wait().await?;
+    anyhow::ensure!(!status.success(), "the holder exited by itself: {status:?}");
+    let said: Value = serde_json::from_str(&line).with_context(|| line.clone())?;
+    anyhow::ensure!(said["ttl_ms"] == WINDOW_MS as u64, "{said}");
+    let sent = clock.of_wall(said["sent_ms"].as_f64().context("no sent_ms")?);
+    let expires = (sent + WINDOW_MS, read_at + WINDOW_MS);
+    Ok(Killed {
+        slot: Slot {
+            who: format!("killed {}", said["hold_id"].as_str().unwrap_or("?")),
+            from: read_at,
+            to: expires.0 - SKEW_MS,
+            killed: true,
+        },
+        expires,
+        denied_before: said["denied"].as_u64().unwrap_or(0),
+    })
+}
+
+/// The most slots counted at once within `[from, to)` among those `include` takes, and the
+/// first instant it was reached.
+fn most_at_once(
+    slots: &[Slot],
+    from: f64,
+    to: f64,
+    include: impl Fn(&Slot) -> bool,
+) -> (usize, f64) {
+    let taken: Vec<&Slot> = slots.iter().filter(|s| include(s)).collect();
+    let mut instants: Vec<f64> = taken.iter().map(|s| s.from).collect();
+    instants.push(from);
+    instants.sort_by(f64::total_cmp);
+    instants
+        .into_iter()
+        .filter(|t| (from..to).contains(t))
+        .map(|t| (taken.iter().filter(|s| s.from <= t && t < s.to).count(), t))
+        .fold((0, from), |best, x| if x.0 > best.0 { x } else { best })
+}
+
+/// How long, within `[from, to)`, at least `k` of the slots `include` takes were counted at once.
+fn time_with(slots: &[Slot], from: f64, to: f64, k: usize, include: impl Fn(&Slot) -> bool) -> f64 {
+    let mut edges: Vec<(f64, i32)> = slots
+        .iter()
+        .filter(|s| include(s) && s.from < s.to)
+        .flat_map(|s| [(s.from, 1), (s.to, -1)])
+        .collect();
+    // Ends before starts at one instant: the intervals are half-open.
+    edges.sort_by(|x, y| x.0.total_cmp(&y.0).then(x.1.cmp(&y.1)));
+    let (mut count, mut since, mut total) = (0, from, 0.0);
+    for (t, step) in edges {
+        let t = t.clamp(from, to);
+        if count >= k as i32 {
+            total += t - since;
+        }
+        since = t;
+        count += step;
+    }
+    if count >= k as i32 {
+        total += to - since;
+    }
+    total
+}
+
+/// Waits until both regions can acquire and release a slot (a at home, b relaying there).
+async fn until_held_everywhere(cluster: &Cluster, clock: &Clock) -> anyhow::Result<()> {
+    for (i, d) in cluster.daemons.iter().enumerate() {
+        let mut n = 0;
+        let held = eventually(Duration::from_secs(20), Duration::from_millis(100), || {
+            n += 1;
+            let key = format!("warm-{i}-{n}");
+            async move {
+                match acquire(d, &key, clock).await.ok()? {
+                    Acquired::Held { id, .. } => Some(id),
+                    _ => None,
+                }
+            }
+        })
+        .await
+        .with_context(|| format!("region {} never held a slot", REGIONS[i]))?;
+        let (_, how) = release(d, &held, clock).await?;
+        anyhow::ensure!(how == Released::Done, "{how:?}");
+    }
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn three_slots_over_two_regions_stay_three_with_a_holder_killed() -> anyhow::Result<()> {
+    eprintln!("seed {SEED} (tests/tests/concurrency.rs SEED replays it)");
+    let cluster = Arc::new(Cluster::start(&REGIONS, &Timings::default()).await?);
+    let spec = json!({"algorithm": "concurrency", "limit": LIMIT, "window_ms": WINDOW_MS as u64});
+    cluster.daemon("a").put_policy(TENANT, POLICY, spec).await?;
+    for d in &cluster.daemons {
+        let home = eventually(
+            Duration::from_secs(15),
+            Duration::from_millis(100),
+            || async {
+                let r = d
+                    .get(&format!("/v1/tenants/{TENANT}/allowance"))
+                    .await
+                    .ok()?;
+                let p = &r.body["policies"][0];
+                (p["mode"] == "home" && p["home"] == "a").then_some(())
+            },
+        )
+        .await;
+        home.context("the limit never lived whole in a")?;
+    }
+    let clock = Clock::new();
+    until_held_everywhere(&cluster, &clock).await?;
+    let (a, b) = (cluster.daemon("a"), cluster.daemon("b"));
+    let mut slots = Vec::new();
+
+    // 1. A holder (through b) killed holding its slot; two more slots taken 2 s later, so
+    //    theirs expire well after its. A waiter is admitted only once its TTL has passed.
+    let p1 = killed_holder(b, "p1", &clock).await?;
+    slots.push(p1.slot.clone());
+    // Not a timing assumption: it only keeps the other two slots' TTLs apart from the killed
+    // one's, so the waiter's slot can only be the killed holder's.
+    tokio::time::sleep(Duration::from_millis(2_000)).await;
+    let mut held = Vec::new();
+    for (d, key) in [(a, "s1"), (b, "s2")] {
+        match acquire(d, key, &clock).await? {
+            Acquired::Held { id, sent, at } => held.push((d, id, sent, at)),
+            other => bail!("{key}: a second slot was not given: {other:?}"),
+        }
+    }
+    let asked = clock.now();
+    let Acquired::Denied { retry_after_ms, at } = acquire(a, "full", &clock).await? else {
+        bail!("a fourth slot was given");
+    };
+    // The store answers the time until the earliest slot, the killed one, expires.
+    let (earliest, latest) = p1.expires;
+    assert!(
+        retry_after_ms >= earliest - at - SKEW_MS && retry_after_ms <= latest - asked + SKEW_MS,
+        "retry after {retry_after_ms} ms at {asked:.0}..{at:.0} ms; the killed slot expires \
+         between {earliest:.0} and {latest:.0} ms"
+    );
+    let mut waited = 0;
+    let admitted = loop {
+        match acquire(b, &format!("w-{waited}"), &clock).await? {
+            Acquired::Held { id, sent, at } => break (id, sent, at),
+            Acquired::Denied { .. } => waited += 1,
+            Acquired::GaveUp => {}
+        }
+        anyhow::ensure!(
+            clock.now() < latest + 10_000.0,
+            "the killed slot never came back"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+    let (w_id, w_sent, w_at) = admitted;
+    assert!(
+        w_at >= earliest - SKEW_MS,
+        "the waiter was admitted at {w_at:.0} ms, before the killed slot's TTL ({earliest:.0} ms)"
+    );
+    assert!(
+        w_at <= latest + LATE_MS,
+        "the waiter was admitted at {w_at:.0} ms, {:.0} ms after the killed slot's TTL \
+         ({latest:.0} ms at the latest)",
+        w_at - latest
+    );
+    // Both other slots were still held when the waiter got one: it was the killed one's.
+    for (d, id, sent, at) in held {
+        let (release_sent, how) = release(d, &id, &clock).await?;
+        assert_eq!(
+            how,
+            Released::Done,
+            "{id} had expired before the waiter got a slot"
+        );
+        slots.push(Slot {
+            who: id,
+            from: at,
+            to: slot_end(sent, release_sent),
+            killed: false,
+        });
+    }
+    let (release_sent, how) = release(b, &w_id, &clock).await?;
+    assert_eq!(how, Released::Done);
+    slots.push(Slot {
+        who: w_id,
+        from: w_at,
+        to: slot_end(w_sent, release_sent),
+        killed: false,
+    });
+    eprintln!(
+        "killed holder through b: TTL ends in {earliest:.0}..{latest:.0} ms; a waiter through b \
+         was denied {waited} times and admitted at {w_at:.0} ms ({:+.0} ms after the earliest \
+         end); the store's retry_after {retry_after_ms} ms",
+        w_at - earliest
+    );
+
+    // 2. Load: three clients a region, and a second holder (through a) killed in the middle.
+    let load_from = clock.now();
+    // Until the holder below has its slot and its TTL is known.
+    let until = Arc::new(AtomicU64::new(f64::MAX.to_bits()));
+    let clients: Vec<_> = (0..2 * CLIENTS_PER_REGION)
+        .map(|n| {
+            let (cluster, until) = (cluster.clone(), until.clone());
+            tokio::spawn(client(cluster, (n % 2) as usize, n, clock, until))
+        })
+        .collect();
+    // Scenario, not timing: the holder joins once the load runs.
+    tokio::time::sleep(Duration::from_millis(2_000)).await;
+    let p2 = killed_holder(a, "p2", &clock).await?;
+    slots.push(p2.slot.clone());
+    let end = (load_from + LOAD_MS).max(p2.expires.1 + AFTER_TTL_MS);
+    until.store(end.to_bits(), Ordering::Relaxed);
+    let mut logs = Vec::new();
+    for c in clients {
+        logs.push(c.await??);
+    }
+    let load_to = clock.now();
+    let acquired: usize = logs.iter().map(|l| l.slots.len()).sum();
+    let denied: Vec<f64> = logs.iter().flat_map(|l| l.denials.clone()).collect();
+    let gave_up: usize = logs.iter().map(|l| l.gave_up).sum();
+    let expired: usize = logs.iter().map(|l| l.expired).sum();
+    for l in logs {
+        slots.extend(l.slots);
+    }
+
+    let (most, when) = most_at_once(&slots, 0.0, f64::MAX, |_| true);
+    let (e2, l2) = p2.expires;
+    let (live_in_kill, _) = most_at_once(&slots, p2.slot.from, p2.slot.to, |s| !s.killed);
+    let denied_in_kill = denied
+        .iter()
+        .filter(|t| (p2.slot.from..p2.slot.to).contains(*t))
+        .count();
+    let (live_after, after_at) = most_at_once(&slots, l2, load_to, |s| !s.killed);
+    let full_after = time_with(&slots, l2, load_to, LIMIT, |s| !s.killed) / (load_to - l2);
+    let by_region = |r: &str| {
+        slots
+            .iter()
+            .filter(|s| !s.killed && s.who.starts_with(r) && s.from >= load_from)
+            .count()
+    };
+    eprintln!(
+        "load: {acquired} acquisitions ({} through a, {} through b), {} denials, {gave_up} \
+         calls without a decided answer, {expired} slots expired before their release; {} \
+         slots in all, at most {most} in flight (at {when:.0} ms)",
+        by_region("a"),
+        by_region("b"),
+        denied.len(),
+        slots.len(),
+    );
+    eprintln!(
+        "killed holder through a (denied {} times first): counted {:.0}..{:.0} ms, TTL ends \
+         {e2:.0}..{l2:.0} ms; live clients held at most {live_in_kill} meanwhile, denied \
+         {denied_in_kill} times; after its TTL they held {live_after} at once (first at \
+         {after_at:.0} ms; all {LIMIT} for {:.0} % of the {:.0} ms left)",
+        p2.denied_before,
+        p2.slot.from,
+        p2.slot.to,
+        full_after * 100.0,
+        load_to - l2
+    );
+    assert!(
+        most <= LIMIT,
+        "{most} slots in flight at {when:.0} ms, above the limit of {LIMIT} (+ 0 in home mode): \
+         {:?}",
+        slots
+            .iter()
+            .filter(|s| s.from <= when && when < s.to)
+            .collect::<Vec<_>>()
+    );
+    assert!(
+        denied_in_kill > 0,
+        "nobody asked for the killed holder's slot"
+    );
+    assert_eq!(
+        live_after, LIMIT,
+        "after the killed slot's TTL the live clients never held all {LIMIT} slots"
+    );
+    assert!(
+        acquired >= 20 && !denied.is_empty(),
+        "too little load to show anything"
+    );
+    Ok(())
+}
