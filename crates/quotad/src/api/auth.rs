@@ -36,6 +36,15 @@ pub fn authorize(state: &AppState, headers: &HeaderMap, needed: Scope) -> Result
     }
 }
 
+/// Whether the request carries the peer token in the forwarded header.
+pub fn is_forwarded(state: &AppState, headers: &HeaderMap) -> bool {
+    state.decider.is_peer_forward(
+        headers
+            .get(&crate::decision::FORWARDED_HEADER)
+            .and_then(|v| v.to_str().ok()),
+    )
+}
+
 /// Middleware admitting requests whose token has `scope` (see the module documentation).
 /// The caller goes into the request's extensions for the handler, and into the response's
 /// for [`audited`].
@@ -44,6 +53,12 @@ pub async fn require(
     mut req: Request,
     next: Next,
 ) -> Response {
+    // A decision another region forwarded here (a pinned tenant's charge, a hold of a budget
+    // whose home is here, a settle of a hold made here) carries the peer token instead of an
+    // API token: the sending region took the caller's token.
+    if scope == Scope::Check && is_forwarded(&state, req.headers()) {
+        return next.run(req).await;
+    }
     match authorize(&state, req.headers(), scope) {
         Ok(caller) => {
             req.extensions_mut().insert(caller.clone());

@@ -5,7 +5,7 @@
 //! server to.
 
 use quota_core::bucket::MAX_LIMITS_PER_CHECK;
-use quota_core::policy::{MAX_BURST, MAX_WINDOW_MS};
+use quota_core::policy::{MAX_BURST, MAX_HOLD_TTL_MS, MAX_WINDOW_MS};
 use quota_core::{PolicyName, RegionId, TenantId};
 use serde_json::Value;
 use utoipa::openapi::path::{Operation, Parameter};
@@ -105,7 +105,7 @@ fn problem(description: &str) -> RefOr<utoipa::openapi::Response> {
 /// Problem bodies are `application/problem+json`, so a handler names only `body = Problem`.
 fn problem_content_type(op: &mut Operation) {
     let is_problem = |c: &Content| {
-        matches!(&c.schema, Some(RefOr::Ref(r)) if ["Problem", "RateLimitedProblem", "MultiRateLimitedProblem"]
+        matches!(&c.schema, Some(RefOr::Ref(r)) if ["Problem", "RateLimitedProblem", "MultiRateLimitedProblem", "HoldRateLimitedProblem"]
             .iter()
             .any(|name| r.ref_location == format!("#/components/schemas/{name}")))
     };
@@ -140,6 +140,16 @@ fn bound_param(path: &str, p: &mut Parameter) {
         "policy" => id(PolicyName::MAX_LEN),
         "plan" => id(quota_core::PlanName::MAX_LEN),
         "node_id" => whole(0, u64::MAX, false),
+        // A hold id: `<region>.<tenant>.<key>`.
+        "id" if path.starts_with("/v1/holds/") => ObjectBuilder::new()
+            .schema_type(Type::String)
+            .pattern(Some(format!(
+                "^[A-Za-z0-9_-]{{1,{}}}\\.[A-Za-z0-9_-]{{1,{}}}\\.[A-Za-z0-9_-]{{1,{}}}$",
+                RegionId::MAX_LEN,
+                TenantId::MAX_LEN,
+                crate::decision::holds::MAX_HOLD_KEY_LEN
+            )))
+            .build(),
         "limit" => whole(1, MAX_PAGE as u64, false),
         "after" => ObjectBuilder::new()
             .schema_type(Type::String)
@@ -183,7 +193,7 @@ fn bound_bodies(s: &mut Schemas) {
         s,
         "PolicyBody",
         "algorithm",
-        one_of(&["token_bucket", "sliding_window"]),
+        one_of(&["token_bucket", "sliding_window", "concurrency"]),
     );
     set(
         s,
@@ -243,6 +253,7 @@ fn bound_bodies(s: &mut Schemas) {
             .max_length(Some(quota_store::MAX_CHARGE_ID_LEN))
             .build(),
     );
+    bound_holds(s);
     set(s, "NewMember", "node_id", whole(1, u64::MAX, false));
     set(s, "NewMember", "region", id(RegionId::MAX_LEN));
     for f in ["peer", "api"] {
@@ -252,6 +263,43 @@ fn bound_bodies(s: &mut Schemas) {
             .build();
         set(s, "NewMember", f, addr);
     }
+}
+
+/// The bounds of a hold and of a settle.
+fn bound_holds(s: &mut Schemas) {
+    set(s, "HoldBody", "tenant", id_or_null(TenantId::MAX_LEN));
+    set(s, "HoldBody", "identity", identity());
+    set(s, "HoldBody", "policy", id_or_null(PolicyName::MAX_LEN));
+    if let Some(RefOr::T(Schema::Object(o))) = s.get_mut("HoldBody") {
+        o.properties.insert(
+            "policies".to_string(),
+            RefOr::T(Schema::Array(
+                utoipa::openapi::schema::ArrayBuilder::new()
+                    .schema_type(SchemaType::from_iter([Type::Array, Type::Null]))
+                    .items(RefOr::T(Schema::Object(id(PolicyName::MAX_LEN))))
+                    .min_items(Some(1))
+                    .max_items(Some(MAX_LIMITS_PER_CHECK as usize))
+                    .unique_items(true)
+                    .build(),
+            )),
+        );
+    }
+    set(s, "HoldBody", "cost", whole(1, quota_store::MAX_COST, true));
+    set(s, "HoldBody", "ttl_ms", whole(1, MAX_HOLD_TTL_MS, true));
+    set(
+        s,
+        "HoldBody",
+        "id",
+        id_or_null(crate::decision::holds::MAX_HOLD_KEY_LEN),
+    );
+    set(
+        s,
+        "SettleBody",
+        "cost",
+        whole(0, quota_store::MAX_COST, false),
+    );
+    set(s, "SettleBody", "tenant", id_or_null(TenantId::MAX_LEN));
+    set(s, "SettleBody", "identity", identity());
 }
 
 /// A batch's checks get their own schema, without the bounds a single check is held to.
@@ -303,6 +351,8 @@ fn close_bodies(s: &mut Schemas) {
         "PolicyBody",
         "CheckBody",
         "ChargeBody",
+        "HoldBody",
+        "SettleBody",
         "PinBody",
         "NewMember",
         "BatchBody",

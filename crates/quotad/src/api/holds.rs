@@ -9,12 +9,12 @@ use axum::response::{IntoResponse as _, Response};
 use quota_core::{PolicyName, TenantId};
 use serde::{Deserialize, Serialize};
 
+use crate::api::auth;
 use crate::api::check::multi::LimitResponse;
 use crate::api::check::{check_error, parse_cost, secs_ceil, subject};
 use crate::api::problem::{problem_response, ApiError, ApiJson, Problem, QUOTA_EXCEEDED_TYPE};
 use crate::api::state::AppState;
 use crate::decision::holds::{Held, HoldAsk, HoldError, HoldId, HoldVerdict, Relayed, Settlement};
-use crate::decision::FORWARDED_HEADER;
 use quota_store::Settled;
 
 /// A hold to make.
@@ -148,12 +148,6 @@ fn hold_error(e: HoldError) -> ApiError {
     }
 }
 
-fn is_forwarded(state: &AppState, headers: &HeaderMap) -> bool {
-    state
-        .decider
-        .is_peer_forward(headers.get(&FORWARDED_HEADER).and_then(|v| v.to_str().ok()))
-}
-
 /// Holds an estimate (or a concurrency slot) on a subject's policies, all or nothing.
 #[utoipa::path(
     post,
@@ -175,7 +169,7 @@ pub async fn hold(
     headers: HeaderMap,
     ApiJson(body): ApiJson<HoldBody>,
 ) -> Result<Response, ApiError> {
-    let forwarded = is_forwarded(&state, &headers);
+    let forwarded = auth::is_forwarded(&state, &headers);
     let tenant = subject(
         &state,
         body.tenant.as_deref(),
@@ -343,7 +337,7 @@ pub async fn settle(
     Path(id): Path<String>,
     ApiJson(body): ApiJson<SettleBody>,
 ) -> Result<Response, ApiError> {
-    let forwarded = is_forwarded(&state, &headers);
+    let forwarded = auth::is_forwarded(&state, &headers);
     let id = parse_hold_id(&id)?;
     if body.tenant.is_some() || body.identity.is_some() {
         let tenant = subject(
@@ -389,7 +383,7 @@ pub async fn release(
     headers: HeaderMap,
     Path(id): Path<String>,
 ) -> Result<Response, ApiError> {
-    let forwarded = is_forwarded(&state, &headers);
+    let forwarded = auth::is_forwarded(&state, &headers);
     let id = parse_hold_id(&id)?;
     settled(&state, &id, None, forwarded).await
 }

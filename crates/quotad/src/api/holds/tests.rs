@@ -368,3 +368,80 @@ async fn bad_holds_are_refused_by_field_and_change_nothing() {
     assert_eq!(r.status, StatusCode::UNAUTHORIZED);
     assert_eq!(left(&router).await, 90);
 }
+
+/// Another region relays a hold, a settle or a release with the peer token in place of an API
+/// token (the sending region took the caller's): admitted with it, 401 with a wrong one.
+#[tokio::test]
+async fn a_relayed_hold_needs_the_peer_token_not_an_api_token() {
+    use std::collections::HashMap;
+    use std::sync::Arc;
+    use std::time::Duration;
+
+    use axum::body::Body;
+    use axum::http::{header, Request};
+    use tower::ServiceExt as _;
+
+    use crate::config::BreakerConfig;
+    use crate::coordination::{Coordinator, LocalCoordinator};
+    use crate::decision::breaker::Breaker;
+    use crate::decision::{Decider, DeciderParts, FORWARDED_HEADER};
+    use crate::secret::Secret;
+
+    let region = quota_core::RegionId::new("eu").unwrap();
+    let coordinator = Arc::new(Coordinator::Local(LocalCoordinator::in_temp_dir(
+        region.clone(),
+    )));
+    let decider = Decider::new(DeciderParts {
+        region,
+        store: quota_store::AnyStore::embedded(),
+        breaker: Breaker::new(&BreakerConfig::default(), "eu"),
+        view: coordinator.subscribe(),
+        homes: HashMap::new(),
+        forward_timeout: Duration::from_millis(100),
+        peer_token: Some(Secret::new("peer-token-0123456789")),
+        reservations: false,
+        store_timeout: Duration::from_millis(100),
+        daemons: 1,
+    });
+    let router = crate::api::app(crate::api::tests::state_with(coordinator, decider));
+    let put = send(
+        &router,
+        "PUT",
+        "/v1/tenants/acme/policies/writes",
+        Some(TOKEN),
+        Some(&slow(100, 0).to_string()),
+    )
+    .await;
+    assert_eq!(put.status, StatusCode::OK);
+    let relayed = |uri: &str, peer: &str, body: Value| {
+        let router = router.clone();
+        let req = Request::builder()
+            .method("POST")
+            .uri(uri)
+            .header(header::CONTENT_TYPE, "application/json")
+            .header(FORWARDED_HEADER, peer)
+            .body(Body::from(body.to_string()))
+            .unwrap();
+        async move { router.oneshot(req).await.unwrap().status() }
+    };
+    let body = json!({"tenant": "acme", "policy": "writes", "cost": 10, "id": "r1"});
+    assert_eq!(
+        relayed("/v1/holds", "wrong-token-0123456789", body.clone()).await,
+        StatusCode::UNAUTHORIZED
+    );
+    assert_eq!(left(&router).await, 100);
+    assert_eq!(
+        relayed("/v1/holds", "peer-token-0123456789", body).await,
+        StatusCode::OK
+    );
+    assert_eq!(
+        relayed(
+            "/v1/holds/eu.acme.r1/settle",
+            "peer-token-0123456789",
+            json!({"cost": 4})
+        )
+        .await,
+        StatusCode::OK
+    );
+    assert_eq!(left(&router).await, 96);
+}
