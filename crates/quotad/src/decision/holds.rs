@@ -446,7 +446,16 @@ impl Decider {
                 }
             };
             match answer {
-                Ok(Some(s)) => Settlement::Here(s),
+                Ok(Some(s)) => {
+                    // Tokens given back, or a debt repaid, may admit what a cached denial
+                    // of these buckets still refuses (as a refund does).
+                    if let Settled::Done { limits, .. } = &s {
+                        for l in limits.iter().filter(|l| l.refunded > 0) {
+                            self.denials.forget(&l.bucket);
+                        }
+                    }
+                    Settlement::Here(s)
+                }
                 Ok(None) => Settlement::Unavailable,
                 Err(e) => {
                     tracing::warn!(region = %self.region, error = %e,

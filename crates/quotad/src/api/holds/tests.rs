@@ -445,3 +445,45 @@ async fn a_relayed_hold_needs_the_peer_token_not_an_api_token() {
     );
     assert_eq!(left(&router).await, 96);
 }
+
+/// A release that repays a debt admits the next check at once, though a check denied in
+/// debt was remembered by the denial cache (a settle or release drops it, as a refund does).
+/// On a real redis-server: the cache remembers Redis's denials only.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_release_that_repays_a_debt_clears_the_cached_denial() {
+    use crate::config::BreakerConfig;
+    use crate::decision::breaker::Breaker;
+
+    let server = redis_harness::RedisServer::start().unwrap();
+    let cfg = quota_store::RedisStoreConfig::standalone(server.url())
+        .with_timeout(std::time::Duration::from_secs(30));
+    let store = quota_store::AnyStore::Redis(quota_store::RedisStore::connect(cfg).await.unwrap());
+    let router = crate::api::app(crate::api::tests::state_on(
+        store,
+        Breaker::new(&BreakerConfig::default(), "eu"),
+    ));
+    let put = send(
+        &router,
+        "PUT",
+        "/v1/tenants/acme/policies/writes",
+        Some(TOKEN),
+        Some(&slow(100, 50).to_string()),
+    )
+    .await;
+    assert_eq!(put.status, StatusCode::OK);
+    let held = |id: &str| json!({"tenant": "acme", "policy": "writes", "cost": 50, "id": id});
+    assert_eq!(hold(&router, held("a")).await.status, StatusCode::OK);
+    assert_eq!(hold(&router, held("b")).await.status, StatusCode::OK);
+    let r = post(&router, "/v1/holds/eu.acme.a/settle", json!({"cost": 60})).await;
+    assert_eq!(r.body["limits"][0]["debt"], 10, "{}", r.body);
+    let check = json!({"tenant": "acme", "policy": "writes"}).to_string();
+    for _ in 0..2 {
+        let r = send(&router, "POST", "/v1/check", None, Some(&check)).await;
+        assert_eq!(r.status, StatusCode::TOO_MANY_REQUESTS, "{}", r.body);
+    }
+    let r = send(&router, "DELETE", "/v1/holds/eu.acme.b", Some(TOKEN), None).await;
+    assert_eq!(r.body["limits"][0]["refunded"], 50, "{}", r.body);
+    let r = send(&router, "POST", "/v1/check", None, Some(&check)).await;
+    assert_eq!(r.status, StatusCode::OK, "{}", r.body);
+    assert_eq!(r.body["remaining"], 39);
+}
