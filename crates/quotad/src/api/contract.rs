@@ -207,20 +207,7 @@ fn bound_bodies(s: &mut Schemas) {
     );
     set(s, "CheckBody", "tenant", id_or_null(TenantId::MAX_LEN));
     set(s, "CheckBody", "policy", id_or_null(PolicyName::MAX_LEN));
-    if let Some(RefOr::T(Schema::Object(o))) = s.get_mut("CheckBody") {
-        o.properties.insert(
-            "policies".to_string(),
-            RefOr::T(Schema::Array(
-                utoipa::openapi::schema::ArrayBuilder::new()
-                    .schema_type(SchemaType::from_iter([Type::Array, Type::Null]))
-                    .items(RefOr::T(Schema::Object(id(PolicyName::MAX_LEN))))
-                    .min_items(Some(1))
-                    .max_items(Some(MAX_LIMITS_PER_CHECK as usize))
-                    .unique_items(true)
-                    .build(),
-            )),
-        );
-    }
+    set_policies(s, "CheckBody");
     set(s, "CheckBody", "cost", whole(1, MAX_COST, true));
     set(s, "PinBody", "region", id(RegionId::MAX_LEN));
     set(s, "AssignBody", "plan", id(quota_core::PlanName::MAX_LEN));
@@ -265,12 +252,9 @@ fn bound_bodies(s: &mut Schemas) {
     }
 }
 
-/// The bounds of a hold and of a settle.
-fn bound_holds(s: &mut Schemas) {
-    set(s, "HoldBody", "tenant", id_or_null(TenantId::MAX_LEN));
-    set(s, "HoldBody", "identity", identity());
-    set(s, "HoldBody", "policy", id_or_null(PolicyName::MAX_LEN));
-    if let Some(RefOr::T(Schema::Object(o))) = s.get_mut("HoldBody") {
+/// Several policies of one subject decided at once: 1 to 16 distinct names, or null.
+fn set_policies(s: &mut Schemas, body: &str) {
+    if let Some(RefOr::T(Schema::Object(o))) = s.get_mut(body) {
         o.properties.insert(
             "policies".to_string(),
             RefOr::T(Schema::Array(
@@ -284,6 +268,14 @@ fn bound_holds(s: &mut Schemas) {
             )),
         );
     }
+}
+
+/// The bounds of a hold and of a settle.
+fn bound_holds(s: &mut Schemas) {
+    set(s, "HoldBody", "tenant", id_or_null(TenantId::MAX_LEN));
+    set(s, "HoldBody", "identity", identity());
+    set(s, "HoldBody", "policy", id_or_null(PolicyName::MAX_LEN));
+    set_policies(s, "HoldBody");
     set(s, "HoldBody", "cost", whole(1, quota_store::MAX_COST, true));
     set(s, "HoldBody", "ttl_ms", whole(1, MAX_HOLD_TTL_MS, true));
     set(

@@ -10,7 +10,7 @@ use quota_core::{PolicyName, TenantId};
 use serde::{Deserialize, Serialize};
 
 use crate::api::auth;
-use crate::api::check::multi::LimitResponse;
+use crate::api::check::multi::{limit_response, LimitResponse};
 use crate::api::check::{check_error, parse_cost, secs_ceil, subject};
 use crate::api::problem::{problem_response, ApiError, ApiJson, Problem, QUOTA_EXCEEDED_TYPE};
 use crate::api::state::AppState;
@@ -229,25 +229,7 @@ pub async fn hold(
 }
 
 fn decided(v: &HoldVerdict, region: String) -> Response {
-    let limits: Vec<LimitResponse> = v
-        .limits
-        .iter()
-        .map(|l| {
-            let never = l.policy.window_ms;
-            let d = &l.decision;
-            LimitResponse {
-                policy: l.name.as_str().to_string(),
-                allowed: d.allowed,
-                remaining: d.remaining,
-                retry_after_ms: if d.allowed {
-                    0
-                } else {
-                    d.retry_after_ms.unwrap_or(never)
-                },
-                reset_ms: d.reset_ms.unwrap_or(never),
-            }
-        })
-        .collect();
+    let limits: Vec<LimitResponse> = v.limits.iter().map(limit_response).collect();
     let violated: Vec<String> = limits
         .iter()
         .filter(|l| !l.allowed)

@@ -266,38 +266,28 @@ impl Decider {
         }
     }
 
-    /// POSTs `body` to `path` on one of `home`'s daemons' API as a forwarding peer (over the
-    /// peer TLS channel, naming this region, when `over_peer`); the answer of a 200 or 429, or
-    /// `None` when the home is unknown, or none of its daemons answers that within the forward
-    /// timeout. Successive calls start at successive daemons, so a home region's daemons
-    /// share the load, and a daemon that is down costs the next one's turn, not the check.
+    /// POSTs `body` to `path` on one of `home`'s daemons (see [`Self::relay`]); the answer of
+    /// a 200 or 429, or `None` when the home is unknown, or none of its daemons answers that
+    /// within the forward timeout.
     pub(super) async fn send_home<T: serde::de::DeserializeOwned>(
         &self,
         home: &RegionId,
         path: &str,
         body: &serde_json::Value,
     ) -> Option<T> {
-        let addrs = self.homes.get(home).filter(|a| !a.is_empty())?;
-        let first = self
-            .next_home
-            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-        let deadline = tokio::time::Instant::now() + self.forward_timeout;
-        for i in 0..addrs.len() {
-            let addr = &addrs[(first + i) % addrs.len()];
-            let left = deadline.saturating_duration_since(tokio::time::Instant::now());
-            if left.is_zero() {
-                break;
-            }
-            if let Some(answer) = self.send_to(addr, path, body, left).await {
-                return Some(answer);
-            }
+        let r = self.relay(home, path, body).await?;
+        if !matches!(r.status, 200 | 429) {
+            return None;
         }
-        None
+        serde_json::from_value(r.body).ok()
     }
 
-    /// POSTs `body` to `path` on one of `region`'s daemons as [`Self::send_home`] does, and
-    /// passes its answer on as it gave it: a decision (200, 429) or a refusal of the request
-    /// (400, 404, 409). `None` when no daemon gave one within the forward timeout.
+    /// POSTs `body` to `path` on one of `region`'s daemons' API as a forwarding peer (over the
+    /// peer TLS channel, naming this region, when `over_peer`), and passes its answer on as it
+    /// gave it: a decision (200, 429) or a refusal of the request (400, 404, 409). `None` when
+    /// the region is unknown, or no daemon gave one within the forward timeout. Successive
+    /// calls start at successive daemons, so a region's daemons share the load, and a daemon
+    /// that is down costs the next one's turn, not the call.
     pub(super) async fn relay(
         &self,
         region: &RegionId,
@@ -327,21 +317,6 @@ impl Decider {
             }
         }
         None
-    }
-
-    /// One attempt of [`Self::send_home`] at one daemon.
-    async fn send_to<T: serde::de::DeserializeOwned>(
-        &self,
-        addr: &str,
-        path: &str,
-        body: &serde_json::Value,
-        timeout: std::time::Duration,
-    ) -> Option<T> {
-        let resp = self.post_to(addr, path, body, timeout).await?;
-        if !matches!(resp.status().as_u16(), 200 | 429) {
-            return None;
-        }
-        resp.json::<T>().await.ok()
     }
 
     /// POSTs `body` to `path` at `addr` as a forwarding peer; `None` when it did not answer.

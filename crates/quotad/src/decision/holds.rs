@@ -15,14 +15,14 @@
 
 use quota_core::bucket::{MAX_LIMITS_PER_CHECK, UT};
 use quota_core::policy::{Algorithm, PolicyMode, MAX_HOLD_TTL_MS};
-use quota_core::{Decision, PolicyName, RegionId, TenantId};
+use quota_core::{PolicyName, RegionId, TenantId};
 use quota_store::{
     BucketRef, HoldLimit, HoldOutcome, HoldRequest, ReleaseRequest, SettleRequest, Settled, Store,
     StoreError,
 };
 
 use super::multi::LimitVerdict;
-use super::{is_embedded, CheckError, Decider};
+use super::{is_embedded, CheckError, Decider, Mode};
 use crate::clock;
 use crate::telemetry;
 
@@ -114,8 +114,7 @@ pub struct HoldVerdict {
     /// Every limit admitted the estimate and the hold stands.
     pub held: bool,
     pub ttl_ms: u64,
-    /// [`Decision::all`] of the limits'.
-    pub decision: Decision,
+    /// Each limit's decision, in the order named.
     pub limits: Vec<LimitVerdict>,
     /// The same hold was made before under this key: nothing changed.
     pub replayed: bool,
@@ -295,28 +294,12 @@ impl Decider {
                 replayed,
                 ..
             })) => {
-                let decision = Decision::all(decisions.iter().copied()).unwrap_or(Decision {
-                    allowed: held,
-                    remaining: 0,
-                    retry_after_ms: Some(0),
-                    reset_ms: Some(0),
-                });
+                let v = self.multi_verdict(&ask.policies, policies, decisions, Mode::Normal);
                 Held::Decided(HoldVerdict {
                     id,
                     held,
                     ttl_ms,
-                    decision,
-                    limits: ask
-                        .policies
-                        .iter()
-                        .zip(policies)
-                        .zip(decisions)
-                        .map(|((name, policy), decision)| LimitVerdict {
-                            name: name.clone(),
-                            policy,
-                            decision,
-                        })
-                        .collect(),
+                    limits: v.limits,
                     replayed,
                 })
             }

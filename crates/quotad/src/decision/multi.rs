@@ -161,7 +161,8 @@ impl Decider {
         result
     }
 
-    fn multi_verdict(
+    /// The verdict of `decisions` of the policies `names`, decided in this region.
+    pub(super) fn multi_verdict(
         &self,
         names: &[PolicyName],
         policies: Vec<Policy>,

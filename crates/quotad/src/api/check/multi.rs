@@ -60,7 +60,7 @@ pub struct MultiRateLimitedProblem {
     pub decision: MultiCheckResponse,
 }
 
-fn limit_response(l: &LimitVerdict) -> LimitResponse {
+pub(crate) fn limit_response(l: &LimitVerdict) -> LimitResponse {
     // "Never" is reported as one window, as for a single check.
     let never = l.policy.window_ms;
     let d = &l.decision;
