@@ -35,6 +35,15 @@ fn state() -> AppState {
 
 /// Region `eu` alone, deciding through `store` behind `breaker` (other modules' tests too).
 pub(crate) fn state_on(store: quota_store::AnyStore, breaker: Breaker) -> AppState {
+    state_on_with_peer(store, breaker, None)
+}
+
+/// [`state_on`] taking requests other regions relay with `peer_token`.
+pub(crate) fn state_on_with_peer(
+    store: quota_store::AnyStore,
+    breaker: Breaker,
+    peer_token: Option<&str>,
+) -> AppState {
     let region = RegionId::new("eu").unwrap();
     let coordinator = Arc::new(Coordinator::Local(LocalCoordinator::in_temp_dir(
         region.clone(),
@@ -46,7 +55,7 @@ pub(crate) fn state_on(store: quota_store::AnyStore, breaker: Breaker) -> AppSta
         view: coordinator.subscribe(),
         homes: HashMap::new(),
         forward_timeout: Duration::from_millis(100),
-        peer_token: None,
+        peer_token: peer_token.map(Secret::new),
         reservations: false,
         store_timeout: Duration::from_millis(100),
         daemons: 1,

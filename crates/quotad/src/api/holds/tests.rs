@@ -373,37 +373,19 @@ async fn bad_holds_are_refused_by_field_and_change_nothing() {
 /// token (the sending region took the caller's): admitted with it, 401 with a wrong one.
 #[tokio::test]
 async fn a_relayed_hold_needs_the_peer_token_not_an_api_token() {
-    use std::collections::HashMap;
-    use std::sync::Arc;
-    use std::time::Duration;
-
     use axum::body::Body;
     use axum::http::{header, Request};
     use tower::ServiceExt as _;
 
     use crate::config::BreakerConfig;
-    use crate::coordination::{Coordinator, LocalCoordinator};
     use crate::decision::breaker::Breaker;
-    use crate::decision::{Decider, DeciderParts, FORWARDED_HEADER};
-    use crate::secret::Secret;
+    use crate::decision::FORWARDED_HEADER;
 
-    let region = quota_core::RegionId::new("eu").unwrap();
-    let coordinator = Arc::new(Coordinator::Local(LocalCoordinator::in_temp_dir(
-        region.clone(),
-    )));
-    let decider = Decider::new(DeciderParts {
-        region,
-        store: quota_store::AnyStore::embedded(),
-        breaker: Breaker::new(&BreakerConfig::default(), "eu"),
-        view: coordinator.subscribe(),
-        homes: HashMap::new(),
-        forward_timeout: Duration::from_millis(100),
-        peer_token: Some(Secret::new("peer-token-0123456789")),
-        reservations: false,
-        store_timeout: Duration::from_millis(100),
-        daemons: 1,
-    });
-    let router = crate::api::app(crate::api::tests::state_with(coordinator, decider));
+    let router = crate::api::app(crate::api::tests::state_on_with_peer(
+        quota_store::AnyStore::embedded(),
+        Breaker::new(&BreakerConfig::default(), "eu"),
+        Some("peer-token-0123456789"),
+    ));
     let put = send(
         &router,
         "PUT",
