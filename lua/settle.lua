@@ -389,7 +389,9 @@ for i = 1, n do
         or l[3] == l[2] or not whole(l[4], MAX_SLOTS) or not whole(l[5], MAX_CAP) then
       return err('the hold record is invalid')
     end
-  elseif #l ~= 6 or not bucket_ok(l[3], l[4], l[5]) or not whole(l[6], MAX_CAP) then
+  elseif #l ~= 6 or not whole(l[3], MAX_CAP) or not whole(l[4], MAX_CAP)
+      or not whole(l[5], MAX_PERIOD) or not bucket_ok(l[3], l[4], l[5])
+      or not whole(l[6], MAX_CAP) then
     return err('the hold record is invalid')
   end
 end
