@@ -67,12 +67,21 @@ pub fn enforced_share(
     }
 }
 
+/// Whether lease `a` ends after lease `b` (by the region's clock).
+fn ends_later(a: &RegionLease, b: &RegionLease) -> bool {
+    a.start_local_ms.saturating_add(a.lease_ms) > b.start_local_ms.saturating_add(b.lease_ms)
+}
+
 /// A region's lease clock: which allocation epoch it applied and which lease it may use.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default, Serialize, Deserialize)]
 pub struct RegionView {
     applied_epoch: u64,
     usable: Option<RegionLease>,
-    /// The newest renewal not usable yet (its epoch is ahead of what was applied).
+    /// The renewal of the oldest epoch not applied yet, usable once it is. A later renewal of
+    /// a newer epoch does not replace it: while epochs commit faster than the region applies
+    /// them (a new leader rebalancing every round under a slow store), the newest renewal's
+    /// epoch would always be ahead, no lease would ever become usable, and the region would
+    /// fall to its floors with a live lease.
     pending: Option<RegionLease>,
 }
 
@@ -92,11 +101,14 @@ impl RegionView {
         self.usable.as_ref()
     }
 
-    /// Records a renewal. It replaces the current lease only if it ends later.
+    /// Records a renewal. It replaces the current lease only if it ends later; one of an epoch
+    /// not applied yet waits, unless a renewal of an older epoch already does.
     pub fn on_renewal(&mut self, lease: RegionLease) {
         if lease.epoch <= self.applied_epoch {
             self.adopt(lease);
-        } else if self.pending.is_none_or(|p| p.epoch <= lease.epoch) {
+        } else if self.pending.is_none_or(|p| {
+            lease.epoch < p.epoch || (lease.epoch == p.epoch && ends_later(&lease, &p))
+        }) {
             self.pending = Some(lease);
         }
     }
@@ -111,11 +123,7 @@ impl RegionView {
     }
 
     fn adopt(&mut self, lease: RegionLease) {
-        let later = |l: &RegionLease| {
-            l.start_local_ms.saturating_add(l.lease_ms)
-                > lease.start_local_ms.saturating_add(lease.lease_ms)
-        };
-        if !self.usable.as_ref().is_some_and(later) {
+        if !self.usable.as_ref().is_some_and(|u| ends_later(u, &lease)) {
             self.usable = Some(lease);
         }
     }
@@ -195,5 +203,36 @@ mod tests {
         assert_eq!(v.lease().unwrap().start_local_ms, 20_000);
         assert_eq!(v.enforced_share(&GRANT, 29_000, 1_000), 400_000);
         assert_eq!(v.applied_epoch(), 6);
+    }
+
+    /// Epochs committed every 400 ms, renewals every 200 ms, each epoch applied 500 ms after it
+    /// committed: every renewal's epoch is ahead of the applied one, yet the region always
+    /// holds a lease that started within a second.
+    #[test]
+    fn renewals_keep_the_lease_while_epochs_outrun_the_applies() {
+        let mut v = RegionView::new();
+        v.on_applied(1);
+        v.on_renewal(RegionLease {
+            epoch: 1,
+            start_local_ms: 0,
+            lease_ms: 3_000,
+        });
+        for now in (100..20_000).step_by(100) {
+            let committed = 2 + now / 400;
+            if now % 200 == 0 {
+                v.on_renewal(RegionLease {
+                    epoch: committed,
+                    start_local_ms: now,
+                    lease_ms: 3_000,
+                });
+            }
+            if now >= 500 {
+                v.on_applied(2 + (now - 500) / 400);
+            }
+            assert!(v.applied_epoch() < committed, "the applies lag at {now}");
+            let start = v.lease().unwrap().start_local_ms;
+            assert!(now - start <= 1_000, "at {now} the lease is from {start}");
+            assert_eq!(v.enforced_share(&GRANT, now, 300), GRANT.share_ppm);
+        }
     }
 }
