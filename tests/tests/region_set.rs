@@ -407,6 +407,25 @@ async fn killing_the_agent_or_the_leader_keeps_leases_and_the_bound() -> anyhow:
         .iter()
         .filter(|l| !l.starts_with(&format!("daemon {leader}:")))
         .collect();
+    if !lapsed.is_empty() {
+        // What the daemons that lapsed said about their leases and roles.
+        let s = snapshot();
+        for (i, d) in s.daemons.iter().enumerate() {
+            if lapsed
+                .iter()
+                .any(|l| l.starts_with(&format!("daemon {i}:")))
+            {
+                for line in d.log_text().lines().filter(|l| {
+                    ["Lease", "lease", "agent", "epoch"]
+                        .iter()
+                        .any(|w| l.contains(w))
+                }) {
+                    eprintln!("daemon {i}: {line}");
+                }
+            }
+        }
+        put_back(s);
+    }
     assert!(lapsed.is_empty(), "leases lapsed: {lapsed:?}");
     // Checks sent to a killed daemon before the load balancer took it out fail; no other.
     let failed: Vec<_> = seen

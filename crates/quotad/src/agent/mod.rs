@@ -309,17 +309,57 @@ pub(crate) fn denied_at_class_share(
 /// a renewal or two lost to a leader election must not depose a live agent.
 pub const TAKEOVER_INTERVALS: u32 = 3;
 
-/// Runs the report loop (multi-region) until `shutdown` fires: every daemon renews its lease
-/// and looks at the agent role; the agent reports the region's usage.
+/// Runs the report and renewal loops (multi-region) until `shutdown` fires: every daemon
+/// renews its lease and looks at the agent role; the agent reports the region's usage.
 pub async fn run_report(
     decider: Arc<Decider>,
     r: Arc<Replicated>,
     report_interval: Duration,
+    shutdown: watch::Receiver<bool>,
+) {
+    let metrics = ReportMetrics::new(decider.region());
+    // Two loops, each on its own tick. Fault: a report or an agent claim stuck on a leader
+    // that stopped answering (a claim may wait a whole write timeout, as long as a lease) must
+    // not hold up the next renewal, or the region would enforce its floors meanwhile.
+    tokio::join!(
+        report_loop(&decider, &r, report_interval, &metrics, shutdown.clone()),
+        renew_loop(&r, report_interval, &metrics, shutdown),
+    );
+}
+
+/// Renews this daemon's lease every `interval` until `shutdown` fires.
+async fn renew_loop(
+    r: &Replicated,
+    interval: Duration,
+    metrics: &ReportMetrics,
     mut shutdown: watch::Receiver<bool>,
 ) {
-    let takeover_ms = (report_interval * TAKEOVER_INTERVALS).as_millis() as u64;
-    let metrics = ReportMetrics::new(decider.region());
-    let mut tick = tokio::time::interval(report_interval);
+    let mut tick = tokio::time::interval(interval);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tokio::select! {
+            _ = shutdown.changed() => break,
+            _ = tick.tick() => {}
+        }
+        let renewed = r.renew_lease().await;
+        if let Err(e) = &renewed {
+            tracing::debug!(error = %e, "Lease renewal failed.");
+        }
+        metrics.lease_renewal(renewed.is_ok());
+    }
+}
+
+/// Looks at the agent role every `interval` until `shutdown` fires: the agent reports the
+/// region's usage, a standby hands what it counted to the agent.
+async fn report_loop(
+    decider: &Decider,
+    r: &Replicated,
+    interval: Duration,
+    metrics: &ReportMetrics,
+    mut shutdown: watch::Receiver<bool>,
+) {
+    let takeover_ms = (interval * TAKEOVER_INTERVALS).as_millis() as u64;
+    let mut tick = tokio::time::interval(interval);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     let mut last = clock::monotonic();
     loop {
@@ -329,8 +369,6 @@ pub async fn run_report(
         }
         let interval_ms = last.elapsed().as_millis() as u64;
         last = clock::monotonic();
-        // Side by side: a report stuck on a leader that stopped answering must not hold up
-        // the renewal, nor the renewal the report (each is bounded on its own).
         let report = async {
             // Only the agent drains the store's usage and reports it: a report is the
             // region's demand over the interval, and the store counts every daemon's checks.
@@ -398,14 +436,9 @@ pub async fn run_report(
                 },
             )
         };
-        let (reported, renewed) = tokio::join!(report, r.renew_lease());
-        if let Some(reported) = reported {
+        if let Some(reported) = report.await {
             metrics.usage_report(reported);
         }
-        if let Err(e) = &renewed {
-            tracing::debug!(error = %e, "Lease renewal failed.");
-        }
-        metrics.lease_renewal(renewed.is_ok());
     }
 }
 

@@ -198,7 +198,10 @@ impl Replicated {
             node: self.node_id(),
             fence,
         };
-        match self.write(op).await {
+        // Bounded as a renewal: the apply loop waits for this, and acknowledges no new epoch
+        // meanwhile (its leases wait for that); a timed-out call is sent again after the next
+        // pass, and a second commit of it changes nothing.
+        match self.write_within(op, self.renewal_timeout()).await {
             Ok(Response::AgentPassed | Response::AgentHeld { .. }) => true,
             Ok(other) => {
                 tracing::debug!(answer = ?other, "Reporting the agent's first pass.");
