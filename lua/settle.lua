@@ -396,6 +396,19 @@ for i = 1, n do
   end
 end
 
+-- Ends the record with the results res, remembered for HOLD_MEMORY_MS: released, or settled
+-- at the actual cost (a repeated call is answered from it).
+local function record_end(res)
+  if release then
+    redis.call('HSET', KEYS[1], 's', 'r', 'r', cmsgpack.pack(res), 'f',
+      string.format('%d', now + HOLD_MEMORY_MS))
+  else
+    redis.call('HSET', KEYS[1], 's', 's', 'a', string.format('%d', actual), 'r',
+      cmsgpack.pack(res), 'f', string.format('%d', now + HOLD_MEMORY_MS))
+  end
+  redis.call('PEXPIRE', KEYS[1], HOLD_MEMORY_MS)
+end
+
 if r.s ~= 'o' then
   -- Ended before: the same call is answered again, any other is a conflict.
   local a = r.s == 's' and int(r.a, MAX_COST)
@@ -461,14 +474,7 @@ if slots then
   redis.call('ZREM', sk, id)
   local live = redis.call('ZCOUNT', sk, '(' .. string.format('%d', now), '+inf')
   local res = { { 0, 0, 1, math.max(limit - live, 0), 0 } }
-  if release then
-    redis.call('HSET', KEYS[1], 's', 'r', 'r', cmsgpack.pack(res), 'f',
-      string.format('%d', now + HOLD_MEMORY_MS))
-  else
-    redis.call('HSET', KEYS[1], 's', 's', 'a', string.format('%d', actual), 'r',
-      cmsgpack.pack(res), 'f', string.format('%d', now + HOLD_MEMORY_MS))
-  end
-  redis.call('PEXPIRE', KEYS[1], HOLD_MEMORY_MS)
+  record_end(res)
   return { 1, 0, sk, 0, 0, 1, res[1][4], 0 }
 end
 
@@ -635,12 +641,5 @@ for i = 1, n do
       b.src, b.le, b.fcap, b.frate, b.per), 'KEEPTTL')
   end
 end
-if release then
-  redis.call('HSET', KEYS[1], 's', 'r', 'r', cmsgpack.pack(res), 'f',
-    string.format('%d', now + HOLD_MEMORY_MS))
-else
-  redis.call('HSET', KEYS[1], 's', 's', 'a', string.format('%d', actual), 'r',
-    cmsgpack.pack(res), 'f', string.format('%d', now + HOLD_MEMORY_MS))
-end
-redis.call('PEXPIRE', KEYS[1], HOLD_MEMORY_MS)
+record_end(res)
 return out
