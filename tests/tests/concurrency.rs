@@ -710,6 +710,37 @@ fn capacity_range(readings: &[Reading], region: usize, from: f64, to: f64) -> (f
         })
 }
 
+/// Reads both regions every 100 ms from `from` (test-clock ms) until `moved` holds of a round
+/// (given each region's capacity in it), then for `SETTLE_MS` more: how long the move took.
+/// Fails when it does not hold within `PHASE_MS`, naming the move `what`.
+async fn until_moved(
+    cluster: &Cluster,
+    clock: &Clock,
+    readings: &mut Vec<Reading>,
+    from: f64,
+    what: &str,
+    moved: impl Fn(&dyn Fn(usize) -> Option<f64>) -> bool,
+) -> anyhow::Result<f64> {
+    let mut at: Option<f64> = None;
+    loop {
+        let round = read_both(cluster, clock, readings).await;
+        let now = clock.now();
+        let cap = |i: usize| round.iter().find(|r| r.region == i).map(|r| r.capacity);
+        if at.is_none() && moved(&cap) {
+            at = Some(now);
+        }
+        match at {
+            Some(t) if now >= t + SETTLE_MS => return Ok(t - from),
+            None if now > from + PHASE_MS => bail!(
+                "the load never moved slots {what} in {PHASE_MS} ms: {}",
+                capacity_changes(readings)
+            ),
+            _ => {}
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
 /// The readings where a region's capacity changed, as `t ms: a=.. b=..` for the closing note.
 fn capacity_changes(readings: &[Reading]) -> String {
     let mut last = [f64::NAN; 2];
@@ -798,28 +829,10 @@ async fn twelve_split_slots_follow_the_load_between_regions() -> anyhow::Result<
     let a_from = clock.now();
     let until_a = Arc::new(AtomicU64::new(f64::MAX.to_bits()));
     let mut clients_a = load(&cluster, 0, 100, clock, &until_a);
-    let mut moved: Option<f64> = None;
-    loop {
-        let round = read_both(&cluster, &clock, &mut readings).await;
-        let now = clock.now();
-        if moved.is_none()
-            && round
-                .iter()
-                .any(|r| r.region == 0 && r.capacity > EVEN_SLOTS)
-        {
-            moved = Some(now);
-        }
-        match moved {
-            Some(t) if now >= t + SETTLE_MS => break,
-            None if now > a_from + PHASE_MS => bail!(
-                "load in a alone never moved slots to a in {PHASE_MS} ms: {}",
-                capacity_changes(&readings)
-            ),
-            _ => {}
-        }
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
-    let a_moved = moved.unwrap_or(a_from) - a_from;
+    let a_moved = until_moved(&cluster, &clock, &mut readings, a_from, "to a", |cap| {
+        cap(0).is_some_and(|c| c > EVEN_SLOTS)
+    })
+    .await?;
 
     // Phase B: the load moves to b.
     let b_from = clock.now();
@@ -827,33 +840,15 @@ async fn twelve_split_slots_follow_the_load_between_regions() -> anyhow::Result<
     let clients_b = load(&cluster, 1, 200, clock, &until_b);
     until_a.store(b_from.to_bits(), Ordering::Relaxed);
     let (_, a_most) = capacity_range(&readings, 0, a_from, b_from);
-    let mut moved: Option<f64> = None;
-    loop {
-        let round = read_both(&cluster, &clock, &mut readings).await;
-        let now = clock.now();
-        let cap = |i| {
-            round
-                .iter()
-                .find(|r: &&Reading| r.region == i)
-                .map(|r| r.capacity)
-        };
-        if moved.is_none()
-            && cap(1).is_some_and(|c| c > EVEN_SLOTS)
-            && cap(0).is_some_and(|c| c < a_most)
-        {
-            moved = Some(now);
-        }
-        match moved {
-            Some(t) if now >= t + SETTLE_MS => break,
-            None if now > b_from + PHASE_MS => bail!(
-                "load in b alone never moved slots from a to b in {PHASE_MS} ms: {}",
-                capacity_changes(&readings)
-            ),
-            _ => {}
-        }
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
-    let b_moved = moved.unwrap_or(b_from) - b_from;
+    let b_moved = until_moved(
+        &cluster,
+        &clock,
+        &mut readings,
+        b_from,
+        "from a to b",
+        |cap| cap(1).is_some_and(|c| c > EVEN_SLOTS) && cap(0).is_some_and(|c| c < a_most),
+    )
+    .await?;
     until_b.store(clock.now().to_bits(), Ordering::Relaxed);
     let mut logs = Vec::new();
     for c in clients_a.drain(..).chain(clients_b) {

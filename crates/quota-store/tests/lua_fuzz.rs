@@ -207,6 +207,15 @@ fn plausible(rng: &mut ChaCha8Rng, script: Script, i: usize) -> String {
     }
 }
 
+/// A stored lease end within the fuzzed times with probability `p`, else garbage.
+fn end_or_garbage(rng: &mut ChaCha8Rng, p: f64) -> String {
+    if rng.random_bool(p) {
+        (NOW + rng.random_range(0..100_000u64)).to_string()
+    } else {
+        garbage(rng)
+    }
+}
+
 /// A refill period: empty (per second), small, a day, or the longest.
 fn period(rng: &mut ChaCha8Rng) -> String {
     match rng.random_range(0..4) {
@@ -481,11 +490,7 @@ fn seed_concurrency(rng: &mut ChaCha8Rng, key: &str, pipe: &mut redis::Pipeline)
         if rng.random_bool(0.4) {
             // A lease end and the floor from it on, or one of them.
             if rng.random_bool(0.9) {
-                let end = if rng.random_bool(0.8) {
-                    (NOW + rng.random_range(0..100_000u64)).to_string()
-                } else {
-                    garbage(rng)
-                };
+                let end = end_or_garbage(rng, 0.8);
                 c.arg("until").arg(end);
             }
             if rng.random_bool(0.9) {
@@ -1047,11 +1052,7 @@ fn seed_any(rng: &mut ChaCha8Rng, key: &str, pipe: &mut redis::Pipeline) {
                     c.arg("hlimit").arg(hash_val(rng));
                 }
                 if rng.random_bool(0.9) {
-                    let end = if rng.random_bool(0.7) {
-                        (NOW + rng.random_range(0..100_000u64)).to_string()
-                    } else {
-                        garbage(rng)
-                    };
+                    let end = end_or_garbage(rng, 0.7);
                     c.arg("huntil").arg(end);
                 }
             }
